@@ -1,0 +1,3 @@
+from spill.cli import main
+
+raise SystemExit(main())

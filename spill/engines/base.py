@@ -1,0 +1,95 @@
+"""The engine boundary: the few calls every engine (torch, mlx) implements.
+
+Everything crossing it is plain: numpy arrays of token ids in, numpy arrays and dataclasses out.
+Tokenization, chat templates, files and jobs stay on spill's side, so a new engine is one
+package under ``spill/engines/<name>/`` that implements ``Engine`` and ``Runner``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from spill.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model folder on local disk, already checked and parsed."""
+
+    folder: Path
+    config: ModelConfig
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    ring: int | None = None  # force this many layer slots (2 = the streaming test case)
+    resident: bool = False  # load every layer once and keep it
+    memory: int | None = None  # byte budget for the ring; None: derived from available RAM
+    device: str | None = None  # "cpu", "cuda", "cuda:1"; None: the engine's best
+    dtype: str | None = None  # "float32" or "bfloat16" for base weights; None: measured choice
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    engine: str
+    device: str
+    numerics: str  # compute dtype of the base weights; adapters are always float32
+    why: str  # why these numerics (a measurement, the device)
+    ring: int  # layer slots
+    layers: int
+    resident: bool
+
+    def line(self) -> str:
+        mode = "resident" if self.resident else f"streaming, ring {self.ring} of {self.layers} layers"
+        return f"engine {self.engine} · device {self.device} · numerics {self.numerics} ({self.why}) · {mode}"
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: np.ndarray  # (n,) int64, generated ids without the stop token
+    finish: str  # "stop" or "length"
+
+
+@dataclass
+class Stats:
+    """Counters a runner keeps; the CLI reports from them."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    layer_loads: int = 0
+    load_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    info: EngineInfo
+    stats: Stats
+
+    def generate(self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]) -> list[Generation]:
+        """KV-cached generation for a batch; row r samples from its own generator ``seeds[r]``."""
+        ...
+
+    def score(self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Log-prob (float32) of each completion token given its prompt and the tokens before it."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    name: str
+
+    def open(self, model: ModelSpec, options: LoadOptions) -> Runner: ...

@@ -1,0 +1,43 @@
+"""The error family. Each message is one line that says what is wrong and what to do next.
+
+Exit codes: 1 for a user error (``SpillError``), 2 for a usage error (argparse), 75 for a
+preempted job (EX_TEMPFAIL, so a scheduler retries it).
+"""
+
+EXIT_USER = 1
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 75
+
+
+class SpillError(Exception):
+    """A problem the user can fix; printed as ``spill: error: <message>`` and exit code 1."""
+
+    exit_code = EXIT_USER
+
+
+class ModelError(SpillError):
+    """A model folder, file or name that cannot be used."""
+
+
+class ModelNotFound(ModelError):
+    """A name that resolves to nothing here."""
+
+
+class UnsupportedModel(ModelError):
+    """A model of a family or shape that spill does not implement."""
+
+
+class TokenizerError(ModelError):
+    """A missing or unreadable tokenizer or chat template."""
+
+
+class DataError(SpillError):
+    """An input file or row that cannot be used."""
+
+
+class StoreError(SpillError):
+    """A storage location that cannot be read or written."""
+
+
+class EngineError(SpillError):
+    """An engine that is missing or cannot run here."""

@@ -1,0 +1,1 @@
+"""Models: families, names, sources and fingerprints. Engine-free: never imports torch or mlx."""

@@ -1,0 +1,145 @@
+"""Deterministic tiny random models of either family, for tests and examples.
+
+Everything comes from ``numpy.random.default_rng(seed)`` in a fixed order and is written by
+spill's own safetensors writer, so the same arguments give the same bytes on any machine. The
+tokenizer is a real byte-level BPE (every byte is a token, no merges) with ChatML special tokens,
+so chat templates, special tokens and decoding behave as on a hub model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from spill.errors import SpillError
+from spill.models.safetensors_io import float32_to_bf16_bits, write_file
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def tokenizer_json() -> str:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    return tok.to_str(pretty=True)
+
+
+def _config(family: str, layers: int, hidden: int, vocab: int) -> dict:
+    heads = max(2, hidden // 16)
+    kv = heads // 2 if heads % 2 == 0 else heads
+    eos = vocab - 1  # <|im_end|>
+    cfg = {
+        "architectures": ["LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM"],
+        "model_type": family,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2 + hidden // 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hidden // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5 if family == "llama" else 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": family == "llama",
+        "bos_token_id": vocab - 3,
+        "eos_token_id": eos,
+        "pad_token_id": vocab - 3,
+        "torch_dtype": "bfloat16",
+    }
+    if family == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    return cfg
+
+
+def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+
+    def w(*shape, std=0.02):
+        return rng.normal(0.0, std, size=shape).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + rng.normal(0.0, 0.1, size=(n,))).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": w(v, h, std=0.5)}
+    for k in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{k}."
+        out[p + "input_layernorm.weight"] = norm(h)
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out[p + f"self_attn.{name}.weight"] = w(rows, h, std=0.1)
+            if cfg["model_type"] == "qwen2":
+                out[p + f"self_attn.{name}.bias"] = w(rows, std=0.1)
+        out[p + "self_attn.o_proj.weight"] = w(h, q, std=0.1)
+        out[p + "post_attention_layernorm.weight"] = norm(h)
+        out[p + "mlp.gate_proj.weight"] = w(i, h, std=0.1)
+        out[p + "mlp.up_proj.weight"] = w(i, h, std=0.1)
+        out[p + "mlp.down_proj.weight"] = w(h, i, std=0.1)
+    out["model.norm.weight"] = norm(h)
+    if not cfg["tie_word_embeddings"]:
+        out["lm_head.weight"] = w(v, h, std=0.1)
+    return out
+
+
+def write_tiny(out: Path, family: str = "llama", seed: int = 0, layers: int = 4, hidden: int = 64, shards: int = 1) -> Path:
+    """Write a tiny random HF-layout model folder to ``out`` and return it."""
+    if family not in ("llama", "qwen2"):
+        raise SpillError(f"unknown family {family!r}; use --family llama or --family qwen2")
+    if hidden % 16 or hidden < 32 or layers < 1 or shards < 1:
+        raise SpillError("tiny models need --hidden a multiple of 16 (>= 32), --layers >= 1 and --shards >= 1")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer_json()
+    vocab = 256 + len(SPECIALS)
+    cfg = _config(family, layers, hidden, vocab)
+    tensors = _tensors(cfg, np.random.default_rng(seed))
+    names = list(tensors)
+    groups = [names[j::shards] for j in range(shards)] if shards > 1 else [names]
+    weight_map = {}
+    for j, group in enumerate(groups):
+        fname = "model.safetensors" if shards == 1 else f"model-{j + 1:05d}-of-{shards:05d}.safetensors"
+        write_file(out / fname, {n: ("BF16", float32_to_bf16_bits(tensors[n])) for n in group}, {"format": "pt"})
+        weight_map.update({n: fname for n in group})
+    if shards > 1:
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out / "tokenizer.json").write_text(tok)
+    tok_cfg = {
+        "chat_template": CHATML,
+        "bos_token": SPECIALS[0],
+        "eos_token": SPECIALS[2],
+        "pad_token": SPECIALS[0],
+        "model_max_length": 2048,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": [cfg["eos_token_id"], vocab - 3]}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (out / "spill-source.json").write_text(json.dumps({"source": "tiny", "family": family, "seed": seed}, indent=2) + "\n")
+    return out

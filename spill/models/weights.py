@@ -1,0 +1,78 @@
+"""A model folder's weight files: shards, the tensor -> shard index, and the weight fingerprint.
+
+The fingerprint hashes the config, the shard names and sizes and the safetensors headers (never
+the tensor bytes, so it costs milliseconds on a 70B model); it is part of every checkpoint's
+identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from spill.errors import ModelError
+from spill.models.safetensors_io import read_header
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class WeightFiles:
+    folder: Path
+    shards: tuple[str, ...]
+    tensor_shard: dict[str, str]  # tensor name -> shard file name
+    headers: dict[str, dict]  # shard file name -> safetensors header
+
+    def tensor_info(self, name: str) -> dict:
+        return self.headers[self.tensor_shard[name]][name]
+
+    def nbytes(self) -> int:
+        return sum((self.folder / s).stat().st_size for s in self.shards)
+
+
+def weight_files(folder: Path) -> WeightFiles:
+    """Index a model folder's safetensors; names the missing or truncated shard in one line."""
+    folder = Path(folder)
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError):
+            raise ModelError(f"{index}: unreadable shard index; fetch the model again") from None
+        shards = tuple(sorted(set(weight_map.values())))
+    else:
+        shards = tuple(sorted(p.name for p in folder.glob("*.safetensors")))
+        if not shards:
+            raise ModelError(f"{folder}: no *.safetensors files; point spill at an HF-layout model folder")
+        weight_map = None
+    headers = {}
+    for shard in shards:
+        path = folder / shard
+        if not path.is_file():
+            raise ModelError(f"{path}: shard listed in {INDEX} is missing; fetch the model again")
+        headers[shard] = read_header(path)
+    tensor_shard = {}
+    for shard, header in headers.items():
+        for name in header:
+            if name != "__metadata__":
+                tensor_shard[name] = shard
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if tensor_shard.get(name) != shard:
+                raise ModelError(f"{folder / shard}: tensor {name!r} listed in {INDEX} is not in that shard; fetch the model again")
+    return WeightFiles(folder, shards, tensor_shard, headers)
+
+
+def fingerprint(folder: Path) -> str:
+    """``sha256:<hex>`` of config.json, shard names and sizes, and safetensors headers."""
+    folder = Path(folder)
+    files = weight_files(folder)
+    doc = {
+        "config": json.loads((folder / "config.json").read_text()),
+        "shards": [[s, (folder / s).stat().st_size] for s in files.shards],
+        "headers": [files.headers[s] for s in files.shards],
+    }
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
