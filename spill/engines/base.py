@@ -45,7 +45,9 @@ class EngineInfo:
     resident: bool
 
     def line(self) -> str:
-        mode = "resident" if self.resident else f"streaming, ring {self.ring} of {self.layers} layers"
+        mode = (
+            "resident" if self.resident else f"streaming, ring {self.ring} of {self.layers} layers"
+        )
         return f"engine {self.engine} · device {self.device} · numerics {self.numerics} ({self.why}) · {mode}"
 
 
@@ -78,11 +80,15 @@ class Runner(Protocol):
     info: EngineInfo
     stats: Stats
 
-    def generate(self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]
+    ) -> list[Generation]:
         """KV-cached generation for a batch; row r samples from its own generator ``seeds[r]``."""
         ...
 
-    def score(self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def score(
+        self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
+    ) -> list[np.ndarray]:
         """Log-prob (float32) of each completion token given its prompt and the tokens before it."""
         ...
 

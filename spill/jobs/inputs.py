@@ -22,9 +22,13 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line") from None
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line"
+                ) from None
             if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+                raise DataError(
+                    f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
+                )
             rows.append((lineno, obj))
     if not rows:
         raise DataError(f"{path}: no rows; the file is empty")
@@ -39,11 +43,20 @@ class PromptRow:
 
 
 def _messages(path: Path, lineno: int, messages) -> list[dict]:
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ok = (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
     )
     if not ok:
-        raise DataError(f"{path}:{lineno}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}} objects")
+        raise DataError(
+            f'{path}:{lineno}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}} objects'
+        )
     return messages
 
 
@@ -55,12 +68,16 @@ def read_prompt_rows(path: Path) -> list[PromptRow]:
         if not isinstance(rid, (str, int)) or isinstance(rid, bool):
             raise DataError(f"{path}:{lineno}: 'id' must be a string or an integer")
         if rid in seen:
-            raise DataError(f"{path}:{lineno}: id {rid!r} repeats line {seen[rid]}; ids must be unique")
+            raise DataError(
+                f"{path}:{lineno}: id {rid!r} repeats line {seen[rid]}; ids must be unique"
+            )
         seen[rid] = lineno
         if "messages" in obj:
             out.append(PromptRow(rid, None, _messages(path, lineno, obj["messages"])))
         elif isinstance(obj.get("prompt"), str):
             out.append(PromptRow(rid, obj["prompt"], None))
         else:
-            raise DataError(f"{path}:{lineno}: row has no 'prompt' (a string) or 'messages' (a list); add one")
+            raise DataError(
+                f"{path}:{lineno}: row has no 'prompt' (a string) or 'messages' (a list); add one"
+            )
     return out

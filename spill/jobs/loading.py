@@ -20,7 +20,9 @@ class Loaded:
     runner: Runner
 
 
-def load_model(name: str, weights: str | None, engine: str | None, options: LoadOptions, verb: str) -> Loaded:
+def load_model(
+    name: str, weights: str | None, engine: str | None, options: LoadOptions, verb: str
+) -> Loaded:
     from spill.engines import resolve
     from spill.models.resolve import resolve_model
     from spill.models.weights import fingerprint

@@ -76,7 +76,12 @@ def run(model: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
                 outs = loaded.runner.generate(encoded[lo : lo + opts.batch], params, seeds)
                 for row, gen in zip(batch, outs, strict=True):
                     generated += len(gen.tokens)
-                    line = {"id": row.id, "output": tok.decode(gen.tokens), "finish": gen.finish, "tokens": len(gen.tokens)}
+                    line = {
+                        "id": row.id,
+                        "output": tok.decode(gen.tokens),
+                        "finish": gen.finish,
+                        "tokens": len(gen.tokens),
+                    }
                     f.write(json.dumps(line, ensure_ascii=False) + "\n")
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")

@@ -62,14 +62,18 @@ class ModelConfig:
 def _rope(raw: dict) -> tuple[float, tuple[tuple[str, float], ...]]:
     params = raw.get("rope_parameters") or {}
     theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = raw.get("rope_scaling") or (params if params.get("rope_type") not in (None, "default") else None)
+    scaling = raw.get("rope_scaling") or (
+        params if params.get("rope_type") not in (None, "default") else None
+    )
     if not scaling:
         return float(theta), ()
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return float(theta), ()
     if kind != "llama3":
-        raise UnsupportedModel(f"rope scaling {kind!r} is not supported; spill implements default and llama3 rotary embeddings")
+        raise UnsupportedModel(
+            f"rope scaling {kind!r} is not supported; spill implements default and llama3 rotary embeddings"
+        )
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return float(theta), tuple(sorted((k, float(scaling[k])) for k in keys))
 
@@ -111,7 +115,9 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
             eos_token_ids=_ids(raw.get("eos_token_id")),
         )
     except KeyError as e:
-        raise ModelError(f"{where}: missing key {e.args[0]!r}; the model folder's config.json is incomplete") from None
+        raise ModelError(
+            f"{where}: missing key {e.args[0]!r}; the model folder's config.json is incomplete"
+        ) from None
 
 
 def load_config(folder: Path) -> ModelConfig:
@@ -121,5 +127,7 @@ def load_config(folder: Path) -> ModelConfig:
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ModelError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); re-download or re-import the model") from None
+        raise ModelError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}); re-download or re-import the model"
+        ) from None
     return parse_config(raw, str(path))

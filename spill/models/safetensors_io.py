@@ -16,7 +16,14 @@ import numpy as np
 
 from spill.errors import ModelError
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64, "I32": np.int32, "U8": np.uint8}
+_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "U8": np.uint8,
+}
 
 
 def read_header(path: Path) -> dict:
@@ -26,14 +33,20 @@ def read_header(path: Path) -> dict:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ModelError(f"{path}: truncated safetensors file ({size} bytes); delete it and fetch the model again")
+            raise ModelError(
+                f"{path}: truncated safetensors file ({size} bytes); delete it and fetch the model again"
+            )
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > 100_000_000:
-            raise ModelError(f"{path}: corrupt safetensors header (claims {n} bytes); delete it and fetch the model again")
+            raise ModelError(
+                f"{path}: corrupt safetensors header (claims {n} bytes); delete it and fetch the model again"
+            )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ModelError(f"{path}: corrupt safetensors header; delete it and fetch the model again") from None
+            raise ModelError(
+                f"{path}: corrupt safetensors header; delete it and fetch the model again"
+            ) from None
     end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     if size != 8 + n + end:
         raise ModelError(
@@ -53,7 +66,11 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def write_file(path: Path, tensors: Mapping[str, tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> None:
+def write_file(
+    path: Path,
+    tensors: Mapping[str, tuple[str, np.ndarray]],
+    metadata: dict[str, str] | None = None,
+) -> None:
     """Write ``{name: (dtype, array)}``; ``dtype`` is a safetensors code ("BF16" takes uint16 bits)."""
     header: dict = {}
     if metadata:
@@ -63,7 +80,11 @@ def write_file(path: Path, tensors: Mapping[str, tuple[str, np.ndarray]], metada
     for name in sorted(tensors):
         dtype, arr = tensors[name]
         data = np.ascontiguousarray(arr, dtype=_DTYPES[dtype]).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         blobs.append(data)
         offset += len(data)
     raw = json.dumps(header, separators=(",", ":")).encode()

@@ -25,7 +25,11 @@ CHATML = (
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -106,12 +110,21 @@ def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return out
 
 
-def write_tiny(out: Path, family: str = "llama", seed: int = 0, layers: int = 4, hidden: int = 64, shards: int = 1) -> Path:
+def write_tiny(
+    out: Path,
+    family: str = "llama",
+    seed: int = 0,
+    layers: int = 4,
+    hidden: int = 64,
+    shards: int = 1,
+) -> Path:
     """Write a tiny random HF-layout model folder to ``out`` and return it."""
     if family not in ("llama", "qwen2"):
         raise SpillError(f"unknown family {family!r}; use --family llama or --family qwen2")
     if hidden % 16 or hidden < 32 or layers < 1 or shards < 1:
-        raise SpillError("tiny models need --hidden a multiple of 16 (>= 32), --layers >= 1 and --shards >= 1")
+        raise SpillError(
+            "tiny models need --hidden a multiple of 16 (>= 32), --layers >= 1 and --shards >= 1"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_json()
@@ -122,8 +135,14 @@ def write_tiny(out: Path, family: str = "llama", seed: int = 0, layers: int = 4,
     groups = [names[j::shards] for j in range(shards)] if shards > 1 else [names]
     weight_map = {}
     for j, group in enumerate(groups):
-        fname = "model.safetensors" if shards == 1 else f"model-{j + 1:05d}-of-{shards:05d}.safetensors"
-        write_file(out / fname, {n: ("BF16", float32_to_bf16_bits(tensors[n])) for n in group}, {"format": "pt"})
+        fname = (
+            "model.safetensors" if shards == 1 else f"model-{j + 1:05d}-of-{shards:05d}.safetensors"
+        )
+        write_file(
+            out / fname,
+            {n: ("BF16", float32_to_bf16_bits(tensors[n])) for n in group},
+            {"format": "pt"},
+        )
         weight_map.update({n: fname for n in group})
     if shards > 1:
         index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
@@ -141,5 +160,7 @@ def write_tiny(out: Path, family: str = "llama", seed: int = 0, layers: int = 4,
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": [cfg["eos_token_id"], vocab - 3]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    (out / "spill-source.json").write_text(json.dumps({"source": "tiny", "family": family, "seed": seed}, indent=2) + "\n")
+    (out / "spill-source.json").write_text(
+        json.dumps({"source": "tiny", "family": family, "seed": seed}, indent=2) + "\n"
+    )
     return out

@@ -29,11 +29,15 @@ class Tokenizer:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
-            raise TokenizerError(f"{path}: no tokenizer.json in the model folder; re-import or re-download the model")
+            raise TokenizerError(
+                f"{path}: no tokenizer.json in the model folder; re-import or re-download the model"
+            )
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-            raise TokenizerError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0]}); re-import or re-download the model") from None
+            raise TokenizerError(
+                f"{path}: unreadable tokenizer ({str(e).splitlines()[0]}); re-import or re-download the model"
+            ) from None
         self.folder = folder
         self._config = self._read_json(folder / "tokenizer_config.json")
         gen = self._read_json(folder / "generation_config.json")
@@ -42,7 +46,9 @@ class Tokenizer:
         self.eos_token = _token_text(self._config.get("eos_token"))
         eos = set()
         for source in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
-            eos.update(source if isinstance(source, list) else [source] if source is not None else [])
+            eos.update(
+                source if isinstance(source, list) else [source] if source is not None else []
+            )
         if self.eos_token is not None and self.token_id(self.eos_token) is not None:
             eos.add(self.token_id(self.eos_token))
         self.eos_ids = tuple(sorted(eos))
@@ -57,7 +63,9 @@ class Tokenizer:
         try:
             return json.loads(path.read_text())
         except json.JSONDecodeError:
-            raise TokenizerError(f"{path}: not valid JSON; re-import or re-download the model") from None
+            raise TokenizerError(
+                f"{path}: not valid JSON; re-import or re-download the model"
+            ) from None
 
     @property
     def vocab_size(self) -> int:
@@ -87,15 +95,21 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise TokenizerError(f"{self.folder}: the model has no chat template; give rows a 'prompt' instead of 'messages'")
+            raise TokenizerError(
+                f"{self.folder}: the model has no chat template; give rows a 'prompt' instead of 'messages'"
+            )
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+            x, ensure_ascii=False, indent=indent
+        )
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
@@ -109,4 +123,6 @@ class Tokenizer:
             raise TokenizerError(f"{self.folder}: chat template failed: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )

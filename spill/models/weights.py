@@ -1,14 +1,17 @@
 """A model folder's weight files: shards, the tensor -> shard index, and the weight fingerprint.
 
-The fingerprint hashes the config, the shard names and sizes and the safetensors headers (never
-the tensor bytes, so it costs milliseconds on a 70B model); it is part of every checkpoint's
-identity.
+The fingerprint hashes the config, the shard names and sizes and the safetensors headers, plus
+a 64 KiB sample from the start and the end of each shard's tensor data: headers alone cannot tell
+two checkpoints of the same architecture apart (a base model and its instruct tune, two seeds of
+a tiny model). It reads well under a megabyte per shard, so it costs milliseconds on a 70B model;
+it is part of every checkpoint's identity.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +48,9 @@ def weight_files(folder: Path) -> WeightFiles:
     else:
         shards = tuple(sorted(p.name for p in folder.glob("*.safetensors")))
         if not shards:
-            raise ModelError(f"{folder}: no *.safetensors files; point spill at an HF-layout model folder")
+            raise ModelError(
+                f"{folder}: no *.safetensors files; point spill at an HF-layout model folder"
+            )
         weight_map = None
     headers = {}
     for shard in shards:
@@ -61,18 +66,35 @@ def weight_files(folder: Path) -> WeightFiles:
     if weight_map is not None:
         for name, shard in weight_map.items():
             if tensor_shard.get(name) != shard:
-                raise ModelError(f"{folder / shard}: tensor {name!r} listed in {INDEX} is not in that shard; fetch the model again")
+                raise ModelError(
+                    f"{folder / shard}: tensor {name!r} listed in {INDEX} is not in that shard; fetch the model again"
+                )
     return WeightFiles(folder, shards, tensor_shard, headers)
 
 
+SAMPLE = 64 * 1024
+
+
+def _sample(path: Path) -> str:
+    """sha256 of the first and the last ``SAMPLE`` bytes of a shard's tensor data."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+        head = f.read(min(SAMPLE, size - data_start)) if size > data_start else b""
+        f.seek(max(data_start, size - SAMPLE))
+        tail = f.read()
+    return hashlib.sha256(head + tail).hexdigest()
+
+
 def fingerprint(folder: Path) -> str:
-    """``sha256:<hex>`` of config.json, shard names and sizes, and safetensors headers."""
+    """``sha256:<hex>`` of config.json, shard names and sizes, headers and a sample of the data."""
     folder = Path(folder)
     files = weight_files(folder)
     doc = {
         "config": json.loads((folder / "config.json").read_text()),
         "shards": [[s, (folder / s).stat().st_size] for s in files.shards],
         "headers": [files.headers[s] for s in files.shards],
+        "samples": [_sample(folder / s) for s in files.shards],
     }
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return "sha256:" + hashlib.sha256(raw).hexdigest()

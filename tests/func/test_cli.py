@@ -10,7 +10,14 @@ import pytest
 
 from tests.conftest import run_spill
 
-SUBCOMMANDS = [[], ["run"], ["models"], ["models", "import"], ["models", "tiny"], ["models", "list"]]
+SUBCOMMANDS = [
+    [],
+    ["run"],
+    ["models"],
+    ["models", "import"],
+    ["models", "tiny"],
+    ["models", "list"],
+]
 
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS, ids=lambda s: " ".join(s) or "top")
@@ -47,7 +54,18 @@ def test_run_end_to_end(tmp_path, tiny_models):
         ],
     )
     out = tmp_path / "out.jsonl"
-    proc = run_spill("run", str(tiny_models["qwen2"]), str(src), "--out", str(out), "--max-new-tokens", "5", "--batch", "2", "--json")
+    proc = run_spill(
+        "run",
+        str(tiny_models["qwen2"]),
+        str(src),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "5",
+        "--batch",
+        "2",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "engine torch" in proc.stderr and "numerics float32" in proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -58,11 +76,25 @@ def test_run_end_to_end(tmp_path, tiny_models):
 
 
 def test_run_streamed_equals_resident_and_batching(tmp_path, tiny_models):
-    src = _prompts(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(["one", "two three", "four five six"])])
+    src = _prompts(
+        tmp_path / "in.jsonl",
+        [{"id": i, "prompt": p} for i, p in enumerate(["one", "two three", "four five six"])],
+    )
     outs = {}
     for mode in (["--ring", "2"], ["--resident"]):
         out = tmp_path / f"out{mode[0]}.jsonl"
-        proc = run_spill("run", str(tiny_models["llama"]), str(src), "--out", str(out), "--max-new-tokens", "6", "--batch", "3", *mode)
+        proc = run_spill(
+            "run",
+            str(tiny_models["llama"]),
+            str(src),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "6",
+            "--batch",
+            "3",
+            *mode,
+        )
         assert proc.returncode == 0, proc.stderr
         outs[mode[0]] = out.read_text()
     assert outs["--ring"] == outs["--resident"]
