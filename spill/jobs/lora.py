@@ -1,0 +1,160 @@
+"""LoRA adapters, engine-free: configuration, initial values, and export in common layouts.
+
+spill names a parameter ``layers.<k>.<module>.lora_a`` (``[in, r]``) and ``lora_b``
+(``[r, out]``), ``<module>`` being the HF path inside a decoder layer (``self_attn.q_proj``).
+The initial adapter is drawn here in numpy from the seed, so every engine starts from the same
+bytes: ``lora_a`` uniform in +-1/sqrt(in) (what PEFT's kaiming-uniform init gives) and
+``lora_b`` zero, so the tuned model starts equal to the base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from spill.errors import SpillError
+from spill.models.config import ModelConfig
+
+MODULES = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+ALL_LINEAR = tuple(MODULES)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def parse_targets(cls, text: str) -> tuple[str, ...]:
+        names = tuple(t.strip() for t in text.split(",") if t.strip())
+        if names in (("all",), ("all-linear",)):
+            return ALL_LINEAR
+        unknown = [n for n in names if n not in MODULES]
+        if unknown or not names:
+            raise SpillError(
+                f"unknown LoRA target(s) {unknown or text!r}; choose from {', '.join(ALL_LINEAR)} or 'all'"
+            )
+        return tuple(n for n in ALL_LINEAR if n in names)  # canonical order
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["targets"] = list(self.targets)
+        return d
+
+
+def module_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
+    """(in, out) features of a target linear."""
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }[target]
+
+
+def param_names(cfg: ModelConfig, lora: LoraConfig) -> list[str]:
+    return [
+        f"layers.{k}.{MODULES[t]}.lora_{ab}"
+        for k in range(cfg.num_hidden_layers)
+        for t in lora.targets
+        for ab in "ab"
+    ]
+
+
+def init_params(cfg: ModelConfig, lora: LoraConfig, seed: int) -> dict[str, np.ndarray]:
+    """The initial adapter, float32, a pure function of (model shape, LoRA config, seed)."""
+    key = int.from_bytes(hashlib.sha256(f"spill-lora:{seed}".encode()).digest()[:8], "little")
+    rng = np.random.default_rng(key)
+    out = {}
+    for k in range(cfg.num_hidden_layers):
+        for t in lora.targets:
+            fan_in, fan_out = module_shape(cfg, t)
+            bound = 1.0 / np.sqrt(fan_in)
+            name = f"layers.{k}.{MODULES[t]}"
+            out[f"{name}.lora_a"] = rng.uniform(-bound, bound, size=(fan_in, lora.rank)).astype(
+                np.float32
+            )
+            out[f"{name}.lora_b"] = np.zeros((lora.rank, fan_out), dtype=np.float32)
+    return out
+
+
+def export_peft(
+    params: dict[str, np.ndarray], lora: LoraConfig, base_model: str, out: Path
+) -> Path:
+    """PEFT layout: ``adapter_model.safetensors`` (``lora_A.weight`` is ``[r, in]``) + config."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, value in params.items():
+        stem, ab = name.rsplit(".", 1)
+        key = "lora_A" if ab == "lora_a" else "lora_B"
+        tensors[f"base_model.model.model.{stem}.{key}.weight"] = np.ascontiguousarray(value.T)
+    save_file(
+        dict(sorted(tensors.items())),
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": list(lora.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "init_lora_weights": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def export_mlx(params: dict[str, np.ndarray], lora: LoraConfig, num_layers: int, out: Path) -> Path:
+    """MLX-LM layout: ``adapters.safetensors`` (``lora_a`` ``[in, r]``) + ``adapter_config.json``."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {f"model.{name}": np.ascontiguousarray(v) for name, v in sorted(params.items())}
+    save_file(tensors, str(out / "adapters.safetensors"))
+    config = {
+        "fine_tune_type": "lora",
+        "num_layers": num_layers,
+        "lora_parameters": {
+            "rank": lora.rank,
+            "scale": lora.scale,
+            "dropout": lora.dropout,
+            "keys": [MODULES[t] for t in lora.targets],
+        },
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
