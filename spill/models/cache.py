@@ -1,0 +1,145 @@
+"""The model cache under ``SPILL_HOME/models``: source markers, cached fingerprints, the listing.
+
+Every folder a source writes (tiny, GGUF import, hub snapshot, staged copy) carries a
+``spill-source.json`` marker saying where it came from. The marker also caches the weight
+fingerprint, keyed by the names, sizes and mtimes of the files the fingerprint reads, so listing a
+cache of 70B models does not re-read every safetensors header. Layout::
+
+    models/<safe alias>/                          imported once (GGUF)
+    models/hub/models--<org>--<name>/snapshots/<sha>/   the hub client's own cache layout
+    models/staged/<safe name>-<uri hash>/         copied from --weights <uri>
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from pathlib import Path
+
+from spill.errors import ModelError
+from spill.paths import models_dir
+
+MARKER = "spill-source.json"
+# The files a model folder needs; hub downloads and staging copy only these.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*.json",
+    "special_tokens_map.json",
+    "chat_template*",
+)
+_SKIP_DIRS = {"blobs", "refs", ".locks", ".cache", "trees"}
+
+
+def is_model_file(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in MODEL_FILES)
+
+
+def read_marker(folder: Path) -> dict:
+    """The folder's marker, or ``{}`` when it has none (a user's own folder) or it is unreadable."""
+    try:
+        doc = json.loads((Path(folder) / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def write_marker(folder: Path, **fields) -> dict:
+    """Merge ``fields`` into the folder's marker (written to a temp name, then renamed)."""
+    folder = Path(folder)
+    old = read_marker(folder)
+    doc = {**old, **fields}
+    if doc == old and (folder / MARKER).is_file():
+        return doc
+    tmp = folder / f".{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, folder / MARKER)
+    return doc
+
+
+def _fingerprint_key(folder: Path) -> list[list]:
+    """Name, size and mtime of every file the fingerprint reads (config, index, shards)."""
+    key = []
+    for path in sorted(folder.iterdir()):
+        if path.name == "config.json" or path.name.endswith(
+            (".safetensors", ".safetensors.index.json")
+        ):
+            st = path.stat()  # follows the hub cache's symlinks to the blobs
+            key.append([path.name, st.st_size, st.st_mtime_ns])
+    return key
+
+
+def cached_fingerprint(folder: Path) -> str:
+    """``weights.fingerprint(folder)``, reused from the marker while the files are unchanged."""
+    from spill.models.weights import fingerprint
+
+    folder = Path(folder)
+    key = _fingerprint_key(folder)
+    cached = read_marker(folder).get("fingerprint")
+    if isinstance(cached, dict) and cached.get("key") == key and cached.get("value"):
+        return cached["value"]
+    value = fingerprint(folder)
+    try:
+        write_marker(folder, fingerprint={"key": key, "value": value})
+    except OSError:
+        pass  # a read-only folder (shared storage) is listed, just not cached
+    return value
+
+
+def _model_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if is_model_file(p.name) and p.is_file())
+
+
+def model_folders(root: Path | None = None) -> list[Path]:
+    """Every folder under ``root`` (default ``SPILL_HOME/models``) that holds a config.json."""
+    root = Path(root) if root is not None else models_dir()
+    found = []
+    for here, dirs, files in os.walk(root):
+        if "config.json" in files:
+            found.append(Path(here))
+            dirs[:] = []  # a model folder is a leaf
+            continue
+        # hidden names are partial imports and temp folders; the rest is the hub's bookkeeping
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
+    return sorted(found)
+
+
+def _default_name(folder: Path, root: Path) -> tuple[str, str]:
+    """Name and source of a folder without a marker; hub snapshots read as ``org/name@sha``."""
+    parts = folder.relative_to(root).parts
+    if (
+        len(parts) == 4
+        and parts[0] == "hub"
+        and parts[1].startswith("models--")
+        and parts[2] == "snapshots"
+    ):
+        return parts[1][len("models--") :].replace("--", "/", 1) + "@" + parts[3][:12], "hub"
+    return "/".join(parts), "unknown"
+
+
+def _entry(folder: Path, root: Path) -> dict:
+    marker = read_marker(folder)
+    name, source = _default_name(folder, root)
+    entry = {
+        "name": marker.get("name") or name,
+        "folder": str(folder),
+        "bytes": _model_bytes(folder),  # model files only: the marker's own size never counts
+        "source": marker.get("source", source),
+        "fingerprint": None,
+        "error": None,
+    }
+    try:
+        entry["fingerprint"] = cached_fingerprint(folder)
+    except (ModelError, OSError, ValueError) as e:  # a broken folder is listed, with why
+        entry["error"] = str(e)
+    return entry
+
+
+def list_models() -> list[dict]:
+    """One dict per model folder under ``SPILL_HOME/models``: name, folder, bytes, source,
+    fingerprint, and error (None, or why the folder cannot be used)."""
+    root = models_dir()
+    return [_entry(folder, root) for folder in model_folders(root)]

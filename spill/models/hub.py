@@ -1,0 +1,107 @@
+"""Download a model from the Hugging Face hub at a revision into ``SPILL_HOME/models/hub``.
+
+The folder uses the hub client's own cache layout (``models--<org>--<name>/snapshots/<sha>``), so
+revisions share blobs, downloads resume, and the client resolves a cached snapshot with no network.
+A commit SHA is looked up in the cache first: a pinned alias that is already here costs no request.
+``HF_HUB_OFFLINE`` is read at call time (the client reads it once, at import).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from spill.errors import ModelNotFound
+from spill.models.cache import MODEL_FILES, write_marker
+from spill.paths import models_dir
+
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+def hub_cache() -> Path:
+    return models_dir() / "hub"
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _not_cached(model_id: str, revision: str, why: str) -> ModelNotFound:
+    online = "go online (unset HF_HUB_OFFLINE)" if offline() else "go online"
+    return ModelNotFound(
+        f"{model_id}@{revision[:12]} is not cached here ({why}); use --weights <uri>, a local model "
+        f"folder, `spill models import`, or {online}"
+    )
+
+
+def _kwargs(revision: str) -> dict:
+    return dict(revision=revision, cache_dir=hub_cache(), allow_patterns=list(MODEL_FILES))
+
+
+def _mark(folder: Path, model_id: str) -> Path:
+    try:
+        write_marker(
+            folder,
+            source="hub",
+            name=f"{model_id}@{folder.name[:12]}",
+            model_id=model_id,
+            revision=folder.name,  # a snapshot folder is named by its commit
+        )
+    except OSError:
+        pass  # a read-only cache still serves; it is just listed without a name
+    return folder
+
+
+def cached(model_id: str, revision: str = "main") -> Path | None:
+    """The complete cached snapshot of ``model_id`` at ``revision``, or None; never asks the hub."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    try:
+        path = snapshot_download(model_id, local_files_only=True, **_kwargs(revision))
+    except (LocalEntryNotFoundError, IncompleteSnapshotError):
+        return None
+    return _mark(Path(path), model_id)
+
+
+def download(
+    model_id: str, revision: str = "main", *, progress: Callable[[str], object] = print
+) -> Path:
+    """The snapshot folder of ``model_id`` at ``revision``, downloading what is missing."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if offline() or _SHA.match(revision):  # a commit never changes: the cache answers for it
+        folder = cached(model_id, revision)
+        if folder is not None:
+            return folder
+        if offline():
+            raise _not_cached(model_id, revision, "HF_HUB_OFFLINE is set")
+    progress(f"fetching {model_id}@{revision[:12]} from the Hugging Face hub into {hub_cache()}")
+    try:
+        path = snapshot_download(model_id, **_kwargs(revision))
+    except GatedRepoError:
+        raise ModelNotFound(
+            f"{model_id} is gated on the hub; accept its license on huggingface.co, then run "
+            "`hf auth login` (or set HF_TOKEN)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelNotFound(f"{model_id} has no revision {revision!r} on the hub") from None
+    except RepositoryNotFoundError:
+        raise ModelNotFound(
+            f"{model_id}: no such model on the hub (or it is private: `hf auth login`)"
+        ) from None
+    except (LocalEntryNotFoundError, IncompleteSnapshotError):
+        raise _not_cached(model_id, revision, "the hub cannot be reached") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise _not_cached(model_id, revision, f"{type(e).__name__}: {e}") from None
+    return _mark(Path(path), model_id)

