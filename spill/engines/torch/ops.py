@@ -1,0 +1,132 @@
+"""Math the families share: RMSNorm, rotary tables, the adapter-aware linear, attention, masks.
+
+The op order follows transformers' Llama and Qwen2 modules (norm in float32, rotate_half rotary,
+repeated KV heads into SDPA), so float32 log-probs agree with them to about 1e-6. Weights are
+plain dicts keyed like the HF checkpoint, so the same functions run on a ring slot or a resident
+layer and give bit-identical results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spill.models.config import ModelConfig
+
+# An adapter on one linear: A (in, r), B (r, out) in float32, and its scale (alpha / r).
+Lora = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def linear(x, w, b=None, lora: Lora | None = None):
+    """``x @ w.T + b``, plus the low-rank update ``(x @ A @ B) * scale`` computed in float32."""
+    y = F.linear(x, w, b)
+    if lora is not None:
+        a, bb, scale = lora
+        y = y + ((x.float() @ a) @ bb * scale).to(y.dtype)
+    return y
+
+
+def proj(w: dict, name: str, x, lora: dict[str, Lora] | None):
+    """The linear called ``name`` (``self_attn.q_proj``) of a layer's weight dict."""
+    adapter = lora.get(name) if lora else None
+    return linear(x, w[name + ".weight"], w.get(name + ".bias"), adapter)
+
+
+def rms_norm(x, weight, eps: float):
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (float32), with Llama 3 scaling when the config has it."""
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling_dict
+    if not scaling:
+        return freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / freq
+    scaled = torch.where(wavelen > low_wavelen, freq / factor, freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary(positions, freq, dtype):
+    """cos and sin tables for integer positions (B, T) -> (B, T, D) each, in ``dtype``."""
+    freqs = positions[..., None].float() * freq  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """x (B, H, T, D); cos, sin (B, T, D)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def attend(q, k, v, mask):
+    """q (B, H, T, D); k, v (B, KV, S, D); mask (B, 1, T, S) bool -> (B, T, H * D)."""
+    b, heads, t, d = q.shape
+    groups = heads // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
+    return o.transpose(1, 2).reshape(b, t, heads * d)
+
+
+@dataclass
+class Context:
+    """What every layer of one forward shares: rotary tables, the mask, the cache offset."""
+
+    cos: torch.Tensor  # (B, T, D)
+    sin: torch.Tensor  # (B, T, D)
+    mask: torch.Tensor  # (B, 1, T, S) bool, True where a query may attend a key
+    start: int  # where this chunk's keys go in a KV cache
+
+
+def context(valid, start: int, length: int, freq, dtype) -> Context:
+    """Context for ``length`` tokens at ``start`` given valid keys (B, S), S = start + length.
+
+    Positions count valid tokens, so left padding shifts nothing. A padding query may attend
+    to itself only (its output is never used), which keeps SDPA free of all-masked rows.
+    """
+    s = valid.shape[1]
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, start : start + length]  # (B, T)
+    cos, sin = rotary(positions, freq, dtype)
+    query = torch.arange(start, start + length, device=valid.device)[:, None]  # (T, 1)
+    key = torch.arange(s, device=valid.device)[None, :]  # (1, S)
+    causal = key <= query  # (T, S)
+    mask = (causal[None] & valid[:, None, :]) | (key == query)[None]  # (B, T, S)
+    return Context(cos, sin, mask[:, None], start)
+
+
+class KVCache:
+    """One layer's keys and values, preallocated for the whole generation."""
+
+    def __init__(self, batch: int, kv_heads: int, length: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(batch, kv_heads, length, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k, v, start: int):
+        """Write k, v (B, KV, T, D) at ``start``; return all keys and values so far."""
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]

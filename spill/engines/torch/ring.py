@@ -1,0 +1,193 @@
+"""The streaming ring: decoder layers come from local safetensors into K slots, just in time.
+
+``Ring.walk(order)`` yields ``(index, weights)`` for the layers in any order (forward now,
+reversed for a backward pass). A prefetch thread loads up to K-1 layers ahead of the one being
+computed; K semaphore permits bound how many layers are alive at once, and a layer's slot is
+released (its dict cleared) when the walk moves past it, so weights are valid only until the
+next step. In resident mode every layer is loaded once and the walk only looks them up.
+
+Both modes hand the compute code the same tensors (read from the same mmap, converted the same
+way), which is what makes streamed and resident runs bit-identical.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from safetensors import safe_open
+
+from spill.engines.base import Stats
+from spill.errors import EngineError, ModelError
+from spill.models.weights import WeightFiles
+
+RESIDENT_FRACTION = 0.5  # default budget: this share of the memory available on the device
+
+
+def plan_ring(
+    layers: int, layer_bytes: int, ring: int | None, resident: bool, budget: int
+) -> tuple[int, bool]:
+    """(slots, resident) for ``layers`` layers of ``layer_bytes`` each.
+
+    ``resident`` wins, then a forced ``ring``; otherwise everything is resident when it fits
+    in ``budget`` bytes, else the ring takes as many slots as fit (at least 2, to overlap).
+    """
+    if resident:
+        return layers, True
+    if ring is not None:
+        if ring < 1:
+            raise EngineError(f"ring {ring} is too small; use --ring 1 or more (2 streams)")
+        return min(ring, layers), False
+    if layers * layer_bytes <= budget:
+        return layers, True
+    return min(max(2, budget // max(layer_bytes, 1)), layers), False
+
+
+def default_budget(device: torch.device) -> int:
+    """Half the memory available on ``device`` right now."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * RESIDENT_FRACTION)
+    import psutil
+
+    return int(psutil.virtual_memory().available * RESIDENT_FRACTION)
+
+
+class WeightReader:
+    """Tensors by HF name from a folder's shards (safetensors mmap), on device in compute dtype."""
+
+    def __init__(self, files: WeightFiles, device: torch.device, dtype: torch.dtype):
+        self.files, self.device, self.dtype = files, device, dtype
+        self._handles: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def has(self, name: str) -> bool:
+        return name in self.files.tensor_shard
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shard = self.files.tensor_shard.get(name)
+        if shard is None:
+            raise ModelError(
+                f"{self.files.folder}: tensor {name!r} is missing; fetch the model again"
+            )
+        with self._lock:
+            handle = self._handles.get(shard)
+            if handle is None:
+                handle = safe_open(str(self.files.folder / shard), framework="pt")
+                self._handles[shard] = handle
+        t = handle.get_tensor(name)
+        # Move first, then convert: bf16 files cross to a GPU at half the bytes.
+        return t.to(self.device).to(self.dtype).contiguous()
+
+    def close(self) -> None:
+        with self._lock:
+            self._handles.clear()
+
+
+class Ring:
+    """K slots of decoder layers over a loader ``load(i) -> {key: tensor}``."""
+
+    def __init__(
+        self,
+        load: Callable[[int], dict[str, torch.Tensor]],
+        layers: int,
+        slots: int,
+        resident: bool,
+        stats: Stats,
+        device: torch.device,
+    ):
+        assert slots >= 1
+        self._load_fn, self.layers, self.slots, self.resident = load, layers, slots, resident
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._live: set[int] = set()
+        self.max_live = 0
+        self.wait_seconds = 0.0  # time the walk waited on the loader
+        # A side stream lets CUDA copies overlap compute on the default stream.
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" and not resident else None
+        self._resident: list[dict[str, torch.Tensor]] = []
+        if resident:
+            self._resident = [self._load(i) for i in range(layers)]
+
+    def live(self) -> set[int]:
+        """Indices of the layers loaded right now."""
+        with self._lock:
+            return set(self._live)
+
+    def _load(self, i: int) -> dict[str, torch.Tensor]:
+        t = time.perf_counter()
+        if self._stream is None:
+            w = self._load_fn(i)
+        else:
+            with torch.cuda.stream(self._stream):
+                w = self._load_fn(i)
+            self._stream.synchronize()  # blocks the loader thread only
+        with self._lock:
+            self._live.add(i)
+            self.max_live = max(self.max_live, len(self._live))
+            self.stats.layer_loads += 1
+            self.stats.load_seconds += time.perf_counter() - t
+        return w
+
+    def _release(self, i: int, w: dict) -> None:
+        w.clear()
+        with self._lock:
+            self._live.discard(i)
+
+    def walk(self, order: Sequence[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Yield ``(i, weights)`` for each layer in ``order``; weights live until the next step."""
+        order = list(order)
+        if self.resident:
+            for i in order:
+                yield i, self._resident[i]
+            return
+        permits = threading.Semaphore(self.slots)
+        ready: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def prefetch():
+            for i in order:
+                permits.acquire()
+                if stop.is_set():
+                    return
+                try:
+                    ready.put((i, self._load(i), None))
+                except BaseException as e:  # handed to the walk, which raises it
+                    ready.put((i, None, e))
+                    return
+
+        loader = threading.Thread(target=prefetch, name="spill-ring", daemon=True)
+        loader.start()
+        try:
+            for _ in order:
+                t = time.perf_counter()
+                i, w, error = ready.get()
+                self.wait_seconds += time.perf_counter() - t
+                if error is not None:
+                    raise error
+                if self._stream is not None:
+                    current = torch.cuda.current_stream(self._stream.device)
+                    for tensor in w.values():
+                        tensor.record_stream(current)  # freed only after compute used it
+                try:
+                    yield i, w
+                finally:
+                    self._release(i, w)
+                    permits.release()
+        finally:
+            stop.set()
+            for _ in order:
+                permits.release()  # the loader never blocks again
+            loader.join()
+            while not ready.empty():
+                i, w, _ = ready.get()
+                if w is not None:
+                    self._release(i, w)
+
+    def close(self) -> None:
+        for w in self._resident:
+            w.clear()
+        self._resident = []

@@ -1,0 +1,157 @@
+"""The torch Runner: batched generation with a KV cache, and scoring, over the streaming ring.
+
+Rows are left-padded; positions come from the mask, so padding shifts nothing. Generation runs a
+prefill, then one token per step, and every step walks all layers (in streaming mode each step
+streams the whole model: that is the design). Sampling happens on the CPU in float32 with one
+``torch.Generator`` per row seeded by ``seeds[r]``: a row's draws never depend on its batch
+neighbours', nor on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from spill.engines.base import EngineInfo, GenerateParams, Generation, Stats
+from spill.engines.torch.model import LOGIT_ROWS, Model
+from spill.errors import EngineError
+
+
+def _left_pad(rows: Sequence[np.ndarray], length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (B, length) int64 and valid (B, length) bool, each row flush right."""
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    valid = torch.zeros(len(rows), length, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        n = len(row)
+        if n:
+            ids[r, length - n :] = torch.from_numpy(np.asarray(row, dtype=np.int64))
+            valid[r, length - n :] = True
+    return ids.to(device), valid.to(device)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    """One token from float32 logits (V,): temperature, then the top-p nucleus."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p >= 1.0:
+        return int(torch.multinomial(probs, 1, generator=gen))
+    p, order = probs.sort(descending=True, stable=True)
+    keep = (p.cumsum(0) - p) < top_p  # the most likely token is always kept
+    return int(order[torch.multinomial(p * keep, 1, generator=gen)])
+
+
+class TorchRunner:
+    def __init__(self, model: Model, info: EngineInfo, stats: Stats):
+        self.model, self.info, self.stats = model, info, stats
+
+    def _check(self, rows: Sequence[np.ndarray], what: str) -> None:
+        vocab = self.model.cfg.vocab_size
+        for r, row in enumerate(rows):
+            row = np.asarray(row)
+            if row.ndim != 1 or (len(row) and (row.min() < 0 or row.max() >= vocab)):
+                raise EngineError(f"{what} {r}: token ids must be a 1-D array in [0, {vocab})")
+
+    def _sync_stats(self) -> None:
+        self.stats.extra["ring_max_live"] = self.model.ring.max_live
+        self.stats.extra["ring_wait_seconds"] = self.model.ring.wait_seconds
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]
+    ) -> list[Generation]:
+        if len(seeds) != len(prompts):
+            raise EngineError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one per row")
+        self._check(prompts, "prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise EngineError("an empty prompt cannot be continued; give at least one token")
+        batch, steps = len(prompts), params.max_new_tokens
+        if batch == 0 or steps <= 0:
+            return [Generation(np.zeros(0, np.int64), "length") for _ in prompts]
+        m, dev = self.model, self.model.device
+        width = max(len(p) for p in prompts)
+        ids, valid_prompt = _left_pad(prompts, width, dev)
+        valid = torch.zeros(batch, width + steps, dtype=torch.bool, device=dev)
+        valid[:, :width] = valid_prompt
+        caches = m.caches(batch, width + steps)
+        gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        stop = set(params.stop_ids)
+        out: list[list[int]] = [[] for _ in prompts]
+        finish: list[str | None] = [None] * batch
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+
+        h = m.forward(ids, m.context(valid[:, :width], 0, width), caches)  # (B, T, hidden)
+        logits = m.logits(h[:, -1]).cpu()  # (B, V)
+        for step in range(steps):
+            nxt = torch.zeros(batch, dtype=torch.long)
+            for r in range(batch):
+                if finish[r] is not None:
+                    continue  # a finished row draws nothing; its neighbours are unaffected
+                if params.temperature == 0:
+                    tok = int(torch.argmax(logits[r]))
+                else:
+                    tok = sample(logits[r], params.temperature, params.top_p, gens[r])
+                nxt[r] = tok
+                self.stats.generated_tokens += 1
+                if tok in stop:
+                    finish[r] = "stop"
+                else:
+                    out[r].append(tok)
+            if all(f is not None for f in finish) or step == steps - 1:
+                break
+            at = width + step
+            valid[:, at] = True
+            h = m.forward(nxt[:, None].to(dev), m.context(valid[:, : at + 1], at, 1), caches)
+            logits = m.logits(h[:, -1]).cpu()
+        self._sync_stats()
+        return [
+            Generation(np.asarray(toks, dtype=np.int64), f or "length")
+            for toks, f in zip(out, finish, strict=True)
+        ]
+
+    @torch.inference_mode()
+    def score(
+        self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
+    ) -> list[np.ndarray]:
+        if len(prompts) != len(completions):
+            raise EngineError(f"{len(prompts)} prompts but {len(completions)} completions")
+        self._check(prompts, "prompt")
+        self._check(completions, "completion")
+        if any(len(p) == 0 for p in prompts):
+            raise EngineError("scoring needs at least one prompt token before the completion")
+        if not prompts:
+            return []
+        m, dev = self.model, self.model.device
+        rows = [
+            np.concatenate([np.asarray(p), np.asarray(c)])
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+        width = max(len(r) for r in rows)
+        ids, valid = _left_pad(rows, width, dev)
+        self.stats.prompt_tokens += sum(len(r) for r in rows)
+        h = m.forward(ids, m.context(valid, 0, width))  # (B, T, hidden)
+        # The hidden state at position j predicts token j + 1: keep only completion targets.
+        where_r, where_t = [], []
+        for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            first = width - len(rows[r]) + len(p)  # position of the first completion token
+            where_r += [r] * len(c)
+            where_t += range(first - 1, first - 1 + len(c))
+        rr = torch.tensor(where_r, dtype=torch.long, device=dev)
+        tt = torch.tensor(where_t, dtype=torch.long, device=dev)
+        hs, targets = h[rr, tt], ids[rr, tt + 1]  # (N, hidden), (N,)
+        picked = np.zeros(len(targets), np.float32)
+        for j in range(0, len(targets), LOGIT_ROWS):  # never (N, vocab) at once
+            logp = torch.log_softmax(m.logits(hs[j : j + LOGIT_ROWS]), dim=-1)  # float32
+            got = logp.gather(1, targets[j : j + LOGIT_ROWS, None])[:, 0]
+            picked[j : j + LOGIT_ROWS] = got.cpu().numpy()
+        self._sync_stats()
+        out, at = [], 0
+        for c in completions:
+            out.append(picked[at : at + len(c)].copy())
+            at += len(c)
+        return out
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
+            self.model = None
