@@ -1,0 +1,99 @@
+"""Named crash points in the store's publication protocol, for kill drills.
+
+The store calls ``at(<boundary>)`` at each point where a dying writer would leave a distinct
+state behind:
+
+=====================  ===================================================================
+``ckpt-between-files``  ``params.safetensors`` written, ``opt.safetensors`` not yet
+``ckpt-before-commit``  all three checkpoint files written, ``COMMIT`` not yet
+``ckpt-after-commit``   ``COMMIT`` written, older checkpoints not yet rotated away
+``seg-before-commit``   ``rows/seg-<n>.jsonl`` written, ``rows/seg-<n>.commit`` not yet
+``put-before-rename``   a local temporary file written and fsynced, not yet renamed
+=====================  ===================================================================
+
+Two ways to act there, both off unless asked for:
+
+* ``SPILL_DRILL=<boundary>[@<k>][:<action>]`` in the environment of a real process (a CLI job,
+  a test's subprocess). At the ``k``-th time (default the first) the process reaches that
+  boundary it sends itself ``SIGKILL`` (action ``kill``, the default) or ``SIGSTOP`` (action
+  ``stop``: the driver inspects the paused writer, then continues or kills it). Several
+  drills may be given separated by commas. An unknown boundary name is an error, so a drill
+  with a typo cannot pass by never firing.
+* ``with drill.hooked(fn):`` calls ``fn(boundary)`` at every boundary in this process, for
+  in-process tests that need to raise, count or block there.
+
+The environment is read at each boundary, so a driver may also set ``SPILL_DRILL`` in
+``os.environ`` between two saves. Nothing is mocked: the kill is a real signal to a real process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+ENV = "SPILL_DRILL"
+
+CKPT_BETWEEN_FILES = "ckpt-between-files"
+CKPT_BEFORE_COMMIT = "ckpt-before-commit"
+CKPT_AFTER_COMMIT = "ckpt-after-commit"
+SEG_BEFORE_COMMIT = "seg-before-commit"
+PUT_BEFORE_RENAME = "put-before-rename"
+BOUNDARIES = (
+    CKPT_BETWEEN_FILES,
+    CKPT_BEFORE_COMMIT,
+    CKPT_AFTER_COMMIT,
+    SEG_BEFORE_COMMIT,
+    PUT_BEFORE_RENAME,
+)
+_ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+_hooks: list[Callable[[str], None]] = []
+_reached: Counter[str] = Counter()
+
+
+def _parse(spec: str) -> list[tuple[str, int, str]]:
+    drills = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        rest, _, action = item.partition(":")
+        name, _, nth = rest.partition("@")
+        if (
+            name not in BOUNDARIES
+            or (action or "kill") not in _ACTIONS
+            or not (nth or "1").isdigit()
+        ):
+            raise ValueError(
+                f"{ENV}={spec!r}: expected <boundary>[@<k>][:kill|stop] with a boundary among "
+                f"{', '.join(BOUNDARIES)}"
+            )
+        drills.append((name, int(nth or 1), action or "kill"))
+    return drills
+
+
+def at(boundary: str) -> None:
+    """Called by the store at ``boundary``; acts only when a drill or a hook asks for it."""
+    assert boundary in BOUNDARIES, boundary
+    _reached[boundary] += 1
+    for fn in list(_hooks):
+        fn(boundary)
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    for name, nth, action in _parse(spec):
+        if name == boundary and _reached[boundary] == nth:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), _ACTIONS[action])
+
+
+@contextmanager
+def hooked(fn: Callable[[str], None]) -> Iterator[None]:
+    """Call ``fn(boundary)`` at every boundary reached inside the ``with`` block."""
+    _hooks.append(fn)
+    try:
+        yield
+    finally:
+        _hooks.remove(fn)

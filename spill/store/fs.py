@@ -1,0 +1,214 @@
+"""Byte-level access to a state location: a local path, ``file://``, ``memory://``, ``s3://``,
+``gs://`` or ``az://``.
+
+Local paths are handled with ``os`` directly (no fsspec), everything else through fsspec, which
+is imported lazily. Endpoints and credentials come the standard way of each backend
+(``AWS_ENDPOINT_URL``, ``AWS_*`` variables, profiles); nothing here is S3-specific.
+
+``put_bytes`` is atomic: locally it writes ``.<name>.tmp-<random>`` in the same directory,
+fsyncs it, renames it over the target and fsyncs the directory; on an object store it is one put
+(an object appears whole or not at all). Temporary names are recognisable (``is_temp``) so that
+the store's next write can remove those a killed writer left. Listings are never served from
+fsspec's cache, because another process may have written since.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import PurePosixPath
+
+from spill.errors import StoreError
+from spill.store import drill
+
+CLOUD_HINT = 'pip install "streamweights[cloud]"'
+_TMP = ".tmp-"
+
+
+class BackendMissing(StoreError):
+    """A URI scheme whose fsspec backend is not installed."""
+
+
+def _scheme(uri: str) -> str:
+    head, sep, _ = uri.partition("://")
+    return head.lower() if sep and "/" not in head else ""
+
+
+def is_local(uri: str | os.PathLike) -> bool:
+    return _scheme(os.fspath(uri)) in ("", "file")
+
+
+def _local(uri: str) -> str:
+    if uri.startswith("file://"):
+        uri = uri[len("file://") :]
+    return os.path.expanduser(uri)
+
+
+def join(uri: str | os.PathLike, *parts: str) -> str:
+    """``uri`` with ``parts`` appended, ``/``-separated whatever the scheme."""
+    out = os.fspath(uri).rstrip("/") or "/"
+    for p in parts:
+        out = out.rstrip("/") + "/" + p.strip("/")
+    return out
+
+
+def basename(uri: str) -> str:
+    return PurePosixPath(uri.rstrip("/")).name
+
+
+def is_temp(name: str) -> bool:
+    """Whether ``name`` is a temporary file left by an interrupted local ``put_bytes``."""
+    return name.startswith(".") and _TMP in name
+
+
+def filesystem(uri: str):
+    """``(fsspec filesystem, path)`` for a non-local URI; a missing backend fails in one line."""
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(uri)
+    except ImportError:
+        raise BackendMissing(
+            f"{uri}: the {_scheme(uri)}:// backend is not installed; {CLOUD_HINT}"
+        ) from None
+    except ValueError as e:
+        raise StoreError(
+            f"{uri}: unsupported location ({e}); use a local path, s3://, gs://, az:// or memory://"
+        ) from None
+
+
+@contextmanager
+def _errors(uri: str, verb: str) -> Iterator[None]:
+    """Turn backend failures other than a missing object into one-line ``StoreError``s."""
+    # remote backends raise OSError, botocore and google errors alike; local ones only OSError
+    catch = OSError if is_local(uri) else Exception
+    try:
+        yield
+    except (FileNotFoundError, StoreError):
+        raise
+    except catch as e:
+        raise StoreError(
+            f"{uri}: cannot {verb} ({type(e).__name__}: {e}); check the location and its credentials"
+        ) from e
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs_durable(path: str) -> None:
+    """``mkdir -p`` that also fsyncs the parent of every directory it creates."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+        _fsync_dir(os.path.dirname(d))
+
+
+def _put_local(path: str, data: bytes) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    _makedirs_durable(parent)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}{_TMP}{uuid.uuid4().hex[:12]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        drill.at(drill.PUT_BEFORE_RENAME)
+        os.replace(tmp, path)
+    except BaseException:
+        # a SIGKILL never gets here; the store's next write removes what it leaves
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(parent)
+
+
+def put_bytes(uri: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``uri`` atomically: a reader sees the old object or the new one."""
+    uri = os.fspath(uri)
+    if is_local(uri):
+        with _errors(uri, "write"):
+            _put_local(_local(uri), data)
+        return
+    fs, path = filesystem(uri)
+    with _errors(uri, "write"):
+        fs.pipe_file(path, data)
+        fs.invalidate_cache(path)
+
+
+def get_bytes(uri: str | os.PathLike) -> bytes:
+    """The whole object at ``uri``; ``FileNotFoundError`` when there is none."""
+    uri = os.fspath(uri)
+    if is_local(uri):
+        with _errors(uri, "read"), open(_local(uri), "rb") as f:
+            return f.read()
+    fs, path = filesystem(uri)
+    with _errors(uri, "read"):
+        return fs.cat_file(path)
+
+
+def exists(uri: str | os.PathLike) -> bool:
+    """Whether an object or a non-empty prefix (directory) exists at ``uri``."""
+    uri = os.fspath(uri)
+    if is_local(uri):
+        return os.path.exists(_local(uri))
+    fs, path = filesystem(uri)
+    with _errors(uri, "check"):
+        fs.invalidate_cache(path)
+        return fs.exists(path)
+
+
+def listdir(uri: str | os.PathLike) -> list[str]:
+    """Sorted names directly under ``uri`` (files and subdirectories); ``[]`` when missing."""
+    uri = os.fspath(uri)
+    if is_local(uri):
+        try:
+            return sorted(os.listdir(_local(uri)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    fs, path = filesystem(uri)
+    with _errors(uri, "list"):
+        fs.invalidate_cache(path)
+        try:
+            entries = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+    own = path.rstrip("/")
+    names = {basename(e) for e in entries if e.rstrip("/") != own}
+    return sorted(n for n in names if n)
+
+
+def remove(uri: str | os.PathLike) -> None:
+    """Remove the object or the whole directory/prefix at ``uri``; nothing there is fine."""
+    uri = os.fspath(uri)
+    if is_local(uri):
+        path = _local(uri)
+        with _errors(uri, "remove"):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=False)
+                _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            elif os.path.lexists(path):
+                os.remove(path)
+        return
+    fs, path = filesystem(uri)
+    with _errors(uri, "remove"):
+        fs.invalidate_cache(path)
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        fs.invalidate_cache(path)

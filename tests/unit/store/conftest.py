@@ -1,0 +1,61 @@
+"""Store fixtures: a state root on each backend, the worker's test data, and a worker runner."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("store_worker.py")
+_worker = runpy.run_path(str(WORKER))
+
+
+@pytest.fixture
+def data():
+    """``data(step) -> (params, opt, state)``, the same content the worker saves."""
+    return _worker["tensors"]
+
+
+@pytest.fixture
+def identity() -> dict:
+    return _worker["IDENTITY"]
+
+
+@pytest.fixture
+def producer() -> dict:
+    return _worker["PRODUCER"]
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def root(request, tmp_path) -> str:
+    """A fresh state root: a local folder, a memory:// prefix, or a prefix on the S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "state")
+    if request.param == "memory":
+        return f"memory://spill-test-{uuid.uuid4().hex[:8]}/state"
+    return f"s3://{request.getfixturevalue('s3_bucket')}/state"
+
+
+@pytest.fixture
+def run_worker():
+    """Run the worker in a real process with ``SPILL_DRILL`` set; returns the CompletedProcess."""
+
+    def run(*args: str, drill: str | None = None) -> subprocess.CompletedProcess:
+        env = dict(os.environ)
+        env.pop("SPILL_DRILL", None)
+        if drill:
+            env["SPILL_DRILL"] = drill
+        return subprocess.run(
+            [sys.executable, str(WORKER), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    return run

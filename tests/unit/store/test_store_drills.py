@@ -1,0 +1,112 @@
+"""Kill drills: a real worker process SIGKILLs itself at each named store boundary.
+
+After each kill the reader must see the previous committed state, and the next write must clean
+what the dead writer left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spill.store import fs
+from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
+from spill.store.rows import restore
+
+WORKER = Path(__file__).with_name("store_worker.py")
+
+
+def assert_killed(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize(
+    "boundary, left",
+    [
+        ("ckpt-between-files", ["params.safetensors"]),
+        ("ckpt-before-commit", ["opt.safetensors", "params.safetensors", "state.json"]),
+    ],
+)
+def test_checkpoint_killed_before_commit(tmp_path, run_worker, data, boundary, left):
+    root = str(tmp_path / "state")
+    proc = run_worker("ckpt", root, "1", "2", "3", drill=f"{boundary}@3")
+    assert_killed(proc)
+    assert proc.stdout.split("\n")[:2] == ["saved 1", "saved 2"] and "saved 3" not in proc.stdout
+    assert fs.listdir(step_dir(root, 3)) == left
+    ckpt = latest_checkpoint(root)
+    assert ckpt.step == 2
+    assert load_checkpoint(ckpt).state["cursor"] == data(2)[2]["cursor"]
+    save_checkpoint(root, 3, *data(3))  # the resumed job's next save
+    assert fs.listdir(fs.join(root, "ckpt")) == ["step-2", "step-3"]
+    assert latest_checkpoint(root).step == 3
+
+
+def test_checkpoint_killed_after_commit_before_rotation(tmp_path, run_worker, data):
+    root = str(tmp_path / "state")
+    assert_killed(run_worker("ckpt", root, "1", "2", "3", drill="ckpt-after-commit@3"))
+    assert fs.listdir(fs.join(root, "ckpt")) == ["step-1", "step-2", "step-3"]
+    assert latest_checkpoint(root).step == 3
+    save_checkpoint(root, 4, *data(4))
+    assert fs.listdir(fs.join(root, "ckpt")) == ["step-3", "step-4"]
+
+
+def test_checkpoint_killed_before_commit_on_s3(s3_bucket, run_worker, data):
+    root = f"s3://{s3_bucket}/job"
+    assert_killed(run_worker("ckpt", root, "1", "2", drill="ckpt-before-commit@2"))
+    assert "COMMIT" not in fs.listdir(step_dir(root, 2))
+    assert latest_checkpoint(root).step == 1
+    save_checkpoint(root, 2, *data(2))
+    assert fs.listdir(fs.join(root, "ckpt")) == ["step-1", "step-2"]
+    loaded = load_checkpoint(latest_checkpoint(root))
+    assert loaded.state["step"] == 2 and set(loaded.params) == set(data(2)[0])
+
+
+def test_paused_writer_can_be_inspected_then_killed(tmp_path, data):
+    root = str(tmp_path / "state")
+    env = {**os.environ, "SPILL_DRILL": "ckpt-before-commit@2:stop"}
+    proc = subprocess.Popen([sys.executable, str(WORKER), "ckpt", root, "1", "2"], env=env)
+    try:
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        assert "COMMIT" not in fs.listdir(step_dir(root, 2))
+        assert latest_checkpoint(root).step == 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_segment_push_killed_before_commit(tmp_path, run_worker):
+    root = str(tmp_path / "state")
+    assert_killed(run_worker("rows", root, "0", "60", drill="seg-before-commit@2"))
+    assert restore(root).done == [f"r{i}" for i in range(25)]
+    assert "seg-1.jsonl" in fs.listdir(fs.join(root, "rows"))
+    proc = run_worker("rows", root, "25", "60")  # the continuing job runs only what is left
+    assert proc.returncode == 0, proc.stderr
+    rows, done = restore(root)
+    assert done == [f"r{i}" for i in range(60)] and [r["out"] for r in rows] == [
+        i * i for i in range(60)
+    ]
+    assert "seg-1.jsonl" not in fs.listdir(fs.join(root, "rows"))
+
+
+def test_local_put_killed_before_rename_leaves_only_removable_litter(tmp_path, run_worker):
+    root = str(tmp_path / "state")
+    # put 1 is identity.json, put 2 seg-0.jsonl, put 3 seg-0.commit
+    assert_killed(run_worker("rows", root, "0", "30", drill="put-before-rename@3"))
+    names = fs.listdir(fs.join(root, "rows"))
+    assert "seg-0.commit" not in names and any(fs.is_temp(n) for n in names)
+    assert restore(root).done == []
+    assert run_worker("rows", root, "0", "30").returncode == 0
+    assert not any(fs.is_temp(n) for n in fs.listdir(fs.join(root, "rows")))
+    assert restore(root).done == [f"r{i}" for i in range(30)]
+
+
+def test_unknown_drill_is_an_error(tmp_path, run_worker):
+    proc = run_worker("ckpt", str(tmp_path / "s"), "1", drill="ckpt-betwen-files")
+    assert proc.returncode == 1 and "ckpt-between-files" in proc.stderr
