@@ -96,9 +96,10 @@ def cmd_run(args) -> int:
 
 
 def cmd_models_import(args) -> int:
-    from spill.models.cache import import_model
+    from spill.console import note
+    from spill.models.resolve import import_model
 
-    folder = import_model(args.source, args.name)
+    folder = import_model(args.source, args.name, progress=note)
     print(folder)
     return 0
 

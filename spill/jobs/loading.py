@@ -24,14 +24,14 @@ def load_model(
     name: str, weights: str | None, engine: str | None, options: LoadOptions, verb: str
 ) -> Loaded:
     from spill.engines import resolve
+    from spill.models.cache import cached_fingerprint
     from spill.models.resolve import resolve_model
-    from spill.models.weights import fingerprint
 
     resolved = resolve_model(name, weights, progress=note)
     folder = Path(resolved.folder)
     config = load_config(folder)
     tokenizer = Tokenizer(folder)
-    fp = fingerprint(folder)
+    fp = cached_fingerprint(folder)
     runner = resolve(engine).open(ModelSpec(folder, config), options)
     note(f"spill {verb} · model {name} ({fp[:19]}) · {runner.info.line()}")
     return Loaded(name, folder, fp, tokenizer, runner)

@@ -159,3 +159,29 @@ def resolve_model(
         f"no model named {name!r}: not a folder here, an alias ({', '.join(ALIASES)}) "
         "or a hub id (org/name)"
     )
+
+
+def import_model(source: str, name: str | None = None, *, progress: Progress = print) -> Path:
+    """``spill models import``: a .gguf file or ``smollm2:135m`` into ``models/<name>``."""
+    alias = lookup(source)
+    if alias is not None:
+        if alias.offline != "smollm2-gguf":
+            raise ModelError(
+                f"{source} has no offline GGUF here; `spill run {source} ...` fetches it from the hub"
+            )
+        if name is None:
+            dest = models_dir() / safe_name(alias.name)
+            return dest if (dest / "config.json").is_file() else _import_gguf(alias, dest, progress)
+    from spill.models.gguf_import import find_smollm2_gguf, import_gguf
+
+    path = find_smollm2_gguf() if alias is not None else Path(source).expanduser()
+    if not path.is_file():
+        raise ModelNotFound(f"{source}: no such GGUF file; give a .gguf path or smollm2:135m")
+    dest = models_dir() / safe_name(name or path.stem)
+    if (dest / "config.json").is_file():
+        progress(f"{dest} already exists; delete it to import again")
+        return dest
+    progress(f"importing {path} into {dest}")
+    import_gguf(path, dest, progress=progress)
+    write_marker(dest, name=name or path.stem, source="gguf", gguf=str(path))
+    return dest
