@@ -63,9 +63,9 @@ class TorchEngine:
         dtype, why = numerics.choose(device, options.dtype)
         reader = WeightReader(weight_files(model.folder), device, dtype)
         layers = cfg.num_hidden_layers
-        layer_bytes = cfg.layer_params() * torch.finfo(dtype).bits // 8
+        layer_bytes = cfg.layer_params() * dtype.itemsize
         # Resident parts come out of the default budget; an explicit one is the ring's own.
-        head_bytes = cfg.vocab_size * cfg.hidden_size * torch.finfo(dtype).bits // 8
+        head_bytes = cfg.vocab_size * cfg.hidden_size * dtype.itemsize
         head_bytes *= 1 if cfg.tie_word_embeddings else 2
         budget = options.memory
         if budget is None:

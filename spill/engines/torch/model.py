@@ -36,10 +36,6 @@ class Model:
         keys = FAMILIES[cfg.family].layer_keys(cfg)
         return lambda i: {k: reader.tensor(f"model.layers.{i}.{k}") for k in keys}
 
-    def resident_bytes(self) -> int:
-        parts = {id(t): t for t in (self.embed, self.norm, self.lm_head)}.values()
-        return sum(t.numel() * t.element_size() for t in parts)
-
     def context(self, valid, start: int, length: int) -> Context:
         return context(valid, start, length, self.freq, self.dtype)
 
@@ -50,17 +46,27 @@ class Model:
             for _ in range(c.num_hidden_layers)
         ]
 
+    # The pieces of a forward pass, public so a training loop can walk the ring itself (save
+    # each layer's input going forward, recompute it from there walking back).
+    def embed_ids(self, ids):
+        return F.embedding(ids, self.embed)  # (B, T, hidden)
+
+    def layer(self, w: dict, x, ctx: Context, cache=None, lora=None):
+        return self.family.layer(self.cfg, w, x, ctx, cache, lora)
+
+    def final_norm(self, x):
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
     def forward(self, ids, ctx: Context, caches=None, lora=None):
         """ids (B, T) -> final-normed hidden states (B, T, hidden), walking every layer.
 
         ``lora``, when given, maps a layer index to that layer's adapters.
         """
-        x = F.embedding(ids, self.embed)  # (B, T, hidden)
+        x = self.embed_ids(ids)
         for i, w in self.ring.walk(range(self.cfg.num_hidden_layers)):
             cache = caches[i] if caches is not None else None
-            adapters = lora.get(i) if lora else None
-            x = self.family.layer(self.cfg, w, x, ctx, cache, adapters)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            x = self.layer(w, x, ctx, cache, lora.get(i) if lora else None)
+        return self.final_norm(x)
 
     def logits(self, h):
         """h (N, hidden) -> float32 logits (N, V)."""

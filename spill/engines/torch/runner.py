@@ -37,7 +37,8 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
     if top_p >= 1.0:
         return int(torch.multinomial(probs, 1, generator=gen))
     p, order = probs.sort(descending=True, stable=True)
-    keep = (p.cumsum(0) - p) < top_p  # the most likely token is always kept
+    keep = (p.cumsum(0) - p) < top_p
+    keep[0] = True  # the most likely token is always in the nucleus
     return int(order[torch.multinomial(p * keep, 1, generator=gen)])
 
 
@@ -65,6 +66,8 @@ class TorchRunner:
         self._check(prompts, "prompt")
         if any(len(p) == 0 for p in prompts):
             raise EngineError("an empty prompt cannot be continued; give at least one token")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise EngineError("sampling needs temperature >= 0 and top_p in (0, 1]")
         batch, steps = len(prompts), params.max_new_tokens
         if batch == 0 or steps <= 0:
             return [Generation(np.zeros(0, np.int64), "length") for _ in prompts]
@@ -83,15 +86,13 @@ class TorchRunner:
         h = m.forward(ids, m.context(valid[:, :width], 0, width), caches)  # (B, T, hidden)
         logits = m.logits(h[:, -1]).cpu()  # (B, V)
         for step in range(steps):
-            nxt = torch.zeros(batch, dtype=torch.long)
+            nxt = logits.argmax(dim=-1)  # (B,) greedy; sampled rows overwrite theirs
             for r in range(batch):
                 if finish[r] is not None:
                     continue  # a finished row draws nothing; its neighbours are unaffected
-                if params.temperature == 0:
-                    tok = int(torch.argmax(logits[r]))
-                else:
-                    tok = sample(logits[r], params.temperature, params.top_p, gens[r])
-                nxt[r] = tok
+                if params.temperature > 0:
+                    nxt[r] = sample(logits[r], params.temperature, params.top_p, gens[r])
+                tok = int(nxt[r])
                 self.stats.generated_tokens += 1
                 if tok in stop:
                     finish[r] = "stop"
