@@ -180,3 +180,21 @@ def test_edges_and_stats(runners):
     assert streamed.stats.layer_loads - before == layers + 3 * layers
     assert streamed.stats.extra["ring_max_live"] <= 2
     assert streamed.stats.generated_tokens == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_streams_like_the_cpu(tiny_models):
+    folder = tiny_models["qwen2"]
+    assert open_runner(folder, device="cuda").info.why == "CUDA"
+    streamed = open_runner(folder, device="cuda", ring=2, dtype="float32")
+    resident = open_runner(folder, device="cuda", resident=True, dtype="float32")
+    cpu = open_runner(folder, device="cpu", dtype="float32")
+    a, b = streamed.score(PROMPTS, COMPLETIONS), resident.score(PROMPTS, COMPLETIONS)
+    for x, y, z in zip(a, b, cpu.score(PROMPTS, COMPLETIONS), strict=True):
+        assert np.array_equal(x, y)
+        np.testing.assert_allclose(x, z, atol=1e-4)
+    g = streamed.generate(PROMPTS, GREEDY, [0, 1, 2])
+    assert [x.tokens.tolist() for x in g] == [
+        x.tokens.tolist() for x in resident.generate(PROMPTS, GREEDY, [0, 1, 2])
+    ]
