@@ -6,19 +6,20 @@ computed; K semaphore permits bound how many layers are alive at once, and a lay
 released (its dict cleared) when the walk moves past it, so weights are valid only until the
 next step. In resident mode every layer is loaded once and the walk only looks them up.
 
-Both modes hand the compute code the same tensors (read from the same mmap, converted the same
+Both modes hand the compute code the same tensors (read from the same bytes, converted the same
 way), which is what makes streamed and resident runs bit-identical.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from safetensors import safe_open
 
 from spill.engines.base import Stats
 from spill.errors import EngineError, ModelError
@@ -56,16 +57,41 @@ def default_budget(device: torch.device) -> int:
     return int(psutil.virtual_memory().available * RESIDENT_FRACTION)
 
 
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+}
+
+
 class WeightReader:
-    """Tensors by HF name from a folder's shards (safetensors mmap), on device in compute dtype."""
+    """Tensors by HF name from a folder's shards, on ``device`` in the compute dtype.
+
+    Tensors are read with ``pread`` into memory torch owns, never through a long-lived mmap: a
+    mapped shard's touched pages count toward the process's resident set until it is unmapped,
+    so a model read through one would weigh its whole size in RSS however small the ring.
+    """
 
     def __init__(self, files: WeightFiles, device: torch.device, dtype: torch.dtype):
         self.files, self.device, self.dtype = files, device, dtype
-        self._handles: dict[str, object] = {}
+        self._fds: dict[str, tuple[int, int]] = {}  # shard -> (fd, start of tensor data)
         self._lock = threading.Lock()
 
     def has(self, name: str) -> bool:
         return name in self.files.tensor_shard
+
+    def _fd(self, shard: str) -> tuple[int, int]:
+        with self._lock:
+            if shard not in self._fds:
+                path = self.files.folder / shard
+                fd = os.open(path, os.O_RDONLY)
+                header = os.pread(fd, 8, 0)
+                self._fds[shard] = (fd, 8 + struct.unpack("<Q", header)[0])
+            return self._fds[shard]
 
     def tensor(self, name: str) -> torch.Tensor:
         shard = self.files.tensor_shard.get(name)
@@ -73,18 +99,27 @@ class WeightReader:
             raise ModelError(
                 f"{self.files.folder}: tensor {name!r} is missing; fetch the model again"
             )
-        with self._lock:
-            handle = self._handles.get(shard)
-            if handle is None:
-                handle = safe_open(str(self.files.folder / shard), framework="pt")
-                self._handles[shard] = handle
-        t = handle.get_tensor(name)
+        info = self.files.headers[shard][name]
+        if info["dtype"] not in _DTYPES:
+            raise ModelError(
+                f"{self.files.folder / shard}: tensor {name!r} has unsupported dtype {info['dtype']}"
+            )
+        fd, base = self._fd(shard)
+        lo, hi = info["data_offsets"]
+        raw = torch.empty(hi - lo, dtype=torch.uint8)
+        if hi > lo and os.preadv(fd, [raw.numpy()], base + lo) != hi - lo:
+            raise ModelError(
+                f"{self.files.folder / shard}: short read of {name!r}; the file changed, fetch the model again"
+            )
+        t = raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
         # Move first, then convert: bf16 files cross to a GPU at half the bytes.
         return t.to(self.device).to(self.dtype).contiguous()
 
     def close(self) -> None:
         with self._lock:
-            self._handles.clear()
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 class Ring:
