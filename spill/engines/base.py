@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from spill.models.config import ModelConfig
+from spill.models.lora import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,54 @@ class Stats:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class TrainBatch:
+    """One micro-batch for LoRA training (see ``spill.jobs.train_data.micro_batch``)."""
+
+    tokens: np.ndarray  # (B, T) int64, right-padded
+    attention: np.ndarray  # (B, T) bool, real tokens
+    targets: np.ndarray  # (B, T) bool, tokens whose prediction from position t-1 counts
+    scale: float  # the summed token loss is multiplied by this (1 / target tokens in the step)
+    dropout_seed: int  # LoRA dropout masks are a pure function of (this, layer, module)
+
+
+@dataclass(frozen=True)
+class AdamW:
+    lr: float
+    step: int  # 1-based count of this update, for bias correction
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+class Trainer(Protocol):
+    """A LoRA adapter being trained on an engine: float32 parameters and AdamW moments.
+
+    Arrays cross the boundary as float32 numpy, named as in ``spill.models.lora``
+    (``layers.<k>.<module>.lora_a``); the optimizer moments use the same names.
+    """
+
+    def set_state(
+        self, params: dict[str, np.ndarray], m: dict[str, np.ndarray], v: dict[str, np.ndarray]
+    ) -> None: ...
+
+    def state(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(params, m, v) as float32 numpy copies."""
+        ...
+
+    def accumulate(self, batch: TrainBatch) -> float:
+        """Forward and backward through the ring; add ``scale`` x d(loss sum) to the gradients.
+
+        Returns the micro-batch's summed token loss times ``scale``.
+        """
+        ...
+
+    def apply(self, opt: AdamW) -> None:
+        """One AdamW update from the accumulated gradients, then zero them."""
+        ...
+
+
 class Runner(Protocol):
     info: EngineInfo
     stats: Stats
@@ -90,6 +139,10 @@ class Runner(Protocol):
         self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
     ) -> list[np.ndarray]:
         """Log-prob (float32) of each completion token given its prompt and the tokens before it."""
+        ...
+
+    def trainer(self, lora: LoraConfig) -> Trainer:
+        """A trainer for a LoRA adapter on this runner's base weights (state set by the caller)."""
         ...
 
     def close(self) -> None: ...

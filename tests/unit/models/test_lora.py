@@ -5,7 +5,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from spill.errors import SpillError
-from spill.jobs.lora import (
+from spill.models.lora import (
     ALL_LINEAR,
     LoraConfig,
     export_mlx,
