@@ -141,6 +141,11 @@ class Runner(Protocol):
         """Log-prob (float32) of each completion token given its prompt and the tokens before it."""
         ...
 
+    def use_adapter(self, lora: LoraConfig | None, params: dict[str, np.ndarray] | None) -> None:
+        """Apply a LoRA adapter (float32 numpy, spill names) to later generate/score calls;
+        ``None`` goes back to the base model."""
+        ...
+
     def trainer(self, lora: LoraConfig) -> Trainer:
         """A trainer for a LoRA adapter on this runner's base weights (state set by the caller)."""
         ...
