@@ -9,15 +9,49 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import numpy as np
+import torch
 import torch.nn.functional as F
 
 from spill.engines.torch import llama, qwen2
 from spill.engines.torch.ops import Context, KVCache, context, inv_freq, rms_norm
 from spill.engines.torch.ring import Ring, WeightReader
+from spill.errors import EngineError
 from spill.models.config import ModelConfig
+from spill.models.lora import MODULES, LoraConfig, module_shape, param_names
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
 LOGIT_ROWS = 1024  # scoring computes lm_head in chunks of this many rows
+
+
+def check_params(cfg: ModelConfig, lora: LoraConfig, arrays: dict, what: str) -> None:
+    """Raise, naming the first difference, unless ``arrays`` holds exactly the adapter's tensors."""
+    want = param_names(cfg, lora)
+    missing = [n for n in want if n not in arrays]
+    extra = sorted(set(arrays) - set(want))
+    if missing or extra:
+        first = f"{missing[0]!r} is missing" if missing else f"{extra[0]!r} is unexpected"
+        raise EngineError(
+            f"{what}: {first} for a rank-{lora.rank} adapter on {', '.join(lora.targets)}; "
+            "give the tensors of the same LoRA config"
+        )
+    for name in want:
+        stem, ab = name.rsplit(".", 1)
+        fan_in, fan_out = module_shape(cfg, stem.rsplit(".", 1)[1])
+        shape = (fan_in, lora.rank) if ab == "lora_a" else (lora.rank, fan_out)
+        if tuple(arrays[name].shape) != shape:
+            raise EngineError(
+                f"{what}: {name!r} has shape {tuple(arrays[name].shape)}, expected {shape}; "
+                "give the tensors of the same model and LoRA config"
+            )
+
+
+def to_float32(arrays: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    """Own float32 copies on ``device`` (never sharing memory with the caller's arrays)."""
+    return {
+        n: torch.tensor(np.asarray(a, dtype=np.float32), dtype=torch.float32, device=device)
+        for n, a in arrays.items()
+    }
 
 
 class Model:
@@ -35,6 +69,20 @@ class Model:
     def layer_loader(cfg: ModelConfig, reader: WeightReader):
         keys = FAMILIES[cfg.family].layer_keys(cfg)
         return lambda i: {k: reader.tensor(f"model.layers.{i}.{k}") for k in keys}
+
+    def adapters(self, lora: LoraConfig, tensors: dict[str, torch.Tensor]) -> dict[int, dict]:
+        """Per layer, per module (``self_attn.q_proj``): ``(A, B, scale)`` from spill's names."""
+        return {
+            i: {
+                MODULES[t]: (
+                    tensors[f"layers.{i}.{MODULES[t]}.lora_a"],
+                    tensors[f"layers.{i}.{MODULES[t]}.lora_b"],
+                    lora.scale,
+                )
+                for t in lora.targets
+            }
+            for i in range(self.cfg.num_hidden_layers)
+        }
 
     def context(self, valid, start: int, length: int) -> Context:
         return context(valid, start, length, self.freq, self.dtype)

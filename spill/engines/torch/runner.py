@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from spill.engines.base import EngineInfo, GenerateParams, Generation, Stats
-from spill.engines.torch.model import LOGIT_ROWS, Model
+from spill.engines.torch.model import LOGIT_ROWS, Model, check_params, to_float32
 from spill.errors import EngineError
+from spill.models.lora import LoraConfig
 
 
 def _left_pad(rows: Sequence[np.ndarray], length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +46,15 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
 class TorchRunner:
     def __init__(self, model: Model, info: EngineInfo, stats: Stats):
         self.model, self.info, self.stats = model, info, stats
+        self._adapter: dict[int, dict] | None = None  # layer -> module -> (A, B, scale)
+
+    def use_adapter(self, lora: LoraConfig | None, params: dict[str, np.ndarray] | None) -> None:
+        """Later ``generate``/``score`` calls run with this adapter (float32 copies); None: base."""
+        if lora is None or params is None:
+            self._adapter = None
+            return
+        check_params(self.model.cfg, lora, params, "adapter")
+        self._adapter = self.model.adapters(lora, to_float32(params, self.model.device))
 
     def _check(self, rows: Sequence[np.ndarray], what: str) -> None:
         vocab = self.model.cfg.vocab_size
@@ -83,7 +93,8 @@ class TorchRunner:
         finish: list[str | None] = [None] * batch
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
 
-        h = m.forward(ids, m.context(valid[:, :width], 0, width), caches)  # (B, T, hidden)
+        ctx = m.context(valid[:, :width], 0, width)
+        h = m.forward(ids, ctx, caches, self._adapter)  # (B, T, hidden)
         logits = m.logits(h[:, -1]).cpu()  # (B, V)
         for step in range(steps):
             nxt = logits.argmax(dim=-1)  # (B,) greedy; sampled rows overwrite theirs
@@ -102,7 +113,8 @@ class TorchRunner:
                 break
             at = width + step
             valid[:, at] = True
-            h = m.forward(nxt[:, None].to(dev), m.context(valid[:, : at + 1], at, 1), caches)
+            ctx = m.context(valid[:, : at + 1], at, 1)
+            h = m.forward(nxt[:, None].to(dev), ctx, caches, self._adapter)
             logits = m.logits(h[:, -1]).cpu()
         self._sync_stats()
         return [
@@ -130,7 +142,7 @@ class TorchRunner:
         width = max(len(r) for r in rows)
         ids, valid = _left_pad(rows, width, dev)
         self.stats.prompt_tokens += sum(len(r) for r in rows)
-        h = m.forward(ids, m.context(valid, 0, width))  # (B, T, hidden)
+        h = m.forward(ids, m.context(valid, 0, width), lora=self._adapter)  # (B, T, hidden)
         # The hidden state at position j predicts token j + 1: keep only completion targets.
         where_r, where_t = [], []
         for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
