@@ -2,7 +2,7 @@
 
 The header alone is enough to check a shard (its size must equal the header's last offset) and
 to fingerprint a model. Writing by hand lets engine-free code emit bf16 (which safetensors'
-numpy path refuses) byte for byte deterministically: tensors are laid out in name order.
+numpy path refuses) byte for byte deterministically: tensors are laid out widest dtype first, then by name.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def write_file(
         header["__metadata__"] = dict(metadata)
     offset = 0
     blobs = []
-    for name in sorted(tensors):
+    # widest dtype first, then by name (as safetensors orders them): every tensor stays aligned
+    for name in sorted(tensors, key=lambda n: (-np.dtype(_DTYPES[tensors[n][0]]).itemsize, n)):
         dtype, arr = tensors[name]
         data = np.ascontiguousarray(arr, dtype=_DTYPES[dtype]).tobytes()
         header[name] = {

@@ -73,7 +73,9 @@ class TorchEngine:
         slots, resident = plan_ring(layers, layer_bytes, options.ring, options.resident, budget)
         _check_layers(model, reader)
         stats = Stats()
-        ring = Ring(Model.layer_loader(cfg, reader), layers, slots, resident, stats, device)
+        ring = Ring(
+            Model.layer_loader(cfg, reader), layers, slots, resident, stats, device, reader.recycle
+        )
         info = EngineInfo(
             engine=self.name,
             device=str(device),
