@@ -36,7 +36,9 @@ def smollm2(tmp_path_factory):
 def _open(folder, **opts):
     from spill.engines import resolve
 
-    return resolve("torch").open(ModelSpec(folder, load_config(folder)), LoadOptions(dtype="float32", **opts))
+    return resolve("torch").open(
+        ModelSpec(folder, load_config(folder)), LoadOptions(dtype="float32", **opts)
+    )
 
 
 def _chat(tok, q):
@@ -47,7 +49,9 @@ def test_paris(smollm2):
     tok = Tokenizer(smollm2)
     runner = _open(smollm2, resident=True)
     try:
-        (gen,) = runner.generate([_chat(tok, QUESTIONS[0])], GenerateParams(24, stop_ids=tok.eos_ids), [0])
+        (gen,) = runner.generate(
+            [_chat(tok, QUESTIONS[0])], GenerateParams(24, stop_ids=tok.eos_ids), [0]
+        )
     finally:
         runner.close()
     answer = tok.decode(gen.tokens)
@@ -58,12 +62,16 @@ def test_paris(smollm2):
 def test_streamed_equals_resident_on_smollm2(smollm2):
     tok = Tokenizer(smollm2)
     prompts = [_chat(tok, q) for q in QUESTIONS]
-    completions = [np.asarray(tok.encode(" The answer is simple.", add_special_tokens=False))] * len(prompts)
+    completions = [
+        np.asarray(tok.encode(" The answer is simple.", add_special_tokens=False))
+    ] * len(prompts)
     results = {}
     for mode, opts in (("streamed", {"ring": 2}), ("resident", {"resident": True})):
         runner = _open(smollm2, **opts)
         try:
-            gens = runner.generate(prompts, GenerateParams(20, stop_ids=tok.eos_ids), list(range(len(prompts))))
+            gens = runner.generate(
+                prompts, GenerateParams(20, stop_ids=tok.eos_ids), list(range(len(prompts)))
+            )
             scores = runner.score(prompts, completions)
         finally:
             runner.close()
