@@ -176,6 +176,33 @@ def bench_ring(work: Path, batch: int = 8, new: int = 32, rows: int = 16) -> dic
     return result
 
 
+def _hf_tps(model, prompts, batch: int, new: int, pad: int = 2) -> float:
+    """transformers ``generate``, greedy, left-padded batches, exactly ``new`` tokens per row."""
+    import torch
+
+    start, count = time.perf_counter(), 0
+    for lo in range(0, len(prompts), batch):
+        chunk = prompts[lo : lo + batch]
+        t = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), t), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), t), dtype=torch.long)
+        for r, p in enumerate(chunk):
+            ids[r, t - len(p) :] = torch.from_numpy(p)
+            mask[r, t - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=None,
+            )
+        count += (out.shape[1] - t) * len(chunk)
+    return count / (time.perf_counter() - start)
+
+
 def bench_hf(work: Path, batch: int = 8, new: int = 32, rows: int = 16) -> dict:
     import torch
     import transformers
@@ -197,33 +224,8 @@ def bench_hf(work: Path, batch: int = 8, new: int = 32, rows: int = 16) -> dict:
             str(folder), dtype=getattr(torch, dtype)
         )
         model.eval()
-        pad = 2
-
-        def hf(ps, n):
-            start, count = time.perf_counter(), 0
-            for lo in range(0, len(ps), batch):
-                chunk = ps[lo : lo + batch]
-                t = max(len(p) for p in chunk)
-                ids = torch.full((len(chunk), t), pad, dtype=torch.long)
-                mask = torch.zeros((len(chunk), t), dtype=torch.long)
-                for r, p in enumerate(chunk):
-                    ids[r, t - len(p) :] = torch.from_numpy(p)
-                    mask[r, t - len(p) :] = 1
-                with torch.inference_mode():
-                    out = model.generate(
-                        input_ids=ids,
-                        attention_mask=mask,
-                        max_new_tokens=n,
-                        min_new_tokens=n,
-                        do_sample=False,
-                        pad_token_id=pad,
-                        eos_token_id=None,
-                    )
-                count += (out.shape[1] - t) * len(chunk)
-            return count / (time.perf_counter() - start)
-
-        hf(prompts[:batch], 2)
-        theirs = hf(prompts, new)
+        _hf_tps(model, prompts[:batch], batch, 2)
+        theirs = _hf_tps(model, prompts, batch, new)
         ratio = ours / theirs
         result[dtype] = {
             "spill_resident_tok_s": round(ours, 1),
@@ -291,7 +293,7 @@ def bench_read(work: Path, hidden: int = 2048, layers: int = 16) -> dict:
         if cold:
             _drop_caches()
         start = time.perf_counter()
-        for _i, w in ring.walk(range(layers)):
+        for _i, _w in ring.walk(range(layers)):
             pass
         seconds = time.perf_counter() - start
         ring.close()
