@@ -9,6 +9,7 @@ layer and give bit-identical results.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,16 +17,23 @@ import torch.nn.functional as F
 
 from spill.models.config import ModelConfig
 
-# An adapter on one linear: A (in, r), B (r, out) in float32, and its scale (alpha / r).
-Lora = tuple[torch.Tensor, torch.Tensor, float]
+# An adapter on one linear: A (in, r), B (r, out) in float32, its scale (alpha / r), and
+# optionally a dropout applied to the adapter's float32 input (training only).
+Lora = (
+    tuple[torch.Tensor, torch.Tensor, float]
+    | tuple[torch.Tensor, torch.Tensor, float, Callable[[torch.Tensor], torch.Tensor]]
+)
 
 
 def linear(x, w, b=None, lora: Lora | None = None):
-    """``x @ w.T + b``, plus the low-rank update ``(x @ A @ B) * scale`` computed in float32."""
+    """``x @ w.T + b``, plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32."""
     y = F.linear(x, w, b)
     if lora is not None:
-        a, bb, scale = lora
-        y = y + ((x.float() @ a) @ bb * scale).to(y.dtype)
+        a, bb, scale, *drop = lora
+        h = x.float()
+        if drop:
+            h = drop[0](h)
+        y = y + ((h @ a) @ bb * scale).to(y.dtype)
     return y
 
 

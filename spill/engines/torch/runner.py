@@ -16,6 +16,7 @@ import torch
 
 from spill.engines.base import EngineInfo, GenerateParams, Generation, Stats
 from spill.engines.torch.model import LOGIT_ROWS, Model, check_params, to_float32
+from spill.engines.torch.train import TorchTrainer
 from spill.errors import EngineError
 from spill.models.lora import LoraConfig
 
@@ -55,6 +56,10 @@ class TorchRunner:
             return
         check_params(self.model.cfg, lora, params, "adapter")
         self._adapter = self.model.adapters(lora, to_float32(params, self.model.device))
+
+    def trainer(self, lora: LoraConfig) -> TorchTrainer:
+        """A trainer on these base weights; the caller sets its state (``init_params`` to start)."""
+        return TorchTrainer(self.model, lora)
 
     def _check(self, rows: Sequence[np.ndarray], what: str) -> None:
         vocab = self.model.cfg.vocab_size
