@@ -68,7 +68,12 @@ class Model:
     @staticmethod
     def layer_loader(cfg: ModelConfig, reader: WeightReader):
         keys = FAMILIES[cfg.family].layer_keys(cfg)
-        return lambda i: {k: reader.tensor(f"model.layers.{i}.{k}") for k in keys}
+
+        def load(i: int) -> dict[str, torch.Tensor]:
+            found = reader.tensors([f"model.layers.{i}.{k}" for k in keys])
+            return {k: found[f"model.layers.{i}.{k}"] for k in keys}
+
+        return load
 
     def adapters(self, lora: LoraConfig, tensors: dict[str, torch.Tensor]) -> dict[int, dict]:
         """Per layer, per module (``self_attn.q_proj``): ``(A, B, scale)`` from spill's names."""

@@ -69,6 +69,14 @@ _DTYPES = {
 }
 
 
+def _as(raw: torch.Tensor, info: dict) -> torch.Tensor:
+    """A tensor over ``raw``'s bytes with the header's dtype and shape."""
+    dtype = _DTYPES[info["dtype"]]
+    if raw.storage_offset() % dtype.itemsize:  # a file that does not align its tensors
+        raw = raw.clone()
+    return raw.view(dtype).reshape(info["shape"])
+
+
 class WeightReader:
     """Tensors by HF name from a folder's shards, on ``device`` in the compute dtype.
 
@@ -176,25 +184,24 @@ class WeightReader:
                 out.update({name: o for (*_, name), o in zip(group, outs, strict=True)})
                 i = j
                 continue
-            with self._read_lock:
-                if self._pooling:
-                    if self._staging.numel() < hi - lo:
-                        self._staging = torch.empty(hi - lo, dtype=torch.uint8)
-                    raw = self._staging[: hi - lo]
-                else:
-                    raw = torch.empty(hi - lo, dtype=torch.uint8)
+            if not self._pooling:
+                raw = torch.empty(hi - lo, dtype=torch.uint8)
                 self._pread(fd, [raw.numpy()], base + lo, hi - lo, shard)
                 for (_, t_lo, t_hi, name), info in zip(group, infos, strict=True):
-                    dtype = _DTYPES[info["dtype"]]
-                    piece = raw[t_lo - lo : t_hi - lo]
-                    if (t_lo - lo) % dtype.itemsize:  # a file that does not align its tensors
-                        piece = piece.clone()
-                    t = piece.view(dtype).reshape(info["shape"])
-                    if self._pooling:
-                        out[name] = self._output(tuple(info["shape"])).copy_(t)  # own memory
-                    else:
-                        # Move first, then convert: bf16 files cross to a GPU at half the bytes.
-                        out[name] = t.to(self.device).to(self.dtype).contiguous()
+                    # Move first, then convert: bf16 files cross to a GPU at half the bytes.
+                    t = _as(raw[t_lo - lo : t_hi - lo], info)
+                    out[name] = t.to(self.device).to(self.dtype).contiguous()
+                i = j
+                continue
+            # A CPU converting dtypes: one tensor at a time through a staging buffer the size
+            # of the largest tensor, still in file order.
+            with self._read_lock:
+                for (_, t_lo, t_hi, name), info in zip(group, infos, strict=True):
+                    if self._staging.numel() < t_hi - t_lo:
+                        self._staging = torch.empty(t_hi - t_lo, dtype=torch.uint8)
+                    raw = self._staging[: t_hi - t_lo]
+                    self._pread(fd, [raw.numpy()], base + t_lo, t_hi - t_lo, shard)
+                    out[name] = self._output(tuple(info["shape"])).copy_(_as(raw, info))
             i = j
         return out
 
