@@ -1,6 +1,6 @@
 """Named crash points in the store's publication protocol, for kill drills.
 
-The store calls ``at(<boundary>)`` at each point where a dying writer would leave a distinct
+The store (and the tune loop) calls ``at(<boundary>)`` at each point where a dying writer would leave a distinct
 state behind:
 
 =====================  ===================================================================
@@ -9,6 +9,9 @@ state behind:
 ``ckpt-after-commit``   ``COMMIT`` written, older checkpoints not yet rotated away
 ``seg-before-commit``   ``rows/seg-<n>.jsonl`` written, ``rows/seg-<n>.commit`` not yet
 ``put-before-rename``   a local temporary file written and fsynced, not yet renamed
+``tune-before-forward`` a tune step about to run its first forward pass
+``tune-after-backward`` a tune step's gradients accumulated, the optimizer not yet applied
+``tune-after-optimizer`` a tune step applied in memory, nothing of it committed yet
 =====================  ===================================================================
 
 Two ways to act there, both off unless asked for:
@@ -42,12 +45,18 @@ CKPT_BEFORE_COMMIT = "ckpt-before-commit"
 CKPT_AFTER_COMMIT = "ckpt-after-commit"
 SEG_BEFORE_COMMIT = "seg-before-commit"
 PUT_BEFORE_RENAME = "put-before-rename"
+TUNE_BEFORE_FORWARD = "tune-before-forward"
+TUNE_AFTER_BACKWARD = "tune-after-backward"
+TUNE_AFTER_OPTIMIZER = "tune-after-optimizer"
 BOUNDARIES = (
     CKPT_BETWEEN_FILES,
     CKPT_BEFORE_COMMIT,
     CKPT_AFTER_COMMIT,
     SEG_BEFORE_COMMIT,
     PUT_BEFORE_RENAME,
+    TUNE_BEFORE_FORWARD,
+    TUNE_AFTER_BACKWARD,
+    TUNE_AFTER_OPTIMIZER,
 )
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 

@@ -1,0 +1,257 @@
+"""``spill tune``: a LoRA run made of optimizer steps, each one a quantum that can be the last.
+
+The job's whole state is the adapter, the AdamW moments, the step and the data cursor; batches
+are a pure function of (seed, micro-batch index). A checkpoint is committed every
+``ckpt_every`` steps, at ``stop_after``, at the end and on preemption; running the same command
+again (here or on any machine and engine with the same ``--state``) continues from the newest
+committed checkpoint. A checkpoint made with other weights, data or hyperparameters is refused
+in one line naming the difference. On finish the adapter is written in spill's layout, the PEFT
+layout and the MLX-LM layout, with a loss-curve PNG.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spill.console import note, progress
+from spill.engines.base import AdamW, LoadOptions, TrainBatch
+from spill.errors import SpillError
+from spill.jobs import producer
+from spill.jobs.preempt import Guard
+from spill.jobs.schedule import cosine_lr
+from spill.jobs.train_data import data_fingerprint, load_examples, micro_batch
+from spill.models.lora import LoraConfig, init_params
+from spill.paths import spill_home
+from spill.store import drill
+from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+class CheckpointMismatch(SpillError):
+    """A committed checkpoint that belongs to another run."""
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    steps: int = 100
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    lr: float = 2e-4
+    warmup: int = 0
+    weight_decay: float = 0.0
+    batch: int = 8  # samples per optimizer step
+    micro_batch: int = 4  # samples per forward/backward; batch // micro_batch are accumulated
+    seq_len: int = 512
+    seed: int = 0
+    ckpt_every: int = 50
+    stop_after: int | None = None
+    state: str | None = None
+    engine: str | None = "auto"
+    weights: str | None = None
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+    def check(self) -> None:
+        if self.steps < 1 or self.ckpt_every < 1 or self.seq_len < 2:
+            raise SpillError("--steps and --ckpt-every must be at least 1, --seq-len at least 2")
+        if self.micro_batch < 1 or self.batch < 1 or self.batch % self.micro_batch:
+            raise SpillError(
+                f"--batch {self.batch} must be a positive multiple of --micro-batch {self.micro_batch}"
+            )
+        if self.lora.rank < 1 or not 0 <= self.lora.dropout < 1:
+            raise SpillError("--rank must be at least 1 and --dropout in [0, 1)")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise SpillError(f"--stop-after must be between 1 and --steps ({self.steps})")
+        if self.lr <= 0 or self.warmup < 0:
+            raise SpillError("--lr must be positive and --warmup zero or more")
+
+
+def state_root(name: str, state: str | None) -> str:
+    return state or str(spill_home() / "jobs" / name)
+
+
+def _identity(model: str, fingerprint: str, data: str, opts: TuneOptions) -> dict:
+    """The values a checkpoint must share to be continued (``stop_after``/``ckpt_every`` not)."""
+    return {
+        "model": {"id": model, "fingerprint": fingerprint},
+        "seed": opts.seed,
+        "adapter": opts.lora.to_dict(),
+        "hyperparameters": {
+            "data": data,
+            "lr": opts.lr,
+            "schedule": "cosine",
+            "warmup": opts.warmup,
+            "steps": opts.steps,
+            "batch": opts.batch,
+            "micro_batch": opts.micro_batch,
+            "seq_len": opts.seq_len,
+            "weight_decay": opts.weight_decay,
+        },
+    }
+
+
+_LABELS = {"data": "training file", "steps": "total steps (--steps)", "lr": "learning rate"}
+
+
+def refuse_mismatch(found: dict, want: dict, where: str) -> None:
+    """One line naming the first difference between a checkpoint and this run, with both values."""
+    checks = [
+        ("weights (fingerprint)", found["model"]["fingerprint"], want["model"]["fingerprint"])
+    ]
+    checks.append(("seed", found["seed"], want["seed"]))
+    for key, value in want["hyperparameters"].items():
+        checks.append(
+            (_LABELS.get(key, key.replace("_", " ")), found["hyperparameters"].get(key), value)
+        )
+    for key, value in want["adapter"].items():
+        checks.append((f"LoRA {key}", found["adapter"].get(key), value))
+    for label, theirs, ours in checks:
+        if theirs != ours:
+            raise CheckpointMismatch(
+                f"{where} was made with {label} {theirs!r}, this run has {ours!r}; use the same "
+                "settings to continue it, or another --state (or --name) to start fresh"
+            )
+
+
+def _producers(previous: list[dict], me: dict, start: int, end: int) -> list[dict]:
+    """Extend the last range when this run is the same producer, else open a new one."""
+    keys = ("engine", "hardware", "os", "numerics")
+    rec = {k: me[k] for k in keys} | {
+        "machine": me.get("machine"),
+        "libraries": me.get("libraries"),
+    }
+    out = [dict(p) for p in previous]
+    if (
+        out
+        and all(out[-1].get(k) == rec[k] for k in (*keys, "machine", "libraries"))
+        and out[-1]["to_step"] == start
+    ):
+        out[-1]["to_step"] = end
+    elif end > start:
+        out.append({"from_step": start, "to_step": end, **rec})
+    return out
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
+    opts.check()
+    from spill.jobs.loading import load_model
+
+    root = state_root(name, opts.state)
+    loaded = load_model(model, opts.weights, opts.engine, opts.load, "tune")
+    runner, tok = loaded.runner, loaded.tokenizer
+    from spill.models.config import load_config
+
+    cfg = load_config(loaded.folder)
+    examples = load_examples(Path(train_path), tok, opts.seq_len)
+    want = _identity(model, loaded.fingerprint, data_fingerprint(train_path), opts)
+    me = producer.describe(runner.info)
+
+    ckpt = latest_checkpoint(root)
+    if ckpt is not None:
+        refuse_mismatch(ckpt.state, want, ckpt.uri)
+        params, opt, state = load_checkpoint(ckpt)
+        m = {k[3:]: v for k, v in opt.items() if k.startswith("m::")}
+        v = {k[3:]: x for k, x in opt.items() if k.startswith("v::")}
+        step, losses, producers = state["step"], list(state["losses"]), list(state["producers"])
+        note(
+            f"continuing {name} from {ckpt.uri}: step {step} of {opts.steps}, cursor {state['cursor']}"
+        )
+    else:
+        params, m, v = init_params(cfg, opts.lora, opts.seed), {}, {}
+        step, losses, producers = 0, [], []
+    accum = opts.batch // opts.micro_batch
+    trainer = runner.trainer(opts.lora)
+    trainer.set_state(params, m, v)
+    started, saved_at = step, step if ckpt is not None else None
+    tokens = 0
+    t0 = time.perf_counter()
+
+    def save() -> str:
+        nonlocal saved_at
+        if saved_at == step:
+            return f"step {step}"
+        p, mm, vv = trainer.state()
+        opt_arrays = {f"m::{k}": a for k, a in mm.items()} | {f"v::{k}": a for k, a in vv.items()}
+        state = {
+            **want,
+            "step": step,
+            "cursor": step * accum,
+            "losses": [_finite(x) if x is not None else None for x in losses],
+            "producers": _producers(producers, me, started, step),
+            "train_file": Path(train_path).name,
+        }
+        save_checkpoint(root, step, p, opt_arrays, state)
+        saved_at = step
+        return f"step {step} (committed)"
+
+    stop = opts.stop_after or opts.steps
+    with Guard(save=save, unit="step") as guard, progress(stop - step, "tune", unit="step") as bar:
+        while step < stop:
+            guard.boundary()
+            drill.at(drill.TUNE_BEFORE_FORWARD)
+            batches = [
+                micro_batch(examples, opts.seed, step * accum + j, opts.micro_batch, tok.pad_id)
+                for j in range(accum)
+            ]
+            total = sum(b.n_targets for b in batches)
+            loss = 0.0
+            for j, b in enumerate(batches):
+                tb = TrainBatch(
+                    b.tokens,
+                    b.attention,
+                    b.targets,
+                    1.0 / total,
+                    opts.seed * 1_000_003 + step * accum + j,
+                )
+                loss += trainer.accumulate(tb)
+                tokens += int(b.attention.sum())
+            drill.at(drill.TUNE_AFTER_BACKWARD)
+            with guard.mutating():
+                lr = cosine_lr(step, opts.lr, opts.warmup, opts.steps)
+                trainer.apply(AdamW(lr=lr, step=step + 1, weight_decay=opts.weight_decay))
+                losses.append(loss)
+                step += 1
+                drill.at(drill.TUNE_AFTER_OPTIMIZER)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            if step % opts.ckpt_every == 0 or step == stop:
+                with guard.mutating():
+                    save()
+    seconds = time.perf_counter() - t0
+    summary = {
+        "name": name,
+        "step": step,
+        "steps": opts.steps,
+        "loss": round(losses[-1], 6) if losses else None,
+        "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+        "seconds": round(seconds, 2),
+        "state": root,
+        "engine": runner.info.engine,
+        "numerics": runner.info.numerics,
+    }
+    ranges = _producers(producers, me, started, step)
+    if len({(p["engine"], p["machine"], p["numerics"]) for p in ranges}) > 1:
+        moved = "; ".join(
+            f"steps {p['from_step']}-{p['to_step']} {p['engine']} {p['numerics']} on {p['machine']}"
+            for p in ranges
+        )
+        note(f"this run moved: {moved}")
+        summary["moved"] = moved
+    if step == opts.steps:
+        from spill.jobs.adapter_files import publish_adapter
+
+        p, _, _ = trainer.state()
+        summary["adapter"] = publish_adapter(
+            root, p, opts.lora, model, loaded.fingerprint, cfg.num_hidden_layers, losses
+        )
+        note(f"adapter written to {summary['adapter']} (spill, PEFT and MLX-LM layouts, loss.png)")
+    else:
+        note(
+            f"stopped after step {step} of {opts.steps} with a committed checkpoint; run the same command to continue"
+        )
+    runner.close()
+    return summary
