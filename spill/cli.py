@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from spill import __version__
-from spill.errors import EXIT_USAGE, SpillError
+from spill.errors import EXIT_PREEMPTED, EXIT_USAGE, SpillError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
@@ -62,6 +62,31 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="rows generated together (default 8)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed; each row derives its own from it and its id",
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
+    )
+
+
+def _state_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--state",
+        metavar="URI",
+        help="commit results here (local path, s3://, gs://, az://, memory://) and continue "
+        "from what is committed; SIGTERM/SIGINT then saves and exits 75",
+    )
+
+
 def _load_options(args):
     from spill.engines.base import LoadOptions
 
@@ -76,11 +101,10 @@ def _load_options(args):
     )
 
 
-def cmd_run(args) -> int:
-    from spill.console import emit
-    from spill.jobs.run import RunOptions, run
+def _run_options(args):
+    from spill.jobs.run import RunOptions
 
-    opts = RunOptions(
+    return RunOptions(
         max_new_tokens=args.max_new_tokens,
         batch=args.batch,
         temperature=args.temperature,
@@ -90,8 +114,75 @@ def cmd_run(args) -> int:
         engine=args.engine,
         weights=args.weights,
         load=_load_options(args),
+        state=args.state,
     )
-    emit(run(args.model, Path(args.input), Path(args.out), opts), args.json)
+
+
+def cmd_run(args) -> int:
+    from spill.console import emit
+    from spill.jobs.run import run
+
+    emit(run(args.model, Path(args.input), Path(args.out), _run_options(args)), args.json)
+    return 0
+
+
+def cmd_distill(args) -> int:
+    from spill.console import emit
+    from spill.jobs.distill import distill
+
+    emit(distill(args.teacher, Path(args.input), Path(args.out), _run_options(args)), args.json)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from spill.console import emit
+    from spill.jobs.eval import EvalOptions, evaluate
+
+    opts = EvalOptions(
+        max_new_tokens=args.max_new_tokens,
+        batch=args.batch,
+        chat=args.chat,
+        adapter=Path(args.adapter) if args.adapter else None,
+        engine=args.engine,
+        weights=args.weights,
+        load=_load_options(args),
+        state=args.state,
+    )
+    result = evaluate(args.model, Path(args.input), Path(args.out) if args.out else None, opts)
+    columns = ["rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token"]
+    emit(result, args.json, None if args.json else columns)
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from spill.console import emit
+    from spill.jobs.tune import TuneOptions, tune
+    from spill.models.lora import LoraConfig
+
+    lora = LoraConfig(
+        rank=args.rank,
+        alpha=args.alpha if args.alpha is not None else 2.0 * args.rank,
+        dropout=args.dropout,
+        targets=LoraConfig.parse_targets(args.targets),
+    )
+    opts = TuneOptions(
+        steps=args.steps,
+        lora=lora,
+        lr=args.lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        batch=args.batch,
+        micro_batch=args.micro_batch or args.batch,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        ckpt_every=args.ckpt_every,
+        stop_after=args.stop_after,
+        state=args.state,
+        engine=args.engine,
+        weights=args.weights,
+        load=_load_options(args),
+    )
+    emit(tune(args.model, Path(args.train), args.name, opts), args.json)
     return 0
 
 
@@ -156,22 +247,81 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="alias (smollm2:135m), hub id (org/name) or local model folder")
     p.add_argument("input", help='JSONL rows {"id", "prompt"} or {"id", "messages"}')
     p.add_argument("--out", required=True, help="results JSONL (written whole at the end)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="rows generated together (default 8)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="sampling seed; each row derives its own from it and its id",
-    )
-    p.add_argument(
-        "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
-    )
+    _generation_options(p)
+    _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     _model_options(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("eval", help="grade a model (and adapter) on rows with known answers")
+    p.add_argument("model", help="alias, hub id or local model folder")
+    p.add_argument(
+        "input", help='JSONL rows {"id", "prompt"|"messages", "answer"} ("completion" works too)'
+    )
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (spill or PEFT layout)")
+    p.add_argument("--out", help="per-row results JSONL (written whole at the end)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="generation limit (default: the longest answer's tokens + 16)",
+    )
+    p.add_argument("--batch", type=int, default=8, help="rows graded together (default 8)")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
+    )
+    _state_option(p)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _model_options(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("distill", help="have a teacher answer prompts, as training rows")
+    p.add_argument("teacher", help="alias, hub id or local model folder of the teacher")
+    p.add_argument("input", help='JSONL rows {"id", "prompt"} or {"id", "messages"}')
+    p.add_argument(
+        "--out", required=True, help="training JSONL, prompt/completion or messages rows"
+    )
+    _generation_options(p)
+    _state_option(p)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _model_options(p)
+    p.set_defaults(func=cmd_distill)
+
+    p = sub.add_parser(
+        "tune", aliases=["train"], help="train a LoRA adapter, streamed through the ring"
+    )
+    p.add_argument("model", help="alias, hub id or local model folder")
+    p.add_argument("train", help='JSONL rows {"prompt","completion"}, {"messages"} or {"text"}')
+    p.add_argument(
+        "--name", required=True, help="the run's name (its state folder without --state)"
+    )
+    p.add_argument(
+        "--state", metavar="URI", help="checkpoint location: a path, s3://, gs://, az://, memory://"
+    )
+    p.add_argument(
+        "--steps", type=int, default=100, help="total optimizer steps (part of the run's identity)"
+    )
+    p.add_argument(
+        "--stop-after", type=int, metavar="N", help="stop after step N with a committed checkpoint"
+    )
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--alpha", type=float, help="LoRA alpha (default: 2 x rank)")
+    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout")
+    p.add_argument(
+        "--targets", default="q_proj,v_proj", help="modules to adapt, comma-separated, or 'all'"
+    )
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--warmup", type=int, default=0, help="warmup steps before the cosine decay")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--batch", type=int, default=8, help="samples per optimizer step")
+    p.add_argument("--micro-batch", type=int, help="samples per forward pass (default: --batch)")
+    p.add_argument(
+        "--seq-len", type=int, default=512, help="tokens per sample (longer rows are cut)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="adapter init and data order")
+    p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _model_options(p)
+    p.set_defaults(func=cmd_tune)
 
     models = sub.add_parser("models", help="import, generate and list models").add_subparsers(
         dest="models_command", metavar="ACTION", required=True
@@ -203,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except SpillError as e:
-        print(f"spill: error: {e}", file=sys.stderr)
+        if e.exit_code != EXIT_PREEMPTED:  # a preempted job already said so, in one line
+            print(f"spill: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("spill: interrupted", file=sys.stderr)

@@ -1,27 +1,27 @@
 """``spill run``: batch generation over a JSONL file of prompts.
 
 Rows are generated in input order, ``batch`` at a time. A row's sampling seed is derived from
-the run seed and the row id, so a sampled answer does not depend on batch size or neighbours.
-The output is written under a temporary name and renamed at the end: a failed run leaves no
-half-written ``--out``.
+the run seed and the row id, so a sampled answer does not depend on batch size or neighbours,
+nor on which machine continued the job. With ``--state`` the job is a portable row job
+(``spill.jobs.rows_job``): results are committed in segments and a rerun continues where the
+last one stopped. The output is written under a temporary name and renamed at the end: a failed
+run leaves no half-written ``--out``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from spill.console import note, progress
+from spill.console import note
 from spill.engines.base import GenerateParams, LoadOptions
 from spill.errors import DataError
 from spill.jobs.inputs import PromptRow, read_prompt_rows
-from spill.jobs.loading import load_model
+from spill.jobs.loading import Loaded
+from spill.jobs.rows_job import RowJob, execute, write_jsonl
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,17 @@ class RunOptions:
     engine: str | None = "auto"
     weights: str | None = None
     load: LoadOptions = LoadOptions()
+    state: str | None = None  # a state URI: commit results in segments, continue from them
+
+    def settings(self) -> dict:
+        """What decides a row's answer, pinned in a state location's identity."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "chat": self.chat,
+        }
 
 
 def row_seed(seed: int, row_id) -> int:
@@ -50,56 +61,80 @@ def encode_row(tokenizer, row: PromptRow, chat: bool) -> list[int]:
     return tokenizer.encode(row.prompt)
 
 
-def run(model: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
-    if opts.batch < 1 or opts.max_new_tokens < 1:
-        raise DataError("--batch and --max-new-tokens must be at least 1")
-    rows = read_prompt_rows(input_path)
-    loaded = load_model(model, opts.weights, opts.engine, opts.load, "run")
-    tok = loaded.tokenizer
-    encoded = []
+def encode_rows(tokenizer, rows, chat: bool, input_path: Path) -> dict:
+    """Token ids per row id; an empty prompt fails in one line naming the row."""
+    out = {}
     for row in rows:
-        ids = encode_row(tok, row, opts.chat)
+        ids = encode_row(tokenizer, row, chat)
         if not ids:
             raise DataError(f"{input_path}: row {row.id!r} has an empty prompt; give it some text")
-        encoded.append(np.asarray(ids, dtype=np.int64))
+        out[row.id] = np.asarray(ids, dtype=np.int64)
+    return out
+
+
+def generator(loaded: Loaded, rows, opts: RunOptions, input_path: Path, counter: dict):
+    """``compute(batch)`` for run and distill: ``{"id", "output", "finish", "tokens"}`` each."""
+    tok = loaded.tokenizer
+    encoded = encode_rows(tok, rows, opts.chat, input_path)
     params = GenerateParams(opts.max_new_tokens, opts.temperature, opts.top_p, tuple(tok.eos_ids))
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    generated = 0
-    start = time.perf_counter()
-    try:
-        with open(tmp, "w", encoding="utf-8") as f, progress(len(rows), "run") as bar:
-            for lo in range(0, len(rows), opts.batch):
-                batch = rows[lo : lo + opts.batch]
-                seeds = [row_seed(opts.seed, r.id) for r in batch]
-                outs = loaded.runner.generate(encoded[lo : lo + opts.batch], params, seeds)
-                for row, gen in zip(batch, outs, strict=True):
-                    generated += len(gen.tokens)
-                    line = {
-                        "id": row.id,
-                        "output": tok.decode(gen.tokens),
-                        "finish": gen.finish,
-                        "tokens": len(gen.tokens),
-                    }
-                    f.write(json.dumps(line, ensure_ascii=False) + "\n")
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
-        loaded.runner.close()
-    seconds = time.perf_counter() - start
+
+    def compute(batch: list[PromptRow]) -> list[dict]:
+        seeds = [row_seed(opts.seed, r.id) for r in batch]
+        outs = loaded.runner.generate([encoded[r.id] for r in batch], params, seeds)
+        records = []
+        for row, gen in zip(batch, outs, strict=True):
+            counter["tokens"] += len(gen.tokens)
+            records.append(
+                {
+                    "id": row.id,
+                    "output": tok.decode(gen.tokens),
+                    "finish": gen.finish,
+                    "tokens": len(gen.tokens),
+                }
+            )
+        return records
+
+    return compute
+
+
+def check_options(opts: RunOptions) -> None:
+    if opts.batch < 1 or opts.max_new_tokens < 1:
+        raise DataError("--batch and --max-new-tokens must be at least 1")
+
+
+def run(model: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
+    check_options(opts)
+    input_path, out_path = Path(input_path), Path(out_path)
+    rows = read_prompt_rows(input_path)
+    counter = {"tokens": 0}
+    job = RowJob(
+        "run",
+        model,
+        input_path,
+        rows,
+        opts.settings(),
+        opts.state,
+        opts.batch,
+        opts.engine,
+        opts.weights,
+        opts.load,
+    )
+    done = execute(
+        job,
+        lambda loaded: generator(loaded, rows, opts, input_path, counter),
+        lambda records: write_jsonl(out_path, records),
+    )
+    generated = counter["tokens"]
     summary = {
         "rows": len(rows),
         "generated_tokens": generated,
-        "seconds": round(seconds, 2),
-        "tokens_per_s": round(generated / max(seconds, 1e-9), 1),
+        "seconds": round(done.seconds, 2),
+        "tokens_per_s": round(generated / max(done.seconds, 1e-9), 1),
         "out": str(out_path),
-        "engine": loaded.runner.info.engine,
-        "numerics": loaded.runner.info.numerics,
+        "engine": done.loaded.runner.info.engine,
+        "numerics": done.loaded.runner.info.numerics,
     }
+    if opts.state:
+        summary.update(state=opts.state, restored=done.restored, ran=done.ran)
     note(f"wrote {len(rows)} rows to {out_path}")
     return summary

@@ -1,0 +1,74 @@
+"""``spill distill``: a teacher answers the inputs and the answers become training rows.
+
+A row job like run (same sampling, seeds, ``--state`` segments). Each input row becomes one line
+of ``--out``, ready for ``spill tune``:
+
+* ``{"id", "prompt"}``          -> ``{"id", "prompt", "completion"}``
+* ``{"id", "messages"}``        -> ``{"id", "messages": [..., {"role": "assistant", ...}]}``
+* ``{"id", "prompt"}`` with ``--chat`` -> the messages form with the prompt as the user turn, so
+  the student learns the answer in the chat format the teacher saw.
+
+Answers cut off at ``--max-new-tokens`` are kept and counted in the summary (``truncated``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spill.console import note
+from spill.jobs.inputs import PromptRow, read_prompt_rows
+from spill.jobs.rows_job import RowJob, execute, write_jsonl
+from spill.jobs.run import RunOptions, check_options, generator
+
+
+def training_row(row: PromptRow, answer: str, chat: bool) -> dict:
+    if row.messages is not None:
+        return {"id": row.id, "messages": [*row.messages, {"role": "assistant", "content": answer}]}
+    if chat:
+        turns = [{"role": "user", "content": row.prompt}, {"role": "assistant", "content": answer}]
+        return {"id": row.id, "messages": turns}
+    return {"id": row.id, "prompt": row.prompt, "completion": answer}
+
+
+def distill(teacher: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
+    check_options(opts)
+    input_path, out_path = Path(input_path), Path(out_path)
+    rows = read_prompt_rows(input_path)
+    by_id = {r.id: r for r in rows}
+    counter = {"tokens": 0}
+    job = RowJob(
+        "distill",
+        teacher,
+        input_path,
+        rows,
+        opts.settings(),
+        opts.state,
+        opts.batch,
+        opts.engine,
+        opts.weights,
+        opts.load,
+    )
+
+    def finish(records: list[dict]) -> None:
+        write_jsonl(
+            out_path, [training_row(by_id[r["id"]], r["output"], opts.chat) for r in records]
+        )
+
+    done = execute(job, lambda loaded: generator(loaded, rows, opts, input_path, counter), finish)
+    truncated = sum(r["finish"] == "length" for r in done.records)
+    summary = {
+        "rows": len(rows),
+        "truncated": truncated,
+        "generated_tokens": counter["tokens"],
+        "seconds": round(done.seconds, 2),
+        "out": str(out_path),
+        "teacher": teacher,
+        "engine": done.loaded.runner.info.engine,
+        "numerics": done.loaded.runner.info.numerics,
+    }
+    if opts.state:
+        summary.update(state=opts.state, restored=done.restored, ran=done.ran)
+    note(f"wrote {len(rows)} training rows to {out_path}")
+    if truncated:
+        note(f"{truncated} answers stopped at --max-new-tokens {opts.max_new_tokens}; raise it?")
+    return summary

@@ -1,0 +1,213 @@
+"""The row-job driver shared by run, eval and distill: quanta of rows, committed segments, resume.
+
+A verb gives its rows (anything with an ``id``), the settings that decide its results, and a
+``prepare(loaded)`` that returns ``compute(batch) -> [record, ...]`` (one JSON record with an
+``"id"`` per row, in the batch's order). The driver:
+
+1. resolves the model and hashes the input, and with ``--state`` pins ``rows/identity.json``
+   (job, model id + fingerprint, input sha256, settings) before the engine opens, so another
+   job is refused in one line without loading anything;
+2. restores the committed segments and runs only the rows left, in input order, ``batch`` at a
+   time; a row is done when its batch returns, and then goes to the ``SegmentWriter`` (pushes
+   every 25 rows or 60 s and on stop, each commit naming the producer);
+3. inside a preemption ``Guard`` (``spill.jobs.preempt``): SIGTERM/SIGINT finishes the batch in
+   flight if it returns within the grace period, else abandons it, pushes what is done,
+   prints ``preempted`` and exits 75;
+4. hands every record, in input order, to the verb's ``finish`` (which writes ``--out`` whole).
+
+Without ``--state`` nothing is pinned or pushed and signals keep their default meaning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from spill.console import note, progress
+from spill.engines.base import LoadOptions
+from spill.errors import DataError, StoreError
+from spill.jobs.loading import Loaded
+from spill.jobs.preempt import SIGNALS, Guard
+from spill.jobs.producer import describe
+
+Record = dict[str, Any]
+Compute = Callable[[list[Any]], list[Record]]
+
+
+class HasId(Protocol):
+    id: str | int
+
+
+@dataclass(frozen=True)
+class RowJob:
+    verb: str  # "run", "eval", "distill": part of the identity
+    model: str
+    input_path: Path
+    rows: Sequence[HasId]
+    settings: dict[str, Any]  # everything else that decides the results; pinned
+    state: str | None = None
+    batch: int = 8
+    engine: str | None = "auto"
+    weights: str | None = None
+    load: LoadOptions = LoadOptions()
+
+
+@dataclass
+class Outcome:
+    records: list[Record]  # one per input row, in input order
+    restored: int  # rows taken from committed segments
+    ran: int  # rows computed by this process
+    seconds: float
+    loaded: Loaded
+    producer: dict[str, Any]
+    segments: int = 0  # segments this process pushed
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_jsonl(path: Path, records: Sequence[Record]) -> None:
+    """The whole file under a temporary name, fsynced, then renamed: never half-written."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _resolve(name: str, weights: str | None):
+    from spill.models.cache import cached_fingerprint
+    from spill.models.resolve import resolve_model
+
+    resolved = resolve_model(name, weights, progress=note)
+    return resolved, cached_fingerprint(Path(resolved.folder))
+
+
+def _open(job: RowJob, resolved, fp: str) -> Loaded:
+    """``loading.load_model`` after the resolve step, which the identity needed first."""
+    from spill.engines import resolve
+    from spill.engines.base import ModelSpec
+    from spill.models.config import load_config
+    from spill.models.tokenizer import Tokenizer
+
+    folder = Path(resolved.folder)
+    config, tokenizer = load_config(folder), Tokenizer(folder)  # fail before the engine opens
+    runner = resolve(job.engine).open(ModelSpec(folder, config), job.load)
+    note(f"spill {job.verb} · model {job.model} ({fp[:19]}) · {runner.info.line()}")
+    return Loaded(job.model, folder, fp, tokenizer, runner)
+
+
+def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
+    # A local folder's path differs between machines; its name and fingerprint do not.
+    model_id = resolved.model_id or Path(resolved.folder).name
+    return {
+        "job": job.verb,
+        "model": {"id": model_id, "fingerprint": fp},
+        "input": {"sha256": file_sha256(job.input_path)},
+        "settings": job.settings,
+    }
+
+
+def _restore(uri: str, pinned: dict[str, Any], rows: Sequence[HasId]) -> dict:
+    from spill.store.rows import pin_identity, restore
+
+    pin_identity(uri, pinned)
+    got = restore(uri)
+    ids = {r.id for r in rows}
+    stray = [rid for rid in got.done if rid not in ids]
+    if stray:
+        raise StoreError(
+            f"{uri} holds row {stray[0]!r}, which the input does not have; "
+            "use a new --state location"
+        )
+    return dict(zip(got.done, got.rows, strict=True))
+
+
+def execute(
+    job: RowJob,
+    prepare: Callable[[Loaded], Compute],
+    finish: Callable[[list[Record]], None],
+) -> Outcome:
+    """Run the rows left and call ``finish(records in input order)``; see the module doc."""
+    from spill.store.rows import SegmentWriter
+
+    if job.batch < 1:
+        raise DataError("--batch must be at least 1")
+    with Guard(unit="batch", signals=SIGNALS if job.state else ()) as guard:
+        resolved, fp = _resolve(job.model, job.weights)
+        pinned = identity(job, resolved, fp)
+        results: dict = _restore(job.state, pinned, job.rows) if job.state else {}
+        todo = [r for r in job.rows if r.id not in results]
+        total = len(job.rows)
+        if job.state:
+            note(
+                f"state {job.state}: {len(results)} of {total} rows committed; "
+                f"running the {len(todo)} left"
+            )
+        loaded = _open(job, resolved, fp)
+        try:
+            producer = describe(loaded.runner.info)
+            compute = prepare(loaded) if todo else None
+            writer = SegmentWriter(job.state, pinned, producer) if job.state else None
+            pushed = 0
+
+            def save() -> str:
+                nonlocal pushed
+                pushed += writer.flush() is not None
+                return f"{len(writer.done)} of {total} rows in {job.state}"
+
+            if writer is not None:
+                guard.save = save
+            start = time.perf_counter()
+            with progress(total, job.verb) as bar:
+                bar.update(len(results))
+                try:
+                    for lo in range(0, len(todo), job.batch):
+                        guard.boundary()
+                        chunk = list(todo[lo : lo + job.batch])
+                        records = compute(chunk)
+                        assert [r["id"] for r in records] == [r.id for r in chunk]
+                        with guard.mutating():
+                            for rec in records:
+                                results[rec["id"]] = rec
+                                if writer is not None:
+                                    pushed += writer.add(rec["id"], rec)
+                            if writer is not None:
+                                pushed += writer.tick()
+                        bar.update(len(chunk))
+                except Exception:
+                    # an engine or data error: the rows already finished are worth keeping
+                    if writer is not None:
+                        with guard.mutating(), contextlib.suppress(Exception):
+                            writer.flush()
+                    raise
+            with guard.mutating():
+                if writer is not None:
+                    pushed += writer.flush() is not None
+                ordered = [results[r.id] for r in job.rows]
+                finish(ordered)
+            seconds = time.perf_counter() - start
+        finally:
+            loaded.runner.close()
+    return Outcome(ordered, total - len(todo), len(todo), seconds, loaded, producer, pushed)
