@@ -20,18 +20,30 @@ class Loaded:
     runner: Runner
 
 
-def load_model(
-    name: str, weights: str | None, engine: str | None, options: LoadOptions, verb: str
-) -> Loaded:
-    from spill.engines import resolve
+def find_model(name: str, weights: str | None):
+    """Resolve (and fetch or stage) a model and fingerprint it, without opening an engine."""
     from spill.models.cache import cached_fingerprint
     from spill.models.resolve import resolve_model
 
     resolved = resolve_model(name, weights, progress=note)
+    return resolved, cached_fingerprint(Path(resolved.folder))
+
+
+def open_model(
+    name: str, resolved, fp: str, engine: str | None, options: LoadOptions, verb: str
+) -> Loaded:
+    """Open a resolved model on an engine and print the pre-run line."""
+    from spill.engines import resolve
+
     folder = Path(resolved.folder)
-    config = load_config(folder)
-    tokenizer = Tokenizer(folder)
-    fp = cached_fingerprint(folder)
+    config, tokenizer = load_config(folder), Tokenizer(folder)  # fail before the engine opens
     runner = resolve(engine).open(ModelSpec(folder, config), options)
     note(f"spill {verb} · model {name} ({fp[:19]}) · {runner.info.line()}")
     return Loaded(name, folder, fp, tokenizer, runner)
+
+
+def load_model(
+    name: str, weights: str | None, engine: str | None, options: LoadOptions, verb: str
+) -> Loaded:
+    resolved, fp = find_model(name, weights)
+    return open_model(name, resolved, fp, engine, options, verb)

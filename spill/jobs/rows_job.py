@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from spill.console import note, progress
 from spill.engines.base import LoadOptions
 from spill.errors import DataError, StoreError
-from spill.jobs.loading import Loaded
+from spill.jobs.loading import Loaded, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
 
@@ -105,17 +105,7 @@ def _resolve(name: str, weights: str | None):
 
 
 def _open(job: RowJob, resolved, fp: str) -> Loaded:
-    """``loading.load_model`` after the resolve step, which the identity needed first."""
-    from spill.engines import resolve
-    from spill.engines.base import ModelSpec
-    from spill.models.config import load_config
-    from spill.models.tokenizer import Tokenizer
-
-    folder = Path(resolved.folder)
-    config, tokenizer = load_config(folder), Tokenizer(folder)  # fail before the engine opens
-    runner = resolve(job.engine).open(ModelSpec(folder, config), job.load)
-    note(f"spill {job.verb} · model {job.model} ({fp[:19]}) · {runner.info.line()}")
-    return Loaded(job.model, folder, fp, tokenizer, runner)
+    return open_model(job.model, resolved, fp, job.engine, job.load, job.verb)
 
 
 def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:

@@ -20,10 +20,13 @@ from spill.console import note, progress
 from spill.engines.base import AdamW, LoadOptions, TrainBatch
 from spill.errors import SpillError
 from spill.jobs import producer
+from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
 from spill.jobs.schedule import cosine_lr
 from spill.jobs.train_data import data_fingerprint, load_examples, micro_batch
+from spill.models.config import load_config
 from spill.models.lora import LoraConfig, init_params
+from spill.models.tokenizer import Tokenizer
 from spill.paths import spill_home
 from spill.store import drill
 from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -138,21 +141,20 @@ def _finite(x: float) -> float | None:
 
 def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     opts.check()
-    from spill.jobs.loading import load_model
-
     root = state_root(name, opts.state)
-    loaded = load_model(model, opts.weights, opts.engine, opts.load, "tune")
-    runner, tok = loaded.runner, loaded.tokenizer
-    from spill.models.config import load_config
-
-    cfg = load_config(loaded.folder)
+    # Everything that can refuse the run is checked before an engine opens.
+    resolved, fingerprint = find_model(model, opts.weights)
+    folder = Path(resolved.folder)
+    cfg, tok = load_config(folder), Tokenizer(folder)
     examples = load_examples(Path(train_path), tok, opts.seq_len)
-    want = _identity(model, loaded.fingerprint, data_fingerprint(train_path), opts)
-    me = producer.describe(runner.info)
-
+    want = _identity(model, fingerprint, data_fingerprint(train_path), opts)
     ckpt = latest_checkpoint(root)
     if ckpt is not None:
         refuse_mismatch(ckpt.state, want, ckpt.uri)
+    loaded = open_model(model, resolved, fingerprint, opts.engine, opts.load, "tune")
+    runner = loaded.runner
+    me = producer.describe(runner.info)
+    if ckpt is not None:
         params, opt, state = load_checkpoint(ckpt)
         m = {k[3:]: v for k, v in opt.items() if k.startswith("m::")}
         v = {k[3:]: x for k, x in opt.items() if k.startswith("v::")}
@@ -246,7 +248,7 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
 
         p, _, _ = trainer.state()
         summary["adapter"] = publish_adapter(
-            root, p, opts.lora, model, loaded.fingerprint, cfg.num_hidden_layers, losses
+            root, p, opts.lora, model, fingerprint, cfg.num_hidden_layers, losses
         )
         note(f"adapter written to {summary['adapter']} (spill, PEFT and MLX-LM layouts, loss.png)")
     else:
