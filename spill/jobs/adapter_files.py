@@ -26,9 +26,11 @@ def loss_png(losses: list[float], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(range(1, len(losses) + 1), [np.nan if x is None else x for x in losses], lw=1.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (completion tokens)")
     ax.set_title(title)
