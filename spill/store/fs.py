@@ -158,6 +158,9 @@ def get_bytes(uri: str | os.PathLike) -> bytes:
             return f.read()
     fs, path = filesystem(uri)
     with _errors(uri, "read"):
+        # s3fs may size the object from a cached listing of its folder first, which would call
+        # an object another process wrote since that listing missing
+        fs.invalidate_cache(path)
         return fs.cat_file(path)
 
 
