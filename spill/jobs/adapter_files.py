@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.models.lora import LoraConfig, export_mlx, export_peft
-from spill.store.fs import join, put_bytes
+from spill.store.fs import join, put_bytes, remove
 
 ADAPTER = "adapter"
 
@@ -78,6 +78,7 @@ def publish_adapter(
 ) -> str:
     """Write the adapter tree under ``<root>/adapter`` and return its location."""
     target = join(root, ADAPTER)
+    remove(target)  # what a publication killed midway left, its temporary files included
     with tempfile.TemporaryDirectory(prefix="spill-adapter-") as tmp:
         local = write_local(Path(tmp), params, lora, model, fingerprint, layers, losses)
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
