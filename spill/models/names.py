@@ -62,6 +62,37 @@ _BY_MODEL_ID = {a.model_id.lower(): a for a in _TABLE}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+@dataclass(frozen=True)
+class TinyName:
+    """``tiny:<family>:<seed>[:<layers>x<hidden>]``: a tiny random model generated on first use."""
+
+    family: str
+    seed: int
+    layers: int = 4
+    hidden: int = 64
+
+    @property
+    def name(self) -> str:  # the canonical spelling, the same on every machine
+        return f"tiny:{self.family}:{self.seed}:{self.layers}x{self.hidden}"
+
+
+_TINY = re.compile(r"^tiny:(llama|qwen2):(\d+)(?::(\d+)x(\d+))?$")
+
+
+def parse_tiny(name: str) -> TinyName | None:
+    """``tiny:llama:7`` or ``tiny:qwen2:3:2x64`` as a ``TinyName``; None for other names."""
+    if not name.strip().lower().startswith("tiny:"):
+        return None
+    m = _TINY.match(name.strip().lower())
+    if not m:
+        raise ModelNotFound(
+            f"{name!r} is not a tiny model name; use tiny:<llama|qwen2>:<seed>[:<layers>x<hidden>], "
+            "e.g. tiny:llama:1 or tiny:qwen2:3:2x64"
+        )
+    layers, hidden = (int(m[3]), int(m[4])) if m[3] else (4, 64)
+    return TinyName(m[1], int(m[2]), layers, hidden)
+
+
 def looks_like_alias(name: str) -> bool:
     """``family:size``: one colon, no path separator, no URI scheme."""
     return name.count(":") == 1 and "/" not in name and "\\" not in name

