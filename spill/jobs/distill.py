@@ -47,6 +47,7 @@ def distill(teacher: str, input_path: Path, out_path: Path, opts: RunOptions) ->
         opts.engine,
         opts.weights,
         opts.load,
+        opts.stop_after,
     )
 
     def finish(records: list[dict]) -> None:
@@ -68,6 +69,10 @@ def distill(teacher: str, input_path: Path, out_path: Path, opts: RunOptions) ->
     }
     if opts.state:
         summary.update(state=opts.state, restored=done.restored, ran=done.ran)
+    if not done.complete:
+        summary.update(rows=len(done.records), total=len(rows), complete=False)
+        summary.pop("out")
+        return summary
     note(f"wrote {len(rows)} training rows to {out_path}")
     if truncated:
         note(f"{truncated} answers stopped at --max-new-tokens {opts.max_new_tokens}; raise it?")

@@ -46,6 +46,7 @@ class EvalOptions:
     weights: str | None = None
     load: LoadOptions = LoadOptions()
     state: str | None = None
+    stop_after: int | None = None  # stop after this many rows in all (with state: continue later)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,7 @@ def evaluate(model: str, input_path: Path, out_path: Path | None, opts: EvalOpti
         opts.engine,
         opts.weights,
         opts.load,
+        opts.stop_after,
     )
     done = execute(
         job,
@@ -243,7 +245,7 @@ def evaluate(model: str, input_path: Path, out_path: Path | None, opts: EvalOpti
     summary = {
         "rows": len(records),
         "correct": correct,
-        "accuracy": round(correct / len(records), 6),
+        "accuracy": round(correct / len(records), 6) if records else None,
         "gold_logprob": _mean(r["gold_logprob"] for r in records),
         "gold_logprob_per_token": _mean(r["gold_logprob_mean"] for r in records),
         "adapter": str(opts.adapter) if opts.adapter else None,
@@ -251,9 +253,11 @@ def evaluate(model: str, input_path: Path, out_path: Path | None, opts: EvalOpti
         "engine": done.loaded.runner.info.engine,
         "numerics": done.loaded.runner.info.numerics,
     }
-    if out_path:
+    if out_path and done.complete:
         summary["out"] = str(out_path)
         note(f"wrote {len(records)} graded rows to {out_path}")
+    if not done.complete:
+        summary.update(complete=False, total=len(rows))
     if opts.state:
         summary.update(state=opts.state, restored=done.restored, ran=done.ran)
     return summary

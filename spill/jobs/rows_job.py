@@ -15,6 +15,10 @@ A verb gives its rows (anything with an ``id``), the settings that decide its re
    prints ``preempted`` and exits 75;
 4. hands every record, in input order, to the verb's ``finish`` (which writes ``--out`` whole).
 
+``stop_after`` (a build's ``--stop-after distill:5``) stops once that many rows are done in all
+(committed before plus run now), pushes them and returns an incomplete ``Outcome`` without
+calling ``finish``; running the job again continues with the rest.
+
 Without ``--state`` nothing is pinned or pushed and signals keep their default meaning.
 """
 
@@ -56,6 +60,7 @@ class RowJob:
     engine: str | None = "auto"
     weights: str | None = None
     load: LoadOptions = LoadOptions()
+    stop_after: int | None = None  # stop when this many rows are done in all
 
 
 @dataclass
@@ -68,6 +73,7 @@ class Outcome:
     producer: dict[str, Any]
     segments: int = 0  # segments this process pushed
     extra: dict[str, Any] = field(default_factory=dict)
+    complete: bool = True  # False: stopped at ``stop_after``; records holds the rows done
 
 
 def file_sha256(path: Path) -> str:
@@ -150,6 +156,8 @@ def execute(
         results: dict = _restore(job.state, pinned, job.rows) if job.state else {}
         todo = [r for r in job.rows if r.id not in results]
         total = len(job.rows)
+        if job.stop_after is not None:
+            todo = todo[: max(0, job.stop_after - len(results))]
         if job.state:
             note(
                 f"state {job.state}: {len(results)} of {total} rows committed; "
@@ -192,12 +200,21 @@ def execute(
                         with guard.mutating(), contextlib.suppress(Exception):
                             writer.flush()
                     raise
+            complete = len(results) == total
             with guard.mutating():
                 if writer is not None:
                     pushed += writer.flush() is not None
-                ordered = [results[r.id] for r in job.rows]
-                finish(ordered)
+                ordered = [results[r.id] for r in job.rows if r.id in results]
+                if complete:
+                    finish(ordered)
+                else:
+                    note(
+                        f"stopped after {len(ordered)} of {total} rows, committed; run again to continue"
+                    )
             seconds = time.perf_counter() - start
         finally:
             loaded.runner.close()
-    return Outcome(ordered, total - len(todo), len(todo), seconds, loaded, producer, pushed)
+    ran = len(todo)
+    return Outcome(
+        ordered, len(ordered) - ran, ran, seconds, loaded, producer, pushed, complete=complete
+    )

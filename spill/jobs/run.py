@@ -36,6 +36,7 @@ class RunOptions:
     weights: str | None = None
     load: LoadOptions = LoadOptions()
     state: str | None = None  # a state URI: commit results in segments, continue from them
+    stop_after: int | None = None  # stop after this many rows in all (with state: continue later)
 
     def settings(self) -> dict:
         """What decides a row's answer, pinned in a state location's identity."""
@@ -118,6 +119,7 @@ def run(model: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
         opts.engine,
         opts.weights,
         opts.load,
+        opts.stop_after,
     )
     done = execute(
         job,
