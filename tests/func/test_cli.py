@@ -160,3 +160,27 @@ def test_bad_models(tmp_path, tiny_models):
     fails(m, "model_type 'gpt2' is not supported")
 
     fails("qwen9:1b", "unknown")
+
+
+def test_weights_stage_once_then_nothing(tmp_path, tiny_models):
+    src = _prompts(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
+    env = {"SPILL_HOME": str(tmp_path / "home")}
+    lines = []
+    for _ in range(2):
+        out = tmp_path / "out.jsonl"
+        proc = run_spill(
+            "run",
+            "tinyq",
+            str(src),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "2",
+            "--weights",
+            str(tiny_models["qwen2"]),
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr
+        lines.append(next(line for line in proc.stderr.splitlines() if line.startswith("staged")))
+    assert "0 skipped" in lines[0] and not lines[0].startswith("staged 0 files")
+    assert lines[1].startswith("staged 0 files, 0.0 MB") and "skipped" in lines[1]
