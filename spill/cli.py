@@ -186,6 +186,102 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def _overrides(args) -> list[str]:
+    """Hydra overrides: what argparse left over; a first "DIR" that is really ``k=v`` is one."""
+    extra = list(args.overrides)
+    if "=" in args.dir and not Path(args.dir).is_dir():
+        extra.insert(0, args.dir)
+        args.dir = "."
+    bad = [a for a in extra if a.startswith("-")]
+    if bad:
+        raise SpillError(f"unknown option {bad[0]}; `spill {args.command} --help` lists them")
+    if args.engine:
+        extra.append(f"engine.name={args.engine}")
+    return extra
+
+
+def _emit_build(summary: dict, as_json: bool) -> None:
+    import json
+
+    from spill.project.status import as_json as to_json
+    from spill.project.status import render
+
+    print(json.dumps(to_json(summary), indent=2, sort_keys=True) if as_json else render(summary))
+
+
+def cmd_init(args) -> int:
+    from spill.console import note
+    from spill.project.init import init
+
+    done = init(
+        Path(args.data),
+        args.input,
+        args.output,
+        Path(args.project),
+        seed=args.seed,
+        model=args.model,
+        teacher=args.teacher,
+    )
+    kind = (
+        f"classification, {done['labels']} labels"
+        if done["task"] == "classification"
+        else "free-text generation"
+    )
+    note(
+        f"wrote {done['project']}/spill.yaml: {done['rows']} rows ({done['train']} to train on, "
+        f"{done['test']} to grade), {kind}; student {done['model']}, teacher "
+        f"{done['teacher'] or 'none'}"
+    )
+    print(f"spill build {done['project']}")
+    return 0
+
+
+def cmd_build(args) -> int:
+    from spill.project.build import BuildOptions, build
+
+    opts = BuildOptions(
+        state=args.state,
+        stop_after=args.stop_after,
+        dry_run=args.dry_run,
+        overrides=tuple(_overrides(args)),
+    )
+    if args.multirun:
+        import json
+
+        from spill.project.sweep import exit_code, render, sweep
+
+        result = sweep(args.dir, opts)
+        print(json.dumps(result, indent=2, sort_keys=True) if args.json else render(result))
+        return exit_code(result)
+    _emit_build(build(args.dir, opts), args.json)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    from spill.project.build import BuildOptions, build
+
+    if args.overrides:
+        if args.overrides[0].startswith("-"):
+            raise SpillError(
+                f"unknown option {args.overrides[0]}; `spill resume --help` lists them"
+            )
+        raise SpillError(
+            "resume continues the recorded build as it was; use `spill build` to change values"
+        )
+    opts = BuildOptions(
+        state=args.state, stop_after=args.stop_after, dry_run=args.dry_run, resume=True
+    )
+    _emit_build(build(args.dir, opts), args.json)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from spill.project.status import status
+
+    _emit_build(status(args.dir, args.state), args.json)
+    return 0
+
+
 def cmd_models_import(args) -> int:
     from spill.console import note
     from spill.models.resolve import import_model
@@ -323,6 +419,53 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(p)
     p.set_defaults(func=cmd_tune)
 
+    p = sub.add_parser("init", help="make a project folder from a CSV or JSONL data file")
+    p.add_argument("data", help="CSV (with a header row) or JSONL file")
+    p.add_argument("--input", required=True, metavar="COL", help="the column the model reads")
+    p.add_argument("--output", required=True, metavar="COL", help="the column it answers with")
+    p.add_argument("--project", required=True, metavar="DIR", help="the new project folder")
+    p.add_argument("--seed", type=int, default=0, help="split, init and data-order seed")
+    p.add_argument("--model", metavar="M", help="the student (default: chosen for this machine)")
+    p.add_argument("--teacher", metavar="M", help="a teacher that answers the training inputs")
+    p.set_defaults(func=cmd_init)
+
+    def project_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("dir", nargs="?", default=".", metavar="DIR", help="project folder (.)")
+        p.add_argument("--state", metavar="URI", help="build state location (default DIR/.spill/)")
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    p = sub.add_parser(
+        "build",
+        usage="spill build [DIR] [options] [-m] [OVERRIDE ...]",
+        help="grade, distill, tune and grade a project; skip what is done",
+        description="Plan the stages eval:base, distill, tune (train) and eval against the "
+        "recorded state, then run what is needed. Trailing KEY=VALUE arguments are Hydra "
+        "overrides (tune.lr=3e-4); with -m they sweep (tune.lr=1e-4,3e-4).",
+        epilog="Ctrl-C or SIGTERM stops like a preemption: state committed, exit 75.",
+    )
+    project_args(p)
+    p.add_argument(
+        "--stop-after",
+        metavar="STAGE[:N]",
+        help="stop after a stage, or N steps (tune) / rows into it; exit 0",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
+    p.add_argument("--engine", choices=["auto", "torch", "mlx"], help="override engine.name")
+    p.add_argument(
+        "-m", "--multirun", action="store_true", help="a Hydra sweep: one build per combination"
+    )
+    p.set_defaults(func=cmd_build, overrides=[])
+
+    p = sub.add_parser("resume", help="continue a stopped build with its recorded config")
+    project_args(p)
+    p.add_argument("--stop-after", metavar="STAGE[:N]", help="stop again after this point")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
+    p.set_defaults(func=cmd_resume, overrides=[], engine=None)
+
+    p = sub.add_parser("status", help="a project's build table, read from its state")
+    project_args(p)
+    p.set_defaults(func=cmd_status)
+
     models = sub.add_parser("models", help="import, generate and list models").add_subparsers(
         dest="models_command", metavar="ACTION", required=True
     )
@@ -349,7 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if hasattr(args, "overrides"):
+        args.overrides = extra
     try:
         return args.func(args)
     except SpillError as e:

@@ -51,6 +51,14 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 SaveFn = Callable[[], "str | None"]
 
+_requested: list[str] = []  # the reasons any Guard in this process was asked to stop
+
+
+def stop_requested() -> str | None:
+    """Why a Guard in this process was asked to stop (``"SIGINT"``), or None; a caller that runs
+    several jobs (a build) checks it after a job that finished all its quanta anyway."""
+    return _requested[0] if _requested else None
+
 
 class Preempted(SpillError):
     """The job stopped at a boundary after SIGTERM/SIGINT and saved; rerun it to continue."""
@@ -154,6 +162,7 @@ class Guard:
             return
         self.requested_at = time.monotonic()
         self.signal_name = reason
+        _requested.append(reason)
         self._stop.set()
         _say(
             f"spill: {reason}; finishing the current {self.unit} (up to {self.grace:g} s), "

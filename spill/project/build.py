@@ -1,0 +1,153 @@
+"""``spill build`` and ``spill resume``: plan, then hand the stages that need work to the executor.
+
+Order: read the state; if ``uptodate.finished`` says the recorded build is complete and
+nothing it was made from changed, answer from ``state.json`` (the make-style shortcut: no
+Hydra, no jsonschema, no engine). Otherwise get the ``Project`` (the recorded config when the
+compose key matches, else ``config.compose``), derive the stage specs from the data, plan
+against the recorded state, and unless ``--dry-run`` let ``spill.project.execute`` run the
+decisions that work.
+
+``spill resume`` builds with the recorded config and overrides (the stopped build as it was),
+whatever spill.yaml says now.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from spill.errors import StoreError
+from spill.project import state, uptodate
+from spill.store.fs import listdir
+
+KNOWN = {"state.json", "stages", "files", "adapters", "sweep", "hydra"}
+
+
+class BuildOptions(NamedTuple):
+    state: str | None = None
+    stop_after: str | None = None
+    dry_run: bool = False
+    overrides: tuple[str, ...] = ()
+    resume: bool = False
+
+
+def _done_plan(doc: dict) -> list[dict[str, str]]:
+    out = []
+    for name in state.STAGES:
+        rec = doc["stages"][name]
+        if rec["status"] == "skipped":
+            out.append({"stage": name, "action": "skip", "reason": "skipped: no teacher"})
+        else:
+            done = state.summarize(name, rec.get("result") or {})
+            out.append({"stage": name, "action": "done", "reason": f"done: {done}"})
+    return out
+
+
+def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
+    """``spill build`` / ``spill resume`` on a project folder; returns the summary to print."""
+    root = Path(root).resolve()
+    if not (root / uptodate.FILE).is_file():
+        from spill.project.config import compose
+
+        compose(root)  # raises the one-line "no spill.yaml here" error
+    state_root = opts.state or str(root / ".spill")
+    doc = state.read(state_root)
+    if opts.resume:
+        if doc is None:
+            raise StoreError(
+                f"nothing to resume: {state_root} holds no build; `spill build {root}` starts one"
+            )
+        overrides = tuple(doc["overrides"])
+        key = doc["compose_key"]
+    else:
+        overrides = tuple(opts.overrides)
+        key = uptodate.compose_key(root, overrides)
+    summary = {"project": root.name, "state": state_root, "dry_run": opts.dry_run}
+    if not opts.dry_run and uptodate.finished(doc, key, root):
+        if opts.stop_after:
+            from spill.project.plan import StopAfter
+
+            StopAfter.parse(opts.stop_after)  # a typo still fails, even with nothing to do
+        return {**summary, "project": doc["project"]["name"], "plan": _done_plan(doc), "doc": doc}
+    from spill.project import config
+    from spill.project.plan import StopAfter
+
+    stop = StopAfter.parse(opts.stop_after) if opts.stop_after else None
+    if opts.resume:
+        project = config.from_record(doc["config"], root, overrides)
+        if uptodate.compose_key(root, overrides) != key:
+            from spill.console import note
+
+            note(
+                "spill.yaml changed since this build started; resume continues with the recorded config"
+            )
+    elif doc is not None and doc["compose_key"] == key:
+        project = config.from_record(doc["config"], root, overrides)
+    else:
+        project = config.compose(root, overrides)
+    return run(project, state_root, key, doc, stop, opts.dry_run)
+
+
+def check_location(project, doc: dict | None, root: str) -> None:
+    """A state location holds one project's build; anything else there is refused."""
+    if doc is not None:
+        theirs = doc["project"]
+        ids = theirs.get("id"), project.id
+        same = ids[0] == ids[1] if all(ids) else theirs["name"] == project.name
+        if not same:
+            which = f" (id {theirs['id']})" if theirs.get("id") else ""
+            raise StoreError(
+                f"{root} holds the build of project {theirs['name']!r}{which}, not of "
+                f"{project.name!r}; give this project its own --state location"
+            )
+        return
+    stray = [n for n in listdir(root) if n not in KNOWN and not n.startswith(".")]
+    if stray:
+        raise StoreError(
+            f"{root} is not empty ({stray[0]}, ...) and holds no spill build; give the build "
+            "an empty or new --state location"
+        )
+
+
+def prepare(project):
+    """The project's data as the stages read it (``spill.project.data.Prepared``)."""
+    from spill.project.data import prepare as prepare_data
+
+    p = project
+    return prepare_data(
+        p.data_path,
+        p.data.input,
+        p.data.output,
+        p.data.task,
+        p.seed,
+        p.data.test_fraction,
+        p.prompt.template,
+        p.prompt.chat,
+    )
+
+
+def run(project, state_root: str, key: str, doc: dict | None, stop=None, dry_run=False) -> dict:
+    """Plan ``project`` against the state at ``state_root`` and execute (builds and sweeps)."""
+    from spill.project.execute import Executor, data_record, now
+    from spill.project.plan import plan
+    from spill.project.stages import specs as stage_specs
+
+    check_location(project, doc, state_root)
+    data_sha = uptodate.file_sha256(project.data_path)
+    prepared = prepare(project)
+    specs = stage_specs(project, prepared)
+    decisions = plan(specs, state.recorded(state_root, doc), stop)
+    summary = {"project": project.name, "state": state_root, "dry_run": dry_run}
+    summary["plan"] = [d.to_dict() for d in decisions]
+    if dry_run or not any(d.works for d in decisions):
+        if not dry_run and doc is not None:
+            # nothing to run, but what the build was made from changed (a comment, a value that
+            # decides nothing): record it, so that the next build takes the fast path
+            doc.update(compose_key=key, overrides=list(project.overrides), config=project.to_dict())
+            doc.update(data=data_record(project, prepared, data_sha), updated=now())
+            doc.update(plan=summary["plan"])
+            state.write(state_root, doc)
+        return {**summary, "doc": doc}
+    executor = Executor(project, state_root, prepared, data_sha, key, doc, specs)
+    executor.execute(decisions)
+    return {**summary, "doc": executor.doc}

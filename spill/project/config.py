@@ -1,0 +1,308 @@
+"""``spill.yaml`` -> a frozen ``Project``: the one place that composes with Hydra and validates.
+
+``compose(root, overrides)`` runs Hydra's Compose API on the project folder (the project's own
+group folders are searched before spill's shipped ``pkg://spill.conf``), validates the composed
+config against ``schemas/spill-yaml.schema.json`` with every key required, and turns it into
+frozen dataclasses. Nothing downstream reads a config with defaults of its own: the defaults
+live in ``spill/conf/``.
+
+Errors from Hydra, OmegaConf, YAML and the schema all become one ``ConfigError`` line naming the
+key path and what is allowed.
+
+``compose_key`` (``spill.project.uptodate``) hashes everything composition reads. A build
+records it next to the composed config; a later build with the same key rebuilds the
+``Project`` from that record with ``from_record`` instead of composing again.
+"""
+
+from __future__ import annotations
+
+import copy
+import string
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spill.errors import SpillError
+from spill.project.uptodate import compose_key  # noqa: F401  (part of this boundary's API)
+
+FILE = "spill.yaml"
+CONFIG_NAME = "spill"
+SEARCH_PATH = "pkg://spill.conf"
+SCHEMA = "spill-yaml"
+SECTIONS = ("data", "model", "teacher", "tune", "eval", "engine", "prompt")
+TEMPLATE_FIELDS = ("input", "labels")
+
+
+class ConfigError(SpillError):
+    """A spill.yaml (or override) that does not compose or does not validate."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    file: str
+    input: str
+    output: str
+    task: str  # "auto", "classification" or "generation"
+    test_fraction: float
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    name: str | None
+    max_new_tokens: int
+    temperature: float
+    batch: int
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    steps: int
+    lr: float
+    warmup: int
+    weight_decay: float
+    rank: int
+    alpha: float | None  # None: 2 x rank
+    dropout: float
+    targets: str
+    batch: int
+    micro_batch: int
+    seq_len: int
+    ckpt_every: int
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    max_new_tokens: int | None
+    batch: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    name: str
+    device: str | None
+    dtype: str | None
+    ring: int | None
+    resident: bool
+    memory: str | int | None
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    template: str
+    chat: bool
+
+
+@dataclass(frozen=True)
+class Project:
+    root: Path  # the project folder (absolute)
+    schema_version: int
+    name: str
+    id: str | None
+    seed: int
+    data: DataConfig
+    model: ModelConfig
+    teacher: TeacherConfig
+    tune: TuneConfig
+    eval: EvalConfig
+    engine: EngineConfig
+    prompt: PromptConfig
+    overrides: tuple[str, ...] = field(default=())
+
+    @property
+    def data_path(self) -> Path:
+        return self.root / self.data.file
+
+    def to_dict(self) -> dict[str, Any]:
+        """The composed config as plain data (what spill.yaml and the overrides amount to)."""
+        doc = asdict(self)
+        for key in ("root", "overrides"):
+            doc.pop(key)
+        if doc["id"] is None:
+            doc.pop("id")
+        return doc
+
+
+_TYPES = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "teacher": TeacherConfig,
+    "tune": TuneConfig,
+    "eval": EvalConfig,
+    "engine": EngineConfig,
+    "prompt": PromptConfig,
+}
+
+
+def from_record(doc: dict[str, Any], root: Path, overrides: Sequence[str] = ()) -> Project:
+    """A ``Project`` from a composed config this module validated before (a build's record)."""
+    sections = {k: _TYPES[k](**doc[k]) for k in SECTIONS}
+    return Project(
+        Path(root).resolve(),
+        doc["schema_version"],
+        doc["name"],
+        doc.get("id"),
+        doc["seed"],
+        **sections,
+        overrides=tuple(overrides),
+    )
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def _strict(schema: dict) -> dict:
+    """The schema with every section and every key in it required (a composed config)."""
+    out = copy.deepcopy(schema)
+    out["required"] = ["schema_version", "name", "seed", *SECTIONS]
+    for name in SECTIONS:
+        section = out["properties"][name]
+        section["required"] = list(section["properties"])
+    return out
+
+
+def _path(parts) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+def _message(error, schema: dict) -> str:
+    """One line for a jsonschema error: the key path, what is wrong, what is allowed."""
+    parts = list(error.absolute_path)
+    where = _path(parts)
+    sub = schema
+    for p in parts:
+        sub = sub.get("properties", {}).get(p, {}) if isinstance(p, str) else sub.get("items", {})
+    if error.validator == "required":
+        missing = error.message.split("'")[1]
+        key = _path([*parts, missing])
+        hint = f"pick a {missing} option in defaults" if not parts else "set it"
+        return f"{key} is missing; {hint} (spill's conf/ options define every key)"
+    if error.validator == "additionalProperties":
+        allowed = ", ".join(sub.get("properties", {}))
+        unknown = sorted(set(error.instance) - set(sub.get("properties", {})))
+        key = _path([*parts, unknown[0]]) if unknown else where
+        return f"{key} is not a setting spill knows; allowed here: {allowed}"
+    if error.validator == "enum":
+        allowed = ", ".join("null" if v is None else str(v) for v in error.validator_value)
+        return f"{where} is {error.instance!r}; allowed: {allowed}"
+    described = sub.get("description")
+    return f"{where}: {error.message}" + (f" ({described})" if described else "")
+
+
+def validate(doc: Any, where: str, strict: bool = True) -> None:
+    """Raise ``ConfigError`` naming the first problem's key path; ``strict``: a composed config."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import best_match
+
+    from spill.store.schemas import load_schema
+
+    schema = load_schema(SCHEMA)
+    checked = _strict(schema) if strict else schema
+    error = best_match(Draft202012Validator(checked).iter_errors(doc))
+    if error is not None:
+        raise ConfigError(f"{where}: {_message(error, checked)}")
+    if not strict:
+        return
+    tune = doc["tune"]
+    if tune["batch"] % tune["micro_batch"]:
+        raise ConfigError(
+            f"{where}: tune.batch {tune['batch']} must be a multiple of tune.micro_batch "
+            f"{tune['micro_batch']}"
+        )
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(doc["prompt"]["template"]) if f}
+    except ValueError as e:
+        raise ConfigError(f"{where}: prompt.template is not a valid template ({e})") from None
+    if extra := sorted(fields - set(TEMPLATE_FIELDS)):
+        raise ConfigError(
+            f"{where}: prompt.template uses {{{extra[0]}}}; only {{input}} and {{labels}} are "
+            "filled in (write {{ and }} for literal braces)"
+        )
+
+
+# --- composition -------------------------------------------------------------------------------
+
+
+def hydra_line(e: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line messages as one line."""
+    text = str(e)
+    if "Could not find" in text and "Available options" in text:
+        head, _, rest = text.partition("Available options in ")
+        group, _, options = rest.partition(":")
+        found = [o.strip() for o in options.split("Config search path")[0].split() if o.strip()]
+        what = head.split("Could not find", 1)[1].strip().strip("'")
+        return f"no config option {what!r}; options in {group.strip(chr(39))}: {', '.join(found)}"
+    if text.startswith("Could not override '"):
+        key = text.split("'")[1]
+        section = key.split(".")[0]
+        from spill.store.schemas import load_schema
+
+        known = load_schema(SCHEMA)["properties"].get(section, {}).get("properties")
+        allowed = f"; allowed in {section}: {', '.join(known)}" if known else ""
+        return f"{key} is not a setting spill knows, so it cannot be overridden{allowed}"
+    if "full_key:" in text:
+        key = text.split("full_key:", 1)[1].split()[0]
+        first = text.splitlines()[0]
+        if "Missing mandatory value" in first:
+            return f"{key} is not set (the chosen option leaves it to the project); set it"
+        return f"{key}: {first}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "https://" not in ln]
+    return "; ".join(lines) or type(e).__name__
+
+
+def compose(root: Path | str, overrides: Sequence[str] = ()) -> Project:
+    """Compose ``<root>/spill.yaml`` with ``overrides`` and validate it (the Hydra boundary)."""
+    root = Path(root).resolve()
+    where = f"{root / FILE}"
+    if not (root / FILE).is_file():
+        raise ConfigError(
+            f"{root} has no {FILE}; `spill init DATA --input COL --output COL --project {root}` "
+            "makes one"
+        )
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    try:
+        with initialize_config_dir(config_dir=str(root), version_base="1.3", job_name="spill"):
+            cfg = hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
+        doc = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML ({' '.join(str(e).split())})") from None
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(f"{where}: {hydra_line(e)}") from None
+    return from_composed(doc, root, overrides, where)
+
+
+def from_composed(
+    doc: Any, root: Path | str, overrides: Sequence[str] = (), where: str | None = None
+) -> Project:
+    """Validate a composed config (a plain dict) and freeze it; Hydra's sweeps come in here."""
+    root = Path(root).resolve()
+    if not isinstance(doc, dict):
+        doc = _to_container(doc, where or str(root / FILE))
+    doc = {k: v for k, v in doc.items() if k != "hydra"}
+    doc.setdefault("schema_version", 1)
+    validate(doc, where or str(root / FILE))
+    return from_record(doc, root, overrides)
+
+
+def _to_container(cfg: Any, where: str) -> dict:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {hydra_line(e)}") from None

@@ -1,0 +1,235 @@
+"""A project's data file -> the rows each stage reads, as deterministic JSONL bytes.
+
+The file is CSV (a header row) or JSONL (one object per line); ``input`` and ``output`` name a
+column or key. A row's id is its position among the data rows (1-based).
+
+Task: ``classification`` when the outputs form a closed label set (at most 50 distinct values,
+each short, and no more than half as many labels as rows), else ``generation`` (free text).
+Both are graded by exact match and by the gold answer's log-prob; the table leads with exact
+match for a classification and shows both for free text.
+
+Split: a row goes to the test side when its key ``sha256(seed, input, output, n-th repeat)``
+ranks among the lowest ``test_fraction`` of its label (classification: stratified, every label
+with two rows or more keeps one on each side) or of all rows (generation). It depends on the
+seed and the rows' content, not on their order, so moving rows changes nothing and editing one
+row moves at most that row.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from spill.errors import DataError
+
+MAX_LABELS = 50
+MAX_LABEL_CHARS = 64
+
+
+@dataclass(frozen=True)
+class Row:
+    id: int
+    input: str
+    output: str
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the stages read, as bytes; a pure function of (data file, config)."""
+
+    task: str
+    labels: tuple[str, ...]  # the label set (classification), else ()
+    rows: int
+    train: bytes  # training rows (prompt/completion or messages)
+    test: bytes  # graded rows (prompt or messages, and answer)
+    prompts: bytes  # the training inputs alone, for a teacher to answer
+    n_train: int
+    n_test: int
+
+    def files(self) -> dict[str, bytes]:
+        return {"train.jsonl": self.train, "test.jsonl": self.test, "prompts.jsonl": self.prompts}
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _cell(value, path: Path, where: str, col: str) -> str:
+    if value is None or isinstance(value, (dict, list)):
+        raise DataError(f"{path}: {where} has no text in {col!r}; fill it or remove the row")
+    text = value if isinstance(value, str) else json.dumps(value)
+    if not text.strip():
+        raise DataError(f"{path}: {where} has an empty {col!r}; fill it or remove the row")
+    return text
+
+
+def _csv_records(path: Path) -> tuple[list[str], list[tuple[str, dict]]]:
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.DictReader(f)
+        columns = list(reader.fieldnames or [])
+        records = [(f"line {reader.line_num}", rec) for rec in reader if any(rec.values())]
+    return columns, records
+
+
+def _jsonl_records(path: Path) -> tuple[list[str], list[tuple[str, dict]]]:
+    records, columns = [], {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg}); fix that line"
+                ) from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object per line")
+            columns.update(dict.fromkeys(obj))
+            records.append((f"line {lineno}", obj))
+    return list(columns), records
+
+
+def read_rows(path: Path, input_col: str, output_col: str) -> list[Row]:
+    """Every data row; a missing file, column or value fails in one line naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file; give a CSV or JSONL file")
+    kind = path.suffix.lower()
+    if kind not in (".csv", ".jsonl", ".json", ".ndjson"):
+        raise DataError(f"{path}: not a .csv or .jsonl file; convert it to one of those")
+    try:
+        columns, records = (_csv_records if kind == ".csv" else _jsonl_records)(path)
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"{path}: unreadable ({e}); save it as UTF-8 CSV or JSONL") from None
+    if not records:
+        raise DataError(f"{path}: no data rows; the file is empty")
+    for col, flag in ((input_col, "--input/data.input"), (output_col, "--output/data.output")):
+        if col not in columns:
+            have = ", ".join(repr(c) for c in columns) or "none"
+            raise DataError(f"{path}: no column {col!r} ({flag}); the columns are {have}")
+    return [
+        Row(
+            i,
+            _cell(rec.get(input_col), path, where, input_col),
+            _cell(rec.get(output_col), path, where, output_col),
+        )
+        for i, (where, rec) in enumerate(records, 1)
+    ]
+
+
+def detect_task(rows: list[Row]) -> str:
+    counts = Counter(r.output for r in rows)
+    closed = (
+        len(counts) <= MAX_LABELS
+        and len(counts) <= max(2, len(rows) // 2)
+        and all(len(label) <= MAX_LABEL_CHARS for label in counts)
+    )
+    return "classification" if closed else "generation"
+
+
+def check_rows(rows: list[Row], path: Path) -> None:
+    if len(rows) < 2:
+        raise DataError(
+            f"{path}: {len(rows)} row; a project needs one to train on and one to grade"
+        )
+    labels = {r.output for r in rows}
+    if len(labels) == 1:
+        raise DataError(
+            f"{path}: every row has the output {next(iter(labels))!r}; a single label teaches "
+            "nothing, add rows with other outputs"
+        )
+
+
+def _keys(rows: list[Row], seed: int) -> dict[int, bytes]:
+    seen: Counter = Counter()
+    out = {}
+    for r in rows:
+        seen[(r.input, r.output)] += 1
+        text = f"{seed}\0{r.input}\0{r.output}\0{seen[(r.input, r.output)]}"
+        out[r.id] = hashlib.sha256(text.encode()).digest()
+    return out
+
+
+def split(
+    rows: list[Row], seed: int, test_fraction: float, task: str, path: Path
+) -> tuple[list[Row], list[Row]]:
+    """``(train, test)`` in file order; see the module doc."""
+    keys = _keys(rows, seed)
+    groups: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        groups[r.output if task == "classification" else ""].append(r)
+    test_ids: set[int] = set()
+    for members in groups.values():
+        n = len(members)
+        k = round(n * test_fraction)
+        if n >= 2:
+            k = min(max(k, 1), n - 1)
+        ranked = sorted(members, key=lambda r: keys[r.id])
+        test_ids.update(r.id for r in ranked[:k])
+    train = [r for r in rows if r.id not in test_ids]
+    test = [r for r in rows if r.id in test_ids]
+    if not test or not train:
+        raise DataError(
+            f"{path}: the split leaves no rows to {'grade' if not test else 'train on'}; "
+            "add rows or change data.test_fraction"
+        )
+    return train, test
+
+
+def _jsonl(records: list[dict]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+
+
+def render(
+    train: list[Row], test: list[Row], labels: tuple[str, ...], template: str, chat: bool
+) -> tuple[bytes, bytes, bytes]:
+    """(training rows, graded rows, teacher prompts) for a prompt template."""
+
+    def prompt(r: Row) -> dict:
+        text = template.format(input=r.input, labels=", ".join(labels))
+        return {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+
+    def trained(r: Row) -> dict:
+        p = prompt(r)
+        if chat:
+            return {
+                "id": r.id,
+                "messages": [*p["messages"], {"role": "assistant", "content": r.output}],
+            }
+        return {"id": r.id, **p, "completion": r.output}
+
+    graded = [{"id": r.id, **prompt(r), "answer": r.output} for r in test]
+    return (
+        _jsonl([trained(r) for r in train]),
+        _jsonl(graded),
+        _jsonl([{"id": r.id, **prompt(r)} for r in train]),
+    )
+
+
+def prepare(
+    path: Path,
+    input_col: str,
+    output_col: str,
+    task: str,
+    seed: int,
+    test_fraction: float,
+    template: str,
+    chat: bool,
+) -> Prepared:
+    rows = read_rows(path, input_col, output_col)
+    check_rows(rows, path)
+    task = detect_task(rows) if task == "auto" else task
+    labels = tuple(sorted({r.output for r in rows})) if task == "classification" else ()
+    if task == "classification" and len(labels) > MAX_LABELS:
+        raise DataError(
+            f"{path}: {len(labels)} distinct outputs is no closed label set; "
+            "set data.task: generation"
+        )
+    train, test = split(rows, seed, test_fraction, task, path)
+    tr, te, pr = render(train, test, labels, template, chat)
+    return Prepared(task, labels, len(rows), tr, te, pr, len(train), len(test))

@@ -1,0 +1,362 @@
+"""The thin executor of a build plan: each working decision becomes one job call.
+
+For a decision that works it clears the stage's state when the plan says fresh, records the
+stage as running, calls the job (``evaluate``, ``distill``, ``tune``) with ``--state
+<state>/stages/<stage>`` and the stop count, and records the result. Stopping and continuing
+are the jobs' own: a tune continues from its newest checkpoint, a row job from its committed
+segments. ``state.json`` is written after what it names (the adapter copy, the graded rows),
+so a reader never sees a result whose files are missing.
+
+Ctrl-C or SIGTERM anywhere behaves like preemption: inside a job the job's ``Guard`` saves and
+stops; between jobs the build stops at once (its own writes are short critical sections that
+finish first). The stage is recorded as stopped and the process exits 75.
+
+Derived inputs (the split, teacher answers) are written to a local temporary folder for the
+jobs and published under ``files/``; a remote state location works the same way.
+"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+from spill import __version__
+from spill.console import note
+from spill.errors import EXIT_PREEMPTED, DataError, SpillError, StoreError
+from spill.project import state
+from spill.project.config import Project
+from spill.project.plan import Decision
+from spill.project.uptodate import file_sha256
+from spill.store.fs import exists, get_bytes, is_local, join, listdir, put_bytes, remove
+
+
+class BuildPreempted(SpillError):
+    """The build stopped on a signal with its state recorded; the same command continues it."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+class _Interrupted(BaseException):
+    """Raised by the build's own signal handler between jobs (a BaseException, like Ctrl-C)."""
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class _Signals:
+    """SIGINT/SIGTERM between jobs: stop at once, except inside ``critical()`` (then right after)."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._depth = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.name = signal.Signals(signum).name
+        if self._depth == 0:
+            raise _Interrupted(self.name)
+
+    @contextmanager
+    def critical(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self.name is not None:
+            raise _Interrupted(self.name)
+
+
+def data_record(project: Project, prepared, data_sha: str) -> dict[str, Any]:
+    return {
+        "file": project.data.file,
+        "sha256": data_sha,
+        "rows": prepared.rows,
+        "train": prepared.n_train,
+        "test": prepared.n_test,
+        "task": prepared.task,
+        "labels": list(prepared.labels),
+    }
+
+
+class Executor:
+    def __init__(self, project, state_root, prepared, data_sha, key, doc, specs) -> None:
+        self.project, self.root, self.prepared = project, state_root, prepared
+        self.data_sha = data_sha
+        self.specs = {s.name: s for s in specs}
+        self.doc = doc or {"schema_version": state.SCHEMA_VERSION, "kind": state.KIND, "stages": {}}
+        self.doc.update(
+            project={"name": project.name, **({"id": project.id} if project.id else {})},
+            spill_version=__version__,
+            compose_key=key,
+            overrides=list(project.overrides),
+            config=project.to_dict(),
+            data=data_record(project, prepared, data_sha),
+        )
+        self.work = Path()
+        self.signals = _Signals()
+
+    # the state document ---------------------------------------------------------------------
+
+    def save(self) -> None:
+        self.doc["updated"] = now()
+        with self.signals.critical():
+            state.write(self.root, self.doc)
+
+    def _record(self, name: str, status: str, **fields: Any) -> dict:
+        spec = self.specs[name]
+        rec = self.doc["stages"].setdefault(name, {})
+        rec.update(
+            status=status,
+            fingerprint=spec.fingerprint,
+            inputs=dict(spec.inputs),
+            total=spec.total,
+            unit=state.UNITS[name],
+            location=f"stages/{state.DIRS[name]}",
+            updated=now(),
+            **fields,
+        )
+        rec.setdefault("progress", 0)
+        rec.setdefault("result", {})
+        rec.setdefault("producers", [])
+        return rec
+
+    def _probe(self, name: str) -> dict[str, Any]:
+        progress, producers = state.probe(self.root, name)
+        return {"progress": progress, "producers": producers}
+
+    # running ----------------------------------------------------------------------------------
+
+    def execute(self, decisions: list[Decision]) -> None:
+        p = self.project
+        note(f"spill build · project {p.name} · state {self.root}")
+        for d in decisions:
+            note(f"  {d.stage:<9}  {d.action:<8}  {d.reason}")
+        self.doc["plan"] = [d.to_dict() for d in decisions]
+        for d in decisions:  # records made from other inputs no longer describe anything
+            if d.action == "run":
+                self.doc["stages"].pop(d.stage, None)
+            elif d.action == "skip":
+                self._record(d.stage, "skipped")
+        with self.signals, tempfile.TemporaryDirectory(prefix="spill-build-") as work:
+            self.work = Path(work)
+            for name, data in self.prepared.files().items():
+                (self.work / name).write_bytes(data)
+            try:
+                self.save()
+                for d in decisions:
+                    if d.works:
+                        self._stage(d)
+            except _Interrupted as e:
+                self._preempted(str(e), None)
+
+    def _preempted(self, why: str, stage: str | None) -> NoReturn:
+        what = "nothing new"
+        if stage is not None:
+            rec = self._record(stage, "stopped", **self._probe(stage))
+            what = f"{stage} at {rec['unit']} {rec['progress']} of {rec['total']}"
+        self.doc["updated"] = now()
+        state.write(self.root, self.doc)
+        line = (
+            f"spill: build preempted by {why}; committed: {what}; exit {EXIT_PREEMPTED}; run the "
+            "same command (or spill resume) to continue"
+        )
+        note(line)
+        raise BuildPreempted(line.removeprefix("spill: "))
+
+    def _stage(self, d: Decision) -> None:
+        from spill.jobs.preempt import Preempted, stop_requested
+
+        note(f"== {d.stage}: {d.reason}")
+        stage_root = state.stage_uri(self.root, d.stage)
+        with self.signals.critical():
+            if d.fresh:
+                remove(stage_root)
+                for uri in self._outputs(d.stage):
+                    remove(uri)
+            fresh = {"progress": 0, "result": {}, "producers": []} if d.fresh else {}
+            self._record(d.stage, "running", **fresh)
+        self.save()
+        self._check_data(None)
+        runner = {"eval:base": self._eval, "distill": self._distill, "tune": self._tune}
+        try:
+            result, complete = runner.get(d.stage, self._eval)(d, stage_root)
+        except Preempted:
+            self._preempted(stop_requested() or "a signal", d.stage)
+        except _Interrupted as e:
+            self._preempted(str(e), d.stage)
+        with self.signals.critical():
+            if complete and d.stage == "tune":
+                _copy_tree(join(stage_root, "adapter"), self._adapter_uri())
+            self._record(
+                d.stage, "done" if complete else "stopped", result=result, **self._probe(d.stage)
+            )
+        self._check_data(d.stage)
+        self.save()
+        if (why := stop_requested()) is not None:
+            self._preempted(why, None)
+
+    def _check_data(self, stage: str | None) -> None:
+        if file_sha256(self.project.data_path) != self.data_sha:
+            done = (
+                f"{stage} finished with the data read at the start and is recorded; "
+                if stage
+                else ""
+            )
+            if stage:
+                self.save()
+            raise DataError(
+                f"{self.project.data_path} changed while the build ran; {done}run spill build "
+                "again: the stages that read it start fresh"
+            )
+
+    # the stages -------------------------------------------------------------------------------
+
+    def _outputs(self, stage: str) -> list[str]:
+        files = {
+            "eval:base": ["eval-base.jsonl"],
+            "eval": ["eval.jsonl"],
+            "distill": ["teacher.jsonl"],
+        }
+        out = [join(self.root, "files", f) for f in files.get(stage, [])]
+        return out + ([self._adapter_uri()] if stage == "tune" else [])
+
+    def _adapter_uri(self) -> str:
+        return join(self.root, "adapters", self.project.name)
+
+    def _load(self):
+        from spill.engines.base import LoadOptions
+
+        e = self.project.engine
+        return LoadOptions(
+            ring=e.ring, resident=e.resident, memory=_size(e.memory), device=e.device, dtype=e.dtype
+        )
+
+    def _eval(self, d: Decision, stage_root: str) -> tuple[dict, bool]:
+        from spill.jobs.eval import EvalOptions, evaluate
+
+        base = d.stage == "eval:base"
+        out = self.work / ("eval-base.jsonl" if base else "eval.jsonl")
+        opts = EvalOptions(
+            max_new_tokens=self.project.eval.max_new_tokens,
+            batch=self.project.eval.batch,
+            adapter=None if base else self._local_adapter(),
+            engine=self.project.engine.name,
+            load=self._load(),
+            state=stage_root,
+            stop_after=d.stop,
+        )
+        s = evaluate(self.project.model.name, self.work / "test.jsonl", out, opts)
+        complete = s.get("complete", True)
+        if complete:
+            put_bytes(join(self.root, "files", out.name), out.read_bytes())
+        keys = ("rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token")
+        return {k: s[k] for k in keys}, complete
+
+    def _distill(self, d: Decision, stage_root: str) -> tuple[dict, bool]:
+        from spill.jobs.distill import distill
+        from spill.jobs.run import RunOptions
+
+        t = self.project.teacher
+        out = self.work / "teacher.jsonl"
+        opts = RunOptions(
+            max_new_tokens=t.max_new_tokens,
+            batch=t.batch,
+            temperature=t.temperature,
+            seed=self.project.seed,
+            engine=self.project.engine.name,
+            load=self._load(),
+            state=stage_root,
+            stop_after=d.stop,
+        )
+        s = distill(t.name, self.work / "prompts.jsonl", out, opts)
+        complete = s.get("complete", True)
+        if complete:
+            put_bytes(join(self.root, "files", "teacher.jsonl"), out.read_bytes())
+        return {k: s[k] for k in ("rows", "truncated", "generated_tokens")}, complete
+
+    def _train_file(self) -> Path:
+        if self.project.teacher.name is None:
+            return self.work / "train.jsonl"
+        local = self.work / "teacher.jsonl"
+        if not local.is_file():
+            local.write_bytes(get_bytes(join(self.root, "files", "teacher.jsonl")))
+        return local
+
+    def _tune(self, d: Decision, stage_root: str) -> tuple[dict, bool]:
+        from spill.jobs.tune import TuneOptions, tune
+        from spill.models.lora import LoraConfig
+
+        t = self.project.tune
+        lora = LoraConfig(
+            rank=t.rank,
+            alpha=t.alpha if t.alpha is not None else 2.0 * t.rank,
+            dropout=t.dropout,
+            targets=LoraConfig.parse_targets(t.targets),
+        )
+        opts = TuneOptions(
+            steps=t.steps,
+            lora=lora,
+            lr=t.lr,
+            warmup=t.warmup,
+            weight_decay=t.weight_decay,
+            batch=t.batch,
+            micro_batch=t.micro_batch,
+            seq_len=t.seq_len,
+            seed=self.project.seed,
+            ckpt_every=t.ckpt_every,
+            stop_after=d.stop,
+            state=stage_root,
+            engine=self.project.engine.name,
+            load=self._load(),
+        )
+        s = tune(self.project.model.name, self._train_file(), self.project.name, opts)
+        return {"step": s["step"], "steps": t.steps, "loss": s["loss"]}, s["step"] == t.steps
+
+    def _local_adapter(self) -> Path:
+        uri = self._adapter_uri()
+        if is_local(uri):
+            return Path(uri.removeprefix("file://"))
+        local = self.work / "adapter"
+        local.mkdir(exist_ok=True)
+        for name in ("params.safetensors", "adapter.json"):
+            (local / name).write_bytes(get_bytes(join(uri, name)))
+        return local
+
+
+def _size(value: str | int | None) -> int | None:
+    if value is None or isinstance(value, int):
+        return value
+    text = value.strip().lower().rstrip("b").rstrip("i")
+    unit = text[-1] if text and text[-1] in "kmgt" else ""
+    return int(float(text.removesuffix(unit)) * 1024 ** ("_kmgt".index(unit) if unit else 0))
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    """Copy every file under ``src`` to ``dst`` through the store (any scheme to any scheme)."""
+    if not exists(src):
+        raise StoreError(f"{src} is missing; the tune stage did not publish its adapter")
+    for name in listdir(src):
+        here = join(src, name)
+        children = listdir(here)
+        if children:
+            _copy_tree(here, join(dst, name))
+        else:
+            put_bytes(join(dst, name), get_bytes(here))

@@ -1,0 +1,197 @@
+"""The pure planner: (stage specs, recorded state, --stop-after) -> one decision per stage.
+
+Like make (or DVC's ``plan_repro``), it only compares: each stage's inputs (the config values
+and data hashes that decide its result, and the fingerprints of the stages it reads) against
+what the state recorded for it. No files, no engines, no clock; ``build`` executes the plan.
+
+* no record, or a record made from other inputs  -> ``run`` (fresh), naming what changed;
+* recorded done with the same inputs             -> ``done`` (skipped);
+* recorded running or stopped, same inputs       -> ``continue`` at its step or row;
+* a stage that is switched off (no teacher)      -> ``skip``;
+* past ``--stop-after``                          -> ``wait``.
+
+A value that cannot change a result (``tune.ckpt_every``, batch sizes of grading, the engine)
+is simply not among a stage's inputs, so editing it reruns nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from spill.errors import SpillError
+from spill.project.state import ALIASES, STAGES, UNITS, summarize
+
+ACTIONS = ("done", "skip", "run", "continue", "wait")
+
+
+class PlanError(SpillError):
+    """A --stop-after that names no stage, or a count past the stage's end."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage is in this build: its inputs and size."""
+
+    name: str
+    inputs: Mapping[str, Any]  # key path -> value: everything that decides the stage's result
+    total: int  # steps or rows
+    enabled: bool = True
+    why_off: str = ""  # reason when not enabled
+    needs: tuple[str, ...] = ()  # earlier stages whose output it reads
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.inputs)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the state says about a stage (``done`` is probed from the job state when stopped)."""
+
+    status: str  # "running", "stopped", "done" or "skipped"
+    fingerprint: str
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    done: int = 0  # steps or rows committed
+    result: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StopAfter:
+    stage: str
+    count: int | None = None  # steps (tune) or rows; None: after the whole stage
+
+    @classmethod
+    def parse(cls, text: str) -> StopAfter:
+        name, count = text.strip(), None
+        head, sep, tail = name.rpartition(":")
+        if sep and tail.isdigit():
+            name, count = head, int(tail)
+        name = ALIASES.get(name, name)
+        if name not in STAGES:
+            raise PlanError(
+                f"--stop-after {text}: no stage {name!r}; stages are {', '.join(STAGES)} "
+                "(train is tune), optionally with :N steps or rows"
+            )
+        if count is not None and count < 1:
+            raise PlanError(f"--stop-after {text}: the count must be at least 1")
+        return cls(name, count)
+
+    def __str__(self) -> str:
+        return self.stage if self.count is None else f"{self.stage}:{self.count}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    stage: str
+    action: str  # one of ACTIONS
+    reason: str
+    fingerprint: str
+    total: int
+    fresh: bool = False  # clear the stage's state first
+    stop: int | None = None  # stop the job when this many steps/rows are done
+
+    @property
+    def works(self) -> bool:
+        return self.action in ("run", "continue")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "action": self.action, "reason": self.reason}
+
+
+def fingerprint(inputs: Mapping[str, Any]) -> str:
+    text = json.dumps(inputs, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str) and value.startswith("sha256:"):
+        return value[7:19]
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_DERIVED = {
+    "train.jsonl": "training rows",
+    "test.jsonl": "test rows",
+    "prompts.jsonl": "training inputs",
+}
+
+
+def describe_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """What differs, config values first: ``tune.lr 0.0002 -> 0.0003``."""
+    changed = [k for k in dict.fromkeys([*new, *old]) if old.get(k) != new.get(k)]
+    config = [k for k in changed if not k.startswith(("data:", "stage:"))]
+    data = [k for k in changed if k.startswith("data:")]
+    upstream = [k[6:] for k in changed if k.startswith("stage:")]
+    parts = [f"{k} {_show(old.get(k))} -> {_show(new.get(k))}" for k in config[:3]]
+    if len(config) > 3:
+        parts.append(f"{len(config) - 3} more values")
+    if data and not config:
+        what = ", ".join(_DERIVED.get(k[5:], k[5:]) for k in data)
+        parts.append(f"the data changed (its {what} differ)")
+    if upstream and not parts:
+        parts.append(f"{' and '.join(upstream)} changed")
+    return "; ".join(parts) or "its inputs changed"
+
+
+def _check_stop(stop: StopAfter, specs: list[StageSpec]) -> None:
+    spec = next(s for s in specs if s.name == stop.stage)
+    if stop.count is not None and stop.count > spec.total:
+        what = "tune.steps" if stop.stage == "tune" else f"{stop.stage}'s rows"
+        raise PlanError(f"--stop-after {stop}: past the end ({what}: {spec.total})")
+
+
+def _decide(
+    spec: StageSpec, rec: Recorded | None, upstream: list[str], stop: StopAfter | None, past: bool
+) -> tuple[str, str, bool, int | None]:
+    """(action, reason, fresh, stop count) for one stage."""
+    same = rec is not None and rec.fingerprint == spec.fingerprint
+    unit = UNITS[spec.name]
+    if not spec.enabled:
+        return "skip", f"skipped: {spec.why_off}", False, None
+    if same and rec.status == "done" and not upstream:
+        done = summarize(spec.name, rec.result)
+        return "done", "done" + (f": {done}" if done else ""), False, None
+    if past:
+        return "wait", f"not now: after --stop-after {stop}", False, None
+    count = stop.count if stop is not None and stop.stage == spec.name else None
+    if rec is None:
+        return "run", "fresh: not run yet", True, count
+    if not same:
+        return "run", f"fresh: {describe_change(rec.inputs, spec.inputs)}", True, count
+    if upstream:
+        return "run", f"fresh: {' and '.join(upstream)} runs first", True, count
+    if count is not None and rec.done >= count:
+        return (
+            "wait",
+            f"stopped at {unit} {rec.done} of {spec.total}, at --stop-after {stop}",
+            False,
+            None,
+        )
+    if rec.done:
+        return "continue", f"continue at {unit} {rec.done} of {spec.total}", False, count
+    return "continue", "continue (nothing committed yet)", False, count
+
+
+def plan(
+    specs: list[StageSpec],
+    recorded: Mapping[str, Recorded],
+    stop: StopAfter | None = None,
+) -> list[Decision]:
+    """One ``Decision`` per spec, in order; see the module doc."""
+    if stop is not None:
+        _check_stop(stop, specs)
+    out: dict[str, Decision] = {}
+    past = False
+    for spec in specs:
+        upstream = [n for n in spec.needs if n in out and out[n].action not in ("done", "skip")]
+        action, reason, fresh, count = _decide(spec, recorded.get(spec.name), upstream, stop, past)
+        out[spec.name] = Decision(
+            spec.name, action, reason, spec.fingerprint, spec.total, fresh, count
+        )
+        past = past or (stop is not None and spec.name == stop.stage)
+    return list(out.values())

@@ -1,0 +1,149 @@
+"""A build's state location: ``state.json`` and light probes of each stage's job state.
+
+Layout under ``--state`` (default ``<project>/.spill``)::
+
+    state.json            the plan, every stage's status, inputs, result and producers
+    stages/<stage>/       the stage's job state (tune: ckpt/, row jobs: rows/)
+    files/                the split, the teacher's answers, graded rows
+    adapters/<name>/      the tuned adapter (spill, PEFT and MLX-LM layouts)
+
+``state.json`` (schema ``build-state``) is one object written atomically through
+``spill.store.fs`` after everything it names; a reader that finds none starts fresh. Writing
+validates it. Reading checks its kind and version only, without importing jsonschema, so that
+``spill status`` and a build of a finished project start fast (the writer validated it).
+
+The probes read only small files: the newest committed tune checkpoint's ``state.json`` and
+the row segments' commit markers. They say how far a stopped stage got and which engine,
+machine and OS produced it; they do not verify hashes (the jobs do, when they continue).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from spill.errors import StoreError
+from spill.store.fs import get_bytes, join, listdir, put_bytes
+
+STAGES = ("eval:base", "distill", "tune", "eval")
+ALIASES = {"train": "tune"}
+DIRS = {"eval:base": "eval-base", "distill": "distill", "tune": "tune", "eval": "eval"}
+UNITS = {"eval:base": "row", "distill": "row", "tune": "step", "eval": "row"}
+STATE = "state.json"
+KIND = "spill-build"
+SCHEMA_VERSION = 1
+PRODUCER_KEYS = ("engine", "numerics", "machine", "os", "hardware")
+_STEP = re.compile(r"step-(\d+)")
+_SEG = re.compile(r"seg-(\d+)\.commit")
+
+
+def stage_uri(root: str, stage: str) -> str:
+    return join(root, "stages", DIRS[stage])
+
+
+def read(root: str) -> dict[str, Any] | None:
+    uri = join(root, STATE)
+    try:
+        raw = get_bytes(uri)
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise StoreError(f"{uri} is not JSON; it was damaged: move it away to rebuild") from None
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise StoreError(f"{uri} is not a spill build state; use another --state location")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise StoreError(
+            f"{uri} has build-state version {doc.get('schema_version')!r}; this spill reads "
+            f"{SCHEMA_VERSION}; use the spill that wrote it or another --state"
+        )
+    return doc
+
+
+def write(root: str, doc: dict[str, Any]) -> None:
+    from spill.store.schemas import validate
+
+    uri = join(root, STATE)
+    validate(doc, "build-state", where=uri)
+    put_bytes(uri, json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode() + b"\n")
+
+
+def summarize(stage: str, result: Mapping[str, Any]) -> str:
+    """A stage's result in a few words (the table and the plan's ``done`` reasons)."""
+    if not result:
+        return ""
+    if stage in ("eval:base", "eval"):
+        if result.get("accuracy") is None:
+            return f"{result.get('rows', 0)} rows graded"
+        text = f"accuracy {result['accuracy']:.3f} ({result['correct']}/{result['rows']})"
+        if result.get("gold_logprob_per_token") is not None:
+            text += f", logprob/token {result['gold_logprob_per_token']:.3f}"
+        return text
+    if stage == "tune":
+        loss = result.get("loss")
+        return f"{result['step']} of {result['steps']} steps" + (
+            f", loss {loss:.4f}" if loss is not None else ""
+        )
+    if stage == "distill":
+        return f"{result['rows']} rows answered" + (
+            f", {result['truncated']} cut at max_new_tokens" if result.get("truncated") else ""
+        )
+    return ""
+
+
+def _json(uri: str) -> Any:
+    try:
+        return json.loads(get_bytes(uri))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _producer(p: dict) -> dict:
+    return {k: p.get(k) for k in PRODUCER_KEYS}
+
+
+def _distinct(producers: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    for p in producers:
+        p = _producer(p)
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def probe(root: str, stage: str) -> tuple[int, list[dict]]:
+    """(steps or rows committed, distinct producers) from a stage's job state."""
+    where = stage_uri(root, stage)
+    if stage == "tune":
+        base = join(where, "ckpt")
+        steps = sorted((int(m[1]), n) for n in listdir(base) if (m := _STEP.fullmatch(n)))
+        for step, name in reversed(steps):
+            if "COMMIT" in listdir(join(base, name)):
+                doc = _json(join(base, name, "state.json")) or {}
+                return step, _distinct(doc.get("producers", []))
+        return 0, []
+    rows, producers = 0, []
+    base = join(where, "rows")
+    for name in sorted(listdir(base), key=lambda n: int(m[1]) if (m := _SEG.fullmatch(n)) else -1):
+        if _SEG.fullmatch(name) and (commit := _json(join(base, name))):
+            rows += int(commit.get("count", 0))
+            producers.append(commit.get("producer", {}))
+    return rows, _distinct(producers)
+
+
+def recorded(root: str, doc: dict[str, Any] | None) -> dict:
+    """The planner's view of a state: records of finished stages, probes of unfinished ones."""
+    from spill.project.plan import Recorded
+
+    out = {}
+    for name, rec in ((doc or {}).get("stages") or {}).items():
+        done = rec.get("progress", 0)
+        if rec["status"] in ("running", "stopped"):
+            done = probe(root, name)[0]
+        out[name] = Recorded(
+            rec["status"], rec["fingerprint"], rec.get("inputs", {}), done, rec.get("result") or {}
+        )
+    return out

@@ -1,0 +1,101 @@
+"""``spill status``, and the tables a build prints: each stage, its result, where it ran.
+
+Everything here reads ``state.json`` (and, for an unfinished stage, the small probe files of
+its job state); nothing loads a model or imports an engine, Hydra or jsonschema.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from spill.console import table
+from spill.errors import StoreError
+from spill.project import state, uptodate
+from spill.project.state import STAGES, summarize
+
+
+def _where(producers: list[dict]) -> str:
+    """``torch float32 on host (Linux 6.1)``; a stage made by several producers lists each."""
+    out = []
+    for p in producers:
+        os_short = (p.get("os") or "").split(" (")[0]
+        out.append(f"{p.get('engine')} {p.get('numerics')} on {p.get('machine')} ({os_short})")
+    return " + ".join(out)
+
+
+def rows(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One row per stage: stage, status, result (or progress), where it ran."""
+    recs = (doc or {}).get("stages") or {}
+    out = []
+    for name in STAGES:
+        rec = recs.get(name)
+        if rec is None:
+            out.append({"stage": name, "status": "not run", "result": "", "ran on": ""})
+            continue
+        status, result = rec["status"], summarize(name, rec.get("result") or {})
+        if status == "skipped":
+            result = "no teacher"
+        elif status != "done":
+            result = f"at {rec['unit']} {rec['progress']} of {rec['total']}"
+        out.append(
+            {
+                "stage": name,
+                "status": status,
+                "result": result,
+                "ran on": _where(rec.get("producers") or []),
+            }
+        )
+    return out
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The text a build, a resume or a status prints on stdout."""
+    if summary.get("dry_run"):
+        plan = [
+            {"stage": d["stage"], "action": d["action"], "reason": d["reason"]}
+            for d in summary["plan"]
+        ]
+        return f"plan for {summary['project']} (state {summary['state']}):\n" + table(plan)
+    lines = [table(rows(summary.get("doc")))]
+    lines += [f"note: {n}" for n in summary.get("notes", [])]
+    return "\n".join(lines)
+
+
+def as_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """What ``--json`` prints: the plan and, per stage, status, result and producers."""
+    doc = summary.get("doc") or {}
+    stages = {
+        name: {
+            k: rec.get(k) for k in ("status", "progress", "total", "unit", "result", "producers")
+        }
+        for name, rec in (doc.get("stages") or {}).items()
+    }
+    out = {
+        k: summary.get(k) for k in ("project", "state", "dry_run", "plan", "notes") if k in summary
+    }
+    return {**out, "stages": stages, "data": doc.get("data")}
+
+
+def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
+    """Read a project's build state; refresh the progress of unfinished stages from their probes."""
+    root = Path(root).resolve()
+    where = state_root or str(root / ".spill")
+    doc = state.read(where)
+    if doc is None:
+        raise StoreError(f"no build at {where}; `spill build {root}` starts one")
+    notes = []
+    for name, rec in (doc.get("stages") or {}).items():
+        if rec["status"] in ("running", "stopped"):
+            rec["progress"], producers = state.probe(where, name)
+            rec["producers"] = producers or rec.get("producers", [])
+    if (root / uptodate.FILE).is_file():
+        if uptodate.compose_key(root, doc["overrides"]) != doc["compose_key"]:
+            notes.append(
+                "spill.yaml or its groups changed since; `spill build --dry-run` shows what reruns"
+            )
+        data = root / doc["config"]["data"]["file"]
+        if data.is_file():
+            if uptodate.file_sha256(data) != doc["data"]["sha256"]:
+                notes.append(f"{data.name} changed since; the stages that read it rerun")
+    return {"project": doc["project"]["name"], "state": where, "doc": doc, "notes": notes}

@@ -1,0 +1,152 @@
+"""spill.yaml -> Project: every shipped group option and every example project composes and
+validates; a bad file or override fails in one line naming the key path and what is allowed."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+import spill.conf
+from spill.project.config import ConfigError, compose, compose_key, from_record
+
+ROOT = Path(__file__).resolve().parents[3]
+CONF = Path(spill.conf.__file__).parent
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.startswith("_"))
+PROJECTS = sorted(p.parent for p in (ROOT / "projects").glob("*/spill.yaml"))
+# options that leave a value to the project, and the value a project would give
+NEEDS = {"custom": "{group}.name=tiny:llama:3"}
+
+
+def options():
+    for group in GROUPS:
+        for path in sorted((CONF / group).glob("*.yaml")):
+            yield group, path.stem
+
+
+@pytest.fixture
+def toy(tmp_path) -> Path:
+    dst = tmp_path / "toy"
+    shutil.copytree(ROOT / "projects" / "toy", dst, ignore=shutil.ignore_patterns(".spill"))
+    return dst
+
+
+def test_groups_are_the_documented_ones():
+    assert GROUPS == sorted(["data", "engine", "eval", "model", "prompt", "teacher", "tune"])
+
+
+@pytest.mark.parametrize(("group", "option"), list(options()), ids=lambda x: x)
+def test_every_shipped_option_composes_and_validates(toy, group, option):
+    overrides = [f"{group}={option}"]
+    if option in NEEDS:
+        overrides.append(NEEDS[option].format(group=group))
+    if group == "data":
+        overrides += ["data.file=toy.csv", "data.input=text", "data.output=label"]
+    project = compose(toy, overrides)
+    assert project.name == "toy"
+    assert from_record(project.to_dict(), toy, overrides) == project
+
+
+@pytest.mark.parametrize("folder", PROJECTS, ids=lambda p: p.name)
+def test_every_example_project_composes_and_validates(folder):
+    project = compose(folder)
+    assert (folder / project.data.file).is_file()
+    first = (folder / "spill.yaml").read_text().splitlines()[0]
+    schema = first.split("$schema=", 1)[1]
+    assert first.startswith("# yaml-language-server: $schema=")
+    assert (folder / schema).resolve() == ROOT / "spill" / "schemas" / "spill-yaml.schema.json"
+
+
+def test_overrides_and_project_group_files(toy):
+    (toy / "tune").mkdir()
+    (toy / "tune" / "mine.yaml").write_text("defaults:\n  - default\ndropout: 0.25\nsteps: 7\n")
+    p = compose(toy, ["tune=mine", "tune.rank=2", "tune.lr=3e-4"])
+    # the group option, then the project's own values (steps: 300), then the overrides
+    assert (p.tune.dropout, p.tune.steps, p.tune.rank, p.tune.lr) == (0.25, 300, 2, 0.0003)
+    assert p.overrides == ("tune=mine", "tune.rank=2", "tune.lr=3e-4")
+
+
+def test_compose_key_follows_what_composition_reads(toy):
+    key = compose_key(toy)
+    assert compose_key(toy) == key
+    assert compose_key(toy, ["tune.lr=1"]) != key
+    (toy / "spill.yaml").write_text((toy / "spill.yaml").read_text() + "# a comment\n")
+    commented = compose_key(toy)
+    assert commented != key
+    (toy / "tune").mkdir()
+    (toy / "tune" / "mine.yaml").write_text("steps: 1\n")
+    assert compose_key(toy) != commented
+    (toy / "toy.csv").write_text("text,label\n")  # the data is not the config's business
+    assert compose_key(toy) == compose_key(toy)
+
+
+BAD_FILES = {
+    "unknown key": (
+        "tune:\n  lrr: 1\n",
+        "tune.lrr is not a setting spill knows; allowed here: steps, lr",
+    ),
+    "wrong type": ("tune:\n  lr: fast\n", "tune.lr: 'fast' is not of type 'number'"),
+    "not allowed": ("engine:\n  name: cuda\n", "engine.name is 'cuda'; allowed: auto, torch, mlx"),
+    "range": ("tune:\n  dropout: 1.5\n", "tune.dropout: 1.5 is greater than or equal to"),
+    "top level": ("colour: red\n", "colour is not a setting spill knows; allowed here: defaults"),
+    "batch shape": ("tune:\n  batch: 8\n  micro_batch: 3\n", "tune.batch 8 must be a multiple"),
+    "template": ('prompt:\n  template: "{input} {who}"\n', "prompt.template uses {who}"),
+    "no input": ('prompt:\n  template: "hello"\n', "prompt.template: 'hello' does not match"),
+    "targets": ("tune:\n  targets: q_proj,foo\n", "tune.targets: 'q_proj,foo' does not match"),
+    "yaml": ("tune: [1\n", "not valid YAML"),
+}
+
+
+def _merge(doc: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(doc.get(key), dict):
+            _merge(doc[key], value)
+        else:
+            doc[key] = value
+    return doc
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_schema_invalid_spill_yaml_is_one_line(toy, case):
+    text, message = BAD_FILES[case]
+    path = toy / "spill.yaml"
+    try:
+        doc = _merge(yaml.safe_load(path.read_text()), yaml.safe_load(text))
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    except yaml.YAMLError:
+        path.write_text(path.read_text() + text)
+    with pytest.raises(ConfigError) as err:
+        compose(toy)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value) and str(toy / "spill.yaml") in str(err.value)
+
+
+BAD_OVERRIDES = {
+    "unknown option": (
+        ["tune=nope"],
+        "no config option 'tune/nope'; options in tune: all-linear, default, quick",
+    ),
+    "unknown key": (
+        ["tune.lrr=3"],
+        "tune.lrr is not a setting spill knows, so it cannot be overridden; allowed in tune: steps",
+    ),
+    "added key": (["+tune.lrr=3"], "tune.lrr is not a setting spill knows"),
+    "missing": (["teacher=custom"], "teacher.name is not set"),
+    "syntax": (["tune.lr=[1"], "no viable alternative"),
+    "type": (["tune.steps=1e-4"], "tune.steps: 0.0001 is not of type 'integer'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OVERRIDES))
+def test_bad_overrides_are_one_line(toy, case):
+    overrides, message = BAD_OVERRIDES[case]
+    with pytest.raises(ConfigError) as err:
+        compose(toy, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_no_spill_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="has no spill.yaml; `spill init"):
+        compose(tmp_path)

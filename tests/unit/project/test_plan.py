@@ -1,0 +1,214 @@
+"""The pure planner: specs + recorded state + --stop-after -> decisions, without any engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from spill.project.config import from_record
+from spill.project.data import Prepared
+from spill.project.plan import PlanError, Recorded, StopAfter, describe_change, plan
+from spill.project.stages import specs
+
+ROOT = Path(__file__).resolve().parents[3]
+
+CONFIG = {
+    "schema_version": 1,
+    "name": "p",
+    "seed": 0,
+    "data": {
+        "file": "d.csv",
+        "input": "text",
+        "output": "label",
+        "task": "auto",
+        "test_fraction": 0.2,
+    },
+    "model": {"name": "tiny:llama:1"},
+    "teacher": {"name": None, "max_new_tokens": 64, "temperature": 0.0, "batch": 8},
+    "tune": {
+        "steps": 40,
+        "lr": 0.001,
+        "warmup": 0,
+        "weight_decay": 0.0,
+        "rank": 4,
+        "alpha": None,
+        "dropout": 0.0,
+        "targets": "q_proj,v_proj",
+        "batch": 4,
+        "micro_batch": 2,
+        "seq_len": 64,
+        "ckpt_every": 10,
+    },
+    "eval": {"max_new_tokens": None, "batch": 8},
+    "engine": {
+        "name": "torch",
+        "device": None,
+        "dtype": None,
+        "ring": None,
+        "resident": False,
+        "memory": None,
+    },
+    "prompt": {"template": "{input}\n", "chat": False},
+}
+PREPARED = Prepared("classification", ("a", "b"), 10, b"train\n", b"test\n", b"prompts\n", 8, 2)
+
+
+def project(**changes):
+    doc = {k: dict(v) if isinstance(v, dict) else v for k, v in CONFIG.items()}
+    for path, value in changes.items():
+        section, _, key = path.partition("__")
+        if key:
+            doc[section][key] = value
+        else:
+            doc[section] = value
+    return from_record(doc, Path("/tmp/p"))
+
+
+def done_records(stage_specs, status="done", **extra):
+    out = {}
+    for s in stage_specs:
+        st = "skipped" if not s.enabled else status
+        out[s.name] = Recorded(st, s.fingerprint, dict(s.inputs), **extra)
+    return out
+
+
+def actions(decisions):
+    return {d.stage: d.action for d in decisions}
+
+
+def test_nothing_recorded_runs_everything_but_a_missing_teacher():
+    d = plan(specs(project(), PREPARED), {})
+    assert actions(d) == {"eval:base": "run", "distill": "skip", "tune": "run", "eval": "run"}
+    assert all(x.fresh for x in d if x.action == "run")
+    assert d[0].reason == "fresh: not run yet"
+    assert "no teacher" in d[1].reason
+
+
+def test_finished_build_is_all_done():
+    s = specs(project(), PREPARED)
+    d = plan(s, done_records(s))
+    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "done", "eval": "done"}
+    assert not any(x.works for x in d)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tune__ckpt_every": 1},
+        {"eval__batch": 1},
+        {"teacher__batch": 2},
+        {"engine__name": "mlx", "engine__dtype": "bfloat16", "engine__ring": 2},
+    ],
+    ids=["ckpt_every", "eval.batch", "teacher.batch", "engine"],
+)
+def test_values_that_cannot_change_results_rerun_nothing(change):
+    recorded = done_records(specs(project(), PREPARED))
+    d = plan(specs(project(**change), PREPARED), recorded)
+    assert not any(x.works for x in d), [x.reason for x in d]
+
+
+def test_a_tune_value_reruns_tune_and_eval_and_names_the_value():
+    recorded = done_records(specs(project(), PREPARED))
+    d = plan(specs(project(tune__lr=0.003), PREPARED), recorded)
+    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "run", "eval": "run"}
+    assert d[2].reason == "fresh: tune.lr 0.001 -> 0.003"
+    assert d[3].reason == "fresh: tune changed"
+
+
+def test_data_edits_rerun_the_stages_that_read_the_changed_rows():
+    recorded = done_records(specs(project(), PREPARED))
+    train_edit = replace(PREPARED, train=b"train edited\n", prompts=b"prompts edited\n")
+    d = plan(specs(project(), train_edit), recorded)
+    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "run", "eval": "run"}
+    assert "training rows differ" in d[2].reason
+    test_edit = replace(PREPARED, test=b"test edited\n")
+    d = plan(specs(project(), test_edit), recorded)
+    assert actions(d) == {"eval:base": "run", "distill": "skip", "tune": "done", "eval": "run"}
+    assert "test rows differ" in d[0].reason
+
+
+def test_model_and_seed_changes_rerun_everything():
+    recorded = done_records(specs(project(), PREPARED))
+    for change, shown in (({"model__name": "tiny:llama:2"}, "model.name"), ({"seed": 3}, "seed")):
+        d = plan(specs(project(**change), PREPARED), recorded)
+        assert [x.action for x in d] == ["run", "skip", "run", "run"]
+        assert d[0].reason.startswith(f"fresh: {shown} ")
+
+
+def test_teacher_adds_distill_and_tune_reads_its_answers():
+    plain = specs(project(), PREPARED)
+    taught = specs(project(teacher__name="qwen2.5:1.5b"), PREPARED)
+    d = plan(taught, done_records(plain))
+    assert actions(d) == {"eval:base": "done", "distill": "run", "tune": "run", "eval": "run"}
+    assert taught[2].inputs["stage:distill"] == taught[1].fingerprint
+    # a new teacher setting reruns distill, and tune because it reads distill's answers
+    again = specs(project(teacher__name="qwen2.5:1.5b", teacher__max_new_tokens=9), PREPARED)
+    d = plan(again, done_records(taught))
+    assert actions(d)["distill"] == "run" and "teacher.max_new_tokens 64 -> 9" in d[1].reason
+    assert d[2].reason == "fresh: distill changed"
+
+
+def test_stopped_stage_continues_at_its_step():
+    s = specs(project(), PREPARED)
+    rec = done_records(s)
+    rec["tune"] = Recorded("stopped", s[2].fingerprint, dict(s[2].inputs), done=12)
+    del rec["eval"]
+    d = plan(s, rec)
+    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "continue", "eval": "run"}
+    assert d[2].reason == "continue at step 12 of 40" and not d[2].fresh
+    rec["tune"] = Recorded("running", s[2].fingerprint, dict(s[2].inputs), done=0)
+    assert plan(s, rec)[2].reason == "continue (nothing committed yet)"
+
+
+def test_stop_after_counts_and_waits():
+    s = specs(project(), PREPARED)
+    d = plan(s, {}, StopAfter.parse("train:20"))
+    assert actions(d) == {"eval:base": "run", "distill": "skip", "tune": "run", "eval": "wait"}
+    assert d[2].stop == 20 and d[0].stop is None
+    d = plan(s, {}, StopAfter.parse("eval:base:1"))
+    assert d[0].stop == 1 and actions(d)["tune"] == "wait"
+    rec = {s[0].name: Recorded("done", s[0].fingerprint, dict(s[0].inputs))}
+    rec["tune"] = Recorded("stopped", s[2].fingerprint, dict(s[2].inputs), done=25)
+    d = plan(s, rec, StopAfter.parse("tune:20"))
+    assert actions(d)["tune"] == "wait" and "stopped at step 25" in d[2].reason
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tuning", "no stage 'tuning'"),
+        ("eval:base:x", "no stage 'eval:base:x'"),
+        ("tune:0", "at least 1"),
+    ],
+)
+def test_stop_after_errors(text, message):
+    with pytest.raises(PlanError, match=message):
+        StopAfter.parse(text)
+
+
+def test_stop_after_past_the_end():
+    with pytest.raises(PlanError, match="past the end"):
+        plan(specs(project(), PREPARED), {}, StopAfter.parse("tune:41"))
+    with pytest.raises(PlanError, match="past the end"):
+        plan(specs(project(), PREPARED), {}, StopAfter.parse("eval:3"))
+
+
+def test_describe_change_lists_config_first_and_counts_the_rest():
+    old = {"a": 1, "b": 2, "c": 3, "d": 4, "data:test.jsonl": "sha256:" + "0" * 64}
+    new = {"a": 9, "b": 8, "c": 7, "d": 6, "data:test.jsonl": "sha256:" + "1" * 64}
+    assert describe_change(old, new) == "a 1 -> 9; b 2 -> 8; c 3 -> 7; 1 more values"
+
+
+def test_planning_imports_no_engine():
+    code = (
+        "import sys\nimport spill.project.plan, spill.project.stages, spill.project.build\n"
+        "import spill.project.status, spill.project.execute\n"
+        "heavy = [m for m in ('torch', 'mlx', 'numpy', 'hydra') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
