@@ -64,10 +64,11 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         key = uptodate.compose_key(root, overrides)
     summary = {"project": root.name, "state": state_root, "dry_run": opts.dry_run}
     if not opts.dry_run and uptodate.finished(doc, key, root):
-        if opts.stop_after:
-            from spill.project.plan import StopAfter
+        if opts.stop_after:  # a typo still fails, even with nothing to do
+            from spill.project.plan import StopAfter, check_stop
 
-            StopAfter.parse(opts.stop_after)  # a typo still fails, even with nothing to do
+            totals = {name: rec["total"] for name, rec in doc["stages"].items()}
+            check_stop(StopAfter.parse(opts.stop_after), totals)
         return {**summary, "project": doc["project"]["name"], "plan": _done_plan(doc), "doc": doc}
     from spill.project import config
     from spill.project.plan import StopAfter

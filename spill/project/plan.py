@@ -138,11 +138,12 @@ def describe_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
     return "; ".join(parts) or "its inputs changed"
 
 
-def _check_stop(stop: StopAfter, specs: list[StageSpec]) -> None:
-    spec = next(s for s in specs if s.name == stop.stage)
-    if stop.count is not None and stop.count > spec.total:
+def check_stop(stop: StopAfter, totals: Mapping[str, int]) -> None:
+    """A count past the stage's end (``tune:500`` with 300 steps) is refused."""
+    total = totals[stop.stage]
+    if stop.count is not None and stop.count > total:
         what = "tune.steps" if stop.stage == "tune" else f"{stop.stage}'s rows"
-        raise PlanError(f"--stop-after {stop}: past the end ({what}: {spec.total})")
+        raise PlanError(f"--stop-after {stop}: past the end ({what}: {total})")
 
 
 def _decide(
@@ -184,7 +185,7 @@ def plan(
 ) -> list[Decision]:
     """One ``Decision`` per spec, in order; see the module doc."""
     if stop is not None:
-        _check_stop(stop, specs)
+        check_stop(stop, {s.name: s.total for s in specs})
     out: dict[str, Decision] = {}
     past = False
     for spec in specs:

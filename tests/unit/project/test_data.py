@@ -1,0 +1,97 @@
+"""A project's data file -> split and rendered rows: deterministic, stratified, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spill.errors import DataError
+from spill.project.data import Row, detect_task, prepare, read_rows, split
+
+
+def write_csv(path, rows, header=("text", "label")):
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+LABELED = [(f"item {i} {'abc'[i % 3]}", "abc"[i % 3]) for i in range(30)]
+
+
+def test_csv_and_jsonl_read_the_same(tmp_path):
+    a = read_rows(write_csv(tmp_path / "d.csv", LABELED), "text", "label")
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("".join(json.dumps({"text": t, "label": y, "x": 1}) + "\n" for t, y in LABELED))
+    assert read_rows(jl, "text", "label") == a
+    assert a[0] == Row(1, "item 0 a", "a")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("text,label\n", "no data rows; the file is empty"),
+        ("", "no data rows"),
+        (
+            "text,labl\nhi,a\n",
+            "no column 'label' (--output/data.output); the columns are 'text', 'labl'",
+        ),
+        ("text,label\nhi,\n", "line 2 has an empty 'label'"),
+    ],
+    ids=["header only", "empty", "missing column", "empty cell"],
+)
+def test_bad_files(tmp_path, content, message):
+    path = tmp_path / "d.csv"
+    path.write_text(content)
+    with pytest.raises(DataError) as err:
+        read_rows(path, "text", "label")
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_single_label_and_too_few_rows(tmp_path):
+    one = write_csv(tmp_path / "one.csv", [("a", "x"), ("b", "x"), ("c", "x")])
+    with pytest.raises(DataError, match="every row has the output 'x'; a single label"):
+        prepare(one, "text", "label", "auto", 0, 0.2, "{input}", False)
+    tiny = write_csv(tmp_path / "tiny.csv", [("a", "x")])
+    with pytest.raises(DataError, match="1 row; a project needs one to train on"):
+        prepare(tiny, "text", "label", "auto", 0, 0.2, "{input}", False)
+
+
+def test_task_detection():
+    rows = [Row(i, f"q{i}", "abc"[i % 3]) for i in range(30)]
+    assert detect_task(rows) == "classification"
+    free = [Row(i, f"q{i}", f"a long free answer number {i}") for i in range(30)]
+    assert detect_task(free) == "generation"
+
+
+def test_split_is_stratified_seeded_and_content_based(tmp_path):
+    rows = read_rows(write_csv(tmp_path / "d.csv", LABELED), "text", "label")
+    train, test = split(rows, 0, 0.2, "classification", tmp_path)
+    assert len(test) == 6 and sorted(r.output for r in test) == ["a", "a", "b", "b", "c", "c"]
+    assert split(rows, 0, 0.2, "classification", tmp_path) == (train, test)
+    assert split(rows, 1, 0.2, "classification", tmp_path)[1] != test
+    # reordering the file changes nothing; each row keeps its side
+    shuffled = read_rows(write_csv(tmp_path / "r.csv", LABELED[::-1]), "text", "label")
+    assert {r.input for r in split(shuffled, 0, 0.2, "classification", tmp_path)[1]} == {
+        r.input for r in test
+    }
+
+
+def test_rendered_rows(tmp_path):
+    path = write_csv(tmp_path / "d.csv", LABELED)
+    plain = prepare(path, "text", "label", "auto", 0, 0.2, "Q: {input}\n", False)
+    assert plain.task == "classification" and plain.labels == ("a", "b", "c")
+    first = json.loads(plain.train.splitlines()[0])
+    assert set(first) == {"id", "prompt", "completion"} and first["prompt"].startswith("Q: item")
+    graded = json.loads(plain.test.splitlines()[0])
+    assert set(graded) == {"id", "prompt", "answer"}
+    chat = prepare(path, "text", "label", "auto", 0, 0.2, "Pick {labels}: {input}", True)
+    first = json.loads(chat.train.splitlines()[0])
+    assert [m["role"] for m in first["messages"]] == ["user", "assistant"]
+    assert first["messages"][0]["content"].startswith("Pick a, b, c: item")
+    assert (plain.n_train, plain.n_test) == (24, 6)
+    assert prepare(path, "text", "label", "auto", 0, 0.2, "Q: {input}\n", False) == plain

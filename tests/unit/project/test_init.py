@@ -1,0 +1,67 @@
+"""``spill init``: a folder with spill.yaml and the data, nothing else; choices written once."""
+
+from __future__ import annotations
+
+import pytest
+
+from spill.errors import DataError, SpillError
+from spill.project.config import compose
+from spill.project.init import init
+from tests.unit.project.test_data import LABELED, write_csv
+
+
+def test_init_writes_two_files_that_compose(tmp_path):
+    data = write_csv(tmp_path / "tickets.csv", LABELED)
+    out = init(data, "text", "label", tmp_path / "proj", seed=3)
+    files = sorted(p.name for p in (tmp_path / "proj").iterdir())
+    assert files == ["spill.yaml", "tickets.csv"]
+    assert (tmp_path / "proj" / "tickets.csv").read_bytes() == data.read_bytes()
+    text = (tmp_path / "proj" / "spill.yaml").read_text()
+    first = text.splitlines()[0]
+    assert first.startswith("# yaml-language-server: $schema=/")
+    assert first.endswith("spill/schemas/spill-yaml.schema.json")
+    p = compose(tmp_path / "proj")
+    assert (p.name, p.seed, p.data.task, p.data.file) == (
+        "proj",
+        3,
+        "classification",
+        "tickets.csv",
+    )
+    assert p.prompt.chat and "{labels}" in p.prompt.template  # the classify prompt
+    assert p.engine.name in ("torch", "mlx") and p.teacher.name is None
+    assert p.tune.micro_batch in (2, 4, 8) and p.id and len(p.id) == 12
+    assert out["task"] == "classification" and out["labels"] == 3 and out["rows"] == 30
+    assert "free memory" in text and "# 3 labels: a, b, c" in text
+
+
+def test_model_and_teacher_given(tmp_path):
+    data = write_csv(tmp_path / "d.csv", LABELED)
+    init(data, "text", "label", tmp_path / "p", model="tiny:llama:1", teacher="qwen2.5:1.5b")
+    p = compose(tmp_path / "p")
+    assert p.model.name == "tiny:llama:1" and p.teacher.name == "qwen2.5:1.5b"
+    text = (tmp_path / "p" / "spill.yaml").read_text()
+    assert "- model: custom" in text and "- teacher: qwen2.5-1.5b" in text
+
+
+def test_free_text_gets_the_chat_prompt(tmp_path):
+    rows = [(f"question {i}", f"a free answer that differs {i}") for i in range(12)]
+    data = write_csv(tmp_path / "qa.csv", rows, header=("q", "a"))
+    out = init(data, "q", "a", tmp_path / "qa")
+    p = compose(tmp_path / "qa")
+    assert out["task"] == "generation" and p.data.task == "generation"
+    assert p.prompt.template == "{input}" and p.prompt.chat
+
+
+def test_refuses_a_folder_in_use_and_bad_data(tmp_path):
+    data = write_csv(tmp_path / "d.csv", LABELED)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("mine")
+    with pytest.raises(SpillError, match="exists and is not empty"):
+        init(data, "text", "label", tmp_path / "used")
+    with pytest.raises(DataError, match="no column 'labl'"):
+        init(data, "text", "labl", tmp_path / "new")
+    single = write_csv(tmp_path / "s.csv", [("a", "x"), ("b", "x")])
+    with pytest.raises(DataError, match="single label"):
+        init(single, "text", "label", tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    assert (tmp_path / "used" / "x").read_text() == "mine"
