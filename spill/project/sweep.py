@@ -15,6 +15,8 @@ its status, scores and state location, from which the comparison table is made.
 from __future__ import annotations
 
 import functools
+import os
+import platform
 import re
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ def job(cfg: Any, *, root: str, base: str, stop_after: str | None, dry_run: bool
     name = run_name(overrides)
     where = join(base, "sweep", name)
     out: dict[str, Any] = {"run": name, "overrides": list(overrides), "state": where}
+    out.update(machine=platform.node(), pid=os.getpid())  # where the launcher ran it
     try:
         project = config.from_composed(cfg, root, overrides)
         stop = StopAfter.parse(stop_after) if stop_after else None
@@ -99,7 +102,13 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
     except (HydraException, OmegaConfBaseException) as e:
         raise config.ConfigError(f"{root / config.FILE}: {config.hydra_line(e)}") from None
     runs = [r.return_value for batch in returns for r in batch]
-    return {"project": root.name, "state": base, "dry_run": opts.dry_run, "runs": runs}
+    return {
+        "project": root.name,
+        "state": base,
+        "dry_run": opts.dry_run,
+        "pid": os.getpid(),
+        "runs": runs,
+    }
 
 
 def exit_code(result: dict[str, Any]) -> int:
