@@ -160,6 +160,9 @@ class Executor:
             for name, data in self.prepared.files().items():
                 (self.work / name).write_bytes(data)
             try:
+                with self.signals.critical():  # the split, for people to read
+                    for name in ("train.jsonl", "test.jsonl"):
+                        put_bytes(join(self.root, "files", name), (self.work / name).read_bytes())
                 self.save()
                 for d in decisions:
                     if d.works:
@@ -238,6 +241,15 @@ class Executor:
         out = [join(self.root, "files", f) for f in files.get(stage, [])]
         return out + ([self._adapter_uri()] if stage == "tune" else [])
 
+    def _output(self, name: str) -> Path:
+        """Where a job writes a file of ``files/``: there directly on a local state."""
+        where = join(self.root, "files")
+        return Path(where.removeprefix("file://")) / name if is_local(where) else self.work / name
+
+    def _publish(self, path: Path) -> None:
+        if not is_local(self.root):
+            put_bytes(join(self.root, "files", path.name), path.read_bytes())
+
     def _adapter_uri(self) -> str:
         return join(self.root, "adapters", self.project.name)
 
@@ -253,7 +265,7 @@ class Executor:
         from spill.jobs.eval import EvalOptions, evaluate
 
         base = d.stage == "eval:base"
-        out = self.work / ("eval-base.jsonl" if base else "eval.jsonl")
+        out = self._output("eval-base.jsonl" if base else "eval.jsonl")
         opts = EvalOptions(
             max_new_tokens=self.project.eval.max_new_tokens,
             batch=self.project.eval.batch,
@@ -266,7 +278,7 @@ class Executor:
         s = evaluate(self.project.model.name, self.work / "test.jsonl", out, opts)
         complete = s.get("complete", True)
         if complete:
-            put_bytes(join(self.root, "files", out.name), out.read_bytes())
+            self._publish(out)
         keys = ("rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token")
         return {k: s[k] for k in keys}, complete
 
@@ -275,7 +287,7 @@ class Executor:
         from spill.jobs.run import RunOptions
 
         t = self.project.teacher
-        out = self.work / "teacher.jsonl"
+        out = self._output("teacher.jsonl")
         opts = RunOptions(
             max_new_tokens=t.max_new_tokens,
             batch=t.batch,
@@ -289,13 +301,13 @@ class Executor:
         s = distill(t.name, self.work / "prompts.jsonl", out, opts)
         complete = s.get("complete", True)
         if complete:
-            put_bytes(join(self.root, "files", "teacher.jsonl"), out.read_bytes())
+            self._publish(out)
         return {k: s[k] for k in ("rows", "truncated", "generated_tokens")}, complete
 
     def _train_file(self) -> Path:
         if self.project.teacher.name is None:
             return self.work / "train.jsonl"
-        local = self.work / "teacher.jsonl"
+        local = self._output("teacher.jsonl")
         if not local.is_file():
             local.write_bytes(get_bytes(join(self.root, "files", "teacher.jsonl")))
         return local

@@ -290,3 +290,40 @@ def test_s3_state(reference, home, tmp_path, s3_bucket):
     fs = s3fs.S3FileSystem()
     assert fs.exists(f"{s3_bucket}/builds/toy/adapters/toy/peft/adapter_model.safetensors")
     assert fs.exists(f"{s3_bucket}/builds/toy/state.json")
+
+
+def test_teacher_answers_become_the_training_rows(home, tmp_path):
+    project = copy_toy(tmp_path / "toy")
+    state = tmp_path / "state"
+    teach = ("teacher=custom", "teacher.name=tiny:qwen2:5:2x32", "teacher.max_new_tokens=3")
+    fast = ("tune.steps=4", "tune.ckpt_every=2")
+    args = (str(project), "--state", str(state), *teach, *fast)
+    spill("build", *args, "--stop-after", "distill:5", home=home)
+    rec = state_doc(state)["stages"]["distill"]
+    assert (rec["status"], rec["progress"]) == ("stopped", 5)
+    proc = spill("build", *args, "--stop-after", "tune", home=home)
+    assert "continue at row 5 of" in proc.stderr
+    doc = state_doc(state)
+    assert (
+        doc["stages"]["distill"]["status"] == "done" and doc["stages"]["tune"]["status"] == "done"
+    )
+    answers = [json.loads(x) for x in (state / "files" / "teacher.jsonl").read_text().splitlines()]
+    assert len(answers) == doc["data"]["train"] and all("completion" in a for a in answers)
+    assert (
+        doc["stages"]["tune"]["inputs"]["stage:distill"] == doc["stages"]["distill"]["fingerprint"]
+    )
+    dry = spill("build", *args[:3], *fast, "teacher=none", "--dry-run", home=home)
+    assert "skipped: no teacher" in dry.stdout and "tune       run     fresh: " in dry.stdout
+
+
+@pytest.mark.parametrize("verb", ["init", "build", "status", "resume"])
+def test_help_imports_no_engine(verb):
+    code = (
+        "import sys\nfrom spill.cli import main\n"
+        f"try:\n    main([{verb!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'mlx', 'hydra', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"usage: spill {verb}" in proc.stdout

@@ -1,0 +1,96 @@
+"""The build table and the state probes, from files alone (no engine, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spill.errors import StoreError
+from spill.project import state
+from spill.project.status import as_json, render, rows
+
+LINUX = {
+    "engine": "torch",
+    "numerics": "float32",
+    "machine": "box",
+    "os": "Linux 6.1 (x86_64)",
+    "hardware": "cpu",
+}
+MAC = {
+    "engine": "mlx",
+    "numerics": "bfloat16",
+    "machine": "mac",
+    "os": "macOS 15.1 (arm64)",
+    "hardware": "M4",
+}
+
+
+def doc():
+    base = {"unit": "row", "total": 40, "progress": 40, "location": "x", "updated": "t"}
+    return {
+        "stages": {
+            "eval:base": {
+                **base,
+                "status": "done",
+                "result": {"rows": 40, "correct": 2, "accuracy": 0.05},
+                "producers": [LINUX],
+            },
+            "distill": {**base, "status": "skipped", "result": {}, "producers": []},
+            "tune": {
+                **base,
+                "unit": "step",
+                "total": 300,
+                "status": "done",
+                "result": {"step": 300, "steps": 300, "loss": 0.01},
+                "producers": [LINUX, MAC],
+            },
+            "eval": {**base, "status": "stopped", "progress": 7, "result": {}, "producers": [MAC]},
+        }
+    }
+
+
+def test_rows_and_a_stage_that_moved():
+    table = rows(doc())
+    assert [r["status"] for r in table] == ["done", "skipped", "done", "stopped"]
+    assert table[0]["result"] == "accuracy 0.050 (2/40)"
+    assert table[2]["ran on"] == (
+        "torch float32 on box (Linux 6.1) + mlx bfloat16 on mac (macOS 15.1)"
+    )
+    assert table[3]["result"] == "at row 7 of 40"
+    assert rows(None)[0]["status"] == "not run"
+    text = render({"doc": doc(), "notes": ["spill.yaml changed since"]})
+    assert "note: spill.yaml changed since" in text
+    assert as_json({"doc": doc()})["stages"]["tune"]["producers"] == [LINUX, MAC]
+
+
+def test_probes_read_commits_only(tmp_path):
+    root = str(tmp_path)
+    ckpt = tmp_path / "stages" / "tune" / "ckpt"
+    for step, committed in ((10, True), (20, True), (30, False)):
+        d = ckpt / f"step-{step}"
+        d.mkdir(parents=True)
+        (d / "state.json").write_text(json.dumps({"producers": [LINUX, MAC]}))
+        if committed:
+            (d / "COMMIT").write_text("{}")
+    assert state.probe(root, "tune") == (20, [LINUX, MAC])
+    rows_dir = tmp_path / "stages" / "eval" / "rows"
+    rows_dir.mkdir(parents=True)
+    for n, producer in enumerate([LINUX, LINUX, MAC]):
+        (rows_dir / f"seg-{n}.commit").write_text(json.dumps({"count": 5, "producer": producer}))
+    (rows_dir / "seg-3.jsonl").write_text("uncommitted\n")
+    assert state.probe(root, "eval") == (15, [LINUX, MAC])
+    assert state.probe(root, "distill") == (0, [])
+
+
+def test_state_file_kind_and_version(tmp_path):
+    assert state.read(str(tmp_path)) is None
+    (tmp_path / "state.json").write_text(json.dumps({"kind": "other"}))
+    with pytest.raises(StoreError, match="not a spill build state"):
+        state.read(str(tmp_path))
+    (tmp_path / "state.json").write_text(json.dumps({"kind": "spill-build", "schema_version": 9}))
+    with pytest.raises(StoreError, match="version 9"):
+        state.read(str(tmp_path))
+    (tmp_path / "state.json").write_text("{")
+    with pytest.raises(StoreError, match="not JSON"):
+        state.read(str(tmp_path))
