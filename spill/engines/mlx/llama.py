@@ -1,0 +1,56 @@
+"""Llama (SmolLM2, Llama 3.x) in MLX: one decoder layer as a function of its weights.
+
+A layer's weights are a dict keyed like the HF checkpoint below ``model.layers.<k>.``
+(``self_attn.q_proj.weight``, ...), so loading needs no renaming table and the same function
+runs on a ring slot or a resident layer. ``lora`` maps a module name (``self_attn.q_proj``) to
+its adapter; None runs the base model. Biases follow the config's ``attention_bias`` (q/k/v/o)
+and ``mlp_bias`` flags.
+"""
+
+from __future__ import annotations
+
+from spill.engines.mlx.ops import apply_rotary, attend, proj, rms_norm, silu
+from spill.models.config import ModelConfig
+
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+MODULES = ATTENTION + MLP  # every linear an adapter may target
+
+
+def layer_keys(cfg: ModelConfig) -> tuple[str, ...]:
+    """Names of one decoder layer's tensors, relative to ``model.layers.<k>.``."""
+    keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    keys += [m + ".weight" for m in MODULES]
+    if cfg.qkv_bias:
+        keys += [m + ".bias" for m in ATTENTION[:3]]
+    if cfg.o_bias:
+        keys.append("self_attn.o_proj.bias")
+    if cfg.mlp_bias:
+        keys += [m + ".bias" for m in MLP]
+    return tuple(keys)
+
+
+def attention(cfg: ModelConfig, w: dict, x, ctx, cache, lora):
+    b, t, _ = x.shape
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = proj(w, "self_attn.q_proj", x, lora).reshape(b, t, heads, d).swapaxes(1, 2)  # (B, H, T, D)
+    k = proj(w, "self_attn.k_proj", x, lora).reshape(b, t, kv, d).swapaxes(1, 2)  # (B, KV, T, D)
+    v = proj(w, "self_attn.v_proj", x, lora).reshape(b, t, kv, d).swapaxes(1, 2)
+    q = apply_rotary(q, ctx.cos, ctx.sin)
+    k = apply_rotary(k, ctx.cos, ctx.sin)
+    if cache is not None:
+        k, v = cache.update(k, v, ctx.start)  # (B, KV, S, D)
+    o = attend(q, k, v, ctx.mask)  # (B, T, H * D)
+    return proj(w, "self_attn.o_proj", o, lora)
+
+
+def mlp(w: dict, x, lora):
+    gate = silu(proj(w, "mlp.gate_proj", x, lora))
+    return proj(w, "mlp.down_proj", gate * proj(w, "mlp.up_proj", x, lora), lora)
+
+
+def layer(cfg: ModelConfig, w: dict, x, ctx, cache=None, lora=None):
+    """x (B, T, hidden) -> (B, T, hidden); writes this chunk's keys/values into ``cache``."""
+    eps = cfg.rms_norm_eps
+    x = x + attention(cfg, w, rms_norm(x, w["input_layernorm.weight"], eps), ctx, cache, lora)
+    return x + mlp(w, rms_norm(x, w["post_attention_layernorm.weight"], eps), lora)

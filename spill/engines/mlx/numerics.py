@@ -1,0 +1,106 @@
+"""The compute dtype of base weights on MLX, and why.
+
+A GPU (Metal on Apple silicon) computes in bfloat16; that path exists but is untested on the
+Linux machines spill is developed on. A CPU computes in bfloat16 only where a measured linear
+layer shows bf16 at least about as fast as float32 (within 1.5x), by the same check as the torch
+engine but timed in MLX. On Linux MLX's float32 matmul is BLAS while its bf16 matmul is its own
+kernel, so the answer depends on the BLAS too (see ``blas``): the bundled reference BLAS makes
+float32 slower than bf16, OpenBLAS makes it much faster. The measurement is kept per machine in
+``machine_cache()/numerics-mlx.json``, keyed by CPU model, MLX version and BLAS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import mlx.core as mx
+
+from spill.engines.mlx import blas
+from spill.errors import EngineError
+from spill.paths import machine_cache
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+TOLERANCE = 1.5  # bf16 is chosen when its linear takes at most this many times float32's
+SHAPE = (64, 1024, 1024)  # (tokens, in, out) of the measured linear
+CACHE = "numerics-mlx.json"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def _best(fn, reps: int) -> float:
+    mx.eval(fn())  # warm-up: kernel selection, page faults
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
+    """Best-of-``reps`` seconds of one linear layer in float32 and in bfloat16 on MLX's CPU."""
+    n, k, m = shape
+    key = mx.random.key(0)
+    with mx.stream(mx.cpu):
+        x = mx.random.normal((n, k), key=key)
+        w = mx.random.normal((m, k), key=mx.random.split(key)[1])
+        xb, wb = x.astype(mx.bfloat16), w.astype(mx.bfloat16)
+        mx.eval(x, w, xb, wb)
+        f32 = _best(lambda: x @ w.T, reps)
+        bf16 = _best(lambda: xb @ wb.T, reps)
+    return {"shape": list(shape), "float32_s": f32, "bfloat16_s": bf16, "ratio": bf16 / f32}
+
+
+def cpu_measurement() -> dict:
+    """This machine's measurement, from the cache when present, else measured and cached."""
+    key = f"{cpu_model()} | mlx {mx.__version__} | {blas.describe()}"
+    path = machine_cache() / CACHE
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    if key in known:
+        return known[key]
+    found = measure_linear()
+    known[key] = found
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return found
+
+
+def choose(device: mx.Device, requested: str | None = None) -> tuple[mx.Dtype, str]:
+    """(compute dtype, the reason in a few words) for base weights on ``device``."""
+    where = "" if device == mx.gpu else f"; BLAS {blas.describe()}"
+    if requested is not None:
+        if requested not in DTYPES:
+            raise EngineError(f"dtype {requested!r} is not supported; use float32 or bfloat16")
+        return DTYPES[requested], "requested" + where
+    if device == mx.gpu:
+        return mx.bfloat16, "GPU"
+    ratio = cpu_measurement()["ratio"]
+    if ratio <= 1:
+        return (
+            mx.bfloat16,
+            f"bf16 matmul {1 / ratio:.1f}x faster than float32 here, measured" + where,
+        )
+    if ratio <= TOLERANCE:
+        return mx.bfloat16, f"bf16 matmul within {ratio:.2f}x of float32 here, measured" + where
+    return mx.float32, f"bf16 matmul {ratio:.0f}x slower than float32 here, measured" + where
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return {mx.float32: "float32", mx.bfloat16: "bfloat16"}[dtype]

@@ -1,0 +1,155 @@
+"""Math the families share, in MLX: RMSNorm, rotary tables, the adapter-aware linear, attention.
+
+Op for op the torch engine's ``ops`` (norm in float32, rotate_half rotary, repeated KV heads,
+softmax over a boolean mask), so float32 log-probs agree with torch to about 1e-6. Weights are
+plain dicts keyed like the HF checkpoint; the same functions run on a ring slot or a resident
+layer. MLX is lazy: callers ``mx.eval`` after each layer, so a released slot is really free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from spill.models.config import ModelConfig
+
+# An adapter on one linear: A (in, r), B (r, out) in float32, its scale (alpha / r), and
+# optionally a dropout applied to the adapter's float32 input (training only).
+Lora = tuple[mx.array, mx.array, float] | tuple[mx.array, mx.array, float, Callable]
+
+
+def linear(x, w, b=None, lora: Lora | None = None):
+    """``x @ w.T + b``, plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32."""
+    y = x @ w.T
+    if b is not None:
+        y = y + b
+    if lora is not None:
+        a, bb, scale, *drop = lora
+        h = x.astype(mx.float32)
+        if drop:
+            h = drop[0](h)
+        y = y + (((h @ a) @ bb) * scale).astype(y.dtype)
+    return y
+
+
+def proj(w: dict, name: str, x, lora: dict[str, Lora] | None):
+    """The linear called ``name`` (``self_attn.q_proj``) of a layer's weight dict."""
+    adapter = lora.get(name) if lora else None
+    return linear(x, w[name + ".weight"], w.get(name + ".bias"), adapter)
+
+
+def silu(x):
+    return x / (1 + mx.exp(-x))  # torch's CPU kernel's form
+
+
+def log_softmax(x):
+    """Over the last axis, as torch computes it: shift by the max, subtract log-sum-exp."""
+    shifted = x - mx.stop_gradient(mx.max(x, axis=-1, keepdims=True))
+    return shifted - mx.log(mx.sum(mx.exp(shifted), axis=-1, keepdims=True))
+
+
+def rms_norm(x, weight, eps: float):
+    dtype = x.dtype
+    h = x.astype(mx.float32)
+    h = h * mx.rsqrt(mx.mean(h * h, axis=-1, keepdims=True) + eps)
+    return weight * h.astype(dtype)
+
+
+def inv_freq(cfg: ModelConfig) -> mx.array:
+    """Rotary inverse frequencies (float32), with Llama 3 scaling when the config has it."""
+    dim = cfg.head_dim
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
+    scaling = cfg.rope_scaling_dict
+    if scaling:
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = np.float32(2 * math.pi) / freq
+        scaled = np.where(wavelen > low_wavelen, freq / np.float32(factor), freq)
+        smooth = (np.float32(old) / wavelen - np.float32(low)) / np.float32(high - low)
+        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return mx.array(freq)
+
+
+def rotary(positions, freq, dtype):
+    """cos and sin tables for integer positions (B, T) -> (B, T, D) each, in ``dtype``."""
+    freqs = positions[..., None].astype(mx.float32) * freq  # (B, T, D/2)
+    emb = mx.concatenate([freqs, freqs], axis=-1)
+    return mx.cos(emb).astype(dtype), mx.sin(emb).astype(dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """x (B, H, T, D); cos, sin (B, T, D)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def attend(q, k, v, mask):
+    """q (B, H, T, D); k, v (B, KV, S, D); mask (B, 1, T, S) bool -> (B, T, H * D)."""
+    b, heads, t, d = q.shape
+    groups = heads // k.shape[1]
+    if groups > 1:
+        k = mx.repeat(k, groups, axis=1)
+        v = mx.repeat(v, groups, axis=1)
+    scores = (q @ k.swapaxes(-1, -2)) * (d**-0.5)  # (B, H, T, S)
+    scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    o = mx.softmax(scores, axis=-1, precise=True) @ v  # (B, H, T, D)
+    return o.swapaxes(1, 2).reshape(b, t, heads * d)
+
+
+@dataclass
+class Context:
+    """What every layer of one forward shares: rotary tables, the mask, the cache offset."""
+
+    cos: mx.array  # (B, T, D)
+    sin: mx.array  # (B, T, D)
+    mask: mx.array  # (B, 1, T, S) bool, True where a query may attend a key
+    start: int  # where this chunk's keys go in a KV cache
+
+
+def context(valid, start: int, length: int, freq, dtype) -> Context:
+    """Context for ``length`` tokens at ``start`` given valid keys (B, S), S = start + length.
+
+    Positions count valid tokens, so left padding shifts nothing. A padding query may attend
+    to itself only (its output is never used), which keeps the softmax free of all-masked rows.
+    """
+    s = valid.shape[1]
+    counts = mx.cumsum(valid.astype(mx.int32), axis=-1) - 1
+    positions = mx.maximum(counts, 0)[:, start : start + length]  # (B, T)
+    cos, sin = rotary(positions, freq, dtype)
+    query = mx.arange(start, start + length)[:, None]  # (T, 1)
+    key = mx.arange(s)[None, :]  # (1, S)
+    causal = key <= query  # (T, S)
+    mask = (causal[None] & valid[:, None, :]) | (key == query)[None]  # (B, T, S)
+    return Context(cos, sin, mask[:, None], start)
+
+
+class KVCache:
+    """One layer's keys and values, preallocated for the whole generation."""
+
+    def __init__(self, batch: int, kv_heads: int, length: int, head_dim: int, dtype):
+        self.k = mx.zeros((batch, kv_heads, length, head_dim), dtype=dtype)
+        self.v = mx.zeros_like(self.k)
+
+    def update(self, k, v, start: int):
+        """Write k, v (B, KV, T, D) at ``start``; return all keys and values so far."""
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.k, self.v]
