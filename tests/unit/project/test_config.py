@@ -150,3 +150,47 @@ def test_bad_overrides_are_one_line(toy, case):
 def test_no_spill_yaml(tmp_path):
     with pytest.raises(ConfigError, match="has no spill.yaml; `spill init"):
         compose(tmp_path)
+
+
+def documented_builds():
+    """``(doc, project, overrides)`` for every ``spill build`` line in the docs' code blocks,
+    a sweep expanded into its combinations."""
+    import itertools
+    import re
+    import shlex
+
+    for md in sorted((ROOT / "docs").rglob("*.md")):
+        for block in re.findall(r"```[a-z]*\n(.*?)```", md.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.strip().removeprefix("$ ").split(" #")[0]
+                if not line.startswith("spill build "):
+                    continue
+                words = shlex.split(line)[2:]
+                folder = words[0] if words and "=" not in words[0] and words[0][0] != "-" else "."
+                name = Path(folder).name
+                project = (
+                    ROOT / "projects" / (name if (ROOT / "projects" / name).is_dir() else "toy")
+                )
+                overrides = [w for w in words if "=" in w and not w.lstrip("+").startswith("hydra")]
+                if "-m" in words:
+                    keys = [o.split("=", 1)[0] for o in overrides]
+                    values = [o.split("=", 1)[1].split(",") for o in overrides]
+                    for combo in itertools.product(*values):
+                        yield (
+                            md.name,
+                            project,
+                            [f"{k}={v}" for k, v in zip(keys, combo, strict=True)],
+                        )
+                else:
+                    yield md.name, project, overrides
+
+
+def test_every_documented_combination_composes_and_validates():
+    seen = 0
+    for doc, project, overrides in documented_builds():
+        try:
+            compose(project, overrides)
+        except ConfigError as e:
+            raise AssertionError(f"{doc}: spill build {project.name} {overrides}: {e}") from None
+        seen += 1
+    assert seen >= 10  # the docs do mention builds and sweeps
