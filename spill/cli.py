@@ -236,7 +236,33 @@ def cmd_init(args) -> int:
     return 0
 
 
+def _preemptible(run) -> int:
+    """A build stopped by Ctrl-C or SIGTERM before or between stages exits 75 like a job (the
+    executor handles signals while stages run; here it is planning, composing, sweeping)."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print(
+            f"spill: build preempted; nothing new committed; exit {EXIT_PREEMPTED}; "
+            "run the same command to continue",
+            file=sys.stderr,
+        )
+        return EXIT_PREEMPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_build(args) -> int:
+    return _preemptible(lambda: _build(args))
+
+
+def _build(args) -> int:
     from spill.project.build import BuildOptions, build
 
     opts = BuildOptions(
@@ -271,14 +297,21 @@ def cmd_resume(args) -> int:
     opts = BuildOptions(
         state=args.state, stop_after=args.stop_after, dry_run=args.dry_run, resume=True
     )
-    _emit_build(build(args.dir, opts), args.json)
-    return 0
+    return _preemptible(lambda: _emit_build(build(args.dir, opts), args.json) or 0)
 
 
 def cmd_status(args) -> int:
     from spill.project.status import status
 
-    _emit_build(status(args.dir, args.state), args.json)
+    summary = status(args.dir, args.state)
+    if "runs" in summary:  # a sweep's folder: its runs, as the sweep printed them
+        import json
+
+        from spill.project.sweep import render
+
+        print(json.dumps(summary, indent=2, sort_keys=True) if args.json else render(summary))
+        return 0
+    _emit_build(summary, args.json)
     return 0
 
 

@@ -77,12 +77,46 @@ def as_json(summary: dict[str, Any]) -> dict[str, Any]:
     return {**out, "stages": stages, "data": doc.get("data")}
 
 
+def score(recs: dict, stage: str) -> float | None:
+    """A finished eval stage's accuracy from a state's stage records, else None."""
+    rec = recs.get(stage) or {}
+    return (rec.get("result") or {}).get("accuracy") if rec.get("status") == "done" else None
+
+
+def sweep_runs(where: str) -> list[dict[str, Any]]:
+    """The builds of a sweep under ``<state>/sweep/``, as the sweep's own table rows."""
+    from spill.store.fs import join, listdir
+
+    out = []
+    for name in listdir(join(where, "sweep")):
+        doc = state.read(join(where, "sweep", name)) or {}
+        recs = doc.get("stages") or {}
+        finished = len(recs) == len(STAGES) and all(
+            r["status"] in ("done", "skipped") for r in recs.values()
+        )
+
+        out.append(
+            {
+                "run": name,
+                "status": "done" if finished else "stopped" if recs else "not run",
+                "base": score(recs, "eval:base"),
+                "tuned": score(recs, "eval"),
+                "steps": (recs.get("tune") or {}).get("progress"),
+                "state": join(where, "sweep", name),
+            }
+        )
+    return out
+
+
 def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     """Read a project's build state; refresh the progress of unfinished stages from their probes."""
     root = Path(root).resolve()
     where = state_root or str(root / ".spill")
     doc = state.read(where)
     if doc is None:
+        runs = sweep_runs(where)
+        if runs:
+            return {"project": root.name, "state": where, "runs": runs, "dry_run": False}
         raise StoreError(f"no build at {where}; `spill build {root}` starts one")
     notes = []
     for name, rec in (doc.get("stages") or {}).items():

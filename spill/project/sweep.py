@@ -25,6 +25,7 @@ from spill.errors import SpillError
 from spill.project import build, config, state
 from spill.project.execute import BuildPreempted
 from spill.project.plan import StopAfter
+from spill.project.status import score
 from spill.store.fs import is_local, join
 
 SILENT = ["hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null"]
@@ -34,11 +35,6 @@ def run_name(overrides: list[str] | tuple[str, ...]) -> str:
     """A state folder name for a job: its overrides, ``/`` and odd characters made safe."""
     text = ",".join(overrides) or "default"
     return re.sub(r"[^A-Za-z0-9._=,+@:-]+", "_", text)
-
-
-def _score(doc: dict | None, stage: str) -> float | None:
-    rec = ((doc or {}).get("stages") or {}).get(stage) or {}
-    return (rec.get("result") or {}).get("accuracy") if rec.get("status") == "done" else None
 
 
 def job(cfg: Any, *, root: str, base: str, stop_after: str | None, dry_run: bool) -> dict:
@@ -69,8 +65,8 @@ def job(cfg: Any, *, root: str, base: str, stop_after: str | None, dry_run: bool
     return {
         **out,
         "status": status,
-        "base": _score(doc, "eval:base"),
-        "tuned": _score(doc, "eval"),
+        "base": score(recs, "eval:base"),
+        "tuned": score(recs, "eval"),
         "steps": tune,
         "plan": summary["plan"],
     }

@@ -51,6 +51,10 @@ def test_basic_launcher_two_jobs_and_again(toy):
     assert [(r["base"], r["tuned"]) for r in again["runs"]] == [
         (r["base"], r["tuned"]) for r in runs
     ]
+    status = json.loads(run_spill("status", str(toy), "--json").stdout)
+    assert [(r["run"], r["status"], r["tuned"]) for r in status["runs"]] == [
+        (r["run"], "done", r["tuned"]) for r in runs
+    ]
 
 
 def test_joblib_launcher_two_jobs_in_worker_processes(toy):
