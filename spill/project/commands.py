@@ -1,0 +1,194 @@
+"""The project verbs on the command line: ``init``, ``build``, ``status``, ``resume``.
+
+``spill.cli`` adds these subcommands with ``add_parsers``; each command turns its arguments into
+one call of ``spill.project.init``, ``build``, ``sweep`` or ``status`` and prints the summary.
+Everything heavy is imported inside the commands, so ``spill --help`` stays light. Arguments
+argparse does not know are Hydra overrides (``tune.lr=3e-4``; with ``-m`` a sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from spill.errors import EXIT_PREEMPTED, SpillError
+
+
+def _overrides(args) -> list[str]:
+    """Hydra overrides: what argparse left over; a first "DIR" that is really ``k=v`` is one."""
+    extra = list(args.overrides)
+    if "=" in args.dir and not Path(args.dir).is_dir():
+        extra.insert(0, args.dir)
+        args.dir = "."
+    bad = [a for a in extra if a.startswith("-")]
+    if bad:
+        raise SpillError(f"unknown option {bad[0]}; `spill {args.command} --help` lists them")
+    if args.engine:
+        extra.append(f"engine.name={args.engine}")
+    return extra
+
+
+def _emit_build(summary: dict, as_json: bool) -> None:
+    import json
+
+    from spill.project.status import as_json as to_json
+    from spill.project.status import render
+
+    print(json.dumps(to_json(summary), indent=2, sort_keys=True) if as_json else render(summary))
+
+
+def cmd_init(args) -> int:
+    from spill.console import note
+    from spill.project.init import init
+
+    done = init(
+        Path(args.data),
+        args.input,
+        args.output,
+        Path(args.project),
+        seed=args.seed,
+        model=args.model,
+        teacher=args.teacher,
+    )
+    kind = (
+        f"classification, {done['labels']} labels"
+        if done["task"] == "classification"
+        else "free-text generation"
+    )
+    note(
+        f"wrote {done['project']}/spill.yaml: {done['rows']} rows ({done['train']} to train on, "
+        f"{done['test']} to grade), {kind}; student {done['model']}, teacher "
+        f"{done['teacher'] or 'none'}"
+    )
+    print(f"spill build {done['project']}")
+    return 0
+
+
+def _preemptible(run) -> int:
+    """A build stopped by Ctrl-C or SIGTERM before or between stages exits 75 like a job (the
+    executor handles signals while stages run; here it is planning, composing, sweeping)."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print(
+            f"spill: build preempted; nothing new committed; exit {EXIT_PREEMPTED}; "
+            "run the same command to continue",
+            file=sys.stderr,
+        )
+        return EXIT_PREEMPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def cmd_build(args) -> int:
+    return _preemptible(lambda: _build(args))
+
+
+def _build(args) -> int:
+    from spill.project.build import BuildOptions, build
+
+    opts = BuildOptions(
+        state=args.state,
+        stop_after=args.stop_after,
+        dry_run=args.dry_run,
+        overrides=tuple(_overrides(args)),
+    )
+    if args.multirun:
+        import json
+
+        from spill.project.sweep import exit_code, render, sweep
+
+        result = sweep(args.dir, opts)
+        print(json.dumps(result, indent=2, sort_keys=True) if args.json else render(result))
+        return exit_code(result)
+    _emit_build(build(args.dir, opts), args.json)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    from spill.project.build import BuildOptions, build
+
+    if args.overrides:
+        if args.overrides[0].startswith("-"):
+            raise SpillError(
+                f"unknown option {args.overrides[0]}; `spill resume --help` lists them"
+            )
+        raise SpillError(
+            "resume continues the recorded build as it was; use `spill build` to change values"
+        )
+    opts = BuildOptions(
+        state=args.state, stop_after=args.stop_after, dry_run=args.dry_run, resume=True
+    )
+    return _preemptible(lambda: _emit_build(build(args.dir, opts), args.json) or 0)
+
+
+def cmd_status(args) -> int:
+    from spill.project.status import status
+
+    summary = status(args.dir, args.state)
+    if "runs" in summary:  # a sweep's folder: its runs, as the sweep printed them
+        import json
+
+        from spill.project.sweep import render
+
+        print(json.dumps(summary, indent=2, sort_keys=True) if args.json else render(summary))
+        return 0
+    _emit_build(summary, args.json)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """Add init, build, resume and status to the ``spill`` subcommands."""
+    p = sub.add_parser("init", help="make a project folder from a CSV or JSONL data file")
+    p.add_argument("data", help="CSV (with a header row) or JSONL file")
+    p.add_argument("--input", required=True, metavar="COL", help="the column the model reads")
+    p.add_argument("--output", required=True, metavar="COL", help="the column it answers with")
+    p.add_argument("--project", required=True, metavar="DIR", help="the new project folder")
+    p.add_argument("--seed", type=int, default=0, help="split, init and data-order seed")
+    p.add_argument("--model", metavar="M", help="the student (default: chosen for this machine)")
+    p.add_argument("--teacher", metavar="M", help="a teacher that answers the training inputs")
+    p.set_defaults(func=cmd_init)
+
+    def project_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("dir", nargs="?", default=".", metavar="DIR", help="project folder (.)")
+        p.add_argument("--state", metavar="URI", help="build state location (default DIR/.spill/)")
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    p = sub.add_parser(
+        "build",
+        usage="spill build [DIR] [options] [-m] [OVERRIDE ...]",
+        help="grade, distill, tune and grade a project; skip what is done",
+        description="Plan the stages eval:base, distill, tune (train) and eval against the "
+        "recorded state, then run what is needed. Trailing KEY=VALUE arguments are Hydra "
+        "overrides (tune.lr=3e-4); with -m they sweep (tune.lr=1e-4,3e-4).",
+        epilog="Ctrl-C or SIGTERM stops like a preemption: state committed, exit 75.",
+    )
+    project_args(p)
+    p.add_argument(
+        "--stop-after",
+        metavar="STAGE[:N]",
+        help="stop after a stage, or N steps (tune) / rows into it; exit 0",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
+    p.add_argument("--engine", choices=["auto", "torch", "mlx"], help="override engine.name")
+    p.add_argument(
+        "-m", "--multirun", action="store_true", help="a Hydra sweep: one build per combination"
+    )
+    p.set_defaults(func=cmd_build, overrides=[])
+
+    p = sub.add_parser("resume", help="continue a stopped build with its recorded config")
+    project_args(p)
+    p.add_argument("--stop-after", metavar="STAGE[:N]", help="stop again after this point")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
+    p.set_defaults(func=cmd_resume, overrides=[], engine=None)
+
+    p = sub.add_parser("status", help="a project's build table, read from its state")
+    project_args(p)
+    p.set_defaults(func=cmd_status)
