@@ -18,6 +18,8 @@ from spill.errors import EXIT_PREEMPTED, SpillError
 def _overrides(args) -> list[str]:
     """Hydra overrides: what argparse left over; a first "DIR" that is really ``k=v`` is one."""
     extra = list(args.overrides)
+    if Path(args.dir).name == "spill.yaml" and Path(args.dir).is_file():
+        args.dir = str(Path(args.dir).parent)  # the project's file named instead of its folder
     if "=" in args.dir and not Path(args.dir).is_dir():
         extra.insert(0, args.dir)
         args.dir = "."

@@ -1,6 +1,7 @@
 """``spill init DATA --input COL --output COL --project DIR``: a project folder, two files.
 
-``DIR/spill.yaml`` and a copy of the data, nothing else. The data is read and checked first
+``DIR/spill.yaml`` and a copy of the data, nothing else (a folder that holds only the data
+file itself gets just the spill.yaml). The data is read and checked first
 (columns, empty cells, a single label, too few rows for a split), the task detected. Choices
 that depend on this machine are made here once and written into spill.yaml with the reason
 next to each, so a later build on another machine keeps them:
@@ -175,7 +176,10 @@ def init(
 ) -> dict[str, Any]:
     """Write the project folder; returns what was chosen (rows, task, models, engine)."""
     data, project = Path(data), Path(project)
-    if project.exists() and (not project.is_dir() or any(project.iterdir())):
+    in_place = data.resolve().parent == project.resolve()  # the folder that holds the data
+    if project.exists() and (
+        not project.is_dir() or any(p.name != data.name or not in_place for p in project.iterdir())
+    ):
         raise SpillError(f"{project} exists and is not empty; give --project a new folder")
     if seed < 0:
         raise SpillError("--seed must be zero or more")
@@ -224,11 +228,12 @@ def init(
     created = not project.exists()
     project.mkdir(parents=True, exist_ok=True)
     try:
-        shutil.copyfile(data, project / data.name)
+        if not in_place:
+            shutil.copyfile(data, project / data.name)
         (project / config.FILE).write_text(text, encoding="utf-8")
         config.compose(project)  # a new project always composes and validates
     except BaseException:
-        for path in (project / data.name, project / config.FILE):
+        for path in (project / config.FILE, *(() if in_place else (project / data.name,))):
             path.unlink(missing_ok=True)
         if created:
             shutil.rmtree(project, ignore_errors=True)

@@ -65,3 +65,11 @@ def test_refuses_a_folder_in_use_and_bad_data(tmp_path):
         init(single, "text", "label", tmp_path / "new")
     assert not (tmp_path / "new").exists()
     assert (tmp_path / "used" / "x").read_text() == "mine"
+
+
+def test_init_in_the_folder_that_holds_the_data(tmp_path):
+    (tmp_path / "mine").mkdir()
+    data = write_csv(tmp_path / "mine" / "d.csv", LABELED)
+    init(data, "text", "label", tmp_path / "mine")
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["d.csv", "spill.yaml"]
+    assert compose(tmp_path / "mine").data.file == "d.csv"
