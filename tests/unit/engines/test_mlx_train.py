@@ -166,7 +166,7 @@ def test_checkpoints_cross_engines(tiny_models, first, then):
     assert equal_states(rest.state(), start.state())
     losses += tune(rest, 3, start=3)
     reference = tune(fresh(open_runner(folder, TORCH, ring=2, dtype="float32"), cfg, lora), 6)
-    np.testing.assert_allclose(losses, reference, rtol=1e-4)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)  # measured 1.5e-7
     assert losses[-1] < losses[0]
 
 
