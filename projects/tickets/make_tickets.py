@@ -17,8 +17,8 @@ Standard library only.
 import argparse
 import csv
 import os
-import re
 import random
+import re
 
 SEED = 20240611
 PER_LABEL = 60
@@ -39,85 +39,194 @@ LABELS = [
 # ---------------------------------------------------------------------------
 
 PRODUCTS = [
-    "Nimbus desk lamp", "Aero 2 kettle", "Orbit earbuds", "Pine standing desk",
-    "Halo smart plug", "Tern backpack", "Cirrus air purifier", "Quill notebook set",
-    "Ember travel mug", "Drift yoga mat", "Loop USB-C hub", "Marlow throw blanket",
-    "Fathom water bottle", "Juniper plant pot", "Atlas monitor arm", "Sable office chair",
-    "Kite phone stand", "Bramble candle trio", "Hearth cast iron pan", "Vela wireless charger",
+    "Nimbus desk lamp",
+    "Aero 2 kettle",
+    "Orbit earbuds",
+    "Pine standing desk",
+    "Halo smart plug",
+    "Tern backpack",
+    "Cirrus air purifier",
+    "Quill notebook set",
+    "Ember travel mug",
+    "Drift yoga mat",
+    "Loop USB-C hub",
+    "Marlow throw blanket",
+    "Fathom water bottle",
+    "Juniper plant pot",
+    "Atlas monitor arm",
+    "Sable office chair",
+    "Kite phone stand",
+    "Bramble candle trio",
+    "Hearth cast iron pan",
+    "Vela wireless charger",
 ]
 PLANS = [
-    "Pro plan", "Starter plan", "Team plan", "Plus membership", "annual Pro plan",
-    "monthly Starter plan", "Team plan (5 seats)", "Plus subscription",
+    "Pro plan",
+    "Starter plan",
+    "Team plan",
+    "Plus membership",
+    "annual Pro plan",
+    "monthly Starter plan",
+    "Team plan (5 seats)",
+    "Plus subscription",
 ]
 WHEN = [
-    "yesterday", "last week", "three days ago", "on Monday", "this morning",
-    "over the weekend", "last Thursday", "two weeks ago", "earlier today", "on the 3rd",
-    "a few days ago", "last night",
+    "yesterday",
+    "last week",
+    "three days ago",
+    "on Monday",
+    "this morning",
+    "over the weekend",
+    "last Thursday",
+    "two weeks ago",
+    "earlier today",
+    "on the 3rd",
+    "a few days ago",
+    "last night",
 ]
 DAYS = ["5", "6", "8", "10", "12", "two", "three", "four", "nine", "eleven"]
 CARRIERS = ["UPS", "FedEx", "DHL", "USPS", "the courier", "Royal Mail", "DPD", "the delivery guy"]
 CITIES = [
-    "Leeds", "Portland", "Austin", "Dublin", "Manchester", "Denver", "Toronto",
-    "Bristol", "Phoenix", "Glasgow", "Columbus", "Melbourne",
+    "Leeds",
+    "Portland",
+    "Austin",
+    "Dublin",
+    "Manchester",
+    "Denver",
+    "Toronto",
+    "Bristol",
+    "Phoenix",
+    "Glasgow",
+    "Columbus",
+    "Melbourne",
 ]
 DEVICES = [
-    "my iPhone", "my Android phone", "Chrome on Windows", "Safari on my Mac", "Firefox",
-    "my iPad", "the desktop app", "Edge on my work laptop", "a Pixel 7", "the mobile app",
+    "my iPhone",
+    "my Android phone",
+    "Chrome on Windows",
+    "Safari on my Mac",
+    "Firefox",
+    "my iPad",
+    "the desktop app",
+    "Edge on my work laptop",
+    "a Pixel 7",
+    "the mobile app",
 ]
 FEATURES = [
-    "the export button", "the dashboard", "the search bar", "the wishlist",
-    "the checkout page", "saved carts", "the invoice download", "push notifications",
-    "the order history page", "the calendar sync", "the CSV import", "dark mode",
-    "the product filters", "the shared workspace", "the reports tab",
+    "the export button",
+    "the dashboard",
+    "the search bar",
+    "the wishlist",
+    "the checkout page",
+    "saved carts",
+    "the invoice download",
+    "push notifications",
+    "the order history page",
+    "the calendar sync",
+    "the CSV import",
+    "dark mode",
+    "the product filters",
+    "the shared workspace",
+    "the reports tab",
 ]
 ERRORS = [
-    "Error 500", "a blank white screen", "\"Something went wrong, please try again\"",
-    "error code E-402", "a spinner that never stops", "\"Request timed out\"",
-    "a 404 page", "\"Unexpected token in JSON\"", "error BLM-17", "\"Session invalid\"",
+    "Error 500",
+    "a blank white screen",
+    '"Something went wrong, please try again"',
+    "error code E-402",
+    "a spinner that never stops",
+    '"Request timed out"',
+    "a 404 page",
+    '"Unexpected token in JSON"',
+    "error BLM-17",
+    '"Session invalid"',
 ]
 NAMES = [
-    "Sarah", "Tom", "Priya", "Jonas", "Maria G.", "Kev", "Aisha", "D. Walker", "Lena",
-    "Marcus", "Yuki", "Chris", "Fatima", "Ben", "Olga", "Rob", "Nadia", "Sam", "Grace", "Luis",
+    "Sarah",
+    "Tom",
+    "Priya",
+    "Jonas",
+    "Maria G.",
+    "Kev",
+    "Aisha",
+    "D. Walker",
+    "Lena",
+    "Marcus",
+    "Yuki",
+    "Chris",
+    "Fatima",
+    "Ben",
+    "Olga",
+    "Rob",
+    "Nadia",
+    "Sam",
+    "Grace",
+    "Luis",
 ]
 PAYMENTS = [
-    "my Visa", "my Mastercard", "PayPal", "my Amex", "Apple Pay", "my debit card",
-    "the company card", "Google Pay",
+    "my Visa",
+    "my Mastercard",
+    "PayPal",
+    "my Amex",
+    "Apple Pay",
+    "my debit card",
+    "the company card",
+    "Google Pay",
 ]
 PROMOS = ["SPRING15", "WELCOME10", "BLM20OFF", "FREESHIP", "LOYAL25", "HOLIDAY30"]
 SIZES = ["small", "medium", "large", "the 140 cm one", "the XL", "the compact version"]
 COLORS = ["sage green", "charcoal", "oat", "navy", "terracotta", "white", "black", "sand"]
 YEARS = ["two", "three", "four", "five", "six", "several"]
 EMAILS = [
-    "j.smith@", "my old work address", "my gmail", "my university email",
-    "the address I used to sign up", "my partner's email",
+    "j.smith@",
+    "my old work address",
+    "my gmail",
+    "my university email",
+    "the address I used to sign up",
+    "my partner's email",
 ]
 
 
 def _order(rng):
     style = rng.randrange(5)
     if style == 0:
-        return "#BL-%05d" % rng.randint(10000, 99999)
+        return f"#BL-{rng.randint(10000, 99999):05d}"
     if style == 1:
-        return "order %d-%04d" % (rng.randint(100, 999), rng.randint(0, 9999))
+        return f"order {rng.randint(100, 999)}-{rng.randint(0, 9999):04d}"
     if style == 2:
-        return "BL%06d" % rng.randint(100000, 999999)
+        return f"BL{rng.randint(100000, 999999):06d}"
     if style == 3:
-        return "#%d" % rng.randint(400000, 899999)
-    return "order no. %d" % rng.randint(10000, 99999)
+        return f"#{rng.randint(400000, 899999)}"
+    return f"order no. {rng.randint(10000, 99999)}"
 
 
 def _amount(rng):
-    return "$%d.%s" % (rng.randint(8, 260), rng.choice(["00", "99", "49", "95", "50"]))
+    return f"${rng.randint(8, 260)}.{rng.choice(['00', '99', '49', '95', '50'])}"
 
 
 SLOTS = {
-    "product": PRODUCTS, "product2": PRODUCTS, "plan": PLANS, "when": WHEN,
-    "days": DAYS, "carrier": CARRIERS, "city": CITIES, "device": DEVICES,
-    "feature": FEATURES, "feature2": FEATURES, "error": ERRORS, "name": NAMES,
-    "payment": PAYMENTS, "promo": PROMOS, "size": SIZES, "color": COLORS,
-    "years": YEARS, "email": EMAILS,
-    "last4": lambda rng: "%04d" % rng.randint(0, 9999),
-    "order": _order, "amount": _amount, "amount2": _amount,
+    "product": PRODUCTS,
+    "product2": PRODUCTS,
+    "plan": PLANS,
+    "when": WHEN,
+    "days": DAYS,
+    "carrier": CARRIERS,
+    "city": CITIES,
+    "device": DEVICES,
+    "feature": FEATURES,
+    "feature2": FEATURES,
+    "error": ERRORS,
+    "name": NAMES,
+    "payment": PAYMENTS,
+    "promo": PROMOS,
+    "size": SIZES,
+    "color": COLORS,
+    "years": YEARS,
+    "email": EMAILS,
+    "last4": lambda rng: f"{rng.randint(0, 9999):04d}",
+    "order": _order,
+    "amount": _amount,
+    "amount2": _amount,
 }
 
 # ---------------------------------------------------------------------------
@@ -377,34 +486,63 @@ ASIDE = {
 }
 
 GREETINGS = [  # informal ones run on in lower case ("Hi, where is ...")
-    "Hi,", "Hello,", "Hi there,", "Hey,", "Good morning,", "Hi team,", "Hiya,",
-    "Hey guys,", "Good afternoon,", "Hi support,", "Hello!", "Hi!",
+    "Hi,",
+    "Hello,",
+    "Hi there,",
+    "Hey,",
+    "Good morning,",
+    "Hi team,",
+    "Hiya,",
+    "Hey guys,",
+    "Good afternoon,",
+    "Hi support,",
+    "Hello!",
+    "Hi!",
 ]
 FORMAL_GREETINGS = [  # letter style: next sentence keeps its capital
-    "Dear Brightloom,", "Hello Brightloom support,", "To whom it may concern,",
+    "Dear Brightloom,",
+    "Hello Brightloom support,",
+    "To whom it may concern,",
     "Dear support team,",
 ]
 # Sentence starts that must keep their capital after "Hi,".
 _KEEP_CAPS = {"I", "I'm", "I've", "I'd", "I'll", "Royal", "Brightloom", "DHL", "DPD", "UPS", "USPS"}
 OPENERS = [
-    "I hope you can help.", "Quick question.", "Second time writing about this.",
-    "I've been a customer for {years} years.", "Sorry to bother you.",
-    "Bit of an issue here.", "Not sure who to ask about this.",
+    "I hope you can help.",
+    "Quick question.",
+    "Second time writing about this.",
+    "I've been a customer for {years} years.",
+    "Sorry to bother you.",
+    "Bit of an issue here.",
+    "Not sure who to ask about this.",
 ]
 CLOSINGS = {
     "neutral": [
-        "Thanks.", "Thanks in advance.", "Cheers.", "Many thanks.", "Appreciate it.",
-        "Thank you!", "Let me know.", "Thanks for your help.",
+        "Thanks.",
+        "Thanks in advance.",
+        "Cheers.",
+        "Many thanks.",
+        "Appreciate it.",
+        "Thank you!",
+        "Let me know.",
+        "Thanks for your help.",
     ],
     "upset": [
-        "This is really frustrating.", "Please sort this out ASAP.",
-        "Not happy at all.", "I expected better from you.", "This is the third time I've asked!!",
-        "Very annoyed right now.", "Please help, I'm getting nowhere.",
+        "This is really frustrating.",
+        "Please sort this out ASAP.",
+        "Not happy at all.",
+        "I expected better from you.",
+        "This is the third time I've asked!!",
+        "Very annoyed right now.",
+        "Please help, I'm getting nowhere.",
         "I'd appreciate a quick reply.",
     ],
     "warm": [
-        "Thanks so much!", "You guys are great.", "Have a lovely day!",
-        "Keep up the good work.", "Thanks again :)",
+        "Thanks so much!",
+        "You guys are great.",
+        "Have a lovely day!",
+        "Keep up the good work.",
+        "Thanks again :)",
     ],
 }
 # Which closing moods fit which label (feedback and questions are rarely angry).
@@ -418,7 +556,14 @@ MOODS = {
     "product_question": ["neutral", "warm"],
     "feedback": ["warm", "neutral", "warm"],
 }
-SIGNOFFS = ["- {name}", "{name}", "Regards, {name}", "Thanks, {name}", "Best, {name}", "Sent from my phone"]
+SIGNOFFS = [
+    "- {name}",
+    "{name}",
+    "Regards, {name}",
+    "Thanks, {name}",
+    "Best, {name}",
+    "Sent from my phone",
+]
 
 _SLOT_RE = re.compile(r"\{(\w+)\}")
 
@@ -430,6 +575,7 @@ def _fill(rng, template, chosen):
             src = SLOTS[key]
             chosen[key] = src(rng) if callable(src) else rng.choice(src)
         return chosen[key]
+
     text = _SLOT_RE.sub(repl, template)
     return text[:1].upper() + text[1:]
 
@@ -452,9 +598,9 @@ def _typo_word(rng, word):
     i = rng.choice(letters[1:-1])
     op = rng.randrange(3)
     if op == 0:  # swap with next letter
-        return word[:i] + word[i + 1] + word[i] + word[i + 2:]
+        return word[:i] + word[i + 1] + word[i] + word[i + 2 :]
     if op == 1:  # drop a letter
-        return word[:i] + word[i + 1:]
+        return word[:i] + word[i + 1 :]
     return word[:i] + word[i] + word[i:]  # double a letter
 
 
@@ -496,7 +642,7 @@ def make_ticket(rng, label):
     if rng.random() < 0.55:
         pool.append(("detail", None))
     if rng.random() < 0.25:
-        other = rng.choice([l for l in LABELS if l != label])
+        other = rng.choice([lab for lab in LABELS if lab != label])
         pool.append(("aside", other))
     pool.append(("closing", None))
     for kind, other in pool[:extras]:
@@ -526,7 +672,7 @@ def generate(seed=SEED, per_label=PER_LABEL):
         while count < per_label:
             tries += 1
             if tries > per_label * 200:
-                raise RuntimeError("cannot make %d distinct tickets for %s" % (per_label, label))
+                raise RuntimeError(f"cannot make {per_label} distinct tickets for {label}")
             text = make_ticket(rng, label)
             key = text.lower()
             if key in seen:
@@ -554,10 +700,10 @@ def main():
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["text", "label"])
         w.writerows(rows)
-    counts = {l: sum(1 for _, x in rows if x == l) for l in LABELS}
-    print("wrote %d rows to %s" % (len(rows), args.out))
-    for l in LABELS:
-        print("  %-17s %d" % (l, counts[l]))
+    counts = {lab: sum(1 for _, x in rows if x == lab) for lab in LABELS}
+    print(f"wrote {len(rows)} rows to {args.out}")
+    for lab in LABELS:
+        print(f"  {lab:<17} {counts[lab]}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from spill.errors import SpillError
+from spill.models.config import load_config
 from spill.models.lora import (
     ALL_LINEAR,
     LoraConfig,
@@ -13,7 +14,6 @@ from spill.models.lora import (
     init_params,
     param_names,
 )
-from spill.models.config import load_config
 
 
 def test_targets_parse():
