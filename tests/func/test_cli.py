@@ -12,12 +12,12 @@ from tests.conftest import run_spill
 
 SUBCOMMANDS = [
     [],
-    ["run"],
-    ["models"],
-    ["models", "import"],
-    ["models", "tiny"],
-    ["models", "list"],
+    *(
+        [v]
+        for v in ("run", "eval", "distill", "tune", "init", "build", "status", "resume", "models")
+    ),
 ]
+SUBCOMMANDS += [["models", "import"], ["models", "tiny"], ["models", "list"]]
 
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS, ids=lambda s: " ".join(s) or "top")
