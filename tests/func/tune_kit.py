@@ -38,7 +38,8 @@ from spill.store.checkpoint import (
 )
 
 STEPS = 6
-# The standard run: a tiny llama streamed through a ring of 2, two micro-batches per step.
+# The standard run: a tiny llama streamed through a ring of 2, two micro-batches per step, LoRA
+# dropout on (its masks are seeded by step, so an exact resume covers them too).
 SETTINGS = {
     "steps": STEPS,
     "ckpt_every": 2,
@@ -47,6 +48,7 @@ SETTINGS = {
     "lr": 0.01,
     "seed": 3,
     "rank": 4,
+    "dropout": 0.1,
     "seq_len": 64,
     "dtype": "float32",
     "ring": 2,
