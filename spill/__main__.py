@@ -1,3 +1,3 @@
-from spill.cli import main
+from spill.cli import entry
 
-raise SystemExit(main())
+entry()

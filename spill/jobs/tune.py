@@ -140,7 +140,13 @@ def _finite(x: float) -> float | None:
 
 
 def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
+    """Run (or continue) the job; SIGTERM/SIGINT anywhere in it saves what is done and exits 75."""
     opts.check()
+    with Guard(unit="step") as guard:
+        return _tune(guard, model, Path(train_path), name, opts)
+
+
+def _tune(guard: Guard, model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     root = state_root(name, opts.state)
     # Everything that can refuse the run is checked before an engine opens.
     resolved, fingerprint = find_model(model, opts.weights)
@@ -151,6 +157,7 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     ckpt = latest_checkpoint(root)
     if ckpt is not None:
         refuse_mismatch(ckpt.state, want, ckpt.uri)
+    guard.boundary()  # a stop before anything ran saves nothing and exits 75
     loaded = open_model(model, resolved, fingerprint, opts.engine, opts.load, "tune")
     runner = loaded.runner
     me = producer.describe(runner.info)
@@ -190,8 +197,9 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
         saved_at = step
         return f"step {step} (committed)"
 
+    guard.save = save
     stop = opts.stop_after or opts.steps
-    with Guard(save=save, unit="step") as guard, progress(stop - step, "tune", unit="step") as bar:
+    with progress(stop - step, "tune", unit="step") as bar:
         while step < stop:
             guard.boundary()
             drill.at(drill.TUNE_BEFORE_FORWARD)
@@ -243,6 +251,7 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
         )
         note(f"this run moved: {moved}")
         summary["moved"] = moved
+    guard.boundary()
     if step == opts.steps:
         from spill.jobs.adapter_files import publish_adapter
 
