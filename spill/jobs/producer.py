@@ -8,43 +8,18 @@ from installed package metadata, never by importing torch or mlx.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from spill import __version__
+from spill.machine import cpu_model
 
 # The distribution whose version pins an engine's numerics (same versions: bit-exact resume).
 ENGINE_DISTRIBUTIONS = {"torch": "torch", "mlx": "mlx"}
-
-
-@functools.cache
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    if sys.platform == "darwin":
-        try:
-            out = subprocess.run(
-                ["sysctl", "-n", "machdep.cpu.brand_string"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            )
-            if out.returncode == 0 and out.stdout.strip():
-                return out.stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return platform.processor() or platform.machine() or "unknown cpu"
 
 
 def _nvidia_models() -> list[str]:
@@ -70,7 +45,7 @@ def hardware(device: str) -> str:
         name = gpus[index] if index < len(gpus) else (gpus[0] if gpus else "NVIDIA GPU")
         return f"{name} (cuda)"
     cores = os.cpu_count() or 0
-    return f"{cpu_name()} ({platform.machine()}, {cores} cores)"
+    return f"{cpu_model()} ({platform.machine()}, {cores} cores)"
 
 
 def os_name() -> str:

@@ -11,32 +11,18 @@ float32 slower than bf16, OpenBLAS makes it much faster. The measurement is kept
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import time
 
 import mlx.core as mx
 
 from spill.engines.mlx import blas
 from spill.errors import EngineError
-from spill.paths import machine_cache
+from spill.machine import cached_measurement, cpu_model
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 TOLERANCE = 1.5  # bf16 is chosen when its linear takes at most this many times float32's
 SHAPE = (64, 1024, 1024)  # (tokens, in, out) of the measured linear
 CACHE = "numerics-mlx.json"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
 
 
 def _best(fn, reps: int) -> float:
@@ -65,21 +51,10 @@ def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
 
 def cpu_measurement() -> dict:
     """This machine's measurement, from the cache when present, else measured and cached."""
-    key = f"{cpu_model()} | mlx {mx.__version__} | {blas.describe()}"
-    path = machine_cache() / CACHE
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        known = {}
-    if key in known:
-        return known[key]
-    found = measure_linear()
-    known[key] = found
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return found
+    # measure_linear is looked up here, at call time, so a test may replace it
+    return cached_measurement(
+        CACHE, f"{cpu_model()} | mlx {mx.__version__} | {blas.describe()}", measure_linear
+    )
 
 
 def choose(device: mx.Device, requested: str | None = None) -> tuple[mx.Dtype, str]:

@@ -9,32 +9,18 @@ version, so it happens once. Adapters are float32 everywhere; that is not decide
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
 from spill.errors import EngineError
-from spill.paths import machine_cache
+from spill.machine import cached_measurement, cpu_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = 1.5  # bf16 is chosen when its linear takes at most this many times float32's
 SHAPE = (64, 1024, 1024)  # (tokens, in, out) of the measured linear
 CACHE = "numerics-torch.json"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
 
 
 def _best(fn, reps: int) -> float:
@@ -61,21 +47,8 @@ def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
 
 def cpu_measurement() -> dict:
     """This machine's measurement, from the cache when present, else measured and cached."""
-    key = f"{cpu_model()} | torch {torch.__version__}"
-    path = machine_cache() / CACHE
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        known = {}
-    if key in known:
-        return known[key]
-    found = measure_linear()
-    known[key] = found
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return found
+    # measure_linear is looked up here, at call time, so a test may replace it
+    return cached_measurement(CACHE, f"{cpu_model()} | torch {torch.__version__}", measure_linear)
 
 
 def choose(device: torch.device, requested: str | None = None) -> tuple[torch.dtype, str]:
