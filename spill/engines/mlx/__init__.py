@@ -2,7 +2,7 @@
 
 Opening decides what the torch engine decides, once, and says why in ``EngineInfo``: the device
 (``gpu`` where MLX has one, else ``cpu``), the numerics (``numerics.choose``: bf16 on a GPU,
-measured on a CPU, with the BLAS named) and the ring (``ring.plan_ring``). Embeddings, the final
+measured on a CPU, with the BLAS named) and the ring (``common.plan_ring``). Embeddings, the final
 norm and lm_head are resident; decoder layers stream. Importing this package first loads an
 optimized BLAS where one is installed (``blas.preload``), which only works before ``mlx.core``.
 """
@@ -16,11 +16,12 @@ blas.preload()  # before anything imports mlx.core
 import mlx.core as mx  # noqa: E402
 
 from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats  # noqa: E402
+from spill.engines.common import check_layers, plan_model_ring  # noqa: E402
 from spill.engines.mlx import numerics  # noqa: E402
 from spill.engines.mlx.model import FAMILIES, Model  # noqa: E402
-from spill.engines.mlx.ring import Ring, WeightReader, default_budget, plan_ring  # noqa: E402
+from spill.engines.mlx.ring import Ring, WeightReader, default_budget  # noqa: E402
 from spill.engines.mlx.runner import MLXRunner  # noqa: E402
-from spill.errors import EngineError, ModelError, UnsupportedModel  # noqa: E402
+from spill.errors import EngineError, UnsupportedModel  # noqa: E402
 from spill.models.weights import weight_files  # noqa: E402
 
 __all__ = ["ENGINE", "MLXEngine", "MLXRunner"]
@@ -43,19 +44,6 @@ def pick_device(requested: str | None) -> mx.Device:
     raise EngineError(f"device {requested!r} is not understood by the mlx engine; use cpu or gpu")
 
 
-def _check_layers(model: ModelSpec, reader: WeightReader) -> None:
-    """Fail at open, by name, rather than when the ring first reaches a missing tensor."""
-    cfg = model.config
-    keys = FAMILIES[cfg.family].layer_keys(cfg)
-    names = [f"model.layers.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in keys]
-    missing = [n for n in names if not reader.has(n)]
-    if missing:
-        raise ModelError(
-            f"{model.folder}: tensor {missing[0]!r} is missing ({len(missing)} in all); "
-            "fetch the model again"
-        )
-
-
 class MLXEngine:
     name = "mlx"
 
@@ -71,18 +59,10 @@ class MLXEngine:
             # Tiny matrices: a BLAS thread pool's fork/join costs more than it saves.
             blas.set_threads(cfg.hidden_size < SMALL_HIDDEN)
         dtype, why = numerics.choose(device, options.dtype)
-        itemsize = dtype.size
         reader = WeightReader(weight_files(model.folder), dtype)
         layers = cfg.num_hidden_layers
-        layer_bytes = cfg.layer_params() * itemsize
-        # Resident parts come out of the default budget; an explicit one is the ring's own.
-        head_bytes = cfg.vocab_size * cfg.hidden_size * itemsize
-        head_bytes *= 1 if cfg.tie_word_embeddings else 2
-        budget = options.memory
-        if budget is None:
-            budget = max(0, default_budget() - head_bytes)
-        slots, resident = plan_ring(layers, layer_bytes, options.ring, options.resident, budget)
-        _check_layers(model, reader)
+        slots, resident = plan_model_ring(cfg, dtype.size, options, default_budget)
+        check_layers(model, FAMILIES[cfg.family].layer_keys(cfg), reader.has)
         stats = Stats()
         ring = Ring(Model.layer_loader(cfg, reader), layers, slots, resident, stats)
         info = EngineInfo(

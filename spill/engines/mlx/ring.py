@@ -10,7 +10,7 @@ reused numpy staging buffer, converted there (bf16 bits -> float32 is a shift, e
 into ``mx.array``. bf16 compute keeps the bits as uint16, and the walking thread bit-casts them
 (``view``, no copy). Streamed and resident runs read the same bytes the same way, so they agree
 bit for bit. Memory comes from MLX's allocator, whose cache reuses a released slot's buffers.
-``plan_ring`` is the torch engine's, copied: spill.engines.torch imports torch.
+``plan_ring`` is shared with the torch engine (``spill.engines.common``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from spill.engines.base import Stats
+from spill.engines.common import plan_ring as plan_ring  # re-exported
+from spill.engines.common import tensor_spans
 from spill.errors import EngineError, ModelError
 from spill.models.safetensors_io import float32_to_bf16_bits
 from spill.models.weights import WeightFiles
@@ -42,25 +44,6 @@ _NUMPY = {
     "I32": np.int32,
     "U8": np.uint8,
 }
-
-
-def plan_ring(
-    layers: int, layer_bytes: int, ring: int | None, resident: bool, budget: int
-) -> tuple[int, bool]:
-    """(slots, resident) for ``layers`` layers of ``layer_bytes`` each.
-
-    ``resident`` wins, then a forced ``ring``; otherwise everything is resident when it fits
-    in ``budget`` bytes, else the ring takes as many slots as fit (at least 2, to overlap).
-    """
-    if resident:
-        return layers, True
-    if ring is not None:
-        if ring < 1:
-            raise EngineError(f"ring {ring} is too small; use --ring 1 or more (2 streams)")
-        return min(ring, layers), False
-    if layers * layer_bytes <= budget:
-        return layers, True
-    return min(max(2, budget // max(layer_bytes, 1)), layers), False
 
 
 def default_budget() -> int:
@@ -142,21 +125,7 @@ class WeightReader:
     def tensors(self, names) -> dict[str, mx.array]:
         """Several tensors, read in file order, one read per contiguous byte range (a decoder
         layer is usually one). bf16 compute returns uint16 bits: pass them through ``finish``."""
-        spans = []  # (shard, start, end, name)
-        for name in names:
-            shard = self.files.tensor_shard.get(name)
-            if shard is None:
-                raise ModelError(
-                    f"{self.files.folder}: tensor {name!r} is missing; fetch the model again"
-                )
-            info = self.files.headers[shard][name]
-            if info["dtype"] not in _NUMPY:
-                raise ModelError(
-                    f"{self.files.folder / shard}: tensor {name!r} has unsupported dtype "
-                    f"{info['dtype']}; convert the model to F32, F16 or BF16"
-                )
-            spans.append((shard, *info["data_offsets"], name))
-        spans.sort()
+        spans = tensor_spans(self.files, names, _NUMPY)  # (shard, start, end, name)
         bf16 = self.dtype == mx.bfloat16
         out: dict[str, mx.array] = {}
         with self._lock:

@@ -16,23 +16,19 @@ import mlx.core as mx
 import numpy as np
 
 from spill.engines.base import EngineInfo, GenerateParams, Generation, Stats
-from spill.engines.mlx.model import LOGIT_ROWS, Model, check_params, to_float32
+from spill.engines.common import (
+    check_generate,
+    check_params,
+    check_score,
+    left_pad,
+    score_rows,
+    split_scores,
+    sync_ring_stats,
+)
+from spill.engines.mlx.model import LOGIT_ROWS, Model, to_float32
 from spill.engines.mlx.ops import log_softmax
 from spill.engines.mlx.train import MLXTrainer
-from spill.errors import EngineError
 from spill.models.lora import LoraConfig
-
-
-def left_pad(rows: Sequence[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray]:
-    """ids (B, length) int64 and valid (B, length) bool, each row flush right."""
-    ids = np.zeros((len(rows), length), dtype=np.int64)
-    valid = np.zeros((len(rows), length), dtype=bool)
-    for r, row in enumerate(rows):
-        n = len(row)
-        if n:
-            ids[r, length - n :] = np.asarray(row, dtype=np.int64)
-            valid[r, length - n :] = True
-    return ids, valid
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
@@ -68,16 +64,8 @@ class MLXRunner:
         """A trainer on these base weights; the caller sets its state (``init_params`` to start)."""
         return MLXTrainer(self.model, lora)
 
-    def _check(self, rows: Sequence[np.ndarray], what: str) -> None:
-        vocab = self.model.cfg.vocab_size
-        for r, row in enumerate(rows):
-            row = np.asarray(row)
-            if row.ndim != 1 or (len(row) and (row.min() < 0 or row.max() >= vocab)):
-                raise EngineError(f"{what} {r}: token ids must be a 1-D array in [0, {vocab})")
-
     def _sync_stats(self) -> None:
-        self.stats.extra["ring_max_live"] = self.model.ring.max_live
-        self.stats.extra["ring_wait_seconds"] = self.model.ring.wait_seconds
+        sync_ring_stats(self.stats, self.model.ring)
 
     def _last_logits(self, h) -> np.ndarray:
         return np.array(self.model.logits(h[:, -1]))  # (B, V) float32
@@ -85,13 +73,7 @@ class MLXRunner:
     def generate(
         self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]
     ) -> list[Generation]:
-        if len(seeds) != len(prompts):
-            raise EngineError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one per row")
-        self._check(prompts, "prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise EngineError("an empty prompt cannot be continued; give at least one token")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise EngineError("sampling needs temperature >= 0 and top_p in (0, 1]")
+        check_generate(prompts, params, seeds, self.model.cfg.vocab_size)
         batch, steps = len(prompts), params.max_new_tokens
         if batch == 0 or steps <= 0:
             return [Generation(np.zeros(0, np.int64), "length") for _ in prompts]
@@ -138,30 +120,14 @@ class MLXRunner:
     def score(
         self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
     ) -> list[np.ndarray]:
-        if len(prompts) != len(completions):
-            raise EngineError(f"{len(prompts)} prompts but {len(completions)} completions")
-        self._check(prompts, "prompt")
-        self._check(completions, "completion")
-        if any(len(p) == 0 for p in prompts):
-            raise EngineError("scoring needs at least one prompt token before the completion")
+        check_score(prompts, completions, self.model.cfg.vocab_size)
         if not prompts:
             return []
         m = self.model
-        rows = [
-            np.concatenate([np.asarray(p), np.asarray(c)]).astype(np.int64)
-            for p, c in zip(prompts, completions, strict=True)
-        ]
-        width = max(len(r) for r in rows)
+        rows, width, rr, tt = score_rows(prompts, completions)
         ids, valid = left_pad(rows, width)
         self.stats.prompt_tokens += sum(len(r) for r in rows)
         h = m.forward(mx.array(ids), m.context(mx.array(valid), 0, width), lora=self._adapter)
-        # The hidden state at position j predicts token j + 1: keep only completion targets.
-        where_r, where_t = [], []
-        for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            first = width - len(rows[r]) + len(p)  # position of the first completion token
-            where_r += [r] * len(c)
-            where_t += range(first - 1, first - 1 + len(c))
-        rr, tt = np.asarray(where_r, np.int64), np.asarray(where_t, np.int64)
         picked = np.zeros(len(rr), np.float32)
         if len(rr):
             hs = h[mx.array(rr), mx.array(tt)]  # (N, hidden)
@@ -172,11 +138,7 @@ class MLXRunner:
                 got = mx.take_along_axis(logp, targets[j : j + LOGIT_ROWS, None], axis=1)[:, 0]
                 picked[j : j + LOGIT_ROWS] = np.array(got)
         self._sync_stats()
-        out, at = [], 0
-        for c in completions:
-            out.append(picked[at : at + len(c)].copy())
-            at += len(c)
-        return out
+        return split_scores(picked, completions)
 
     def close(self) -> None:
         if self.model is not None:

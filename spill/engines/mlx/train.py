@@ -9,31 +9,32 @@ down. Only one layer's graph exists at a time, and resident mode runs the very s
 streamed and resident gradients are bit-identical.
 
 LoRA dropout masks are a pure function of (``batch.dropout_seed``, layer, module): the module's
-seed (``dropout_seed``, the torch engine's hash) keys ``mx.random``, so the recompute draws the
-forward's masks. The masks differ from torch's generator; with dropout 0 the engines compute
-the same function. ``apply`` is torch.optim.AdamW's single-tensor update on a CPU, op for op and
-bit for bit: torch's ``lerp_`` and ``addcmul_`` kernels round a fused multiply-add once, which
-``fma`` reproduces through float64; bias corrections are Python floats; the step is passed in.
+seed (``common.dropout_seed``, the hash torch uses too) keys ``mx.random``, so the recompute
+draws the forward's masks. The masks differ from torch's generator; with dropout 0 the engines
+compute the same function. ``apply`` is torch.optim.AdamW's single-tensor update on a CPU, op
+for op and bit for bit: torch's ``lerp_`` and ``addcmul_`` kernels round a fused multiply-add
+once, which ``fma`` reproduces through float64; bias corrections are Python floats; the step is
+passed in.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import mlx.core as mx
 import numpy as np
 
 from spill.engines.base import AdamW, TrainBatch
-from spill.engines.mlx.model import LOGIT_ROWS, Model, check_params, to_float32
+from spill.engines.common import (
+    adamw_factors,
+    check_batch,
+    check_lora,
+    check_params,
+    dropout_seed,
+    param_shapes,
+)
+from spill.engines.mlx.model import LOGIT_ROWS, Model, to_float32
 from spill.engines.mlx.ops import log_softmax
 from spill.errors import EngineError
-from spill.models.lora import MODULES, LoraConfig, module_shape, param_names
-
-
-def dropout_seed(seed: int, layer: int, module: str) -> int:
-    """The seed of one module's dropout mask in one micro-batch (the torch engine's hash)."""
-    digest = hashlib.sha256(f"spill-lora-dropout:{seed}:{layer}:{module}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
+from spill.models.lora import MODULES, LoraConfig, param_names
 
 
 def dropout(p: float, seed: int):
@@ -57,25 +58,14 @@ class MLXTrainer:
     """float32 LoRA parameters, AdamW moments and accumulated gradients as MLX arrays."""
 
     def __init__(self, model: Model, lora: LoraConfig):
-        if lora.rank < 1 or not 0.0 <= lora.dropout < 1.0:
-            raise EngineError(
-                f"LoRA rank {lora.rank}, dropout {lora.dropout}: use rank >= 1, dropout in [0, 1)"
-            )
+        check_lora(lora)
         self.model, self.lora = model, lora
         self.names = param_names(model.cfg, lora)
         self._ready = False
-        shapes = self._shapes()
+        shapes = param_shapes(model.cfg, lora).items()
         self.params, self.m, self.v, self.grads = (
             {n: mx.zeros(s, dtype=mx.float32) for n, s in shapes} for _ in range(4)
         )
-
-    def _shapes(self) -> list[tuple[str, tuple[int, int]]]:
-        out, r = [], self.lora.rank
-        for name in self.names:
-            stem, ab = name.rsplit(".", 1)
-            fan_in, fan_out = module_shape(self.model.cfg, stem.rsplit(".", 1)[1])
-            out.append((name, (fan_in, r) if ab == "lora_a" else (r, fan_out)))
-        return out
 
     # -- state -------------------------------------------------------------------------------
 
@@ -119,19 +109,10 @@ class MLXTrainer:
         return out
 
     def _check(self, batch: TrainBatch):
-        tokens = np.asarray(batch.tokens)
-        attention = np.asarray(batch.attention, dtype=bool)
-        targets = np.asarray(batch.targets, dtype=bool)
-        vocab = self.model.cfg.vocab_size
-        if tokens.ndim != 2 or attention.shape != tokens.shape or targets.shape != tokens.shape:
-            raise EngineError("a training batch needs tokens, attention and targets of one (B, T)")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
-            raise EngineError(f"training token ids must lie in [0, {vocab})")
-        if (targets & ~attention).any():
-            raise EngineError("a training target falls on padding; targets must be real tokens")
+        checked = check_batch(batch, self.model.cfg.vocab_size)
         if not self._ready:
             raise EngineError("the trainer has no state yet; call set_state first")
-        return tokens.astype(np.int64), attention, targets
+        return checked
 
     def _head(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
         """Loss sum x scale of the targets, and its gradient at the last layer's output x."""
@@ -199,11 +180,8 @@ class MLXTrainer:
     # -- the optimizer -----------------------------------------------------------------------
 
     def apply(self, opt: AdamW) -> None:
-        if opt.step < 1:
-            raise EngineError(f"AdamW step {opt.step}: steps count from 1")
+        step_size, bc2_sqrt = adamw_factors(opt)
         lr, b1, b2 = opt.lr, opt.beta1, opt.beta2
-        step_size = lr / (1 - b1**opt.step)
-        bc2_sqrt = (1 - b2**opt.step) ** 0.5
         w = mx.array(1 - b1, mx.float32)  # m.lerp_(g, 1 - beta1)
         with mx.stream(mx.cpu):  # float64 exists on the CPU only; Apple's memory is shared
             for n in self.names:

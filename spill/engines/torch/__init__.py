@@ -2,7 +2,7 @@
 
 Opening decides three things once and says why in ``EngineInfo``: the device (``cuda`` when
 present, else ``cpu``), the numerics (``numerics.choose``: bf16 on CUDA, measured on a CPU) and
-the ring (``ring.plan_ring``: forced slots, resident, or as many slots as the memory budget
+the ring (``common.plan_ring``: forced slots, resident, or as many slots as the memory budget
 holds). Embeddings, the final norm and lm_head are always resident; decoder layers stream.
 """
 
@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
+from spill.engines.common import check_layers, plan_model_ring
 from spill.engines.torch import numerics
 from spill.engines.torch.model import FAMILIES, Model
-from spill.engines.torch.ring import Ring, WeightReader, default_budget, plan_ring
+from spill.engines.torch.ring import Ring, WeightReader, default_budget
 from spill.engines.torch.runner import TorchRunner
-from spill.errors import EngineError, ModelError, UnsupportedModel
+from spill.errors import EngineError, UnsupportedModel
 from spill.models.weights import weight_files
 
 __all__ = ["ENGINE", "TorchEngine", "TorchRunner"]
@@ -39,19 +40,6 @@ def pick_device(requested: str | None) -> torch.device:
     return device
 
 
-def _check_layers(model: ModelSpec, reader: WeightReader) -> None:
-    """Fail at open, by name, rather than when the ring first reaches a missing tensor."""
-    cfg = model.config
-    keys = FAMILIES[cfg.family].layer_keys(cfg)
-    names = [f"model.layers.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in keys]
-    missing = [n for n in names if not reader.has(n)]
-    if missing:
-        raise ModelError(
-            f"{model.folder}: tensor {missing[0]!r} is missing ({len(missing)} in all); "
-            "fetch the model again"
-        )
-
-
 class TorchEngine:
     name = "torch"
 
@@ -69,15 +57,10 @@ class TorchEngine:
         dtype, why = numerics.choose(device, options.dtype)
         reader = WeightReader(weight_files(model.folder), device, dtype)
         layers = cfg.num_hidden_layers
-        layer_bytes = cfg.layer_params() * dtype.itemsize
-        # Resident parts come out of the default budget; an explicit one is the ring's own.
-        head_bytes = cfg.vocab_size * cfg.hidden_size * dtype.itemsize
-        head_bytes *= 1 if cfg.tie_word_embeddings else 2
-        budget = options.memory
-        if budget is None:
-            budget = max(0, default_budget(device) - head_bytes)
-        slots, resident = plan_ring(layers, layer_bytes, options.ring, options.resident, budget)
-        _check_layers(model, reader)
+        slots, resident = plan_model_ring(
+            cfg, dtype.itemsize, options, lambda: default_budget(device)
+        )
+        check_layers(model, FAMILIES[cfg.family].layer_keys(cfg), reader.has)
         stats = Stats()
         ring = Ring(
             Model.layer_loader(cfg, reader), layers, slots, resident, stats, device, reader.recycle

@@ -16,34 +16,11 @@ import torch.nn.functional as F
 from spill.engines.torch import llama, qwen2
 from spill.engines.torch.ops import Context, KVCache, context, inv_freq, rms_norm
 from spill.engines.torch.ring import Ring, WeightReader
-from spill.errors import EngineError
 from spill.models.config import ModelConfig
-from spill.models.lora import MODULES, LoraConfig, module_shape, param_names
+from spill.models.lora import MODULES, LoraConfig
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
 LOGIT_ROWS = 1024  # scoring computes lm_head in chunks of this many rows
-
-
-def check_params(cfg: ModelConfig, lora: LoraConfig, arrays: dict, what: str) -> None:
-    """Raise, naming the first difference, unless ``arrays`` holds exactly the adapter's tensors."""
-    want = param_names(cfg, lora)
-    missing = [n for n in want if n not in arrays]
-    extra = sorted(set(arrays) - set(want))
-    if missing or extra:
-        first = f"{missing[0]!r} is missing" if missing else f"{extra[0]!r} is unexpected"
-        raise EngineError(
-            f"{what}: {first} for a rank-{lora.rank} adapter on {', '.join(lora.targets)}; "
-            "give the tensors of the same LoRA config"
-        )
-    for name in want:
-        stem, ab = name.rsplit(".", 1)
-        fan_in, fan_out = module_shape(cfg, stem.rsplit(".", 1)[1])
-        shape = (fan_in, lora.rank) if ab == "lora_a" else (lora.rank, fan_out)
-        if tuple(arrays[name].shape) != shape:
-            raise EngineError(
-                f"{what}: {name!r} has shape {tuple(arrays[name].shape)}, expected {shape}; "
-                "give the tensors of the same model and LoRA config"
-            )
 
 
 def to_float32(arrays: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:

@@ -22,30 +22,13 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from spill.engines.base import Stats
-from spill.errors import EngineError, ModelError
+from spill.engines.common import plan_ring as plan_ring  # re-exported
+from spill.engines.common import tensor_spans
+from spill.errors import ModelError
 from spill.models.weights import WeightFiles
 
 MAX_IOV = 512  # buffers per preadv call (IOV_MAX is 1024 on Linux and macOS)
 RESIDENT_FRACTION = 0.5  # default budget: this share of the memory available on the device
-
-
-def plan_ring(
-    layers: int, layer_bytes: int, ring: int | None, resident: bool, budget: int
-) -> tuple[int, bool]:
-    """(slots, resident) for ``layers`` layers of ``layer_bytes`` each.
-
-    ``resident`` wins, then a forced ``ring``; otherwise everything is resident when it fits
-    in ``budget`` bytes, else the ring takes as many slots as fit (at least 2, to overlap).
-    """
-    if resident:
-        return layers, True
-    if ring is not None:
-        if ring < 1:
-            raise EngineError(f"ring {ring} is too small; use --ring 1 or more (2 streams)")
-        return min(ring, layers), False
-    if layers * layer_bytes <= budget:
-        return layers, True
-    return min(max(2, budget // max(layer_bytes, 1)), layers), False
 
 
 def default_budget(device: torch.device) -> int:
@@ -150,21 +133,7 @@ class WeightReader:
     def tensors(self, names) -> dict[str, torch.Tensor]:
         """Several tensors, read in file order with one ``pread`` per contiguous byte range
         (a decoder layer is usually one range): the disk sees a sequential read."""
-        spans = []  # (shard, start, end, name)
-        for name in names:
-            shard = self.files.tensor_shard.get(name)
-            if shard is None:
-                raise ModelError(
-                    f"{self.files.folder}: tensor {name!r} is missing; fetch the model again"
-                )
-            info = self.files.headers[shard][name]
-            if info["dtype"] not in _DTYPES:
-                raise ModelError(
-                    f"{self.files.folder / shard}: tensor {name!r} has unsupported dtype "
-                    f"{info['dtype']}; convert the model to F32, F16 or BF16"
-                )
-            spans.append((shard, *info["data_offsets"], name))
-        spans.sort()
+        spans = tensor_spans(self.files, names, _DTYPES)  # (shard, start, end, name)
         out: dict[str, torch.Tensor] = {}
         i = 0
         while i < len(spans):

@@ -15,22 +15,18 @@ import numpy as np
 import torch
 
 from spill.engines.base import EngineInfo, GenerateParams, Generation, Stats
-from spill.engines.torch.model import LOGIT_ROWS, Model, check_params, to_float32
+from spill.engines.common import (
+    check_generate,
+    check_params,
+    check_score,
+    left_pad,
+    score_rows,
+    split_scores,
+    sync_ring_stats,
+)
+from spill.engines.torch.model import LOGIT_ROWS, Model, to_float32
 from spill.engines.torch.train import TorchTrainer
-from spill.errors import EngineError
 from spill.models.lora import LoraConfig
-
-
-def _left_pad(rows: Sequence[np.ndarray], length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids (B, length) int64 and valid (B, length) bool, each row flush right."""
-    ids = torch.zeros(len(rows), length, dtype=torch.long)
-    valid = torch.zeros(len(rows), length, dtype=torch.bool)
-    for r, row in enumerate(rows):
-        n = len(row)
-        if n:
-            ids[r, length - n :] = torch.from_numpy(np.asarray(row, dtype=np.int64))
-            valid[r, length - n :] = True
-    return ids.to(device), valid.to(device)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
@@ -61,34 +57,20 @@ class TorchRunner:
         """A trainer on these base weights; the caller sets its state (``init_params`` to start)."""
         return TorchTrainer(self.model, lora)
 
-    def _check(self, rows: Sequence[np.ndarray], what: str) -> None:
-        vocab = self.model.cfg.vocab_size
-        for r, row in enumerate(rows):
-            row = np.asarray(row)
-            if row.ndim != 1 or (len(row) and (row.min() < 0 or row.max() >= vocab)):
-                raise EngineError(f"{what} {r}: token ids must be a 1-D array in [0, {vocab})")
-
     def _sync_stats(self) -> None:
-        self.stats.extra["ring_max_live"] = self.model.ring.max_live
-        self.stats.extra["ring_wait_seconds"] = self.model.ring.wait_seconds
+        sync_ring_stats(self.stats, self.model.ring)
 
     @torch.inference_mode()
     def generate(
         self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]
     ) -> list[Generation]:
-        if len(seeds) != len(prompts):
-            raise EngineError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one per row")
-        self._check(prompts, "prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise EngineError("an empty prompt cannot be continued; give at least one token")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise EngineError("sampling needs temperature >= 0 and top_p in (0, 1]")
+        check_generate(prompts, params, seeds, self.model.cfg.vocab_size)
         batch, steps = len(prompts), params.max_new_tokens
         if batch == 0 or steps <= 0:
             return [Generation(np.zeros(0, np.int64), "length") for _ in prompts]
         m, dev = self.model, self.model.device
         width = max(len(p) for p in prompts)
-        ids, valid_prompt = _left_pad(prompts, width, dev)
+        ids, valid_prompt = (torch.from_numpy(a).to(dev) for a in left_pad(prompts, width))
         valid = torch.zeros(batch, width + steps, dtype=torch.bool, device=dev)
         valid[:, :width] = valid_prompt
         caches = m.caches(batch, width + steps)
@@ -131,31 +113,15 @@ class TorchRunner:
     def score(
         self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
     ) -> list[np.ndarray]:
-        if len(prompts) != len(completions):
-            raise EngineError(f"{len(prompts)} prompts but {len(completions)} completions")
-        self._check(prompts, "prompt")
-        self._check(completions, "completion")
-        if any(len(p) == 0 for p in prompts):
-            raise EngineError("scoring needs at least one prompt token before the completion")
+        check_score(prompts, completions, self.model.cfg.vocab_size)
         if not prompts:
             return []
         m, dev = self.model, self.model.device
-        rows = [
-            np.concatenate([np.asarray(p), np.asarray(c)])
-            for p, c in zip(prompts, completions, strict=True)
-        ]
-        width = max(len(r) for r in rows)
-        ids, valid = _left_pad(rows, width, dev)
+        rows, width, rr, tt = score_rows(prompts, completions)
+        ids, valid = (torch.from_numpy(a).to(dev) for a in left_pad(rows, width))
         self.stats.prompt_tokens += sum(len(r) for r in rows)
         h = m.forward(ids, m.context(valid, 0, width), lora=self._adapter)  # (B, T, hidden)
-        # The hidden state at position j predicts token j + 1: keep only completion targets.
-        where_r, where_t = [], []
-        for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            first = width - len(rows[r]) + len(p)  # position of the first completion token
-            where_r += [r] * len(c)
-            where_t += range(first - 1, first - 1 + len(c))
-        rr = torch.tensor(where_r, dtype=torch.long, device=dev)
-        tt = torch.tensor(where_t, dtype=torch.long, device=dev)
+        rr, tt = torch.from_numpy(rr).to(dev), torch.from_numpy(tt).to(dev)
         hs, targets = h[rr, tt], ids[rr, tt + 1]  # (N, hidden), (N,)
         picked = np.zeros(len(targets), np.float32)
         for j in range(0, len(targets), LOGIT_ROWS):  # never (N, vocab) at once
@@ -163,11 +129,7 @@ class TorchRunner:
             got = logp.gather(1, targets[j : j + LOGIT_ROWS, None])[:, 0]
             picked[j : j + LOGIT_ROWS] = got.cpu().numpy()
         self._sync_stats()
-        out, at = [], 0
-        for c in completions:
-            out.append(picked[at : at + len(c)].copy())
-            at += len(c)
-        return out
+        return split_scores(picked, completions)
 
     def close(self) -> None:
         if self.model is not None:

@@ -17,22 +17,22 @@ hidden counters, and ``state()`` is everything needed to continue exactly.
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from spill.engines.base import AdamW, TrainBatch
-from spill.engines.torch.model import LOGIT_ROWS, Model, check_params, to_float32
+from spill.engines.common import (
+    adamw_factors,
+    check_batch,
+    check_lora,
+    check_params,
+    dropout_seed,
+    param_shapes,
+)
+from spill.engines.torch.model import LOGIT_ROWS, Model, to_float32
 from spill.errors import EngineError
-from spill.models.lora import MODULES, LoraConfig, module_shape, param_names
-
-
-def dropout_seed(seed: int, layer: int, module: str) -> int:
-    """The generator seed of one module's dropout mask in one micro-batch."""
-    digest = hashlib.sha256(f"spill-lora-dropout:{seed}:{layer}:{module}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
+from spill.models.lora import MODULES, LoraConfig, param_names
 
 
 def dropout(p: float, seed: int):
@@ -50,10 +50,7 @@ class TorchTrainer:
     """float32 LoRA parameters, AdamW moments and accumulated gradients on the runner's device."""
 
     def __init__(self, model: Model, lora: LoraConfig):
-        if lora.rank < 1 or not 0.0 <= lora.dropout < 1.0:
-            raise EngineError(
-                f"LoRA rank {lora.rank}, dropout {lora.dropout}: use rank >= 1, dropout in [0, 1)"
-            )
+        check_lora(lora)
         self.model, self.lora = model, lora
         self.names = param_names(model.cfg, lora)
         self._ready = False
@@ -61,16 +58,8 @@ class TorchTrainer:
         def zeros(shapes):
             return {n: torch.zeros(s, dtype=torch.float32, device=model.device) for n, s in shapes}
 
-        shapes = self._shapes()
+        shapes = param_shapes(model.cfg, lora).items()
         self.params, self.m, self.v, self.grads = (zeros(shapes) for _ in range(4))
-
-    def _shapes(self) -> list[tuple[str, tuple[int, int]]]:
-        out, r = [], self.lora.rank
-        for name in self.names:
-            stem, ab = name.rsplit(".", 1)
-            fan_in, fan_out = module_shape(self.model.cfg, stem.rsplit(".", 1)[1])
-            out.append((name, (fan_in, r) if ab == "lora_a" else (r, fan_out)))
-        return out
 
     # -- state -------------------------------------------------------------------------------
 
@@ -116,19 +105,10 @@ class TorchTrainer:
         return out
 
     def _check(self, batch: TrainBatch):
-        tokens = np.asarray(batch.tokens)
-        attention = np.asarray(batch.attention, dtype=bool)
-        targets = np.asarray(batch.targets, dtype=bool)
-        vocab = self.model.cfg.vocab_size
-        if tokens.ndim != 2 or attention.shape != tokens.shape or targets.shape != tokens.shape:
-            raise EngineError("a training batch needs tokens, attention and targets of one (B, T)")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
-            raise EngineError(f"training token ids must lie in [0, {vocab})")
-        if (targets & ~attention).any():
-            raise EngineError("a training target falls on padding; targets must be real tokens")
+        checked = check_batch(batch, self.model.cfg.vocab_size)
         if not self._ready:
             raise EngineError("the trainer has no state yet; call set_state first")
-        return tokens.astype(np.int64), attention, targets
+        return checked
 
     def _head(self, x, ids, rows, cols, scale: float):
         """Loss sum x scale of the targets, and its gradient at the last layer's output x."""
@@ -182,11 +162,8 @@ class TorchTrainer:
     # -- the optimizer -----------------------------------------------------------------------
 
     def apply(self, opt: AdamW) -> None:
-        if opt.step < 1:
-            raise EngineError(f"AdamW step {opt.step}: steps count from 1")
+        step_size, bc2_sqrt = adamw_factors(opt)
         lr, b1, b2 = opt.lr, opt.beta1, opt.beta2
-        step_size = lr / (1 - b1**opt.step)
-        bc2_sqrt = (1 - b2**opt.step) ** 0.5
         with torch.no_grad():
             for n in self.names:
                 p, g, m, v = self.params[n], self.grads[n], self.m[n], self.v[n]

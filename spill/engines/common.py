@@ -1,0 +1,236 @@
+"""What the torch and MLX engines share that needs neither torch nor mlx.
+
+Plain Python and numpy only (imported by both engines, so it must not import either): the ring
+plan, argument checks that raise the same ``EngineError`` in both engines, the adapter's tensor
+shapes, the LoRA dropout seed hash, and the numpy bookkeeping of batching and scoring. The math
+itself stays in each engine; this holds only what is the same to the letter in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Container, Sequence
+
+import numpy as np
+
+from spill.engines.base import AdamW, GenerateParams, LoadOptions, ModelSpec, Stats, TrainBatch
+from spill.errors import EngineError, ModelError
+from spill.models.config import ModelConfig
+from spill.models.lora import LoraConfig, module_shape, param_names
+from spill.models.weights import WeightFiles
+
+# -- opening: the ring plan and the checks on the weights -------------------------------------
+
+
+def plan_ring(
+    layers: int, layer_bytes: int, ring: int | None, resident: bool, budget: int
+) -> tuple[int, bool]:
+    """(slots, resident) for ``layers`` layers of ``layer_bytes`` each.
+
+    ``resident`` wins, then a forced ``ring``; otherwise everything is resident when it fits
+    in ``budget`` bytes, else the ring takes as many slots as fit (at least 2, to overlap).
+    """
+    if resident:
+        return layers, True
+    if ring is not None:
+        if ring < 1:
+            raise EngineError(f"ring {ring} is too small; use --ring 1 or more (2 streams)")
+        return min(ring, layers), False
+    if layers * layer_bytes <= budget:
+        return layers, True
+    return min(max(2, budget // max(layer_bytes, 1)), layers), False
+
+
+def plan_model_ring(
+    cfg: ModelConfig, itemsize: int, options: LoadOptions, available: Callable[[], int]
+) -> tuple[int, bool]:
+    """``plan_ring`` for a model whose weights take ``itemsize`` bytes each; ``available()`` is
+    the device's default budget, asked only when ``options.memory`` gives none."""
+    layer_bytes = cfg.layer_params() * itemsize
+    # Resident parts come out of the default budget; an explicit one is the ring's own.
+    head_bytes = cfg.vocab_size * cfg.hidden_size * itemsize
+    head_bytes *= 1 if cfg.tie_word_embeddings else 2
+    budget = options.memory
+    if budget is None:
+        budget = max(0, available() - head_bytes)
+    return plan_ring(cfg.num_hidden_layers, layer_bytes, options.ring, options.resident, budget)
+
+
+def check_layers(model: ModelSpec, keys: Sequence[str], has: Callable[[str], bool]) -> None:
+    """Fail at open, by name, rather than when the ring first reaches a missing tensor."""
+    cfg = model.config
+    names = [f"model.layers.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in keys]
+    missing = [n for n in names if not has(n)]
+    if missing:
+        raise ModelError(
+            f"{model.folder}: tensor {missing[0]!r} is missing ({len(missing)} in all); "
+            "fetch the model again"
+        )
+
+
+def tensor_spans(
+    files: WeightFiles, names, dtypes: Container[str]
+) -> list[tuple[str, int, int, str]]:
+    """(shard, start, end, name) of each tensor, sorted into file order; raises for a missing
+    tensor or one whose dtype is not in ``dtypes``."""
+    spans = []
+    for name in names:
+        shard = files.tensor_shard.get(name)
+        if shard is None:
+            raise ModelError(f"{files.folder}: tensor {name!r} is missing; fetch the model again")
+        info = files.headers[shard][name]
+        if info["dtype"] not in dtypes:
+            raise ModelError(
+                f"{files.folder / shard}: tensor {name!r} has unsupported dtype "
+                f"{info['dtype']}; convert the model to F32, F16 or BF16"
+            )
+        spans.append((shard, *info["data_offsets"], name))
+    spans.sort()
+    return spans
+
+
+def sync_ring_stats(stats: Stats, ring) -> None:
+    stats.extra["ring_max_live"] = ring.max_live
+    stats.extra["ring_wait_seconds"] = ring.wait_seconds
+
+
+# -- adapters and training ----------------------------------------------------------------------
+
+
+def param_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
+    """Each adapter tensor's shape by name, in ``param_names`` order."""
+    out = {}
+    for name in param_names(cfg, lora):
+        stem, ab = name.rsplit(".", 1)
+        fan_in, fan_out = module_shape(cfg, stem.rsplit(".", 1)[1])
+        out[name] = (fan_in, lora.rank) if ab == "lora_a" else (lora.rank, fan_out)
+    return out
+
+
+def check_params(cfg: ModelConfig, lora: LoraConfig, arrays: dict, what: str) -> None:
+    """Raise, naming the first difference, unless ``arrays`` holds exactly the adapter's tensors."""
+    want = param_shapes(cfg, lora)
+    missing = [n for n in want if n not in arrays]
+    extra = sorted(set(arrays) - set(want))
+    if missing or extra:
+        first = f"{missing[0]!r} is missing" if missing else f"{extra[0]!r} is unexpected"
+        raise EngineError(
+            f"{what}: {first} for a rank-{lora.rank} adapter on {', '.join(lora.targets)}; "
+            "give the tensors of the same LoRA config"
+        )
+    for name, shape in want.items():
+        if tuple(arrays[name].shape) != shape:
+            raise EngineError(
+                f"{what}: {name!r} has shape {tuple(arrays[name].shape)}, expected {shape}; "
+                "give the tensors of the same model and LoRA config"
+            )
+
+
+def check_lora(lora: LoraConfig) -> None:
+    if lora.rank < 1 or not 0.0 <= lora.dropout < 1.0:
+        raise EngineError(
+            f"LoRA rank {lora.rank}, dropout {lora.dropout}: use rank >= 1, dropout in [0, 1)"
+        )
+
+
+def dropout_seed(seed: int, layer: int, module: str) -> int:
+    """The seed of one module's dropout mask in one micro-batch (each engine keys its own
+    generator with it, so a recompute draws the forward's mask)."""
+    digest = hashlib.sha256(f"spill-lora-dropout:{seed}:{layer}:{module}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def check_batch(batch: TrainBatch, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens as int64, attention, targets) of a training batch, checked."""
+    tokens = np.asarray(batch.tokens)
+    attention = np.asarray(batch.attention, dtype=bool)
+    targets = np.asarray(batch.targets, dtype=bool)
+    if tokens.ndim != 2 or attention.shape != tokens.shape or targets.shape != tokens.shape:
+        raise EngineError("a training batch needs tokens, attention and targets of one (B, T)")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+        raise EngineError(f"training token ids must lie in [0, {vocab})")
+    if (targets & ~attention).any():
+        raise EngineError("a training target falls on padding; targets must be real tokens")
+    return tokens.astype(np.int64), attention, targets
+
+
+def adamw_factors(opt: AdamW) -> tuple[float, float]:
+    """(step size, sqrt of the second bias correction) of torch's AdamW, as Python floats."""
+    if opt.step < 1:
+        raise EngineError(f"AdamW step {opt.step}: steps count from 1")
+    step_size = opt.lr / (1 - opt.beta1**opt.step)
+    bc2_sqrt = (1 - opt.beta2**opt.step) ** 0.5
+    return step_size, bc2_sqrt
+
+
+# -- generation and scoring ---------------------------------------------------------------------
+
+
+def check_rows(rows: Sequence[np.ndarray], what: str, vocab: int) -> None:
+    for r, row in enumerate(rows):
+        row = np.asarray(row)
+        if row.ndim != 1 or (len(row) and (row.min() < 0 or row.max() >= vocab)):
+            raise EngineError(f"{what} {r}: token ids must be a 1-D array in [0, {vocab})")
+
+
+def check_generate(
+    prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int], vocab: int
+) -> None:
+    if len(seeds) != len(prompts):
+        raise EngineError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one per row")
+    check_rows(prompts, "prompt", vocab)
+    if any(len(p) == 0 for p in prompts):
+        raise EngineError("an empty prompt cannot be continued; give at least one token")
+    if params.temperature < 0 or not 0 < params.top_p <= 1:
+        raise EngineError("sampling needs temperature >= 0 and top_p in (0, 1]")
+
+
+def check_score(
+    prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], vocab: int
+) -> None:
+    if len(prompts) != len(completions):
+        raise EngineError(f"{len(prompts)} prompts but {len(completions)} completions")
+    check_rows(prompts, "prompt", vocab)
+    check_rows(completions, "completion", vocab)
+    if any(len(p) == 0 for p in prompts):
+        raise EngineError("scoring needs at least one prompt token before the completion")
+
+
+def left_pad(rows: Sequence[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """ids (B, length) int64 and valid (B, length) bool, each row flush right."""
+    ids = np.zeros((len(rows), length), dtype=np.int64)
+    valid = np.zeros((len(rows), length), dtype=bool)
+    for r, row in enumerate(rows):
+        n = len(row)
+        if n:
+            ids[r, length - n :] = np.asarray(row, dtype=np.int64)
+            valid[r, length - n :] = True
+    return ids, valid
+
+
+def score_rows(
+    prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
+) -> tuple[list[np.ndarray], int, np.ndarray, np.ndarray]:
+    """(rows, width, rr, tt): each prompt + completion as one int64 row, the padded width, and
+    the (row, position) of each hidden state that predicts a completion token, in order (the
+    hidden state at position j predicts token j + 1)."""
+    rows = [
+        np.concatenate([np.asarray(p), np.asarray(c)]).astype(np.int64)
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    width = max(len(r) for r in rows)
+    where_r, where_t = [], []
+    for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        first = width - len(rows[r]) + len(p)  # position of the first completion token
+        where_r += [r] * len(c)
+        where_t += range(first - 1, first - 1 + len(c))
+    return rows, width, np.asarray(where_r, np.int64), np.asarray(where_t, np.int64)
+
+
+def split_scores(picked: np.ndarray, completions: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The flat log-probs of all completion tokens, split back into one array per row."""
+    out, at = [], 0
+    for c in completions:
+        out.append(picked[at : at + len(c)].copy())
+        at += len(c)
+    return out
