@@ -14,6 +14,14 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file; give a JSONL file with one JSON object per line")
+    rows = jsonl_objects(path)
+    if not rows:
+        raise DataError(f"{path}: no rows; the file is empty")
+    return rows
+
+
+def jsonl_objects(path: Path) -> list[tuple[int, dict]]:
+    """``(line number, object)`` for every non-blank line; none for an empty file."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -30,8 +38,6 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
                     f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
                 )
             rows.append((lineno, obj))
-    if not rows:
-        raise DataError(f"{path}: no rows; the file is empty")
     return rows
 
 

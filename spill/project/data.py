@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spill.errors import DataError
+from spill.jobs.inputs import jsonl_objects
 
 MAX_LABELS = 50
 MAX_LABEL_CHARS = 64
@@ -76,22 +77,9 @@ def _csv_records(path: Path) -> tuple[list[str], list[tuple[str, dict]]]:
 
 
 def _jsonl_records(path: Path) -> tuple[list[str], list[tuple[str, dict]]]:
-    records, columns = [], {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}:{lineno}: not valid JSON ({e.msg}); fix that line"
-                ) from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object per line")
-            columns.update(dict.fromkeys(obj))
-            records.append((f"line {lineno}", obj))
-    return list(columns), records
+    objects = jsonl_objects(path)
+    columns = dict.fromkeys(k for _, obj in objects for k in obj)  # first-seen order
+    return list(columns), [(f"line {lineno}", obj) for lineno, obj in objects]
 
 
 def read_rows(path: Path, input_col: str, output_col: str) -> list[Row]:
