@@ -153,25 +153,34 @@ def bench_memory(work: Path, hidden: int = 2048, layers: int = 16) -> dict:
 # --- streamed vs resident, resident vs transformers ---------------------------------------
 
 
-def bench_ring(work: Path, batch: int = 8, new: int = 32, rows: int = 16) -> dict:
+def bench_ring(work: Path, batch: int = 8, new: int = 32, rows: int = 16, rounds: int = 3) -> dict:
+    """Both runners open at once, measured alternately; the best round of each is reported, so a
+    burst of load elsewhere on the machine does not land on one side only."""
     folder = smollm2(work)
     prompts = _prompts(folder, rows)
-    result = {"batch": batch, "new_tokens": new, "rows": rows}
+    result = {"batch": batch, "new_tokens": new, "rows": rows, "rounds": rounds}
     for dtype in ("float32", "bfloat16"):
-        tps = {}
-        for mode, opts in (("resident", {"resident": True}), ("streamed", {"ring": 2})):
-            runner = _runner(folder, dtype=dtype, **opts)
-            _gen_tps(runner, prompts[:batch], batch, 2)  # warm-up
-            tps[mode] = _gen_tps(runner, prompts, batch, new)
-            runner.close()
-        ratio = tps["streamed"] / tps["resident"]
+        runners = {
+            "resident": _runner(folder, dtype=dtype, resident=True),
+            "streamed": _runner(folder, dtype=dtype, ring=2),
+        }
+        best = dict.fromkeys(runners, 0.0)
+        for r in runners.values():
+            _gen_tps(r, prompts[:batch], batch, 2)  # warm-up
+        for _ in range(rounds):
+            for mode, r in runners.items():
+                best[mode] = max(best[mode], _gen_tps(r, prompts, batch, new))
+        for r in runners.values():
+            r.close()
+        ratio = best["streamed"] / best["resident"]
         result[dtype] = {
-            "resident_tok_s": round(tps["resident"], 1),
-            "streamed_tok_s": round(tps["streamed"], 1),
+            "resident_tok_s": round(best["resident"], 1),
+            "streamed_tok_s": round(best["streamed"], 1),
             "ratio": round(ratio, 2),
         }
         print(
-            f"ring ({dtype}): streamed --ring 2 {tps['streamed']:.1f} tok/s vs resident {tps['resident']:.1f} tok/s = {ratio:.2f}x (goal >= 0.8x)"
+            f"ring ({dtype}): streamed --ring 2 {best['streamed']:.1f} tok/s vs resident "
+            f"{best['resident']:.1f} tok/s = {ratio:.2f}x (goal >= 0.8x)"
         )
     return result
 
@@ -203,29 +212,28 @@ def _hf_tps(model, prompts, batch: int, new: int, pad: int = 2) -> float:
     return count / (time.perf_counter() - start)
 
 
-def bench_hf(work: Path, batch: int = 8, new: int = 32, rows: int = 16) -> dict:
+def bench_hf(work: Path, batch: int = 8, new: int = 32, rows: int = 16, rounds: int = 3) -> dict:
+    """spill resident vs transformers ``generate``, same weights and numerics, alternating."""
     import torch
     import transformers
 
     folder = smollm2(work)
     prompts = _prompts(folder, rows)
-    result = {
-        "batch": batch,
-        "new_tokens": new,
-        "rows": rows,
-        "transformers": transformers.__version__,
-    }
+    result = {"batch": batch, "new_tokens": new, "rows": rows, "rounds": rounds}
+    result["transformers"] = transformers.__version__
     for dtype in ("float32", "bfloat16"):
         runner = _runner(folder, dtype=dtype, resident=True)
-        _gen_tps(runner, prompts[:batch], batch, 2)
-        ours = _gen_tps(runner, prompts, batch, new)
-        runner.close()
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=getattr(torch, dtype)
         )
         model.eval()
+        _gen_tps(runner, prompts[:batch], batch, 2)
         _hf_tps(model, prompts[:batch], batch, 2)
-        theirs = _hf_tps(model, prompts, batch, new)
+        ours = theirs = 0.0
+        for _ in range(rounds):
+            ours = max(ours, _gen_tps(runner, prompts, batch, new))
+            theirs = max(theirs, _hf_tps(model, prompts, batch, new))
+        runner.close()
         ratio = ours / theirs
         result[dtype] = {
             "spill_resident_tok_s": round(ours, 1),
@@ -233,7 +241,8 @@ def bench_hf(work: Path, batch: int = 8, new: int = 32, rows: int = 16) -> dict:
             "ratio": round(ratio, 2),
         }
         print(
-            f"hf ({dtype}): spill resident {ours:.1f} tok/s vs transformers generate {theirs:.1f} tok/s = {ratio:.2f}x (goal >= 1.0x)"
+            f"hf ({dtype}): spill resident {ours:.1f} tok/s vs transformers generate "
+            f"{theirs:.1f} tok/s = {ratio:.2f}x (goal >= 1.0x)"
         )
     return result
 
