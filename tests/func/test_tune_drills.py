@@ -204,11 +204,17 @@ def _random_kill(control: kit.Control, base, i: int) -> None:
     """Kill once (or twice: the rerun too) at case ``i``'s moment, then finish with another
     --ckpt-every (not part of the run's identity) and compare with the control."""
     _, _, _, every, every_after, again_at = MOMENTS[i]
-    state = str(base / "state")
     env = kit.spill_env(base / "home")
-    anchor, wait, delay = _moment(control, state, i)
-    argv = kit.tune_argv(control.model, control.train, state, ckpt_every=every)
-    killed = _kill_at(argv, env, wait, delay)
+    # The delays come from the control's timings; under other load a run can finish before its
+    # kill lands. Such a try tested nothing: try again on a fresh state with half the delay.
+    for attempt in range(5):
+        state = str(base / f"state-{attempt}")
+        anchor, wait, delay = _moment(control, state, i)
+        delay *= 0.5**attempt
+        argv = kit.tune_argv(control.model, control.train, state, ckpt_every=every)
+        killed = _kill_at(argv, env, wait, delay)
+        if killed.returncode != 0:
+            break
     assert_killed(killed)
     committed = kit.latest_step(state)
     note = (
