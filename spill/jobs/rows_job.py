@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from typing import Any, Protocol
 from spill.console import note, progress
 from spill.engines.base import LoadOptions
 from spill.errors import DataError, StoreError
-from spill.jobs.loading import Loaded, open_model
+from spill.jobs.loading import Loaded, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
 
@@ -85,29 +84,13 @@ def file_sha256(path: Path) -> str:
 
 
 def write_jsonl(path: Path, records: Sequence[Record]) -> None:
-    """The whole file under a temporary name, fsynced, then renamed: never half-written."""
+    """The whole file at once through the store's atomic write: never half-written."""
     import json
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    from spill.store.fs import put_bytes
 
-
-def _resolve(name: str, weights: str | None):
-    from spill.models.cache import cached_fingerprint
-    from spill.models.resolve import resolve_model
-
-    resolved = resolve_model(name, weights, progress=note)
-    return resolved, cached_fingerprint(Path(resolved.folder))
+    data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+    put_bytes(str(path), data.encode("utf-8"))
 
 
 def _open(job: RowJob, resolved, fp: str) -> Loaded:
@@ -151,7 +134,7 @@ def execute(
     if job.batch < 1:
         raise DataError("--batch must be at least 1")
     with Guard(unit="batch", signals=SIGNALS if job.state else ()) as guard:
-        resolved, fp = _resolve(job.model, job.weights)
+        resolved, fp = find_model(job.model, job.weights)
         pinned = identity(job, resolved, fp)
         results: dict = _restore(job.state, pinned, job.rows) if job.state else {}
         todo = [r for r in job.rows if r.id not in results]
