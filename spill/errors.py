@@ -15,6 +15,13 @@ class SpillError(Exception):
     exit_code = EXIT_USER
 
 
+class UsageError(SpillError):
+    """A command line that cannot mean anything (an unknown option, a bad value, an output that
+    is one of the inputs); exit 2 like argparse's own usage errors."""
+
+    exit_code = EXIT_USAGE
+
+
 class ModelError(SpillError):
     """A model folder, file or name that cannot be used."""
 

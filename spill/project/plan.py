@@ -22,13 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from spill.errors import SpillError
+from spill.errors import UsageError
 from spill.project.state import ALIASES, STAGES, UNITS, summarize
 
 ACTIONS = ("done", "skip", "run", "continue", "wait")
 
 
-class PlanError(SpillError):
+class PlanError(UsageError):
     """A --stop-after that names no stage, or a count past the stage's end."""
 
 
