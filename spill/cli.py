@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from pathlib import Path
 
 from spill import __version__
 from spill.errors import EXIT_PREEMPTED, EXIT_USAGE, SpillError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
-
 
 def parse_size(text: str) -> int:
-    """``8G``, ``512MiB``, ``1.5g`` or a plain byte count."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8G or 512M)")
-    return int(float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower()))
+    """``--memory``: ``8G``, ``512MiB``, ``1.5g`` or a plain byte count (``spill.sizes``)."""
+    from spill.sizes import parse_size as parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:

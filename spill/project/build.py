@@ -29,6 +29,7 @@ class BuildOptions(NamedTuple):
     dry_run: bool = False
     overrides: tuple[str, ...] = ()
     resume: bool = False
+    engine: tuple[str, ...] = ()  # resume: engine.* overrides on top of the recorded config
 
 
 def _done_plan(doc: dict) -> list[dict[str, str]]:
@@ -59,6 +60,9 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
             )
         overrides = tuple(doc["overrides"])
         key = doc["compose_key"]
+        if opts.engine:  # where the stages compute may change; what they mean may not
+            overrides = (*overrides, *opts.engine)
+            key = uptodate.compose_key(root, overrides)
     else:
         overrides = tuple(opts.overrides)
         key = uptodate.compose_key(root, overrides)
@@ -75,7 +79,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
 
     stop = StopAfter.parse(opts.stop_after) if opts.stop_after else None
     if opts.resume:
-        project = config.from_record(doc["config"], root, overrides)
+        project = with_engine(config.from_record(doc["config"], root, overrides), opts.engine)
         if uptodate.compose_key(root, overrides) != key:
             from spill.console import note
 
@@ -87,6 +91,21 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
     else:
         project = config.compose(root, overrides)
     return run(project, state_root, key, doc, stop, opts.dry_run)
+
+
+def with_engine(project, engine: tuple[str, ...]):
+    """``project`` with ``engine.<key>=<value>`` overrides applied to its engine section."""
+    if not engine:
+        return project
+    import dataclasses
+
+    import yaml
+
+    values = {}
+    for item in engine:
+        key, _, value = item.partition("=")
+        values[key.removeprefix("engine.")] = yaml.safe_load(value)
+    return dataclasses.replace(project, engine=dataclasses.replace(project.engine, **values))
 
 
 def check_location(project, doc: dict | None, root: str) -> None:

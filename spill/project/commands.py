@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from spill.errors import EXIT_PREEMPTED, SpillError
+from spill.errors import EXIT_PREEMPTED, UsageError
 
 
 def _overrides(args) -> list[str]:
@@ -25,10 +25,32 @@ def _overrides(args) -> list[str]:
         args.dir = "."
     bad = [a for a in extra if a.startswith("-")]
     if bad:
-        raise SpillError(f"unknown option {bad[0]}; `spill {args.command} --help` lists them")
-    if args.engine:
-        extra.append(f"engine.name={args.engine}")
-    return extra
+        raise UsageError(f"unknown option {bad[0]}; `spill {args.command} --help` lists them")
+    return extra + engine_overrides(args)
+
+
+def engine_overrides(args) -> list[str]:
+    """``--engine --device --dtype --ring --resident --memory`` as the ``engine.*`` overrides
+    they stand for (the same options every computing verb takes)."""
+    from spill.sizes import parse_size
+
+    out = []
+    for key in ("engine", "device", "dtype", "ring", "memory"):
+        value = getattr(args, key, None)
+        if value is not None:
+            out.append(f"engine.{'name' if key == 'engine' else key}={value}")
+    if args.ring is not None and args.ring < 1:
+        raise UsageError("--ring must be at least 1")
+    if args.memory is not None:
+        try:
+            parse_size(args.memory)
+        except ValueError as e:
+            raise UsageError(f"--memory: {e}") from None
+    if args.resident:
+        out += ["engine.resident=true", "engine.ring=null"]
+    elif args.ring is not None:
+        out.append("engine.resident=false")
+    return out
 
 
 def _emit_build(summary: dict, as_json: bool) -> None:
@@ -119,14 +141,18 @@ def cmd_resume(args) -> int:
 
     if args.overrides:
         if args.overrides[0].startswith("-"):
-            raise SpillError(
+            raise UsageError(
                 f"unknown option {args.overrides[0]}; `spill resume --help` lists them"
             )
-        raise SpillError(
+        raise UsageError(
             "resume continues the recorded build as it was; use `spill build` to change values"
         )
     opts = BuildOptions(
-        state=args.state, stop_after=args.stop_after, dry_run=args.dry_run, resume=True
+        state=args.state,
+        stop_after=args.stop_after,
+        dry_run=args.dry_run,
+        resume=True,
+        engine=tuple(engine_overrides(args)),
     )
     return _preemptible(lambda: _emit_build(build(args.dir, opts), args.json) or 0)
 
@@ -144,6 +170,18 @@ def cmd_status(args) -> int:
         return 0
     _emit_build(summary, args.json)
     return 0
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options of the computing verbs, here shorthand for ``engine.*`` overrides."""
+    g = p.add_argument_group("engine (shorthand for the engine.* settings)")
+    g.add_argument("--engine", choices=["auto", "torch", "mlx"], help="engine.name")
+    g.add_argument("--device", help="engine.device, e.g. cpu or cuda")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], help="engine.dtype")
+    ring = g.add_mutually_exclusive_group()
+    ring.add_argument("--ring", type=int, metavar="K", help="engine.ring: stream through K slots")
+    ring.add_argument("--resident", action="store_true", help="engine.resident=true")
+    g.add_argument("--memory", metavar="SIZE", help="engine.memory, e.g. 8G")
 
 
 def add_parsers(sub) -> None:
@@ -179,17 +217,23 @@ def add_parsers(sub) -> None:
         help="stop after a stage, or N steps (tune) / rows into it; exit 0",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
-    p.add_argument("--engine", choices=["auto", "torch", "mlx"], help="override engine.name")
     p.add_argument(
         "-m", "--multirun", action="store_true", help="a Hydra sweep: one build per combination"
     )
+    engine_args(p)
     p.set_defaults(func=cmd_build, overrides=[])
 
-    p = sub.add_parser("resume", help="continue a stopped build with its recorded config")
+    p = sub.add_parser(
+        "resume",
+        help="continue a stopped build with its recorded config",
+        description="Continue the recorded build as it was. The engine options may change: "
+        "they decide where the stages compute, not what they mean.",
+    )
     project_args(p)
     p.add_argument("--stop-after", metavar="STAGE[:N]", help="stop again after this point")
     p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
-    p.set_defaults(func=cmd_resume, overrides=[], engine=None)
+    engine_args(p)
+    p.set_defaults(func=cmd_resume, overrides=[])
 
     p = sub.add_parser("status", help="a project's build table, read from its state")
     project_args(p)
