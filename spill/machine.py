@@ -2,13 +2,17 @@
 of per-machine measurements under ``machine_cache()``.
 
 Engine-free (no torch or mlx): the job layer records the CPU in provenance, and each engine's
-``numerics`` keys its cached bf16 measurement by it.
+``numerics`` keys its cached bf16 measurement by it. The cache matches schema ``machine`` on
+read and on write; a damaged one (not JSON, wrong types, a hand edit) is measured again and
+replaced, and a cache folder that cannot be written only means measuring again next time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -16,6 +20,11 @@ import sys
 from collections.abc import Callable
 
 from spill.paths import machine_cache
+from spill.store.schemas import SchemaInvalid, parse_json, validate, validate_once
+
+SCHEMA = "machine"
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -45,18 +54,36 @@ def cpu_model() -> str:
 
 def cached_measurement(name: str, key: str, measure: Callable[[], dict]) -> dict:
     """``machine_cache()/name`` maps keys to measurements: return ``key``'s, measuring and
-    storing it (atomic replace) when absent. An unreadable cache counts as empty."""
+    storing it (atomic replace) when absent. A cache that is unreadable or does not match its
+    schema counts as empty."""
     path = machine_cache() / name
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        known = {}
+    known = _read(path)
     if key in known:
         return known[key]
     found = measure()
+    validate({key: found}, SCHEMA, where=f"the measurement for {path}")
     known[key] = found
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.info("could not cache the measurement in %s (%s); measuring again next time", path, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return found
+
+
+def _read(path) -> dict:
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return {}
+    try:
+        known = parse_json(raw)
+        validate_once(raw, known, SCHEMA, where=str(path))
+    except (ValueError, SchemaInvalid) as e:
+        log.warning("ignoring the damaged measurement cache %s (%s); measuring again", path, e)
+        return {}
+    return known

@@ -17,6 +17,7 @@ records it next to the composed config; a later build with the same key rebuilds
 from __future__ import annotations
 
 import copy
+import re
 import string
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 
 from spill.errors import SpillError
 from spill.project.uptodate import compose_key  # noqa: F401  (part of this boundary's API)
+from spill.store.schemas import short
 
 FILE = "spill.yaml"
 CONFIG_NAME = "spill"
@@ -192,9 +194,9 @@ def _message(error, schema: dict) -> str:
         return f"{key} is not a setting spill knows; allowed here: {allowed}"
     if error.validator == "enum":
         allowed = ", ".join("null" if v is None else str(v) for v in error.validator_value)
-        return f"{where} is {error.instance!r}; allowed: {allowed}"
+        return f"{where} is {short(repr(error.instance), 40)}; allowed: {allowed}"
     described = sub.get("description")
-    return f"{where}: {error.message}" + (f" ({described})" if described else "")
+    return f"{where}: {short(error.message)}" + (f" ({described})" if described else "")
 
 
 def validate(doc: Any, where: str, strict: bool = True) -> None:
@@ -248,14 +250,20 @@ def hydra_line(e: BaseException) -> str:
         known = load_schema(SCHEMA)["properties"].get(section, {}).get("properties")
         allowed = f"; allowed in {section}: {', '.join(known)}" if known else ""
         return f"{key} is not a setting spill knows, so it cannot be overridden{allowed}"
-    if "full_key:" in text:
-        key = text.split("full_key:", 1)[1].split()[0]
+    key = re.search(r"full_key: *(\S*)", text)
+    if key and key[1] and not key[1].startswith("object_type="):
+        key = key[1]
         first = text.splitlines()[0]
         if "Missing mandatory value" in first:
             return f"{key} is not set (the chosen option leaves it to the project); set it"
         return f"{key}: {first}"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "https://" not in ln]
-    return "; ".join(lines) or type(e).__name__
+    skip = ("https://", "full_key:", "object_type=")
+    lines = [
+        ln.strip()
+        for ln in text.splitlines()
+        if ln.strip() and not ln.strip().startswith(skip) and "https://" not in ln
+    ]
+    return short(" ".join(lines), 300) or type(e).__name__
 
 
 def compose(root: Path | str, overrides: Sequence[str] = ()) -> Project:
@@ -267,6 +275,7 @@ def compose(root: Path | str, overrides: Sequence[str] = ()) -> Project:
             f"{root} has no {FILE}; `spill init DATA --input COL --output COL --project {root}` "
             "makes one"
         )
+    check_encoding(root)
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -279,10 +288,29 @@ def compose(root: Path | str, overrides: Sequence[str] = ()) -> Project:
             cfg = hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
         doc = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML ({' '.join(str(e).split())})") from None
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = getattr(mark, "name", None) or getattr(e, "name", None) or where
+        raise ConfigError(f"{where}: not valid YAML ({short(str(e), 300)})") from None
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(f"{where}: {hydra_line(e)}") from None
     return from_composed(doc, root, overrides, where)
+
+
+def check_encoding(root: Path) -> None:
+    """Refuse, naming the file and the byte, a project file that is not UTF-8 (Hydra would
+    raise a traceback from deep inside its config source); cheap: these files are small."""
+    from spill.project.uptodate import _project_files as project_files
+
+    for path in project_files(root):
+        try:
+            path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{path}: byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8; "
+                "save the file as UTF-8"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
 
 
 def from_composed(

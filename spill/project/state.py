@@ -9,8 +9,9 @@ Layout under ``--state`` (default ``<project>/.spill``)::
 
 ``state.json`` (schema ``build-state``) is one object written atomically through
 ``spill.store.fs`` after everything it names; a reader that finds none starts fresh. Writing
-validates it. Reading checks its kind and version only, without importing jsonschema, so that
-``spill status`` and a build of a finished project start fast (the writer validated it).
+validates it, and so does reading (its ``config`` too, against the strict spill.yaml schema),
+through ``schemas.validate_once``: bytes already validated on this machine cost one hash, so
+``spill status`` and a build of a finished project still start without importing jsonschema.
 
 The probes read only small files: the newest committed tune checkpoint's ``state.json`` and
 the row segments' commit markers. They say how far a stopped stage got and which engine,
@@ -44,23 +45,37 @@ def stage_uri(root: str, stage: str) -> str:
 
 
 def read(root: str) -> dict[str, Any] | None:
+    """``state.json`` under ``root`` (None when there is none), validated against the
+    ``build-state`` schema, its ``config`` against the strict spill.yaml schema."""
+    from spill.store.schemas import parse_json, short, validate_once
+
     uri = join(root, STATE)
     try:
         raw = get_bytes(uri)
     except FileNotFoundError:
         return None
     try:
-        doc = json.loads(raw)
+        doc = parse_json(raw)
     except ValueError:
         raise StoreError(f"{uri} is not JSON; it was damaged: move it away to rebuild") from None
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
         raise StoreError(f"{uri} is not a spill build state; use another --state location")
     if doc.get("schema_version") != SCHEMA_VERSION:
         raise StoreError(
-            f"{uri} has build-state version {doc.get('schema_version')!r}; this spill reads "
-            f"{SCHEMA_VERSION}; use the spill that wrote it or another --state"
+            f"{uri} has build-state version {short(repr(doc.get('schema_version')), 40)}; this "
+            f"spill reads {SCHEMA_VERSION}; use the spill that wrote it or another --state"
         )
+    validate_once(raw, doc, "build-state", uri, also=lambda d: _check_config(d, uri))
     return doc
+
+
+def _check_config(doc: dict[str, Any], uri: str) -> None:
+    from spill.project.config import ConfigError, validate
+
+    try:
+        validate(doc["config"], "config")
+    except ConfigError as e:
+        raise StoreError(f"{uri} holds a damaged {e}; move it away to rebuild") from None
 
 
 def write(root: str, doc: dict[str, Any]) -> None:

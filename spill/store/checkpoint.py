@@ -37,7 +37,7 @@ import numpy as np
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.fs import basename, get_bytes, join, listdir, put_bytes, remove
-from spill.store.schemas import SchemaInvalid, validate
+from spill.store.schemas import SchemaInvalid, parse_json, validate
 
 CKPT = "ckpt"
 PARAMS = "params.safetensors"
@@ -134,7 +134,7 @@ def _verify(uri: str, step: int) -> Checkpoint:
     except FileNotFoundError:
         raise CheckpointInvalid(uri, "no COMMIT (its save was interrupted)") from None
     try:
-        commit = json.loads(raw)
+        commit = parse_json(raw)
         validate(commit, "commit", where=join(uri, COMMIT))
     except (ValueError, SchemaInvalid) as e:
         raise CheckpointInvalid(uri, f"unreadable COMMIT ({e})") from None
@@ -154,7 +154,7 @@ def _verify(uri: str, step: int) -> Checkpoint:
             )
         blobs[name] = data
     try:
-        state = json.loads(blobs[STATE])
+        state = parse_json(blobs[STATE])
         validate(state, "checkpoint-state", where=join(uri, STATE))
     except (ValueError, SchemaInvalid) as e:
         raise CheckpointInvalid(uri, f"unusable state.json ({e})") from None

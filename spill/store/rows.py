@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.fs import get_bytes, is_temp, join, listdir, put_bytes, remove
-from spill.store.schemas import SchemaInvalid, validate
+from spill.store.schemas import SchemaInvalid, parse_json, validate
 
 ROWS = "rows"
 IDENTITY = "identity.json"
@@ -90,7 +90,7 @@ def pin_identity(root_uri: str, identity: Mapping[str, Any]) -> dict[str, Any]:
         put_bytes(uri, _dump(doc))
         return doc
     try:
-        pinned = json.loads(raw)
+        pinned = parse_json(raw)
     except ValueError:
         raise StoreError(
             f"{uri} is not JSON; it was damaged, so use a new --state location"
@@ -109,7 +109,7 @@ def pin_identity(root_uri: str, identity: Mapping[str, Any]) -> dict[str, Any]:
 def _read_segment(rows_uri: str, n: int) -> tuple[dict, list[Any]]:
     base = join(rows_uri, f"seg-{n}")
     try:
-        commit = json.loads(get_bytes(base + ".commit"))
+        commit = parse_json(get_bytes(base + ".commit"))
         validate(commit, "segment-commit", where=base + ".commit")
     except (ValueError, SchemaInvalid) as e:
         raise SegmentInvalid(base, f"unreadable commit ({e})") from None
@@ -130,7 +130,7 @@ def _read_segment(rows_uri: str, n: int) -> tuple[dict, list[Any]]:
         or commit["count"] != len(commit["row_ids"])
     ):
         raise SegmentInvalid(base, "line count differs from the commit")
-    return commit, [json.loads(line) for line in lines[:-1]]
+    return commit, [parse_json(line) for line in lines[:-1]]
 
 
 def _scan(

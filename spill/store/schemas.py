@@ -1,20 +1,32 @@
 """JSON Schema validation for the files the store writes and reads.
 
-Schemas are draft 2020-12 files in ``spill/schemas/<name>.schema.json``, loaded through
-``importlib.resources`` so they work from a wheel as well as from a checkout. A document that
+Schemas are draft 2020-12 files in ``spill/schemas/<name>.schema.json``, read beside the
+package or, where it is not on disk (a zip), through ``importlib.resources``. A document that
 does not validate is refused in one line that names the file kind, the failing field and why.
+
+Every file spill reads is validated on read, not only on write. Importing jsonschema costs about
+as much as the rest of a finished ``spill build`` (~70 ms here), so ``validate_once`` remembers,
+per machine, the sha256 of (schema, document bytes) that passed: the next read of the same bytes
+costs one hash and one ``stat``, and any change to the file (or to the schema) validates again.
+The record is a folder of empty marker files under ``SPILL_HOME/validated/``, pruned to the
+newest ``KEEP_MARKERS``; a marker that cannot be written only costs the next read its speed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from collections.abc import Callable
 from functools import cache
-from importlib.resources import files
 from typing import Any
 
 from spill.errors import StoreError
+from spill.paths import spill_home
 
 SUFFIX = ".schema.json"
+KEEP_MARKERS = 512
+MESSAGE_CHARS = 160  # a huge or multi-line value is cut, so a refusal stays one short line
 
 
 class SchemaInvalid(StoreError):
@@ -22,14 +34,27 @@ class SchemaInvalid(StoreError):
 
 
 @cache
+def _schema_bytes(name: str) -> bytes:
+    # a plain open where the package is on disk: importlib.resources costs 3 ms to import
+    plain = os.path.join(os.path.dirname(os.path.dirname(__file__)), "schemas", name + SUFFIX)
+    try:
+        with open(plain, "rb") as f:
+            return f.read()
+    except OSError:
+        pass
+    from importlib.resources import files
+
+    try:
+        return (files("spill") / "schemas" / f"{name}{SUFFIX}").read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"no schema named {name!r} in spill/schemas") from None
+
+
+@cache
 def _validator(name: str):
     import jsonschema
 
-    resource = files("spill") / "schemas" / f"{name}{SUFFIX}"
-    try:
-        schema = json.loads(resource.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"no schema named {name!r} in spill/schemas") from None
+    schema = json.loads(_schema_bytes(name))
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)
     return cls(schema)
@@ -51,6 +76,63 @@ def validate(doc: Any, name: str, where: str | None = None) -> None:
     field = "/".join(str(p) for p in error.absolute_path) or "(top level)"
     label = where or f"a {name} document"
     raise SchemaInvalid(
-        f"{label} does not match the {name} schema at {field}: {error.message}; "
+        f"{label} does not match the {name} schema at {short(field)}: {short(error.message)}; "
         "it was written by another version or damaged, so it is not used"
     )
+
+
+def short(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """``text`` on one line, cut to about ``limit`` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """``json.loads`` whose every failure is a ``ValueError`` (bad UTF-8, bad JSON, nesting too
+    deep for the parser)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a spill file") from None
+
+
+def _marker(raw: bytes, name: str) -> str:
+    h = hashlib.sha256(hashlib.sha256(_schema_bytes(name)).digest())
+    h.update(raw)
+    return os.path.join(spill_home(), "validated", f"{name}-{h.hexdigest()}")
+
+
+def validate_once(
+    raw: bytes,
+    doc: Any,
+    name: str,
+    where: str | None = None,
+    also: Callable[[Any], None] | None = None,
+) -> None:
+    """``validate(doc, name, where)`` (and ``also(doc)``, a further check) unless the same bytes
+    ``raw`` of ``doc`` passed both on this machine before, with the same schema."""
+    name = name.removesuffix(SUFFIX)
+    marker = _marker(raw, name)
+    if os.path.exists(marker):
+        return
+    validate(doc, name, where)
+    if also is not None:
+        also(doc)
+    _remember(marker)
+
+
+def _remember(marker: str) -> None:
+    folder = os.path.dirname(marker)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(marker, "wb"):
+            pass
+        names = os.listdir(folder)
+        if len(names) > KEEP_MARKERS:
+            paths = [os.path.join(folder, n) for n in names]
+            paths.sort(key=lambda p: os.stat(p).st_mtime_ns if os.path.exists(p) else 0)
+            for p in paths[: len(paths) - KEEP_MARKERS // 2]:
+                if p != marker:
+                    os.remove(p)
+    except OSError:
+        pass  # a read-only or racing SPILL_HOME: the next read validates again

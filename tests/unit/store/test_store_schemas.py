@@ -1,13 +1,17 @@
-"""The JSON Schemas load from the package, are valid draft 2020-12, and refuse in one line."""
+"""The JSON Schemas load from the package, are valid draft 2020-12, and refuse in one line;
+``validate_once`` remembers only what passed."""
 
 from __future__ import annotations
+
+import json
 
 import jsonschema
 import pytest
 
-from spill.store.schemas import SchemaInvalid, load_schema, validate
+from spill.store import schemas
+from spill.store.schemas import SchemaInvalid, load_schema, parse_json, validate, validate_once
 
-NAMES = ["checkpoint-state", "commit", "segment-commit", "row-identity"]
+NAMES = ["checkpoint-state", "commit", "segment-commit", "row-identity", "machine"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -31,3 +35,57 @@ def test_identity_needs_model_and_input(identity):
     validate({"schema_version": 1, **identity}, "row-identity")
     with pytest.raises(SchemaInvalid, match="input"):
         validate({"schema_version": 1, "model": identity["model"]}, "row-identity")
+
+
+def test_a_huge_value_is_refused_in_one_short_line():
+    doc = {"schema_version": 1, "model": {"id": "m\n" * 100_000, "fingerprint": 7}}
+    with pytest.raises(SchemaInvalid) as e:
+        validate(doc, "row-identity", where="x/identity.json")
+    text = str(e.value)
+    assert "\n" not in text and len(text) < 400, text
+
+
+def test_parse_json_turns_every_failure_into_value_error():
+    assert parse_json(b'{"a": [1]}') == {"a": [1]}
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a": "\xff"}', b"{", b"1" * 5000):
+        with pytest.raises(ValueError):
+            parse_json(raw)
+
+
+def _markers(home) -> list:
+    folder = home / "validated"
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def test_validate_once_remembers_only_what_passed(spill_home, identity):
+    doc = {"schema_version": 1, **identity}
+    raw = json.dumps(doc).encode()
+    validate_once(raw, doc, "row-identity", "x")
+    assert len(_markers(spill_home)) == 1
+    validate_once(raw, {"not": "checked again"}, "row-identity", "x")  # the same bytes passed
+    bad = {"schema_version": 1, "model": identity["model"]}
+    for _ in range(2):  # a failure is not remembered: it fails every time
+        with pytest.raises(SchemaInvalid, match="input"):
+            validate_once(json.dumps(bad).encode(), bad, "row-identity", "x")
+    assert len(_markers(spill_home)) == 1
+    calls = []
+    validate_once(raw + b" ", doc, "row-identity", "x", also=calls.append)  # other bytes
+    assert calls == [doc] and len(_markers(spill_home)) == 2
+
+
+def test_validate_once_still_validates_where_home_is_read_only(spill_home, identity, monkeypatch):
+    monkeypatch.setenv("SPILL_HOME", str(spill_home / "file"))
+    (spill_home / "file").write_text("not a folder")
+    doc = {"schema_version": 1, **identity}
+    for _ in range(2):
+        validate_once(json.dumps(doc).encode(), doc, "row-identity", "x")
+    with pytest.raises(SchemaInvalid):
+        validate_once(b"{}", {}, "row-identity", "x")
+
+
+def test_validate_once_keeps_a_bounded_number_of_markers(spill_home, identity, monkeypatch):
+    monkeypatch.setattr(schemas, "KEEP_MARKERS", 4)
+    doc = {"schema_version": 1, **identity}
+    for i in range(9):
+        validate_once(json.dumps(doc).encode() + b" " * i, doc, "row-identity", "x")
+    assert 2 <= len(_markers(spill_home)) <= 4

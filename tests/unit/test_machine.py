@@ -1,0 +1,69 @@
+"""The per-machine measurement cache: measured once, and a damaged cache is measured again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spill.machine import cached_measurement
+from spill.paths import machine_cache
+
+GOOD = {"shape": [64, 1024, 1024], "float32_s": 0.002, "bfloat16_s": 0.2, "ratio": 100.0}
+
+
+def counted(result=GOOD):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return dict(result)
+
+    return measure, calls
+
+
+def test_measured_once_then_read():
+    measure, calls = counted()
+    assert cached_measurement("m.json", "cpu a", measure) == GOOD
+    assert cached_measurement("m.json", "cpu a", measure) == GOOD
+    assert len(calls) == 1
+    assert json.loads((machine_cache() / "m.json").read_text()) == {"cpu a": GOOD}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"{",
+        b"\xff\xfe",
+        b"[]",
+        json.dumps({"cpu a": {**GOOD, "ratio": "fast"}}).encode(),
+        json.dumps({"cpu a": {**GOOD, "ratio": 0}}).encode(),
+        json.dumps({"cpu a": {k: v for k, v in GOOD.items() if k != "ratio"}}).encode(),
+        json.dumps({"cpu a": 42}).encode(),
+    ],
+    ids=["truncated", "not-utf8", "a-list", "wrong-type", "zero", "missing-key", "not-object"],
+)
+def test_a_damaged_cache_is_measured_again_and_replaced(damage):
+    path = machine_cache() / "m.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(damage)
+    measure, calls = counted()
+    assert cached_measurement("m.json", "cpu a", measure) == GOOD
+    assert len(calls) == 1
+    assert json.loads(path.read_text()) == {"cpu a": GOOD}
+
+
+def test_a_bad_measurement_is_not_cached():
+    measure, _ = counted({"ratio": "nan"})
+    with pytest.raises(Exception, match="machine schema"):
+        cached_measurement("m.json", "cpu a", measure)
+    assert not (machine_cache() / "m.json").exists()
+
+
+def test_an_unwritable_cache_still_answers(spill_home, monkeypatch):
+    (spill_home / "blocked").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("SPILL_HOME", str(spill_home / "blocked"))
+    measure, calls = counted()
+    assert cached_measurement("m.json", "cpu a", measure) == GOOD
+    assert cached_measurement("m.json", "cpu a", measure) == GOOD
+    assert len(calls) == 2
