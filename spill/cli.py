@@ -101,10 +101,11 @@ def _load_options(args):
     )
 
 
-def _run_options(args):
+def _run_options(args, adapter: str | None = None):
     from spill.jobs.run import RunOptions
 
     return RunOptions(
+        adapter=Path(adapter) if adapter else None,
         max_new_tokens=args.max_new_tokens,
         batch=args.batch,
         temperature=args.temperature,
@@ -122,7 +123,8 @@ def cmd_run(args) -> int:
     from spill.console import emit
     from spill.jobs.run import run
 
-    emit(run(args.model, Path(args.input), Path(args.out), _run_options(args)), args.json)
+    opts = _run_options(args, args.adapter)
+    emit(run(args.model, Path(args.input), Path(args.out), opts), args.json)
     return 0
 
 
@@ -247,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="alias (smollm2:135m), hub id (org/name) or local model folder")
     p.add_argument("input", help='JSONL rows {"id", "prompt"} or {"id", "messages"}')
     p.add_argument("--out", required=True, help="results JSONL (written whole at the end)")
+    p.add_argument(
+        "--adapter", metavar="DIR", help="generate with this LoRA adapter (spill or PEFT layout)"
+    )
     _generation_options(p)
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -1,24 +1,32 @@
-"""A finished adapter on disk or on a store: spill's layout, the PEFT and MLX-LM layouts, and a
-loss-curve PNG, all under ``<state>/adapter/``.
+"""Adapters on disk: publishing a finished one (spill's layout, the PEFT and MLX-LM layouts and
+a loss-curve PNG under ``<state>/adapter/``) and reading one back for ``run`` and ``eval``.
 
 spill's own layout is ``params.safetensors`` (float32, spill's names) plus ``adapter.json``
-(the LoRA configuration and the base model it was trained on). Everything is first written to
-a local temporary folder by the exporters, then published file by file through the store, so
-an ``s3://`` state gets the same tree as a local one.
+(``schema_version``, the LoRA configuration and the base model it was trained on; validated
+against ``schemas/adapter.schema.json`` on read). An older ``adapter.json`` that is the bare LoRA
+configuration, and a tune checkpoint folder (its ``state.json``), are read too. PEFT's layout is
+``adapter_model.safetensors`` + ``adapter_config.json``. Everything is first written to a local
+temporary folder by the exporters, then published file by file through the store, so an
+``s3://`` state gets the same tree as a local one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from spill.models.lora import LoraConfig, export_mlx, export_peft
+from spill.errors import SpillError
+from spill.models.lora import MODULES, LoraConfig, export_mlx, export_peft
 from spill.store.fs import join, put_bytes, remove
+from spill.store.schemas import validate
 
 ADAPTER = "adapter"
+SCHEMA_VERSION = 1
 
 
 def loss_png(losses: list[float], path: Path, title: str) -> None:
@@ -54,6 +62,7 @@ def write_local(
     out.mkdir(parents=True, exist_ok=True)
     save_file(dict(sorted(params.items())), str(out / "params.safetensors"))
     meta = {
+        "schema_version": SCHEMA_VERSION,
         "format": "spill-lora",
         "lora": lora.to_dict(),
         "base_model": model,
@@ -84,3 +93,142 @@ def publish_adapter(
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             put_bytes(join(target, *path.relative_to(local).parts), path.read_bytes())
     return target
+
+
+# --- reading an adapter back ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Adapter:
+    lora: LoraConfig
+    params: dict[str, np.ndarray]  # float32, spill's names
+    sha256: str  # over the configuration and the tensors: part of a row job's identity
+
+
+def _damaged(path: Path, why: str) -> SpillError:
+    return SpillError(f"{path}: {why}; re-export the adapter or point --adapter at another folder")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise _damaged(path, f"not UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise _damaged(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    except OSError as e:
+        raise _damaged(path, f"cannot be read ({e.strerror or e})") from None
+    if not isinstance(doc, dict):
+        raise _damaged(path, f"expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error type for a damaged header
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _damaged(path, f"not a readable safetensors file ({first})") from None
+
+
+def _lora_config(doc: dict, where: Path) -> LoraConfig:
+    try:
+        targets = doc["targets"]
+        targets = LoraConfig.parse_targets(
+            targets if isinstance(targets, str) else ",".join(targets)
+        )
+        return LoraConfig(
+            rank=int(doc["rank"]),
+            alpha=float(doc["alpha"]),
+            dropout=float(doc.get("dropout", 0.0)),
+            targets=targets,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpillError(
+            f"{where}: not a LoRA configuration ({e}); expected rank, alpha and targets"
+        ) from None
+
+
+def _spill_adapter(folder: Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    meta, state = folder / "adapter.json", folder / "state.json"
+    if meta.is_file():
+        doc = _read_json(meta)
+        validate(doc, "adapter", where=str(meta))
+        where, doc = meta, doc.get("lora", doc)  # the older form is the bare configuration
+    elif state.is_file():  # a tune checkpoint folder
+        doc = _read_json(state)
+        validate(doc, "checkpoint-state", where=str(state))
+        where, doc = state, doc["adapter"]
+    else:
+        raise SpillError(f"{folder}: params.safetensors without adapter.json; add the LoRA config")
+    return _lora_config(doc, where), _read_tensors(folder / "params.safetensors")
+
+
+def _peft_adapter(folder: Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """PEFT names ``base_model.model.model.layers.<k>.<module>.lora_A.weight`` ``[r, in]``."""
+    where = folder / "adapter_config.json"
+    cfg = _read_json(where)
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        raise SpillError(f"{where}: target_modules is a pattern; list the module names instead")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise _damaged(where, "target_modules is not a list of module names")
+    lora = _lora_config(
+        {
+            "rank": cfg.get("r"),
+            "alpha": cfg.get("lora_alpha"),
+            "dropout": cfg.get("lora_dropout", 0.0),
+            "targets": [t.rsplit(".", 1)[-1] for t in targets],
+        },
+        where,
+    )
+    if cfg.get("use_rslora") or cfg.get("use_dora"):
+        raise SpillError(f"{where}: rsLoRA and DoRA adapters are not supported; use plain LoRA")
+    params = {}
+    for key, value in _read_tensors(folder / "adapter_model.safetensors").items():
+        stem, sep, tail = key.rpartition(".lora_")
+        if not sep or "layers." not in stem or tail not in ("A.weight", "B.weight"):
+            raise SpillError(f"{folder}: unexpected tensor {key!r} in a PEFT LoRA adapter")
+        if value.ndim != 2:
+            raise _damaged(folder / "adapter_model.safetensors", f"{key} is not a matrix")
+        stem = stem[stem.index("layers.") :]
+        name = f"{stem}.lora_{'a' if tail[0] == 'A' else 'b'}"
+        params[name] = np.ascontiguousarray(value.T.astype(np.float32))  # [r,in] -> [in,r]
+    return lora, params
+
+
+def load_adapter(folder: Path) -> Adapter:
+    """An adapter folder in either layout, as float32 params in spill's names and a hash."""
+    folder = Path(folder)
+    if (folder / "params.safetensors").is_file():
+        lora, params = _spill_adapter(folder)
+    elif (folder / "adapter_model.safetensors").is_file() and (
+        folder / "adapter_config.json"
+    ).is_file():
+        lora, params = _peft_adapter(folder)
+    else:
+        raise SpillError(
+            f"{folder}: no adapter here; give a folder with params.safetensors + adapter.json "
+            "(spill) or adapter_model.safetensors + adapter_config.json (PEFT)"
+        )
+    known = set(MODULES.values())
+    for name in params:
+        module = name.split(".", 2)[-1].rsplit(".", 1)[0]
+        if module not in known:
+            raise SpillError(f"{folder}: tensor {name!r} is not on a LoRA target spill knows")
+    h = hashlib.sha256(json.dumps(lora.to_dict(), sort_keys=True).encode())
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(params[name], dtype=np.float32).tobytes())
+    return Adapter(lora, params, h.hexdigest())
+
+
+def apply_adapter(loaded, adapter: Adapter | None) -> None:
+    """Make a loaded runner's later ``generate``/``score`` calls use ``adapter`` (None: the base)."""
+    if adapter is None:
+        return
+    if not hasattr(loaded.runner, "use_adapter"):
+        raise SpillError(f"the {loaded.runner.info.engine} engine cannot apply adapters yet")
+    loaded.runner.use_adapter(adapter.lora, adapter.params)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from spill.console import note
 from spill.jobs.inputs import PromptRow, read_prompt_rows
-from spill.jobs.rows_job import RowJob, execute, write_jsonl
+from spill.jobs.rows_job import RowJob, execute, job_inputs, refuse_overlap, write_jsonl
 from spill.jobs.run import RunOptions, check_options, generator
 
 
@@ -33,6 +33,7 @@ def training_row(row: PromptRow, answer: str, chat: bool) -> dict:
 def distill(teacher: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
     check_options(opts)
     input_path, out_path = Path(input_path), Path(out_path)
+    refuse_overlap(job_inputs(input_path, teacher), out_path, opts.state)
     rows = read_prompt_rows(input_path)
     by_id = {r.id: r for r in rows}
     counter = {"tokens": 0}

@@ -9,15 +9,12 @@ Independently of the generation, the engine scores the gold answer's tokens give
 and per-token mean. A row job like run: ``--state`` commits graded rows in segments.
 
 ``--max-new-tokens`` defaults to the longest answer in the file plus 16 tokens, fixed for the
-whole file, so results do not depend on the batch. An adapter folder is spill's layout
-(``params.safetensors`` + ``adapter.json``, or a tune checkpoint's ``state.json``) or PEFT's
-(``adapter_model.safetensors`` + ``adapter_config.json``).
+whole file, so results do not depend on the batch. An adapter folder is spill's layout or
+PEFT's, read by ``spill.jobs.adapter_files`` (as ``spill run --adapter`` reads it).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +23,12 @@ import numpy as np
 
 from spill.console import note
 from spill.engines.base import GenerateParams, LoadOptions
-from spill.errors import DataError, SpillError
+from spill.errors import DataError
+from spill.jobs.adapter_files import Adapter, apply_adapter, load_adapter
 from spill.jobs.inputs import PromptRow, read_jsonl, read_prompt_rows
 from spill.jobs.loading import Loaded
-from spill.jobs.rows_job import RowJob, execute, write_jsonl
+from spill.jobs.rows_job import RowJob, execute, job_inputs, refuse_overlap, write_jsonl
 from spill.jobs.run import encode_rows
-from spill.models.lora import MODULES, LoraConfig
 
 ANSWER_MARGIN = 16  # extra tokens past the longest answer, so a model that keeps going is wrong
 
@@ -69,105 +66,18 @@ def read_eval_rows(path: Path) -> list[EvalRow]:
     return out
 
 
-# --- adapters ---------------------------------------------------------------------------------
-
-
-def _lora_config(doc: dict, where: Path) -> LoraConfig:
-    try:
-        targets = doc["targets"]
-        targets = LoraConfig.parse_targets(
-            targets if isinstance(targets, str) else ",".join(targets)
-        )
-        return LoraConfig(
-            rank=int(doc["rank"]),
-            alpha=float(doc["alpha"]),
-            dropout=float(doc.get("dropout", 0.0)),
-            targets=targets,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise SpillError(
-            f"{where}: not a LoRA configuration ({e}); expected rank, alpha and targets"
-        ) from None
-
-
-def _spill_adapter(folder: Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
-    from safetensors.numpy import load_file
-
-    for name, key in (("adapter.json", None), ("state.json", "adapter")):
-        if (folder / name).is_file():
-            doc = json.loads((folder / name).read_text())
-            doc = doc.get(key, {}) if key else doc.get("lora", doc)
-            return _lora_config(doc, folder / name), load_file(str(folder / "params.safetensors"))
-    raise SpillError(f"{folder}: params.safetensors without adapter.json; add the LoRA config")
-
-
-def _peft_adapter(folder: Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
-    """PEFT names ``base_model.model.model.layers.<k>.<module>.lora_A.weight`` ``[r, in]``."""
-    from safetensors.numpy import load_file
-
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    where = folder / "adapter_config.json"
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str):
-        raise SpillError(f"{where}: target_modules is a pattern; list the module names instead")
-    targets = [t.rsplit(".", 1)[-1] for t in targets or []]
-    lora = _lora_config(
-        {
-            "rank": cfg.get("r"),
-            "alpha": cfg.get("lora_alpha"),
-            "dropout": cfg.get("lora_dropout", 0.0),
-            "targets": targets,
-        },
-        where,
-    )
-    if cfg.get("use_rslora") or cfg.get("use_dora"):
-        raise SpillError(f"{where}: rsLoRA and DoRA adapters are not supported; use plain LoRA")
-    params = {}
-    for key, value in load_file(str(folder / "adapter_model.safetensors")).items():
-        stem, sep, tail = key.rpartition(".lora_")
-        if not sep or "layers." not in stem or tail not in ("A.weight", "B.weight"):
-            raise SpillError(f"{folder}: unexpected tensor {key!r} in a PEFT LoRA adapter")
-        stem = stem[stem.index("layers.") :]
-        name = f"{stem}.lora_{'a' if tail[0] == 'A' else 'b'}"
-        params[name] = np.ascontiguousarray(value.T.astype(np.float32))  # [r,in] -> [in,r]
-    return lora, params
-
-
-def load_adapter(folder: Path) -> tuple[LoraConfig, dict[str, np.ndarray], str]:
-    """(config, float32 params in spill's names, sha256 over both) from either layout."""
-    folder = Path(folder)
-    if (folder / "params.safetensors").is_file():
-        lora, params = _spill_adapter(folder)
-    elif (folder / "adapter_model.safetensors").is_file() and (
-        folder / "adapter_config.json"
-    ).is_file():
-        lora, params = _peft_adapter(folder)
-    else:
-        raise SpillError(
-            f"{folder}: no adapter here; give a folder with params.safetensors + adapter.json "
-            "(spill) or adapter_model.safetensors + adapter_config.json (PEFT)"
-        )
-    known = set(MODULES.values())
-    for name in params:
-        module = name.split(".", 2)[-1].rsplit(".", 1)[0]
-        if module not in known:
-            raise SpillError(f"{folder}: tensor {name!r} is not on a LoRA target spill knows")
-    h = hashlib.sha256(json.dumps(lora.to_dict(), sort_keys=True).encode())
-    for name in sorted(params):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(params[name], dtype=np.float32).tobytes())
-    return lora, params, h.hexdigest()
-
-
 # --- the job ----------------------------------------------------------------------------------
 
 
-def _grader(loaded: Loaded, rows: list[EvalRow], opts: EvalOptions, input_path: Path, adapter):
+def _grader(
+    loaded: Loaded,
+    rows: list[EvalRow],
+    opts: EvalOptions,
+    input_path: Path,
+    adapter: Adapter | None,
+):
     tok = loaded.tokenizer
-    if adapter is not None:
-        if not hasattr(loaded.runner, "use_adapter"):
-            raise SpillError(f"the {loaded.runner.info.engine} engine cannot apply adapters yet")
-        loaded.runner.use_adapter(adapter[0], adapter[1])
+    apply_adapter(loaded, adapter)
     prompts = encode_rows(tok, [r.row for r in rows], opts.chat, input_path)
     gold = {r.id: np.asarray(tok.encode(r.answer, False), dtype=np.int64) for r in rows}
     params = GenerateParams(_max_new(opts, rows, tok), 0.0, 1.0, tuple(tok.eos_ids))
@@ -215,12 +125,13 @@ def evaluate(model: str, input_path: Path, out_path: Path | None, opts: EvalOpti
     if opts.batch < 1 or (opts.max_new_tokens is not None and opts.max_new_tokens < 1):
         raise DataError("--batch and --max-new-tokens must be at least 1")
     input_path = Path(input_path)
+    refuse_overlap(job_inputs(input_path, model, opts.adapter), out_path, opts.state)
     rows = read_eval_rows(input_path)
     adapter = load_adapter(opts.adapter) if opts.adapter else None
     settings = {
         "max_new_tokens": opts.max_new_tokens,  # None: derived from the answers, pinned by input
         "chat": opts.chat,
-        "adapter": adapter[2] if adapter else None,
+        "adapter": adapter.sha256 if adapter else None,
     }
     job = RowJob(
         "eval",

@@ -19,7 +19,12 @@ A verb gives its rows (anything with an ``id``), the settings that decide its re
 (committed before plus run now), pushes them and returns an incomplete ``Outcome`` without
 calling ``finish``; running the job again continues with the rest.
 
-Without ``--state`` nothing is pinned or pushed and signals keep their default meaning.
+Without ``--state`` nothing is pinned or pushed and signals keep their default meaning. With it,
+the location is first probed for writing, so a read-only state fails before the model loads.
+
+``refuse_overlap`` is each verb's first check: an ``--out`` (or a local ``--state``) that is one
+of the job's inputs (the rows, an adapter's files, a local model folder's files) would destroy
+it, so it is a usage error (exit 2) before anything is read or run.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any, Protocol
 
 from spill.console import note, progress
 from spill.engines.base import LoadOptions
-from spill.errors import DataError, StoreError
+from spill.errors import DataError, StoreError, UsageError
 from spill.jobs.loading import Loaded, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
@@ -93,6 +98,30 @@ def write_jsonl(path: Path, records: Sequence[Record]) -> None:
     put_bytes(str(path), data.encode("utf-8"))
 
 
+def job_inputs(input_path: Path, model: str, adapter: Path | None = None) -> list[tuple[Path, str]]:
+    """The local files a row job reads, each with the words a refusal names it by."""
+    found = [(Path(input_path), "the input file")]
+    for folder, what in ((adapter, "--adapter"), (model, "the model folder")):
+        if folder is not None and Path(folder).is_dir():
+            files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+            found += [(p, f"a file of {what} {folder}") for p in files]
+    return found
+
+
+def refuse_overlap(inputs: list[tuple[Path, str]], out: Path | None, state: str | None) -> None:
+    """A usage error when ``--out`` or a local ``--state`` is one of ``inputs`` or each other."""
+    from spill.store.fs import is_local, same_file
+
+    local_state = state if state is not None and is_local(state) else None
+    for path, what in inputs:
+        if out is not None and same_file(out, path):
+            raise UsageError(f"--out {out} is {what}; write the results elsewhere")
+        if local_state is not None and same_file(local_state, path):
+            raise UsageError(f"--state {state} is {what}; give the state a folder of its own")
+    if out is not None and local_state is not None and same_file(out, local_state):
+        raise UsageError(f"--out {out} is the --state location; write the results elsewhere")
+
+
 def _open(job: RowJob, resolved, fp: str) -> Loaded:
     return open_model(job.model, resolved, fp, job.engine, job.load, job.verb)
 
@@ -133,6 +162,10 @@ def execute(
 
     if job.batch < 1:
         raise DataError("--batch must be at least 1")
+    if job.state:
+        from spill.store.fs import probe_writable
+
+        probe_writable(job.state)
     with Guard(unit="batch", signals=SIGNALS if job.state else ()) as guard:
         resolved, fp = find_model(job.model, job.weights)
         pinned = identity(job, resolved, fp)

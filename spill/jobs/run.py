@@ -5,7 +5,8 @@ the run seed and the row id, so a sampled answer does not depend on batch size o
 nor on which machine continued the job. With ``--state`` the job is a portable row job
 (``spill.jobs.rows_job``): results are committed in segments and a rerun continues where the
 last one stopped. The output is written under a temporary name and renamed at the end: a failed
-run leaves no half-written ``--out``.
+run leaves no half-written ``--out``. ``--adapter`` generates with a LoRA adapter (spill's or
+PEFT's layout, read as ``spill eval`` reads it); its hash joins the job's pinned settings.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import numpy as np
 from spill.console import note
 from spill.engines.base import GenerateParams, LoadOptions
 from spill.errors import DataError
+from spill.jobs.adapter_files import Adapter, apply_adapter, load_adapter
 from spill.jobs.inputs import PromptRow, read_prompt_rows
 from spill.jobs.loading import Loaded
-from spill.jobs.rows_job import RowJob, execute, write_jsonl
+from spill.jobs.rows_job import RowJob, execute, job_inputs, refuse_overlap, write_jsonl
 
 
 @dataclass(frozen=True)
@@ -37,16 +39,20 @@ class RunOptions:
     load: LoadOptions = LoadOptions()
     state: str | None = None  # a state URI: commit results in segments, continue from them
     stop_after: int | None = None  # stop after this many rows in all (with state: continue later)
+    adapter: Path | None = None  # a LoRA adapter folder (spill or PEFT layout); run only
 
-    def settings(self) -> dict:
+    def settings(self, adapter: Adapter | None = None) -> dict:
         """What decides a row's answer, pinned in a state location's identity."""
-        return {
+        out = {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
             "chat": self.chat,
         }
+        if adapter is not None:  # absent, not None, so states made before --adapter still match
+            out["adapter"] = adapter.sha256
+        return out
 
 
 def row_seed(seed: int, row_id) -> int:
@@ -73,9 +79,17 @@ def encode_rows(tokenizer, rows, chat: bool, input_path: Path) -> dict:
     return out
 
 
-def generator(loaded: Loaded, rows, opts: RunOptions, input_path: Path, counter: dict):
+def generator(
+    loaded: Loaded,
+    rows,
+    opts: RunOptions,
+    input_path: Path,
+    counter: dict,
+    adapter: Adapter | None = None,
+):
     """``compute(batch)`` for run and distill: ``{"id", "output", "finish", "tokens"}`` each."""
     tok = loaded.tokenizer
+    apply_adapter(loaded, adapter)
     encoded = encode_rows(tok, rows, opts.chat, input_path)
     params = GenerateParams(opts.max_new_tokens, opts.temperature, opts.top_p, tuple(tok.eos_ids))
 
@@ -106,14 +120,16 @@ def check_options(opts: RunOptions) -> None:
 def run(model: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
     check_options(opts)
     input_path, out_path = Path(input_path), Path(out_path)
+    refuse_overlap(job_inputs(input_path, model, opts.adapter), out_path, opts.state)
     rows = read_prompt_rows(input_path)
+    adapter = load_adapter(opts.adapter) if opts.adapter else None
     counter = {"tokens": 0}
     job = RowJob(
         "run",
         model,
         input_path,
         rows,
-        opts.settings(),
+        opts.settings(adapter),
         opts.state,
         opts.batch,
         opts.engine,
@@ -123,7 +139,7 @@ def run(model: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
     )
     done = execute(
         job,
-        lambda loaded: generator(loaded, rows, opts, input_path, counter),
+        lambda loaded: generator(loaded, rows, opts, input_path, counter, adapter),
         lambda records: write_jsonl(out_path, records),
     )
     generated = counter["tokens"]
@@ -133,6 +149,7 @@ def run(model: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
         "seconds": round(done.seconds, 2),
         "tokens_per_s": round(generated / max(done.seconds, 1e-9), 1),
         "out": str(out_path),
+        "adapter": str(opts.adapter) if opts.adapter else None,
         "engine": done.loaded.runner.info.engine,
         "numerics": done.loaded.runner.info.numerics,
     }

@@ -5,8 +5,9 @@ are a pure function of (seed, micro-batch index). A checkpoint is committed ever
 ``ckpt_every`` steps, at ``stop_after``, at the end and on preemption; running the same command
 again (here or on any machine and engine with the same ``--state``) continues from the newest
 committed checkpoint. A checkpoint made with other weights, data or hyperparameters is refused
-in one line naming the difference. On finish the adapter is written in spill's layout, the PEFT
-layout and the MLX-LM layout, with a loss-curve PNG.
+in one line naming the difference; a state location that cannot be written is refused before the
+model loads (a probe writes and removes a temporary object). On finish the adapter is written in
+spill's layout, the PEFT layout and the MLX-LM layout, with a loss-curve PNG.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from spill.console import note, progress
 from spill.engines.base import AdamW, LoadOptions, TrainBatch
-from spill.errors import SpillError
+from spill.errors import SpillError, UsageError
 from spill.jobs import producer
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
@@ -30,6 +31,7 @@ from spill.models.tokenizer import Tokenizer
 from spill.paths import spill_home
 from spill.store import drill
 from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from spill.store.fs import is_local, probe_writable, same_file
 
 
 class CheckpointMismatch(SpillError):
@@ -142,6 +144,11 @@ def _finite(x: float) -> float | None:
 def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     """Run (or continue) the job; SIGTERM/SIGINT anywhere in it saves what is done and exits 75."""
     opts.check()
+    if opts.state is not None and is_local(opts.state) and same_file(opts.state, train_path):
+        raise UsageError(
+            f"--state {opts.state} is the training file; give the state a folder of its own"
+        )
+    probe_writable(state_root(name, opts.state))  # a read-only state fails before any step
     with Guard(unit="step") as guard:
         return _tune(guard, model, Path(train_path), name, opts)
 

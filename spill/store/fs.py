@@ -10,6 +10,9 @@ fsyncs it, renames it over the target and fsyncs the directory; on an object sto
 (an object appears whole or not at all). Temporary names are recognisable (``is_temp``) so that
 the store's next write can remove those a killed writer left. Listings are never served from
 fsspec's cache, because another process may have written since.
+
+``probe_writable`` writes and removes one such temporary name, so that a job finds a location it
+cannot write before it loads a model or computes anything, not at its first commit.
 """
 
 from __future__ import annotations
@@ -215,3 +218,40 @@ def remove(uri: str | os.PathLike) -> None:
         except FileNotFoundError:
             pass
         fs.invalidate_cache(path)
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two local paths name one file: the same inode when both exist (hard links,
+    symlinks), else the same resolved path."""
+    a, b = _local(os.fspath(a)), _local(os.fspath(b))
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _reason(e: BaseException) -> str:
+    """The short cause of a failed write, on one line."""
+    cause = e.__cause__ or e
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0][:200]}" if text else type(cause).__name__
+
+
+def probe_writable(uri: str | os.PathLike) -> None:
+    """Write and remove a small temporary object under ``uri``; a ``StoreError`` if it cannot.
+
+    The probe's name is a temporary one (``is_temp``), so a probe a killed process left is
+    litter the store already knows how to ignore.
+    """
+    uri = os.fspath(uri)
+    probe = join(uri, f".write-probe{_TMP}{uuid.uuid4().hex[:12]}")
+    try:
+        put_bytes(probe, b"spill write probe\n")
+        remove(probe)
+    except (StoreError, FileNotFoundError, NotADirectoryError) as e:
+        raise StoreError(
+            f"state location {uri} cannot be written ({_reason(e)}); "
+            "give --state a location you can write to"
+        ) from None
