@@ -1,11 +1,12 @@
 """``spill build`` and ``spill resume``: plan, then hand the stages that need work to the executor.
 
-Order: read the state; if ``uptodate.finished`` says the recorded build is complete and
-nothing it was made from changed, answer from ``state.json`` (the make-style shortcut: no
-Hydra, no jsonschema, no engine). Otherwise get the ``Project`` (the recorded config when the
-compose key matches, else ``config.compose``), derive the stage specs from the data, plan
-against the recorded state, and unless ``--dry-run`` let ``spill.project.execute`` run the
-decisions that work.
+Order: read the state; if ``uptodate.finished`` says the recorded build is complete, nothing
+it was made from changed and its outputs are still there, answer from ``state.json`` (the
+make-style shortcut: no Hydra, no jsonschema, no engine). Otherwise get the ``Project`` (the
+recorded config when the compose key matches, else ``config.compose``), derive the stage specs
+from the data, plan against the recorded state, check the model names of the stages that are
+not done (spelling, aliases, local folders; no weights are loaded, the hub is not asked), and
+unless ``--dry-run`` let ``spill.project.execute`` run the decisions that work.
 
 ``spill resume`` builds with the recorded config and overrides (the stopped build as it was),
 whatever spill.yaml says now.
@@ -67,7 +68,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         overrides = tuple(opts.overrides)
         key = uptodate.compose_key(root, overrides)
     summary = {"project": root.name, "state": state_root, "dry_run": opts.dry_run}
-    if not opts.dry_run and uptodate.finished(doc, key, root):
+    if not opts.dry_run and uptodate.finished(doc, key, root, state_root):
         if opts.stop_after:  # a typo still fails, even with nothing to do
             from spill.project.plan import StopAfter, check_stop
 
@@ -150,6 +151,8 @@ def run(project, state_root: str, key: str, doc: dict | None, stop=None, dry_run
     """Plan ``project`` against the state at ``state_root`` and execute (builds and sweeps)."""
     from spill.project.execute import Executor, data_record, now
     from spill.project.plan import plan
+    from spill.project.stages import check_model_name
+    from spill.project.stages import models as stage_models
     from spill.project.stages import specs as stage_specs
 
     check_location(project, doc, state_root)
@@ -157,9 +160,15 @@ def run(project, state_root: str, key: str, doc: dict | None, stop=None, dry_run
     prepared = prepare(project)
     specs = stage_specs(project, prepared)
     decisions = plan(specs, state.recorded(state_root, doc), stop)
+    names = stage_models(project)
+    for d in decisions:  # a name that can name nothing fails now, not when its stage starts
+        if d.action not in ("done", "skip") and names[d.stage] is not None:
+            check_model_name(
+                names[d.stage], "teacher.name" if d.stage == "distill" else "model.name"
+            )
     summary = {"project": project.name, "state": state_root, "dry_run": dry_run}
     summary["plan"] = [d.to_dict() for d in decisions]
-    if dry_run or not any(d.works for d in decisions):
+    if dry_run or not any(d.works or d.drop for d in decisions):
         if not dry_run and doc is not None:
             # nothing to run, but what the build was made from changed (a comment, a value that
             # decides nothing): record it, so that the next build takes the fast path

@@ -4,8 +4,10 @@ For a decision that works it clears the stage's state when the plan says fresh, 
 stage as running, calls the job (``evaluate``, ``distill``, ``tune``) with ``--state
 <state>/stages/<stage>`` and the stop count, and records the result. Stopping and continuing
 are the jobs' own: a tune continues from its newest checkpoint, a row job from its committed
-segments. ``state.json`` is written after what it names (the adapter copy, the graded rows),
-so a reader never sees a result whose files are missing.
+segments. ``state.json`` is written after what it names (the adapter copy, the graded rows,
+their hashes under ``outputs``), so a reader never sees a result whose files are missing. A
+``restore`` publishes a done stage's outputs again (``spill.project.outputs``); a decision
+that drops an out-of-date record removes its job state and outputs even when the stage waits.
 
 Ctrl-C or SIGTERM anywhere behaves like preemption: inside a job the job's ``Guard`` saves and
 stops; between jobs the build stops at once (its own writes are short critical sections that
@@ -29,11 +31,11 @@ from typing import Any, NoReturn
 from spill import __version__
 from spill.console import note
 from spill.errors import EXIT_PREEMPTED, DataError, SpillError, StoreError
-from spill.project import state
+from spill.project import outputs, state
 from spill.project.config import Project
 from spill.project.plan import Decision
 from spill.project.uptodate import file_sha256
-from spill.store.fs import exists, get_bytes, is_local, join, listdir, put_bytes, remove
+from spill.store.fs import get_bytes, is_local, join, put_bytes, remove
 
 
 class BuildPreempted(SpillError):
@@ -136,6 +138,10 @@ class Executor:
         rec.setdefault("progress", 0)
         rec.setdefault("result", {})
         rec.setdefault("producers", [])
+        if status == "done":  # what it published, read back, so that a later change shows
+            rec["outputs"] = outputs.record(self.root, name, self.project.name)
+        else:
+            rec.pop("outputs", None)  # only a finished stage claims files
         return rec
 
     def _probe(self, name: str) -> dict[str, Any]:
@@ -151,7 +157,7 @@ class Executor:
             note(f"  {d.stage:<9}  {d.action:<8}  {d.reason}")
         self.doc["plan"] = [d.to_dict() for d in decisions]
         for d in decisions:  # records made from other inputs no longer describe anything
-            if d.action == "run":
+            if d.action == "run" or d.drop:
                 self.doc["stages"].pop(d.stage, None)
             elif d.action == "skip":
                 self._record(d.stage, "skipped")
@@ -164,8 +170,14 @@ class Executor:
                     for name in ("train.jsonl", "test.jsonl"):
                         put_bytes(join(self.root, "files", name), (self.work / name).read_bytes())
                 self.save()
+                with self.signals.critical():  # out of date and waiting: not even its files stay
+                    for d in decisions:
+                        if d.drop and not d.works:
+                            self._clear(d.stage)
                 for d in decisions:
-                    if d.works:
+                    if d.action == "restore":
+                        self._restore(d)
+                    elif d.works:
                         self._stage(d)
             except _Interrupted as e:
                 self._preempted(str(e), None)
@@ -191,9 +203,7 @@ class Executor:
         stage_root = state.stage_uri(self.root, d.stage)
         with self.signals.critical():
             if d.fresh:
-                remove(stage_root)
-                for uri in self._outputs(d.stage):
-                    remove(uri)
+                self._clear(d.stage)
             fresh = {"progress": 0, "result": {}, "producers": []} if d.fresh else {}
             self._record(d.stage, "running", **fresh)
         self.save()
@@ -207,10 +217,9 @@ class Executor:
             self._preempted(str(e), d.stage)
         with self.signals.critical():
             if complete and d.stage == "tune":
-                _copy_tree(join(stage_root, "adapter"), self._adapter_uri())
-            self._record(
-                d.stage, "done" if complete else "stopped", result=result, **self._probe(d.stage)
-            )
+                outputs.copy_tree(join(stage_root, "adapter"), self._adapter_uri())
+            status = "done" if complete else "stopped"
+            self._record(d.stage, status, result=result, **self._probe(d.stage))
         self._check_data(d.stage)
         self.save()
         if (why := stop_requested()) is not None:
@@ -232,14 +241,29 @@ class Executor:
 
     # the stages -------------------------------------------------------------------------------
 
-    def _outputs(self, stage: str) -> list[str]:
-        files = {
-            "eval:base": ["eval-base.jsonl"],
-            "eval": ["eval.jsonl"],
-            "distill": ["teacher.jsonl"],
-        }
-        out = [join(self.root, "files", f) for f in files.get(stage, [])]
-        return out + ([self._adapter_uri()] if stage == "tune" else [])
+    def _clear(self, stage: str) -> None:
+        """Remove a stage's job state and outputs (it starts fresh, or its result is stale)."""
+        remove(state.stage_uri(self.root, stage))
+        remove(join(self.root, outputs.top(stage, self.project.name)))
+
+    def _restore(self, d: Decision) -> None:
+        """Publish a done stage's missing or changed outputs again from its committed state."""
+        note(f"== {d.stage}: {d.reason}")
+        rec = self.doc["stages"][d.stage]
+        with self.signals.critical():
+            try:
+                outputs.restore(
+                    self.root, d.stage, self.project.name, self.work, rec.get("outputs")
+                )
+            except SpillError as e:  # then the next build recomputes the stage
+                self.doc["stages"].pop(d.stage)
+                state.write(self.root, self.doc)
+                raise StoreError(
+                    f"{d.stage}: its outputs cannot be restored ({e}); run spill build again "
+                    "to compute them afresh"
+                ) from None
+            rec.update(outputs=outputs.record(self.root, d.stage, self.project.name), updated=now())
+        self.save()
 
     def _output(self, name: str) -> Path:
         """Where a job writes a file of ``files/``: there directly on a local state."""
@@ -359,16 +383,3 @@ def _size(value: str | int | None) -> int | None:
     text = value.strip().lower().rstrip("b").rstrip("i")
     unit = text[-1] if text and text[-1] in "kmgt" else ""
     return int(float(text.removesuffix(unit)) * 1024 ** ("_kmgt".index(unit) if unit else 0))
-
-
-def _copy_tree(src: str, dst: str) -> None:
-    """Copy every file under ``src`` to ``dst`` through the store (any scheme to any scheme)."""
-    if not exists(src):
-        raise StoreError(f"{src} is missing; the tune stage did not publish its adapter")
-    for name in listdir(src):
-        here = join(src, name)
-        children = listdir(here)
-        if children:
-            _copy_tree(here, join(dst, name))
-        else:
-            put_bytes(join(dst, name), get_bytes(here))

@@ -6,12 +6,21 @@ what the state recorded for it. No files, no engines, no clock; ``build`` execut
 
 * no record, or a record made from other inputs  -> ``run`` (fresh), naming what changed;
 * recorded done with the same inputs             -> ``done`` (skipped);
+* done, but its outputs are missing or changed   -> ``restore`` from its committed state, or
+                                                    ``run`` fresh when that cannot restore them;
 * recorded running or stopped, same inputs       -> ``continue`` at its step or row;
 * a stage that is switched off (no teacher)      -> ``skip``;
 * past ``--stop-after``                          -> ``wait``.
 
+make's rule: a stage downstream of one that is not done (runs, continues or waits) is never
+``done``; it runs fresh, or waits (``waits for tune (rerun)``). A decision with ``drop`` says
+the recorded result no longer belongs to the current inputs: the executor forgets it and removes
+its outputs even when the stage only waits, so no old result is shown next to new inputs.
+
 A value that cannot change a result (``tune.ckpt_every``, batch sizes of grading, the engine)
-is simply not among a stage's inputs, so editing it reruns nothing.
+is simply not among a stage's inputs, so editing it reruns nothing. What the state holds
+(``Recorded``: its output ``problem`` and restore ``source`` included) is probed by
+``state.recorded``, so this module stays free of I/O.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from typing import Any
 from spill.errors import UsageError
 from spill.project.state import ALIASES, STAGES, UNITS, summarize
 
-ACTIONS = ("done", "skip", "run", "continue", "wait")
+ACTIONS = ("done", "skip", "restore", "run", "continue", "wait")
+VALID = ("done", "skip", "restore")  # a stage whose recorded result downstream stages may use
 
 
 class PlanError(UsageError):
@@ -57,6 +67,8 @@ class Recorded:
     inputs: Mapping[str, Any] = field(default_factory=dict)
     done: int = 0  # steps or rows committed
     result: Mapping[str, Any] = field(default_factory=dict)
+    problem: str = ""  # a done stage's outputs missing or changed ("adapters/toy missing")
+    source: str = ""  # the committed state that can restore them ("tune step 300 checkpoint")
 
 
 @dataclass(frozen=True)
@@ -93,10 +105,11 @@ class Decision:
     total: int
     fresh: bool = False  # clear the stage's state first
     stop: int | None = None  # stop the job when this many steps/rows are done
+    drop: bool = False  # the recorded result is out of date: forget it and its outputs
 
     @property
     def works(self) -> bool:
-        return self.action in ("run", "continue")
+        return self.action in ("run", "continue", "restore")
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "action": self.action, "reason": self.reason}
@@ -146,36 +159,61 @@ def check_stop(stop: StopAfter, totals: Mapping[str, int]) -> None:
         raise PlanError(f"--stop-after {stop}: past the end ({what}: {total})")
 
 
+_WAITS = {"run": "rerun", "continue": "continue", "restore": "restore"}
+
+
 def _decide(
-    spec: StageSpec, rec: Recorded | None, upstream: list[str], stop: StopAfter | None, past: bool
-) -> tuple[str, str, bool, int | None]:
-    """(action, reason, fresh, stop count) for one stage."""
+    spec: StageSpec,
+    rec: Recorded | None,
+    behind: list[Decision],
+    stop: StopAfter | None,
+    past: bool,
+) -> tuple[str, str, bool, int | None, bool]:
+    """(action, reason, fresh, stop count, drop) for one stage; ``behind``: the decisions of the
+    stages it reads that are not done (make's rule: then neither is this one)."""
+    if not spec.enabled:
+        return "skip", f"skipped: {spec.why_off}", False, None, False
     same = rec is not None and rec.fingerprint == spec.fingerprint
     unit = UNITS[spec.name]
-    if not spec.enabled:
-        return "skip", f"skipped: {spec.why_off}", False, None
-    if same and rec.status == "done" and not upstream:
-        done = summarize(spec.name, rec.result)
-        return "done", "done" + (f": {done}" if done else ""), False, None
+    upstream = " and ".join(d.stage for d in behind)
+    if same and rec.status == "done" and not behind:
+        if not rec.problem:
+            done = summarize(spec.name, rec.result)
+            return "done", "done" + (f": {done}" if done else ""), False, None, False
+        if rec.source:  # repairing is not computing: it happens even past --stop-after
+            return "restore", f"{rec.problem}; restored from {rec.source}", False, None, False
+    if rec is None:
+        stale = ""
+    elif not same:
+        stale = describe_change(rec.inputs, spec.inputs)
+    elif behind:
+        stale = f"{upstream} is not done"
+    else:
+        stale = rec.problem if rec.status == "done" else ""
     if past:
-        return "wait", f"not now: after --stop-after {stop}", False, None
+        working = [d for d in behind if d.works]
+        if working:
+            why = "waits for " + " and ".join(f"{d.stage} ({_WAITS[d.action]})" for d in working)
+        else:
+            why = f"not now: after --stop-after {stop}" + (
+                f"; out of date: {stale}" if stale else ""
+            )
+        return "wait", why, False, None, bool(stale)
     count = stop.count if stop is not None and stop.stage == spec.name else None
     if rec is None:
-        return "run", "fresh: not run yet", True, count
+        return "run", "fresh: not run yet", True, count, False
     if not same:
-        return "run", f"fresh: {describe_change(rec.inputs, spec.inputs)}", True, count
-    if upstream:
-        return "run", f"fresh: {' and '.join(upstream)} runs first", True, count
+        return "run", f"fresh: {stale}", True, count, True
+    if behind:
+        return "run", f"fresh: {upstream} runs first", True, count, True
+    if stale:
+        return "run", f"fresh: {stale}", True, count, True
     if count is not None and rec.done >= count:
-        return (
-            "wait",
-            f"stopped at {unit} {rec.done} of {spec.total}, at --stop-after {stop}",
-            False,
-            None,
-        )
+        why = f"stopped at {unit} {rec.done} of {spec.total}, at --stop-after {stop}"
+        return "wait", why, False, None, False
     if rec.done:
-        return "continue", f"continue at {unit} {rec.done} of {spec.total}", False, count
-    return "continue", "continue (nothing committed yet)", False, count
+        return "continue", f"continue at {unit} {rec.done} of {spec.total}", False, count, False
+    return "continue", "continue (nothing committed yet)", False, count, False
 
 
 def plan(
@@ -189,10 +227,12 @@ def plan(
     out: dict[str, Decision] = {}
     past = False
     for spec in specs:
-        upstream = [n for n in spec.needs if n in out and out[n].action not in ("done", "skip")]
-        action, reason, fresh, count = _decide(spec, recorded.get(spec.name), upstream, stop, past)
+        behind = [out[n] for n in spec.needs if n in out and out[n].action not in VALID]
+        action, reason, fresh, count, drop = _decide(
+            spec, recorded.get(spec.name), behind, stop, past
+        )
         out[spec.name] = Decision(
-            spec.name, action, reason, spec.fingerprint, spec.total, fresh, count
+            spec.name, action, reason, spec.fingerprint, spec.total, fresh, count, drop
         )
         past = past or (stop is not None and spec.name == stop.stage)
     return list(out.values())

@@ -29,6 +29,7 @@ from spill.errors import StoreError
 from spill.store.fs import get_bytes, join, listdir, put_bytes
 
 STAGES = ("eval:base", "distill", "tune", "eval")
+NEEDS = {"tune": ("distill",), "eval": ("tune",)}  # the stages whose output a stage reads
 ALIASES = {"train": "tune"}
 DIRS = {"eval:base": "eval-base", "distill": "distill", "tune": "tune", "eval": "eval"}
 UNITS = {"eval:base": "row", "distill": "row", "tune": "step", "eval": "row"}
@@ -150,15 +151,22 @@ def probe(root: str, stage: str) -> tuple[int, list[dict]]:
 
 
 def recorded(root: str, doc: dict[str, Any] | None) -> dict:
-    """The planner's view of a state: records of finished stages, probes of unfinished ones."""
+    """The planner's view of a state: records of finished stages with the check of their outputs
+    (and, when those are missing or changed, what can restore them), probes of unfinished ones."""
+    from spill.project import outputs
     from spill.project.plan import Recorded
 
     out = {}
+    project = ((doc or {}).get("project") or {}).get("name", "")
     for name, rec in ((doc or {}).get("stages") or {}).items():
-        done = rec.get("progress", 0)
+        done, problem, source = rec.get("progress", 0), "", ""
         if rec["status"] in ("running", "stopped"):
             done = probe(root, name)[0]
+        if rec["status"] == "done":
+            problem = outputs.problem(root, name, project, rec.get("outputs"))
+            source = outputs.source(root, name, rec["total"]) if problem else ""
+        result = rec.get("result") or {}
         out[name] = Recorded(
-            rec["status"], rec["fingerprint"], rec.get("inputs", {}), done, rec.get("result") or {}
+            rec["status"], rec["fingerprint"], rec.get("inputs", {}), done, result, problem, source
         )
     return out

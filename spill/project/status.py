@@ -1,7 +1,9 @@
 """``spill status``, and the tables a build prints: each stage, its result, where it ran.
 
 Everything here reads ``state.json`` (and, for an unfinished stage, the small probe files of
-its job state); nothing loads a model or imports an engine, Hydra or jsonschema.
+its job state; for a finished one, the stats of its outputs); nothing loads a model or imports
+an engine, Hydra or jsonschema. A finished stage whose outputs are gone or changed shows as
+``out of date`` with what is wrong, never with a result that no longer has its files.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from spill.console import table
 from spill.errors import StoreError
-from spill.project import state, uptodate
+from spill.project import outputs, state, uptodate
 from spill.project.state import STAGES, summarize
 
 
@@ -36,6 +38,8 @@ def rows(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
         status, result = rec["status"], summarize(name, rec.get("result") or {})
         if status == "skipped":
             result = "no teacher"
+        elif rec.get("problem"):
+            status, result = "out of date", rec["problem"]
         elif status != "done":
             result = f"at {rec['unit']} {rec['progress']} of {rec['total']}"
         out.append(
@@ -69,6 +73,7 @@ def as_json(summary: dict[str, Any]) -> dict[str, Any]:
         name: {
             k: rec.get(k) for k in ("status", "progress", "total", "unit", "result", "producers")
         }
+        | ({"problem": rec["problem"]} if rec.get("problem") else {})
         for name, rec in (doc.get("stages") or {}).items()
     }
     out = {
@@ -108,6 +113,30 @@ def sweep_runs(where: str) -> list[dict[str, Any]]:
     return out
 
 
+def _check_outputs(doc: dict[str, Any], where: str) -> list[str]:
+    """Mark finished stages whose outputs are missing or changed, and (make's rule) the stages
+    that read them, as out of date; a stage that must rerun shows no result. One note each."""
+    recs, name, notes, rerun = doc.get("stages") or {}, doc["project"]["name"], [], set()
+    for stage in STAGES:
+        rec = recs.get(stage)
+        if rec is None or rec["status"] != "done":
+            continue
+        behind = [n for n in state.NEEDS.get(stage, ()) if n in rerun]
+        problem = f"{behind[0]} reruns first" if behind else ""
+        problem = problem or outputs.problem(where, stage, name, rec.get("outputs"))
+        if not problem:
+            continue
+        source = "" if behind else outputs.source(where, stage, rec["total"])
+        rec.update(status="out of date", problem=problem)
+        if source:
+            notes.append(f"{stage}: {problem}; `spill build` restores it from {source}")
+        else:
+            rec["result"] = {}
+            rerun.add(stage)
+            notes.append(f"{stage}: {problem}; `spill build` runs it again")
+    return notes
+
+
 def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     """Read a project's build state; refresh the progress of unfinished stages from their probes."""
     root = Path(root).resolve()
@@ -123,6 +152,7 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
         if rec["status"] in ("running", "stopped"):
             rec["progress"], producers = state.probe(where, name)
             rec["producers"] = producers or rec.get("producers", [])
+    notes += _check_outputs(doc, where)
     if (root / uptodate.FILE).is_file():
         if uptodate.compose_key(root, doc["overrides"]) != doc["compose_key"]:
             notes.append(

@@ -4,8 +4,9 @@ The planner is a pure function of (stage specs, recorded state, stop point), and
 are a pure function of the composed config and the data. So when the compose key (a hash of
 everything composition reads: spill.yaml, the project's group files, spill's shipped conf/,
 the overrides, spill's version) and the data file's hash equal what the state recorded, and
-the state recorded every stage done or skipped, the plan is "all done" without composing,
-validating or reading the data: no Hydra, no jsonschema, no dataclasses, no engine.
+the state recorded every stage done or skipped with its outputs still in place, the plan is
+"all done" without composing, validating or reading the data: no Hydra, no jsonschema, no
+dataclasses, no engine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from spill import __version__
 from spill.errors import DataError
+from spill.project import outputs
 from spill.project.state import STAGES
 
 FILE = "spill.yaml"
@@ -57,8 +59,10 @@ def compose_key(root: Path | str, overrides: Sequence[str] = ()) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def finished(doc: dict | None, key: str, root: Path) -> bool:
-    """Whether the recorded build is complete and nothing it was made from has changed."""
+def finished(doc: dict | None, key: str, root: Path, state_root: str) -> bool:
+    """Whether the recorded build is complete, nothing it was made from has changed and every
+    stage's outputs are still what it recorded (``outputs.problem``: stats, a hash only for a
+    file whose mtime moved)."""
     if doc is None or doc.get("compose_key") != key:
         return False
     stages = doc.get("stages") or {}
@@ -67,4 +71,11 @@ def finished(doc: dict | None, key: str, root: Path) -> bool:
     if any(rec.get("status") not in ("done", "skipped") for rec in stages.values()):
         return False
     data = Path(root) / doc["config"]["data"]["file"]
-    return file_sha256(data) == doc["data"]["sha256"]
+    if file_sha256(data) != doc["data"]["sha256"]:
+        return False
+    name = doc["project"]["name"]
+    return not any(
+        outputs.problem(state_root, stage, name, rec.get("outputs"))
+        for stage, rec in stages.items()
+        if rec["status"] == "done"
+    )

@@ -212,3 +212,67 @@ def test_planning_imports_no_engine():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_make_rule_a_stage_after_one_that_reruns_waits_and_drops_its_result():
+    """Issue 8 item 2: tune.lr changed, --stop-after tune:3: eval is not done, and it says why."""
+    recorded = done_records(specs(project(), PREPARED))
+    d = plan(specs(project(tune__lr=0.004), PREPARED), recorded, StopAfter.parse("tune:3"))
+    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "run", "eval": "wait"}
+    assert d[2].stop == 3 and d[2].drop
+    assert d[3].reason == "waits for tune (rerun)" and d[3].drop and not d[3].works
+    # a stop before tune: tune itself waits, out of date, and both lose their records
+    d = plan(specs(project(tune__lr=0.004), PREPARED), recorded, StopAfter.parse("eval:base"))
+    assert actions(d)["tune"] == "wait" and d[2].drop
+    assert (
+        d[2].reason == "not now: after --stop-after eval:base; out of date: tune.lr 0.001 -> 0.004"
+    )
+    assert d[3].drop and d[3].reason.endswith("; out of date: tune changed")
+    # nothing recorded: nothing to drop
+    d = plan(specs(project(), PREPARED), {}, StopAfter.parse("tune:3"))
+    assert d[3].reason == "waits for tune (rerun)" and not d[3].drop
+
+
+def test_a_done_stage_downstream_of_a_continuing_one_is_not_done():
+    s = specs(project(), PREPARED)
+    rec = done_records(s)
+    rec["tune"] = Recorded("stopped", s[2].fingerprint, dict(s[2].inputs), done=12)
+    d = plan(s, rec)
+    assert actions(d)["eval"] == "run" and d[3].reason == "fresh: tune runs first" and d[3].drop
+    d = plan(s, rec, StopAfter.parse("tune:20"))
+    assert d[3].action == "wait" and d[3].reason == "waits for tune (continue)" and d[3].drop
+
+
+def test_missing_outputs_restore_from_committed_state_without_rerunning_downstream():
+    s = specs(project(), PREPARED)
+    rec = done_records(s)
+    rec["tune"] = replace(
+        rec["tune"], problem="adapters/p missing", source="tune step 40 checkpoint"
+    )
+    d = plan(s, rec)
+    assert actions(d) == {
+        "eval:base": "done",
+        "distill": "skip",
+        "tune": "restore",
+        "eval": "done",
+    }
+    assert d[2].reason == "adapters/p missing; restored from tune step 40 checkpoint"
+    assert d[2].works and not d[2].fresh and not d[2].drop
+    # repairing happens even past --stop-after
+    assert actions(plan(s, rec, StopAfter.parse("eval:base")))["tune"] == "restore"
+
+
+def test_missing_outputs_that_cannot_be_restored_rerun_the_stage_and_what_reads_it():
+    s = specs(project(), PREPARED)
+    rec = done_records(s)
+    rec["tune"] = replace(rec["tune"], problem="adapters/p missing")
+    d = plan(s, rec)
+    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "run", "eval": "run"}
+    assert d[2].reason == "fresh: adapters/p missing" and d[2].fresh
+    d = plan(s, rec, StopAfter.parse("eval:base"))
+    assert [x.action for x in d[2:]] == ["wait", "wait"] and d[2].drop and d[3].drop
+    assert d[2].reason.endswith("; out of date: adapters/p missing")
+    rec = done_records(s)
+    rec["eval:base"] = replace(rec["eval:base"], problem="files/eval-base.jsonl changed")
+    d = plan(s, rec)
+    assert actions(d) == {"eval:base": "run", "distill": "skip", "tune": "done", "eval": "done"}
