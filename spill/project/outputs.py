@@ -48,7 +48,7 @@ def _stat(uri: str) -> tuple[int, int | None] | None:
     if is_local(uri):
         try:
             st = os.stat(_local(uri))
-        except (FileNotFoundError, NotADirectoryError):
+        except (OSError, ValueError):  # missing, or a damaged record's impossible name
             return None
         return st.st_size, st.st_mtime_ns
     fs, path = filesystem(uri)
@@ -75,13 +75,15 @@ def _files(uri: str) -> list[str]:
             for d, _, names in os.walk(base)
             for f in names
         ]
-        return sorted(found)
-    fs, path = filesystem(uri)
-    fs.invalidate_cache(path)
-    if fs.isfile(path):
-        return [""]
-    own = path.rstrip("/") + "/"
-    return sorted(p.removeprefix(own) for p in fs.find(path))
+    else:
+        fs, path = filesystem(uri)
+        fs.invalidate_cache(path)
+        if fs.isfile(path):
+            return [""]
+        own = path.rstrip("/") + "/"
+        found = [p.removeprefix(own) for p in fs.find(path)]
+    # hidden names are a killed writer's temporary files, never outputs
+    return sorted(f for f in found if not any(part.startswith(".") for part in f.split("/")))
 
 
 def record(root: str, stage: str, name: str) -> dict[str, dict[str, Any]]:
