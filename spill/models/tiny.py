@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import SpillError
+from spill.models.cache import MARKER
+from spill.models.integrity import record
 from spill.models.safetensors_io import float32_to_bf16_bits, write_file
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -160,7 +162,7 @@ def write_tiny(
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": [cfg["eos_token_id"], vocab - 3]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    (out / "spill-source.json").write_text(
-        json.dumps({"source": "tiny", "family": family, "seed": seed}, indent=2) + "\n"
-    )
+    (out / MARKER).unlink(missing_ok=True)  # a folder written again gets a fresh record
+    # every file's sha256, as written; no stat keys, so the same arguments give the same bytes
+    record(out, stat_cache=False, source="tiny", family=family, seed=seed)
     return out

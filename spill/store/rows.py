@@ -97,7 +97,17 @@ def pin_identity(root_uri: str, identity: Mapping[str, Any]) -> dict[str, Any]:
         ) from None
     validate(pinned, "row-identity", where=uri)
     a, b = _flat(pinned), _flat(doc)
+    files = "model.files."  # per-file hashes: named only for the same model, recorded on both sides
+    same = pinned["model"]["id"] == doc["model"]["id"]
+    if not (same and pinned["model"].get("files") and doc["model"].get("files")):
+        a, b = ({k: v for k, v in d.items() if not k.startswith(files)} for d in (a, b))
     for key in sorted(a.keys() | b.keys()):
+        if key.startswith(files) and a.get(key) != b.get(key):
+            x, y = (str(d.get(key, "(none)"))[:12] for d in (a, b))
+            raise IdentityMismatch(
+                f"{root_uri}: the model's file {key[len(files) :]} changed since this run started "
+                f"(sha256 {x}.. -> {y}..); restore it, or use a new --state location"
+            )
         if a.get(key, _MISSING) != b.get(key, _MISSING):
             raise IdentityMismatch(
                 f"{root_uri} holds rows of another job: {key} is {_short(a.get(key, _MISSING))} "

@@ -1,3 +1,4 @@
+import hashlib
 import re
 import shutil
 import uuid
@@ -46,7 +47,12 @@ def test_stage_local_folder_copies_model_files_once(source, tmp_path):
     assert first.files_copied == len(expected) and first.files_skipped == 0
     assert first.bytes_copied == sum((source / n).stat().st_size for n in expected)
     assert fingerprint(dest) == fingerprint(source)
-    assert read_marker(dest) == {"source": "staged", "uri": str(source)}
+    marker = read_marker(dest)
+    assert (marker["source"], marker["uri"]) == ("staged", str(source))
+    assert {n: r["sha256"] for n, r in marker["files"].items()} == {
+        n: hashlib.sha256((source / n).read_bytes()).hexdigest() for n in expected
+    }  # hashed while copying
+    assert set(marker["verified"]) == set(expected)
     assert re.fullmatch(
         rf"staged {len(expected)} files, \d+\.\d MB in \d+\.\d s \(0 skipped\)", lines[0]
     )
