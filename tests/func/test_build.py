@@ -200,8 +200,8 @@ def test_edits_rerun_only_what_they_affect(reference, home, tmp_path):
     assert final["stages"]["eval"]["result"]["accuracy"] == 1.0
 
 
-def one_line_error(proc, message):
-    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+def one_line_error(proc, message, code=1):
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
     assert message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
@@ -212,13 +212,20 @@ def test_bad_input_is_one_line_and_loses_nothing(reference, home, tmp_path):
     shutil.copytree(reference["state"], state)
     kept = digest(state)
 
-    def fails(*args, message):
-        one_line_error(spill("build", *args, home=home, ok=False), message)
+    def fails(*args, message, code=1):
+        one_line_error(spill("build", *args, home=home, ok=False), message, code)
 
+    usage = {"message": "no stage 'polish'", "code": 2}  # a usage error, like argparse's own
+    fails(str(project), "--state", str(state), "--stop-after", "polish", **usage)
     fails(
-        str(project), "--state", str(state), "--stop-after", "polish", message="no stage 'polish'"
+        str(project),
+        "--state",
+        str(state),
+        "--stop-after",
+        "tune:301",
+        message="past the end",
+        code=2,
     )
-    fails(str(project), "--state", str(state), "--stop-after", "tune:301", message="past the end")
     fails(str(project), "--state", str(state), "data.output=labl", message="no column 'labl'")
     fails(str(project), "--state", str(state), "tune.lrr=1", message="tune.lrr is not a setting")
     other = copy_toy(tmp_path / "other")
