@@ -255,8 +255,12 @@ class Executor:
                 outputs.restore(
                     self.root, d.stage, self.project.name, self.work, rec.get("outputs")
                 )
-            except SpillError as e:  # then the next build recomputes the stage
-                self.doc["stages"].pop(d.stage)
+            except SpillError as e:  # then the next build recomputes it and what reads it
+                gone = {d.stage}
+                for stage, needs in state.NEEDS.items():
+                    gone |= {stage} if gone & set(needs) else set()
+                for stage in gone:
+                    self.doc["stages"].pop(stage, None)
                 state.write(self.root, self.doc)
                 raise StoreError(
                     f"{d.stage}: its outputs cannot be restored ({e}); run spill build again "

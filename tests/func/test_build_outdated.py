@@ -231,3 +231,43 @@ def test_dry_run_imports_no_engine(home, tmp_path):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip().endswith("rc 1" if extra else "rc 0"), proc.stdout
+
+
+def test_teacher_answers_are_restored_from_committed_rows(home, tmp_path):
+    """distill's output is training rows built from the teacher's answers, not the raw records."""
+    project = copy_toy(tmp_path / "toy")
+    state = tmp_path / "state"
+    teach = ("teacher=custom", "teacher.name=tiny:qwen2:5:2x32", "teacher.max_new_tokens=3")
+    args = (str(project), "--state", str(state), *teach, "tune.steps=2", "tune.ckpt_every=1")
+    spill("build", *args, "--stop-after", "distill", home=home)
+    answers = state / "files" / "teacher.jsonl"
+    kept = answers.read_bytes()
+    answers.unlink()
+    dry = spill("build", *args, "--dry-run", home=home).stdout
+    assert table(dry)["distill"][0] == "restore" and table(dry)["tune"][0] == "run"
+    proc = spill("build", *args, "--stop-after", "distill", home=home)
+    assert "spill distill ·" not in proc.stderr and "== distill: files/teacher.jsonl missing" in (
+        proc.stderr
+    )
+    assert answers.read_bytes() == kept
+
+
+def test_a_restore_that_fails_is_one_line_and_the_next_build_recomputes(reference, home, tmp_path):
+    project, state = copied(reference, tmp_path)
+    args = (str(project), "--state", str(state))
+    shutil.rmtree(state / "adapters" / "toy")
+    shutil.rmtree(state / "stages" / "tune" / "adapter")
+    final = state / "stages" / "tune" / "ckpt" / "step-300" / "params.safetensors"
+    data = bytearray(final.read_bytes())
+    data[-1] ^= 1  # the final checkpoint no longer verifies against its COMMIT
+    final.write_bytes(bytes(data))
+    proc = spill("build", *args, home=home, ok=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("spill: error: tune: its outputs cannot be restored (") and (
+        last.endswith("run spill build again to compute them afresh")
+    )
+    assert set(state_doc(state)["stages"]) == {"eval:base", "distill"}  # eval read tune
+    dry = spill("build", *args, "--dry-run", home=home).stdout
+    assert table(dry)["tune"] == ["run", "fresh: not run yet"]
+    assert table(dry)["eval"] == ["run", "fresh: not run yet"]
