@@ -234,7 +234,7 @@ def explain(found: Mapping[str, str] | None, want: Mapping[str, str] | None) -> 
     for name in sorted(found.keys() | want.keys()):
         a, b = found.get(name), want.get(name)
         if a is None or b is None:
-            what = "appeared" if a is None else "is gone"
+            what = "was added" if a is None else "was removed"
             return f"the model's file {name} {what} since this run started"
         if a != b:
             return f"the model's file {name} changed since this run started (sha256 {a[:12]}.. -> {b[:12]}..)"

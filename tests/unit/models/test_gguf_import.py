@@ -28,6 +28,7 @@ from spill.models.config import load_config
 from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 from spill.models.safetensors_io import read_header
 from spill.models.tokenizer import Tokenizer
+from spill.store.schemas import validate
 
 Q = gguf.GGMLQuantizationType
 
@@ -105,6 +106,16 @@ def test_source_record_and_dtypes(smol, smol_gguf):
     # Q4_1 / Q8_0 values do not fit bf16 (nor f16); the F32 norms came from bf16 and do
     assert kinds == {("F32", "BF16"), ("Q4_1", "F32"), ("Q8_0", "F32")}
     assert src["dtypes"] == {"BF16": 61, "F32": 211}
+    written = sorted(p.name for p in smol.iterdir() if p.name != "spill-source.json")
+    assert sorted(src["files"]) == written  # every model file's sha256, recorded as written
+    for name, rec in src["files"].items():
+        data = (smol / name).read_bytes()
+        assert rec == {
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "from": "local",
+        }
+    validate(src, "model-source")
 
 
 def test_tensors_equal_gguf_dequantize(smol, smol_gguf):
