@@ -94,3 +94,56 @@ def test_state_file_kind_and_version(tmp_path):
     (tmp_path / "state.json").write_text("{")
     with pytest.raises(StoreError, match="not JSON"):
         state.read(str(tmp_path))
+
+
+def test_outputs_recorded_checked_cheaply_and_shown_out_of_date(tmp_path):
+    """A finished stage's outputs: recorded with hashes; a touch costs a hash but changes
+    nothing, a same-size flip or a deletion makes it (and, unrestorable, what reads it) out of
+    date in the table, with no result shown for a stage that must rerun."""
+    import os
+
+    from spill.project import outputs
+    from spill.project.status import _check_outputs
+
+    root = str(tmp_path)
+    adapter = tmp_path / "adapters" / "p"
+    (adapter / "peft").mkdir(parents=True)
+    (adapter / "params.safetensors").write_bytes(b"params")
+    (adapter / "peft" / "adapter_model.safetensors").write_bytes(b"peft")
+    (adapter / ".params.safetensors.tmp-123").write_bytes(b"litter")
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "eval.jsonl").write_bytes(b'{"id": 1}\n')
+    rec = outputs.record(root, "tune", "p")
+    assert sorted(rec) == [
+        "adapters/p/params.safetensors",
+        "adapters/p/peft/adapter_model.safetensors",
+    ]
+    assert rec["adapters/p/params.safetensors"]["size"] == 6
+    assert outputs.problem(root, "tune", "p", rec) == ""
+    os.utime(adapter / "params.safetensors", ns=(1, 1))  # touched: hashed, still the same
+    assert outputs.problem(root, "tune", "p", rec) == ""
+    (adapter / "params.safetensors").write_bytes(b"paRams")
+    assert outputs.problem(root, "tune", "p", rec) == "adapters/p/params.safetensors changed"
+    assert outputs.problem(root, "tune", "p", None) == ""  # an old record: existence only
+    (adapter / "params.safetensors").write_bytes(b"params")
+    (adapter / "peft" / "adapter_model.safetensors").unlink()
+    assert outputs.problem(root, "tune", "p", rec).endswith(
+        "peft/adapter_model.safetensors missing"
+    )
+
+    d = doc()
+    d["project"] = {"name": "p"}
+    d["stages"]["eval"].update(status="done", result={"rows": 40, "correct": 40, "accuracy": 1.0})
+    d["stages"]["eval"]["outputs"] = outputs.record(root, "eval", "p")
+    d["stages"]["tune"]["outputs"] = rec
+    # eval:base: a record without outputs (older spill), and files/eval-base.jsonl is missing
+    notes = _check_outputs(d, root)
+    assert notes == [
+        "eval:base: files/eval-base.jsonl missing; `spill build` runs it again",
+        "tune: adapters/p/peft/adapter_model.safetensors missing; `spill build` runs it again",
+        "eval: tune reruns first; `spill build` runs it again",
+    ]
+    table = rows(d)
+    assert [r["status"] for r in table] == ["out of date", "skipped", "out of date", "out of date"]
+    assert table[3]["result"] == "tune reruns first" and d["stages"]["eval"]["result"] == {}
+    assert as_json({"doc": d})["stages"]["tune"]["problem"].endswith("missing")
