@@ -115,9 +115,11 @@ def weight_hashes(files: Mapping[str, Mapping] | None) -> dict[str, str] | None:
 
 
 def _fix(folder: Path, name: str) -> str:
+    # a hub snapshot links to blobs named by hash: only deleting the repo's folder re-downloads
+    gone = folder.parent.parent if folder.parent.name == "snapshots" else folder
     return (
-        f"run `spill models verify {name}` to list every change, then re-fetch or re-import the "
-        f"model (or delete {folder})"
+        f"run `spill models verify {name}` to list every change, then delete {gone} and "
+        "fetch, import or generate the model again"
     )
 
 
