@@ -116,6 +116,8 @@ def _read_json(path: Path) -> dict:
         raise _damaged(path, f"not UTF-8 (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise _damaged(path, f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise _damaged(path, "nested too deeply to be an adapter file") from None
     except OSError as e:
         raise _damaged(path, f"cannot be read ({e.strerror or e})") from None
     if not isinstance(doc, dict):

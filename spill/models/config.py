@@ -118,6 +118,10 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         raise ModelError(
             f"{where}: missing key {e.args[0]!r}; the model folder's config.json is incomplete"
         ) from None
+    except (ValueError, TypeError, ZeroDivisionError, AttributeError) as e:
+        raise ModelError(
+            f"{where}: a value of the wrong type ({str(e)[:80]}); re-download or re-import the model"
+        ) from None
 
 
 def load_config(folder: Path) -> ModelConfig:
@@ -125,9 +129,15 @@ def load_config(folder: Path) -> ModelConfig:
     if not path.is_file():
         raise ModelError(f"{path}: no config.json; point spill at an HF-layout model folder")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ModelError(
+            f"{path}: not UTF-8 JSON ({type(e).__name__}); re-download or re-import the model"
+        ) from None
     except json.JSONDecodeError as e:
         raise ModelError(
             f"{path}: not valid JSON ({e.msg} at line {e.lineno}); re-download or re-import the model"
         ) from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path}: not a JSON object; re-download or re-import the model")
     return parse_config(raw, str(path))

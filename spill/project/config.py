@@ -293,6 +293,14 @@ def compose(root: Path | str, overrides: Sequence[str] = ()) -> Project:
         raise ConfigError(f"{where}: not valid YAML ({short(str(e), 300)})") from None
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(f"{where}: {hydra_line(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to be a spill.yaml") from None
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, IndexError) as e:
+        # Hydra's own code raises these on a malformed defaults list or hydra section
+        what = f"{type(e).__name__}: {short(str(e), 200)}"
+        raise ConfigError(
+            f"{where}: Hydra cannot compose it ({what}); check its defaults"
+        ) from None
     return from_composed(doc, root, overrides, where)
 
 

@@ -66,17 +66,27 @@ def read(root: str) -> dict[str, Any] | None:
             f"{uri} has build-state version {short(repr(doc.get('schema_version')), 40)}; this "
             f"spill reads {SCHEMA_VERSION}; use the spill that wrote it or another --state"
         )
-    validate_once(raw, doc, "build-state", uri, also=lambda d: _check_config(d, uri))
+    validate_once(raw, doc, "build-state", uri, also=lambda d: _check_more(d, uri))
     return doc
 
 
-def _check_config(doc: dict[str, Any], uri: str) -> None:
+def _check_more(doc: dict[str, Any], uri: str) -> None:
+    """What the schema leaves open: the config (strict spill.yaml) and each stage's result."""
     from spill.project.config import ConfigError, validate
+    from spill.store.schemas import short
 
     try:
         validate(doc["config"], "config")
     except ConfigError as e:
         raise StoreError(f"{uri} holds a damaged {e}; move it away to rebuild") from None
+    for name, rec in doc["stages"].items():
+        try:
+            summarize(name, rec["result"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreError(
+                f"{uri} holds a damaged result of stage {name} ({short(repr(e), 60)}); "
+                "move it away to rebuild"
+            ) from None
 
 
 def write(root: str, doc: dict[str, Any]) -> None:

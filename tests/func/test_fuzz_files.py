@@ -1,0 +1,370 @@
+"""Every file spill reads, damaged by hypothesis, read by the real command that reads it.
+
+Each example copies a prepared state, damages one file (``fuzz_kit.damage``: truncation, byte
+flips, bytes that are not UTF-8, deleted keys, wrong types, extra keys, huge values) and runs the
+command that reads it through ``spill.cli.main`` in a forked child (``fuzz_kit.run_cli``). The
+outcome must be a one-line refusal (exit 1 or 2, ``spill: error: ...`` the last line of stderr
+and, for commands that print no progress, the only one) or a correct recovery (exit 0 with the
+result an undamaged run gives, where the damage cannot change it), and every other file must
+keep its bytes, except what the command is documented to (re)write.
+
+The prepared states are made once per module through the real CLI in subprocesses: a finished
+toy build (with a group file of the project's own), a tune stopped at step 3 of 4 and its
+uninterrupted reference, a finished row job of 30 rows, a tuned adapter. ``EXAMPLES`` sizes the
+CI run (about a minute in all); the ``slow`` variant runs ten times as many, not derandomized.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import run_spill
+from tests.func.fuzz_kit import assert_untouched, check_outcome, damage, log, run_cli, snapshot
+
+ROOT = Path(__file__).resolve().parents[2]
+TOY = ROOT / "projects" / "toy"
+DTYPE = ["--dtype", "float32"]
+TUNE = ["--name", "t", "--steps", "4", "--ckpt-every", "1", "--batch", "2", "--seq-len", "32"]
+RUN = ["--max-new-tokens", "4", *DTYPE]
+SLOW = 10  # the slow variant runs this many times the examples
+
+
+def variants(examples: int):
+    return pytest.mark.parametrize(
+        "examples",
+        [
+            pytest.param(examples, id="ci"),
+            pytest.param(examples * SLOW, id="many", marks=pytest.mark.slow),
+        ],
+    )
+
+
+def fuzz(examples: int, test: Callable) -> None:
+    """Run ``test(data)`` under hypothesis: derandomized in CI, random in the slow variant."""
+    given(st.data())(
+        settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=examples < SLOW * 2,
+            suppress_health_check=list(HealthCheck),
+        )(test)
+    )()
+
+
+def ok(*args: str, home: Path) -> None:
+    proc = run_spill(*args, env={"SPILL_HOME": str(home), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def warm() -> None:
+    """Import here what the commands import, so that each forked example starts warm."""
+    import importlib
+
+    for name in (
+        "torch",
+        "hydra.compose",
+        "omegaconf",
+        "jsonschema",
+        "matplotlib.pyplot",
+        "spill.cli",
+        "spill.project.build",
+        "spill.project.config",
+        "spill.project.execute",
+        "spill.project.status",
+        "spill.jobs.tune",
+        "spill.jobs.run",
+        "spill.jobs.eval",
+        "spill.engines.torch",
+        "spill.models.resolve",
+    ):
+        importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    """The prepared states every example copies (made through the real CLI)."""
+    pytest.importorskip("torch")
+    warm()
+
+    w = tmp_path_factory.mktemp("fuzz-world")
+    home = w / "home"
+    toy = w / "toy"
+    shutil.copytree(TOY, toy, ignore=shutil.ignore_patterns(".spill", "__pycache__"))
+    # a group option of the project's own, so that group files are fuzzed too
+    text = (toy / "spill.yaml").read_text()
+    (toy / "spill.yaml").write_text(text.replace("  - tune: default", "  - tune: fuzz"))
+    (toy / "tune").mkdir()
+    (toy / "tune" / "fuzz.yaml").write_text(
+        "# the toy's tune options, as a group file of the project's own\n"
+        "steps: 60\nlr: 0.005\nwarmup: 5\nweight_decay: 0.0\nrank: 8\nalpha: null\n"
+        "dropout: 0.0\ntargets: all\nbatch: 8\nmicro_batch: 8\nseq_len: 64\nckpt_every: 30\n"
+    )
+    text = (toy / "spill.yaml").read_text()
+    start = text.index("\ntune:\n")
+    end = text.index("\n\n", start + 1)
+    (toy / "spill.yaml").write_text(text[:start] + text[end:])
+    ok("build", str(toy), home=home)
+
+    model = w / "tiny"
+    ok("models", "tiny", str(model), "--family", "llama", "--seed", "7", home=home)
+    train = jsonl(
+        w / "train.jsonl", [{"prompt": f"q{i} word", "completion": f" a{i % 3}"} for i in range(16)]
+    )
+    ok("tune", str(model), str(train), "--state", str(w / "tune-stopped"), *TUNE, *DTYPE,
+       "--stop-after", "3", home=home)  # fmt: skip
+    ok("tune", str(model), str(train), "--state", str(w / "tune-ref"), *TUNE, *DTYPE, home=home)
+    prompts = jsonl(w / "prompts.jsonl", [{"id": f"r{i}", "prompt": f"say {i}"} for i in range(30)])
+    ok("run", str(model), str(prompts), "--out", str(w / "rows-ref.jsonl"), "--state",
+       str(w / "rows"), *RUN, home=home)  # fmt: skip
+    test = jsonl(
+        w / "test.jsonl", [{"id": i, "prompt": f"q{i} word", "answer": "a1"} for i in range(3)]
+    )
+    return {
+        "home": home,
+        "toy": toy,
+        "model": model,
+        "train": train,
+        "prompts": prompts,
+        "test": test,
+        "w": w,
+    }
+
+
+_n = itertools.count()
+
+
+def scratch(world) -> Path:
+    """A fresh folder for one example."""
+    path = world["w"] / "ex" / str(next(_n))
+    path.mkdir(parents=True)
+    return path
+
+
+def env(home: Path) -> dict[str, str]:
+    return {"SPILL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+
+
+def damaged(data, path: Path, fmt: str | None) -> str:
+    done = data.draw(damage(path.read_bytes(), fmt), label="damage")
+    path.write_bytes(done.raw)
+    log(f"{path.name}: {done.what}")
+    return done.what
+
+
+# --- the build's own files ----------------------------------------------------------------------
+
+
+@variants(30)
+def test_build_state_json(world, examples):
+    """``state.json`` of a finished build, read by ``spill status`` and ``spill build --dry-run``."""
+
+    def example(data):
+        ex = scratch(world)
+        toy = shutil.copytree(world["toy"], ex / "toy")
+        damaged(data, toy / ".spill" / "state.json", "json")
+        before = snapshot(toy)
+        for argv in (["status", str(toy)], ["build", str(toy), "--dry-run"]):
+            o = run_cli(argv, env(world["home"]), ex)
+            if check_outcome(o, strict=True):
+                assert "eval" in o.out, str(o)
+        assert_untouched(before, snapshot(toy))
+
+    fuzz(examples, example)
+
+
+@variants(12)
+@pytest.mark.parametrize("name", ["spill.yaml", "tune/fuzz.yaml"])
+def test_project_files(world, examples, name):
+    """spill.yaml and a group file of the project's own, composed by ``build --dry-run``."""
+
+    def example(data):
+        ex = scratch(world)
+        toy = shutil.copytree(world["toy"], ex / "toy", ignore=shutil.ignore_patterns(".spill"))
+        what = damaged(data, toy / name, "yaml")
+        before = snapshot(toy)
+        o = run_cli(["build", str(toy), "--dry-run"], env(world["home"]), ex)
+        if check_outcome(o, strict=True):
+            assert "tune" in o.out and "eval:base" in o.out, f"{what}\n{o}"
+        assert_untouched(before, snapshot(toy))
+
+    fuzz(examples, example)
+
+
+# --- job states ---------------------------------------------------------------------------------
+
+CKPT_FILES = [
+    f"ckpt/step-{n}/{f}"
+    for n in (2, 3)
+    for f in ("COMMIT", "state.json", "params.safetensors", "opt.safetensors")
+]
+
+
+@variants(8)
+def test_tune_checkpoint_files(world, examples):
+    """A stopped tune's checkpoint files, read by ``spill tune`` continuing: a damaged step is
+    ignored, the job continues from the step before and ends bit-exact with the reference."""
+    w = world["w"]
+
+    def example(data):
+        ex = scratch(world)
+        state = shutil.copytree(w / "tune-stopped", ex / "state")
+        name = data.draw(st.sampled_from(CKPT_FILES), label="file")
+        fmt = "json" if name.endswith(("COMMIT", ".json")) else None
+        damaged(data, state / name, fmt)
+        before = snapshot(world["model"], world["train"])
+        argv = ["tune", str(world["model"]), str(world["train"]), "--state", str(state)]
+        o = run_cli([*argv, *TUNE, *DTYPE], env(world["home"]), ex)
+        if check_outcome(o, strict=False):
+            got = (state / "adapter" / "params.safetensors").read_bytes()
+            assert got == (w / "tune-ref" / "adapter" / "params.safetensors").read_bytes(), str(o)
+        assert_untouched(before, snapshot(world["model"], world["train"]))
+
+    fuzz(examples, example)
+
+
+ROW_FILES = ["seg-0.commit", "seg-0.jsonl", "seg-1.commit", "seg-1.jsonl", "identity.json"]
+
+
+@variants(8)
+def test_row_job_files(world, examples):
+    """A row job's segments and identity, read by ``spill run --state`` continuing: a damaged
+    segment is run again and the results equal the reference; a damaged identity is refused."""
+    w = world["w"]
+
+    def example(data):
+        ex = scratch(world)
+        state = shutil.copytree(w / "rows", ex / "state")
+        name = data.draw(st.sampled_from(ROW_FILES), label="file")
+        damaged(
+            data, state / "rows" / name, "json" if name.endswith((".commit", ".json")) else None
+        )
+        before = snapshot(world["model"], world["prompts"], state / "rows" / "identity.json")
+        out = ex / "out.jsonl"
+        argv = ["run", str(world["model"]), str(world["prompts"]), "--out", str(out)]
+        o = run_cli([*argv, "--state", str(state), *RUN], env(world["home"]), ex)
+        if check_outcome(o, strict=False):
+            assert out.read_bytes() == (w / "rows-ref.jsonl").read_bytes(), str(o)
+        assert_untouched(
+            before, snapshot(world["model"], world["prompts"], state / "rows" / "identity.json")
+        )
+
+    fuzz(examples, example)
+
+
+# --- models, adapters, the machine ---------------------------------------------------------------
+
+
+@variants(5)
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_model_files(world, examples, name):
+    """A local model folder's config.json and tokenizer.json, read by ``spill run``: with the
+    record of its files (a change is refused before parsing) or without (parsed)."""
+
+    def example(data):
+        ex = scratch(world)
+        model = shutil.copytree(world["model"], ex / "model")
+        if data.draw(st.booleans(), label="a user's own folder (no record of its files)"):
+            (model / "spill-source.json").unlink()
+        damaged(data, model / name, "json")
+        before = snapshot(model, world["test"])
+        out = ex / "out.jsonl"
+        o = run_cli(
+            ["run", str(model), str(world["test"]), "--out", str(out), *RUN], env(world["home"]), ex
+        )
+        check_outcome(o, strict=False)
+        assert_untouched(before, snapshot(model, world["test"]), model / "spill-source.json")
+
+    fuzz(examples, example)
+
+
+@variants(5)
+def test_adapter_json(world, examples):
+    """A tuned adapter's adapter.json, read by ``spill eval --adapter``."""
+    w = world["w"]
+
+    def example(data):
+        ex = scratch(world)
+        adapter = shutil.copytree(w / "tune-ref" / "adapter", ex / "adapter")
+        damaged(data, adapter / "adapter.json", "json")
+        before = snapshot(adapter, world["model"], world["test"])
+        argv = ["eval", str(world["model"]), str(world["test"]), "--adapter", str(adapter)]
+        o = run_cli([*argv, "--out", str(ex / "out.jsonl"), *DTYPE], env(world["home"]), ex)
+        check_outcome(o, strict=False)
+        assert_untouched(before, snapshot(adapter, world["model"], world["test"]))
+
+    fuzz(examples, example)
+
+
+@variants(10)
+def test_model_cache_marker(world, examples):
+    """The model cache's ``spill-source.json``, read by ``spill models list`` (and ``--json``)."""
+
+    def example(data):
+        ex = scratch(world)
+        home = ex / "home"
+        shutil.copytree(world["home"] / "models", home / "models")
+        (marker,) = (home / "models").rglob("spill-source.json")
+        damaged(data, marker, "json")
+        before = snapshot(home)
+        for argv in (["models", "list"], ["models", "list", "--json"]):
+            o = run_cli(argv, env(home), ex)
+            if check_outcome(o, strict=True) and "--json" in argv:
+                json.loads(o.out)
+        assert_untouched(before, snapshot(home), marker)
+
+    fuzz(examples, example)
+
+
+def _fake_measurement() -> None:
+    """In the child: a fixed measurement instead of timing a real linear layer."""
+    from spill.engines.torch import numerics
+
+    fixed = {"shape": [64, 1024, 1024], "float32_s": 0.001, "bfloat16_s": 0.1, "ratio": 100.0}
+    numerics.measure_linear = lambda: dict(fixed)
+
+
+@variants(5)
+def test_machine_cache(world, examples):
+    """The per-machine measurement cache, read by ``spill run`` choosing its numerics: a damaged
+    cache is measured again and replaced with one that matches its schema."""
+    import torch
+
+    from spill.machine import cpu_model
+    from spill.store.schemas import validate
+
+    key = f"{cpu_model()} | torch {torch.__version__}"
+    good = {key: {"shape": [64, 1024, 1024], "float32_s": 0.001, "bfloat16_s": 0.1, "ratio": 100.0}}
+
+    def example(data):
+        ex = scratch(world)
+        home = ex / "home"
+        shutil.copytree(world["home"] / "models", home / "models")
+        cache = home / "machine" / "numerics-torch.json"
+        cache.parent.mkdir()
+        cache.write_text(json.dumps(good, indent=2))
+        damaged(data, cache, "json")
+        before = snapshot(home, world["test"])
+        out = ex / "out.jsonl"
+        argv = ["run", str(world["model"]), str(world["test"]), "--out", str(out)]
+        o = run_cli([*argv, "--max-new-tokens", "2"], env(home), ex, before=_fake_measurement)
+        assert check_outcome(o, strict=False), str(o)
+        doc = json.loads(cache.read_text())
+        validate(doc, "machine")
+        assert key in doc
+        assert_untouched(before, snapshot(home, world["test"]), cache, home / "validated")
+
+    fuzz(examples, example)
