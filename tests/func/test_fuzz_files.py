@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,6 +121,8 @@ def world(tmp_path_factory) -> dict[str, Path]:
     end = text.index("\n\n", start + 1)
     (toy / "spill.yaml").write_text(text[:start] + text[end:])
     ok("build", str(toy), home=home)
+    stopped = shutil.copytree(toy, w / "toy-stopped", ignore=shutil.ignore_patterns(".spill"))
+    ok("build", str(stopped), "--stop-after", "tune:30", home=home)
 
     model = w / "tiny"
     ok("models", "tiny", str(model), "--family", "llama", "--seed", "7", home=home)
@@ -199,6 +204,26 @@ def test_project_files(world, examples, name):
         o = run_cli(["build", str(toy), "--dry-run"], env(world["home"]), ex)
         if check_outcome(o, strict=True):
             assert "tune" in o.out and "eval:base" in o.out, f"{what}\n{o}"
+        assert_untouched(before, snapshot(toy))
+
+    fuzz(examples, example)
+
+
+@variants(10)
+def test_stopped_build_probes(world, examples):
+    """A stopped build's newest tune checkpoint, probed by ``spill status`` and planned from by
+    ``spill build --dry-run``."""
+
+    def example(data):
+        ex = scratch(world)
+        toy = shutil.copytree(world["w"] / "toy-stopped", ex / "toy")
+        name = data.draw(st.sampled_from(["state.json", "COMMIT"]), label="file")
+        damaged(data, toy / ".spill" / "stages" / "tune" / "ckpt" / "step-30" / name, "json")
+        before = snapshot(toy)
+        for argv in (["status", str(toy)], ["build", str(toy), "--dry-run"]):
+            o = run_cli(argv, env(world["home"]), ex)
+            if check_outcome(o, strict=True):
+                assert "tune" in o.out, str(o)
         assert_untouched(before, snapshot(toy))
 
     fuzz(examples, example)
@@ -368,3 +393,96 @@ def test_machine_cache(world, examples):
         assert_untouched(before, snapshot(home, world["test"]), cache, home / "validated")
 
     fuzz(examples, example)
+
+
+# --- the named cases of issue 8 (items 5 and 6), through the real CLI in subprocesses ----------
+
+
+def _one_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, (proc.returncode, proc.stderr)
+    assert lines[0].startswith("spill: error: ") and "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def _fresh(world, tmp_path) -> Path:
+    return shutil.copytree(world["toy"], tmp_path / "toy", ignore=shutil.ignore_patterns(".spill"))
+
+
+@pytest.mark.parametrize("name", ["spill.yaml", "tune/fuzz.yaml"])
+def test_a_byte_that_is_not_utf8_is_named_with_its_offset(world, tmp_path, name):
+    toy = _fresh(world, tmp_path)
+    raw = (toy / name).read_bytes()
+    at = raw.index(b"#") + 2  # inside a comment: YAML would ignore it, the decoder does not
+    (toy / name).write_bytes(raw[:at] + b"\xff" + raw[at:])
+    proc = run_spill("build", str(toy), "--dry-run", env=env(world["home"]))
+    assert _one_line(proc) == (
+        f"spill: error: {toy / name}: byte 0xff at offset {at} is not UTF-8; save the file as UTF-8"
+    )
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda t: t + "tune:\n\tsteps: 3\n", "not valid YAML (while scanning"),
+        (lambda t: t + "tune: [3\n", "not valid YAML (while parsing a flow sequence"),
+        (lambda t: t + "bell: \x07\n", "not valid YAML (unacceptable character #x0007"),
+        (lambda t: t.replace("  - _self_", "  - {}"), "Hydra cannot compose it (ValueError"),
+    ],
+    ids=["tab", "syntax", "control-char", "bad-defaults"],
+)
+def test_unreadable_yaml_is_one_line(world, tmp_path, change, says):
+    toy = _fresh(world, tmp_path)
+    (toy / "spill.yaml").write_text(change((toy / "spill.yaml").read_text()))
+    proc = run_spill("build", str(toy), "--dry-run", env=env(world["home"]))
+    assert says in _one_line(proc)
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda d: d.pop("stages"), "'stages' is a required property"),
+        (lambda d: d["stages"]["tune"].update(status=42), "42 is not one of"),
+        (lambda d: d["config"]["tune"].pop("lr"), "holds a damaged config: tune.lr is missing"),
+        (lambda d: d["stages"]["eval"]["result"].pop("rows"), "result"),
+    ],
+    ids=["no-stages", "status-42", "config-key", "result"],
+)
+def test_a_damaged_build_state_is_refused(world, tmp_path, edit, says):
+    toy = shutil.copytree(world["toy"], tmp_path / "toy")
+    path = toy / ".spill" / "state.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    for verb in ("status", "build"):
+        proc = run_spill(verb, str(toy), env=env(world["home"]))
+        assert says in _one_line(proc), proc.stderr
+
+
+def test_a_state_validated_once_is_read_without_jsonschema(world, tmp_path):
+    """Validation on read is remembered by content: the second read of the same bytes (a
+    finished build, ``spill status``) imports no jsonschema; changed bytes validate again."""
+    toy = shutil.copytree(world["toy"], tmp_path / "toy")
+    home = tmp_path / "home"
+    shutil.copytree(world["home"] / "models", home / "models")
+    code = (
+        "import sys\nfrom spill.cli import main\n"
+        f"rc = main(['status', {str(toy)!r}])\n"
+        "print('jsonschema' in sys.modules, rc)\n"
+    )
+
+    def status() -> str:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env(home)},
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()[-1]
+
+    assert status() == "True 0"  # first read: validated
+    assert status() == "False 0"  # the same bytes: remembered
+    path = toy / ".spill" / "state.json"
+    path.write_text(path.read_text() + " ")
+    assert status() == "True 0"
