@@ -88,12 +88,20 @@ def short(text: str, limit: int = MESSAGE_CHARS) -> str:
 
 
 def parse_json(raw: bytes | str) -> Any:
-    """``json.loads`` whose every failure is a ``ValueError`` (bad UTF-8, bad JSON, nesting too
-    deep for the parser)."""
+    """``json.loads`` whose every failure is a ``ValueError``: bytes that are not UTF-8 (also
+    the surrogates that ``json.loads`` would let through from bytes), bad JSON, a ``\\ud800``
+    escape that is no character (it could not even be printed), nesting too deep to parse."""
+    text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
     try:
-        return json.loads(raw)
+        doc = json.loads(text)
     except RecursionError:
         raise ValueError("nested too deeply to be a spill file") from None
+    if "\\u" in text:
+        try:
+            json.dumps(doc, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a \\u escape names a lone surrogate, not a character") from None
+    return doc
 
 
 def _marker(raw: bytes, name: str) -> str:

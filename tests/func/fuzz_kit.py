@@ -78,8 +78,9 @@ def run_cli(
             os.dup2(fds[0], 1)
             os.dup2(fds[1], 2)
             # pytest's capture replaced sys.stdout/err with objects that do not write to 1 and 2
-            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            # with the error handlers Python gives them
+            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
             cap = _vm_size() + MEMORY_CAP
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
             os.environ.update(env)

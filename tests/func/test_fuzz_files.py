@@ -173,7 +173,7 @@ def damaged(data, path: Path, fmt: str | None) -> str:
 # --- the build's own files ----------------------------------------------------------------------
 
 
-@variants(30)
+@variants(40)
 def test_build_state_json(world, examples):
     """``state.json`` of a finished build, read by ``spill status`` and ``spill build --dry-run``."""
 
@@ -209,7 +209,7 @@ def test_project_files(world, examples, name):
     fuzz(examples, example)
 
 
-@variants(10)
+@variants(15)
 def test_stopped_build_probes(world, examples):
     """A stopped build's newest tune checkpoint, probed by ``spill status`` and planned from by
     ``spill build --dry-run``."""
@@ -238,7 +238,7 @@ CKPT_FILES = [
 ]
 
 
-@variants(8)
+@variants(12)
 def test_tune_checkpoint_files(world, examples):
     """A stopped tune's checkpoint files, read by ``spill tune`` continuing: a damaged step is
     ignored, the job continues from the step before and ends bit-exact with the reference."""
@@ -264,7 +264,7 @@ def test_tune_checkpoint_files(world, examples):
 ROW_FILES = ["seg-0.commit", "seg-0.jsonl", "seg-1.commit", "seg-1.jsonl", "identity.json"]
 
 
-@variants(8)
+@variants(15)
 def test_row_job_files(world, examples):
     """A row job's segments and identity, read by ``spill run --state`` continuing: a damaged
     segment is run again and the results equal the reference; a damaged identity is refused."""
@@ -293,7 +293,7 @@ def test_row_job_files(world, examples):
 # --- models, adapters, the machine ---------------------------------------------------------------
 
 
-@variants(5)
+@variants(8)
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
 def test_model_files(world, examples, name):
     """A local model folder's config.json and tokenizer.json, read by ``spill run``: with the
@@ -316,7 +316,7 @@ def test_model_files(world, examples, name):
     fuzz(examples, example)
 
 
-@variants(5)
+@variants(8)
 def test_adapter_json(world, examples):
     """A tuned adapter's adapter.json, read by ``spill eval --adapter``."""
     w = world["w"]
@@ -334,7 +334,7 @@ def test_adapter_json(world, examples):
     fuzz(examples, example)
 
 
-@variants(10)
+@variants(15)
 def test_model_cache_marker(world, examples):
     """The model cache's ``spill-source.json``, read by ``spill models list`` (and ``--json``)."""
 
@@ -362,7 +362,7 @@ def _fake_measurement() -> None:
     numerics.measure_linear = lambda: dict(fixed)
 
 
-@variants(5)
+@variants(8)
 def test_machine_cache(world, examples):
     """The per-machine measurement cache, read by ``spill run`` choosing its numerics: a damaged
     cache is measured again and replaced with one that matches its schema."""

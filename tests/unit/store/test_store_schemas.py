@@ -47,7 +47,10 @@ def test_a_huge_value_is_refused_in_one_short_line():
 
 def test_parse_json_turns_every_failure_into_value_error():
     assert parse_json(b'{"a": [1]}') == {"a": [1]}
-    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a": "\xff"}', b"{", b"1" * 5000):
+    bad = [b"[" * 100_000 + b"]" * 100_000, b'{"a": "\xff"}', b"{", b"1" * 5000]
+    bad += [b'{"a": "\xed\xa0\x80"}', b'{"a": "\\ud800"}']  # surrogates: no characters
+    assert parse_json(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # a pair is one
+    for raw in bad:
         with pytest.raises(ValueError):
             parse_json(raw)
 
