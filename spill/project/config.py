@@ -253,7 +253,9 @@ def hydra_line(e: BaseException) -> str:
     key = re.search(r"full_key: *(\S*)", text)
     if key and key[1] and not key[1].startswith("object_type="):
         key = key[1]
-        first = text.splitlines()[0]
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        composing = len(lines) > 1 and lines[0].endswith("while composing config:")
+        first = short(lines[1] if composing else lines[0], 300)
         if "Missing mandatory value" in first:
             return f"{key} is not set (the chosen option leaves it to the project); set it"
         return f"{key}: {first}"
@@ -295,7 +297,15 @@ def compose(root: Path | str, overrides: Sequence[str] = ()) -> Project:
         raise ConfigError(f"{where}: {hydra_line(e)}") from None
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply to be a spill.yaml") from None
-    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, IndexError) as e:
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        AssertionError,
+        IndexError,
+        OSError,
+    ) as e:
         # Hydra's own code raises these on a malformed defaults list or hydra section
         what = f"{type(e).__name__}: {short(str(e), 200)}"
         raise ConfigError(
