@@ -9,9 +9,10 @@ Layout under ``--state`` (default ``<project>/.spill``)::
 
 ``state.json`` (schema ``build-state``) is one object written atomically through
 ``spill.store.fs`` after everything it names; a reader that finds none starts fresh. Writing
-validates it, and so does reading (its ``config`` too, against the strict spill.yaml schema),
-through ``schemas.validate_once``: bytes already validated on this machine cost one hash, so
-``spill status`` and a build of a finished project still start without importing jsonschema.
+validates it, and so does reading (its ``config`` too, against the strict spill.yaml schema,
+and each stage's result), through ``schemas.validate_once``: bytes already validated on this
+machine (by a read, or by the write that made them) cost one hash, so ``spill status`` and a
+build of a finished project still start without importing jsonschema.
 
 The probes read only small files: the newest committed tune checkpoint's ``state.json`` and
 the row segments' commit markers. They say how far a stopped stage got and which engine,
@@ -90,11 +91,14 @@ def _check_more(doc: dict[str, Any], uri: str) -> None:
 
 
 def write(root: str, doc: dict[str, Any]) -> None:
-    from spill.store.schemas import validate
+    from spill.store.schemas import remember, validate
 
     uri = join(root, STATE)
     validate(doc, "build-state", where=uri)
-    put_bytes(uri, json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode() + b"\n")
+    _check_more(doc, uri)
+    raw = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode() + b"\n"
+    put_bytes(uri, raw)
+    remember(raw, "build-state")  # what ``read`` checks, checked: its next read costs a hash
 
 
 def summarize(stage: str, result: Mapping[str, Any]) -> str:

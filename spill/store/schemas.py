@@ -129,6 +129,11 @@ def validate_once(
     _remember(marker)
 
 
+def remember(raw: bytes, name: str) -> None:
+    """Record bytes the caller validated as ``validate_once`` would (a writer, after writing)."""
+    _remember(_marker(raw, name.removesuffix(SUFFIX)))
+
+
 def _remember(marker: str) -> None:
     folder = os.path.dirname(marker)
     try:

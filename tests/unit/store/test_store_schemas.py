@@ -9,7 +9,14 @@ import jsonschema
 import pytest
 
 from spill.store import schemas
-from spill.store.schemas import SchemaInvalid, load_schema, parse_json, validate, validate_once
+from spill.store.schemas import (
+    SchemaInvalid,
+    load_schema,
+    parse_json,
+    remember,
+    validate,
+    validate_once,
+)
 
 NAMES = ["checkpoint-state", "commit", "segment-commit", "row-identity", "machine"]
 
@@ -92,3 +99,11 @@ def test_validate_once_keeps_a_bounded_number_of_markers(spill_home, identity, m
     for i in range(9):
         validate_once(json.dumps(doc).encode() + b" " * i, doc, "row-identity", "x")
     assert 2 <= len(_markers(spill_home)) <= 4
+
+
+def test_remember_records_what_a_writer_validated(spill_home):
+    raw = b'{"written": "by spill"}'
+    remember(raw, "row-identity")
+    validate_once(raw, {"written": "by spill"}, "row-identity", "x")  # trusted: not validated
+    with pytest.raises(SchemaInvalid):
+        validate_once(raw + b"\n", {"written": "by spill"}, "row-identity", "x")
