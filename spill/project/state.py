@@ -124,15 +124,21 @@ def summarize(stage: str, result: Mapping[str, Any]) -> str:
     return ""
 
 
-def _json(uri: str) -> Any:
+def _json(uri: str) -> dict:
+    """A small JSON object a probe reads; ``{}`` when it is missing, damaged or no object (a
+    probe reports what it can; the job that continues verifies everything)."""
+    from spill.store.schemas import parse_json
+
     try:
-        return json.loads(get_bytes(uri))
+        doc = parse_json(get_bytes(uri))
     except (FileNotFoundError, ValueError):
-        return None
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
-def _producer(p: dict) -> dict:
-    return {k: p.get(k) for k in PRODUCER_KEYS}
+def _producer(p: Any) -> dict:
+    p = p if isinstance(p, dict) else {}
+    return {k: v if isinstance(v := p.get(k), str) else None for k in PRODUCER_KEYS}
 
 
 def _distinct(producers: list[dict]) -> list[dict]:
@@ -152,14 +158,15 @@ def probe(root: str, stage: str) -> tuple[int, list[dict]]:
         steps = sorted((int(m[1]), n) for n in listdir(base) if (m := _STEP.fullmatch(n)))
         for step, name in reversed(steps):
             if "COMMIT" in listdir(join(base, name)):
-                doc = _json(join(base, name, "state.json")) or {}
-                return step, _distinct(doc.get("producers", []))
+                producers = _json(join(base, name, "state.json")).get("producers")
+                return step, _distinct(producers if isinstance(producers, list) else [])
         return 0, []
     rows, producers = 0, []
     base = join(where, "rows")
     for name in sorted(listdir(base), key=lambda n: int(m[1]) if (m := _SEG.fullmatch(n)) else -1):
         if _SEG.fullmatch(name) and (commit := _json(join(base, name))):
-            rows += int(commit.get("count", 0))
+            count = commit.get("count")
+            rows += count if type(count) is int and count > 0 else 0
             producers.append(commit.get("producer", {}))
     return rows, _distinct(producers)
 
