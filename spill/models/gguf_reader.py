@@ -1,9 +1,11 @@
-"""A small GGUF reader: the key/value metadata and the tensor table, then one tensor at a time.
+"""GGUF files through ``gguf.GGUFReader``: the key/value metadata, the tensor table, one tensor at a time.
 
-``gguf.GGUFReader`` builds a numpy view per string of every string array (49k tokens, 49k merges
-for SmolLM2) and takes seconds; parsing the header here with ``struct`` takes a tenth of that.
-Tensor bytes are read per tensor with ``pread`` and dequantized by ``gguf.quants.dequantize``, so
-memory stays at one tensor while reading. Only little-endian GGUF v2/v3 files are accepted.
+The header is parsed by the ``gguf`` package's own reader, the maintained reference (a
+hand-written ``struct`` parser saved about 2 s of a one-time ~3 s import of SmolLM2: not worth
+a second copy of the format). Its memmap is dropped once the table is read; tensor bytes are
+read per tensor with ``pread`` and dequantized by ``gguf.quants.dequantize``, so memory stays
+at one tensor. Only little-endian GGUF v2/v3 files are accepted; whatever ``gguf`` raises on a
+cut or corrupt file becomes one ``ModelError`` line.
 
 ``tokenizer_json`` rebuilds the file's byte-level BPE tokenizer with ``tokenizers`` alone: tokens
 and merges as stored, control tokens added as special, user-defined ones as plain added tokens,
@@ -14,12 +16,11 @@ and BOS/EOS added on encode only where the file's flags say so. Token strings ar
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from spill.errors import ModelError, UnsupportedModel
@@ -31,35 +32,8 @@ _LLAMA3_SPLIT = (
 )
 _PRE_SPLITS = {"gpt2": None, "smollm": None, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-
 MAGIC = b"GGUF"
-_STRING, _ARRAY = 8, 9
-# GGUF value type -> struct code (8 is a string, 9 an array)
-_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-_NUMPY = {
-    0: "<u1",
-    1: "<i1",
-    2: "<u2",
-    3: "<i2",
-    4: "<u4",
-    5: "<i4",
-    6: "<f4",
-    10: "<u8",
-    11: "<i8",
-    12: "<f8",
-}
+
 # Types gguf.quants dequantizes exactly as ggml does; others are refused before any work.
 SUPPORTED = tuple(
     GGMLQuantizationType[n]
@@ -120,110 +94,45 @@ class GGUFFile:
         return out
 
 
-class _Cursor:
-    """Sequential little-endian reads over a buffer; any overrun is a truncated file."""
-
-    def __init__(self, buf):  # bytes or mmap: slicing either copies, so nothing stays exported
-        self.buf, self.pos = buf, 0
-
-    def unpack(self, code: str):
-        (value,) = struct.unpack_from("<" + code, self.buf, self.pos)
-        self.pos += struct.calcsize(code)
-        return value
-
-    def string(self) -> str:
-        n = self.unpack("Q")
-        raw = self.buf[self.pos : self.pos + n]
-        if len(raw) != n:
-            raise struct.error("string past the end")
-        self.pos += n
-        return raw.decode("utf-8")
-
-    def value(self, vtype: int):
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            itype, n = self.unpack("I"), self.unpack("Q")
-            if itype == _STRING:
-                return [self.string() for _ in range(n)]
-            if itype in _NUMPY:
-                width = np.dtype(_NUMPY[itype]).itemsize
-                raw = self.buf[self.pos : self.pos + n * width]
-                if len(raw) != n * width:
-                    raise struct.error("array past the end")
-                self.pos += n * width
-                return np.frombuffer(raw, dtype=_NUMPY[itype]).tolist()
-            if itype == 7:  # bool
-                return [self.unpack("?") for _ in range(n)]
-            return [self.value(itype) for _ in range(n)]  # nested arrays
-        if vtype not in _SCALARS:
-            raise ValueError(f"unknown value type {vtype}")
-        return self.unpack(_SCALARS[vtype])
-
-
-def _header(path: Path, buf, size: int) -> GGUFFile:
-    cur = _Cursor(buf)
-    if buf[:4] != MAGIC:
-        raise ModelError(f"{path}: not a GGUF file (no GGUF magic); give a .gguf model file")
-    version = cur.unpack("4xI")
-    if version not in (2, 3):
-        what = "big-endian" if version & 0xFFFF == 0 else f"version {version}"
-        raise UnsupportedModel(
-            f"{path}: {what} GGUF is not supported; re-convert it with a current llama.cpp"
-        )
-    n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
-    if n_tensors > size or n_kv > size:
-        raise ModelError(f"{path}: corrupt GGUF header; fetch the file again")
-    metadata = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("I"))
-    table = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        dims = [cur.unpack("Q") for _ in range(cur.unpack("I"))]
-        table.append((name, tuple(reversed(dims)), cur.unpack("I"), cur.unpack("Q")))
-    align = int(metadata.get("general.alignment", 32))
-    start = -(-cur.pos // align) * align
-    tensors = []
-    for name, shape, code, rel in table:
-        try:
-            qtype = GGMLQuantizationType(code)
-        except ValueError:
-            raise UnsupportedModel(
-                f"{path}: tensor {name} has unknown ggml type {code}; re-convert it"
-            ) from None
-        block, tsize = GGML_QUANT_SIZES[qtype]
-        if not shape or shape[-1] % block:
-            raise ModelError(
-                f"{path}: tensor {name} has shape {shape} that {qtype.name} cannot hold"
-            )
-        nbytes = int(np.prod(shape, dtype=np.int64)) // block * tsize
-        if start + rel + nbytes > size:
-            raise ModelError(
-                f"{path}: truncated GGUF ({size} bytes, tensor {name} needs {start + rel + nbytes}); fetch it again"
-            )
-        tensors.append(TensorInfo(name, shape, qtype, start + rel, nbytes))
-    return GGUFFile(path, size, version, metadata, tuple(tensors))
-
-
 def read_gguf(path: Path) -> GGUFFile:
     """Parse a GGUF file's header; a non-GGUF, truncated or corrupt file is one ``ModelError`` line."""
-    import mmap
-
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"{path}: no such file; give the path of a .gguf model file")
     size = path.stat().st_size
     if size < 24:
         raise ModelError(f"{path}: not a GGUF file ({size} bytes); give a .gguf model file")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        try:
-            return _header(path, mm, size)
-        except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError):
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != MAGIC:
+        raise ModelError(f"{path}: not a GGUF file (no GGUF magic); give a .gguf model file")
+    version = int.from_bytes(head[4:], "little")
+    if version not in (2, 3):
+        what = "big-endian" if version & 0xFFFF == 0 else f"version {version}"
+        raise UnsupportedModel(
+            f"{path}: {what} GGUF is not supported; re-convert it with a current llama.cpp"
+        )
+    try:
+        reader = GGUFReader(path)
+        metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        tensors = tuple(_info(t) for t in reader.tensors)
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError, MemoryError):
+        # gguf raises these for a cut or corrupt header, an unknown ggml type, a short tensor
+        raise ModelError(f"{path}: truncated or corrupt GGUF; fetch the file again") from None
+    for info in tensors:
+        if info.offset + info.nbytes > size:
             raise ModelError(
-                f"{path}: truncated or corrupt GGUF header; fetch the file again"
-            ) from None
+                f"{path}: truncated GGUF (tensor {info.name} is cut short); fetch it again"
+            )
+    return GGUFFile(path, size, version, metadata, tensors)
+
+
+def _info(t) -> TensorInfo:
+    """A ``gguf.ReaderTensor`` as spill's plain record: numpy shape order, absolute offset."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    return TensorInfo(
+        t.name, shape, GGMLQuantizationType(t.tensor_type), int(t.data_offset), int(t.n_bytes)
+    )
 
 
 def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
