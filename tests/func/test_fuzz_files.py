@@ -9,9 +9,10 @@ result an undamaged run gives, where the damage cannot change it), and every oth
 keep its bytes, except what the command is documented to (re)write.
 
 The prepared states are made once per module through the real CLI in subprocesses: a finished
-toy build (with a group file of the project's own), a tune stopped at step 3 of 4 and its
-uninterrupted reference, a finished row job of 30 rows, a tuned adapter. ``EXAMPLES`` sizes the
-CI run (about a minute in all); the ``slow`` variant runs ten times as many, not derandomized.
+toy build (with a group file of the project's own) and one stopped inside tune, a tune stopped
+at step 3 of 4 and its uninterrupted reference, a finished row job of 30 rows, a tuned adapter.
+``@variants(n)`` sizes each CI run (derandomized; about a minute in all); the ``slow`` variant
+runs ten times as many random examples. ``FUZZ_LOG=file`` logs each damage and its outcome.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -40,24 +42,29 @@ RUN = ["--max-new-tokens", "4", *DTYPE]
 SLOW = 10  # the slow variant runs this many times the examples
 
 
+class Budget(NamedTuple):
+    examples: int
+    ci: bool  # derandomized: the same examples on every run
+
+
 def variants(examples: int):
     return pytest.mark.parametrize(
         "examples",
         [
-            pytest.param(examples, id="ci"),
-            pytest.param(examples * SLOW, id="many", marks=pytest.mark.slow),
+            pytest.param(Budget(examples, True), id="ci"),
+            pytest.param(Budget(examples * SLOW, False), id="many", marks=pytest.mark.slow),
         ],
     )
 
 
-def fuzz(examples: int, test: Callable) -> None:
+def fuzz(budget: Budget, test: Callable) -> None:
     """Run ``test(data)`` under hypothesis: derandomized in CI, random in the slow variant."""
     given(st.data())(
         settings(
-            max_examples=examples,
+            max_examples=budget.examples,
             deadline=None,
             database=None,
-            derandomize=examples < SLOW * 2,
+            derandomize=budget.ci,
             suppress_health_check=list(HealthCheck),
         )(test)
     )()
