@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,38 @@ def run_spill(
         cwd=cwd,
         timeout=timeout,
     )
+
+
+ENGINES = ("torch", "mlx")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_code(*args: str) -> str:
+    """Python that runs spill's CLI in-process on ``args`` and prints ``rc <exit code>`` last
+    (``--help`` exits through SystemExit: its code is printed the same way)."""
+    return (
+        "from spill.cli import main\n"
+        f"try:\n    rc = main({list(args)!r})\nexcept SystemExit as stop:\n    rc = stop.code\n"
+        "print('rc', rc)\n"
+    )
+
+
+def assert_not_imported(
+    code: str, modules: Sequence[str] = ENGINES, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter and fail if it left any of ``modules`` (default:
+    torch and mlx) in ``sys.modules``; returns the finished process for further checks."""
+    check = (
+        "\nimport sys as _sys\n"
+        f"_heavy = [m for m in {tuple(modules)!r} if m in _sys.modules]\n"
+        "assert not _heavy, f'imported {_heavy}'\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code + check],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_spill
+from tests.conftest import ENGINES, assert_not_imported, cli_code, run_spill
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "projects" / "toy"
@@ -115,15 +115,10 @@ def test_toy_build_solves_the_task(reference):
 
 def test_finished_build_and_status_answer_without_engines(reference, home):
     for verb in ("build", "status"):
-        code = (
-            "import sys\nfrom spill.cli import main\n"
-            f"rc = main([{verb!r}, {str(reference['project'])!r}])\n"
-            "heavy = [m for m in ('torch', 'mlx', 'numpy', 'hydra', 'jsonschema') if m in sys.modules]\n"
-            "assert rc == 0 and not heavy, (rc, heavy)\n"
-        )
-        env = dict(os.environ, SPILL_HOME=str(home))
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-        assert proc.returncode == 0, proc.stderr
+        heavy = (*ENGINES, "numpy", "hydra", "jsonschema")
+        code = cli_code(verb, str(reference["project"]))
+        proc = assert_not_imported(code, heavy, env={"SPILL_HOME": str(home)})
+        assert proc.stdout.splitlines()[-1] == "rc 0"
         assert "eval       done     accuracy 1.000" in proc.stdout
         assert "== " not in proc.stderr  # no stage ran
 
@@ -325,12 +320,5 @@ def test_teacher_answers_become_the_training_rows(home, tmp_path):
 
 @pytest.mark.parametrize("verb", ["init", "build", "status", "resume"])
 def test_help_imports_no_engine(verb):
-    code = (
-        "import sys\nfrom spill.cli import main\n"
-        f"try:\n    main([{verb!r}, '--help'])\nexcept SystemExit:\n    pass\n"
-        "heavy = [m for m in ('torch', 'mlx', 'hydra', 'numpy') if m in sys.modules]\n"
-        "assert not heavy, heavy\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    proc = assert_not_imported(cli_code(verb, "--help"), (*ENGINES, "hydra", "numpy"))
     assert f"usage: spill {verb}" in proc.stdout

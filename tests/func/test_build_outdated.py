@@ -12,10 +12,9 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.conftest import assert_not_imported, cli_code
 from tests.func import test_build
 from tests.func.test_build import (
     assert_same_adapter,
@@ -220,16 +219,8 @@ def test_unknown_model_names_fail_while_planning(home, tmp_path):
 def test_dry_run_imports_no_engine(home, tmp_path):
     project = copy_toy(tmp_path / "toy")
     for extra in ([], ["model.name=qwen9:7b"]):
-        code = (
-            "import sys\nfrom spill.cli import main\n"
-            f"rc = main(['build', {str(project)!r}, '--dry-run', *{extra!r}])\n"
-            "heavy = [m for m in ('torch', 'mlx') if m in sys.modules]\n"
-            "assert not heavy, heavy\n"
-            "print('rc', rc)\n"
-        )
-        env = dict(os.environ, SPILL_HOME=str(home), HF_HUB_OFFLINE="1")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-        assert proc.returncode == 0, proc.stderr
+        code = cli_code("build", str(project), "--dry-run", *extra)
+        proc = assert_not_imported(code, env={"SPILL_HOME": str(home), "HF_HUB_OFFLINE": "1"})
         assert proc.stdout.strip().endswith("rc 1" if extra else "rc 0"), proc.stdout
 
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import run_spill
+from tests.conftest import ENGINES, assert_not_imported, cli_code, run_spill
 
 SUBCOMMANDS = [
     [],
@@ -22,14 +20,7 @@ SUBCOMMANDS += [["models", "import"], ["models", "tiny"], ["models", "list"]]
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS, ids=lambda s: " ".join(s) or "top")
 def test_help_imports_neither_torch_nor_mlx(sub):
-    code = (
-        "import sys\nfrom spill.cli import main\n"
-        f"try:\n    main({[*sub, '--help']!r})\nexcept SystemExit:\n    pass\n"
-        "heavy = [m for m in ('torch', 'mlx', 'transformers') if m in sys.modules]\n"
-        "assert not heavy, heavy\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    proc = assert_not_imported(cli_code(*sub, "--help"), (*ENGINES, "transformers"))
     assert "usage: spill" in proc.stdout
 
 

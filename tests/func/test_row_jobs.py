@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from spill.models.tiny import write_tiny
-from tests.conftest import run_spill
+from tests.conftest import assert_not_imported, cli_code, run_spill
 
 ENV = {"OMP_NUM_THREADS": "1"}
 GEN = ["--max-new-tokens", "16", "--dtype", "float32", "--batch", "2"]
@@ -294,10 +294,4 @@ def test_distill_writes_training_rows_and_resumes(tmp_path, greedy):
 
 @pytest.mark.parametrize("sub", ["eval", "distill"])
 def test_help_imports_no_engine(sub):
-    code = (
-        "import sys\nfrom spill.cli import main\n"
-        f"try:\n    main([{sub!r}, '--help'])\nexcept SystemExit:\n    pass\n"
-        "assert not [m for m in ('torch', 'mlx') if m in sys.modules]\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    assert_not_imported(cli_code(sub, "--help"))

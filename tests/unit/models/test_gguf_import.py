@@ -29,6 +29,7 @@ from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 from spill.models.safetensors_io import read_header
 from spill.models.tokenizer import Tokenizer
 from spill.store.schemas import validate
+from tests.conftest import assert_not_imported
 
 Q = gguf.GGMLQuantizationType
 
@@ -498,6 +499,4 @@ def test_missing_wheel_says_how_to_install(monkeypatch):
 
 
 def test_import_module_is_engine_free():
-    code = "import sys, spill.models.gguf_import; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert_not_imported("import spill.models.gguf_import")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,8 +11,7 @@ from spill.project.config import from_record
 from spill.project.data import Prepared
 from spill.project.plan import PlanError, Recorded, StopAfter, describe_change, plan
 from spill.project.stages import specs
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.conftest import ENGINES, assert_not_imported
 
 CONFIG = {
     "schema_version": 1,
@@ -205,13 +202,10 @@ def test_describe_change_lists_config_first_and_counts_the_rest():
 
 def test_planning_imports_no_engine():
     code = (
-        "import sys\nimport spill.project.plan, spill.project.stages, spill.project.build\n"
+        "import spill.project.plan, spill.project.stages, spill.project.build\n"
         "import spill.project.status, spill.project.execute\n"
-        "heavy = [m for m in ('torch', 'mlx', 'numpy', 'hydra') if m in sys.modules]\n"
-        "assert not heavy, heavy\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    assert_not_imported(code, (*ENGINES, "numpy", "hydra"))
 
 
 def test_make_rule_a_stage_after_one_that_reruns_waits_and_drops_its_result():
