@@ -1,13 +1,11 @@
 """The MLX engine: streamed == resident bit for bit, float32 agreement with the torch engine on
-both families, seeded sampling, the ring's contract, measured numerics and the BLAS it reports."""
+both families, seeded sampling, the ring sized from memory, measured numerics and the BLAS it reports."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import shutil
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -21,9 +19,8 @@ mlx_engine = pytest.importorskip("spill.engines.mlx", reason="the MLX engine doe
 mx = pytest.importorskip("mlx.core")
 
 from spill.engines import resolve  # noqa: E402
-from spill.engines.base import GenerateParams, LoadOptions, ModelSpec, Stats  # noqa: E402
+from spill.engines.base import GenerateParams, LoadOptions, ModelSpec  # noqa: E402
 from spill.engines.mlx import blas, numerics  # noqa: E402
-from spill.engines.mlx.ring import Ring, plan_ring  # noqa: E402
 from spill.engines.torch import ENGINE as TORCH  # noqa: E402
 from spill.errors import EngineError  # noqa: E402
 from spill.models.config import load_config  # noqa: E402
@@ -91,7 +88,7 @@ def test_bfloat16_streamed_and_resident_are_bit_identical(tiny_models):
     folder = tiny_models["qwen2"]
     streamed = open_runner(folder, ring=2, dtype="bfloat16")
     resident = open_runner(folder, resident=True, dtype="bfloat16")
-    assert streamed.info.numerics == "bfloat16" and streamed.model.embed.dtype == mx.bfloat16
+    assert streamed.info.numerics == "bfloat16" and streamed.model.kernel.embed.dtype == mx.bfloat16
     a = streamed.score(PROMPTS, COMPLETIONS)
     assert same(a, resident.score(PROMPTS, COMPLETIONS))
     ref = open_runner(folder, dtype="float32").score(PROMPTS, COMPLETIONS)
@@ -203,59 +200,7 @@ def test_stop_ids_edges_and_stats(tiny_models):
         runner.score([np.array([1, 999])], [np.array([1])])
 
 
-# -- the ring ------------------------------------------------------------------------------
-
-LAYERS = 6
-
-
-def fake_ring(slots, delay=0.0, fail_at=None):
-    loads = []
-
-    def load(i):
-        if i == fail_at:
-            raise OSError(f"layer {i} unreadable")
-        time.sleep(delay)
-        loads.append((i, threading.current_thread().name))
-        return {"w": mx.array(np.full(4, i, np.float32))}  # no MLX op off the main thread
-
-    return Ring(load, LAYERS, slots, False, Stats()), loads
-
-
-def test_plan_ring_is_the_torch_engines():
-    from spill.engines.torch.ring import plan_ring as torch_plan
-
-    gib = 1 << 30
-    for budget in (40 * gib, 28 * gib, 10 * gib + 5, gib // 2, 0):
-        for ring, resident in ((None, False), (2, False), (9, False), (2, True)):
-            args = (28, gib, ring, resident, budget)
-            assert plan_ring(*args) == torch_plan(*args)
-    with pytest.raises(EngineError):
-        plan_ring(28, gib, 0, False, 0)
-
-
-def test_ring_prefetches_ahead_releases_and_stops_cleanly():
-    ring, loads = fake_ring(slots=2)
-    kept = []
-    for i, w in ring.walk(range(LAYERS)):
-        assert float(w["w"][0]) == i
-        if i == 0:
-            time.sleep(0.2)  # layer 0 "computes"; the loader fetches layer 1 meanwhile
-            assert ring.live() == {0, 1}
-        kept.append(w)
-    assert all(w == {} for w in kept)  # released once the walk moved on
-    assert {name for _, name in loads} == {"spill-ring"} and ring.max_live == 2
-    ring, _ = fake_ring(slots=3)
-    assert [i for i, _ in ring.walk(reversed(range(LAYERS)))] == list(reversed(range(LAYERS)))
-    ring, loads = fake_ring(slots=2, delay=0.01)
-    for i, _ in ring.walk(range(LAYERS)):
-        if i == 1:
-            break
-    assert ring.live() == set() and len(loads) <= 3
-    assert not [t for t in threading.enumerate() if t.name == "spill-ring"]
-    ring, _ = fake_ring(slots=2, fail_at=3)
-    with pytest.raises(OSError, match="layer 3"):
-        for _ in ring.walk(range(LAYERS)):
-            pass
+# -- the ring inside the engine (the ring itself: test_ring.py) ---------------------------
 
 
 def test_engine_sizes_the_ring_from_memory(tiny_models):

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from spill.engines.base import AdamW, GenerateParams, LoadOptions, ModelSpec, TrainBatch
+from spill.engines.common import dropout_seed
 from spill.engines.torch import ENGINE
+from spill.engines.torch.kernel import dropout
 from spill.engines.torch.ops import linear
-from spill.engines.torch.train import dropout, dropout_seed
 from spill.errors import EngineError
 from spill.jobs.schedule import cosine_lr
 from spill.jobs.train_data import Example, micro_batch
@@ -156,10 +157,10 @@ def reference_grads(model, lora, params, batch: TrainBatch) -> dict[str, np.ndar
                 entry += (dropout(lora.dropout, seed),)
             adapters[i][MODULES[t]] = entry
     ids = torch.from_numpy(batch.tokens)
-    ctx = model.context(torch.from_numpy(batch.attention), 0, ids.shape[1])
+    ctx = model.kernel.context(batch.attention, 0, ids.shape[1])
     h = model.forward(ids, ctx, lora=adapters)  # (B, T, hidden)
     rows, cols = (torch.from_numpy(x) for x in np.nonzero(batch.targets[:, 1:]))
-    logits = model.logits(h[rows, cols])
+    logits = model.kernel.logits(h[rows, cols])
     loss = F.cross_entropy(logits, ids[rows, cols + 1], reduction="sum") * batch.scale
     loss.backward()
     return {n: t.grad.numpy() for n, t in leaves.items()}
