@@ -1,5 +1,6 @@
-"""The MLX engine: streamed == resident bit for bit, float32 agreement with the torch engine on
-both families, seeded sampling, the ring sized from memory, measured numerics and the BLAS it reports."""
+"""The MLX engine: how it reports itself, float32 agreement with the torch engine on both
+families (with and without adapters, with Llama 3 rope scaling), measured numerics and the BLAS
+it reports. What every engine must do is in ``test_runner.py``."""
 
 from __future__ import annotations
 
@@ -25,29 +26,17 @@ from spill.engines.torch import ENGINE as TORCH  # noqa: E402
 from spill.errors import EngineError  # noqa: E402
 from spill.models.config import load_config  # noqa: E402
 from spill.models.lora import LoraConfig, init_params  # noqa: E402
-from spill.models.tiny import write_tiny  # noqa: E402
 from spill.paths import machine_cache  # noqa: E402
+from tests.unit.engines.kit import COMPLETIONS, PROMPTS, same, tokens  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
 MLX = mlx_engine.ENGINE
-PROMPTS = [np.array([5, 6, 7, 8, 9, 10]), np.array([100, 3]), np.arange(20, 40)]
-COMPLETIONS = [np.array([11, 12, 13]), np.array([4, 5, 6, 7]), np.array([1])]
-GREEDY = GenerateParams(max_new_tokens=12)
-SAMPLED = GenerateParams(max_new_tokens=24, temperature=1.0, top_p=0.9)
 LOGPROB_TOLERANCE = 1e-5  # float32, MLX vs torch; measured 5.7e-6 (llama), 4.8e-7 (qwen2)
 
 
 def open_runner(folder, engine=MLX, **options):
     return engine.open(ModelSpec(folder, load_config(folder)), LoadOptions(**options))
-
-
-def tokens(gens):
-    return [(g.tokens.tolist(), g.finish) for g in gens]
-
-
-def same(xs, ys) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(xs, ys, strict=True))
 
 
 @pytest.fixture
@@ -69,30 +58,6 @@ def test_resolves_by_name_and_reports_itself(tiny_models):
     assert "engine mlx · device cpu · numerics float32" in info.line()
     with pytest.raises(EngineError, match="cpu or gpu"):
         open_runner(tiny_models["llama"], device="cuda:0")
-
-
-def test_streamed_and_resident_are_bit_identical(runners):
-    streamed, resident = runners
-    assert not streamed.info.resident and streamed.info.ring == 2 and resident.info.resident
-    a, b = streamed.score(PROMPTS, COMPLETIONS), resident.score(PROMPTS, COMPLETIONS)
-    assert all(x.dtype == np.float32 for x in a) and same(a, b)
-    for params in (GREEDY, SAMPLED):
-        seeds = [1, 2, 3]
-        assert tokens(streamed.generate(PROMPTS, params, seeds)) == tokens(
-            resident.generate(PROMPTS, params, seeds)
-        )
-    assert streamed.stats.extra["ring_max_live"] <= 2
-
-
-def test_bfloat16_streamed_and_resident_are_bit_identical(tiny_models):
-    folder = tiny_models["qwen2"]
-    streamed = open_runner(folder, ring=2, dtype="bfloat16")
-    resident = open_runner(folder, resident=True, dtype="bfloat16")
-    assert streamed.info.numerics == "bfloat16" and streamed.model.kernel.embed.dtype == mx.bfloat16
-    a = streamed.score(PROMPTS, COMPLETIONS)
-    assert same(a, resident.score(PROMPTS, COMPLETIONS))
-    ref = open_runner(folder, dtype="float32").score(PROMPTS, COMPLETIONS)
-    assert max(np.abs(x - y).max() for x, y in zip(a, ref, strict=True)) < 0.1
 
 
 def test_log_probs_and_greedy_match_torch(runners, tiny_model):
@@ -157,60 +122,6 @@ def test_llama3_rope_scaling_matches_torch(tiny_models, tmp_path):
     ours = open_runner(folder, dtype="float32").score([prompt], [completion])[0]
     theirs = open_runner(folder, TORCH, dtype="float32").score([prompt], [completion])[0]
     assert np.abs(ours - theirs).max() <= LOGPROB_TOLERANCE
-
-
-def test_sharded_model_equals_single_file(tiny_models, tmp_path):
-    sharded = write_tiny(tmp_path / "sharded", family="qwen2", seed=7, shards=3)
-    a = open_runner(sharded, ring=2, dtype="float32").score(PROMPTS, COMPLETIONS)
-    b = open_runner(tiny_models["qwen2"], ring=2, dtype="float32").score(PROMPTS, COMPLETIONS)
-    assert same(a, b)
-
-
-def test_seeded_sampling_is_reproducible_and_ignores_batch_neighbours(tiny_models):
-    runner = open_runner(tiny_models["llama"], ring=2, dtype="float32")
-    seeds = [11, 12, 13]
-    batch = runner.generate(PROMPTS, SAMPLED, seeds)
-    assert tokens(batch) == tokens(runner.generate(PROMPTS, SAMPLED, seeds))
-    for prompt, seed, in_batch in zip(PROMPTS, seeds, batch, strict=True):
-        assert tokens(runner.generate([prompt], SAMPLED, [seed])) == tokens([in_batch])
-    outs = {tuple(runner.generate([PROMPTS[0]], SAMPLED, [s])[0].tokens) for s in range(4)}
-    assert len(outs) > 1
-
-
-def test_stop_ids_edges_and_stats(tiny_models):
-    runner = open_runner(tiny_models["qwen2"], ring=2, dtype="float32")
-    free = runner.generate(PROMPTS, GREEDY, [0, 0, 0])
-    first = int(free[1].tokens[0])
-    stopped = runner.generate(
-        PROMPTS, GenerateParams(max_new_tokens=12, stop_ids=(first,)), [0] * 3
-    )
-    for g, f in zip(stopped, free, strict=True):
-        at = f.tokens.tolist().index(first) if first in f.tokens else None
-        want = (f.tokens.tolist(), "length") if at is None else (f.tokens[:at].tolist(), "stop")
-        assert (g.tokens.tolist(), g.finish) == want
-    before = runner.stats.layer_loads
-    assert runner.score([np.array([1, 2])], [np.array([], dtype=np.int64)])[0].shape == (0,)
-    out = runner.generate([np.array([1, 2])], GenerateParams(max_new_tokens=0), [0])
-    assert out[0].tokens.shape == (0,) and out[0].finish == "length"
-    runner.generate([np.array([1, 2])], GenerateParams(max_new_tokens=3), [0])
-    layers = runner.info.layers
-    assert runner.stats.layer_loads - before == layers + 3 * layers  # score, prefill, 2 steps
-    assert runner.stats.extra["ring_max_live"] <= 2
-    with pytest.raises(EngineError, match="token ids"):
-        runner.score([np.array([1, 999])], [np.array([1])])
-
-
-# -- the ring inside the engine (the ring itself: test_ring.py) ---------------------------
-
-
-def test_engine_sizes_the_ring_from_memory(tiny_models):
-    folder = tiny_models["llama"]
-    cfg = load_config(folder)
-    layer_bytes = cfg.layer_params() * 4
-    tight = open_runner(folder, dtype="float32", memory=layer_bytes * 3 + 1).info
-    assert (tight.resident, tight.ring) == (False, 3)
-    assert open_runner(folder, dtype="float32", memory=1).info.ring == 2
-    assert open_runner(folder, dtype="float32").info.resident
 
 
 # -- numerics and BLAS ---------------------------------------------------------------------
