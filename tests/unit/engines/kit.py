@@ -4,6 +4,9 @@ the small tune loop (micro-batches, a cosine schedule, AdamW) the trainer tests 
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,11 +24,15 @@ SAMPLED = GenerateParams(max_new_tokens=24, temperature=1.0, top_p=0.9)
 ENGINES = ["torch", pytest.param("mlx", marks=pytest.mark.mlx)]
 
 
-def load_engine(name: str):
-    """The engine called ``name``, or a skip that says how to install it."""
+def load_engine(name: str, module: bool = False):
+    """The engine called ``name``, or a skip that says how to install it (of the whole test
+    module with ``module``, called at import)."""
     if name == "mlx":
         if importlib.util.find_spec("mlx") is None:  # without importing mlx.core (see blas.py)
-            pytest.skip('MLX is not installed: pip install "mlx[cpu]" (Linux) or mlx (macOS)')
+            pytest.skip(
+                'MLX is not installed: pip install "mlx[cpu]" (Linux) or mlx (macOS)',
+                allow_module_level=module,
+            )
         return pytest.importorskip(
             "spill.engines.mlx", reason="the MLX engine does not import"
         ).ENGINE
@@ -36,6 +43,22 @@ def load_engine(name: str):
 
 def open_runner(engine, folder, **options):
     return engine.open(ModelSpec(folder, load_config(folder)), LoadOptions(**options))
+
+
+def llama3_scaled(tiny_llama: Path, folder: Path) -> Path:
+    """A copy of the tiny llama with Llama 3 rope scaling; an original context of 64 puts the
+    tiny head's frequencies in all three bands (kept, smoothed, scaled)."""
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
 
 
 def same(xs, ys) -> bool:

@@ -4,19 +4,14 @@ it reports. What every engine must do is in ``test_runner.py``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("mlx") is None:  # checked without importing mlx.core (see blas.py)
-    pytest.skip(
-        'MLX is not installed: pip install "mlx[cpu]" (Linux) or mlx (macOS)',
-        allow_module_level=True,
-    )
-mlx_engine = pytest.importorskip("spill.engines.mlx", reason="the MLX engine does not import")
+from tests.unit.engines.kit import load_engine
+
+MLX = load_engine("mlx", module=True)  # skips this whole module where MLX is missing
 mx = pytest.importorskip("mlx.core")
 
 from spill.engines import resolve  # noqa: E402
@@ -27,11 +22,10 @@ from spill.errors import EngineError  # noqa: E402
 from spill.models.config import load_config  # noqa: E402
 from spill.models.lora import LoraConfig, init_params  # noqa: E402
 from spill.paths import machine_cache  # noqa: E402
-from tests.unit.engines.kit import COMPLETIONS, PROMPTS, same, tokens  # noqa: E402
+from tests.unit.engines.kit import COMPLETIONS, PROMPTS, llama3_scaled, same, tokens  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
-MLX = mlx_engine.ENGINE
 LOGPROB_TOLERANCE = 1e-5  # float32, MLX vs torch; measured 5.7e-6 (llama), 4.8e-7 (qwen2)
 
 
@@ -107,17 +101,7 @@ def test_adapter_scores_match_torch(tiny_model):
 
 
 def test_llama3_rope_scaling_matches_torch(tiny_models, tmp_path):
-    folder = tmp_path / "llama3"
-    shutil.copytree(tiny_models["llama"], folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_scaling"] = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = llama3_scaled(tiny_models["llama"], tmp_path / "llama3")
     prompt, completion = np.arange(30, 90), np.arange(90, 120)
     ours = open_runner(folder, dtype="float32").score([prompt], [completion])[0]
     theirs = open_runner(folder, TORCH, dtype="float32").score([prompt], [completion])[0]

@@ -4,17 +4,12 @@ by spill's names). What every engine must do is in ``test_train.py``."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("mlx") is None:  # checked without importing mlx.core (see blas.py)
-    pytest.skip(
-        'MLX is not installed: pip install "mlx[cpu]" (Linux) or mlx (macOS)',
-        allow_module_level=True,
-    )
-mlx_engine = pytest.importorskip("spill.engines.mlx", reason="the MLX engine does not import")
+from tests.unit.engines.kit import load_engine
+
+MLX = load_engine("mlx", module=True)  # skips this whole module where MLX is missing
 mx = pytest.importorskip("mlx.core")
 
 import torch  # noqa: E402
@@ -28,7 +23,6 @@ from tests.unit.engines.kit import batches, equal_states, fresh, nudged, tune  #
 
 pytestmark = pytest.mark.mlx
 
-MLX = mlx_engine.ENGINE
 GRAD_TOLERANCE = 2e-5  # relative to a tensor's largest gradient; measured ~3e-6
 
 

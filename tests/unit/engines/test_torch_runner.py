@@ -3,9 +3,6 @@ streaming like the CPU. What every engine must do is in ``test_runner.py``."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -13,7 +10,7 @@ import torch
 from spill.engines.base import GenerateParams, LoadOptions, ModelSpec
 from spill.engines.torch import ENGINE
 from spill.models.config import load_config
-from tests.unit.engines.kit import COMPLETIONS, GREEDY, PROMPTS
+from tests.unit.engines.kit import COMPLETIONS, GREEDY, PROMPTS, llama3_scaled
 
 
 def open_runner(folder, **options):
@@ -70,18 +67,7 @@ def test_greedy_matches_transformers(runners, tiny_model):
 
 
 def test_llama3_rope_scaling_matches_transformers(tiny_models, tmp_path):
-    folder = tmp_path / "llama3"
-    shutil.copytree(tiny_models["llama"], folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    # original context 64 puts the tiny head's frequencies in all three bands (kept, smoothed, scaled)
-    cfg["rope_scaling"] = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = llama3_scaled(tiny_models["llama"], tmp_path / "llama3")
     runner = open_runner(folder, dtype="float32")
     prompt, completion = np.arange(30, 90), np.arange(90, 120)
     ref = hf_log_probs(hf_model(folder), prompt, completion)
