@@ -15,13 +15,14 @@ MLX = load_engine("mlx", module=True)  # skips this whole module where MLX is mi
 mx = pytest.importorskip("mlx.core")
 
 from spill.engines import resolve  # noqa: E402
-from spill.engines.base import GenerateParams, LoadOptions, ModelSpec  # noqa: E402
+from spill.engines.base import GenerateParams  # noqa: E402
 from spill.engines.mlx import blas, numerics  # noqa: E402
 from spill.engines.torch import ENGINE as TORCH  # noqa: E402
 from spill.errors import EngineError  # noqa: E402
 from spill.models.config import load_config  # noqa: E402
 from spill.models.lora import LoraConfig, init_params  # noqa: E402
 from spill.paths import machine_cache  # noqa: E402
+from tests.unit.engines import kit  # noqa: E402
 from tests.unit.engines.kit import COMPLETIONS, PROMPTS, llama3_scaled, same, tokens  # noqa: E402
 
 pytestmark = pytest.mark.mlx
@@ -30,17 +31,15 @@ LOGPROB_TOLERANCE = 1e-5  # float32, MLX vs torch; measured 5.7e-6 (llama), 4.8e
 
 
 def open_runner(folder, engine=MLX, **options):
-    return engine.open(ModelSpec(folder, load_config(folder)), LoadOptions(**options))
+    return kit.open_runner(engine, folder, **options)
 
 
 @pytest.fixture
-def runners(tiny_model):
-    """(streamed with a ring of 2, resident), both float32."""
-    streamed = open_runner(tiny_model, ring=2, dtype="float32")
-    resident = open_runner(tiny_model, resident=True, dtype="float32")
-    yield streamed, resident
-    streamed.close()
-    resident.close()
+def streamed(tiny_model):
+    """A float32 runner streaming through a ring of 2."""
+    runner = open_runner(tiny_model, ring=2, dtype="float32")
+    yield runner
+    runner.close()
 
 
 def test_resolves_by_name_and_reports_itself(tiny_models):
@@ -54,8 +53,7 @@ def test_resolves_by_name_and_reports_itself(tiny_models):
         open_runner(tiny_models["llama"], device="cuda:0")
 
 
-def test_log_probs_and_greedy_match_torch(runners, tiny_model):
-    streamed, _ = runners
+def test_log_probs_and_greedy_match_torch(streamed, tiny_model):
     torch_runner = open_runner(tiny_model, TORCH, ring=2, dtype="float32")
     ours, theirs = streamed.score(PROMPTS, COMPLETIONS), torch_runner.score(PROMPTS, COMPLETIONS)
     diff = max(np.abs(a - b).max() for a, b in zip(ours, theirs, strict=True))

@@ -7,24 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from spill.engines.base import GenerateParams, LoadOptions, ModelSpec
+from spill.engines.base import GenerateParams
 from spill.engines.torch import ENGINE
-from spill.models.config import load_config
+from tests.unit.engines import kit
 from tests.unit.engines.kit import COMPLETIONS, GREEDY, PROMPTS, llama3_scaled
 
 
 def open_runner(folder, **options):
-    return ENGINE.open(ModelSpec(folder, load_config(folder)), LoadOptions(**options))
+    return kit.open_runner(ENGINE, folder, **options)
 
 
 @pytest.fixture
-def runners(tiny_model):
-    """(streamed with a ring of 2, resident), both float32."""
-    streamed = open_runner(tiny_model, ring=2, dtype="float32")
-    resident = open_runner(tiny_model, resident=True, dtype="float32")
-    yield streamed, resident
-    streamed.close()
-    resident.close()
+def streamed(tiny_model):
+    """A float32 runner streaming through a ring of 2."""
+    runner = open_runner(tiny_model, ring=2, dtype="float32")
+    yield runner
+    runner.close()
 
 
 def hf_log_probs(model, prompt, completion):
@@ -39,8 +37,7 @@ def hf_model(folder):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def test_log_probs_match_transformers(runners, tiny_model):
-    streamed, _ = runners
+def test_log_probs_match_transformers(streamed, tiny_model):
     hf = hf_model(tiny_model)
     ours = streamed.score(PROMPTS, COMPLETIONS)  # batched, left-padded
     for prompt, completion, got in zip(PROMPTS, COMPLETIONS, ours, strict=True):
@@ -50,8 +47,7 @@ def test_log_probs_match_transformers(runners, tiny_model):
         assert np.abs(alone - ref).max() <= 1e-5
 
 
-def test_greedy_matches_transformers(runners, tiny_model):
-    streamed, _ = runners
+def test_greedy_matches_transformers(streamed, tiny_model):
     hf = hf_model(tiny_model)
     stop = tuple(hf.generation_config.eos_token_id)
     for prompt in (PROMPTS[0], PROMPTS[2]):
