@@ -25,6 +25,7 @@ Array = Any  # an engine's array (torch.Tensor, mx.array)
 # while training with dropout, the dropout applied to the adapter's float32 input.
 LayerLora = dict[str, tuple]
 Sampler = Callable[[np.ndarray, float, float], int]  # (float32 logits (V,), temperature, top_p)
+LOGIT_ROWS = 1024  # lm_head runs on chunks of this many rows: never (N, vocab) at once
 
 
 class Kernel(Protocol):

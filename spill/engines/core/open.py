@@ -18,7 +18,7 @@ from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
 from spill.engines.common import check_layers, plan_model_ring
 from spill.engines.core.kernel import Kernel
 from spill.engines.core.ring import Hooks, Ring, Weights
-from spill.engines.core.runner import Model, Runner
+from spill.engines.core.runner import Model, StreamRunner
 from spill.errors import UnsupportedModel
 from spill.models.config import ModelConfig
 
@@ -58,7 +58,7 @@ def layer_loader(reader, keys: Sequence[str]) -> Callable[[int], Weights]:
     return load
 
 
-def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Runner:
+def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> StreamRunner:
     cfg = model.config
     if cfg.family not in engine.families:
         raise UnsupportedModel(
@@ -82,4 +82,4 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Runn
         layers=layers,
         resident=resident,
     )
-    return Runner(Model(engine.kernel(cfg, place), ring), info, stats)
+    return StreamRunner(Model(engine.kernel(cfg, place), ring), info, stats)

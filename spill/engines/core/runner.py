@@ -1,4 +1,4 @@
-"""The Runner every engine returns: KV-cached generation and scoring over the streaming ring.
+"""``StreamRunner``, the ``base.Runner`` of every engine: KV-cached generation and scoring.
 
 Rows are left-padded; positions come from the mask, so padding shifts nothing. Generation runs
 a prefill, then one token per step, and every step walks all layers (in streaming mode each step
@@ -25,12 +25,10 @@ from spill.engines.common import (
     split_scores,
     sync_ring_stats,
 )
-from spill.engines.core.kernel import Array, Kernel
+from spill.engines.core.kernel import LOGIT_ROWS, Array, Kernel
 from spill.engines.core.ring import Ring
-from spill.engines.core.train import Trainer, layer_adapters
+from spill.engines.core.train import StreamTrainer, layer_adapters
 from spill.models.lora import LoraConfig
-
-LOGIT_ROWS = 1024  # scoring computes lm_head in chunks of this many rows
 
 
 def sample_numpy(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:
@@ -76,7 +74,7 @@ class Model:
         self.kernel.close()
 
 
-class Runner:
+class StreamRunner:
     def __init__(self, model: Model, info: EngineInfo, stats: Stats):
         self.model, self.info, self.stats = model, info, stats
         self._adapter: dict[int, dict] | None = None  # layer -> module -> (A, B, scale)
@@ -91,9 +89,9 @@ class Runner:
         arrays = self.model.kernel.params(params)
         self._adapter = {i: layer_adapters(lora, i, arrays) for i in range(cfg.num_hidden_layers)}
 
-    def trainer(self, lora: LoraConfig) -> Trainer:
+    def trainer(self, lora: LoraConfig) -> StreamTrainer:
         """A trainer on these base weights; the caller sets its state (``init_params`` to start)."""
-        return Trainer(self.model, lora)
+        return StreamTrainer(self.model, lora)
 
     def _last_logits(self, h) -> np.ndarray:
         return self.model.kernel.numpy(self.model.kernel.logits(h[:, -1]))  # (B, V) float32

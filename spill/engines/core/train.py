@@ -1,4 +1,4 @@
-"""LoRA training through the streaming ring: the ``Trainer`` every engine returns.
+"""LoRA training through the streaming ring: ``StreamTrainer``, every engine's ``base.Trainer``.
 
 ``accumulate`` walks the ring twice. Forward keeps each layer's input hidden state and nothing
 else; the kernel's head (final norm, lm_head, a float32 cross-entropy over the target tokens)
@@ -18,6 +18,7 @@ counters, and ``state()`` is everything needed to continue exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from spill.engines.common import check_batch, check_lora, check_params, dropout_
 from spill.engines.core.kernel import Array, LayerLora
 from spill.errors import EngineError
 from spill.models.lora import MODULES, LoraConfig, param_names
+
+if TYPE_CHECKING:
+    from spill.engines.core.runner import Model
 
 
 def layer_names(lora: LoraConfig, i: int) -> list[str]:
@@ -48,10 +52,10 @@ def layer_adapters(
     return out
 
 
-class Trainer:
+class StreamTrainer:
     """float32 LoRA parameters, AdamW moments and accumulated gradients as kernel arrays."""
 
-    def __init__(self, model, lora: LoraConfig):
+    def __init__(self, model: Model, lora: LoraConfig):
         check_lora(lora)
         self.model, self.kernel, self.lora = model, model.kernel, lora
         self.names = param_names(model.cfg, lora)

@@ -17,7 +17,7 @@ import mlx.core as mx  # noqa: E402
 
 from spill.engines.base import LoadOptions, ModelSpec  # noqa: E402
 from spill.engines.core.open import Placement, open_runner  # noqa: E402
-from spill.engines.core.runner import Runner  # noqa: E402
+from spill.engines.core.runner import StreamRunner  # noqa: E402
 from spill.engines.mlx import numerics  # noqa: E402
 from spill.engines.mlx.kernel import FAMILIES, MLXKernel  # noqa: E402
 from spill.engines.mlx.reader import MLXHooks, WeightReader, default_budget  # noqa: E402
@@ -49,7 +49,7 @@ class MLXEngine:
     name = "mlx"
     families = FAMILIES
 
-    def open(self, model: ModelSpec, options: LoadOptions) -> Runner:
+    def open(self, model: ModelSpec, options: LoadOptions) -> StreamRunner:
         return open_runner(self, model, options)
 
     def place(self, cfg: ModelConfig, folder, options: LoadOptions) -> Placement:

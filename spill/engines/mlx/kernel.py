@@ -21,6 +21,7 @@ import numpy as np
 
 from spill.engines.base import AdamW
 from spill.engines.common import adamw_factors
+from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.runner import sample_numpy
 from spill.engines.mlx import llama, qwen2
 from spill.engines.mlx.ops import Context, KVCache, context, inv_freq, log_softmax, rms_norm
@@ -28,7 +29,6 @@ from spill.engines.mlx.reader import WeightReader
 from spill.models.config import ModelConfig
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
-LOGIT_ROWS = 1024  # the head's cross-entropy computes lm_head in chunks of this many rows
 
 
 def dropout(p: float, seed: int):

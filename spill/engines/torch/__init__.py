@@ -1,4 +1,4 @@
-"""The PyTorch engine (CPU and CUDA): ``ENGINE.open(model, options)`` returns a core ``Runner``.
+"""The PyTorch engine (CPU and CUDA): ``ENGINE.open(model, options)`` returns a ``StreamRunner``.
 
 The engine places the model and says why in ``EngineInfo``: the device (``cuda`` when present,
 else ``cpu``) and the numerics (``numerics.choose``: bf16 on CUDA, measured on a CPU). The ring,
@@ -11,7 +11,7 @@ import torch
 
 from spill.engines.base import LoadOptions, ModelSpec
 from spill.engines.core.open import Placement, open_runner
-from spill.engines.core.runner import Runner
+from spill.engines.core.runner import StreamRunner
 from spill.engines.torch import numerics
 from spill.engines.torch.kernel import FAMILIES, TorchKernel
 from spill.engines.torch.reader import TorchHooks, WeightReader, default_budget
@@ -44,7 +44,7 @@ class TorchEngine:
     name = "torch"
     families = FAMILIES
 
-    def open(self, model: ModelSpec, options: LoadOptions) -> Runner:
+    def open(self, model: ModelSpec, options: LoadOptions) -> StreamRunner:
         return open_runner(self, model, options)
 
     def place(self, cfg: ModelConfig, folder, options: LoadOptions) -> Placement:

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 
 from spill.engines.base import AdamW
 from spill.engines.common import adamw_factors
+from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.torch import llama, qwen2
 from spill.engines.torch.ops import Context, KVCache, context, inv_freq, rms_norm
 from spill.engines.torch.reader import WeightReader
 from spill.models.config import ModelConfig
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
-LOGIT_ROWS = 1024  # the head's cross-entropy computes lm_head in chunks of this many rows
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
