@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
-from spill.engines.common import check_layers, plan_model_ring
+from spill.engines.core.common import check_layers, plan_model_ring
 from spill.engines.core.kernel import Kernel
 from spill.engines.core.ring import Hooks, Ring, Weights
 from spill.engines.core.runner import Model, StreamRunner

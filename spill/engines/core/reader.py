@@ -16,7 +16,7 @@ import threading
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
 
-from spill.engines.common import tensor_spans
+from spill.engines.core.common import tensor_spans
 from spill.errors import ModelError
 from spill.models.weights import WeightFiles
 

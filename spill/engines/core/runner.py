@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from spill.engines.base import EngineInfo, GenerateParams, Generation, Stats
-from spill.engines.common import (
+from spill.engines.core.common import (
     check_generate,
     check_params,
     check_score,

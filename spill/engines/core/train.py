@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from spill.engines.base import AdamW, TrainBatch
-from spill.engines.common import check_batch, check_lora, check_params, dropout_seed
+from spill.engines.core.common import check_batch, check_lora, check_params, dropout_seed
 from spill.engines.core.kernel import Array, LayerLora
 from spill.errors import EngineError
 from spill.models.lora import MODULES, LoraConfig, param_names

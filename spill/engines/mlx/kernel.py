@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from spill.engines.base import AdamW
-from spill.engines.common import adamw_factors
+from spill.engines.core.common import adamw_factors
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.runner import sample_numpy
 from spill.engines.mlx import llama, qwen2

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from spill.engines.base import AdamW
-from spill.engines.common import adamw_factors
+from spill.engines.core.common import adamw_factors
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.torch import llama, qwen2
 from spill.engines.torch.ops import Context, KVCache, context, inv_freq, rms_norm

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from spill.engines.base import Stats
-from spill.engines.common import plan_ring
+from spill.engines.core.common import plan_ring
 from spill.engines.core.ring import Hooks, Ring
 from spill.errors import EngineError
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from spill.engines.base import AdamW, TrainBatch
-from spill.engines.common import dropout_seed
+from spill.engines.core.common import dropout_seed
 from spill.engines.torch import ENGINE
 from spill.engines.torch.kernel import dropout
 from spill.engines.torch.ops import linear
