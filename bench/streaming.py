@@ -264,8 +264,10 @@ def bench_read(work: Path, hidden: int = 2048, layers: int = 16) -> dict:
     import torch
 
     from spill.engines.base import Stats
-    from spill.engines.torch.model import Model
-    from spill.engines.torch.ring import Ring, WeightReader
+    from spill.engines.core.open import layer_loader
+    from spill.engines.core.ring import Ring
+    from spill.engines.torch.kernel import FAMILIES
+    from spill.engines.torch.reader import TorchHooks, WeightReader
     from spill.models.config import load_config
     from spill.models.weights import weight_files
 
@@ -295,8 +297,8 @@ def bench_read(work: Path, hidden: int = 2048, layers: int = 16) -> dict:
         # one walk first fills the slot pool, as every walk after the first finds it
         reader = WeightReader(files, torch.device("cpu"), torch.bfloat16)
         stats = Stats()
-        cpu = torch.device("cpu")
-        ring = Ring(Model.layer_loader(cfg, reader), layers, 2, False, stats, cpu, reader.recycle)
+        load = layer_loader(reader, FAMILIES[cfg.family].layer_keys(cfg))
+        ring = Ring(load, layers, 2, False, stats, TorchHooks(reader, None))
         for _i, _w in ring.walk(range(layers)):
             pass
         if cold:

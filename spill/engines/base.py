@@ -1,8 +1,10 @@
 """The engine boundary: the few calls every engine (torch, mlx) implements.
 
 Everything crossing it is plain: numpy arrays of token ids in, numpy arrays and dataclasses out.
-Tokenization, chat templates, files and jobs stay on spill's side, so a new engine is one
-package under ``spill/engines/<name>/`` that implements ``Engine`` and ``Runner``.
+Tokenization, chat templates, files and jobs stay on spill's side. ``spill.engines.core``
+implements ``Runner`` and ``Trainer`` once; a new engine is one package under
+``spill/engines/<name>/`` with an ``Engine`` (``core.open.Backend``), a ``core.kernel.Kernel``
+and its model families.
 """
 
 from __future__ import annotations

@@ -2,37 +2,24 @@
 
 A GPU (Metal on Apple silicon) computes in bfloat16; that path exists but is untested on the
 Linux machines spill is developed on. A CPU computes in bfloat16 only where a measured linear
-layer shows bf16 at least about as fast as float32 (within 1.5x), by the same check as the torch
-engine but timed in MLX. On Linux MLX's float32 matmul is BLAS while its bf16 matmul is its own
-kernel, so the answer depends on the BLAS too (see ``blas``): the bundled reference BLAS makes
-float32 slower than bf16, OpenBLAS makes it much faster. The measurement is kept per machine in
+layer shows bf16 fast enough (``core.numerics.verdict``, as the torch engine), timed in MLX. On
+Linux MLX's float32 matmul is BLAS while its bf16 matmul is its own kernel, so the answer
+depends on the BLAS too (see ``blas``): the bundled reference BLAS makes float32 slower than
+bf16, OpenBLAS makes it much faster. The measurement is kept per machine in
 ``machine_cache()/numerics-mlx.json``, keyed by CPU model, MLX version and BLAS.
 """
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 
+from spill.engines.core.numerics import SHAPE, best, timings, verdict
 from spill.engines.mlx import blas
 from spill.errors import EngineError
 from spill.machine import cached_measurement, cpu_model
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
-TOLERANCE = 1.5  # bf16 is chosen when its linear takes at most this many times float32's
-SHAPE = (64, 1024, 1024)  # (tokens, in, out) of the measured linear
 CACHE = "numerics-mlx.json"
-
-
-def _best(fn, reps: int) -> float:
-    mx.eval(fn())  # warm-up: kernel selection, page faults
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
@@ -44,9 +31,9 @@ def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
         w = mx.random.normal((m, k), key=mx.random.split(key)[1])
         xb, wb = x.astype(mx.bfloat16), w.astype(mx.bfloat16)
         mx.eval(x, w, xb, wb)
-        f32 = _best(lambda: x @ w.T, reps)
-        bf16 = _best(lambda: xb @ wb.T, reps)
-    return {"shape": list(shape), "float32_s": f32, "bfloat16_s": bf16, "ratio": bf16 / f32}
+        f32 = best(lambda: mx.eval(x @ w.T), reps)
+        bf16 = best(lambda: mx.eval(xb @ wb.T), reps)
+    return timings(f32, bf16, shape)
 
 
 def cpu_measurement() -> dict:
@@ -66,15 +53,8 @@ def choose(device: mx.Device, requested: str | None = None) -> tuple[mx.Dtype, s
         return DTYPES[requested], "requested" + where
     if device == mx.gpu:
         return mx.bfloat16, "GPU"
-    ratio = cpu_measurement()["ratio"]
-    if ratio <= 1:
-        return (
-            mx.bfloat16,
-            f"bf16 matmul {1 / ratio:.1f}x faster than float32 here, measured" + where,
-        )
-    if ratio <= TOLERANCE:
-        return mx.bfloat16, f"bf16 matmul within {ratio:.2f}x of float32 here, measured" + where
-    return mx.float32, f"bf16 matmul {ratio:.0f}x slower than float32 here, measured" + where
+    bf16, why = verdict(cpu_measurement()["ratio"])
+    return (mx.bfloat16 if bf16 else mx.float32), why + where
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

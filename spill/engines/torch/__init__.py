@@ -1,25 +1,25 @@
-"""The PyTorch engine (CPU and CUDA): ``ENGINE.open(model, options)`` returns a ``TorchRunner``.
+"""The PyTorch engine (CPU and CUDA): ``ENGINE.open(model, options)`` returns a ``StreamRunner``.
 
-Opening decides three things once and says why in ``EngineInfo``: the device (``cuda`` when
-present, else ``cpu``), the numerics (``numerics.choose``: bf16 on CUDA, measured on a CPU) and
-the ring (``common.plan_ring``: forced slots, resident, or as many slots as the memory budget
-holds). Embeddings, the final norm and lm_head are always resident; decoder layers stream.
+The engine places the model and says why in ``EngineInfo``: the device (``cuda`` when present,
+else ``cpu``) and the numerics (``numerics.choose``: bf16 on CUDA, measured on a CPU). The ring,
+generation, scoring and training are ``spill.engines.core``'s, over ``kernel.TorchKernel``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
-from spill.engines.common import check_layers, plan_model_ring
+from spill.engines.base import LoadOptions, ModelSpec
+from spill.engines.core.open import Placement, open_runner
+from spill.engines.core.runner import StreamRunner
 from spill.engines.torch import numerics
-from spill.engines.torch.model import FAMILIES, Model
-from spill.engines.torch.ring import Ring, WeightReader, default_budget
-from spill.engines.torch.runner import TorchRunner
-from spill.errors import EngineError, UnsupportedModel
+from spill.engines.torch.kernel import FAMILIES, TorchKernel
+from spill.engines.torch.reader import TorchHooks, WeightReader, default_budget
+from spill.errors import EngineError
+from spill.models.config import ModelConfig
 from spill.models.weights import weight_files
 
-__all__ = ["ENGINE", "TorchEngine", "TorchRunner"]
+__all__ = ["ENGINE", "TorchEngine"]
 
 SMALL_HIDDEN = 256  # below this hidden size a CPU computes on one thread
 
@@ -42,39 +42,36 @@ def pick_device(requested: str | None) -> torch.device:
 
 class TorchEngine:
     name = "torch"
+    families = FAMILIES
 
-    def open(self, model: ModelSpec, options: LoadOptions) -> TorchRunner:
-        cfg = model.config
-        if cfg.family not in FAMILIES:
-            raise UnsupportedModel(
-                f"the torch engine has no {cfg.family!r} family; use llama or qwen2"
-            )
+    def open(self, model: ModelSpec, options: LoadOptions) -> StreamRunner:
+        return open_runner(self, model, options)
+
+    def place(self, cfg: ModelConfig, folder, options: LoadOptions) -> Placement:
         device = pick_device(options.device)
         if device.type == "cpu" and cfg.hidden_size < SMALL_HIDDEN:
             # Per-op work is microseconds here: OpenMP's fork/join between threads costs more
             # than it saves (measured 3.2 s vs 0.47 s for 6 tiny tune steps on 2 loaded cores).
             torch.set_num_threads(1)
         dtype, why = numerics.choose(device, options.dtype)
-        reader = WeightReader(weight_files(model.folder), device, dtype)
-        layers = cfg.num_hidden_layers
-        slots, resident = plan_model_ring(
-            cfg, dtype.itemsize, options, lambda: default_budget(device)
-        )
-        check_layers(model, FAMILIES[cfg.family].layer_keys(cfg), reader.has)
-        stats = Stats()
-        ring = Ring(
-            Model.layer_loader(cfg, reader), layers, slots, resident, stats, device, reader.recycle
-        )
-        info = EngineInfo(
-            engine=self.name,
-            device=str(device),
+        return Placement(
+            device=device,
+            device_name=str(device),
+            dtype=dtype,
             numerics=numerics.dtype_name(dtype),
             why=why,
-            ring=slots,
-            layers=layers,
-            resident=resident,
+            itemsize=dtype.itemsize,
+            budget=lambda: default_budget(device),
+            reader=WeightReader(weight_files(folder), device, dtype),
         )
-        return TorchRunner(Model(cfg, reader, ring), info, stats)
+
+    def hooks(self, place: Placement, resident: bool) -> TorchHooks:
+        # A side stream lets CUDA copies overlap compute on the default stream.
+        cuda = place.device.type == "cuda" and not resident
+        return TorchHooks(place.reader, torch.cuda.Stream(place.device) if cuda else None)
+
+    def kernel(self, cfg: ModelConfig, place: Placement) -> TorchKernel:
+        return TorchKernel(cfg, place.reader)
 
 
 ENGINE = TorchEngine()

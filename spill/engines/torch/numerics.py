@@ -1,36 +1,22 @@
-"""The compute dtype of base weights, and why.
+"""The compute dtype of base weights on torch, and why.
 
 CUDA computes in bfloat16. A CPU computes in bfloat16 only where a measured linear layer shows
-bf16 is at least about as fast as float32 (within 1.5x); CPUs without bf16 instructions run it
-~100x slower, others (AVX512-BF16, AMX) faster. The measurement takes well under a second and is
+bf16 fast enough (``core.numerics.verdict``). The measurement takes well under a second and is
 kept per machine in ``machine_cache()/numerics-torch.json``, keyed by CPU model and torch
 version, so it happens once. Adapters are float32 everywhere; that is not decided here.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
+from spill.engines.core.numerics import SHAPE, best, timings, verdict
 from spill.errors import EngineError
 from spill.machine import cached_measurement, cpu_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TOLERANCE = 1.5  # bf16 is chosen when its linear takes at most this many times float32's
-SHAPE = (64, 1024, 1024)  # (tokens, in, out) of the measured linear
 CACHE = "numerics-torch.json"
-
-
-def _best(fn, reps: int) -> float:
-    fn()  # warm-up: kernel selection, page faults
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
@@ -39,10 +25,9 @@ def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, k, generator=gen)
     w = torch.randn(m, k, generator=gen)
-    f32 = _best(lambda: F.linear(x, w), reps)
+    f32 = best(lambda: F.linear(x, w), reps)
     xb, wb = x.bfloat16(), w.bfloat16()
-    bf16 = _best(lambda: F.linear(xb, wb), reps)
-    return {"shape": list(shape), "float32_s": f32, "bfloat16_s": bf16, "ratio": bf16 / f32}
+    return timings(f32, best(lambda: F.linear(xb, wb), reps), shape)
 
 
 def cpu_measurement() -> dict:
@@ -63,12 +48,8 @@ def choose(device: torch.device, requested: str | None = None) -> tuple[torch.dt
         return torch.float32, "CUDA without bf16 support"
     if device.type != "cpu":
         return torch.float32, f"no bf16 measurement for {device.type}"
-    ratio = cpu_measurement()["ratio"]
-    if ratio <= 1:
-        return torch.bfloat16, f"bf16 matmul {1 / ratio:.1f}x faster than float32 here, measured"
-    if ratio <= TOLERANCE:
-        return torch.bfloat16, f"bf16 matmul within {ratio:.2f}x of float32 here, measured"
-    return torch.float32, f"bf16 matmul {ratio:.0f}x slower than float32 here, measured"
+    bf16, why = verdict(cpu_measurement()["ratio"])
+    return (torch.bfloat16 if bf16 else torch.float32), why
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,66 +1,45 @@
-"""The MLX engine: streamed == resident bit for bit, float32 agreement with the torch engine on
-both families, seeded sampling, the ring's contract, measured numerics and the BLAS it reports."""
+"""The MLX engine: how it reports itself, float32 agreement with the torch engine on both
+families (with and without adapters, with Llama 3 rope scaling), measured numerics and the BLAS
+it reports. What every engine must do is in ``test_runner.py``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
-import threading
-import time
 
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("mlx") is None:  # checked without importing mlx.core (see blas.py)
-    pytest.skip(
-        'MLX is not installed: pip install "mlx[cpu]" (Linux) or mlx (macOS)',
-        allow_module_level=True,
-    )
-mlx_engine = pytest.importorskip("spill.engines.mlx", reason="the MLX engine does not import")
+from tests.unit.engines.kit import load_engine
+
+MLX = load_engine("mlx", module=True)  # skips this whole module where MLX is missing
 mx = pytest.importorskip("mlx.core")
 
 from spill.engines import resolve  # noqa: E402
-from spill.engines.base import GenerateParams, LoadOptions, ModelSpec, Stats  # noqa: E402
+from spill.engines.base import GenerateParams  # noqa: E402
 from spill.engines.mlx import blas, numerics  # noqa: E402
-from spill.engines.mlx.ring import Ring, plan_ring  # noqa: E402
 from spill.engines.torch import ENGINE as TORCH  # noqa: E402
 from spill.errors import EngineError  # noqa: E402
 from spill.models.config import load_config  # noqa: E402
 from spill.models.lora import LoraConfig, init_params  # noqa: E402
-from spill.models.tiny import write_tiny  # noqa: E402
 from spill.paths import machine_cache  # noqa: E402
+from tests.unit.engines import kit  # noqa: E402
+from tests.unit.engines.kit import COMPLETIONS, PROMPTS, llama3_scaled, same, tokens  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
-MLX = mlx_engine.ENGINE
-PROMPTS = [np.array([5, 6, 7, 8, 9, 10]), np.array([100, 3]), np.arange(20, 40)]
-COMPLETIONS = [np.array([11, 12, 13]), np.array([4, 5, 6, 7]), np.array([1])]
-GREEDY = GenerateParams(max_new_tokens=12)
-SAMPLED = GenerateParams(max_new_tokens=24, temperature=1.0, top_p=0.9)
 LOGPROB_TOLERANCE = 1e-5  # float32, MLX vs torch; measured 5.7e-6 (llama), 4.8e-7 (qwen2)
 
 
 def open_runner(folder, engine=MLX, **options):
-    return engine.open(ModelSpec(folder, load_config(folder)), LoadOptions(**options))
-
-
-def tokens(gens):
-    return [(g.tokens.tolist(), g.finish) for g in gens]
-
-
-def same(xs, ys) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(xs, ys, strict=True))
+    return kit.open_runner(engine, folder, **options)
 
 
 @pytest.fixture
-def runners(tiny_model):
-    """(streamed with a ring of 2, resident), both float32."""
-    streamed = open_runner(tiny_model, ring=2, dtype="float32")
-    resident = open_runner(tiny_model, resident=True, dtype="float32")
-    yield streamed, resident
-    streamed.close()
-    resident.close()
+def streamed(tiny_model):
+    """A float32 runner streaming through a ring of 2."""
+    runner = open_runner(tiny_model, ring=2, dtype="float32")
+    yield runner
+    runner.close()
 
 
 def test_resolves_by_name_and_reports_itself(tiny_models):
@@ -74,32 +53,7 @@ def test_resolves_by_name_and_reports_itself(tiny_models):
         open_runner(tiny_models["llama"], device="cuda:0")
 
 
-def test_streamed_and_resident_are_bit_identical(runners):
-    streamed, resident = runners
-    assert not streamed.info.resident and streamed.info.ring == 2 and resident.info.resident
-    a, b = streamed.score(PROMPTS, COMPLETIONS), resident.score(PROMPTS, COMPLETIONS)
-    assert all(x.dtype == np.float32 for x in a) and same(a, b)
-    for params in (GREEDY, SAMPLED):
-        seeds = [1, 2, 3]
-        assert tokens(streamed.generate(PROMPTS, params, seeds)) == tokens(
-            resident.generate(PROMPTS, params, seeds)
-        )
-    assert streamed.stats.extra["ring_max_live"] <= 2
-
-
-def test_bfloat16_streamed_and_resident_are_bit_identical(tiny_models):
-    folder = tiny_models["qwen2"]
-    streamed = open_runner(folder, ring=2, dtype="bfloat16")
-    resident = open_runner(folder, resident=True, dtype="bfloat16")
-    assert streamed.info.numerics == "bfloat16" and streamed.model.embed.dtype == mx.bfloat16
-    a = streamed.score(PROMPTS, COMPLETIONS)
-    assert same(a, resident.score(PROMPTS, COMPLETIONS))
-    ref = open_runner(folder, dtype="float32").score(PROMPTS, COMPLETIONS)
-    assert max(np.abs(x - y).max() for x, y in zip(a, ref, strict=True)) < 0.1
-
-
-def test_log_probs_and_greedy_match_torch(runners, tiny_model):
-    streamed, _ = runners
+def test_log_probs_and_greedy_match_torch(streamed, tiny_model):
     torch_runner = open_runner(tiny_model, TORCH, ring=2, dtype="float32")
     ours, theirs = streamed.score(PROMPTS, COMPLETIONS), torch_runner.score(PROMPTS, COMPLETIONS)
     diff = max(np.abs(a - b).max() for a, b in zip(ours, theirs, strict=True))
@@ -145,127 +99,11 @@ def test_adapter_scores_match_torch(tiny_model):
 
 
 def test_llama3_rope_scaling_matches_torch(tiny_models, tmp_path):
-    folder = tmp_path / "llama3"
-    shutil.copytree(tiny_models["llama"], folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_scaling"] = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = llama3_scaled(tiny_models["llama"], tmp_path / "llama3")
     prompt, completion = np.arange(30, 90), np.arange(90, 120)
     ours = open_runner(folder, dtype="float32").score([prompt], [completion])[0]
     theirs = open_runner(folder, TORCH, dtype="float32").score([prompt], [completion])[0]
     assert np.abs(ours - theirs).max() <= LOGPROB_TOLERANCE
-
-
-def test_sharded_model_equals_single_file(tiny_models, tmp_path):
-    sharded = write_tiny(tmp_path / "sharded", family="qwen2", seed=7, shards=3)
-    a = open_runner(sharded, ring=2, dtype="float32").score(PROMPTS, COMPLETIONS)
-    b = open_runner(tiny_models["qwen2"], ring=2, dtype="float32").score(PROMPTS, COMPLETIONS)
-    assert same(a, b)
-
-
-def test_seeded_sampling_is_reproducible_and_ignores_batch_neighbours(tiny_models):
-    runner = open_runner(tiny_models["llama"], ring=2, dtype="float32")
-    seeds = [11, 12, 13]
-    batch = runner.generate(PROMPTS, SAMPLED, seeds)
-    assert tokens(batch) == tokens(runner.generate(PROMPTS, SAMPLED, seeds))
-    for prompt, seed, in_batch in zip(PROMPTS, seeds, batch, strict=True):
-        assert tokens(runner.generate([prompt], SAMPLED, [seed])) == tokens([in_batch])
-    outs = {tuple(runner.generate([PROMPTS[0]], SAMPLED, [s])[0].tokens) for s in range(4)}
-    assert len(outs) > 1
-
-
-def test_stop_ids_edges_and_stats(tiny_models):
-    runner = open_runner(tiny_models["qwen2"], ring=2, dtype="float32")
-    free = runner.generate(PROMPTS, GREEDY, [0, 0, 0])
-    first = int(free[1].tokens[0])
-    stopped = runner.generate(
-        PROMPTS, GenerateParams(max_new_tokens=12, stop_ids=(first,)), [0] * 3
-    )
-    for g, f in zip(stopped, free, strict=True):
-        at = f.tokens.tolist().index(first) if first in f.tokens else None
-        want = (f.tokens.tolist(), "length") if at is None else (f.tokens[:at].tolist(), "stop")
-        assert (g.tokens.tolist(), g.finish) == want
-    before = runner.stats.layer_loads
-    assert runner.score([np.array([1, 2])], [np.array([], dtype=np.int64)])[0].shape == (0,)
-    out = runner.generate([np.array([1, 2])], GenerateParams(max_new_tokens=0), [0])
-    assert out[0].tokens.shape == (0,) and out[0].finish == "length"
-    runner.generate([np.array([1, 2])], GenerateParams(max_new_tokens=3), [0])
-    layers = runner.info.layers
-    assert runner.stats.layer_loads - before == layers + 3 * layers  # score, prefill, 2 steps
-    assert runner.stats.extra["ring_max_live"] <= 2
-    with pytest.raises(EngineError, match="token ids"):
-        runner.score([np.array([1, 999])], [np.array([1])])
-
-
-# -- the ring ------------------------------------------------------------------------------
-
-LAYERS = 6
-
-
-def fake_ring(slots, delay=0.0, fail_at=None):
-    loads = []
-
-    def load(i):
-        if i == fail_at:
-            raise OSError(f"layer {i} unreadable")
-        time.sleep(delay)
-        loads.append((i, threading.current_thread().name))
-        return {"w": mx.array(np.full(4, i, np.float32))}  # no MLX op off the main thread
-
-    return Ring(load, LAYERS, slots, False, Stats()), loads
-
-
-def test_plan_ring_is_the_torch_engines():
-    from spill.engines.torch.ring import plan_ring as torch_plan
-
-    gib = 1 << 30
-    for budget in (40 * gib, 28 * gib, 10 * gib + 5, gib // 2, 0):
-        for ring, resident in ((None, False), (2, False), (9, False), (2, True)):
-            args = (28, gib, ring, resident, budget)
-            assert plan_ring(*args) == torch_plan(*args)
-    with pytest.raises(EngineError):
-        plan_ring(28, gib, 0, False, 0)
-
-
-def test_ring_prefetches_ahead_releases_and_stops_cleanly():
-    ring, loads = fake_ring(slots=2)
-    kept = []
-    for i, w in ring.walk(range(LAYERS)):
-        assert float(w["w"][0]) == i
-        if i == 0:
-            time.sleep(0.2)  # layer 0 "computes"; the loader fetches layer 1 meanwhile
-            assert ring.live() == {0, 1}
-        kept.append(w)
-    assert all(w == {} for w in kept)  # released once the walk moved on
-    assert {name for _, name in loads} == {"spill-ring"} and ring.max_live == 2
-    ring, _ = fake_ring(slots=3)
-    assert [i for i, _ in ring.walk(reversed(range(LAYERS)))] == list(reversed(range(LAYERS)))
-    ring, loads = fake_ring(slots=2, delay=0.01)
-    for i, _ in ring.walk(range(LAYERS)):
-        if i == 1:
-            break
-    assert ring.live() == set() and len(loads) <= 3
-    assert not [t for t in threading.enumerate() if t.name == "spill-ring"]
-    ring, _ = fake_ring(slots=2, fail_at=3)
-    with pytest.raises(OSError, match="layer 3"):
-        for _ in ring.walk(range(LAYERS)):
-            pass
-
-
-def test_engine_sizes_the_ring_from_memory(tiny_models):
-    folder = tiny_models["llama"]
-    cfg = load_config(folder)
-    layer_bytes = cfg.layer_params() * 4
-    tight = open_runner(folder, dtype="float32", memory=layer_bytes * 3 + 1).info
-    assert (tight.resident, tight.ring) == (False, 3)
-    assert open_runner(folder, dtype="float32", memory=1).info.ring == 2
-    assert open_runner(folder, dtype="float32").info.resident
 
 
 # -- numerics and BLAS ---------------------------------------------------------------------

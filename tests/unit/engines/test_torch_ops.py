@@ -30,7 +30,7 @@ def test_zero_adapter_leaves_the_model_unchanged(tiny_models):
     runner = ENGINE.open(ModelSpec(folder, cfg), LoadOptions(ring=2, dtype="float32"))
     m = runner.model
     ids = torch.tensor([[3, 4, 5, 6]])
-    ctx = context(torch.ones(1, 4, dtype=torch.bool), 0, 4, m.freq, m.dtype)
+    ctx = context(torch.ones(1, 4, dtype=torch.bool), 0, 4, m.kernel.freq, m.kernel.dtype)
     h = cfg.hidden_size
     zero = {"self_attn.q_proj": (torch.randn(h, 2), torch.zeros(2, h), 2.0)}
     with torch.inference_mode():

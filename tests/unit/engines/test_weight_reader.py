@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spill.engines.torch.ring import WeightReader
+from spill.engines.torch.reader import WeightReader
 from spill.models.safetensors_io import float32_to_bf16_bits, write_file
 from spill.models.weights import weight_files
 

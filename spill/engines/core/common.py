@@ -1,9 +1,8 @@
-"""What the torch and MLX engines share that needs neither torch nor mlx.
+"""The core's plain helpers: plans, checks and numpy bookkeeping around the ring.
 
-Plain Python and numpy only (imported by both engines, so it must not import either): the ring
-plan, argument checks that raise the same ``EngineError`` in both engines, the adapter's tensor
-shapes, the LoRA dropout seed hash, and the numpy bookkeeping of batching and scoring. The math
-itself stays in each engine; this holds only what is the same to the letter in both.
+Plain Python and numpy only: the ring plan, argument checks that raise the same
+``EngineError`` on every engine, the adapter's tensor shapes, the LoRA dropout seed hash, the
+AdamW bias corrections, and the numpy bookkeeping of batching and scoring.
 """
 
 from __future__ import annotations

@@ -1,26 +1,27 @@
-"""The streaming ring: sizing from a memory budget, prefetch that really runs ahead, at most K
-layers alive, any walking order, clean stops."""
+"""The streaming ring (``spill.engines.core.ring``), without any engine: sizing from a memory
+budget, prefetch that really runs ahead, at most K layers alive, any walking order, hooks, clean
+stops. Layers are numpy arrays; torch and mlx are never imported."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
-import torch
 
-from spill.engines.base import GenerateParams, LoadOptions, ModelSpec, Stats
-from spill.engines.torch import ENGINE
-from spill.engines.torch.ring import Ring, plan_ring
+from spill.engines.base import Stats
+from spill.engines.core.common import plan_ring
+from spill.engines.core.ring import Hooks, Ring
 from spill.errors import EngineError
-from spill.models.config import load_config
 
 LAYERS = 6
 
 
-def fake_ring(slots, resident=False, delay=0.0, fail_at=None):
-    """A ring over a loader that builds layer i as {"w": tensor filled with i}."""
+def fake_ring(slots, resident=False, delay=0.0, fail_at=None, hooks=None):
+    """A ring over a loader that builds layer i as {"w": array filled with i}."""
     loads = []
 
     def load(i):
@@ -28,9 +29,20 @@ def fake_ring(slots, resident=False, delay=0.0, fail_at=None):
             raise OSError(f"layer {i} unreadable")
         time.sleep(delay)
         loads.append((i, threading.current_thread().name))
-        return {"w": torch.full((4,), float(i))}
+        return {"w": np.full(4, i, np.float32)}
 
-    return Ring(load, LAYERS, slots, resident, Stats(), torch.device("cpu")), loads
+    return Ring(load, LAYERS, slots, resident, Stats(), hooks), loads
+
+
+def test_the_core_imports_no_engine():
+    code = (
+        "import sys\n"
+        "import spill.engines.core.open, spill.engines.core.numerics\n"
+        "heavy = [m for m in ('torch', 'mlx') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_plan_ring():
@@ -44,26 +56,6 @@ def test_plan_ring():
     assert plan_ring(28, gib, ring=2, resident=True, budget=0) == (28, True)
     with pytest.raises(EngineError):
         plan_ring(28, gib, ring=0, resident=False, budget=0)
-
-
-def test_engine_sizes_the_ring_from_memory(tiny_models):
-    folder = tiny_models["llama"]
-    cfg = load_config(folder)
-    layer_bytes = cfg.layer_params() * 4
-    spec = ModelSpec(folder, cfg)
-
-    def info(**kw):
-        runner = ENGINE.open(spec, LoadOptions(dtype="float32", **kw))
-        runner.close()
-        return runner.info
-
-    assert info(memory=layer_bytes * cfg.num_hidden_layers).resident
-    tight = info(memory=layer_bytes * 3 + 1)
-    assert (tight.resident, tight.ring) == (False, 3)
-    assert info(memory=1).ring == 2
-    assert info(ring=2, memory=10**12).ring == 2
-    assert info().resident  # the default budget (half the free RAM) holds a tiny model
-    assert "streaming, ring 3 of 4 layers" in tight.line()
 
 
 def test_prefetch_runs_ahead_and_never_exceeds_the_ring():
@@ -124,13 +116,37 @@ def test_loader_errors_surface_in_the_walk():
     assert ring.live() == set()
 
 
-def test_streaming_generation_reloads_every_layer_each_step(tiny_models):
-    folder = tiny_models["qwen2"]
-    runner = ENGINE.open(
-        ModelSpec(folder, load_config(folder)), LoadOptions(ring=2, dtype="float32")
-    )
-    runner.generate([np.array([1, 2, 3])], GenerateParams(max_new_tokens=5), [0])
-    assert runner.stats.layer_loads == 5 * runner.info.layers  # prefill + 4 decode steps
-    assert runner.stats.extra["ring_max_live"] == 2
-    assert runner.stats.load_seconds > 0
-    runner.close()
+class Recording(Hooks):
+    """Hooks that note the thread each runs on and mark what compute sees."""
+
+    def __init__(self):
+        self.calls = []
+
+    def load(self, fn, i):
+        self.calls.append(("load", i, threading.current_thread().name))
+        return fn(i)
+
+    def ready(self, w):
+        self.calls.append(("ready", int(w["w"][0]), threading.current_thread().name))
+        w["ready"] = True
+        return w
+
+    def release(self, w):
+        self.calls.append(("release", int(w["w"][0]), threading.current_thread().name))
+
+
+def test_hooks_run_where_an_engine_needs_them():
+    hooks = Recording()
+    ring, _ = fake_ring(slots=2, hooks=hooks)
+    main = threading.current_thread().name
+    for _, w in ring.walk(range(LAYERS)):
+        assert w["ready"]  # compute only ever sees a slot its engine has made ready
+    by_kind = {k: [(i, t) for kind, i, t in hooks.calls if kind == k] for k in ("load", "ready")}
+    assert by_kind["load"] == [(i, "spill-ring") for i in range(LAYERS)]
+    assert by_kind["ready"] == [(i, main) for i in range(LAYERS)]
+    assert sorted(i for kind, i, _ in hooks.calls if kind == "release") == list(range(LAYERS))
+    hooks = Recording()
+    ring, _ = fake_ring(slots=LAYERS, resident=True, hooks=hooks)
+    for _ in range(2):
+        assert all(w["ready"] for _, w in ring.walk(range(LAYERS)))
+    assert [k for k, *_ in hooks.calls] == ["load", "ready"] * LAYERS  # once, at open

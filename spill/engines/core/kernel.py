@@ -1,0 +1,130 @@
+"""The kernel: what one engine must supply for spill's core to run a model on it.
+
+The core (``spill.engines.core``) owns the ring, the KV-cached generate/score bookkeeping and
+the streamed training walk; it never imports torch or mlx. A kernel owns one model's resident
+parts (embeddings, final norm, lm_head, rotary table) and a handful of primitives over its own
+arrays. The core treats those arrays as opaque, except for basic slicing (``h[:, -1]``,
+``x[j:k]``) and indexing by two of the kernel's integer arrays (``h[rows, cols]``), which both
+torch and MLX read alike. A third engine is a kernel plus its model families, never a copy of
+the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import numpy as np
+
+from spill.engines.base import AdamW
+from spill.models.config import ModelConfig
+
+Array = Any  # an engine's array (torch.Tensor, mx.array)
+# A layer's adapters by module name (``self_attn.q_proj``): (A (in, r), B (r, out), scale) and,
+# while training with dropout, the dropout applied to the adapter's float32 input.
+LayerLora = dict[str, tuple]
+Sampler = Callable[[np.ndarray, float, float], int]  # (float32 logits (V,), temperature, top_p)
+LOGIT_ROWS = 1024  # lm_head runs on chunks of this many rows: never (N, vocab) at once
+
+
+class Kernel(Protocol):
+    cfg: ModelConfig
+
+    # -- arrays in and out ---------------------------------------------------------------------
+    def array(self, a: np.ndarray) -> Array:
+        """A numpy array (token ids, positions) as the engine's array, on its device."""
+        ...
+
+    def params(self, arrays: dict[str, np.ndarray]) -> dict[str, Array]:
+        """Own float32 copies on the device (never sharing memory with the caller's arrays)."""
+        ...
+
+    def numpy(self, x: Array) -> np.ndarray:
+        """A host copy of ``x``, in its own dtype."""
+        ...
+
+    def zeros_like(self, x: Array) -> Array: ...
+
+    def sync(self, *xs: Any) -> None:
+        """Make ``xs`` (arrays, KV caches) computed now; a lazy engine must, before the ring
+        releases the weights they were computed from."""
+        ...
+
+    def inference(self) -> AbstractContextManager:
+        """A context in which no gradients are recorded (generation, scoring)."""
+        ...
+
+    # -- the model ---------------------------------------------------------------------------
+    def context(self, valid: np.ndarray, start: int, length: int) -> Any:
+        """What every layer of one forward shares, for ``length`` tokens at ``start`` given the
+        valid keys (B, start + length) bool."""
+        ...
+
+    def caches(self, batch: int, length: int) -> list:
+        """One KV cache per layer, preallocated for ``length`` positions."""
+        ...
+
+    def embed_ids(self, ids: Array) -> Array:
+        """ids (B, T) -> (B, T, hidden)."""
+        ...
+
+    def layer(self, w: dict, x: Array, ctx: Any, cache: Any, lora: LayerLora | None) -> Array:
+        """One decoder layer: x (B, T, hidden) -> (B, T, hidden)."""
+        ...
+
+    def final_norm(self, x: Array) -> Array: ...
+
+    def logits(self, h: Array) -> Array:
+        """h (N, hidden) -> float32 logits (N, V)."""
+        ...
+
+    def log_probs(self, h: Array, targets: Array) -> np.ndarray:
+        """float32 log-prob of ``targets`` (N,) under the logits of h (N, hidden)."""
+        ...
+
+    def sampler(self, seed: int) -> Sampler:
+        """A token sampler whose draws come from ``seed`` alone."""
+        ...
+
+    # -- training ------------------------------------------------------------------------------
+    def dropout(self, p: float, seed: int) -> Callable[[Array], Array]:
+        """Inverted dropout with probability ``p`` whose mask comes from ``seed`` alone."""
+        ...
+
+    def layer_vjp(
+        self,
+        w: dict,
+        x: Array,
+        ctx: Any,
+        leaves: Sequence[Array],
+        lora: Callable[[Sequence[Array]], LayerLora],
+        grad: Array,
+        wrt_input: bool,
+    ) -> tuple[Array | None, list[Array]]:
+        """Recompute ``layer(w, x, ctx, None, lora(leaves))`` and pull ``grad`` back through it:
+        (gradient at x, or None without ``wrt_input``; the gradient of each leaf)."""
+        ...
+
+    def head_vjp(
+        self, x: Array, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float
+    ) -> tuple[float, Array]:
+        """Cross-entropy summed over the targets (the hidden state at (rows, cols) predicts
+        ``tokens[rows, cols + 1]``) times ``scale``, and its gradient at the last layer's
+        output x, through the final norm and lm_head."""
+        ...
+
+    def adamw(
+        self,
+        opt: AdamW,
+        names: Sequence[str],
+        params: dict[str, Array],
+        m: dict[str, Array],
+        v: dict[str, Array],
+        grads: dict[str, Array],
+    ) -> None:
+        """One AdamW update of ``params``, ``m`` and ``v`` from ``grads``, in place (entries may
+        be replaced by new arrays); every gradient is zero afterwards."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,85 @@
+"""Opening a model on an engine: the decisions every engine makes, in one order, once.
+
+The engine places the model (device, numerics and why, a weight reader: ``Backend.place``);
+the core plans the ring from the memory budget (``common.plan_model_ring``), checks that every
+layer's tensors exist before any is read, builds the ring with the engine's hooks, and lets the
+engine read the resident parts into its kernel. Embeddings, the final norm and lm_head are
+always resident; decoder layers stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol
+
+from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
+from spill.engines.core.common import check_layers, plan_model_ring
+from spill.engines.core.kernel import Kernel
+from spill.engines.core.ring import Hooks, Ring, Weights
+from spill.engines.core.runner import Model, StreamRunner
+from spill.errors import UnsupportedModel
+from spill.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how an engine computes one model, decided at open."""
+
+    device: Any  # the engine's device object
+    device_name: str  # as ``EngineInfo`` reports it
+    dtype: Any  # the engine's compute dtype for base weights
+    numerics: str  # "float32" or "bfloat16"
+    why: str  # why these numerics (a measurement, the device)
+    itemsize: int  # bytes per base weight in ``dtype``
+    budget: Callable[[], int]  # the default ring budget, asked only without ``options.memory``
+    reader: Any  # ``tensors(names) -> {name: array}``, ``has(name)``, ``close()``
+
+
+class Backend(Protocol):
+    name: str
+    families: dict[str, ModuleType]  # family -> its module (``layer_keys(cfg)``, ``layer``)
+
+    def place(self, cfg: ModelConfig, folder, options: LoadOptions) -> Placement: ...
+
+    def hooks(self, place: Placement, resident: bool) -> Hooks: ...
+
+    def kernel(self, cfg: ModelConfig, place: Placement) -> Kernel: ...
+
+
+def layer_loader(reader, keys: Sequence[str]) -> Callable[[int], Weights]:
+    """``load(i)``: layer ``i``'s tensors keyed below ``model.layers.<i>.``, in one read."""
+
+    def load(i: int) -> Weights:
+        found = reader.tensors([f"model.layers.{i}.{k}" for k in keys])
+        return {k: found[f"model.layers.{i}.{k}"] for k in keys}
+
+    return load
+
+
+def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> StreamRunner:
+    cfg = model.config
+    if cfg.family not in engine.families:
+        raise UnsupportedModel(
+            f"the {engine.name} engine has no {cfg.family!r} family; "
+            f"use {' or '.join(sorted(engine.families))}"
+        )
+    place = engine.place(cfg, model.folder, options)
+    layers = cfg.num_hidden_layers
+    slots, resident = plan_model_ring(cfg, place.itemsize, options, place.budget)
+    keys = engine.families[cfg.family].layer_keys(cfg)
+    check_layers(model, keys, place.reader.has)
+    stats = Stats()
+    hooks = engine.hooks(place, resident)
+    ring = Ring(layer_loader(place.reader, keys), layers, slots, resident, stats, hooks)
+    info = EngineInfo(
+        engine=engine.name,
+        device=place.device_name,
+        numerics=place.numerics,
+        why=place.why,
+        ring=slots,
+        layers=layers,
+        resident=resident,
+    )
+    return StreamRunner(Model(engine.kernel(cfg, place), ring), info, stats)

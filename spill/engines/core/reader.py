@@ -1,0 +1,95 @@
+"""Positioned reads of a model folder's safetensors shards, for every engine's weight reader.
+
+Tensors are read with ``preadv`` on file descriptors, never through a long-lived mmap: a mapped
+shard's touched pages count toward the process's resident set until it is unmapped, so a model
+read through one would weigh its whole size in RSS however small the ring. A layer's tensors
+are read in file order, one read per contiguous byte range (a decoder layer is usually one), so
+the disk sees a sequential read. What the bytes become (torch tensors, MLX arrays) is the
+engine's reader's business.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Container, Iterator
+from dataclasses import dataclass
+
+from spill.engines.core.common import tensor_spans
+from spill.errors import ModelError
+from spill.models.weights import WeightFiles
+
+MAX_IOV = 512  # buffers per preadv call (IOV_MAX is 1024 on Linux and macOS)
+
+
+@dataclass(frozen=True)
+class Range:
+    """One contiguous byte range of a shard and the tensors in it, in file order."""
+
+    shard: str
+    fd: int
+    start: int  # absolute file offset of the range's first byte
+    nbytes: int
+    tensors: list[tuple[int, int, str, dict]]  # (start, end) relative to the range, name, header
+
+
+class ShardFiles:
+    """Open shards of one model folder and ``pread`` into caller-owned buffers."""
+
+    def __init__(self, files: WeightFiles):
+        self.files = files
+        self._fds: dict[str, tuple[int, int]] = {}  # shard -> (fd, start of tensor data)
+        self._lock = threading.Lock()
+
+    def has(self, name: str) -> bool:
+        return name in self.files.tensor_shard
+
+    def _fd(self, shard: str) -> tuple[int, int]:
+        with self._lock:
+            if shard not in self._fds:
+                fd = os.open(self.files.folder / shard, os.O_RDONLY)
+                header = os.pread(fd, 8, 0)
+                self._fds[shard] = (fd, 8 + struct.unpack("<Q", header)[0])
+            return self._fds[shard]
+
+    def ranges(self, names, dtypes: Container[str]) -> Iterator[Range]:
+        """The byte ranges holding ``names``; raises for a missing tensor or one whose dtype is
+        not in ``dtypes``."""
+        spans = tensor_spans(self.files, names, dtypes)  # (shard, start, end, name), sorted
+        i = 0
+        while i < len(spans):
+            shard, lo, hi, _ = spans[i]
+            j = i + 1
+            while j < len(spans) and j - i < MAX_IOV and spans[j][:2] == (shard, hi):
+                hi = spans[j][2]
+                j += 1
+            fd, base = self._fd(shard)
+            headers = self.files.headers[shard]
+            group = [(a - lo, b - lo, name, headers[name]) for _, a, b, name in spans[i:j]]
+            yield Range(shard, fd, base + lo, hi - lo, group)
+            i = j
+
+    def pread(self, fd: int, buffers: list, offset: int, shard: str) -> None:
+        """Fill ``buffers`` (anything with the buffer protocol) from ``offset``; loops on short
+        reads (Linux returns at most ~2 GiB per call, so a 4 GiB embedding takes several)."""
+        views = [memoryview(b).cast("B") for b in buffers if b.nbytes]
+        done = 0
+        while views:
+            n = os.preadv(fd, views, offset + done)
+            if n <= 0:
+                raise ModelError(
+                    f"{self.files.folder / shard}: short read at byte {offset + done}; the file "
+                    "changed under spill, fetch the model again"
+                )
+            done += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if views and n:
+                views[0] = views[0][n:]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

@@ -1,0 +1,140 @@
+"""The streaming ring: decoder layers come from local safetensors into K slots, just in time.
+
+``Ring.walk(order)`` yields ``(index, weights)`` for the layers in any order (forward now,
+reversed for a backward pass). A prefetch thread loads up to K-1 layers ahead of the one being
+computed; K semaphore permits bound how many layers are alive at once, and a layer's slot is
+released (its dict cleared) when the walk moves past it, so weights are valid only until the
+next step. In resident mode every layer is loaded once and the walk only looks them up.
+
+The ring never touches an array: weights are whatever the loader returns. What an engine must
+do around a load lives in ``Hooks`` (a CUDA side stream for the copy, MLX's bf16 bit-cast on
+the computing thread, a CPU reader taking back a released slot's memory). Both modes hand the
+compute code the same arrays (read from the same bytes, converted the same way), which is what
+makes streamed and resident runs bit-identical.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from spill.engines.base import Stats
+
+Weights = dict[str, Any]  # one layer's arrays, keyed like the HF checkpoint below the layer
+
+
+class Hooks:
+    """What an engine changes about loading a layer; these defaults change nothing."""
+
+    def load(self, fn: Callable[[int], Weights], i: int) -> Weights:
+        """Run the loader for layer ``i`` (on the loader thread in streaming mode)."""
+        return fn(i)
+
+    def ready(self, w: Weights) -> Weights:
+        """On the computing thread, before compute uses ``w``: changes ``w`` in place (the ring
+        clears that very dict on release) and returns it."""
+        return w
+
+    def release(self, w: Weights) -> None:
+        """A slot's arrays, just before the ring drops them."""
+
+
+class Ring:
+    """K slots of decoder layers over a loader ``load(i) -> {key: array}``."""
+
+    def __init__(
+        self,
+        load: Callable[[int], Weights],
+        layers: int,
+        slots: int,
+        resident: bool,
+        stats: Stats,
+        hooks: Hooks | None = None,
+    ):
+        assert slots >= 1
+        self._load_fn, self.layers, self.slots, self.resident = load, layers, slots, resident
+        self.hooks = hooks or Hooks()
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._live: set[int] = set()
+        self.max_live = 0
+        self.wait_seconds = 0.0  # time the walk waited on the loader
+        self._resident: list[Weights] = []
+        if resident:
+            self._resident = [self.hooks.ready(self._load(i)) for i in range(layers)]
+
+    def live(self) -> set[int]:
+        """Indices of the layers loaded right now."""
+        with self._lock:
+            return set(self._live)
+
+    def _load(self, i: int) -> Weights:
+        t = time.perf_counter()
+        w = self.hooks.load(self._load_fn, i)
+        with self._lock:
+            self._live.add(i)
+            self.max_live = max(self.max_live, len(self._live))
+            self.stats.layer_loads += 1
+            self.stats.load_seconds += time.perf_counter() - t
+        return w
+
+    def _release(self, i: int, w: Weights) -> None:
+        self.hooks.release(w)
+        w.clear()
+        with self._lock:
+            self._live.discard(i)
+
+    def walk(self, order: Sequence[int]) -> Iterator[tuple[int, Weights]]:
+        """Yield ``(i, weights)`` for each layer in ``order``; weights live until the next step,
+        so a lazy engine evaluates what it computed from them before moving on."""
+        order = list(order)
+        if self.resident:
+            for i in order:
+                yield i, self._resident[i]
+            return
+        permits = threading.Semaphore(self.slots)
+        ready: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def prefetch():
+            for i in order:
+                permits.acquire()
+                if stop.is_set():
+                    return
+                try:
+                    ready.put((i, self._load(i), None))
+                except BaseException as e:  # handed to the walk, which raises it
+                    ready.put((i, None, e))
+                    return
+
+        loader = threading.Thread(target=prefetch, name="spill-ring", daemon=True)
+        loader.start()
+        try:
+            for _ in order:
+                t = time.perf_counter()
+                i, w, error = ready.get()
+                self.wait_seconds += time.perf_counter() - t
+                if error is not None:
+                    raise error
+                try:
+                    yield i, self.hooks.ready(w)
+                finally:
+                    self._release(i, w)
+                    permits.release()
+        finally:
+            stop.set()
+            for _ in order:
+                permits.release()  # the loader never blocks again
+            loader.join()
+            while not ready.empty():
+                i, w, _ = ready.get()
+                if w is not None:
+                    self._release(i, w)
+
+    def close(self) -> None:
+        for w in self._resident:
+            w.clear()
+        self._resident = []

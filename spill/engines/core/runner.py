@@ -1,0 +1,171 @@
+"""``StreamRunner``, the ``base.Runner`` of every engine: KV-cached generation and scoring.
+
+Rows are left-padded; positions come from the mask, so padding shifts nothing. Generation runs
+a prefill, then one token per step, and every step walks all layers (in streaming mode each step
+streams the whole model: that is the design). Logits come back to the host as float32 numpy;
+greedy is ``argmax`` (the first index on ties), and a sampled row draws from its own sampler
+seeded by ``seeds[r]`` (the kernel's: torch keeps ``torch.Generator``, MLX numpy's), so a row's
+draws never depend on its batch neighbours'. Sampled text is reproducible per engine; greedy
+text agrees across engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from spill.engines.base import EngineInfo, GenerateParams, Generation, Stats
+from spill.engines.core.common import (
+    check_generate,
+    check_params,
+    check_score,
+    left_pad,
+    score_rows,
+    split_scores,
+    sync_ring_stats,
+)
+from spill.engines.core.kernel import LOGIT_ROWS, Array, Kernel
+from spill.engines.core.ring import Ring
+from spill.engines.core.train import StreamTrainer, layer_adapters
+from spill.models.lora import LoraConfig
+
+
+def sample_numpy(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:
+    """One token from float32 logits (V,): temperature, then the top-p nucleus, drawn with a
+    ``numpy.random.Generator`` (for a kernel without a generator of its own)."""
+    z = logits.astype(np.float64) / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    p = probs[order]
+    if top_p < 1.0:
+        keep = (np.cumsum(p) - p) < top_p
+        keep[0] = True  # the most likely token is always in the nucleus
+        p = p * keep
+    cdf = np.cumsum(p)
+    at = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(order[min(at, len(order) - 1)])
+
+
+class Model:
+    """A kernel's resident parts around a ring of decoder layers."""
+
+    def __init__(self, kernel: Kernel, ring: Ring):
+        self.kernel, self.ring, self.cfg = kernel, ring, kernel.cfg
+
+    def forward(self, ids: Array, ctx, caches: list | None = None, lora: dict | None = None):
+        """ids (B, T) -> final-normed hidden states (B, T, hidden), walking every layer.
+
+        ``lora``, when given, maps a layer index to that layer's adapters. Each layer's output
+        (and its cache) is computed before the ring moves on: a lazy graph that still referenced
+        a released slot would keep its weights alive and run the whole model at the end.
+        """
+        k = self.kernel
+        x = k.embed_ids(ids)
+        for i, w in self.ring.walk(range(self.cfg.num_hidden_layers)):
+            cache = caches[i] if caches is not None else None
+            x = k.layer(w, x, ctx, cache, lora.get(i) if lora else None)
+            k.sync(x, *([cache] if cache is not None else []))
+        return k.final_norm(x)
+
+    def close(self) -> None:
+        self.ring.close()
+        self.kernel.close()
+
+
+class StreamRunner:
+    def __init__(self, model: Model, info: EngineInfo, stats: Stats):
+        self.model, self.info, self.stats = model, info, stats
+        self._adapter: dict[int, dict] | None = None  # layer -> module -> (A, B, scale)
+
+    def use_adapter(self, lora: LoraConfig | None, params: dict[str, np.ndarray] | None) -> None:
+        """Later ``generate``/``score`` calls run with this adapter (float32 copies); None: base."""
+        if lora is None or params is None:
+            self._adapter = None
+            return
+        cfg = self.model.cfg
+        check_params(cfg, lora, params, "adapter")
+        arrays = self.model.kernel.params(params)
+        self._adapter = {i: layer_adapters(lora, i, arrays) for i in range(cfg.num_hidden_layers)}
+
+    def trainer(self, lora: LoraConfig) -> StreamTrainer:
+        """A trainer on these base weights; the caller sets its state (``init_params`` to start)."""
+        return StreamTrainer(self.model, lora)
+
+    def _last_logits(self, h) -> np.ndarray:
+        return self.model.kernel.numpy(self.model.kernel.logits(h[:, -1]))  # (B, V) float32
+
+    def generate(
+        self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]
+    ) -> list[Generation]:
+        check_generate(prompts, params, seeds, self.model.cfg.vocab_size)
+        batch, steps = len(prompts), params.max_new_tokens
+        if batch == 0 or steps <= 0:
+            return [Generation(np.zeros(0, np.int64), "length") for _ in prompts]
+        m, k = self.model, self.model.kernel
+        width = max(len(p) for p in prompts)
+        ids, valid_prompt = left_pad(prompts, width)
+        valid = np.zeros((batch, width + steps), dtype=bool)
+        valid[:, :width] = valid_prompt
+        samplers = [k.sampler(int(s)) for s in seeds]
+        stop = set(params.stop_ids)
+        out: list[list[int]] = [[] for _ in prompts]
+        finish: list[str | None] = [None] * batch
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        with k.inference():
+            caches = k.caches(batch, width + steps)
+            ctx = k.context(valid[:, :width], 0, width)
+            logits = self._last_logits(m.forward(k.array(ids), ctx, caches, self._adapter))
+            for step in range(steps):
+                nxt = logits.argmax(axis=-1)  # (B,) greedy; sampled rows overwrite theirs
+                for r in range(batch):
+                    if finish[r] is not None:
+                        continue  # a finished row draws nothing; its neighbours are unaffected
+                    if params.temperature > 0:
+                        nxt[r] = samplers[r](logits[r], params.temperature, params.top_p)
+                    tok = int(nxt[r])
+                    self.stats.generated_tokens += 1
+                    if tok in stop:
+                        finish[r] = "stop"
+                    else:
+                        out[r].append(tok)
+                if all(f is not None for f in finish) or step == steps - 1:
+                    break
+                at = width + step
+                valid[:, at] = True
+                ctx = k.context(valid[:, : at + 1], at, 1)
+                h = m.forward(k.array(nxt[:, None].astype(np.int64)), ctx, caches, self._adapter)
+                logits = self._last_logits(h)
+        sync_ring_stats(self.stats, m.ring)
+        return [
+            Generation(np.asarray(toks, dtype=np.int64), f or "length")
+            for toks, f in zip(out, finish, strict=True)
+        ]
+
+    def score(
+        self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
+    ) -> list[np.ndarray]:
+        check_score(prompts, completions, self.model.cfg.vocab_size)
+        if not prompts:
+            return []
+        m, k = self.model, self.model.kernel
+        rows, width, rr, tt = score_rows(prompts, completions)
+        ids, valid = left_pad(rows, width)
+        self.stats.prompt_tokens += sum(len(r) for r in rows)
+        picked = np.zeros(len(rr), np.float32)
+        with k.inference():
+            h = m.forward(k.array(ids), k.context(valid, 0, width), lora=self._adapter)
+            if len(rr):
+                hs = h[k.array(rr), k.array(tt)]  # (N, hidden)
+                targets = k.array(ids[rr, tt + 1])  # (N,)
+                for j in range(0, len(rr), LOGIT_ROWS):  # never (N, vocab) at once
+                    got = k.log_probs(hs[j : j + LOGIT_ROWS], targets[j : j + LOGIT_ROWS])
+                    picked[j : j + LOGIT_ROWS] = got
+        sync_ring_stats(self.stats, m.ring)
+        return split_scores(picked, completions)
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
+            self.model = None

@@ -1,0 +1,148 @@
+"""LoRA training through the streaming ring: ``StreamTrainer``, every engine's ``base.Trainer``.
+
+``accumulate`` walks the ring twice. Forward keeps each layer's input hidden state and nothing
+else; the kernel's head (final norm, lm_head, a float32 cross-entropy over the target tokens)
+gives the loss and its gradient at the last layer's output. Backward walks the ring in reverse,
+recomputes each layer from its saved input through the kernel's ``layer_vjp`` with respect to
+that input and the layer's LoRA tensors, and hands the input's gradient down. So only one
+layer's graph exists at a time, and resident mode runs the very same code (its ring just never
+evicts): streamed and resident gradients are bit-identical.
+
+LoRA dropout masks are a pure function of (``batch.dropout_seed``, layer, module): the module's
+seed (``common.dropout_seed``) keys the kernel's generator, so the recompute draws the forward's
+masks (each engine draws its own masks; with dropout 0 the engines compute the same function).
+``apply`` is the kernel's AdamW with the step count passed in: the trainer carries no hidden
+counters, and ``state()`` is everything needed to continue exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from spill.engines.base import AdamW, TrainBatch
+from spill.engines.core.common import check_batch, check_lora, check_params, dropout_seed
+from spill.engines.core.kernel import Array, LayerLora
+from spill.errors import EngineError
+from spill.models.lora import MODULES, LoraConfig, param_names
+
+if TYPE_CHECKING:
+    from spill.engines.core.runner import Model
+
+
+def layer_names(lora: LoraConfig, i: int) -> list[str]:
+    """Layer ``i``'s adapter tensors: A then B for each target, in ``lora.targets`` order."""
+    return [f"layers.{i}.{MODULES[t]}.lora_{ab}" for t in lora.targets for ab in "ab"]
+
+
+def layer_adapters(
+    lora: LoraConfig, i: int, arrays: dict[str, Array], dropouts: dict | None = None
+) -> LayerLora:
+    """Layer ``i``'s adapters by module (``self_attn.q_proj``): ``(A, B, scale)``, plus the
+    module's dropout from ``dropouts`` when given."""
+    out = {}
+    for t in lora.targets:
+        stem = f"layers.{i}.{MODULES[t]}"
+        entry = (arrays[stem + ".lora_a"], arrays[stem + ".lora_b"], lora.scale)
+        if dropouts:
+            entry += (dropouts[MODULES[t]],)
+        out[MODULES[t]] = entry
+    return out
+
+
+class StreamTrainer:
+    """float32 LoRA parameters, AdamW moments and accumulated gradients as kernel arrays."""
+
+    def __init__(self, model: Model, lora: LoraConfig):
+        check_lora(lora)
+        self.model, self.kernel, self.lora = model, model.kernel, lora
+        self.names = param_names(model.cfg, lora)
+        self._ready = False
+        self.params: dict[str, Array] = {}
+        self.m: dict[str, Array] = {}
+        self.v: dict[str, Array] = {}
+        self.grads: dict[str, Array] = {}
+
+    # -- state -------------------------------------------------------------------------------
+
+    def set_state(
+        self, params: dict[str, np.ndarray], m: dict[str, np.ndarray], v: dict[str, np.ndarray]
+    ) -> None:
+        """Adopt copies of (params, m, v); empty moments mean zeros (a fresh run). Zeroes grads."""
+        cfg, k = self.model.cfg, self.kernel
+        check_params(cfg, self.lora, params, "trainer params")
+        self.params = k.params(params)
+        for what, given in (("m", m), ("v", v)):
+            if given:
+                check_params(cfg, self.lora, given, f"trainer moment {what}")
+                setattr(self, what, k.params(given))
+            else:
+                setattr(self, what, {n: k.zeros_like(p) for n, p in self.params.items()})
+        self.grads = {n: k.zeros_like(p) for n, p in self.params.items()}
+        k.sync(self.params, self.m, self.v, self.grads)
+        self._ready = True
+
+    def state(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(params, m, v) as float32 numpy copies."""
+
+        def copy(arrays):
+            return {n: self.kernel.numpy(arrays[n]) for n in self.names}
+
+        return copy(self.params), copy(self.m), copy(self.v)
+
+    # -- forward and backward through the ring -----------------------------------------------
+
+    def _lora(self, i: int, seed: int):
+        """Layer ``i``'s adapters as a function of its leaves (in ``layer_names`` order)."""
+        dropouts = None
+        if self.lora.dropout > 0:
+            p = self.lora.dropout
+            dropouts = {
+                MODULES[t]: self.kernel.dropout(p, dropout_seed(seed, i, MODULES[t]))
+                for t in self.lora.targets
+            }
+        names = layer_names(self.lora, i)
+
+        def build(leaves: Sequence[Array]) -> LayerLora:
+            return layer_adapters(self.lora, i, dict(zip(names, leaves, strict=True)), dropouts)
+
+        return names, build
+
+    def accumulate(self, batch: TrainBatch) -> float:
+        """Forward and backward through the ring; add ``scale`` x d(loss sum) to the gradients.
+        Returns the micro-batch's summed token loss times ``scale``."""
+        tokens, attention, targets = check_batch(batch, self.model.cfg.vocab_size)
+        if not self._ready:
+            raise EngineError("the trainer has no state yet; call set_state first")
+        rows, cols = np.nonzero(targets[:, 1:])  # the hidden state at cols predicts cols + 1
+        if len(rows) == 0:
+            return 0.0
+        m, k, seed = self.model, self.kernel, batch.dropout_seed
+        layers = m.cfg.num_hidden_layers
+        ctx = k.context(attention, 0, tokens.shape[1])
+        saved: list = [None] * layers  # each layer's input (B, T, hidden)
+        x = k.embed_ids(k.array(tokens))
+        for i, w in m.ring.walk(range(layers)):
+            saved[i] = x
+            names, build = self._lora(i, seed)
+            x = k.layer(w, x, ctx, None, build([self.params[n] for n in names]))
+            k.sync(x)
+        loss, grad = k.head_vjp(x, tokens, rows, cols, batch.scale)
+        for i, w in m.ring.walk(range(layers - 1, -1, -1)):
+            x, saved[i] = saved[i], None
+            names, build = self._lora(i, seed)
+            leaves = [self.params[n] for n in names]
+            # nothing below layer 0 takes a gradient
+            grad, got = k.layer_vjp(w, x, ctx, leaves, build, grad, wrt_input=i > 0)
+            for name, g in zip(names, got, strict=True):
+                self.grads[name] = self.grads[name] + g
+            k.sync([self.grads[n] for n in names], *([grad] if grad is not None else []))
+        return loss
+
+    # -- the optimizer -----------------------------------------------------------------------
+
+    def apply(self, opt: AdamW) -> None:
+        """One AdamW update from the accumulated gradients, then zero them."""
+        self.kernel.adamw(opt, self.names, self.params, self.m, self.v, self.grads)

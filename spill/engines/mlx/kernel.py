@@ -1,0 +1,182 @@
+"""The MLX kernel: one model's resident parts and the primitives ``spill.engines.core`` runs.
+
+The torch kernel's semantics, op for op where the engines must agree. MLX is lazy: ``sync``
+evaluates, and the core syncs after every layer, so a released ring slot is really free.
+Gradients come from ``mx.vjp`` one layer at a time. A sampled row draws from its own
+``numpy.random.Generator`` (``core.runner.sample_numpy``): its draws differ from torch's
+generator, so sampled text is reproducible per engine, greedy text agrees across engines. LoRA
+dropout masks key ``mx.random`` with the module's seed. ``adamw`` is torch.optim.AdamW's
+single-tensor update on a CPU, op for op and bit for bit in m and v: torch's ``lerp_`` and
+``addcmul_`` kernels round a fused multiply-add once, which ``fma`` reproduces through float64;
+bias corrections are Python floats; the step is passed in.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import ModuleType
+
+import mlx.core as mx
+import numpy as np
+
+from spill.engines.base import AdamW
+from spill.engines.core.common import adamw_factors
+from spill.engines.core.kernel import LOGIT_ROWS
+from spill.engines.core.runner import sample_numpy
+from spill.engines.mlx import llama, qwen2
+from spill.engines.mlx.ops import Context, KVCache, context, inv_freq, log_softmax, rms_norm
+from spill.engines.mlx.reader import WeightReader
+from spill.models.config import ModelConfig
+
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
+
+
+def dropout(p: float, seed: int):
+    """Inverted dropout with probability ``p`` whose mask comes from ``seed`` alone."""
+
+    def drop(h):  # h (B, T, in) float32
+        keep = mx.random.uniform(shape=h.shape, key=mx.random.key(seed)) >= p  # (B, T, in)
+        return h * keep * (1.0 / (1.0 - p))
+
+    return drop
+
+
+def fma(a, b, c):
+    """``a * b + c`` rounded once, as torch's CPU kernels for ``lerp_`` and ``addcmul_`` compute
+    it (a float32 product is exact in float64; the sum rounds to float32 as a fused op would)."""
+    f64 = mx.float64
+    return (a.astype(f64) * b.astype(f64) + c.astype(f64)).astype(mx.float32)
+
+
+class MLXKernel:
+    def __init__(self, cfg: ModelConfig, reader: WeightReader):
+        self.cfg, self.reader = cfg, reader
+        self.family = FAMILIES[cfg.family]
+        self.dtype = reader.dtype
+        self.embed = reader.tensor("model.embed_tokens.weight")  # (V, hidden)
+        self.norm = reader.tensor("model.norm.weight")
+        tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
+        self.lm_head = self.embed if tied else reader.tensor("lm_head.weight")
+        self.freq = inv_freq(cfg)
+        mx.eval(self.embed, self.norm, self.lm_head, self.freq)
+
+    # -- arrays in and out ---------------------------------------------------------------------
+    def array(self, a: np.ndarray) -> mx.array:
+        return mx.array(a)
+
+    def params(self, arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
+        return {n: mx.array(np.asarray(a, dtype=np.float32)) for n, a in arrays.items()}
+
+    def numpy(self, x: mx.array) -> np.ndarray:
+        return np.array(x, copy=True)
+
+    def zeros_like(self, x: mx.array) -> mx.array:
+        return mx.zeros_like(x)
+
+    def sync(self, *xs) -> None:
+        mx.eval(*(x.arrays() if isinstance(x, KVCache) else x for x in xs))
+
+    def inference(self):
+        return nullcontext()  # MLX records no graph; gradients exist only inside mx.vjp
+
+    # -- the model ---------------------------------------------------------------------------
+    def context(self, valid: np.ndarray, start: int, length: int) -> Context:
+        ctx = context(mx.array(valid), start, length, self.freq, self.dtype)
+        mx.eval(ctx.cos, ctx.sin, ctx.mask)
+        return ctx
+
+    def caches(self, batch: int, length: int) -> list[KVCache]:
+        c = self.cfg
+        return [
+            KVCache(batch, c.num_key_value_heads, length, c.head_dim, self.dtype)
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    def embed_ids(self, ids):
+        return self.embed[ids]  # (B, T, hidden)
+
+    def layer(self, w: dict, x, ctx: Context, cache=None, lora=None):
+        return self.family.layer(self.cfg, w, x, ctx, cache, lora)
+
+    def final_norm(self, x):
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, h):
+        """h (N, hidden) -> float32 logits (N, V)."""
+        return (h @ self.lm_head.T).astype(mx.float32)
+
+    def log_probs(self, h, targets) -> np.ndarray:
+        logp = log_softmax(self.logits(h))  # (N, V) float32
+        return np.array(mx.take_along_axis(logp, targets[:, None], axis=1)[:, 0])
+
+    def sampler(self, seed: int):
+        rng = np.random.default_rng(seed)
+
+        def draw(logits: np.ndarray, temperature: float, top_p: float) -> int:
+            return sample_numpy(logits, temperature, top_p, rng)
+
+        return draw
+
+    # -- training ------------------------------------------------------------------------------
+    def dropout(self, p: float, seed: int):
+        return dropout(p, seed)
+
+    def layer_vjp(self, w, x, ctx, leaves, lora, grad, wrt_input: bool):
+        def step(h, *lv):
+            return [self.layer(w, h, ctx, None, lora(list(lv)))]
+
+        if wrt_input:
+            _, got = mx.vjp(step, [x, *leaves], [grad])
+            return got[0], list(got[1:])
+        _, got = mx.vjp(lambda *lv: step(x, *lv), list(leaves), [grad])
+        return None, list(got)
+
+    def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
+        r, c = mx.array(rows), mx.array(cols)
+        labels = mx.array(tokens[rows, cols + 1])  # (N,): position t predicts t + 1
+
+        def pick(h):
+            return [self.final_norm(h)[r, c]]  # (N, hidden)
+
+        def ce(p, y):
+            logp = log_softmax(self.logits(p))  # float32 (n, V)
+            return [-mx.sum(mx.take_along_axis(logp, y[:, None], axis=1))]
+
+        (picked,) = pick(x)
+        total, grads = mx.zeros((), dtype=mx.float32), []
+        for j in range(0, len(rows), LOGIT_ROWS):  # never (N, vocab) at once
+            y = labels[j : j + LOGIT_ROWS]
+            (loss,), (g,) = mx.vjp(
+                lambda p, y=y: ce(p, y), [picked[j : j + LOGIT_ROWS]], [mx.array(scale, mx.float32)]
+            )
+            total = total + loss
+            grads.append(g)
+            mx.eval(total, g)
+        _, (grad,) = mx.vjp(pick, [x], [mx.concatenate(grads, axis=0)])
+        total = total * scale
+        mx.eval(total, grad)
+        return float(total.item()), grad
+
+    def adamw(self, opt: AdamW, names, params, m, v, grads) -> None:
+        step_size, bc2_sqrt = adamw_factors(opt)
+        lr, b1, b2 = opt.lr, opt.beta1, opt.beta2
+        w = mx.array(1 - b1, mx.float32)  # m.lerp_(g, 1 - beta1)
+        with mx.stream(mx.cpu):  # float64 exists on the CPU only; Apple's memory is shared
+            for n in names:
+                p, g, mn, vn = params[n], grads[n], m[n], v[n]
+                if opt.weight_decay != 0:
+                    p = p * (1 - lr * opt.weight_decay)
+                if 1 - b1 < 0.5:  # torch's lerp picks its form by the weight
+                    mn = fma(w, g - mn, mn)
+                else:
+                    mn = fma(w - 1, g - mn, g)
+                vn = fma((1 - b2) * g, g, vn * b2)  # addcmul_: self + value * t1 * t2
+                denom = mx.sqrt(vn) / bc2_sqrt + opt.eps
+                p = p + (-step_size * mn) / denom  # addcdiv_: self + value * t1 / t2
+                params[n], m[n], v[n] = p, mn, vn
+                grads[n] = mx.zeros_like(g)
+            mx.eval(params, m, v, grads)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.embed = self.norm = self.lm_head = None

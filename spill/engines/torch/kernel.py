@@ -1,0 +1,170 @@
+"""The torch kernel: one model's resident parts and the primitives ``spill.engines.core`` runs.
+
+The family module (``llama``, ``qwen2``) is picked once from the config; it supplies the layer
+function. Gradients come from autograd one layer at a time (``layer_vjp``); the head's
+cross-entropy backs through lm_head in chunks of rows so (N, vocab) never exists at once.
+Sampling runs on the CPU in float32 with one ``torch.Generator`` per row. LoRA dropout masks
+come from a seeded ``torch.Generator`` on the model's device. ``adamw`` is
+torch.optim.AdamW's single-tensor update, op for op (``lerp_`` for the first moment, bias
+corrections in Python floats).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from spill.engines.base import AdamW
+from spill.engines.core.common import adamw_factors
+from spill.engines.core.kernel import LOGIT_ROWS
+from spill.engines.torch import llama, qwen2
+from spill.engines.torch.ops import Context, KVCache, context, inv_freq, rms_norm
+from spill.engines.torch.reader import WeightReader
+from spill.models.config import ModelConfig
+
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    """One token from float32 logits (V,): temperature, then the top-p nucleus."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p >= 1.0:
+        return int(torch.multinomial(probs, 1, generator=gen))
+    p, order = probs.sort(descending=True, stable=True)
+    keep = (p.cumsum(0) - p) < top_p
+    keep[0] = True  # the most likely token is always in the nucleus
+    return int(order[torch.multinomial(p * keep, 1, generator=gen)])
+
+
+def dropout(p: float, seed: int):
+    """Inverted dropout with probability ``p`` whose mask comes from ``seed`` alone."""
+
+    def drop(h):  # h (B, T, in) float32
+        gen = torch.Generator(device=h.device).manual_seed(seed)
+        keep = torch.rand(h.shape, generator=gen, device=h.device) >= p  # (B, T, in)
+        return h * keep * (1.0 / (1.0 - p))
+
+    return drop
+
+
+class TorchKernel:
+    def __init__(self, cfg: ModelConfig, reader: WeightReader):
+        self.cfg, self.reader = cfg, reader
+        self.family = FAMILIES[cfg.family]
+        self.device, self.dtype = reader.device, reader.dtype
+        self.embed = reader.tensor("model.embed_tokens.weight")  # (V, hidden)
+        self.norm = reader.tensor("model.norm.weight")
+        tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
+        self.lm_head = self.embed if tied else reader.tensor("lm_head.weight")
+        self.freq = inv_freq(cfg).to(self.device)
+
+    # -- arrays in and out ---------------------------------------------------------------------
+    def array(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device)
+
+    def params(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return {
+            n: torch.tensor(
+                np.asarray(a, dtype=np.float32), dtype=torch.float32, device=self.device
+            )
+            for n, a in arrays.items()
+        }
+
+    def numpy(self, x: torch.Tensor) -> np.ndarray:
+        return x.detach().to("cpu", copy=True).numpy()
+
+    def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+    def sync(self, *xs) -> None:
+        pass  # eager: every op has been issued, and CUDA orders them on one stream
+
+    def inference(self):
+        return torch.inference_mode()
+
+    # -- the model ---------------------------------------------------------------------------
+    def context(self, valid: np.ndarray, start: int, length: int) -> Context:
+        return context(self.array(valid), start, length, self.freq, self.dtype)
+
+    def caches(self, batch: int, length: int) -> list[KVCache]:
+        c = self.cfg
+        return [
+            KVCache(batch, c.num_key_value_heads, length, c.head_dim, self.dtype, self.device)
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    def embed_ids(self, ids):
+        return F.embedding(ids, self.embed)  # (B, T, hidden)
+
+    def layer(self, w: dict, x, ctx: Context, cache=None, lora=None):
+        return self.family.layer(self.cfg, w, x, ctx, cache, lora)
+
+    def final_norm(self, x):
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, h):
+        """h (N, hidden) -> float32 logits (N, V)."""
+        return F.linear(h, self.lm_head).float()
+
+    def log_probs(self, h, targets) -> np.ndarray:
+        logp = torch.log_softmax(self.logits(h), dim=-1)  # (N, V) float32
+        return logp.gather(1, targets[:, None])[:, 0].cpu().numpy()
+
+    def sampler(self, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+
+        def draw(logits: np.ndarray, temperature: float, top_p: float) -> int:
+            return sample(torch.from_numpy(logits), temperature, top_p, gen)
+
+        return draw
+
+    # -- training ------------------------------------------------------------------------------
+    def dropout(self, p: float, seed: int):
+        return dropout(p, seed)
+
+    def layer_vjp(self, w, x, ctx, leaves, lora, grad, wrt_input: bool):
+        with torch.enable_grad():
+            leaves = [a.detach().requires_grad_() for a in leaves]
+            if wrt_input:
+                x = x.detach().requires_grad_()
+            out = self.layer(w, x, ctx, None, lora(leaves))
+            got = torch.autograd.grad(out, [*leaves, x] if wrt_input else leaves, grad)
+        return (got[-1] if wrt_input else None), list(got[: len(leaves)])
+
+    def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
+        ids = self.array(tokens)  # (B, T)
+        r, c = self.array(rows), self.array(cols)
+        h = x.detach().requires_grad_()
+        with torch.enable_grad():
+            picked = self.final_norm(h)[r, c]  # (N, hidden): position t predicts t + 1
+            labels = ids[r, c + 1]  # (N,)
+            leaf = picked.detach().requires_grad_()
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            for j in range(0, len(labels), LOGIT_ROWS):  # never (N, vocab) at once
+                logits = self.logits(leaf[j : j + LOGIT_ROWS])  # float32
+                ce = F.cross_entropy(logits, labels[j : j + LOGIT_ROWS], reduction="sum")
+                (ce * scale).backward()
+                total += ce.detach()
+            (grad,) = torch.autograd.grad(picked, h, leaf.grad)
+        return float(total * scale), grad
+
+    def adamw(self, opt: AdamW, names, params, m, v, grads) -> None:
+        step_size, bc2_sqrt = adamw_factors(opt)
+        lr, b1, b2 = opt.lr, opt.beta1, opt.beta2
+        with torch.no_grad():
+            for n in names:
+                p, g, mn, vn = params[n], grads[n], m[n], v[n]
+                if opt.weight_decay != 0:
+                    p.mul_(1 - lr * opt.weight_decay)
+                mn.lerp_(g, 1 - b1)
+                vn.mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (vn.sqrt() / bc2_sqrt).add_(opt.eps)
+                p.addcdiv_(mn, denom, value=-step_size)
+                g.zero_()
+
+    def close(self) -> None:
+        self.reader.close()
+        self.embed = self.norm = self.lm_head = None
