@@ -2,13 +2,16 @@
 checkpoint publication and SIGTERMed, then finished on the other engine, both directions.
 
 Every run is a fresh ``python -m spill`` process (float32, the session's tiny llama, 4 layers of
-hidden 64, streamed through a ring of 2; tune runs with LoRA dropout 0 and 0.1). Across engines nothing is claimed to be bit-equal,
-so the tolerance is measured here, not chosen: two clean runs of the same command, one per
-engine, give the distance ``d`` between engines (the largest relative per-step loss difference,
-and the relative L2 distance of the final LoRA parameters). A moved run must be within
-``2 * d + EPS`` of each clean run: moving mid-run costs at most about what picking the other
-engine from the start costs. ``EPS`` is one float32 ulp (relative), so that a ``d`` that happens
-to be a single rounding step does not make the bound tighter than float32 can state.
+hidden 64, streamed through a ring of 2; tune runs with LoRA dropout 0 and 0.1). Across engines
+nothing is claimed to be bit-equal, so the tolerance is measured, not chosen: two clean runs of
+the same command, one per engine, give the distance ``d`` between engines (the largest relative
+per-step loss difference, and the relative L2 distance of the final LoRA parameters). That
+distance was measured once and is pinned below (``D``, with a margin); a run of this file checks
+that the clean pair is still within ``D`` and that a moved run is within ``2 * D + EPS`` of each
+clean run: moving mid-run costs at most about what picking the other engine from the start
+costs. Pinned, not re-derived from the two engines under test, so a regression both engines
+share (one that moves them apart, or makes every run noisier) fails instead of widening the
+bound. ``EPS`` is one float32 ulp (relative).
 
 What is exact is checked exactly: the steps made before a move are the first engine's own
 (equal losses), no step is lost or repeated (``N`` losses, the rerun continues from the newest
@@ -81,6 +84,12 @@ def tune_argv(model: Path, train: Path, state: str, **over) -> list[str]:
 
 EPS = 2.0**-23  # one float32 ulp, relative
 FACTOR = 2.0
+# dropout -> (loss, params) distance between a clean torch and a clean MLX run of SETTINGS.
+# Measured 2026-12-01 (2-core AMD EPYC VM, torch 2.13.0+cpu, mlx 0.32.4, OMP_NUM_THREADS=1):
+# dropout 0: losses 2.38e-07, params 5.1e-07 (rounding only: 10x margin for other CPUs/BLAS);
+# dropout 0.1: losses 0.013, params 0.149 (each engine draws its own LoRA dropout masks, the
+# same on every machine: 1.5x margin). `pytest -s tests/func/test_cross_engine.py` prints them.
+D = {0.0: (2.4e-6, 5.1e-6), 0.1: (0.02, 0.22)}
 DUO = ("torch", "mlx")
 DIRECTIONS = [DUO, DUO[::-1]]
 IDS = [f"{a}-to-{b}" for a, b in DIRECTIONS]
@@ -151,8 +160,10 @@ def clean(request, tmp_path_factory, tiny_models) -> Clean:
         f"\ndropout {dropout}: clean torch vs clean mlx: losses {d_loss:.3g} (relative, max), "
         f"params {d_params:.3g}"
     )
-    if not dropout:  # a sanity bound far above the ~1e-7 measured: the same computation
-        assert d_loss < 1e-5 and d_params < 1e-4
+    pinned_loss, pinned_params = D[dropout]
+    assert d_loss <= pinned_loss and d_params <= pinned_params, (d_loss, d_params, D[dropout])
+    if dropout:  # masks in use on both engines: far above the rounding-only distance
+        assert d_params > 100 * D[0.0][1], d_params
     return Clean(model, train, env, dropout, runs, d_loss, d_params)
 
 
@@ -174,8 +185,9 @@ def assert_moved(clean: Clean, state: str, first: str, then: str, at: int, stder
     moved = Run.read(state)
     # the steps before the move are the first engine's own, exactly
     assert moved.losses[:at] == clean.runs[first].losses[:at]
-    tol_loss = FACTOR * clean.d_loss + EPS
-    tol_params = FACTOR * clean.d_params + EPS
+    pinned_loss, pinned_params = D[clean.dropout]
+    tol_loss = FACTOR * pinned_loss + EPS
+    tol_params = FACTOR * pinned_params + EPS
     lines = []
     for engine, run in clean.runs.items():
         dl, dp = loss_distance(moved.losses, run.losses), param_distance(moved.params, run.params)
@@ -184,7 +196,8 @@ def assert_moved(clean: Clean, state: str, first: str, then: str, at: int, stder
         assert dp <= tol_params, (engine, dp, tol_params)
     print(
         f"\n{first} 0-{at} -> {then} {at}-{STEPS}: " + "; ".join(lines) + f" (clean pair: losses "
-        f"{clean.d_loss:.3g}, params {clean.d_params:.3g}; bound {FACTOR:g}x + {EPS:.2g})"
+        f"{clean.d_loss:.3g}, params {clean.d_params:.3g}; bound {FACTOR:g}x pinned "
+        f"{pinned_loss:.3g}, {pinned_params:.3g} + {EPS:.2g})"
     )
 
 
