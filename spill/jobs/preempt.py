@@ -1,35 +1,44 @@
-"""Preemption for any job made of quanta: stop at a boundary, save, say ``preempted``, exit 75.
+"""Preemption, once for the whole process: stop at a boundary, save, say ``preempted``, exit 75.
 
-A job (a tune loop, a row job) wraps its loop in a ``Guard``::
+One switch per process takes SIGTERM, SIGINT and ``request_stop()`` (what ``spill move``'s
+quiesce calls) and hands the request to the innermost *scope* that is running:
 
-    with Guard(save=save, unit="step") as guard:
-        for ...:
-            guard.boundary()            # stops here when asked: save, print, raise Preempted
-            result = compute()          # the quantum's work; nothing committed changes here
-            with guard.mutating():
-                apply(result)           # committed state changes only under this lock
+* a job's ``Guard`` (a tune loop, a row job) finishes the quantum in progress and saves::
 
-On SIGTERM or SIGINT the handler only records the request and starts a watchdog; nothing is
-raised into the loop, so no frame is left half-run. Then, counting from the signal:
+      with Guard(save=save, unit="step") as guard:
+          for ...:
+              guard.boundary()            # stops here when asked: save, raise Preempted
+              result = compute()          # the quantum's work; nothing committed changes here
+              with guard.mutating():
+                  apply(result)           # committed state changes only under this lock
+
+* ``stops_at_once()`` (a build planning, or between its jobs) stops at once: the signal raises
+  ``Interrupted`` where the main thread is, except inside ``critical()`` (short writes that must
+  land whole), where it is raised when the section ends.
+
+Nothing is raised into a job's loop, so no frame is left half-run. Counting from the request:
 
 * within ``grace`` (15 s): if the loop reaches ``boundary()`` the main thread calls ``save()``
-  and raises ``Preempted`` (exit code 75) after printing one ``preempted`` line;
+  and raises ``Preempted`` (exit code 75);
 * at ``grace`` the quantum in progress is abandoned: the watchdog takes the mutation lock (so it
   never sees a half-applied quantum), calls ``save()`` from its own thread, prints the line and
   ends the process with ``os._exit(75)``; the state saved is the previous quantum's;
 * at ``deadline`` (30 s) the process ends with ``os._exit(75)`` whatever it is doing (a save
   that hangs on the network, say); what was committed before stands.
 
-Exactly one of the main thread and the watchdog saves (a claim lock decides). ``save`` must
-read only state that ``mutating()`` protects; it returns a short description of what it
-committed (``"step 120"``, ``"37 of 60 rows"``), which goes into the ``preempted`` line. A
-second signal only prints a note: the save under way is never interrupted. A loop that
-finishes all its quanta after a signal ends normally (the hard deadline stays armed: the
-process was told to go).
+Exactly one of the main thread and the watchdog saves (a claim lock decides). ``save`` must read
+only state that ``mutating()`` protects; it returns what it committed (``"step 120"``, ``"37 of
+60 rows"``). A second request only prints a note: the save under way is never interrupted. A loop
+that finishes all its quanta after a request ends normally (the hard deadline stays armed: the
+process was told to go); a caller that runs several jobs checks ``stop_requested()``.
 
-``SPILL_PREEMPT_GRACE`` and ``SPILL_PREEMPT_DEADLINE`` (seconds) override the defaults; tests
-set them short. Messages are written with ``os.write`` on fd 2: a signal handler that printed
-through ``sys.stderr`` while the main thread was printing would hit a reentrant-buffer error.
+Every stop is worded by ``preempted()``, one line: ``spill: [build ]preempted by SIGTERM[ after
+0.4 s]; committed: step 12; exit 75; run the same command to continue``. It is printed once, by
+whoever raises the final ``Preempted``: a job inside a build leaves the wording to the build,
+which knows the stage. ``SPILL_PREEMPT_GRACE`` and ``SPILL_PREEMPT_DEADLINE`` (seconds) override
+the limits; tests set them short. Lines go out with ``os.write`` on fd 2: a signal handler that
+printed through ``sys.stderr`` while the main thread was printing would hit a reentrant-buffer
+error.
 """
 
 from __future__ import annotations
@@ -51,19 +60,15 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 SaveFn = Callable[[], "str | None"]
 
-_requested: list[str] = []  # the reasons any Guard in this process was asked to stop
-
-
-def stop_requested() -> str | None:
-    """Why a Guard in this process was asked to stop (``"SIGINT"``), or None; a caller that runs
-    several jobs (a build) checks it after a job that finished all its quanta anyway."""
-    return _requested[0] if _requested else None
-
 
 class Preempted(SpillError):
-    """The job stopped at a boundary after SIGTERM/SIGINT and saved; rerun it to continue."""
+    """The job or build stopped on a request, its state committed; rerun it to continue."""
 
     exit_code = EXIT_PREEMPTED
+
+
+class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, which it replaces
+    """A stop request where stopping is immediate; ``args[0]`` is the reason (``"SIGINT"``)."""
 
 
 def _seconds(value: float | None, env: str, default: float) -> float:
@@ -91,13 +96,164 @@ def _say(line: str) -> None:
         pass
 
 
-class Guard:
-    """Turns SIGTERM/SIGINT into a save at the next quantum boundary, within hard time limits.
+def preempted(
+    reason: str,
+    committed: str | None,
+    *,
+    who: str = "",
+    took: float | None = None,
+    detail: str = "",
+    say: bool = True,
+) -> Preempted:
+    """The one ``preempted`` line (printed unless ``say`` is false) as the error to raise.
 
-    ``save`` may be given later (``guard.save = fn``) but must be set before a signal can be
-    acted on; without one, stopping saves nothing. ``unit`` names a quantum in messages.
-    With ``signals=()`` no handler is installed (``request_stop`` still works), which is what a
-    job without a state location uses.
+    ``committed`` is what was saved (None: nothing new; ``""``: the save did not finish, the last
+    committed state stands); ``who`` names a build; ``took`` is the time the stop waited for a
+    quantum; ``detail`` says what was abandoned or failed.
+    """
+    head = f"spill: {who + ' ' if who else ''}preempted by {reason}"
+    parts = [head + (f" after {took:.1f} s" if took is not None else "")]
+    parts += [detail] if detail else []
+    if committed is None:
+        parts.append("nothing new to commit")
+    else:
+        parts.append(f"committed: {committed}" if committed else "the last committed state stands")
+    parts.append(f"exit {EXIT_PREEMPTED}; run the same command to continue")
+    line = "; ".join(parts)
+    if say:
+        _say(line)
+    return Preempted(line.removeprefix("spill: "))
+
+
+class _Switch:
+    """The process's one stop request and the stack of scopes it is handed to."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.at: float | None = None  # time.monotonic() of the request
+        self.scopes: list[object] = []  # Guards and _AtOnce scopes, innermost last
+        self.previous: dict[int, object] = {}
+        self.installer: object | None = None  # the scope that installed the handlers
+        self.depth = 0  # critical sections open
+        self.deferred = False  # a request that must raise Interrupted when they close
+        self.lock = threading.RLock()  # a signal may land while the main thread holds it
+
+    def enter(self, scope: object, install: bool) -> None:
+        self.scopes.append(scope)
+        main = threading.current_thread() is threading.main_thread()
+        if install and main and self.installer is None:
+            for sig in SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._on_signal)
+            self.installer = scope
+
+    def leave(self, scope: object) -> None:
+        self.scopes.remove(scope)
+        if self.installer is scope:
+            # once stopping, later signals only print a note until the process has gone
+            for sig, old in self.previous.items():
+                signal.signal(sig, self._on_signal if self.reason else old)
+            self.previous, self.installer = {}, None
+
+    def top(self) -> object | None:
+        return self.scopes[-1] if self.scopes else None
+
+    def request(self, reason: str) -> bool:
+        """Record the request; False (after a note) when one was already made."""
+        with self.lock:
+            if self.reason is not None:
+                left = max(0.0, _deadline(self.top()) - (time.monotonic() - (self.at or 0.0)))
+                _say(f"spill: {reason} again; already stopping, exit within {left:.0f} s")
+                return False
+            self.reason, self.at = reason, time.monotonic()
+        top = self.top()
+        threading.Thread(
+            target=_hard_stop, args=(reason, self.at, _deadline(top)), daemon=True
+        ).start()
+        if isinstance(top, Guard):
+            top._requested()
+        else:  # outside a job: acted on at once, or when the critical section ends
+            self.deferred = True
+        return True
+
+    def _on_signal(self, signum: int, frame) -> None:
+        first = self.request(signal.Signals(signum).name)
+        if first and isinstance(self.top(), _AtOnce) and self.depth == 0:
+            self.deferred = False
+            raise Interrupted(self.reason)
+
+
+_switch = _Switch()
+
+
+def request_stop(reason: str = "a stop request") -> None:
+    """What SIGTERM and SIGINT do, callable from any thread (``spill move``'s quiesce, tests).
+
+    A running job stops at its next boundary; code outside a job stops at the end of its
+    critical section or when it next checks ``stop_requested()`` (a request from another thread
+    cannot interrupt the main thread anywhere else).
+    """
+    _switch.request(reason)
+
+
+def stop_requested() -> str | None:
+    """Why this process was asked to stop (``"SIGINT"``), or None."""
+    return _switch.reason
+
+
+def _deadline(scope: object | None) -> float:
+    if isinstance(scope, Guard):
+        return scope.deadline
+    return _seconds(None, DEADLINE_ENV, DEADLINE)
+
+
+def _hard_stop(reason: str, at: float, deadline: float) -> None:
+    time.sleep(max(0.0, at + deadline - time.monotonic()))
+    detail = f"not finished {deadline:g} s after the request, stopping now"
+    preempted(reason, "", detail=detail)
+    os._exit(EXIT_PREEMPTED)
+
+
+class _AtOnce:
+    """The scope of ``stops_at_once``: a request raises ``Interrupted`` in the main thread."""
+
+
+@contextmanager
+def stops_at_once(who: str = "build") -> Iterator[None]:
+    """Outside jobs (a build planning, or between its jobs) a request stops at once.
+
+    ``Interrupted`` that leaves this scope becomes ``Preempted`` with nothing new committed; a
+    caller that committed something catches ``Interrupted`` first and says what.
+    """
+    scope = _AtOnce()
+    _switch.enter(scope, install=True)
+    try:
+        yield
+    except Interrupted as e:
+        raise preempted(str(e), None, who=who) from None
+    finally:
+        _switch.leave(scope)
+
+
+@contextmanager
+def critical() -> Iterator[None]:
+    """A short write that must land whole: a request during it is acted on when it ends."""
+    _switch.depth += 1
+    try:
+        yield
+    finally:
+        _switch.depth -= 1
+    if _switch.depth == 0 and _switch.deferred and isinstance(_switch.top(), _AtOnce):
+        _switch.deferred = False
+        raise Interrupted(_switch.reason)
+
+
+class Guard:
+    """A job's scope: a request saves at the next quantum boundary, within hard time limits.
+
+    ``save`` may be given later (``guard.save = fn``) but must be set before a request can be
+    acted on; without one, stopping saves nothing. ``unit`` names a quantum in messages. With
+    ``signals=()`` the guard installs no handler (a job without a state location: Ctrl-C stays
+    Python's), but a request still reaches it.
     """
 
     def __init__(
@@ -114,20 +270,13 @@ class Guard:
         self.deadline = max(self.grace, _seconds(deadline, DEADLINE_ENV, DEADLINE))
         self.unit = unit
         self.signals = signals
-        self.signal_name: str | None = None
-        self.requested_at: float | None = None  # time.monotonic() of the stop request
-        self._stop = threading.Event()
+        self._nested = False  # inside a build, which words the stop
+        self._watching = False
         self._settled = threading.Event()  # the main thread saved, or the loop ended
         self._claim = threading.Lock()  # held by whichever thread saves
         self._lock = threading.RLock()  # held while committed state changes
-        self._previous: dict[int, object] = {}
-        self._installed = False
 
     # --- the loop's side -------------------------------------------------------------------
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     @contextmanager
     def mutating(self) -> Iterator[None]:
@@ -137,113 +286,74 @@ class Guard:
 
     def boundary(self) -> None:
         """Between quanta: when a stop was requested, save and raise ``Preempted``."""
-        if not self._stop.is_set():
+        if _switch.reason is None:
             return
         if not self._claim.acquire(blocking=False):
             self._park()  # the watchdog is saving and will end the process
+        took = time.monotonic() - (_switch.at or time.monotonic())
         try:
             with self._lock:
-                what = self._save()
+                what = self.save() if self.save is not None else None
         except Exception as e:
             self._settled.set()
-            line = self._failed(e)
-            _say(line)
-            raise Preempted(line.removeprefix("spill: ")) from e
+            failed = f"saving failed ({type(e).__name__}: {e})"
+            raise preempted(_switch.reason, "", detail=failed, say=not self._nested) from e
         self._settled.set()
-        line = self._line(what, abandoned=False)
-        _say(line)
-        raise Preempted(line.removeprefix("spill: "))
+        raise preempted(_switch.reason, what, took=took, say=not self._nested)
 
     def request_stop(self, reason: str = "a stop request") -> None:
-        """What a signal does (``reason`` is its name); callable directly (tests, a controller)."""
-        if self._stop.is_set():
-            left = max(0.0, self.deadline - (time.monotonic() - (self.requested_at or 0.0)))
-            _say(f"spill: {reason} again; already stopping, exit within {left:.0f} s")
-            return
-        self.requested_at = time.monotonic()
-        self.signal_name = reason
-        _requested.append(reason)
-        self._stop.set()
-        _say(
-            f"spill: {reason}; finishing the current {self.unit} (up to {self.grace:g} s), "
-            "then saving"
-        )
-        threading.Thread(target=self._watch, name="spill-preempt", daemon=True).start()
-        threading.Thread(target=self._hard_stop, name="spill-deadline", daemon=True).start()
+        """``request_stop`` of this module (kept on the guard for callers that hold one)."""
+        request_stop(reason)
 
     # --- context manager -------------------------------------------------------------------
 
     def __enter__(self) -> Guard:
-        if self.signals and threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
-            self._installed = True
+        self._nested = bool(_switch.scopes)
+        _switch.enter(self, install=bool(self.signals))
+        if _switch.reason is not None:  # asked before the job began: its first boundary stops
+            self._requested()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._stop.is_set() and not self._settled.is_set():
+        if _switch.reason is not None and not self._settled.is_set():
             # The loop ended on its own after the request (all quanta done, or an error): the
             # watchdog must not save over it. If it already claimed the save, it ends the process.
             if not self._claim.acquire(blocking=False):
                 self._park()
             self._settled.set()
-        if self._installed:
-            for sig, old in self._previous.items():
-                # once stopping, later signals only print a note until the process has gone
-                signal.signal(sig, self._on_signal if self._stop.is_set() else old)
-            self._installed = False
+        _switch.leave(self)
 
     # --- internals -------------------------------------------------------------------------
 
-    def _on_signal(self, signum: int, frame) -> None:
-        self.request_stop(signal.Signals(signum).name)
-
-    def _save(self) -> str | None:
-        if self.save is None:
-            return None
-        return self.save()
-
-    def _line(self, what: str | None, abandoned: bool) -> str:
-        took = time.monotonic() - (self.requested_at or time.monotonic())
-        parts = [f"spill: preempted by {self.signal_name} after {took:.1f} s"]
-        if abandoned:
-            parts.append(f"the {self.unit} in progress was abandoned after {self.grace:g} s")
-        parts.append(f"committed: {what}" if what else "nothing new to commit")
-        parts.append(f"exit {EXIT_PREEMPTED}; run the same command to continue")
-        return "; ".join(parts)
-
-    def _failed(self, e: BaseException) -> str:
-        return (
-            f"spill: preempted by {self.signal_name}; saving failed ({type(e).__name__}: {e}); "
-            f"the last committed state stands; exit {EXIT_PREEMPTED}"
+    def _requested(self) -> None:
+        if self._watching:
+            return
+        self._watching = True
+        _say(
+            f"spill: {_switch.reason}; finishing the current {self.unit} (up to {self.grace:g} s), "
+            "then saving"
         )
+        threading.Thread(target=self._watch, name="spill-preempt", daemon=True).start()
 
     def _park(self) -> None:
         """The other thread owns the stop; wait for it to end the process."""
         threading.Event().wait()
 
     def _watch(self) -> None:
-        assert self.requested_at is not None
-        if self._settled.wait(max(0.0, self.requested_at + self.grace - time.monotonic())):
+        start = time.monotonic()
+        if self._settled.wait(max(0.0, start + self.grace - time.monotonic())):
             return
         if not self._claim.acquire(blocking=False):
             return  # the main thread is saving; the hard deadline still stands
         # Abandon the quantum: wait for any mutation under way, then save from here.
-        left = self.requested_at + self.deadline - time.monotonic()
-        if not self._lock.acquire(timeout=max(0.0, left)):
-            return  # _hard_stop ends the process
+        at = _switch.at or start
+        if not self._lock.acquire(timeout=max(0.0, at + self.deadline - time.monotonic())):
+            return  # the hard stop ends the process
+        reason = _switch.reason or "a stop request"
         try:
-            line = self._line(self._save(), abandoned=True)
+            what = self.save() if self.save is not None else None
+            detail = f"the {self.unit} in progress was abandoned after {self.grace:g} s"
+            preempted(reason, what, took=time.monotonic() - at, detail=detail)
         except BaseException as e:  # the process ends here either way
-            line = self._failed(e)
-        _say(line)
-        os._exit(EXIT_PREEMPTED)
-
-    def _hard_stop(self) -> None:
-        assert self.requested_at is not None
-        time.sleep(max(0.0, self.requested_at + self.deadline - time.monotonic()))
-        _say(
-            f"spill: preempted by {self.signal_name}; not finished {self.deadline:g} s after the "
-            f"request, stopping now; the last committed state stands; exit {EXIT_PREEMPTED}"
-        )
+            preempted(reason, "", detail=f"saving failed ({type(e).__name__}: {e})")
         os._exit(EXIT_PREEMPTED)

@@ -9,10 +9,9 @@ argparse does not know are Hydra overrides (``tune.lr=3e-4``; with ``-m`` a swee
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from spill.errors import EXIT_PREEMPTED, UsageError
+from spill.errors import UsageError
 
 
 def _overrides(args) -> list[str]:
@@ -90,25 +89,12 @@ def cmd_init(args) -> int:
 
 
 def _preemptible(run) -> int:
-    """A build stopped by Ctrl-C or SIGTERM before or between stages exits 75 like a job (the
-    executor handles signals while stages run; here it is planning, composing, sweeping)."""
-    import signal
+    """A build stopped by Ctrl-C, SIGTERM or a stop request exits 75 with one ``preempted`` line
+    (``spill.jobs.preempt``: planning, composing and sweeping stop at once, jobs at a boundary)."""
+    from spill.jobs.preempt import stops_at_once
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
+    with stops_at_once():
         return run()
-    except KeyboardInterrupt:
-        print(
-            f"spill: build preempted; nothing new committed; exit {EXIT_PREEMPTED}; "
-            "run the same command to continue",
-            file=sys.stderr,
-        )
-        return EXIT_PREEMPTED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_build(args) -> int:

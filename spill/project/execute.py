@@ -9,9 +9,13 @@ their hashes under ``outputs``), so a reader never sees a result whose files are
 ``restore`` publishes a done stage's outputs again (``spill.project.outputs``); a decision
 that drops an out-of-date record removes its job state and outputs even when the stage waits.
 
-Ctrl-C or SIGTERM anywhere behaves like preemption: inside a job the job's ``Guard`` saves and
-stops; between jobs the build stops at once (its own writes are short critical sections that
-finish first). The stage is recorded as stopped and the process exits 75.
+The stages are the objects of ``spill.project.stages``: the executor asks each one for its
+folder, unit, outputs and the job it calls, and branches on no stage name.
+
+Ctrl-C or SIGTERM anywhere behaves like preemption (``spill.jobs.preempt``, one mechanism for
+the process): inside a job the job's ``Guard`` saves and stops; between jobs the build stops at
+once (its own writes are ``critical`` sections that finish first). The stage is recorded as
+stopped and the build says so in one ``preempted`` line; the process exits 75.
 
 Derived inputs (the split, teacher answers) are written to a local temporary folder for the
 jobs and published under ``files/``; a remote state location works the same way.
@@ -19,71 +23,32 @@ jobs and published under ``files/``; a remote state location works the same way.
 
 from __future__ import annotations
 
-import signal
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
 from spill import __version__
 from spill.console import note
-from spill.errors import EXIT_PREEMPTED, DataError, SpillError, StoreError
-from spill.project import outputs, state
+from spill.errors import DataError, SpillError, StoreError
+from spill.jobs.preempt import (
+    Interrupted,
+    Preempted,
+    critical,
+    preempted,
+    stop_requested,
+    stops_at_once,
+)
+from spill.project import state
 from spill.project.config import Project
 from spill.project.plan import Decision
-from spill.project.uptodate import file_sha256
+from spill.project.stages import STAGES, EvalStage, RowStage, Stage, get
+from spill.project.uptodate import data_sha256
 from spill.store.fs import get_bytes, is_local, join, put_bytes, remove
-
-
-class BuildPreempted(SpillError):
-    """The build stopped on a signal with its state recorded; the same command continues it."""
-
-    exit_code = EXIT_PREEMPTED
-
-
-class _Interrupted(BaseException):
-    """Raised by the build's own signal handler between jobs (a BaseException, like Ctrl-C)."""
 
 
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-class _Signals:
-    """SIGINT/SIGTERM between jobs: stop at once, except inside ``critical()`` (then right after)."""
-
-    def __init__(self) -> None:
-        self.name: str | None = None
-        self._depth = 0
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._previous.items():
-            signal.signal(sig, old)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.name = signal.Signals(signum).name
-        if self._depth == 0:
-            raise _Interrupted(self.name)
-
-    @contextmanager
-    def critical(self) -> Iterator[None]:
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-        if self._depth == 0 and self.name is not None:
-            raise _Interrupted(self.name)
 
 
 def data_record(project: Project, prepared, data_sha: str) -> dict[str, Any]:
@@ -113,25 +78,24 @@ class Executor:
             data=data_record(project, prepared, data_sha),
         )
         self.work = Path()
-        self.signals = _Signals()
 
     # the state document ---------------------------------------------------------------------
 
     def save(self) -> None:
         self.doc["updated"] = now()
-        with self.signals.critical():
+        with critical():
             state.write(self.root, self.doc)
 
     def _record(self, name: str, status: str, **fields: Any) -> dict:
-        spec = self.specs[name]
+        spec, stage = self.specs[name], get(name)
         rec = self.doc["stages"].setdefault(name, {})
         rec.update(
             status=status,
             fingerprint=spec.fingerprint,
             inputs=dict(spec.inputs),
             total=spec.total,
-            unit=state.UNITS[name],
-            location=f"stages/{state.DIRS[name]}",
+            unit=stage.unit,
+            location=f"stages/{stage.folder}",
             updated=now(),
             **fields,
         )
@@ -139,13 +103,13 @@ class Executor:
         rec.setdefault("result", {})
         rec.setdefault("producers", [])
         if status == "done":  # what it published, read back, so that a later change shows
-            rec["outputs"] = outputs.record(self.root, name, self.project.name)
+            rec["outputs"] = stage.record(self.root, self.project.name)
         else:
             rec.pop("outputs", None)  # only a finished stage claims files
         return rec
 
     def _probe(self, name: str) -> dict[str, Any]:
-        progress, producers = state.probe(self.root, name)
+        progress, producers = get(name).probe(self.root)
         return {"progress": progress, "producers": producers}
 
     # running ----------------------------------------------------------------------------------
@@ -161,63 +125,60 @@ class Executor:
                 self.doc["stages"].pop(d.stage, None)
             elif d.action == "skip":
                 self._record(d.stage, "skipped")
-        with self.signals, tempfile.TemporaryDirectory(prefix="spill-build-") as work:
+        with stops_at_once(), tempfile.TemporaryDirectory(prefix="spill-build-") as work:
             self.work = Path(work)
             for name, data in self.prepared.files().items():
                 (self.work / name).write_bytes(data)
             try:
-                with self.signals.critical():  # the split, for people to read
+                with critical():  # the split, for people to read
                     for name in ("train.jsonl", "test.jsonl"):
                         put_bytes(join(self.root, "files", name), (self.work / name).read_bytes())
                 self.save()
-                with self.signals.critical():  # out of date and waiting: not even its files stay
+                with critical():  # out of date and waiting: not even its files stay
                     for d in decisions:
                         if d.drop and not d.works:
                             self._clear(d.stage)
                 for d in decisions:
+                    if (why := stop_requested()) is not None:  # from another thread, say
+                        self._preempted(why, None)
                     if d.action == "restore":
                         self._restore(d)
                     elif d.works:
                         self._stage(d)
-            except _Interrupted as e:
+            except Interrupted as e:
                 self._preempted(str(e), None)
 
     def _preempted(self, why: str, stage: str | None) -> NoReturn:
-        what = "nothing new"
+        """Record the stopped stage (or nothing new) and raise the build's ``preempted`` line."""
+        what = None
         if stage is not None:
             rec = self._record(stage, "stopped", **self._probe(stage))
             what = f"{stage} at {rec['unit']} {rec['progress']} of {rec['total']}"
         self.doc["updated"] = now()
         state.write(self.root, self.doc)
-        line = (
-            f"spill: build preempted by {why}; committed: {what}; exit {EXIT_PREEMPTED}; run the "
-            "same command (or spill resume) to continue"
-        )
-        note(line)
-        raise BuildPreempted(line.removeprefix("spill: "))
+        raise preempted(why, what, who="build") from None
 
     def _stage(self, d: Decision) -> None:
-        from spill.jobs.preempt import Preempted, stop_requested
-
         note(f"== {d.stage}: {d.reason}")
-        stage_root = state.stage_uri(self.root, d.stage)
-        with self.signals.critical():
+        stage = get(d.stage)
+        stage_root = stage.uri(self.root)
+        with critical():
             if d.fresh:
                 self._clear(d.stage)
             fresh = {"progress": 0, "result": {}, "producers": []} if d.fresh else {}
             self._record(d.stage, "running", **fresh)
         self.save()
         self._check_data(None)
-        runner = {"eval:base": self._eval, "distill": self._distill, "tune": self._tune}
         try:
-            result, complete = runner.get(d.stage, self._eval)(d, stage_root)
+            job = getattr(self, f"_{stage.job}")  # _eval, _distill, _tune: options, call, result
+            result, complete = job(stage, d, stage_root)
         except Preempted:
-            self._preempted(stop_requested() or "a signal", d.stage)
-        except _Interrupted as e:
+            self._preempted(stop_requested() or "a stop request", d.stage)
+        except Interrupted as e:
             self._preempted(str(e), d.stage)
-        with self.signals.critical():
-            if complete and d.stage == "tune":
-                outputs.copy_tree(join(stage_root, "adapter"), self._adapter_uri())
+        with critical():
+            if complete:
+                stage.publish(self.root, self.project.name)
             status = "done" if complete else "stopped"
             self._record(d.stage, status, result=result, **self._probe(d.stage))
         self._check_data(d.stage)
@@ -226,7 +187,7 @@ class Executor:
             self._preempted(why, None)
 
     def _check_data(self, stage: str | None) -> None:
-        if file_sha256(self.project.data_path) != self.data_sha:
+        if data_sha256(self.project.data_path) != self.data_sha:
             done = (
                 f"{stage} finished with the data read at the start and is recorded; "
                 if stage
@@ -241,32 +202,31 @@ class Executor:
 
     # the stages -------------------------------------------------------------------------------
 
-    def _clear(self, stage: str) -> None:
+    def _clear(self, name: str) -> None:
         """Remove a stage's job state and outputs (it starts fresh, or its result is stale)."""
-        remove(state.stage_uri(self.root, stage))
-        remove(join(self.root, outputs.top(stage, self.project.name)))
+        stage = get(name)
+        remove(stage.uri(self.root))
+        remove(join(self.root, stage.output(self.project.name)))
 
     def _restore(self, d: Decision) -> None:
         """Publish a done stage's missing or changed outputs again from its committed state."""
         note(f"== {d.stage}: {d.reason}")
-        rec = self.doc["stages"][d.stage]
-        with self.signals.critical():
+        rec, stage = self.doc["stages"][d.stage], get(d.stage)
+        with critical():
             try:
-                outputs.restore(
-                    self.root, d.stage, self.project.name, self.work, rec.get("outputs")
-                )
+                stage.restore(self.root, self.project.name, self.work, rec.get("outputs"))
             except SpillError as e:  # then the next build recomputes it and what reads it
                 gone = {d.stage}
-                for stage, needs in state.NEEDS.items():
-                    gone |= {stage} if gone & set(needs) else set()
-                for stage in gone:
-                    self.doc["stages"].pop(stage, None)
+                for later in STAGES:
+                    gone |= {later.name} if gone & set(later.needs) else set()
+                for name in gone:
+                    self.doc["stages"].pop(name, None)
                 state.write(self.root, self.doc)
                 raise StoreError(
                     f"{d.stage}: its outputs cannot be restored ({e}); run spill build again "
                     "to compute them afresh"
                 ) from None
-            rec.update(outputs=outputs.record(self.root, d.stage, self.project.name), updated=now())
+            rec.update(outputs=stage.record(self.root, self.project.name), updated=now())
         self.save()
 
     def _output(self, name: str) -> Path:
@@ -279,7 +239,7 @@ class Executor:
             put_bytes(join(self.root, "files", path.name), path.read_bytes())
 
     def _adapter_uri(self) -> str:
-        return join(self.root, "adapters", self.project.name)
+        return join(self.root, get("tune").output(self.project.name))
 
     def _load(self):
         from spill.engines.base import LoadOptions
@@ -289,11 +249,11 @@ class Executor:
             ring=e.ring, resident=e.resident, memory=_size(e.memory), device=e.device, dtype=e.dtype
         )
 
-    def _eval(self, d: Decision, stage_root: str) -> tuple[dict, bool]:
+    def _eval(self, stage: EvalStage, d: Decision, stage_root: str) -> tuple[dict, bool]:
         from spill.jobs.eval import EvalOptions, evaluate
 
-        base = d.stage == "eval:base"
-        out = self._output("eval-base.jsonl" if base else "eval.jsonl")
+        base = not stage.adapter
+        out = self._output(stage.file)
         opts = EvalOptions(
             max_new_tokens=self.project.eval.max_new_tokens,
             batch=self.project.eval.batch,
@@ -310,12 +270,12 @@ class Executor:
         keys = ("rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token")
         return {k: s[k] for k in keys}, complete
 
-    def _distill(self, d: Decision, stage_root: str) -> tuple[dict, bool]:
+    def _distill(self, stage: RowStage, d: Decision, stage_root: str) -> tuple[dict, bool]:
         from spill.jobs.distill import distill
         from spill.jobs.run import RunOptions
 
         t = self.project.teacher
-        out = self._output("teacher.jsonl")
+        out = self._output(stage.file)
         opts = RunOptions(
             max_new_tokens=t.max_new_tokens,
             batch=t.batch,
@@ -335,12 +295,13 @@ class Executor:
     def _train_file(self) -> Path:
         if self.project.teacher.name is None:
             return self.work / "train.jsonl"
-        local = self._output("teacher.jsonl")
+        distill = get("distill")  # the teacher's answers are the training rows
+        local = self._output(distill.file)
         if not local.is_file():
-            local.write_bytes(get_bytes(join(self.root, "files", "teacher.jsonl")))
+            local.write_bytes(get_bytes(join(self.root, distill.output(self.project.name))))
         return local
 
-    def _tune(self, d: Decision, stage_root: str) -> tuple[dict, bool]:
+    def _tune(self, stage: Stage, d: Decision, stage_root: str) -> tuple[dict, bool]:
         from spill.jobs.tune import TuneOptions, tune
         from spill.models.lora import LoraConfig
 

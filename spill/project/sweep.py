@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from spill.errors import SpillError
+from spill.jobs.preempt import Preempted
 from spill.project import build, config, state
-from spill.project.execute import BuildPreempted
 from spill.project.plan import StopAfter
 from spill.project.status import score
 from spill.store.fs import is_local, join
@@ -51,7 +51,7 @@ def job(cfg: Any, *, root: str, base: str, stop_after: str | None, dry_run: bool
         stop = StopAfter.parse(stop_after) if stop_after else None
         key = config.compose_key(root, overrides)
         summary = build.run(project, where, key, state.read(where), stop, dry_run)
-    except BuildPreempted as e:
+    except Preempted as e:
         return {**out, "status": "preempted", "error": str(e)}
     except SpillError as e:
         return {**out, "status": "error", "error": str(e)}

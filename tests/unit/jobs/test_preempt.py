@@ -150,3 +150,77 @@ def test_env_sets_the_limits(monkeypatch):
     monkeypatch.delenv("SPILL_PREEMPT_DEADLINE")
     assert (Guard(signals=()).grace, Guard(signals=()).deadline) == (15.0, 30.0)
     assert os.environ.get("SPILL_PREEMPT_GRACE") is None
+
+
+# --- one switch per process: request_stop, stops_at_once, a job inside a build ---------------
+
+SCOPE = r"""
+import json, sys, threading, time
+from spill.jobs.preempt import Guard, critical, request_stop, stops_at_once
+from spill.errors import SpillError
+
+cfg = json.loads(sys.argv[1])
+try:
+    with stops_at_once():
+        print("ready", flush=True)
+        if cfg["mode"] == "critical":
+            with critical():
+                print("in critical", flush=True)
+                time.sleep(cfg["hold"])
+                print("critical done", flush=True)
+        elif cfg["mode"] == "nested":
+            with Guard(save=lambda: "step 2", unit="step") as guard:
+                for k in range(1, 500):
+                    guard.boundary()
+                    if k == 2:
+                        threading.Thread(target=request_stop, args=("a move",)).start()
+                    time.sleep(0.02)
+        time.sleep(cfg.get("idle", 30))
+except SpillError as e:
+    print("caught:", e, flush=True)
+    sys.exit(e.exit_code)
+print("done", flush=True)
+"""
+
+
+def _scope(**cfg) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", SCOPE, json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_outside_a_job_a_signal_stops_at_once_with_one_line():
+    proc = _scope(mode="idle")
+    _wait_for(proc, "ready")
+    _, err = _stop(proc, signal.SIGINT)
+    assert proc.returncode == 75, err
+    lines = [x for x in err.splitlines() if "preempted" in x]
+    assert lines == [
+        "spill: build preempted by SIGINT; nothing new to commit; exit 75; "
+        "run the same command to continue"
+    ], err
+
+
+def test_a_critical_section_finishes_before_the_stop():
+    proc = _scope(mode="critical", hold=0.5)
+    _wait_for(proc, "in critical")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 75, err
+    assert out.splitlines()[0] == "critical done", out  # the section ended first
+    assert "done" not in out.splitlines()[1:], out  # and nothing after it ran
+    assert err.count("preempted by SIGTERM") == 1, err
+
+
+def test_request_stop_reaches_a_job_inside_a_build_which_words_the_stop():
+    """The programmatic entry (``spill move``'s quiesce) from another thread: the job saves at
+    its boundary and stays quiet; the enclosing scope's caller words the one line."""
+    proc = _scope(mode="nested")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 75, err
+    assert "spill: a move; finishing the current step" in err
+    assert "preempted" not in err  # a build would catch the job's stop and say where it stands
+    assert "caught: preempted by a move after" in out and "committed: step 2" in out
