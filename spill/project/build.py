@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from spill.errors import StoreError
 from spill.project import state, uptodate
+from spill.project.stages import STAGES, get
 from spill.store.fs import listdir
 
 KNOWN = {"state.json", "stages", "files", "adapters", "sweep", "hydra"}
@@ -35,12 +36,12 @@ class BuildOptions(NamedTuple):
 
 def _done_plan(doc: dict) -> list[dict[str, str]]:
     out = []
-    for name in state.STAGES:
-        rec = doc["stages"][name]
+    for stage in STAGES:
+        name, rec = stage.name, doc["stages"][stage.name]
         if rec["status"] == "skipped":
             out.append({"stage": name, "action": "skip", "reason": "skipped: no teacher"})
         else:
-            done = state.summarize(name, rec.get("result") or {})
+            done = stage.summarize(rec.get("result") or {})
             out.append({"stage": name, "action": "done", "reason": f"done: {done}"})
     return out
 
@@ -152,20 +153,17 @@ def run(project, state_root: str, key: str, doc: dict | None, stop=None, dry_run
     from spill.project.execute import Executor, data_record, now
     from spill.project.plan import plan
     from spill.project.stages import check_model_name
-    from spill.project.stages import models as stage_models
     from spill.project.stages import specs as stage_specs
 
     check_location(project, doc, state_root)
-    data_sha = uptodate.file_sha256(project.data_path)
+    data_sha = uptodate.data_sha256(project.data_path)
     prepared = prepare(project)
     specs = stage_specs(project, prepared)
     decisions = plan(specs, state.recorded(state_root, doc), stop)
-    names = stage_models(project)
     for d in decisions:  # a name that can name nothing fails now, not when its stage starts
-        if d.action not in ("done", "skip") and names[d.stage] is not None:
-            check_model_name(
-                names[d.stage], "teacher.name" if d.stage == "distill" else "model.name"
-            )
+        stage = get(d.stage)
+        if d.action not in ("done", "skip") and (name := stage.model(project)) is not None:
+            check_model_name(name, stage.model_key)
     summary = {"project": project.name, "state": state_root, "dry_run": dry_run}
     summary["plan"] = [d.to_dict() for d in decisions]
     if dry_run or not any(d.works or d.drop for d in decisions):

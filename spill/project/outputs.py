@@ -1,9 +1,10 @@
-"""A stage's outputs: the files it publishes under the state location, what ``state.json``
-records about them, the check that they are still what was recorded, and their restoration.
+"""Stage outputs: files published under the state location, what ``state.json`` records about
+them, the check that they are still what was recorded, and their restoration.
 
-Outputs per stage: ``files/eval-base.jsonl`` (eval:base), ``files/teacher.jsonl`` (distill),
-``adapters/<name>/`` (tune, every file under it) and ``files/eval.jsonl`` (eval). A finished
-stage's record keeps ``outputs``: relative path -> sha256, size and (local states) mtime.
+Which stage publishes what is the stage objects' business (``spill.project.stages``: a rows file
+under ``files/``, or ``adapters/<name>/``, every file under it); here the functions take the
+output's path relative to the state location. A finished stage's record keeps ``outputs``:
+relative path -> sha256, size and (local states) mtime.
 
 The check is make's, made cheap enough for the finished-build fast path: a file that is missing
 or has another size has changed; one with the recorded size and mtime has not; only a file whose
@@ -23,20 +24,10 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from spill.errors import StoreError
 from spill.store.fs import exists, filesystem, get_bytes, is_local, join, put_bytes
-
-FILES = {"eval:base": "eval-base.jsonl", "distill": "teacher.jsonl", "eval": "eval.jsonl"}
-# the input a row stage reads, which gives the order of its rows
-INPUTS = {"eval:base": "test.jsonl", "distill": "prompts.jsonl", "eval": "test.jsonl"}
-
-
-def top(stage: str, name: str) -> str:
-    """The output a stage publishes, relative to the state location."""
-    return f"adapters/{name}" if stage == "tune" else f"files/{FILES[stage]}"
 
 
 def _local(uri: str) -> str:
@@ -86,10 +77,10 @@ def _files(uri: str) -> list[str]:
     return sorted(f for f in found if not any(part.startswith(".") for part in f.split("/")))
 
 
-def record(root: str, stage: str, name: str) -> dict[str, dict[str, Any]]:
-    """What ``state.json`` keeps about a finished stage's outputs (read back from the store)."""
+def record(root: str, where: str) -> dict[str, dict[str, Any]]:
+    """What ``state.json`` keeps about the outputs at ``where`` (relative to ``root``), read back
+    from the store."""
     out = {}
-    where = top(stage, name)
     for rel in _files(join(root, where)):
         path = f"{where}/{rel}" if rel else where
         uri = join(root, path)
@@ -102,11 +93,11 @@ def record(root: str, stage: str, name: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def problem(root: str, stage: str, name: str, outputs: Mapping[str, Any] | None) -> str:
-    """What is wrong with a finished stage's outputs (``adapters/toy missing``), or ``""``."""
-    where = top(stage, name)
+def problem(root: str, where: str, outputs: Mapping[str, Any] | None, marker: str = "") -> str:
+    """What is wrong with the outputs recorded at ``where`` (``adapters/toy missing``), or ``""``;
+    a record without ``outputs`` is probed by the existence of ``where/marker``."""
     if outputs is None:  # recorded before outputs were: probe by existence
-        probe = join(root, where, "params.safetensors") if stage == "tune" else join(root, where)
+        probe = join(root, where, marker) if marker else join(root, where)
         return "" if exists(probe) else f"{where} missing"
     if not outputs:
         return ""
@@ -124,35 +115,13 @@ def problem(root: str, stage: str, name: str, outputs: Mapping[str, Any] | None)
     return ""
 
 
-def source(root: str, stage: str, total: int) -> str:
-    """The committed state a finished stage's outputs can be restored from, or ``""``."""
-    from spill.project.state import probe
-
-    done, _ = probe(root, stage)
-    if done < total:
-        return ""
-    return f"tune step {done} checkpoint" if stage == "tune" else f"{done} committed rows"
-
-
-def restore(
-    root: str, stage: str, name: str, inputs: Path, recorded: Mapping[str, Any] | None
+def restore_adapter(
+    where: str, exported: str, root: str, out: str, recorded: Mapping[str, Any] | None
 ) -> None:
-    """Publish a finished stage's outputs again from its committed state (see the module doc).
-
-    ``inputs`` is the local folder holding the build's derived inputs (``test.jsonl``...).
-    """
-    from spill.project.state import stage_uri
-
-    where = stage_uri(root, stage)
-    if stage == "tune":
-        _restore_adapter(root, where, name, recorded)
-    else:
-        _restore_rows(root, stage, where, inputs / INPUTS[stage])
-
-
-def _restore_adapter(root: str, where: str, name: str, recorded: Mapping[str, Any] | None) -> None:
-    exported = join(where, "adapter")
-    prefix = f"adapters/{name}/"
+    """Publish the adapter at ``root/out`` again: copied from ``exported`` (the tune job's own
+    export) when that still holds the recorded bytes, else exported again from the final
+    checkpoint of the tune state at ``where``."""
+    prefix = f"{out}/"
     intact = bool(recorded) and all(
         _stat(join(exported, path.removeprefix(prefix))) is not None
         and _sha(get_bytes(join(exported, path.removeprefix(prefix)))) == want["sha256"]
@@ -160,7 +129,7 @@ def _restore_adapter(root: str, where: str, name: str, recorded: Mapping[str, An
     )
     if not intact:
         _export_final(where)
-    copy_tree(exported, join(root, "adapters", name))
+    copy_tree(exported, join(root, out))
 
 
 def copy_tree(src: str, dst: str) -> None:
@@ -193,35 +162,15 @@ def _export_final(where: str) -> None:
     publish_adapter(where, params, lora, model["id"], model["fingerprint"], layers, losses)
 
 
-def _same(record: dict) -> dict:
-    return record
+def restore_rows(where: str, dest: str, ids: list, shape: Callable[[dict], dict]) -> None:
+    """Write the rows file ``dest`` again from the committed segments of the row job at
+    ``where``: one ``shape(row)`` line per id of ``ids``, in that order."""
+    from spill.store.rows import restore
 
-
-def _restore_rows(root: str, stage: str, where: str, input_path: Path) -> None:
-    from spill.store.rows import restore as restore_rows
-
-    got = restore_rows(where)
+    got = restore(where)
     by_id = dict(zip(got.done, got.rows, strict=True))
-    shape: Callable[[dict], dict] = _same
-    if stage == "distill":
-        from spill.jobs.distill import training_row
-        from spill.jobs.inputs import read_prompt_rows
-        from spill.jobs.run import RunOptions
-
-        rows = read_prompt_rows(input_path)
-        prompts = {r.id: r for r in rows}
-        chat = RunOptions().chat  # the build's distill runs with the default
-
-        def shape(r: dict) -> dict:  # noqa: F811 - distill writes training rows, not records
-            return training_row(prompts[r["id"]], r["output"], chat)
-
-        ids = [r.id for r in rows]
-    else:
-        from spill.jobs.eval import read_eval_rows
-
-        ids = [r.id for r in read_eval_rows(input_path)]
     missing = [i for i in ids if i not in by_id]
     if missing:
         raise StoreError(f"{where} holds {len(ids) - len(missing)} of {len(ids)} committed rows")
     data = "".join(json.dumps(shape(by_id[i]), ensure_ascii=False) + "\n" for i in ids)
-    put_bytes(join(root, "files", FILES[stage]), data.encode("utf-8"))
+    put_bytes(dest, data.encode("utf-8"))

@@ -25,37 +25,19 @@ is simply not among a stage's inputs, so editing it reruns nothing. What the sta
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from spill.errors import UsageError
-from spill.project.state import ALIASES, STAGES, UNITS, summarize
+from spill.project.stages import ALIASES, NAMES, StageSpec, get
 
-ACTIONS = ("done", "skip", "restore", "run", "continue", "wait")
 VALID = ("done", "skip", "restore")  # a stage whose recorded result downstream stages may use
 
 
 class PlanError(UsageError):
     """A --stop-after that names no stage, or a count past the stage's end."""
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """What a stage is in this build: its inputs and size."""
-
-    name: str
-    inputs: Mapping[str, Any]  # key path -> value: everything that decides the stage's result
-    total: int  # steps or rows
-    enabled: bool = True
-    why_off: str = ""  # reason when not enabled
-    needs: tuple[str, ...] = ()  # earlier stages whose output it reads
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self.inputs)
 
 
 @dataclass(frozen=True)
@@ -83,9 +65,9 @@ class StopAfter:
         if sep and tail.isdigit():
             name, count = head, int(tail)
         name = ALIASES.get(name, name)
-        if name not in STAGES:
+        if name not in NAMES:
             raise PlanError(
-                f"--stop-after {text}: no stage {name!r}; stages are {', '.join(STAGES)} "
+                f"--stop-after {text}: no stage {name!r}; stages are {', '.join(NAMES)} "
                 "(train is tune), optionally with :N steps or rows"
             )
         if count is not None and count < 1:
@@ -99,7 +81,7 @@ class StopAfter:
 @dataclass(frozen=True)
 class Decision:
     stage: str
-    action: str  # one of ACTIONS
+    action: str  # done, skip, restore, run, continue or wait
     reason: str
     fingerprint: str
     total: int
@@ -113,11 +95,6 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "action": self.action, "reason": self.reason}
-
-
-def fingerprint(inputs: Mapping[str, Any]) -> str:
-    text = json.dumps(inputs, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _show(value: Any) -> str:
@@ -155,7 +132,7 @@ def check_stop(stop: StopAfter, totals: Mapping[str, int]) -> None:
     """A count past the stage's end (``tune:500`` with 300 steps) is refused."""
     total = totals[stop.stage]
     if stop.count is not None and stop.count > total:
-        what = "tune.steps" if stop.stage == "tune" else f"{stop.stage}'s rows"
+        what = get(stop.stage).count_name()
         raise PlanError(f"--stop-after {stop}: past the end ({what}: {total})")
 
 
@@ -174,11 +151,11 @@ def _decide(
     if not spec.enabled:
         return "skip", f"skipped: {spec.why_off}", False, None, False
     same = rec is not None and rec.fingerprint == spec.fingerprint
-    unit = UNITS[spec.name]
+    unit = spec.stage.unit
     upstream = " and ".join(d.stage for d in behind)
     if same and rec.status == "done" and not behind:
         if not rec.problem:
-            done = summarize(spec.name, rec.result)
+            done = spec.stage.summarize(rec.result)
             return "done", "done" + (f": {done}" if done else ""), False, None, False
         if rec.source:  # repairing is not computing: it happens even past --stop-after
             return "restore", f"{rec.problem}; restored from {rec.source}", False, None, False

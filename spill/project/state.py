@@ -14,36 +14,24 @@ and each stage's result), through ``schemas.validate_once``: bytes already valid
 machine (by a read, or by the write that made them) cost one hash, so ``spill status`` and a
 build of a finished project still start without importing jsonschema.
 
-The probes read only small files: the newest committed tune checkpoint's ``state.json`` and
-the row segments' commit markers. They say how far a stopped stage got and which engine,
-machine and OS produced it; they do not verify hashes (the jobs do, when they continue).
+``recorded`` is the planner's view of a state: what each stage's record says, with the probes
+of unfinished stages and the check of finished stages' outputs, both asked of the stage objects
+(``spill.project.stages``).
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Mapping
 from typing import Any
 
 from spill.errors import StoreError
-from spill.store.fs import get_bytes, join, listdir, put_bytes
+from spill.project import stages
+from spill.project.plan import Recorded
+from spill.store.fs import get_bytes, join, put_bytes
 
-STAGES = ("eval:base", "distill", "tune", "eval")
-NEEDS = {"tune": ("distill",), "eval": ("tune",)}  # the stages whose output a stage reads
-ALIASES = {"train": "tune"}
-DIRS = {"eval:base": "eval-base", "distill": "distill", "tune": "tune", "eval": "eval"}
-UNITS = {"eval:base": "row", "distill": "row", "tune": "step", "eval": "row"}
 STATE = "state.json"
 KIND = "spill-build"
 SCHEMA_VERSION = 1
-PRODUCER_KEYS = ("engine", "numerics", "machine", "os", "hardware")
-_STEP = re.compile(r"step-(\d+)")
-_SEG = re.compile(r"seg-(\d+)\.commit")
-
-
-def stage_uri(root: str, stage: str) -> str:
-    return join(root, "stages", DIRS[stage])
 
 
 def read(root: str) -> dict[str, Any] | None:
@@ -82,7 +70,7 @@ def _check_more(doc: dict[str, Any], uri: str) -> None:
         raise StoreError(f"{uri} holds a damaged {e}; move it away to rebuild") from None
     for name, rec in doc["stages"].items():
         try:
-            summarize(name, rec["result"])
+            stages.get(name).summarize(rec["result"])
         except (KeyError, TypeError, ValueError) as e:
             raise StoreError(
                 f"{uri} holds a damaged result of stage {name} ({short(repr(e), 60)}); "
@@ -101,91 +89,19 @@ def write(root: str, doc: dict[str, Any]) -> None:
     remember(raw, "build-state")  # what ``read`` checks, checked: its next read costs a hash
 
 
-def summarize(stage: str, result: Mapping[str, Any]) -> str:
-    """A stage's result in a few words (the table and the plan's ``done`` reasons)."""
-    if not result:
-        return ""
-    if stage in ("eval:base", "eval"):
-        if result.get("accuracy") is None:
-            return f"{result.get('rows', 0)} rows graded"
-        text = f"accuracy {result['accuracy']:.3f} ({result['correct']}/{result['rows']})"
-        if result.get("gold_logprob_per_token") is not None:
-            text += f", logprob/token {result['gold_logprob_per_token']:.3f}"
-        return text
-    if stage == "tune":
-        loss = result.get("loss")
-        return f"{result['step']} of {result['steps']} steps" + (
-            f", loss {loss:.4f}" if loss is not None else ""
-        )
-    if stage == "distill":
-        return f"{result['rows']} rows answered" + (
-            f", {result['truncated']} cut at max_new_tokens" if result.get("truncated") else ""
-        )
-    return ""
-
-
-def _json(uri: str) -> dict:
-    """A small JSON object a probe reads; ``{}`` when it is missing, damaged or no object (a
-    probe reports what it can; the job that continues verifies everything)."""
-    from spill.store.schemas import parse_json
-
-    try:
-        doc = parse_json(get_bytes(uri))
-    except (FileNotFoundError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _producer(p: Any) -> dict:
-    p = p if isinstance(p, dict) else {}
-    return {k: v if isinstance(v := p.get(k), str) else None for k in PRODUCER_KEYS}
-
-
-def _distinct(producers: list[dict]) -> list[dict]:
-    out: list[dict] = []
-    for p in producers:
-        p = _producer(p)
-        if p not in out:
-            out.append(p)
-    return out
-
-
-def probe(root: str, stage: str) -> tuple[int, list[dict]]:
-    """(steps or rows committed, distinct producers) from a stage's job state."""
-    where = stage_uri(root, stage)
-    if stage == "tune":
-        base = join(where, "ckpt")
-        steps = sorted((int(m[1]), n) for n in listdir(base) if (m := _STEP.fullmatch(n)))
-        for step, name in reversed(steps):
-            if "COMMIT" in listdir(join(base, name)):
-                producers = _json(join(base, name, "state.json")).get("producers")
-                return step, _distinct(producers if isinstance(producers, list) else [])
-        return 0, []
-    rows, producers = 0, []
-    base = join(where, "rows")
-    for name in sorted(listdir(base), key=lambda n: int(m[1]) if (m := _SEG.fullmatch(n)) else -1):
-        if _SEG.fullmatch(name) and (commit := _json(join(base, name))):
-            count = commit.get("count")
-            rows += count if type(count) is int and count > 0 else 0
-            producers.append(commit.get("producer", {}))
-    return rows, _distinct(producers)
-
-
 def recorded(root: str, doc: dict[str, Any] | None) -> dict:
     """The planner's view of a state: records of finished stages with the check of their outputs
     (and, when those are missing or changed, what can restore them), probes of unfinished ones."""
-    from spill.project import outputs
-    from spill.project.plan import Recorded
-
     out = {}
     project = ((doc or {}).get("project") or {}).get("name", "")
     for name, rec in ((doc or {}).get("stages") or {}).items():
+        stage = stages.get(name)
         done, problem, source = rec.get("progress", 0), "", ""
         if rec["status"] in ("running", "stopped"):
-            done = probe(root, name)[0]
+            done = stage.probe(root)[0]
         if rec["status"] == "done":
-            problem = outputs.problem(root, name, project, rec.get("outputs"))
-            source = outputs.source(root, name, rec["total"]) if problem else ""
+            problem = stage.problem(root, project, rec.get("outputs"))
+            source = stage.source(root, rec["total"]) if problem else ""
         result = rec.get("result") or {}
         out[name] = Recorded(
             rec["status"], rec["fingerprint"], rec.get("inputs", {}), done, result, problem, source

@@ -13,8 +13,8 @@ from typing import Any
 
 from spill.console import table
 from spill.errors import StoreError
-from spill.project import outputs, state, uptodate
-from spill.project.state import STAGES, summarize
+from spill.project import state, uptodate
+from spill.project.stages import STAGES, get
 
 
 def _where(producers: list[dict]) -> str:
@@ -30,12 +30,12 @@ def rows(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One row per stage: stage, status, result (or progress), where it ran."""
     recs = (doc or {}).get("stages") or {}
     out = []
-    for name in STAGES:
-        rec = recs.get(name)
+    for stage in STAGES:
+        name, rec = stage.name, recs.get(stage.name)
         if rec is None:
             out.append({"stage": name, "status": "not run", "result": "", "ran on": ""})
             continue
-        status, result = rec["status"], summarize(name, rec.get("result") or {})
+        status, result = rec["status"], stage.summarize(rec.get("result") or {})
         if status == "skipped":
             result = "no teacher"
         elif rec.get("problem"):
@@ -118,22 +118,22 @@ def _check_outputs(doc: dict[str, Any], where: str) -> list[str]:
     that read them, as out of date; a stage that must rerun shows no result. One note each."""
     recs, name, notes, rerun = doc.get("stages") or {}, doc["project"]["name"], [], set()
     for stage in STAGES:
-        rec = recs.get(stage)
+        rec = recs.get(stage.name)
         if rec is None or rec["status"] != "done":
             continue
-        behind = [n for n in state.NEEDS.get(stage, ()) if n in rerun]
+        behind = [n for n in stage.needs if n in rerun]
         problem = f"{behind[0]} reruns first" if behind else ""
-        problem = problem or outputs.problem(where, stage, name, rec.get("outputs"))
+        problem = problem or stage.problem(where, name, rec.get("outputs"))
         if not problem:
             continue
-        source = "" if behind else outputs.source(where, stage, rec["total"])
+        source = "" if behind else stage.source(where, rec["total"])
         rec.update(status="out of date", problem=problem)
         if source:
-            notes.append(f"{stage}: {problem}; `spill build` restores it from {source}")
+            notes.append(f"{stage.name}: {problem}; `spill build` restores it from {source}")
         else:
             rec["result"] = {}
-            rerun.add(stage)
-            notes.append(f"{stage}: {problem}; `spill build` runs it again")
+            rerun.add(stage.name)
+            notes.append(f"{stage.name}: {problem}; `spill build` runs it again")
     return notes
 
 
@@ -150,7 +150,7 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     notes = []
     for name, rec in (doc.get("stages") or {}).items():
         if rec["status"] in ("running", "stopped"):
-            rec["progress"], producers = state.probe(where, name)
+            rec["progress"], producers = get(name).probe(where)
             rec["producers"] = producers or rec.get("producers", [])
     notes += _check_outputs(doc, where)
     if (root / uptodate.FILE).is_file():
@@ -160,6 +160,6 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
             )
         data = root / doc["config"]["data"]["file"]
         if data.is_file():
-            if uptodate.file_sha256(data) != doc["data"]["sha256"]:
+            if uptodate.data_sha256(data) != doc["data"]["sha256"]:
                 notes.append(f"{data.name} changed since; the stages that read it rerun")
     return {"project": doc["project"]["name"], "state": where, "doc": doc, "notes": notes}

@@ -18,15 +18,16 @@ from pathlib import Path
 
 from spill import __version__
 from spill.errors import DataError
-from spill.project import outputs
-from spill.project.state import STAGES
+from spill.hashing import file_sha256
+from spill.project.stages import NAMES, get
 
 FILE = "spill.yaml"
 
 
-def file_sha256(path: Path | str) -> str:
+def data_sha256(path: Path | str) -> str:
+    """The data file's hash as build states record it (``sha256:`` + hex)."""
     try:
-        return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return "sha256:" + file_sha256(path)
     except FileNotFoundError:
         raise DataError(f"{path}: the project's data file is missing (data.file)") from None
 
@@ -61,21 +62,21 @@ def compose_key(root: Path | str, overrides: Sequence[str] = ()) -> str:
 
 def finished(doc: dict | None, key: str, root: Path, state_root: str) -> bool:
     """Whether the recorded build is complete, nothing it was made from has changed and every
-    stage's outputs are still what it recorded (``outputs.problem``: stats, a hash only for a
+    stage's outputs are still what it recorded (``Stage.problem``: stats, a hash only for a
     file whose mtime moved)."""
     if doc is None or doc.get("compose_key") != key:
         return False
     stages = doc.get("stages") or {}
-    if set(stages) != set(STAGES):
+    if set(stages) != set(NAMES):
         return False
     if any(rec.get("status") not in ("done", "skipped") for rec in stages.values()):
         return False
     data = Path(root) / doc["config"]["data"]["file"]
-    if file_sha256(data) != doc["data"]["sha256"]:
+    if data_sha256(data) != doc["data"]["sha256"]:
         return False
     name = doc["project"]["name"]
     return not any(
-        outputs.problem(state_root, stage, name, rec.get("outputs"))
+        get(stage).problem(state_root, name, rec.get("outputs"))
         for stage, rec in stages.items()
         if rec["status"] == "done"
     )

@@ -7,7 +7,7 @@ ignore anything else with one logged line (warning level, so it is printed even 
 is not configured). The next save removes what was ignored, writes the new directory, and only
 after its COMMIT has landed deletes committed checkpoints older than the ``keep`` newest. A
 save never deletes a committed checkpoint newer than the one it writes. One writer per state
-location is assumed (the control object in ``spill.control`` is what guarantees it).
+location is assumed (a build's or a job's state location is its own; nothing here locks it).
 
 Tensors are float32 and written with ``safetensors.numpy.save`` in name order, so equal inputs
 give equal bytes and an equal COMMIT. Optimizer tensors are named ``m::<name>`` and
@@ -194,6 +194,19 @@ def latest_checkpoint(root_uri: str) -> Checkpoint | None:
             return _verify(uri, step)
         except CheckpointInvalid as e:
             log.warning("ignoring %s; the next save removes it", e)
+    return None
+
+
+def newest_commit(root_uri: str) -> tuple[int, dict[str, Any]] | None:
+    """The newest step with a COMMIT marker and its ``state.json`` (``{}`` if unreadable), read
+    without hashing anything: a light progress probe (what a job trusts is ``latest_checkpoint``)."""
+    for step, uri in reversed(_steps(root_uri)):
+        if COMMIT in listdir(uri):
+            try:
+                state = json.loads(get_bytes(join(uri, STATE)))
+            except (FileNotFoundError, ValueError):
+                state = {}
+            return step, state if isinstance(state, dict) else {}
     return None
 
 

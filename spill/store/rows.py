@@ -193,6 +193,24 @@ def restore(root_uri: str) -> Restored:
     return Restored(rows, done)
 
 
+def commit_markers(root_uri: str) -> list[dict[str, Any]]:
+    """The commit markers under ``root_uri/rows`` in segment order, read without hashing the
+    rows: a light progress probe (what a job trusts is ``restore``)."""
+    rows_uri = join(root_uri, ROWS)
+    found = sorted(
+        int(m[1]) for n in listdir(rows_uri) if (m := _SEG.fullmatch(n)) and m[2] == "commit"
+    )
+    out = []
+    for n in found:
+        try:
+            doc = json.loads(get_bytes(join(rows_uri, f"seg-{n}.commit")))
+        except (FileNotFoundError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
+
+
 class SegmentWriter:
     """Buffers finished rows and pushes them as committed segments.
 

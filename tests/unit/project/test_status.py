@@ -1,4 +1,4 @@
-"""The build table and the state probes, from files alone (no engine, no model)."""
+"""The build table and the stages' probes, from files alone (no engine, no model)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from spill.errors import StoreError
-from spill.project import state
+from spill.project import stages, state
 from spill.project.status import as_json, render, rows
 
 LINUX = {
@@ -73,14 +73,14 @@ def test_probes_read_commits_only(tmp_path):
         (d / "state.json").write_text(json.dumps({"producers": [LINUX, MAC]}))
         if committed:
             (d / "COMMIT").write_text("{}")
-    assert state.probe(root, "tune") == (20, [LINUX, MAC])
+    assert stages.get("tune").probe(root) == (20, [LINUX, MAC])
     rows_dir = tmp_path / "stages" / "eval" / "rows"
     rows_dir.mkdir(parents=True)
     for n, producer in enumerate([LINUX, LINUX, MAC]):
         (rows_dir / f"seg-{n}.commit").write_text(json.dumps({"count": 5, "producer": producer}))
     (rows_dir / "seg-3.jsonl").write_text("uncommitted\n")
-    assert state.probe(root, "eval") == (15, [LINUX, MAC])
-    assert state.probe(root, "distill") == (0, [])
+    assert stages.get("eval").probe(root) == (15, [LINUX, MAC])
+    assert stages.get("distill").probe(root) == (0, [])
 
 
 def test_state_file_kind_and_version(tmp_path):
@@ -102,7 +102,6 @@ def test_outputs_recorded_checked_cheaply_and_shown_out_of_date(tmp_path):
     date in the table, with no result shown for a stage that must rerun."""
     import os
 
-    from spill.project import outputs
     from spill.project.status import _check_outputs
 
     root = str(tmp_path)
@@ -113,28 +112,28 @@ def test_outputs_recorded_checked_cheaply_and_shown_out_of_date(tmp_path):
     (adapter / ".params.safetensors.tmp-123").write_bytes(b"litter")
     (tmp_path / "files").mkdir()
     (tmp_path / "files" / "eval.jsonl").write_bytes(b'{"id": 1}\n')
-    rec = outputs.record(root, "tune", "p")
+    rec = stages.TUNE.record(root, "p")
     assert sorted(rec) == [
         "adapters/p/params.safetensors",
         "adapters/p/peft/adapter_model.safetensors",
     ]
     assert rec["adapters/p/params.safetensors"]["size"] == 6
-    assert outputs.problem(root, "tune", "p", rec) == ""
+    assert stages.TUNE.problem(root, "p", rec) == ""
     os.utime(adapter / "params.safetensors", ns=(1, 1))  # touched: hashed, still the same
-    assert outputs.problem(root, "tune", "p", rec) == ""
+    assert stages.TUNE.problem(root, "p", rec) == ""
     (adapter / "params.safetensors").write_bytes(b"paRams")
-    assert outputs.problem(root, "tune", "p", rec) == "adapters/p/params.safetensors changed"
-    assert outputs.problem(root, "tune", "p", None) == ""  # an old record: existence only
+    assert stages.TUNE.problem(root, "p", rec) == "adapters/p/params.safetensors changed"
+    assert stages.TUNE.problem(root, "p", None) == ""  # an old record: existence only
     (adapter / "params.safetensors").write_bytes(b"params")
     (adapter / "peft" / "adapter_model.safetensors").unlink()
-    assert outputs.problem(root, "tune", "p", rec).endswith(
+    assert stages.TUNE.problem(root, "p", rec).endswith(
         "peft/adapter_model.safetensors missing"
     )
 
     d = doc()
     d["project"] = {"name": "p"}
     d["stages"]["eval"].update(status="done", result={"rows": 40, "correct": 40, "accuracy": 1.0})
-    d["stages"]["eval"]["outputs"] = outputs.record(root, "eval", "p")
+    d["stages"]["eval"]["outputs"] = stages.EVAL.record(root, "p")
     d["stages"]["tune"]["outputs"] = rec
     # eval:base: a record without outputs (older spill), and files/eval-base.jsonl is missing
     notes = _check_outputs(d, root)
