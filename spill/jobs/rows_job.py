@@ -30,7 +30,6 @@ it, so it is a usage error (exit 2) before anything is read or run.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from typing import Any, Protocol
 from spill.console import note, progress
 from spill.engines.base import LoadOptions
 from spill.errors import DataError, StoreError, UsageError
+from spill.hashing import file_sha256
 from spill.jobs.loading import Loaded, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
@@ -78,14 +78,6 @@ class Outcome:
     segments: int = 0  # segments this process pushed
     extra: dict[str, Any] = field(default_factory=dict)
     complete: bool = True  # False: stopped at ``stop_after``; records holds the rows done
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_jsonl(path: Path, records: Sequence[Record]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import DataError
+from spill.hashing import file_sha256
 from spill.jobs.inputs import read_jsonl
 
 
@@ -136,4 +137,4 @@ def micro_batch(
 
 
 def data_fingerprint(path: Path) -> str:
-    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return "sha256:" + file_sha256(path)  # the prefixed form checkpoints record

@@ -14,7 +14,6 @@ crash never leaves half a model at ``dest``. The same GGUF always gives the same
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
+from spill.hashing import file_sha256
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.safetensors_io import write_file
@@ -111,7 +111,7 @@ def import_gguf(
             "source": "gguf",
             "file": path.name,
             "size": gguf.size,
-            "sha256": _sha256(path),
+            "sha256": file_sha256(path),
             "gguf_name": gguf.metadata.get("general.name"),
             "dtype_rule": DTYPE_RULE,
             "dtypes": dict(sorted(Counter(r["dtype"] for r in record.values()).items())),
@@ -122,7 +122,7 @@ def import_gguf(
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
         (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
         source_info["files"] = {  # every model file's sha256, as written (the marker is not one)
-            n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n), "from": "local"}
+            n: {"size": (tmp / n).stat().st_size, "sha256": file_sha256(tmp / n), "from": "local"}
             for n in model_files(tmp)
         }
         _write_json(tmp / "spill-source.json", source_info)
@@ -314,14 +314,6 @@ def _exact_storage(w: np.ndarray) -> tuple[str, np.ndarray]:
 def _f32(value: float) -> float:
     """A float32 metadata value as its shortest decimal (9.99999974e-06 -> 1e-05, same float32)."""
     return float(str(np.float32(value)))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -19,14 +19,14 @@ spill never invents a record for bytes it did not see arrive.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from spill.errors import ModelError
+from spill.hashing import file_sha256
 from spill.models.cache import is_model_file, read_marker, write_marker
 
 SCHEMA_VERSION = 1
@@ -35,18 +35,6 @@ CHUNK = 1 << 22
 
 class ModelChanged(ModelError):
     """A cached model file whose bytes differ from the sha256 recorded when it arrived."""
-
-
-def sha256_file(path: Path, progress: Callable[[int], object] | None = None) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            if progress is not None:
-                progress(n)
-    return h.hexdigest()
 
 
 def stat_key(path: Path) -> list[int]:
@@ -67,7 +55,7 @@ def is_weight_file(name: str) -> bool:
 def hash_now(path: Path) -> tuple[str, list[int] | None]:
     """sha256 of ``path`` and its stat key, or None for the key when the file moved meanwhile."""
     before = stat_key(path)
-    digest = sha256_file(path)
+    digest = file_sha256(path)
     return digest, before if stat_key(path) == before else None
 
 

@@ -49,20 +49,18 @@ def test_check_hashes_once_then_trusts_an_unchanged_stat(model, monkeypatch):
     assert files == read_marker(model)["files"]
     assert set(read_marker(model)["verified"]) == set(files)
 
-    def no_hashing(path, progress=None):
+    def no_hashing(path):
         raise AssertionError(f"{path} re-hashed although its stat did not change")
 
-    monkeypatch.setattr(integrity, "sha256_file", no_hashing)
+    monkeypatch.setattr(integrity, "file_sha256", no_hashing)
     assert check(model, "m") == files
     monkeypatch.undo()
 
     shard = model / "model.safetensors"
     os.utime(shard)  # a touch moves mtime and ctime: hashed again, still the same bytes
     hashed = []
-    real = integrity.sha256_file
-    monkeypatch.setattr(
-        integrity, "sha256_file", lambda p, progress=None: hashed.append(p.name) or real(p)
-    )
+    real = integrity.file_sha256
+    monkeypatch.setattr(integrity, "file_sha256", lambda p: hashed.append(p.name) or real(p))
     assert check(model, "m") == files and hashed == ["model.safetensors"]
 
 

@@ -1,0 +1,24 @@
+"""The one file hash spill computes: sha256 of a file's bytes, read in 4 MiB chunks.
+
+It returns bare hex, hashlib's own form. Some stored formats carry a ``sha256:`` prefix (a build
+state's data hash, a checkpoint's training-data identity); those callers add it where they
+write, so every file already on disk keeps the form it has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CHUNK = 1 << 22
+
+
+def file_sha256(path: Path | str) -> str:
+    """Hex sha256 of the file at ``path`` (OSError as open() raises it)."""
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
