@@ -120,11 +120,6 @@ def read_gguf(path: Path) -> GGUFFile:
     except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError, MemoryError):
         # gguf raises these for a cut or corrupt header, an unknown ggml type, a short tensor
         raise ModelError(f"{path}: truncated or corrupt GGUF; fetch the file again") from None
-    for info in tensors:
-        if info.offset + info.nbytes > size:
-            raise ModelError(
-                f"{path}: truncated GGUF (tensor {info.name} is cut short); fetch it again"
-            )
     return GGUFFile(path, size, version, metadata, tensors)
 
 
