@@ -36,8 +36,8 @@ PRODUCER_KEYS = ("engine", "numerics", "machine", "os", "hardware")
 def _distinct(producers: list[Mapping[str, Any]]) -> list[dict]:
     """Producers (engine, numerics, machine, os, hardware), each once, in order."""
     out: list[dict] = []
-    for p in producers:
-        p = {k: p.get(k) for k in PRODUCER_KEYS}
+    for p in producers if isinstance(producers, list) else []:  # a damaged file: none known
+        p = {k: p.get(k) for k in PRODUCER_KEYS} if isinstance(p, Mapping) else {}
         if p not in out:
             out.append(p)
     return out

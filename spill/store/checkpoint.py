@@ -203,7 +203,7 @@ def newest_commit(root_uri: str) -> tuple[int, dict[str, Any]] | None:
     for step, uri in reversed(_steps(root_uri)):
         if COMMIT in listdir(uri):
             try:
-                state = json.loads(get_bytes(join(uri, STATE)))
+                state = parse_json(get_bytes(join(uri, STATE)))
             except (FileNotFoundError, ValueError):
                 state = {}
             return step, state if isinstance(state, dict) else {}

@@ -203,11 +203,11 @@ def commit_markers(root_uri: str) -> list[dict[str, Any]]:
     out = []
     for n in found:
         try:
-            doc = json.loads(get_bytes(join(rows_uri, f"seg-{n}.commit")))
+            doc = parse_json(get_bytes(join(rows_uri, f"seg-{n}.commit")))
         except (FileNotFoundError, ValueError):
             continue
-        if isinstance(doc, dict):
-            out.append(doc)
+        if isinstance(doc, dict) and type(doc.get("count", 0)) is int and doc.get("count", 0) >= 0:
+            out.append(doc)  # a marker that cannot even say its count is damaged: skipped
     return out
 
 
