@@ -17,7 +17,14 @@ from pathlib import Path
 
 from spill.console import note
 from spill.jobs.inputs import PromptRow, read_prompt_rows
-from spill.jobs.rows_job import RowJob, execute, job_inputs, refuse_overlap, write_jsonl
+from spill.jobs.rows_job import (
+    RowJob,
+    RowOptions,
+    execute,
+    job_inputs,
+    refuse_overlap,
+    write_jsonl,
+)
 from spill.jobs.run import RunOptions, check_options, generator
 
 
@@ -30,51 +37,36 @@ def training_row(row: PromptRow, answer: str, chat: bool) -> dict:
     return {"id": row.id, "prompt": row.prompt, "completion": answer}
 
 
-def distill(teacher: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
-    check_options(opts)
+def distill(
+    teacher: str, input_path: Path, out_path: Path, opts: RunOptions, job: RowOptions
+) -> dict:
+    check_options(opts, job)
     input_path, out_path = Path(input_path), Path(out_path)
-    refuse_overlap(job_inputs(input_path, teacher), out_path, opts.state)
+    refuse_overlap(job_inputs(input_path, teacher), out_path, job.state)
     rows = read_prompt_rows(input_path)
     by_id = {r.id: r for r in rows}
     counter = {"tokens": 0}
-    job = RowJob(
-        "distill",
-        teacher,
-        input_path,
-        rows,
-        opts.settings(),
-        opts.state,
-        opts.batch,
-        opts.engine,
-        opts.weights,
-        opts.load,
-        opts.stop_after,
-    )
 
     def finish(records: list[dict]) -> None:
         write_jsonl(
             out_path, [training_row(by_id[r["id"]], r["output"], opts.chat) for r in records]
         )
 
-    done = execute(job, lambda loaded: generator(loaded, rows, opts, input_path, counter), finish)
+    done = execute(
+        RowJob("distill", teacher, input_path, rows, opts.settings(), job),
+        lambda loaded: generator(loaded, rows, opts, input_path, counter),
+        finish,
+    )
     truncated = sum(r["finish"] == "length" for r in done.records)
-    summary = {
-        "rows": len(rows),
+    summary = done.summary(job) | {
         "truncated": truncated,
         "generated_tokens": counter["tokens"],
-        "seconds": round(done.seconds, 2),
-        "out": str(out_path),
         "teacher": teacher,
-        "engine": done.loaded.runner.info.engine,
-        "numerics": done.loaded.runner.info.numerics,
     }
-    if opts.state:
-        summary.update(state=opts.state, restored=done.restored, ran=done.ran)
     if not done.complete:
-        summary.update(rows=len(done.records), total=len(rows), complete=False)
-        summary.pop("out")
         return summary
-    note(f"wrote {len(rows)} training rows to {out_path}")
+    summary["out"] = str(out_path)
+    note(f"wrote {len(done.records)} training rows to {out_path}")
     if truncated:
         note(f"{truncated} answers stopped at --max-new-tokens {opts.max_new_tokens}; raise it?")
     return summary

@@ -22,28 +22,39 @@ from pathlib import Path
 import numpy as np
 
 from spill.console import note
-from spill.engines.base import GenerateParams, LoadOptions
+from spill.engines.base import GenerateParams
 from spill.errors import DataError
 from spill.jobs.adapter_files import Adapter, apply_adapter, load_adapter
 from spill.jobs.inputs import PromptRow, read_jsonl, read_prompt_rows
-from spill.jobs.loading import Loaded
-from spill.jobs.rows_job import RowJob, execute, job_inputs, refuse_overlap, write_jsonl
+from spill.jobs.loading import LoadedModel
+from spill.jobs.rows_job import (
+    RowJob,
+    RowOptions,
+    execute,
+    job_inputs,
+    refuse_overlap,
+    write_jsonl,
+)
 from spill.jobs.run import encode_rows
 
 ANSWER_MARGIN = 16  # extra tokens past the longest answer, so a model that keeps going is wrong
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalOptions:
-    max_new_tokens: int | None = None  # None: longest answer + ANSWER_MARGIN
-    batch: int = 8
+    """What decides a graded row; ``max_new_tokens``'s default is the ``eval`` conf group's."""
+
+    max_new_tokens: int | None  # None: longest answer + ANSWER_MARGIN
     chat: bool = False
     adapter: Path | None = None
-    engine: str | None = "auto"
-    weights: str | None = None
-    load: LoadOptions = LoadOptions()
-    state: str | None = None
-    stop_after: int | None = None  # stop after this many rows in all (with state: continue later)
+
+    def settings(self, adapter: Adapter | None) -> dict:
+        """Pinned in a state location's identity."""
+        return {
+            "max_new_tokens": self.max_new_tokens,  # None: derived from the answers, pinned by input
+            "chat": self.chat,
+            "adapter": adapter.sha256 if adapter else None,
+        }
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,7 @@ def read_eval_rows(path: Path) -> list[EvalRow]:
 
 
 def _grader(
-    loaded: Loaded,
+    loaded: LoadedModel,
     rows: list[EvalRow],
     opts: EvalOptions,
     input_path: Path,
@@ -121,54 +132,30 @@ def _mean(values) -> float | None:
     return round(sum(values) / len(values), 6) if values else None
 
 
-def evaluate(model: str, input_path: Path, out_path: Path | None, opts: EvalOptions) -> dict:
-    if opts.batch < 1 or (opts.max_new_tokens is not None and opts.max_new_tokens < 1):
+def evaluate(
+    model: str, input_path: Path, out_path: Path | None, opts: EvalOptions, job: RowOptions
+) -> dict:
+    if job.batch < 1 or (opts.max_new_tokens is not None and opts.max_new_tokens < 1):
         raise DataError("--batch and --max-new-tokens must be at least 1")
     input_path = Path(input_path)
-    refuse_overlap(job_inputs(input_path, model, opts.adapter), out_path, opts.state)
+    refuse_overlap(job_inputs(input_path, model, opts.adapter), out_path, job.state)
     rows = read_eval_rows(input_path)
     adapter = load_adapter(opts.adapter) if opts.adapter else None
-    settings = {
-        "max_new_tokens": opts.max_new_tokens,  # None: derived from the answers, pinned by input
-        "chat": opts.chat,
-        "adapter": adapter.sha256 if adapter else None,
-    }
-    job = RowJob(
-        "eval",
-        model,
-        input_path,
-        rows,
-        settings,
-        opts.state,
-        opts.batch,
-        opts.engine,
-        opts.weights,
-        opts.load,
-        opts.stop_after,
-    )
     done = execute(
-        job,
+        RowJob("eval", model, input_path, rows, opts.settings(adapter), job),
         lambda loaded: _grader(loaded, rows, opts, input_path, adapter),
         lambda records: write_jsonl(out_path, records) if out_path else None,
     )
     records = done.records
     correct = sum(bool(r["correct"]) for r in records)
-    summary = {
-        "rows": len(records),
+    summary = done.summary(job) | {
         "correct": correct,
         "accuracy": round(correct / len(records), 6) if records else None,
         "gold_logprob": _mean(r["gold_logprob"] for r in records),
         "gold_logprob_per_token": _mean(r["gold_logprob_mean"] for r in records),
         "adapter": str(opts.adapter) if opts.adapter else None,
-        "seconds": round(done.seconds, 2),
-        "engine": done.loaded.runner.info.engine,
-        "numerics": done.loaded.runner.info.numerics,
     }
     if out_path and done.complete:
         summary["out"] = str(out_path)
         note(f"wrote {len(records)} graded rows to {out_path}")
-    if not done.complete:
-        summary.update(complete=False, total=len(rows))
-    if opts.state:
-        summary.update(state=opts.state, restored=done.restored, ran=done.ran)
     return summary

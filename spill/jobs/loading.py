@@ -12,7 +12,9 @@ from spill.models.tokenizer import Tokenizer
 
 
 @dataclass
-class Loaded:
+class LoadedModel:
+    """A model open on an engine (``spill.store.checkpoint.Loaded`` is a checkpoint read back)."""
+
     name: str
     folder: Path
     fingerprint: str
@@ -38,7 +40,7 @@ def find_model(name: str, weights: str | None):
 
 def open_model(
     name: str, resolved, fp: str, engine: str | None, options: LoadOptions, verb: str
-) -> Loaded:
+) -> LoadedModel:
     """Open a resolved model on an engine and print the pre-run line."""
     from spill.engines import resolve
 
@@ -46,11 +48,4 @@ def open_model(
     config, tokenizer = load_config(folder), Tokenizer(folder)  # fail before the engine opens
     runner = resolve(engine).open(ModelSpec(folder, config), options)
     note(f"spill {verb} · model {name} ({fp[:19]}) · {runner.info.line()}")
-    return Loaded(name, folder, fp, tokenizer, runner)
-
-
-def load_model(
-    name: str, weights: str | None, engine: str | None, options: LoadOptions, verb: str
-) -> Loaded:
-    resolved, fp = find_model(name, weights)
-    return open_model(name, resolved, fp, engine, options, verb)
+    return LoadedModel(name, folder, fp, tokenizer, runner)

@@ -32,15 +32,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from spill.console import note, progress
-from spill.engines.base import LoadOptions
+from spill.engines.base import EngineInfo, LoadOptions
 from spill.errors import DataError, StoreError, UsageError
 from spill.hashing import file_sha256
-from spill.jobs.loading import Loaded, find_model, open_model
+from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
 
@@ -52,6 +52,19 @@ class HasId(Protocol):
     id: str | int
 
 
+@dataclass(frozen=True, kw_only=True)
+class RowOptions:
+    """Where and how a row job computes; nothing here changes a row's result, so none of it is
+    pinned. ``batch`` comes from the verb's conf group (``eval.batch``, ``teacher.batch``)."""
+
+    batch: int  # rows computed together (speed only)
+    engine: str
+    weights: str | None = None
+    load: LoadOptions = LoadOptions()
+    state: str | None = None  # commit results in segments here and continue from them
+    stop_after: int | None = None  # stop when this many rows are done in all
+
+
 @dataclass(frozen=True)
 class RowJob:
     verb: str  # "run", "eval", "distill": part of the identity
@@ -59,25 +72,35 @@ class RowJob:
     input_path: Path
     rows: Sequence[HasId]
     settings: dict[str, Any]  # everything else that decides the results; pinned
-    state: str | None = None
-    batch: int = 8
-    engine: str | None = "auto"
-    weights: str | None = None
-    load: LoadOptions = LoadOptions()
-    stop_after: int | None = None  # stop when this many rows are done in all
+    options: RowOptions
 
 
 @dataclass
 class Outcome:
-    records: list[Record]  # one per input row, in input order
+    records: list[Record]  # one per row done, in input order
+    total: int  # rows in the input
     restored: int  # rows taken from committed segments
     ran: int  # rows computed by this process
     seconds: float
-    loaded: Loaded
-    producer: dict[str, Any]
-    segments: int = 0  # segments this process pushed
-    extra: dict[str, Any] = field(default_factory=dict)
-    complete: bool = True  # False: stopped at ``stop_after``; records holds the rows done
+    info: EngineInfo  # the engine that computed them
+
+    @property
+    def complete(self) -> bool:  # False: stopped at ``stop_after``; records holds the rows done
+        return len(self.records) == self.total
+
+    def summary(self, options: RowOptions) -> dict[str, Any]:
+        """The keys every row job reports; a verb adds its own."""
+        out: dict[str, Any] = {
+            "rows": len(self.records),
+            "seconds": round(self.seconds, 2),
+            "engine": self.info.engine,
+            "numerics": self.info.numerics,
+        }
+        if options.state:
+            out.update(state=options.state, restored=self.restored, ran=self.ran)
+        if not self.complete:
+            out.update(complete=False, total=self.total)
+        return out
 
 
 def write_jsonl(path: Path, records: Sequence[Record]) -> None:
@@ -114,8 +137,8 @@ def refuse_overlap(inputs: list[tuple[Path, str]], out: Path | None, state: str 
         raise UsageError(f"--out {out} is the --state location; write the results elsewhere")
 
 
-def _open(job: RowJob, resolved, fp: str) -> Loaded:
-    return open_model(job.model, resolved, fp, job.engine, job.load, job.verb)
+def _open(job: RowJob, resolved, fp: str) -> LoadedModel:
+    return open_model(job.model, resolved, fp, job.options.engine, job.options.load, job.verb)
 
 
 def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
@@ -149,42 +172,41 @@ def _restore(uri: str, pinned: dict[str, Any], rows: Sequence[HasId]) -> dict:
 
 def execute(
     job: RowJob,
-    prepare: Callable[[Loaded], Compute],
+    prepare: Callable[[LoadedModel], Compute],
     finish: Callable[[list[Record]], None],
 ) -> Outcome:
     """Run the rows left and call ``finish(records in input order)``; see the module doc."""
     from spill.store.rows import SegmentWriter
 
-    if job.batch < 1:
+    opts = job.options
+    if opts.batch < 1:
         raise DataError("--batch must be at least 1")
-    if job.state:
+    if opts.state:
         from spill.store.fs import probe_writable
 
-        probe_writable(job.state)
-    with Guard(unit="batch", signals=SIGNALS if job.state else ()) as guard:
-        resolved, fp = find_model(job.model, job.weights)
+        probe_writable(opts.state)
+    with Guard(unit="batch", signals=SIGNALS if opts.state else ()) as guard:
+        resolved, fp = find_model(job.model, opts.weights)
         pinned = identity(job, resolved, fp)
-        results: dict = _restore(job.state, pinned, job.rows) if job.state else {}
+        results: dict = _restore(opts.state, pinned, job.rows) if opts.state else {}
         todo = [r for r in job.rows if r.id not in results]
         total = len(job.rows)
-        if job.stop_after is not None:
-            todo = todo[: max(0, job.stop_after - len(results))]
-        if job.state:
+        if opts.stop_after is not None:
+            todo = todo[: max(0, opts.stop_after - len(results))]
+        if opts.state:
             note(
-                f"state {job.state}: {len(results)} of {total} rows committed; "
+                f"state {opts.state}: {len(results)} of {total} rows committed; "
                 f"running the {len(todo)} left"
             )
         loaded = _open(job, resolved, fp)
         try:
-            producer = describe(loaded.runner.info)
             compute = prepare(loaded) if todo else None
-            writer = SegmentWriter(job.state, pinned, producer) if job.state else None
-            pushed = 0
+            producer = describe(loaded.runner.info)
+            writer = SegmentWriter(opts.state, pinned, producer) if opts.state else None
 
             def save() -> str:
-                nonlocal pushed
-                pushed += writer.flush() is not None
-                return f"{len(writer.done)} of {total} rows in {job.state}"
+                writer.flush()
+                return f"{len(writer.done)} of {total} rows in {opts.state}"
 
             if writer is not None:
                 guard.save = save
@@ -192,18 +214,18 @@ def execute(
             with progress(total, job.verb) as bar:
                 bar.update(len(results))
                 try:
-                    for lo in range(0, len(todo), job.batch):
+                    for lo in range(0, len(todo), opts.batch):
                         guard.boundary()
-                        chunk = list(todo[lo : lo + job.batch])
+                        chunk = list(todo[lo : lo + opts.batch])
                         records = compute(chunk)
                         assert [r["id"] for r in records] == [r.id for r in chunk]
                         with guard.mutating():
                             for rec in records:
                                 results[rec["id"]] = rec
                                 if writer is not None:
-                                    pushed += writer.add(rec["id"], rec)
+                                    writer.add(rec["id"], rec)
                             if writer is not None:
-                                pushed += writer.tick()
+                                writer.tick()
                         bar.update(len(chunk))
                 except Exception:
                     # an engine or data error: the rows already finished are worth keeping
@@ -214,7 +236,7 @@ def execute(
             complete = len(results) == total
             with guard.mutating():
                 if writer is not None:
-                    pushed += writer.flush() is not None
+                    writer.flush()
                 ordered = [results[r.id] for r in job.rows if r.id in results]
                 if complete:
                     finish(ordered)
@@ -226,6 +248,4 @@ def execute(
         finally:
             loaded.runner.close()
     ran = len(todo)
-    return Outcome(
-        ordered, len(ordered) - ran, ran, seconds, loaded, producer, pushed, complete=complete
-    )
+    return Outcome(ordered, total, len(ordered) - ran, ran, seconds, loaded.runner.info)

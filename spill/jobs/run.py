@@ -18,27 +18,31 @@ from pathlib import Path
 import numpy as np
 
 from spill.console import note
-from spill.engines.base import GenerateParams, LoadOptions
+from spill.engines.base import GenerateParams
 from spill.errors import DataError
 from spill.jobs.adapter_files import Adapter, apply_adapter, load_adapter
 from spill.jobs.inputs import PromptRow, read_prompt_rows
-from spill.jobs.loading import Loaded
-from spill.jobs.rows_job import RowJob, execute, job_inputs, refuse_overlap, write_jsonl
+from spill.jobs.loading import LoadedModel
+from spill.jobs.rows_job import (
+    RowJob,
+    RowOptions,
+    execute,
+    job_inputs,
+    refuse_overlap,
+    write_jsonl,
+)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunOptions:
-    max_new_tokens: int = 128
-    batch: int = 8
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    """What decides a generated row (``spill run`` and ``spill distill``); the defaults of
+    max_new_tokens and temperature are the ``teacher`` conf group's (``spill/conf``)."""
+
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    top_p: float = 1.0  # in no conf group: this is its one default (``spill run --top-p``)
     chat: bool = False  # apply the chat template to plain prompts too
-    engine: str | None = "auto"
-    weights: str | None = None
-    load: LoadOptions = LoadOptions()
-    state: str | None = None  # a state URI: commit results in segments, continue from them
-    stop_after: int | None = None  # stop after this many rows in all (with state: continue later)
     adapter: Path | None = None  # a LoRA adapter folder (spill or PEFT layout); run only
 
     def settings(self, adapter: Adapter | None = None) -> dict:
@@ -80,7 +84,7 @@ def encode_rows(tokenizer, rows, chat: bool, input_path: Path) -> dict:
 
 
 def generator(
-    loaded: Loaded,
+    loaded: LoadedModel,
     rows,
     opts: RunOptions,
     input_path: Path,
@@ -112,48 +116,30 @@ def generator(
     return compute
 
 
-def check_options(opts: RunOptions) -> None:
-    if opts.batch < 1 or opts.max_new_tokens < 1:
+def check_options(opts: RunOptions, job: RowOptions) -> None:
+    if job.batch < 1 or opts.max_new_tokens < 1:
         raise DataError("--batch and --max-new-tokens must be at least 1")
 
 
-def run(model: str, input_path: Path, out_path: Path, opts: RunOptions) -> dict:
-    check_options(opts)
+def run(model: str, input_path: Path, out_path: Path, opts: RunOptions, job: RowOptions) -> dict:
+    check_options(opts, job)
     input_path, out_path = Path(input_path), Path(out_path)
-    refuse_overlap(job_inputs(input_path, model, opts.adapter), out_path, opts.state)
+    refuse_overlap(job_inputs(input_path, model, opts.adapter), out_path, job.state)
     rows = read_prompt_rows(input_path)
     adapter = load_adapter(opts.adapter) if opts.adapter else None
     counter = {"tokens": 0}
-    job = RowJob(
-        "run",
-        model,
-        input_path,
-        rows,
-        opts.settings(adapter),
-        opts.state,
-        opts.batch,
-        opts.engine,
-        opts.weights,
-        opts.load,
-        opts.stop_after,
-    )
     done = execute(
-        job,
+        RowJob("run", model, input_path, rows, opts.settings(adapter), job),
         lambda loaded: generator(loaded, rows, opts, input_path, counter, adapter),
         lambda records: write_jsonl(out_path, records),
     )
     generated = counter["tokens"]
-    summary = {
-        "rows": len(rows),
+    summary = done.summary(job) | {
         "generated_tokens": generated,
-        "seconds": round(done.seconds, 2),
         "tokens_per_s": round(generated / max(done.seconds, 1e-9), 1),
-        "out": str(out_path),
         "adapter": str(opts.adapter) if opts.adapter else None,
-        "engine": done.loaded.runner.info.engine,
-        "numerics": done.loaded.runner.info.numerics,
     }
-    if opts.state:
-        summary.update(state=opts.state, restored=done.restored, ran=done.ran)
-    note(f"wrote {len(rows)} rows to {out_path}")
+    if done.complete:  # else nothing was written: the job stopped early, committed
+        summary["out"] = str(out_path)
+        note(f"wrote {len(done.records)} rows to {out_path}")
     return summary

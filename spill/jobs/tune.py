@@ -39,23 +39,35 @@ class CheckpointMismatch(SpillError):
     """A committed checkpoint that belongs to another run."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TuneOptions:
-    steps: int = 100
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    lr: float = 2e-4
-    warmup: int = 0
-    weight_decay: float = 0.0
-    batch: int = 8  # samples per optimizer step
-    micro_batch: int = 4  # samples per forward/backward; batch // micro_batch are accumulated
-    seq_len: int = 512
-    seed: int = 0
-    ckpt_every: int = 50
+    """A tune job: the ``tune`` conf group's settings, named as there (``spill/conf/tune/
+    default.yaml`` holds every default; the CLI and a build both pass all of them), then the
+    project seed and where the job runs."""
+
+    steps: int
+    lr: float
+    warmup: int
+    weight_decay: float
+    rank: int
+    alpha: float | None  # None: 2 x rank (``LoraConfig``)
+    dropout: float
+    targets: str  # comma-separated modules, or "all"
+    batch: int  # samples per optimizer step
+    micro_batch: int  # samples per forward/backward; batch // micro_batch are accumulated
+    seq_len: int
+    ckpt_every: int
+    seed: int
+    engine: str
     stop_after: int | None = None
     state: str | None = None
-    engine: str | None = "auto"
     weights: str | None = None
     load: LoadOptions = field(default_factory=LoadOptions)
+
+    @property
+    def lora(self) -> LoraConfig:
+        targets = LoraConfig.parse_targets(self.targets)
+        return LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=targets)
 
     def check(self) -> None:
         if self.steps < 1 or self.ckpt_every < 1 or self.seq_len < 2:
@@ -64,8 +76,9 @@ class TuneOptions:
             raise SpillError(
                 f"--batch {self.batch} must be a positive multiple of --micro-batch {self.micro_batch}"
             )
-        if self.lora.rank < 1 or not 0 <= self.lora.dropout < 1:
+        if self.rank < 1 or not 0 <= self.dropout < 1:
             raise SpillError("--rank must be at least 1 and --dropout in [0, 1)")
+        LoraConfig.parse_targets(self.targets)  # an unknown module fails here, in one line
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise SpillError(f"--stop-after must be between 1 and --steps ({self.steps})")
         if self.lr <= 0 or self.warmup < 0:

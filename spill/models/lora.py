@@ -33,10 +33,17 @@ ALL_LINEAR = tuple(MODULES)
 
 @dataclass(frozen=True)
 class LoraConfig:
+    """An adapter's shape. The defaults are the ``tune`` conf group's (``tests/unit/test_settings``
+    keeps them equal); ``alpha=None`` is 2 x rank, the one place that rule lives."""
+
     rank: int = 8
-    alpha: float = 16.0
+    alpha: float | None = None  # None: 2 x rank
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+    def __post_init__(self) -> None:
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", 2.0 * self.rank)
 
     @property
     def scale(self) -> float:

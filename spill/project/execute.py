@@ -241,13 +241,21 @@ class Executor:
     def _adapter_uri(self) -> str:
         return join(self.root, get("tune").output(self.project.name))
 
-    def _load(self):
+    def _load(self, batch: int, stop: int | None, stage_root: str):
+        """A job's ``RowOptions``: the engine settings, the group's batch, where it commits."""
         from spill.engines.base import LoadOptions
+        from spill.jobs.rows_job import RowOptions
+        from spill.sizes import parse_size
 
-        e = self.project.engine
-        return LoadOptions(
-            ring=e.ring, resident=e.resident, memory=_size(e.memory), device=e.device, dtype=e.dtype
+        e = self.project.engine  # its memory passed the schema: a size parse_size reads
+        load = LoadOptions(
+            ring=e.ring,
+            resident=e.resident,
+            memory=parse_size(e.memory),
+            device=e.device,
+            dtype=e.dtype,
         )
+        return RowOptions(batch=batch, engine=e.name, load=load, state=stage_root, stop_after=stop)
 
     def _eval(self, stage: EvalStage, d: Decision, stage_root: str) -> tuple[dict, bool]:
         from spill.jobs.eval import EvalOptions, evaluate
@@ -256,14 +264,10 @@ class Executor:
         out = self._output(stage.file)
         opts = EvalOptions(
             max_new_tokens=self.project.eval.max_new_tokens,
-            batch=self.project.eval.batch,
             adapter=None if base else self._local_adapter(),
-            engine=self.project.engine.name,
-            load=self._load(),
-            state=stage_root,
-            stop_after=d.stop,
         )
-        s = evaluate(self.project.model.name, self.work / "test.jsonl", out, opts)
+        job = self._load(self.project.eval.batch, d.stop, stage_root)
+        s = evaluate(self.project.model.name, self.work / "test.jsonl", out, opts, job)
         complete = s.get("complete", True)
         if complete:
             self._publish(out)
@@ -278,15 +282,11 @@ class Executor:
         out = self._output(stage.file)
         opts = RunOptions(
             max_new_tokens=t.max_new_tokens,
-            batch=t.batch,
             temperature=t.temperature,
             seed=self.project.seed,
-            engine=self.project.engine.name,
-            load=self._load(),
-            state=stage_root,
-            stop_after=d.stop,
         )
-        s = distill(t.name, self.work / "prompts.jsonl", out, opts)
+        job = self._load(t.batch, d.stop, stage_root)
+        s = distill(t.name, self.work / "prompts.jsonl", out, opts, job)
         complete = s.get("complete", True)
         if complete:
             self._publish(out)
@@ -302,31 +302,19 @@ class Executor:
         return local
 
     def _tune(self, stage: Stage, d: Decision, stage_root: str) -> tuple[dict, bool]:
+        from dataclasses import asdict
+
         from spill.jobs.tune import TuneOptions, tune
-        from spill.models.lora import LoraConfig
 
         t = self.project.tune
-        lora = LoraConfig(
-            rank=t.rank,
-            alpha=t.alpha if t.alpha is not None else 2.0 * t.rank,
-            dropout=t.dropout,
-            targets=LoraConfig.parse_targets(t.targets),
-        )
+        job = self._load(t.batch, d.stop, stage_root)
         opts = TuneOptions(
-            steps=t.steps,
-            lora=lora,
-            lr=t.lr,
-            warmup=t.warmup,
-            weight_decay=t.weight_decay,
-            batch=t.batch,
-            micro_batch=t.micro_batch,
-            seq_len=t.seq_len,
+            **asdict(t),  # the tune group's settings, under the names TuneOptions shares
             seed=self.project.seed,
-            ckpt_every=t.ckpt_every,
-            stop_after=d.stop,
-            state=stage_root,
-            engine=self.project.engine.name,
-            load=self._load(),
+            stop_after=job.stop_after,
+            state=job.state,
+            engine=job.engine,
+            load=job.load,
         )
         s = tune(self.project.model.name, self._train_file(), self.project.name, opts)
         return {"step": s["step"], "steps": t.steps, "loss": s["loss"]}, s["step"] == t.steps
@@ -340,11 +328,3 @@ class Executor:
         for name in ("params.safetensors", "adapter.json"):
             (local / name).write_bytes(get_bytes(join(uri, name)))
         return local
-
-
-def _size(value: str | int | None) -> int | None:
-    if value is None or isinstance(value, int):
-        return value
-    text = value.strip().lower().rstrip("b").rstrip("i")
-    unit = text[-1] if text and text[-1] in "kmgt" else ""
-    return int(float(text.removesuffix(unit)) * 1024 ** ("_kmgt".index(unit) if unit else 0))

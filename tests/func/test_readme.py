@@ -159,7 +159,8 @@ def test_exit_75_preempted(tmp_path, tiny_models):
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cmd = [sys.executable, "-m", "spill", "tune", str(tiny_models["llama"]), str(train)]
     cmd += ["--name", "drill", "--state", str(tmp_path / "state"), "--steps", "100000"]
-    cmd += ["--batch", "2", "--seq-len", "16", "--dtype", "float32", "--ckpt-every", "100000"]
+    cmd += ["--batch", "2", "--micro-batch", "2", "--seq-len", "16", "--dtype", "float32"]
+    cmd += ["--ckpt-every", "100000"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     seen = ""
     while "spill tune ·" not in seen and proc.poll() is None:  # the pre-run line: model loaded

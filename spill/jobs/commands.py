@@ -1,0 +1,331 @@
+"""The job verbs on the command line: ``run``, ``eval``, ``distill``, ``tune``.
+
+``spill.cli`` adds these subcommands with ``add_parsers``; each command turns its arguments into
+one call of its job module and prints the summary. Every flag that is a setting of a conf group
+(``tune``, ``eval``, ``teacher``, ``engine``) takes its default from ``spill.conf.defaults``, so
+``spill tune`` and a build with the same values are the same run. Everything heavy is imported
+inside the commands, so ``spill --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from spill.errors import SpillError
+
+
+def parse_size(text: str) -> int:
+    """``--memory``: ``8G``, ``512MiB``, ``1.5g`` or a plain byte count (``spill.sizes``)."""
+    from spill.sizes import parse_size as parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    from spill.conf import defaults
+
+    e = defaults("engine")  # the engine group's base option: every default below
+    g = p.add_argument_group("model and engine")
+    g.add_argument(
+        "--weights",
+        metavar="URI",
+        help="stage the model folder from this fsspec URI (local, s3://, memory://)",
+    )
+    g.add_argument(
+        "--engine",
+        default=e["name"],
+        choices=["auto", "torch", "mlx"],
+        help="compute engine (default: %(default)s)",
+    )
+    g.add_argument(
+        "--device",
+        default=e["device"],
+        help="device for the engine, e.g. cpu or cuda (default: the best available)",
+    )
+    g.add_argument(
+        "--dtype",
+        default=e["dtype"],
+        choices=["float32", "bfloat16"],
+        help="base-weight numerics (default: measured choice)",
+    )
+    ring = g.add_mutually_exclusive_group()
+    ring.add_argument(
+        "--ring",
+        type=int,
+        default=e["ring"],
+        metavar="K",
+        help="stream decoder layers through K slots (2 streams hardest)",
+    )
+    ring.add_argument(
+        "--resident",
+        action="store_true",
+        default=e["resident"],
+        help="load every layer once and keep it",
+    )
+    g.add_argument(
+        "--memory",
+        type=parse_size,
+        default=e["memory"],
+        metavar="SIZE",
+        help="memory budget for the layer ring (default: from free RAM)",
+    )
+
+
+def _generation_options(p: argparse.ArgumentParser) -> None:
+    from spill.conf import defaults
+
+    t = defaults("teacher")  # run shares distill's generation defaults
+    p.add_argument("--max-new-tokens", type=int, default=t["max_new_tokens"])
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=t["batch"],
+        help="rows generated together (default %(default)s)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=t["temperature"],
+        help="0 is greedy (default %(default)s)",
+    )
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed; each row derives its own from it and its id",
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
+    )
+
+
+def _state_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--state",
+        metavar="URI",
+        help="commit results here (local path, s3://, gs://, az://, memory://) and continue "
+        "from what is committed; SIGTERM/SIGINT then saves and exits 75",
+    )
+
+
+def _load_options(args):
+    from spill.engines.base import LoadOptions
+
+    if args.ring is not None and args.ring < 1:
+        raise SpillError("--ring must be at least 1")
+    return LoadOptions(
+        ring=args.ring,
+        resident=args.resident,
+        memory=args.memory,
+        device=args.device,
+        dtype=args.dtype,
+    )
+
+
+def _row_options(args):
+    from spill.jobs.rows_job import RowOptions
+
+    return RowOptions(
+        batch=args.batch,
+        engine=args.engine,
+        weights=args.weights,
+        load=_load_options(args),
+        state=args.state,
+    )
+
+
+def _run_options(args, adapter: str | None = None):
+    from spill.jobs.run import RunOptions
+
+    return RunOptions(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=args.chat,
+        adapter=Path(adapter) if adapter else None,
+    )
+
+
+def cmd_run(args) -> int:
+    from spill.console import emit
+    from spill.jobs.run import run
+
+    opts = _run_options(args, args.adapter)
+    emit(run(args.model, Path(args.input), Path(args.out), opts, _row_options(args)), args.json)
+    return 0
+
+
+def cmd_distill(args) -> int:
+    from spill.console import emit
+    from spill.jobs.distill import distill
+
+    opts, job = _run_options(args), _row_options(args)
+    emit(distill(args.teacher, Path(args.input), Path(args.out), opts, job), args.json)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from spill.console import emit
+    from spill.jobs.eval import EvalOptions, evaluate
+
+    opts = EvalOptions(
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+        adapter=Path(args.adapter) if args.adapter else None,
+    )
+    out = Path(args.out) if args.out else None
+    result = evaluate(args.model, Path(args.input), out, opts, _row_options(args))
+    columns = ["rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token"]
+    emit(result, args.json, None if args.json else columns)
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from spill.conf import defaults
+    from spill.console import emit
+    from spill.jobs.tune import TuneOptions, tune
+
+    opts = TuneOptions(
+        **{key: getattr(args, key) for key in defaults("tune")},
+        seed=args.seed,
+        stop_after=args.stop_after,
+        state=args.state,
+        engine=args.engine,
+        weights=args.weights,
+        load=_load_options(args),
+    )
+    emit(tune(args.model, Path(args.train), args.name, opts), args.json)
+    return 0
+
+
+def _tune_options(p: argparse.ArgumentParser) -> None:
+    """One flag per setting of the tune conf group, its default read from there."""
+    from spill.conf import defaults
+
+    t = defaults("tune")
+    g = p.add_argument_group("settings (defaults: spill/conf/tune/default.yaml, as in a build)")
+    g.add_argument(
+        "--steps", type=int, default=t["steps"], help="total optimizer steps (default %(default)s)"
+    )
+    p.add_argument(
+        "--stop-after", type=int, metavar="N", help="stop after step N with a committed checkpoint"
+    )
+    g.add_argument("--rank", type=int, default=t["rank"], help="LoRA rank (default %(default)s)")
+    g.add_argument("--alpha", type=float, default=t["alpha"], help="LoRA alpha (default: 2 x rank)")
+    g.add_argument(
+        "--dropout", type=float, default=t["dropout"], help="LoRA dropout (default %(default)s)"
+    )
+    g.add_argument(
+        "--targets",
+        default=t["targets"],
+        help="modules to adapt, comma-separated, or 'all' (default %(default)s)",
+    )
+    g.add_argument(
+        "--lr", type=float, default=t["lr"], help="peak learning rate (default %(default)s)"
+    )
+    g.add_argument(
+        "--warmup", type=int, default=t["warmup"], help="warmup steps before the cosine decay"
+    )
+    g.add_argument("--weight-decay", type=float, default=t["weight_decay"])
+    g.add_argument(
+        "--batch",
+        type=int,
+        default=t["batch"],
+        help="samples per optimizer step (default %(default)s)",
+    )
+    g.add_argument(
+        "--micro-batch",
+        type=int,
+        default=t["micro_batch"],
+        help="samples per forward pass; --batch must be a multiple (default %(default)s)",
+    )
+    g.add_argument(
+        "--seq-len",
+        type=int,
+        default=t["seq_len"],
+        help="tokens per sample, longer rows are cut (default %(default)s)",
+    )
+    g.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=t["ckpt_every"],
+        help="steps between checkpoints (default %(default)s)",
+    )
+
+
+def add_parsers(sub) -> None:
+    """The job verbs' subcommands, added to ``spill``'s subparsers."""
+    from spill.conf import defaults
+
+    p = sub.add_parser("run", help="generate answers for a JSONL file of prompts")
+    p.add_argument("model", help="alias (smollm2:135m), hub id (org/name) or local model folder")
+    p.add_argument("input", help='JSONL rows {"id", "prompt"} or {"id", "messages"}')
+    p.add_argument("--out", required=True, help="results JSONL (written whole at the end)")
+    p.add_argument(
+        "--adapter", metavar="DIR", help="generate with this LoRA adapter (spill or PEFT layout)"
+    )
+    _generation_options(p)
+    _state_option(p)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _model_options(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("eval", help="grade a model (and adapter) on rows with known answers")
+    p.add_argument("model", help="alias, hub id or local model folder")
+    p.add_argument(
+        "input", help='JSONL rows {"id", "prompt"|"messages", "answer"} ("completion" works too)'
+    )
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (spill or PEFT layout)")
+    p.add_argument("--out", help="per-row results JSONL (written whole at the end)")
+    ev = defaults("eval")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=ev["max_new_tokens"],
+        help="generation limit (default: the longest answer's tokens + 16)",
+    )
+    p.add_argument(
+        "--batch", type=int, default=ev["batch"], help="rows graded together (default %(default)s)"
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
+    )
+    _state_option(p)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _model_options(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("distill", help="have a teacher answer prompts, as training rows")
+    p.add_argument("teacher", help="alias, hub id or local model folder of the teacher")
+    p.add_argument("input", help='JSONL rows {"id", "prompt"} or {"id", "messages"}')
+    p.add_argument(
+        "--out", required=True, help="training JSONL, prompt/completion or messages rows"
+    )
+    _generation_options(p)
+    _state_option(p)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _model_options(p)
+    p.set_defaults(func=cmd_distill)
+
+    p = sub.add_parser(
+        "tune", aliases=["train"], help="train a LoRA adapter, streamed through the ring"
+    )
+    p.add_argument("model", help="alias, hub id or local model folder")
+    p.add_argument("train", help='JSONL rows {"prompt","completion"}, {"messages"} or {"text"}')
+    p.add_argument(
+        "--name", required=True, help="the run's name (its state folder without --state)"
+    )
+    p.add_argument(
+        "--state", metavar="URI", help="checkpoint location: a path, s3://, gs://, az://, memory://"
+    )
+    _tune_options(p)
+    p.add_argument("--seed", type=int, default=0, help="adapter init and data order")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _model_options(p)
+    p.set_defaults(func=cmd_tune)
