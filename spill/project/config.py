@@ -50,7 +50,10 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class StudentConfig:
+    """``model:``, the student the project tunes (a model's architecture is
+    ``spill.models.config.ModelConfig``)."""
+
     name: str
 
 
@@ -64,6 +67,8 @@ class TeacherConfig:
 
 @dataclass(frozen=True)
 class TuneConfig:
+    """``tune:``; the same names as ``spill.jobs.tune.TuneOptions``, which a build fills from it."""
+
     steps: int
     lr: float
     warmup: int
@@ -108,7 +113,7 @@ class Project:
     id: str | None
     seed: int
     data: DataConfig
-    model: ModelConfig
+    model: StudentConfig
     teacher: TeacherConfig
     tune: TuneConfig
     eval: EvalConfig
@@ -132,7 +137,7 @@ class Project:
 
 _TYPES = {
     "data": DataConfig,
-    "model": ModelConfig,
+    "model": StudentConfig,
     "teacher": TeacherConfig,
     "tune": TuneConfig,
     "eval": EvalConfig,
