@@ -31,7 +31,7 @@ from spill.models.names import (
     resolve_alias,
     safe_name,
 )
-from spill.models.weights import weight_files
+from spill.models.weights import check_shapes, weight_files
 from spill.paths import models_dir
 
 Progress = Callable[[str], object]
@@ -49,8 +49,8 @@ class ResolvedModel:
 
 
 def _checked(model: ResolvedModel) -> ResolvedModel:
-    load_config(model.folder)  # names config.json when missing or unreadable
-    weight_files(model.folder)  # names the missing or truncated shard
+    config = load_config(model.folder)  # names config.json when missing or unreadable
+    check_shapes(config, weight_files(model.folder))  # a missing shard; a config of other weights
     return model
 
 

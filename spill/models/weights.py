@@ -72,6 +72,44 @@ def weight_files(folder: Path) -> WeightFiles:
     return WeightFiles(folder, shards, tensor_shard, headers)
 
 
+def check_shapes(config, files: WeightFiles) -> None:
+    """Refuse a config.json that does not describe its weights (layer count, embedding and
+    attention shapes), in one line, before an engine sizes buffers from it."""
+    where = files.folder / "config.json"
+    layers = config.num_hidden_layers
+    prefix = "model.layers."
+    present = {
+        int(n[len(prefix) :].split(".", 1)[0]) for n in files.tensor_shard if n.startswith(prefix)
+    }
+    if len(present) != layers or present != set(range(layers)):
+        found = f"layers 0-{max(present)}" if present else "no decoder layers"
+        raise ModelError(
+            f"{where}: num_hidden_layers is {layers} but the weights hold {found}; the config and "
+            "the safetensors do not belong together: fetch or import the model again"
+        )
+    q, kv = (
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+    )
+    expected = {
+        "model.embed_tokens.weight": [config.vocab_size, config.hidden_size],
+        "model.layers.0.self_attn.q_proj.weight": [q, config.hidden_size],
+        "model.layers.0.self_attn.k_proj.weight": [kv, config.hidden_size],
+        "model.layers.0.mlp.up_proj.weight": [config.intermediate_size, config.hidden_size],
+    }
+    for name, shape in expected.items():
+        if name not in files.tensor_shard:
+            raise ModelError(
+                f"{files.folder}: no tensor {name}; not an HF-layout Llama/Qwen2 model"
+            )
+        actual = files.tensor_info(name).get("shape")
+        if actual != shape:
+            raise ModelError(
+                f"{where}: says {name} is {shape} but the weights hold {actual}; the config and "
+                "the safetensors do not belong together: fetch or import the model again"
+            )
+
+
 SAMPLE = 64 * 1024
 
 
