@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -193,3 +194,24 @@ def test_continuing_with_other_settings_is_refused_in_one_line(refusals, what):
     assert "another --state" in error
     assert proc.stdout == ""
     assert kit.step_dirs(state) == ["step-1"] and kit.files(state, 1) == before  # untouched
+
+
+def test_spill_tune_with_no_setting_flags_continues_a_default_build(tmp_path, spill_home):
+    """One definition per setting: the toy build with every tune setting at its conf default,
+    stopped after step 1, and then a plain ``spill tune`` (no setting flags) on the same split and
+    stage state are one run: the command continues the build's checkpoint, it is not refused."""
+    from spill.conf import defaults
+    from tests.conftest import run_spill
+
+    root = Path(__file__).resolve().parents[2]
+    toy = shutil.copytree(root / "projects" / "toy", tmp_path / "toy")
+    shutil.rmtree(toy / ".spill", ignore_errors=True)
+    back = [f"tune.{k}={json.dumps(v)}" for k, v in defaults("tune").items()]  # null, "a,b"
+    build = run_spill("build", str(toy), "--stop-after", "tune:1", *back)
+    assert build.returncode == 0, build.stderr
+    state = toy / ".spill"
+    argv = ["tune", "tiny:llama:2:2x64", str(state / "files" / "train.jsonl"), "--name", "toy"]
+    argv += ["--state", str(state / "stages" / "tune"), "--stop-after", "2", "--dtype", "float32"]
+    proc = run_spill(*argv)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 1 of 100" in proc.stderr and "continuing toy" in proc.stderr, proc.stderr
