@@ -77,7 +77,8 @@ def validate(doc: Any, name: str, where: str | None = None) -> None:
     label = where or f"a {name} document"
     raise SchemaInvalid(
         f"{label} does not match the {name} schema at {short(field)}: {short(error.message)}; "
-        "it was written by another version or damaged, so it is not used"
+        "it was written by another version or damaged, so it is not used: use the spill that "
+        "wrote it, or move the file away to start that part fresh"
     )
 
 
