@@ -72,7 +72,6 @@ class Generation:
 class Stats:
     """Counters a runner keeps; the CLI reports from them."""
 
-    prompt_tokens: int = 0
     generated_tokens: int = 0
     layer_loads: int = 0
     load_seconds: float = 0.0

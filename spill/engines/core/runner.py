@@ -112,7 +112,6 @@ class StreamRunner:
         stop = set(params.stop_ids)
         out: list[list[int]] = [[] for _ in prompts]
         finish: list[str | None] = [None] * batch
-        self.stats.prompt_tokens += sum(len(p) for p in prompts)
         with k.inference():
             caches = k.caches(batch, width + steps)
             ctx = k.context(valid[:, :width], 0, width)
@@ -152,7 +151,6 @@ class StreamRunner:
         m, k = self.model, self.model.kernel
         rows, width, rr, tt = score_rows(prompts, completions)
         ids, valid = left_pad(rows, width)
-        self.stats.prompt_tokens += sum(len(r) for r in rows)
         picked = np.zeros(len(rr), np.float32)
         with k.inference():
             h = m.forward(k.array(ids), k.context(valid, 0, width), lora=self._adapter)

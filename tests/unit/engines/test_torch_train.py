@@ -126,7 +126,11 @@ def test_cuda_trains_like_the_cpu(tiny_models):
         trainer = fresh(runner, cfg, lora)
         runs.append((tune(trainer, 3), trainer.state()))
         runner.close()
-    for losses, (params, _, _) in runs[1:]:  # kernels differ: close, not bit-identical
+    # Decided, not measured (no CUDA device was lent): close, not bit-identical. Scoring is exact
+    # on CUDA (forward kernels are deterministic, test_torch_runner), but the CUDA backward of
+    # attention (SDPA's memory-efficient kernel) accumulates with atomics, so even one graph run
+    # twice may differ in its last bits; exactness is promised for CPU training only.
+    for losses, (params, _, _) in runs[1:]:
         np.testing.assert_allclose(runs[0][0], losses, rtol=1e-4)
         for name, ref in runs[0][1][0].items():
             a, b = ref.ravel().astype(np.float64), params[name].ravel().astype(np.float64)
