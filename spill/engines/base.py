@@ -70,7 +70,8 @@ class Generation:
 
 @dataclass
 class Stats:
-    """Counters a runner keeps; the CLI reports from them."""
+    """Counters a runner keeps: what its ring loaded and generated (tests and benchmarks read
+    them to check the ring; no job reports them)."""
 
     generated_tokens: int = 0
     layer_loads: int = 0
