@@ -149,3 +149,20 @@ def test_job_options_keep_no_copy_of_a_group_default():
         for f in dataclasses.fields(cls):
             if f.name in known and not unset(f):
                 pytest.fail(f"{cls.__name__}.{f.name} has a default of its own: {f.default!r}")
+
+
+@pytest.mark.parametrize(
+    "text", ["8G", "512MiB", "1.5g", "1048576", " 8 gb ", "2t", "8x", "g", "1.", "-1", "8 GiBs"]
+)
+def test_the_schema_admits_exactly_the_sizes_spill_sizes_reads(text):
+    import re
+
+    from spill.sizes import parse_size
+
+    pattern = schema_section("engine")["memory"]["pattern"]
+    try:
+        parse_size(text)
+        parsed = True
+    except ValueError:
+        parsed = False
+    assert bool(re.search(pattern, text)) == parsed
