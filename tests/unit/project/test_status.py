@@ -126,9 +126,7 @@ def test_outputs_recorded_checked_cheaply_and_shown_out_of_date(tmp_path):
     assert stages.TUNE.problem(root, "p", None) == ""  # an old record: existence only
     (adapter / "params.safetensors").write_bytes(b"params")
     (adapter / "peft" / "adapter_model.safetensors").unlink()
-    assert stages.TUNE.problem(root, "p", rec).endswith(
-        "peft/adapter_model.safetensors missing"
-    )
+    assert stages.TUNE.problem(root, "p", rec).endswith("peft/adapter_model.safetensors missing")
 
     d = doc()
     d["project"] = {"name": "p"}
