@@ -209,7 +209,7 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
     from spill.conf import defaults
 
     t = defaults("tune")
-    g = p.add_argument_group("settings (defaults: spill/conf/tune/default.yaml, as in a build)")
+    g = p.add_argument_group("settings (defaults: conf/tune/default.yaml, as in a build)")
     g.add_argument(
         "--steps", type=int, default=t["steps"], help="total optimizer steps (default %(default)s)"
     )

@@ -36,7 +36,7 @@ from spill.jobs.rows_job import (
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     """What decides a generated row (``spill run`` and ``spill distill``); the defaults of
-    max_new_tokens and temperature are the ``teacher`` conf group's (``spill/conf``)."""
+    max_new_tokens and temperature are the ``teacher`` conf group's (``conf/``)."""
 
     max_new_tokens: int
     temperature: float

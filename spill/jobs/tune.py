@@ -41,7 +41,7 @@ class CheckpointMismatch(SpillError):
 
 @dataclass(frozen=True, kw_only=True)
 class TuneOptions:
-    """A tune job: the ``tune`` conf group's settings, named as there (``spill/conf/tune/
+    """A tune job: the ``tune`` conf group's settings, named as there (``conf/tune/
     default.yaml`` holds every default; the CLI and a build both pass all of them), then the
     project seed and where the job runs."""
 

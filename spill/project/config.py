@@ -4,7 +4,7 @@
 group folders are searched before spill's shipped ``pkg://spill.conf``), validates the composed
 config against ``schemas/spill-yaml.schema.json`` with every key required, and turns it into
 frozen dataclasses. Nothing downstream reads a config with defaults of its own: the defaults
-live in ``spill/conf/``.
+live in ``conf/``.
 
 Errors from Hydra, OmegaConf, YAML and the schema all become one ``ConfigError`` line naming the
 key path and what is allowed.

@@ -136,8 +136,9 @@ def _yaml(
     values: dict[str, dict[str, Any]],
 ) -> str:
     from spill.engines import auto_engine
+    from spill.schemas import DIR
 
-    schema = Path(config.__file__).resolve().parents[1] / "schemas" / "spill-yaml.schema.json"
+    schema = DIR / "spill-yaml.schema.json"
     where = f"{socket.gethostname()}"
     engine = auto_engine()
     lines = [

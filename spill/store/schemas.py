@@ -1,7 +1,7 @@
 """JSON Schema validation for the files the store writes and reads.
 
-Schemas are draft 2020-12 files in ``spill/schemas/<name>.schema.json``, read beside the
-package or, where it is not on disk (a zip), through ``importlib.resources``. A document that
+Schemas are draft 2020-12 files in the repository's ``schemas/``, installed as the package
+``spill.schemas`` and read from its folder (``spill.schemas.DIR``). A document that
 does not validate is refused in one line that names the file kind, the failing field and why.
 
 Every file spill reads is validated on read, not only on write. Importing jsonschema costs about
@@ -35,19 +35,12 @@ class SchemaInvalid(StoreError):
 
 @cache
 def _schema_bytes(name: str) -> bytes:
-    # a plain open where the package is on disk: importlib.resources costs 3 ms to import
-    plain = os.path.join(os.path.dirname(os.path.dirname(__file__)), "schemas", name + SUFFIX)
-    try:
-        with open(plain, "rb") as f:
-            return f.read()
-    except OSError:
-        pass
-    from importlib.resources import files
+    from spill.schemas import DIR  # a plain open: importlib.resources costs 3 ms to import
 
     try:
-        return (files("spill") / "schemas" / f"{name}{SUFFIX}").read_bytes()
+        return (DIR / f"{name}{SUFFIX}").read_bytes()
     except FileNotFoundError:
-        raise ValueError(f"no schema named {name!r} in spill/schemas") from None
+        raise ValueError(f"no schema named {name!r} in spill.schemas ({DIR})") from None
 
 
 @cache

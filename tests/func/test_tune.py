@@ -201,6 +201,7 @@ def test_spill_tune_with_no_setting_flags_continues_a_default_build(tmp_path, sp
     stopped after step 1, and then a plain ``spill tune`` (no setting flags) on the same split and
     stage state are one run: the command continues the build's checkpoint, it is not refused."""
     from spill.conf import defaults
+
     from tests.conftest import run_spill
 
     root = Path(__file__).resolve().parents[2]

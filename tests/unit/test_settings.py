@@ -1,4 +1,4 @@
-"""One definition per setting: the conf group's base option (``spill/conf/<group>/``) is every
+"""One definition per setting: the conf group's base option (``conf/<group>/``) is every
 default, and this test fails when any other place disagrees with it: the shipped options that
 only rename (teacher, engine), the spill.yaml schema's defaults and keys, the project's frozen
 dataclasses, the job options' dataclasses, ``LoraConfig``, and the CLI's argparse defaults.
@@ -13,9 +13,9 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import spill.conf
 import yaml
 
-import spill.conf
 from spill.cli import build_parser
 from spill.jobs.eval import EvalOptions
 from spill.jobs.rows_job import RowOptions

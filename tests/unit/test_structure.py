@@ -65,7 +65,9 @@ def test_line_budget():
     assert not over, over
 
 
-@pytest.mark.parametrize("schema", sorted((PKG / "schemas").glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "schema", sorted((PKG.parent / "schemas").glob("*.json")), ids=lambda p: p.name
+)
 def test_schemas_are_valid(schema):
     from jsonschema import Draft202012Validator
 

@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import spill.conf
 import yaml
 
-import spill.conf
 from spill.project.config import ConfigError, compose, compose_key, from_record
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -56,7 +56,7 @@ def test_every_example_project_composes_and_validates(folder):
     first = (folder / "spill.yaml").read_text().splitlines()[0]
     schema = first.split("$schema=", 1)[1]
     assert first.startswith("# yaml-language-server: $schema=")
-    assert (folder / schema).resolve() == ROOT / "spill" / "schemas" / "spill-yaml.schema.json"
+    assert (folder / schema).resolve() == ROOT / "schemas" / "spill-yaml.schema.json"
 
 
 def test_overrides_and_project_group_files(toy):

@@ -19,7 +19,7 @@ def test_init_writes_two_files_that_compose(tmp_path):
     text = (tmp_path / "proj" / "spill.yaml").read_text()
     first = text.splitlines()[0]
     assert first.startswith("# yaml-language-server: $schema=/")
-    assert first.endswith("spill/schemas/spill-yaml.schema.json")
+    assert first.endswith("schemas/spill-yaml.schema.json")
     p = compose(tmp_path / "proj")
     assert (p.name, p.seed, p.data.task, p.data.file) == (
         "proj",
