@@ -176,6 +176,11 @@ class Executor:
             self._preempted(stop_requested() or "a stop request", d.stage)
         except Interrupted as e:
             self._preempted(str(e), d.stage)
+        except SpillError:  # the job refused or failed in one line: nothing runs any more
+            with critical():
+                self._record(d.stage, "stopped", **self._probe(d.stage))
+            self.save()
+            raise
         with critical():
             if complete:
                 stage.publish(self.root, self.project.name)
@@ -284,6 +289,7 @@ class Executor:
             max_new_tokens=t.max_new_tokens,
             temperature=t.temperature,
             seed=self.project.seed,
+            chat=stage.chat,
         )
         job = self._load(t.batch, d.stop, stage_root)
         s = distill(t.name, self.work / "prompts.jsonl", out, opts, job)

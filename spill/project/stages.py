@@ -208,6 +208,9 @@ class EvalStage(RowStage):
 class DistillStage(RowStage):
     """The teacher answers the training inputs; its file is the training data of tune."""
 
+    # the prompts are already shaped by the project's prompt.* settings: no chat wrapping on top
+    chat: ClassVar[bool] = False
+
     def summarize(self, result: Mapping[str, Any]) -> str:
         if not result:
             return ""
@@ -218,12 +221,12 @@ class DistillStage(RowStage):
     def order(self, path: Path) -> tuple[list, Callable[[dict], dict]]:
         from spill.jobs.distill import training_row
         from spill.jobs.inputs import read_prompt_rows
-        from spill.jobs.run import RunOptions
 
         rows = read_prompt_rows(path)
         prompts = {r.id: r for r in rows}
-        chat = RunOptions().chat  # the build's distill runs with the default
-        return [r.id for r in rows], lambda r: training_row(prompts[r["id"]], r["output"], chat)
+        return [r.id for r in rows], lambda r: training_row(
+            prompts[r["id"]], r["output"], self.chat
+        )
 
 
 EVAL_BASE = EvalStage(

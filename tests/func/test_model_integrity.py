@@ -175,3 +175,21 @@ def test_a_row_state_continued_after_its_model_changed_names_the_file(tmp_path, 
     assert proc.returncode == 1, proc.stderr
     error = one_error(proc)
     assert "the model's file model.safetensors changed since this run started (sha256 " in error
+
+
+def test_a_build_whose_model_changed_stops_naming_the_file(tmp_path):
+    """A stopped build continued after a flip fails in one line; the stage reads stopped."""
+    from tests.func.test_build import copy_toy
+
+    project = copy_toy(tmp_path / "toy")
+    home = {"SPILL_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    first = run_spill("build", str(project), "--stop-after", "tune:2", env=home)
+    assert first.returncode == 0, first.stderr
+    (shard,) = (tmp_path / "home" / "models" / "tiny").glob("*/model.safetensors")
+    flip(shard)
+    proc = run_spill("build", str(project), env=home)
+    assert proc.returncode == 1, proc.stderr
+    assert f"{shard} changed since the model entered the cache" in one_error(proc)
+    status = run_spill("status", str(project), "--json", env=home)
+    tune = json.loads(status.stdout)["stages"]["tune"]
+    assert tune["status"] == "stopped" and tune["progress"] == 2, tune
