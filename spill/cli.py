@@ -52,7 +52,12 @@ def cmd_models_verify(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+JOB_VERBS = ("run", "eval", "distill", "tune", "train")
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given the verb that runs, the job verbs' options (whose defaults come
+    from the conf files) are only added when it is one of them."""
     parser = argparse.ArgumentParser(
         prog="spill",
         description="Fine-tune, run, distill and evaluate causal LMs with weights streamed layer by layer from disk.",
@@ -63,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     from spill.jobs.commands import add_parsers as add_job_parsers
     from spill.project.commands import add_parsers
 
-    add_job_parsers(sub)  # run, eval, distill, tune
+    add_job_parsers(sub, full=verb is None or verb in JOB_VERBS)  # run, eval, distill, tune
 
     add_parsers(sub)  # init, build, status, resume
 
@@ -99,8 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _verb(argv: list[str]) -> str | None:
+    """The verb a command line names (its first word that is no option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_verb(argv))
     args, extra = parser.parse_known_args(argv)
     if extra and not hasattr(args, "overrides"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

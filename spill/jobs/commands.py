@@ -259,11 +259,26 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parsers(sub) -> None:
-    """The job verbs' subcommands, added to ``spill``'s subparsers."""
+HELP = {
+    "run": "generate answers for a JSONL file of prompts",
+    "eval": "grade a model (and adapter) on rows with known answers",
+    "distill": "have a teacher answer prompts, as training rows",
+    "tune": "train a LoRA adapter, streamed through the ring",
+}
+VERBS = (*HELP, "train")
+
+
+def add_parsers(sub, full: bool = True) -> None:
+    """The job verbs' subcommands, added to ``spill``'s subparsers. ``full=False`` (another
+    verb runs) adds each by name and help only: reading the conf defaults imports YAML, which
+    a finished ``spill build`` or ``spill status`` should not pay for."""
+    if not full:
+        for verb, text in HELP.items():
+            sub.add_parser(verb, help=text, aliases=["train"] if verb == "tune" else [])
+        return
     from spill.conf import defaults
 
-    p = sub.add_parser("run", help="generate answers for a JSONL file of prompts")
+    p = sub.add_parser("run", help=HELP["run"])
     p.add_argument("model", help="alias (smollm2:135m), hub id (org/name) or local model folder")
     p.add_argument("input", help='JSONL rows {"id", "prompt"} or {"id", "messages"}')
     p.add_argument("--out", required=True, help="results JSONL (written whole at the end)")
@@ -276,7 +291,7 @@ def add_parsers(sub) -> None:
     _model_options(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("eval", help="grade a model (and adapter) on rows with known answers")
+    p = sub.add_parser("eval", help=HELP["eval"])
     p.add_argument("model", help="alias, hub id or local model folder")
     p.add_argument(
         "input", help='JSONL rows {"id", "prompt"|"messages", "answer"} ("completion" works too)'
@@ -301,7 +316,7 @@ def add_parsers(sub) -> None:
     _model_options(p)
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("distill", help="have a teacher answer prompts, as training rows")
+    p = sub.add_parser("distill", help=HELP["distill"])
     p.add_argument("teacher", help="alias, hub id or local model folder of the teacher")
     p.add_argument("input", help='JSONL rows {"id", "prompt"} or {"id", "messages"}')
     p.add_argument(
@@ -313,9 +328,7 @@ def add_parsers(sub) -> None:
     _model_options(p)
     p.set_defaults(func=cmd_distill)
 
-    p = sub.add_parser(
-        "tune", aliases=["train"], help="train a LoRA adapter, streamed through the ring"
-    )
+    p = sub.add_parser("tune", aliases=["train"], help=HELP["tune"])
     p.add_argument("model", help="alias, hub id or local model folder")
     p.add_argument("train", help='JSONL rows {"prompt","completion"}, {"messages"} or {"text"}')
     p.add_argument(

@@ -115,7 +115,7 @@ def test_toy_build_solves_the_task(reference):
 
 def test_finished_build_and_status_answer_without_engines(reference, home):
     for verb in ("build", "status"):
-        heavy = (*ENGINES, "numpy", "hydra", "jsonschema")
+        heavy = (*ENGINES, "numpy", "hydra", "jsonschema", "yaml")
         code = cli_code(verb, str(reference["project"]))
         proc = assert_not_imported(code, heavy, env={"SPILL_HOME": str(home)})
         assert proc.stdout.splitlines()[-1] == "rc 0"
