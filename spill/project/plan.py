@@ -13,7 +13,7 @@ what the state recorded for it. No files, no engines, no clock; ``build`` execut
 * past ``--stop-after``                          -> ``wait``.
 
 make's rule: a stage downstream of one that is not done (runs, continues or waits) is never
-``done``; it runs fresh, or waits (``waits for tune (rerun)``). A decision with ``drop`` says
+``done``; it runs fresh, or waits (``waits for tune (runs first)``). A decision with ``drop`` says
 the recorded result no longer belongs to the current inputs: the executor forgets it and removes
 its outputs even when the stage only waits, so no old result is shown next to new inputs.
 
@@ -136,7 +136,7 @@ def check_stop(stop: StopAfter, totals: Mapping[str, int]) -> None:
         raise PlanError(f"--stop-after {stop}: past the end ({what}: {total})")
 
 
-_WAITS = {"run": "rerun", "continue": "continue", "restore": "restore"}
+_WAITS = {"run": "runs first", "continue": "continues first", "restore": "restored first"}
 
 
 def _decide(

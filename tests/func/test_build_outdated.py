@@ -51,14 +51,18 @@ def test_rerun_tune_stopped_early_shows_no_old_eval(reference, home, tmp_path):
     project, state = copied(reference, tmp_path)
     args = (str(project), "--state", str(state), "tune.lr=0.004")
     proc = spill("build", *args, "--stop-after", "tune:3", home=home)
-    assert table(proc.stderr)["eval"] == ["wait", "waits for tune (rerun)"]
+    assert table(proc.stderr)["eval"] == ["wait", "waits for tune (runs first)"]
     assert "== eval" not in proc.stderr
     shown = table(proc.stdout)
     assert shown["tune"][:2] == ["stopped", "at step 3 of 300"] and shown["eval"] == ["not run"]
     assert "1.000" not in proc.stdout  # the old adapter's score is shown nowhere
     doc = state_doc(state)
     assert "eval" not in doc["stages"] and doc["stages"]["tune"]["status"] == "stopped"
-    assert doc["plan"][3] == {"stage": "eval", "action": "wait", "reason": "waits for tune (rerun)"}
+    assert doc["plan"][3] == {
+        "stage": "eval",
+        "action": "wait",
+        "reason": "waits for tune (runs first)",
+    }
     assert "outputs" not in doc["stages"]["tune"]
     for gone in ("files/eval.jsonl", "adapters/toy", "stages/eval"):
         assert not (state / gone).exists(), gone

@@ -214,7 +214,7 @@ def test_make_rule_a_stage_after_one_that_reruns_waits_and_drops_its_result():
     d = plan(specs(project(tune__lr=0.004), PREPARED), recorded, StopAfter.parse("tune:3"))
     assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "run", "eval": "wait"}
     assert d[2].stop == 3 and d[2].drop
-    assert d[3].reason == "waits for tune (rerun)" and d[3].drop and not d[3].works
+    assert d[3].reason == "waits for tune (runs first)" and d[3].drop and not d[3].works
     # a stop before tune: tune itself waits, out of date, and both lose their records
     d = plan(specs(project(tune__lr=0.004), PREPARED), recorded, StopAfter.parse("eval:base"))
     assert actions(d)["tune"] == "wait" and d[2].drop
@@ -224,7 +224,7 @@ def test_make_rule_a_stage_after_one_that_reruns_waits_and_drops_its_result():
     assert d[3].drop and d[3].reason.endswith("; out of date: tune changed")
     # nothing recorded: nothing to drop
     d = plan(specs(project(), PREPARED), {}, StopAfter.parse("tune:3"))
-    assert d[3].reason == "waits for tune (rerun)" and not d[3].drop
+    assert d[3].reason == "waits for tune (runs first)" and not d[3].drop
 
 
 def test_a_done_stage_downstream_of_a_continuing_one_is_not_done():
@@ -234,7 +234,7 @@ def test_a_done_stage_downstream_of_a_continuing_one_is_not_done():
     d = plan(s, rec)
     assert actions(d)["eval"] == "run" and d[3].reason == "fresh: tune runs first" and d[3].drop
     d = plan(s, rec, StopAfter.parse("tune:20"))
-    assert d[3].action == "wait" and d[3].reason == "waits for tune (continue)" and d[3].drop
+    assert d[3].action == "wait" and d[3].reason == "waits for tune (continues first)" and d[3].drop
 
 
 def test_missing_outputs_restore_from_committed_state_without_rerunning_downstream():
