@@ -152,8 +152,8 @@ def run(project, state_root: str, key: str, doc: dict | None, stop=None, dry_run
     """Plan ``project`` against the state at ``state_root`` and execute (builds and sweeps)."""
     from spill.project.execute import Executor, data_record, now
     from spill.project.plan import plan
-    from spill.project.stages import check_model_name
-    from spill.project.stages import specs as stage_specs
+    from spill.project.specs import check_model_name
+    from spill.project.specs import specs as stage_specs
 
     check_location(project, doc, state_root)
     data_sha = uptodate.data_sha256(project.data_path)

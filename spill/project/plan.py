@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spill.errors import UsageError
-from spill.project.stages import ALIASES, NAMES, StageSpec, get
+from spill.project.specs import StageSpec
+from spill.project.stages import ALIASES, NAMES, get
 
 VALID = ("done", "skip", "restore")  # a stage whose recorded result downstream stages may use
 

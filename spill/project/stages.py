@@ -7,19 +7,14 @@ job it calls, how to summarize its result, how to probe how far its job got (thr
 committed state. Modules above iterate ``STAGES`` and ask the objects; none branches on a stage
 name (in the spirit of DVC's ``dvc/stage``).
 
-``specs`` turns a composed project into one ``StageSpec`` per stage: what each one reads in this
-build (pure, engine-free). Inputs are keyed by the config path a user edits (``tune.lr``),
-``data:<file>`` for a derived file's hash and ``stage:<name>`` for the fingerprint of a stage whose
-output is read. What cannot change a result stays out: ``tune.ckpt_every``, ``eval.batch``,
-``teacher.batch``, the engine group, comments.
+The stages are plain classes, not dataclasses: a finished ``spill build`` imports this module
+to check each stage's outputs, and that answer should not pay for ``dataclasses`` (what each
+stage reads in one build, ``StageSpec``, lives in ``spill.project.specs``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,7 +23,6 @@ from spill.store.fs import join
 
 if TYPE_CHECKING:
     from spill.project.config import Project
-    from spill.project.data import Prepared
 
 PRODUCER_KEYS = ("engine", "numerics", "machine", "os", "hardware")
 
@@ -43,17 +37,26 @@ def _distinct(producers: list[Mapping[str, Any]]) -> list[dict]:
     return out
 
 
-@dataclass(frozen=True, kw_only=True)
 class Stage:
     """One stage of a build; subclasses say how its job's state and outputs look."""
 
-    name: str
-    folder: str  # its job state: stages/<folder>/ under the state location
-    job: str  # the job it calls: eval, distill or tune
-    needs: tuple[str, ...] = ()  # earlier stages whose output it reads
-    model_key: str = "model.name"  # the setting naming the model it loads
     unit: ClassVar[str] = ""  # what its progress counts
     marker: ClassVar[str] = ""  # the file inside its output that stands for it in old records
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        folder: str,  # its job state: stages/<folder>/ under the state location
+        job: str,  # the job it calls: eval, distill or tune
+        needs: tuple[str, ...] = (),  # earlier stages whose output it reads
+        model_key: str = "model.name",  # the setting naming the model it loads
+    ) -> None:
+        self.name, self.folder, self.job = name, folder, job
+        self.needs, self.model_key = needs, model_key
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
 
     def uri(self, root: str) -> str:
         return join(root, "stages", self.folder)
@@ -108,7 +111,6 @@ class Stage:
         raise NotImplementedError
 
 
-@dataclass(frozen=True, kw_only=True)
 class TuneStage(Stage):
     """Trains the adapter; progress is the newest committed checkpoint's step."""
 
@@ -152,13 +154,15 @@ class TuneStage(Stage):
         )
 
 
-@dataclass(frozen=True, kw_only=True)
 class RowStage(Stage):
     """A row job; progress is the rows of its committed segments."""
 
-    file: str  # what it publishes under files/
-    reads: str  # the derived input it reads, which gives the order of its rows
     unit: ClassVar[str] = "row"
+
+    def __init__(self, *, file: str, reads: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.file = file  # what it publishes under files/
+        self.reads = reads  # the derived input it reads, which gives the order of its rows
 
     def output(self, project: str) -> str:
         return f"files/{self.file}"
@@ -182,11 +186,12 @@ class RowStage(Stage):
         raise NotImplementedError
 
 
-@dataclass(frozen=True, kw_only=True)
 class EvalStage(RowStage):
     """Grades a model on the test rows: the base model, or the tuned one (``adapter``)."""
 
-    adapter: bool = False
+    def __init__(self, *, adapter: bool = False, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.adapter = adapter
 
     def summarize(self, result: Mapping[str, Any]) -> str:
         if not result:
@@ -204,7 +209,6 @@ class EvalStage(RowStage):
         return [r.id for r in read_eval_rows(path)], dict
 
 
-@dataclass(frozen=True, kw_only=True)
 class DistillStage(RowStage):
     """The teacher answers the training inputs; its file is the training data of tune."""
 
@@ -259,130 +263,3 @@ _BY_NAME = {s.name: s for s in STAGES}
 def get(name: str) -> Stage:
     """The stage called ``name`` (``KeyError`` for none)."""
     return _BY_NAME[name]
-
-
-def fingerprint(inputs: Mapping[str, Any]) -> str:
-    text = json.dumps(inputs, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """What a stage is in this build: its inputs and size."""
-
-    name: str
-    inputs: Mapping[str, Any]  # key path -> value: everything that decides the stage's result
-    total: int  # steps or rows
-    enabled: bool = True
-    why_off: str = ""  # reason when not enabled
-
-    @property
-    def stage(self) -> Stage:
-        return get(self.name)
-
-    @property
-    def needs(self) -> tuple[str, ...]:
-        return self.stage.needs
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self.inputs)
-
-
-def specs(project: Project, prepared: Prepared) -> list[StageSpec]:
-    """One spec per stage of ``STAGES``, in order."""
-    from spill.project.data import sha256
-
-    p = project
-    common = {
-        "model.name": p.model.name,
-        "seed": p.seed,
-        "data.input": p.data.input,
-        "data.output": p.data.output,
-        "data.task": prepared.task,
-        "data.test_fraction": p.data.test_fraction,
-        "prompt.template": p.prompt.template,
-        "prompt.chat": p.prompt.chat,
-    }
-    graded = {**common, "eval.max_new_tokens": p.eval.max_new_tokens}
-    base = StageSpec(
-        EVAL_BASE.name, {**graded, "data:test.jsonl": sha256(prepared.test)}, prepared.n_test
-    )
-
-    teacher = p.teacher.name
-    distill_inputs = {
-        "teacher.name": teacher,
-        "teacher.max_new_tokens": p.teacher.max_new_tokens,
-        "teacher.temperature": p.teacher.temperature,
-        "seed": p.seed,
-        "data:prompts.jsonl": sha256(prepared.prompts),
-    }
-    distill = StageSpec(
-        DISTILL.name,
-        distill_inputs if teacher else {"teacher.name": None},
-        prepared.n_train,
-        enabled=teacher is not None,
-        why_off="no teacher (teacher.name is null)",
-    )
-
-    tune_values = {f"tune.{k}": v for k, v in asdict(p.tune).items() if k != "ckpt_every"}
-    tune_inputs = {**common, **tune_values}
-    if teacher:
-        tune_inputs["stage:distill"] = distill.fingerprint
-    else:
-        tune_inputs["data:train.jsonl"] = sha256(prepared.train)
-    tune = StageSpec(TUNE.name, tune_inputs, p.tune.steps)
-
-    tuned = {**graded, "data:test.jsonl": sha256(prepared.test), "stage:tune": tune.fingerprint}
-    final = StageSpec(EVAL.name, tuned, prepared.n_test)
-    return [base, distill, tune, final]
-
-
-def check_model_name(name: str, key: str) -> None:
-    """Refuse a model name that can name nothing, without loading or fetching anything.
-
-    The same order as ``spill.models.resolve.resolve_model``: a URI is staged (checked when it
-    is); ``tiny:`` must parse; a local folder must exist (relative to here, as the jobs read it);
-    an alias must be known; a hub id is accepted as spelled (the hub cannot be asked offline).
-    """
-    from pathlib import Path
-
-    from spill.errors import ModelError, ModelNotFound
-    from spill.models.names import (
-        ALIASES,
-        looks_like_alias,
-        looks_like_hub_id,
-        parse_tiny,
-        resolve_alias,
-    )
-
-    text = name.strip()
-    if not text:
-        raise ModelNotFound(f"{key} is empty; name an alias, a hub id or a local model folder")
-    if "://" in text:
-        return
-    try:
-        if parse_tiny(text) is not None:
-            return
-        path = Path(text).expanduser()
-        if path.is_dir():
-            return
-        if path.is_file():
-            raise ModelError(
-                f"{key}: {text} is a file, not a model folder; give an HF-layout folder"
-            )
-        if text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") > 1:
-            raise ModelNotFound(
-                f"{key}: {text}: no such folder; give an HF-layout model folder, an alias or a hub id"
-            )
-        if looks_like_alias(text):
-            resolve_alias(text)
-            return
-    except ModelError as e:
-        message = str(e)
-        raise type(e)(message if message.startswith(key) else f"{key}: {message}") from None
-    if not looks_like_hub_id(text):
-        raise ModelNotFound(
-            f"{key}: no model named {text!r}: not a folder here, an alias ({', '.join(ALIASES)}) "
-            "or a hub id (org/name)"
-        )

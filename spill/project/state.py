@@ -26,7 +26,6 @@ from typing import Any
 
 from spill.errors import StoreError
 from spill.project import stages
-from spill.project.plan import Recorded
 from spill.store.fs import get_bytes, join, put_bytes
 
 STATE = "state.json"
@@ -92,6 +91,8 @@ def write(root: str, doc: dict[str, Any]) -> None:
 def recorded(root: str, doc: dict[str, Any] | None) -> dict:
     """The planner's view of a state: records of finished stages with the check of their outputs
     (and, when those are missing or changed, what can restore them), probes of unfinished ones."""
+    from spill.project.plan import Recorded  # the planner's vocabulary: not on the fast path
+
     out = {}
     project = ((doc or {}).get("project") or {}).get("name", "")
     for name, rec in ((doc or {}).get("stages") or {}).items():

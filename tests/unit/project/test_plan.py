@@ -10,7 +10,7 @@ import pytest
 from spill.project.config import from_record
 from spill.project.data import Prepared
 from spill.project.plan import PlanError, Recorded, StopAfter, describe_change, plan
-from spill.project.stages import specs
+from spill.project.specs import specs
 from tests.conftest import ENGINES, assert_not_imported
 
 CONFIG = {
