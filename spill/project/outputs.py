@@ -22,33 +22,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from spill.errors import StoreError
-from spill.store.fs import exists, filesystem, get_bytes, is_local, join, put_bytes
-
-
-def _local(uri: str) -> str:
-    return os.path.expanduser(uri.removeprefix("file://"))
-
-
-def _stat(uri: str) -> tuple[int, int | None] | None:
-    """(size, mtime_ns or None on remote stores) of a file, or None when there is none."""
-    if is_local(uri):
-        try:
-            st = os.stat(_local(uri))
-        except (OSError, ValueError):  # missing, or a damaged record's impossible name
-            return None
-        return st.st_size, st.st_mtime_ns
-    fs, path = filesystem(uri)
-    fs.invalidate_cache(path)
-    try:
-        info = fs.info(path)
-    except FileNotFoundError:
-        return None
-    return (int(info["size"]), None) if info.get("type") != "directory" else None
+from spill.store.fs import exists, files_under, get_bytes, join, put_bytes, stat
 
 
 def _sha(data: bytes) -> str:
@@ -56,25 +34,9 @@ def _sha(data: bytes) -> str:
 
 
 def _files(uri: str) -> list[str]:
-    """Every file under ``uri`` (or ``uri`` itself), relative to it, sorted."""
-    if is_local(uri):
-        base = _local(uri)
-        if os.path.isfile(base):
-            return [""]
-        found = [
-            os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/")
-            for d, _, names in os.walk(base)
-            for f in names
-        ]
-    else:
-        fs, path = filesystem(uri)
-        fs.invalidate_cache(path)
-        if fs.isfile(path):
-            return [""]
-        own = path.rstrip("/") + "/"
-        found = [p.removeprefix(own) for p in fs.find(path)]
-    # hidden names are a killed writer's temporary files, never outputs
-    return sorted(f for f in found if not any(part.startswith(".") for part in f.split("/")))
+    """Every file under ``uri`` (or ``uri`` itself), relative to it, sorted; hidden names are a
+    killed writer's temporary files, never outputs."""
+    return [f for f in files_under(uri) if not any(part.startswith(".") for part in f.split("/"))]
 
 
 def record(root: str, where: str) -> dict[str, dict[str, Any]]:
@@ -85,10 +47,10 @@ def record(root: str, where: str) -> dict[str, dict[str, Any]]:
         path = f"{where}/{rel}" if rel else where
         uri = join(root, path)
         data = get_bytes(uri)
-        stat = _stat(uri)
+        found = stat(uri)
         entry: dict[str, Any] = {"sha256": _sha(data), "size": len(data)}
-        if stat is not None and stat[1] is not None:
-            entry["mtime_ns"] = stat[1]
+        if found is not None and found[1] is not None:
+            entry["mtime_ns"] = found[1]
         out[path] = entry
     return out
 
@@ -103,7 +65,7 @@ def problem(root: str, where: str, outputs: Mapping[str, Any] | None, marker: st
         return ""
     for path, want in sorted(outputs.items()):
         uri = join(root, path)
-        got = _stat(uri)
+        got = stat(uri)
         if got is None:
             return f"{where} missing" if not exists(join(root, where)) else f"{path} missing"
         if got[0] != want["size"]:
@@ -123,7 +85,7 @@ def restore_adapter(
     checkpoint of the tune state at ``where``."""
     prefix = f"{out}/"
     intact = bool(recorded) and all(
-        _stat(join(exported, path.removeprefix(prefix))) is not None
+        stat(join(exported, path.removeprefix(prefix))) is not None
         and _sha(get_bytes(join(exported, path.removeprefix(prefix)))) == want["sha256"]
         for path, want in recorded.items()
     )

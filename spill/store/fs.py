@@ -198,6 +198,50 @@ def listdir(uri: str | os.PathLike) -> list[str]:
     return sorted(n for n in names if n)
 
 
+def stat(uri: str | os.PathLike) -> tuple[int, int | None] | None:
+    """(size, mtime_ns, or None on an object store) of the file at ``uri``; None when there is
+    no file there."""
+    uri = os.fspath(uri)
+    if is_local(uri):
+        try:
+            st = os.stat(_local(uri))
+        except (OSError, ValueError):  # missing, or a name no file system accepts
+            return None
+        return st.st_size, st.st_mtime_ns
+    fs, path = filesystem(uri)
+    with _errors(uri, "check"):
+        fs.invalidate_cache(path)
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            return None
+    return (int(info["size"]), None) if info.get("type") != "directory" else None
+
+
+def files_under(uri: str | os.PathLike) -> list[str]:
+    """Every file below ``uri``, ``/``-separated and relative to it, sorted; ``[""]`` when
+    ``uri`` is itself a file, ``[]`` when nothing is there."""
+    uri = os.fspath(uri)
+    if is_local(uri):
+        base = _local(uri)
+        if os.path.isfile(base):
+            return [""]
+        found = [
+            os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/")
+            for d, _, names in os.walk(base)
+            for f in names
+        ]
+    else:
+        fs, path = filesystem(uri)
+        with _errors(uri, "list"):
+            fs.invalidate_cache(path)
+            if fs.isfile(path):
+                return [""]
+            own = path.rstrip("/") + "/"
+            found = [p.removeprefix(own) for p in fs.find(path)]
+    return sorted(found)
+
+
 def remove(uri: str | os.PathLike) -> None:
     """Remove the object or the whole directory/prefix at ``uri``; nothing there is fine."""
     uri = os.fspath(uri)
