@@ -25,21 +25,32 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _model_options(p: argparse.ArgumentParser) -> None:
-    from spill.conf import defaults
+def engine_options(p: argparse.ArgumentParser, shorthand: bool = False) -> None:
+    """``--engine --device --dtype --ring|--resident --memory`` (and ``--weights``): every verb
+    that computes takes them. A job verb defaults them to the engine group's base option; with
+    ``shorthand`` (build, resume) they default to None and stand for ``engine.*`` overrides."""
+    if shorthand:  # no conf read: a finished build should not import YAML
+        e = dict.fromkeys(("name", "device", "dtype", "ring", "resident", "memory"))
+    else:
+        from spill.conf import defaults
 
-    e = defaults("engine")  # the engine group's base option: every default below
-    g = p.add_argument_group("model and engine")
-    g.add_argument(
-        "--weights",
-        metavar="URI",
-        help="stage the model folder from this fsspec URI (local, s3://, memory://)",
+        e = defaults("engine")
+    g = p.add_argument_group(
+        "engine (shorthand for the engine.* settings; unset: the project's)"
+        if shorthand
+        else "model and engine"
     )
+    if not shorthand:
+        g.add_argument(
+            "--weights",
+            metavar="URI",
+            help="stage the model folder from this fsspec URI (local, s3://, memory://)",
+        )
     g.add_argument(
         "--engine",
         default=e["name"],
         choices=["auto", "torch", "mlx"],
-        help="compute engine (default: %(default)s)",
+        help="compute engine" + ("" if shorthand else " (default: %(default)s)"),
     )
     g.add_argument(
         "--device",
@@ -63,7 +74,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     ring.add_argument(
         "--resident",
         action="store_true",
-        default=e["resident"],
+        default=bool(e["resident"]),
         help="load every layer once and keep it",
     )
     g.add_argument(
@@ -71,7 +82,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         type=parse_size,
         default=e["memory"],
         metavar="SIZE",
-        help="memory budget for the layer ring (default: from free RAM)",
+        help="memory budget for the layer ring, e.g. 8G (default: from free RAM)",
     )
 
 
@@ -288,7 +299,7 @@ def add_parsers(sub, full: bool = True) -> None:
     _generation_options(p)
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _model_options(p)
+    engine_options(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("eval", help=HELP["eval"])
@@ -313,7 +324,7 @@ def add_parsers(sub, full: bool = True) -> None:
     )
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _model_options(p)
+    engine_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("distill", help=HELP["distill"])
@@ -325,7 +336,7 @@ def add_parsers(sub, full: bool = True) -> None:
     _generation_options(p)
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _model_options(p)
+    engine_options(p)
     p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("tune", aliases=["train"], help=HELP["tune"])
@@ -340,5 +351,5 @@ def add_parsers(sub, full: bool = True) -> None:
     _tune_options(p)
     p.add_argument("--seed", type=int, default=0, help="adapter init and data order")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _model_options(p)
+    engine_options(p)
     p.set_defaults(func=cmd_tune)

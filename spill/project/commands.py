@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from spill.errors import UsageError
+from spill.jobs.commands import engine_options
 
 
 def _overrides(args) -> list[str]:
@@ -31,8 +32,6 @@ def _overrides(args) -> list[str]:
 def engine_overrides(args) -> list[str]:
     """``--engine --device --dtype --ring --resident --memory`` as the ``engine.*`` overrides
     they stand for (the same options every computing verb takes)."""
-    from spill.sizes import parse_size
-
     out = []
     for key in ("engine", "device", "dtype", "ring", "memory"):
         value = getattr(args, key, None)
@@ -40,11 +39,6 @@ def engine_overrides(args) -> list[str]:
             out.append(f"engine.{'name' if key == 'engine' else key}={value}")
     if args.ring is not None and args.ring < 1:
         raise UsageError("--ring must be at least 1")
-    if args.memory is not None:
-        try:
-            parse_size(args.memory)
-        except ValueError as e:
-            raise UsageError(f"--memory: {e}") from None
     if args.resident:
         out += ["engine.resident=true", "engine.ring=null"]
     elif args.ring is not None:
@@ -158,18 +152,6 @@ def cmd_status(args) -> int:
     return 0
 
 
-def engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine options of the computing verbs, here shorthand for ``engine.*`` overrides."""
-    g = p.add_argument_group("engine (shorthand for the engine.* settings)")
-    g.add_argument("--engine", choices=["auto", "torch", "mlx"], help="engine.name")
-    g.add_argument("--device", help="engine.device, e.g. cpu or cuda")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], help="engine.dtype")
-    ring = g.add_mutually_exclusive_group()
-    ring.add_argument("--ring", type=int, metavar="K", help="engine.ring: stream through K slots")
-    ring.add_argument("--resident", action="store_true", help="engine.resident=true")
-    g.add_argument("--memory", metavar="SIZE", help="engine.memory, e.g. 8G")
-
-
 def add_parsers(sub) -> None:
     """Add init, build, resume and status to the ``spill`` subcommands."""
     p = sub.add_parser("init", help="make a project folder from a CSV or JSONL data file")
@@ -206,7 +188,7 @@ def add_parsers(sub) -> None:
     p.add_argument(
         "-m", "--multirun", action="store_true", help="a Hydra sweep: one build per combination"
     )
-    engine_args(p)
+    engine_options(p, shorthand=True)
     p.set_defaults(func=cmd_build, overrides=[])
 
     p = sub.add_parser(
@@ -218,7 +200,7 @@ def add_parsers(sub) -> None:
     project_args(p)
     p.add_argument("--stop-after", metavar="STAGE[:N]", help="stop again after this point")
     p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
-    engine_args(p)
+    engine_options(p, shorthand=True)
     p.set_defaults(func=cmd_resume, overrides=[])
 
     p = sub.add_parser("status", help="a project's build table, read from its state")
