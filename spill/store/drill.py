@@ -12,6 +12,10 @@ state behind:
 ``tune-before-forward`` a tune step about to run its first forward pass
 ``tune-after-backward`` a tune step's gradients accumulated, the optimizer not yet applied
 ``tune-after-optimizer`` a tune step applied in memory, nothing of it committed yet
+``control-acquire``     a run's control object names this process its owner; nothing else done
+``control-renew``       the lease renewed by the heartbeat
+``control-publish``     a pointer of the control object moved to a new payload (fenced)
+``control-complete``    the run marked complete (read-only from now on)
 =====================  ===================================================================
 
 Two ways to act there, both off unless asked for:
@@ -48,6 +52,10 @@ PUT_BEFORE_RENAME = "put-before-rename"
 TUNE_BEFORE_FORWARD = "tune-before-forward"
 TUNE_AFTER_BACKWARD = "tune-after-backward"
 TUNE_AFTER_OPTIMIZER = "tune-after-optimizer"
+CONTROL_ACQUIRE = "control-acquire"
+CONTROL_RENEW = "control-renew"
+CONTROL_PUBLISH = "control-publish"
+CONTROL_COMPLETE = "control-complete"
 BOUNDARIES = (
     CKPT_BETWEEN_FILES,
     CKPT_BEFORE_COMMIT,
@@ -57,6 +65,10 @@ BOUNDARIES = (
     TUNE_BEFORE_FORWARD,
     TUNE_AFTER_BACKWARD,
     TUNE_AFTER_OPTIMIZER,
+    CONTROL_ACQUIRE,
+    CONTROL_RENEW,
+    CONTROL_PUBLISH,
+    CONTROL_COMPLETE,
 )
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 

@@ -121,7 +121,7 @@ def _makedirs_durable(path: str) -> None:
         _fsync_dir(os.path.dirname(d))
 
 
-def _put_local(path: str, data: bytes) -> None:
+def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     _makedirs_durable(parent)
     tmp = os.path.join(parent, f".{os.path.basename(path)}{_TMP}{uuid.uuid4().hex[:12]}")
@@ -130,7 +130,8 @@ def _put_local(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        drill.at(drill.PUT_BEFORE_RENAME)
+        if drilled:
+            drill.at(drill.PUT_BEFORE_RENAME)
         os.replace(tmp, path)
     except BaseException:
         # a SIGKILL never gets here; the store's next write removes what it leaves
@@ -140,12 +141,15 @@ def _put_local(path: str, data: bytes) -> None:
     _fsync_dir(parent)
 
 
-def put_bytes(uri: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``uri`` atomically: a reader sees the old object or the new one."""
+def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> None:
+    """Write ``data`` to ``uri`` atomically: a reader sees the old object or the new one.
+
+    ``drilled=False`` skips the ``put-before-rename`` drill point (control transitions have
+    drill points of their own, and must not shift the counts of the store's drills)."""
     uri = os.fspath(uri)
     if is_local(uri):
         with _errors(uri, "write"):
-            _put_local(_local(uri), data)
+            _put_local(_local(uri), data, drilled)
         return
     fs, path = filesystem(uri)
     with _errors(uri, "write"):
