@@ -1,0 +1,318 @@
+"""Conditional writes of a state location's control keys (``runs/...``), and reading them.
+
+* local: every transition holds an exclusive ``flock`` on ``runs/control.lock`` and replaces the
+  file atomically (write, fsync, rename, fsync the folder). Only file systems known to honour
+  flock are accepted; a network or unknown file system is refused in one line.
+* ``memory://`` (tests): one store per process, so a lock in this process is enough.
+* object stores: create with ``If-None-Match: *``, replace with ``If-Match: <etag>``, never
+  delete. A 412 is a ``_Conflict``; any other failure of a write is ``_Uncertain`` (it may have
+  landed): the caller reads again either way. ``_probe`` refuses a store that accepts a second
+  create or a stale replace, once per bucket and process, before anything is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import re
+import secrets
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from spill.errors import StoreError
+from spill.store.fs import _local, filesystem, get_bytes, is_local, join, put_bytes
+from spill.store.schemas import parse_json, validate_once
+
+RUNS = "runs"
+CURRENT = "current.json"
+CONTROL = "control.json"
+LOCK = "control.lock"
+ATTEMPTS = 50  # conditional writes lost to others (or uncertain) before a transition gives up
+FLOCK_FS = frozenset(
+    "ext2 ext3 ext4 xfs btrfs tmpfs ramfs zfs overlay apfs hfs f2fs bcachefs jfs".split()
+)
+
+log = logging.getLogger(__name__)
+
+
+class Unsupported(StoreError):
+    """A location whose transitions cannot be made safe (file system or object store)."""
+
+
+class _Conflict(Exception):
+    """A conditional write lost: the object changed since it was read (412)."""
+
+
+class _Uncertain(Exception):
+    """A conditional write whose outcome is unknown (timeout, dropped connection, 5xx)."""
+
+
+def _fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (``""`` when it cannot be told)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                point = left.split()[4].encode().decode("unicode_escape")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, right.split()[0]
+        return kind
+    except (OSError, IndexError):
+        pass
+    if sys.platform == "darwin":
+        import subprocess
+
+        try:
+            out = subprocess.run(["mount"], capture_output=True, text=True).stdout
+        except OSError:
+            return ""
+        for line in out.splitlines():
+            m = re.match(r".+ on (.+) \(([a-z0-9]+)", line)
+            if m and (real == m[1] or real.startswith(m[1].rstrip("/") + "/")):
+                if len(m[1]) >= len(best):
+                    best, kind = m[1], m[2]
+    return kind
+
+
+class Store:
+    """Read and conditionally write the control keys of one state location."""
+
+    def __init__(self, state: str):
+        self.state = state
+
+    def uri(self, key: str) -> str:
+        return join(self.state, RUNS, key)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        yield
+
+    def read(self, key: str) -> tuple[bytes | None, str | None]:
+        raise NotImplementedError
+
+    def write(self, key: str, data: bytes, tag: str | None) -> None:
+        """Create (``tag`` None) or replace the object last read with ``tag``."""
+        raise NotImplementedError
+
+
+class _LocalStore(Store):
+    def __init__(self, state: str):
+        super().__init__(state)
+        self.dir = _local(join(state, RUNS))
+
+    def check(self) -> None:
+        probe = self.dir
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe) or "."
+        kind = _fs_type(probe)
+        if kind not in FLOCK_FS:
+            what = f"a {kind} file system" if kind else "a file system spill cannot identify"
+            raise Unsupported(
+                f"{self.state} is on {what}, where locks are not reliable; keep the state on a "
+                "local disk, or give --state an object store URI (s3://...)"
+            )
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        import fcntl
+
+        os.makedirs(self.dir, exist_ok=True)
+        fd = os.open(os.path.join(self.dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def read(self, key: str) -> tuple[bytes | None, str | None]:
+        try:
+            with open(os.path.join(self.dir, key), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None, None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def write(self, key: str, data: bytes, tag: str | None) -> None:
+        if self.read(key)[1] != tag:  # under the lock this cannot happen; a cheap assertion
+            raise _Conflict()
+        put_bytes(self.uri(key), data, drilled=False)
+
+
+_MEMORY_LOCK = threading.RLock()
+
+
+class _MemoryStore(Store):
+    """``memory://`` is one store per process: a lock in this process makes it conditional."""
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with _MEMORY_LOCK:
+            yield
+
+    def read(self, key: str) -> tuple[bytes | None, str | None]:
+        try:
+            data = get_bytes(self.uri(key))
+        except FileNotFoundError:
+            return None, None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def write(self, key: str, data: bytes, tag: str | None) -> None:
+        if self.read(key)[1] != tag:
+            raise _Conflict()
+        put_bytes(self.uri(key), data)
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}"
+    return "PreconditionFailed" in text or "412" in text or "ConditionalRequestConflict" in text
+
+
+class _ObjectStore(Store):
+    """An fsspec object store (s3://, and gs://, az:// if ``probe`` accepts them)."""
+
+    def __init__(self, state: str):
+        super().__init__(state)
+        self.fs, _ = filesystem(state)
+
+    def _path(self, key: str) -> str:
+        return filesystem(self.uri(key))[1]
+
+    def read(self, key: str) -> tuple[bytes | None, str | None]:
+        path = self._path(key)
+        for _ in range(ATTEMPTS):  # the ETag before and after the body must agree
+            try:
+                self.fs.invalidate_cache(path)
+                before = self.fs.info(path).get("ETag")
+                data = self.fs.cat_file(path)
+                self.fs.invalidate_cache(path)
+                after = self.fs.info(path).get("ETag")
+            except FileNotFoundError:
+                return None, None
+            except Exception as e:
+                raise StoreError(
+                    f"{self.uri(key)}: cannot read ({type(e).__name__}: {e}); check the location "
+                    "and its credentials"
+                ) from e
+            if before and before == after:
+                return data, before.strip('"')
+        raise StoreError(f"{self.uri(key)} changes faster than it can be read; try again")
+
+    def write(self, key: str, data: bytes, tag: str | None) -> None:
+        path = self._path(key)
+        try:
+            if tag is None:
+                self.fs.pipe_file(path, data, mode="create")
+            else:
+                self.fs.pipe_file(path, data, IfMatch=f'"{tag}"')
+        except FileExistsError:
+            raise _Conflict() from None
+        except FileNotFoundError:
+            raise _Conflict() from None  # If-Match on a key that is not there (never deleted)
+        except Exception as e:
+            if _precondition_failed(e) or (isinstance(e, OSError) and e.errno == errno.EINVAL):
+                raise _Conflict() from None
+            log.info("uncertain write of %s (%s: %s); reading it back", path, type(e).__name__, e)
+            raise _Uncertain() from None
+        finally:
+            self.fs.invalidate_cache(path)
+
+
+_probed: set[str] = set()
+
+
+def _probe(store: _ObjectStore) -> None:
+    """Refuse a store that does not refuse stale writes: under a scratch key, create twice and
+    replace with a stale tag; both second writes must fail, the good replace must land."""
+    where = store.state.split("://", 1)[0] + "://" + filesystem(store.state)[1].split("/")[0]
+    if where in _probed:
+        return
+    key = f".probe-{secrets.token_hex(8)}"
+    why = ""
+    try:
+        store.write(key, b"1", None)
+        _, tag = store.read(key)
+        try:
+            store.write(key, b"2", None)
+            why = "a second create of one key succeeded"
+        except _Conflict:
+            store.write(key, b"3", tag)
+            try:
+                store.write(key, b"4", tag)
+                why = "a replace with a stale ETag succeeded"
+            except _Conflict:
+                pass
+    except (_Conflict, _Uncertain) as e:
+        why = f"a conditional write failed ({type(e).__name__.strip('_').lower()})"
+    except (TypeError, ValueError, NotImplementedError) as e:
+        why = f"its backend takes no preconditions ({type(e).__name__}: {e})"
+    finally:
+        with contextlib.suppress(Exception):
+            store.fs.rm(store._path(key))  # a scratch key, not a control object
+    if why:
+        raise Unsupported(
+            f"{store.state}: this object store cannot make conditional writes ({why}), so two "
+            "writers could not be kept apart; use s3:// (or a local disk) for the state"
+        )
+    _probed.add(where)
+
+
+def store_for(state: str) -> Store:
+    if is_local(state):
+        s = _LocalStore(state)
+        s.check()
+        return s
+    if state.startswith("memory://"):
+        return _MemoryStore(state)
+    s = _ObjectStore(state)
+    _probe(s)
+    return s
+
+
+def parse(raw: bytes, schema: str, where: str) -> dict[str, Any]:
+    try:
+        doc = parse_json(raw)
+    except ValueError as e:
+        raise StoreError(f"{where} is not JSON ({e}); it was damaged") from None
+    validate_once(raw, doc, schema, where)
+    return doc
+
+
+def read_runs(store: Store) -> tuple[dict[str, Any] | None, str | None]:
+    raw, tag = store.read(CURRENT)
+    return (None, None) if raw is None else (parse(raw, "runs", store.uri(CURRENT)), tag)
+
+
+def read_control(store: Store, run: str) -> tuple[dict[str, Any] | None, str | None]:
+    key = f"{run}/{CONTROL}"
+    raw, tag = store.read(key)
+    return (None, None) if raw is None else (parse(raw, "control", store.uri(key)), tag)
+
+
+def current(state: str) -> dict[str, Any] | None:
+    """The current run's control object at ``state`` (validated), or None when it has none.
+
+    A reader's view: no lock is taken (every write is an atomic replace)."""
+    if is_local(state):
+        store: Store = _LocalStore(state)  # reading needs no flock, so no file system check
+    elif state.startswith("memory://"):
+        store = _MemoryStore(state)
+    else:
+        store = _ObjectStore(state)
+    runs, _ = read_runs(store)
+    if runs is None:
+        return None
+    doc, _ = read_control(store, runs["current"])
+    if doc is None:
+        raise StoreError(
+            f"{store.uri(CURRENT)} names run {runs['current']}, which has no control object; "
+            "the state was copied incompletely"
+        )
+    return doc

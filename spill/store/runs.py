@@ -1,0 +1,228 @@
+"""Starting and acquiring a state location's run: ``acquire`` and ``held``.
+
+``acquire`` makes this process the owner of the current run at the next generation when the run
+is free: no owner, an owner that released it, a lease that expired, or (same host, same boot) an
+owner process that is gone, so a SIGKILLed local job is taken over at once. Otherwise it raises
+``Busy`` (exit 75, the owner named) or, with ``wait``, polls until the run is free. The first
+run of a location, and a new run after a completed one (``new_run``), are created by a
+conditional write of ``runs/current.json``, so two processes never start two runs in one place.
+
+A state copied from elsewhere (its control object's ``home`` is another place) may not continue
+while the original's owner holds the original: checked where the original can be read (the same
+host, or an object store URI); elsewhere the copied lease decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from spill.errors import StoreError
+from spill.store import drill
+from spill.store.cas import (
+    ATTEMPTS,
+    CONTROL,
+    CURRENT,
+    Store,
+    _Conflict,
+    _Uncertain,
+    current,
+    read_control,
+    read_runs,
+    store_for,
+)
+from spill.store.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _dump, _iso
+from spill.store.owner import describe, gone, home_of, host, lease_seconds, me
+from spill.store.schemas import validate
+
+
+def _new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def _fresh(
+    run: str,
+    owner: dict,
+    lease: float,
+    home: str,
+    parent: str | None,
+    pointers: dict,
+    generation: int,
+) -> dict[str, Any]:
+    now = time.time()
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "spill-control",
+        "run": run,
+        "status": "active",
+        "generation": generation,
+        "seq": 1,
+        "owner": owner,
+        "lease": {"seconds": lease, "expires": now + lease},
+        "home": home,
+        "pointers": pointers,
+        "lineage": {"parent": parent, "copied_from": None},
+        "last": {"op": f"{owner['nonce']}:0", "what": "create", "at": now},
+        "created": _iso(now),
+        "updated": _iso(now),
+    }
+
+
+def _holder(doc: dict[str, Any], nonce: str, now: float) -> bool:
+    """Whether ``doc``'s owner still holds the run against us."""
+    o = doc["owner"]
+    if o["nonce"] == nonce or o["released"]:
+        return False
+    if doc["lease"]["expires"] <= now:
+        return False
+    return not gone(o)
+
+
+def _busy(doc: dict[str, Any], state: str, extra: str = "") -> Busy:
+    return Busy(
+        f"run {doc['run']} at {state} is held by {describe(doc)}{extra}; try again later, "
+        "or add --wait to wait for it"
+    )
+
+
+def acquire(
+    state: str,
+    *,
+    lease: float | None = None,
+    wait: bool = False,
+    new_run: bool = False,
+    poll: float = 0.5,
+) -> Run:
+    """Own the current run at ``state`` (creating the first one), at its next generation.
+
+    ``new_run``: when the current run is complete, start a new run whose lineage names it (a
+    build whose inputs changed after completion). Without it a complete run raises
+    ``RunComplete``. A held run raises ``Busy`` unless ``wait``, which polls until it is free.
+    """
+    lease = lease_seconds(lease)
+    store = store_for(state)
+    nonce = secrets.token_hex(16)
+    while True:
+        try:
+            run = _try_acquire(store, nonce, lease, new_run)
+        except Busy:
+            if not wait:
+                raise
+            time.sleep(poll)
+            continue
+        drill.at(drill.CONTROL_ACQUIRE)
+        return run
+
+
+def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
+    home = home_of(store.state)
+    for _ in range(ATTEMPTS):
+        with store.exclusive():
+            runs, runs_tag = read_runs(store)
+            now = time.time()
+            if runs is None or new_run and _complete(store, runs):
+                parent = None if runs is None else read_control(store, runs["current"])[0]
+                rid = _new_run_id()
+                gen = parent["generation"] + 1 if parent else 1
+                ptrs = dict(parent["pointers"]) if parent else {}
+                doc = _fresh(rid, me(nonce), lease, home, parent and parent["run"], ptrs, gen)
+                validate(doc, "control", where=store.uri(f"{rid}/{CONTROL}"))
+                # the run's control object first (a new key, no contention), then the list
+                try:
+                    store.write(f"{rid}/{CONTROL}", _dump(doc), None)
+                    listing = {
+                        "schema_version": SCHEMA_VERSION,
+                        "kind": "spill-runs",
+                        "current": rid,
+                        "runs": [*(runs["runs"] if runs else []), rid],
+                    }
+                    validate(listing, "runs", where=store.uri(CURRENT))
+                    store.write(CURRENT, _dump(listing), runs_tag)
+                except (_Conflict, _Uncertain):
+                    got, _ = read_runs(store)
+                    if got is not None and got["current"] == rid:
+                        return Run(store, doc, lease)
+                    continue  # someone else started a run here first: compete for theirs
+                return Run(store, doc, lease)
+            rid = runs["current"]
+            doc, tag = read_control(store, rid)
+            if doc is None:
+                raise StoreError(
+                    f"{store.uri(CURRENT)} names run {rid}, which has no control object; the "
+                    "state was copied incompletely"
+                )
+            if doc["status"] == "complete":
+                raise RunComplete(f"run {rid} at {store.state} is complete and read-only")
+            if doc["status"] in ("transferred",):
+                raise StoreError(f"run {rid} was moved away from {store.state}; continue it there")
+            if doc["home"] != home:
+                _check_copy(doc, home)
+            if _holder(doc, nonce, now):
+                raise _busy(doc, store.state)
+            new = json.loads(json.dumps(doc))
+            new.update(generation=doc["generation"] + 1, seq=doc["seq"] + 1, status="active")
+            new["owner"] = me(nonce)
+            new["lease"] = {"seconds": lease, "expires": now + lease}
+            if doc["home"] != home:
+                new["lineage"]["copied_from"] = doc["home"]
+                new["home"] = home
+            new["last"] = {"op": f"{nonce}:0", "what": "acquire", "at": now}
+            new["updated"] = _iso(now)
+            validate(new, "control", where=store.uri(f"{rid}/{CONTROL}"))
+            try:
+                store.write(f"{rid}/{CONTROL}", _dump(new), tag)
+            except (_Conflict, _Uncertain):
+                got, _ = read_control(store, rid)
+                if got is not None and got["last"]["op"] == f"{nonce}:0":
+                    return Run(store, got, lease)
+                continue
+            return Run(store, new, lease)
+    raise StoreError(f"{store.state}: could not acquire its run; try again")
+
+
+def _complete(store: Store, runs: dict[str, Any]) -> bool:
+    doc, _ = read_control(store, runs["current"])
+    return doc is not None and doc["status"] == "complete"
+
+
+def _check_copy(doc: dict[str, Any], home: str) -> None:
+    """A state copied from elsewhere may not continue while the original's owner holds it."""
+    where = doc["home"]
+    if "://" in where:
+        original = where
+    else:
+        hostname, _, original = where.partition(":")
+        if hostname != host() or not os.path.isdir(original):
+            return  # another machine, or moved away: the copied lease decides
+    try:
+        theirs = current(original)
+    except (StoreError, OSError):
+        return
+    if theirs is not None and theirs["run"] == doc["run"] and _holder(theirs, "", time.time()):
+        raise _busy(theirs, original, f" (this state at {home.split(':', 1)[-1]} is a copy of it)")
+
+
+# --- a job's view: its folder, its pointers, its payloads --------------------------------------
+
+
+@contextlib.contextmanager
+def held(
+    state: str,
+    *,
+    lease: float | None = None,
+    wait: bool = False,
+    on_lost: Callable[[Superseded], None] | None = None,
+) -> Iterator[Run]:
+    """Own the run at ``state`` for the block, heartbeat included; released when it ends,
+    however it ends (a completed run stays complete)."""
+    run = acquire(state, lease=lease, wait=wait)
+    run.start_heartbeat(on_lost)
+    try:
+        yield run
+    finally:
+        run.release()
