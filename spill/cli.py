@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from spill import __version__
-from spill.errors import EXIT_PREEMPTED, EXIT_USAGE, SpillError
+from spill.errors import EXIT_USAGE, SpillError
 
 
 def cmd_models_import(args) -> int:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except SpillError as e:
-        if e.exit_code != EXIT_PREEMPTED:  # a preempted job already said so, in one line
+        if not e.said:  # a preempted job already said so, in one line
             print(f"spill: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

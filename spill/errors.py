@@ -13,6 +13,7 @@ class SpillError(Exception):
     """A problem the user can fix; printed as ``spill: error: <message>`` and exit code 1."""
 
     exit_code = EXIT_USER
+    said = False  # True: the message was already printed (a preempted job's own line)
 
 
 class UsageError(SpillError):

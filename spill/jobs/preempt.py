@@ -65,6 +65,7 @@ class Preempted(SpillError):
     """The job or build stopped on a request, its state committed; rerun it to continue."""
 
     exit_code = EXIT_PREEMPTED
+    said = True
 
 
 class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, which it replaces

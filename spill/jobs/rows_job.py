@@ -20,7 +20,8 @@ A verb gives its rows (anything with an ``id``), the settings that decide its re
 calling ``finish``; running the job again continues with the rest.
 
 Without ``--state`` nothing is pinned or pushed and signals keep their default meaning. With it,
-the location is first probed for writing, so a read-only state fails before the model loads.
+the location is first probed for writing, so a read-only state fails before the model loads,
+and the job holds the run there (``spill.jobs.authority``): one writer per state location.
 
 ``refuse_overlap`` is each verb's first check: an ``--out`` (or a local ``--state``) that is one
 of the job's inputs (the rows, an adapter's files, a local model folder's files) would destroy
@@ -32,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,9 +41,11 @@ from spill.console import note, progress
 from spill.engines.base import EngineInfo, LoadOptions
 from spill.errors import DataError, StoreError, UsageError
 from spill.hashing import file_sha256
+from spill.jobs.authority import hold
 from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
+from spill.store.place import Place
 
 Record = dict[str, Any]
 Compute = Callable[[list[Any]], list[Record]]
@@ -63,6 +66,9 @@ class RowOptions:
     load: LoadOptions = LoadOptions()
     state: str | None = None  # commit results in segments here and continue from them
     stop_after: int | None = None  # stop when this many rows are done in all
+    lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
+    wait: bool = False  # wait for another owner's lease instead of exiting 75
+    place: Place | None = field(default=None, compare=False)  # a build's stage: its place
 
 
 @dataclass(frozen=True)
@@ -155,11 +161,12 @@ def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
     }
 
 
-def _restore(uri: str, pinned: dict[str, Any], rows: Sequence[HasId]) -> dict:
+def _restore(place: Place, pinned: dict[str, Any], rows: Sequence[HasId]) -> dict:
     from spill.store.rows import pin_identity, restore
 
+    uri = place.uri
     pin_identity(uri, pinned)
-    got = restore(uri)
+    got = restore(place)
     ids = {r.id for r in rows}
     stray = [rid for rid in got.done if rid not in ids]
     if stray:
@@ -176,19 +183,34 @@ def execute(
     finish: Callable[[list[Record]], None],
 ) -> Outcome:
     """Run the rows left and call ``finish(records in input order)``; see the module doc."""
-    from spill.store.rows import SegmentWriter
-
     opts = job.options
     if opts.batch < 1:
         raise DataError("--batch must be at least 1")
-    if opts.state:
-        from spill.store.fs import probe_writable
+    if not opts.state:
+        return _execute(job, None, prepare, finish)
+    from spill.store.fs import probe_writable
 
-        probe_writable(opts.state)
-    with Guard(unit="batch", signals=SIGNALS if opts.state else ()) as guard:
+    probe_writable(opts.state)
+    with hold(opts.state, opts.place, lease=opts.lease, wait=opts.wait) as held:
+        outcome = _execute(job, held.place, prepare, finish)
+        if outcome.complete:
+            held.finish()
+    return outcome
+
+
+def _execute(
+    job: RowJob,
+    place: Place | None,
+    prepare: Callable[[LoadedModel], Compute],
+    finish: Callable[[list[Record]], None],
+) -> Outcome:
+    from spill.store.rows import SegmentWriter
+
+    opts = job.options
+    with Guard(unit="batch", signals=SIGNALS if place else ()) as guard:
         resolved, fp = find_model(job.model, opts.weights)
         pinned = identity(job, resolved, fp)
-        results: dict = _restore(opts.state, pinned, job.rows) if opts.state else {}
+        results: dict = _restore(place, pinned, job.rows) if place else {}
         todo = [r for r in job.rows if r.id not in results]
         total = len(job.rows)
         if opts.stop_after is not None:
@@ -202,7 +224,7 @@ def execute(
         try:
             compute = prepare(loaded) if todo else None
             producer = describe(loaded.runner.info)
-            writer = SegmentWriter(opts.state, pinned, producer) if opts.state else None
+            writer = SegmentWriter(place, pinned, producer) if place else None
 
             def save() -> str:
                 writer.flush()

@@ -21,6 +21,7 @@ from spill.console import note, progress
 from spill.engines.base import AdamW, LoadOptions, TrainBatch
 from spill.errors import SpillError, UsageError
 from spill.jobs import producer
+from spill.jobs.authority import hold
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
 from spill.jobs.schedule import cosine_lr
@@ -33,6 +34,7 @@ from spill.paths import spill_home
 from spill.store import drill
 from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from spill.store.fs import is_local, probe_writable, same_file
+from spill.store.place import Place
 
 
 class CheckpointMismatch(SpillError):
@@ -63,6 +65,9 @@ class TuneOptions:
     state: str | None = None
     weights: str | None = None
     load: LoadOptions = field(default_factory=LoadOptions)
+    lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
+    wait: bool = False  # wait for another owner's lease instead of exiting 75
+    place: Place | None = field(default=None, compare=False)  # a build's stage: its place
 
     @property
     def lora(self) -> LoraConfig:
@@ -182,13 +187,20 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
         raise UsageError(
             f"--state {opts.state} is the training file; give the state a folder of its own"
         )
-    probe_writable(state_root(name, opts.state))  # a read-only state fails before any step
-    with Guard(unit="step") as guard:
-        return _tune(guard, model, Path(train_path), name, opts)
-
-
-def _tune(guard: Guard, model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     root = state_root(name, opts.state)
+    probe_writable(root)  # a read-only state fails before any step
+    with hold(root, opts.place, lease=opts.lease, wait=opts.wait) as held:
+        with Guard(unit="step") as guard:
+            summary = _tune(guard, held.place, model, Path(train_path), name, opts)
+        if summary["step"] == opts.steps:
+            held.finish()
+    return summary
+
+
+def _tune(
+    guard: Guard, place: Place, model: str, train_path: Path, name: str, opts: TuneOptions
+) -> dict:
+    root = place.uri
     # Everything that can refuse the run is checked before an engine opens.
     resolved, fingerprint = find_model(model, opts.weights)
     folder = Path(resolved.folder)
@@ -197,7 +209,7 @@ def _tune(guard: Guard, model: str, train_path: Path, name: str, opts: TuneOptio
     want = _identity(model, fingerprint, data_fingerprint(train_path), opts)
     if resolved.files:  # per-file sha256, so a later refusal can name the file that changed
         want["model"]["files"] = resolved.files
-    ckpt = latest_checkpoint(root)
+    ckpt = latest_checkpoint(place)
     if ckpt is not None:
         refuse_mismatch(ckpt.state, want, ckpt.uri)
     guard.boundary()  # a stop before anything ran saves nothing and exits 75
@@ -236,7 +248,7 @@ def _tune(guard: Guard, model: str, train_path: Path, name: str, opts: TuneOptio
             "producers": _producers(producers, me, started, step),
             "train_file": Path(train_path).name,
         }
-        save_checkpoint(root, step, p, opt_arrays, state)
+        save_checkpoint(place, step, p, opt_arrays, state)
         saved_at = step
         return f"step {step} (committed)"
 

@@ -1,25 +1,26 @@
-"""Tune checkpoints: ``<root>/ckpt/step-<n>/`` with ``params.safetensors``, ``opt.safetensors``,
-``state.json`` and, written last, ``COMMIT``.
+"""Tune checkpoints: payload folders ``<job>/payloads/ckpt-g<gen>-s<step>-<attempt>/`` with
+``params.safetensors``, ``opt.safetensors``, ``state.json`` and, written last, ``COMMIT``.
 
-A directory counts only when its COMMIT (schema ``commit``) lists the size and sha256 of the
-three files and the files match; ``state.json`` must match schema ``checkpoint-state``. Readers
-ignore anything else with one logged line (warning level, so it is printed even when logging
-is not configured). The next save removes what was ignored, writes the new directory, and only
-after its COMMIT has landed deletes committed checkpoints older than the ``keep`` newest. A
-save never deletes a committed checkpoint newer than the one it writes. One writer per state
-location is assumed (a build's or a job's state location is its own; nothing here locks it).
+A folder counts only when the run's control object points at it (pointer ``ckpt``, newest
+first, the ``keep`` newest: see ``spill.store.place``), its COMMIT (schema ``commit``) lists the
+size and sha256 of the three files and the files match; ``state.json`` must match schema
+``checkpoint-state``. Recovery follows the pointer, never "the highest step folder": a folder a
+stale or killed writer left is never current. A reader skips a pointed folder that fails
+verification with one logged line (warning level) and takes the next. A save writes a new
+folder (payload names are unique per generation, so no two writers ever write one name),
+publishes it through the run's fenced transition, and then removes the folders of its kind that
+no pointer names (never one of a later generation).
 
 Tensors are float32 and written with ``safetensors.numpy.save`` in name order, so equal inputs
 give equal bytes and an equal COMMIT. Optimizer tensors are named ``m::<name>`` and
 ``v::<name>`` after the parameter they belong to.
 
-A save hashes each existing directory at most once per process (a verdict is remembered per
-COMMIT content), so saving every 50 steps does not re-download older checkpoints; readers always
-hash what they return. ``latest_checkpoint`` keeps the verified bytes so that the following
-``load_checkpoint`` does not read them twice.
+A save hashes each existing folder at most once per process (a verdict is remembered per COMMIT
+content); readers always hash what they return. ``latest_checkpoint`` keeps the verified bytes
+so that the following ``load_checkpoint`` does not read them twice.
 
 Crash points for kill drills (``spill.store.drill``): ``ckpt-between-files``,
-``ckpt-before-commit``, ``ckpt-after-commit``.
+``ckpt-before-commit``, ``ckpt-after-commit`` (published, older folders not yet removed).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -36,10 +36,11 @@ import numpy as np
 
 from spill.errors import StoreError
 from spill.store import drill
-from spill.store.fs import basename, get_bytes, join, listdir, put_bytes, remove
+from spill.store.fs import get_bytes, join, put_bytes
+from spill.store.place import Place, payload_seq
 from spill.store.schemas import SchemaInvalid, parse_json, validate
 
-CKPT = "ckpt"
+KIND = "ckpt"
 PARAMS = "params.safetensors"
 OPT = "opt.safetensors"
 STATE = "state.json"
@@ -47,7 +48,6 @@ COMMIT = "COMMIT"
 FILES = (PARAMS, OPT, STATE)
 KEEP = 2
 SCHEMA_VERSION = 1
-_STEP = re.compile(r"step-(\d+)")
 
 log = logging.getLogger(__name__)
 
@@ -80,23 +80,12 @@ class Loaded(NamedTuple):
     state: dict[str, Any]
 
 
-def step_dir(root_uri: str, step: int) -> str:
-    return join(root_uri, CKPT, f"step-{step}")
-
-
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def _dump(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
-
-
-def _steps(root_uri: str) -> list[tuple[int, str]]:
-    """``(step, directory URI)`` of every ``step-<n>`` under ``ckpt/``, oldest first."""
-    base = join(root_uri, CKPT)
-    found = [(int(m[1]), join(base, n)) for n in listdir(base) if (m := _STEP.fullmatch(n))]
-    return sorted(found)
 
 
 def _encode_tensors(tensors: Mapping[str, np.ndarray], what: str) -> bytes:
@@ -164,49 +153,26 @@ def _verify(uri: str, step: int) -> Checkpoint:
     return Checkpoint(uri, step, state, commit, blobs)
 
 
-def _committed(uri: str, step: int) -> bool:
-    """Whether ``uri`` is a good checkpoint, hashing it only if not yet verified here."""
-    try:
-        raw = get_bytes(join(uri, COMMIT))
-    except FileNotFoundError:
-        raw = None
-    if raw is not None and _good.get(uri) == _sha256(raw):
-        return True
-    try:
-        _verify(uri, step)
-    except CheckpointInvalid as e:
-        log.info("removing %s", e)
-        return False
-    return True
-
-
-def _discard(uri: str) -> None:
-    """Delete a step directory, COMMIT first, so a crash midway leaves it merely uncommitted."""
-    _good.pop(uri, None)
-    remove(join(uri, COMMIT))
-    remove(uri)
-
-
-def latest_checkpoint(root_uri: str) -> Checkpoint | None:
-    """The newest committed checkpoint whose files verify, or None; logs each one it skips."""
-    for step, uri in reversed(_steps(root_uri)):
+def latest_checkpoint(place: Place) -> Checkpoint | None:
+    """The newest checkpoint the run points at whose files verify, or None; logs each one it
+    skips."""
+    for uri in place.pointer(KIND):
         try:
-            return _verify(uri, step)
+            return _verify(uri, payload_seq(uri))
         except CheckpointInvalid as e:
-            log.warning("ignoring %s; the next save removes it", e)
+            log.warning("ignoring %s", e)
     return None
 
 
-def newest_commit(root_uri: str) -> tuple[int, dict[str, Any]] | None:
-    """The newest step with a COMMIT marker and its ``state.json`` (``{}`` if unreadable), read
-    without hashing anything: a light progress probe (what a job trusts is ``latest_checkpoint``)."""
-    for step, uri in reversed(_steps(root_uri)):
-        if COMMIT in listdir(uri):
-            try:
-                state = parse_json(get_bytes(join(uri, STATE)))
-            except (FileNotFoundError, ValueError):
-                state = {}
-            return step, state if isinstance(state, dict) else {}
+def newest_commit(place: Place) -> tuple[int, dict[str, Any]] | None:
+    """The newest pointed step and its ``state.json`` (``{}`` if unreadable), read without
+    hashing anything: a light progress probe (what a job trusts is ``latest_checkpoint``)."""
+    for uri in place.pointer(KIND):
+        try:
+            state = parse_json(get_bytes(join(uri, STATE)))
+        except (FileNotFoundError, ValueError):
+            state = {}
+        return payload_seq(uri), state if isinstance(state, dict) else {}
     return None
 
 
@@ -219,10 +185,9 @@ def load_checkpoint(ckpt: Checkpoint | str) -> Loaded:
 
     if isinstance(ckpt, str):
         uri = ckpt.rstrip("/")
-        m = _STEP.fullmatch(basename(uri))
-        if not m:
-            raise CheckpointInvalid(uri, "not a ckpt/step-<n> directory")
-        ckpt = _verify(uri, int(m[1]))
+        if (step := payload_seq(uri)) is None:
+            raise CheckpointInvalid(uri, "not a payloads/ckpt-g<gen>-s<step>-<n> folder")
+        ckpt = _verify(uri, step)
     blobs = dict(ckpt._blobs) or _verify(ckpt.uri, ckpt.step)._blobs
     ckpt._blobs.clear()  # the verified bytes serve one load; later loads read the store again
     try:
@@ -237,7 +202,7 @@ def load_checkpoint(ckpt: Checkpoint | str) -> Loaded:
 
 
 def save_checkpoint(
-    root_uri: str,
+    place: Place,
     step: int,
     params: Mapping[str, np.ndarray],
     opt: Mapping[str, np.ndarray],
@@ -245,12 +210,11 @@ def save_checkpoint(
     *,
     keep: int = KEEP,
 ) -> str:
-    """Write ``ckpt/step-<step>/`` under ``root_uri`` and return its URI.
+    """Write a checkpoint payload for ``step``, make it current, and return its URI.
 
     ``state`` is the state.json document without ``schema_version`` (added here); its ``step``,
-    if present, must equal ``step``. Non-finite losses must be given as None. Removes uncommitted
-    or damaged directories first and, once COMMIT has landed, committed ones older than the
-    ``keep`` newest.
+    if present, must equal ``step``. Non-finite losses must be given as None. Once it is
+    published, the ``keep`` newest pointed checkpoints stay and other folders of its kind go.
     """
     if step < 0 or keep < 1:
         raise ValueError(f"step {step} and keep {keep}: need step >= 0 and keep >= 1")
@@ -258,8 +222,8 @@ def save_checkpoint(
     doc = {"schema_version": SCHEMA_VERSION, **state}
     if doc.setdefault("step", step) != step:
         raise ValueError(f"state says step {doc['step']}, saving step {step}")
-    target = step_dir(root_uri, step)
-    validate(doc, "checkpoint-state", where=join(target, STATE))
+    where = join(place.uri, f"payloads/{KIND}-s{step}", STATE)
+    validate(doc, "checkpoint-state", where=where)
     blobs = {PARAMS: _encode_tensors(params, "parameter"), OPT: _encode_tensors(opt, "optimizer")}
     blobs[STATE] = _dump(doc)
     commit = {
@@ -268,33 +232,26 @@ def save_checkpoint(
         "step": step,
         "files": {n: {"size": len(blobs[n]), "sha256": _sha256(blobs[n])} for n in FILES},
     }
-    validate(commit, "commit", where=join(target, COMMIT))
+    validate(commit, "commit", where=join(place.uri, f"payloads/{KIND}-s{step}", COMMIT))
     commit_bytes = _dump(commit)
 
-    others = []
-    for n, uri in _steps(root_uri):
-        if n == step:
-            continue
-        if _committed(uri, n):
-            others.append(n)
-        else:
-            _discard(uri)
-
-    # the exact same checkpoint may already be committed (a stop right after a resume)
-    if not _same_commit(target, commit_bytes):
-        _discard(target)
-        put_bytes(join(target, PARAMS), blobs[PARAMS])
-        drill.at(drill.CKPT_BETWEEN_FILES)
-        put_bytes(join(target, OPT), blobs[OPT])
-        put_bytes(join(target, STATE), blobs[STATE])
-        drill.at(drill.CKPT_BEFORE_COMMIT)
-        put_bytes(join(target, COMMIT), commit_bytes)
-        _good[target] = _sha256(commit_bytes)
+    current = place.pointer(KIND)
+    # the exact same checkpoint may already be current (a stop right after a resume)
+    if current and payload_seq(current[0]) == step and _same_commit(current[0], commit_bytes):
+        drill.at(drill.CKPT_AFTER_COMMIT)
+        return current[0]
+    target = place.payload(KIND, step)
+    put_bytes(join(target, PARAMS), blobs[PARAMS])
+    drill.at(drill.CKPT_BETWEEN_FILES)
+    put_bytes(join(target, OPT), blobs[OPT])
+    put_bytes(join(target, STATE), blobs[STATE])
+    drill.at(drill.CKPT_BEFORE_COMMIT)
+    put_bytes(join(target, COMMIT), commit_bytes)
+    _good[target] = _sha256(commit_bytes)
+    kept = [target, *[u for u in current if (payload_seq(u) or 0) < step][: keep - 1]]
+    place.publish(KIND, kept)
     drill.at(drill.CKPT_AFTER_COMMIT)
-
-    older = sorted(n for n in others if n < step)
-    for n in older[: max(0, len(older) - (keep - 1))]:
-        _discard(step_dir(root_uri, n))
+    place.collect(KIND, set(kept))
     return target
 
 
@@ -304,6 +261,8 @@ def _same_commit(uri: str, commit_bytes: bytes) -> bool:
             return False
     except FileNotFoundError:
         return False
+    if _good.get(uri) == _sha256(commit_bytes):
+        return True
     try:
         _verify(uri, json.loads(commit_bytes)["step"])
     except CheckpointInvalid:

@@ -1,18 +1,23 @@
-"""Row-job results as committed segments: ``<root>/rows/seg-<n>.jsonl`` + ``seg-<n>.commit``.
+"""Row-job results as committed segments: payload folders
+``<job>/payloads/rows-g<gen>-s<n>-<attempt>/`` with ``rows.jsonl`` and, written second,
+``COMMIT``.
 
 A row job (run, distill, eval) hands each finished row to a ``SegmentWriter``, which pushes the
 buffered rows every 25 rows or 60 seconds (checked whenever a row is added, or on ``tick()``)
 and on ``flush()``/``close()``. A push writes the JSONL first and the commit marker (schema
-``segment-commit``: row ids, count, size, sha256, producer) second; a segment counts only when
-both are there and agree. ``restore`` returns the rows of the committed segments in order, so a
-job that continues runs only the rows left: a row is never lost (it is either committed or
-redone) nor repeated (a committed id is refused, and restore keeps the first of any duplicate).
+``segment-commit``: row ids, count, size, sha256, producer) second, then adds the folder to the
+run's ``rows`` pointer by a fenced transition (``spill.store.place``): a segment counts only when
+the pointer names it and both files agree. ``restore`` returns the rows of the pointed segments
+in order, so a job that continues runs only the rows left: a row is never lost (it is either
+committed or redone) nor repeated (a committed id is refused, and restore keeps the first of any
+duplicate).
 
 ``rows/identity.json`` (schema ``row-identity``) pins the model (id + fingerprint) and the input
 (sha256); continuing with any other value is refused in one line naming the difference.
 
-Uncommitted or damaged segments and temporary files are ignored with a logged line and removed by
-the writer's first push. Crash point for kill drills: ``seg-before-commit``.
+Pointed segments that fail verification are ignored with a logged line and dropped from the
+pointer by the writer's first push, which also removes folders no pointer names (never one of a
+later generation). Crash point for kill drills: ``seg-before-commit``.
 """
 
 from __future__ import annotations
@@ -20,14 +25,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from spill.errors import StoreError
 from spill.store import drill
-from spill.store.fs import get_bytes, is_temp, join, listdir, put_bytes, remove
+from spill.store.fs import get_bytes, join, put_bytes
+from spill.store.place import Place, payload_seq
 from spill.store.schemas import SchemaInvalid, parse_json, validate
 
 ROWS = "rows"
@@ -36,7 +41,9 @@ PUSH_ROWS = 25
 PUSH_SECONDS = 60.0
 SCHEMA_VERSION = 1
 PRODUCER_KEYS = ("engine", "hardware", "os", "numerics")
-_SEG = re.compile(r"seg-(\d+)\.(jsonl|commit)")
+KIND = "rows"
+DATA = "rows.jsonl"
+COMMIT = "COMMIT"
 
 RowId = str | int
 
@@ -116,69 +123,54 @@ def pin_identity(root_uri: str, identity: Mapping[str, Any]) -> dict[str, Any]:
     return pinned
 
 
-def _read_segment(rows_uri: str, n: int) -> tuple[dict, list[Any]]:
-    base = join(rows_uri, f"seg-{n}")
+def _read_segment(uri: str, n: int) -> tuple[dict, list[Any]]:
     try:
-        commit = parse_json(get_bytes(base + ".commit"))
-        validate(commit, "segment-commit", where=base + ".commit")
-    except (ValueError, SchemaInvalid) as e:
-        raise SegmentInvalid(base, f"unreadable commit ({e})") from None
-    try:
-        data = get_bytes(base + ".jsonl")
+        commit = parse_json(get_bytes(join(uri, COMMIT)))
+        validate(commit, "segment-commit", where=join(uri, COMMIT))
     except FileNotFoundError:
-        raise SegmentInvalid(base, "the .jsonl is missing") from None
+        raise SegmentInvalid(uri, "no commit (its push was interrupted)") from None
+    except (ValueError, SchemaInvalid) as e:
+        raise SegmentInvalid(uri, f"unreadable commit ({e})") from None
+    try:
+        data = get_bytes(join(uri, DATA))
+    except FileNotFoundError:
+        raise SegmentInvalid(uri, f"the {DATA} is missing") from None
     if commit["segment"] != n:
-        raise SegmentInvalid(base, f"the commit is for segment {commit['segment']}")
+        raise SegmentInvalid(uri, f"the commit is for segment {commit['segment']}")
     if len(data) != commit["size"]:
-        raise SegmentInvalid(base, f"{len(data)} bytes, the commit says {commit['size']}")
+        raise SegmentInvalid(uri, f"{len(data)} bytes, the commit says {commit['size']}")
     if hashlib.sha256(data).hexdigest() != commit["sha256"]:
-        raise SegmentInvalid(base, "sha256 differs from the commit")
+        raise SegmentInvalid(uri, "sha256 differs from the commit")
     lines = data.split(b"\n")  # bytes: str.splitlines would also split at U+2028 inside a row
     if (
         lines[-1] != b""
         or len(lines) - 1 != commit["count"]
         or commit["count"] != len(commit["row_ids"])
     ):
-        raise SegmentInvalid(base, "line count differs from the commit")
+        raise SegmentInvalid(uri, "line count differs from the commit")
     return commit, [parse_json(line) for line in lines[:-1]]
 
 
-def _scan(
-    root_uri: str, level: int = logging.WARNING
-) -> tuple[list[tuple[dict, list[Any]]], list[str], int]:
-    """Committed segments in order, URIs of litter (with the reason logged), next free number."""
-    rows_uri = join(root_uri, ROWS)
-    names = listdir(rows_uri)
-    parts: dict[int, set[str]] = {}
-    litter = [join(rows_uri, n) for n in names if is_temp(n)]
-    for name in names:
-        if m := _SEG.fullmatch(name):
-            parts.setdefault(int(m[1]), set()).add(m[2])
+def _scan(place: Place, level: int = logging.WARNING) -> tuple[list[tuple[str, dict, list]], int]:
+    """The pointed segments that verify, oldest first (URI, commit, rows), and the next free
+    segment number."""
+    pointed = place.pointer(KIND)
     good = []
-    for n in sorted(parts):
-        base = join(rows_uri, f"seg-{n}")
-        if "commit" not in parts[n]:
-            log.log(
-                level,
-                "ignoring segment %s: no commit (its push was interrupted); the next push removes it",
-                base,
-            )
-            litter.append(base + ".jsonl")
-            continue
+    for uri in reversed(pointed):
         try:
-            good.append(_read_segment(rows_uri, n))
+            commit, rows = _read_segment(uri, payload_seq(uri))
         except (SegmentInvalid, UnicodeDecodeError, ValueError) as e:
-            log.log(level, "ignoring %s; the next push removes it", e)
-            # the commit goes first, so a crash midway leaves the segment merely uncommitted
-            litter += [base + ".commit", base + ".jsonl"]
-    return good, litter, max(parts, default=-1) + 1
+            log.log(level, "ignoring %s; the next push drops it", e)
+            continue
+        good.append((uri, commit, rows))
+    return good, max((payload_seq(u) for u in pointed), default=-1) + 1
 
 
-def restore(root_uri: str) -> Restored:
-    """Every committed row under ``root_uri`` in push order, and their ids."""
-    good, _, _ = _scan(root_uri)
+def restore(place: Place) -> Restored:
+    """Every committed row of ``place`` in push order, and their ids."""
+    good, _ = _scan(place)
     rows, done, seen = [], [], set()
-    for commit, seg_rows in good:
+    for _, commit, seg_rows in good:
         for rid, row in zip(commit["row_ids"], seg_rows, strict=True):
             if rid in seen:
                 log.warning(
@@ -193,17 +185,13 @@ def restore(root_uri: str) -> Restored:
     return Restored(rows, done)
 
 
-def commit_markers(root_uri: str) -> list[dict[str, Any]]:
-    """The commit markers under ``root_uri/rows`` in segment order, read without hashing the
-    rows: a light progress probe (what a job trusts is ``restore``)."""
-    rows_uri = join(root_uri, ROWS)
-    found = sorted(
-        int(m[1]) for n in listdir(rows_uri) if (m := _SEG.fullmatch(n)) and m[2] == "commit"
-    )
+def commit_markers(place: Place) -> list[dict[str, Any]]:
+    """The commit markers of the pointed segments in order, read without hashing the rows: a
+    light progress probe (what a job trusts is ``restore``)."""
     out = []
-    for n in found:
+    for uri in reversed(place.pointer(KIND)):
         try:
-            doc = parse_json(get_bytes(join(rows_uri, f"seg-{n}.commit")))
+            doc = parse_json(get_bytes(join(uri, COMMIT)))
         except (FileNotFoundError, ValueError):
             continue
         if isinstance(doc, dict) and type(doc.get("count", 0)) is int and doc.get("count", 0) >= 0:
@@ -220,7 +208,7 @@ class SegmentWriter:
 
     def __init__(
         self,
-        root_uri: str,
+        place: Place,
         identity: Mapping[str, Any],
         producer: Mapping[str, Any],
         *,
@@ -230,13 +218,15 @@ class SegmentWriter:
     ):
         if missing := [k for k in PRODUCER_KEYS if not producer.get(k)]:
             raise ValueError(f"producer lacks {', '.join(missing)}")
-        self.root_uri = root_uri
+        self.place = place
         self.producer = dict(producer)
         self.every_rows, self.every_seconds, self._clock = every_rows, every_seconds, clock
-        pin_identity(root_uri, identity)
+        pin_identity(place.uri, identity)
         # quieter than restore(), which the job calls first and which already said it
-        good, self._litter, self._next = _scan(root_uri, logging.INFO)
-        self._done: set[RowId] = {rid for commit, _ in good for rid in commit["row_ids"]}
+        good, self._next = _scan(place, logging.INFO)
+        self._segments = [uri for uri, _, _ in reversed(good)]  # newest first, as pointed
+        self._tidy = True  # the first push drops damaged segments and removes litter
+        self._done: set[RowId] = {rid for _, commit, _ in good for rid in commit["row_ids"]}
         self._buf: list[tuple[RowId, str]] = []
         self._since: float | None = None
 
@@ -279,9 +269,6 @@ class SegmentWriter:
         """Push the buffered rows as the next segment; returns its number (None if empty)."""
         if not self._buf:
             return None
-        for uri in self._litter:
-            remove(uri)
-        self._litter = []
         data = "".join(line + "\n" for _, line in self._buf).encode()
         n = self._next
         commit = {
@@ -294,11 +281,16 @@ class SegmentWriter:
             "row_ids": [rid for rid, _ in self._buf],
             "producer": self.producer,
         }
-        base = join(self.root_uri, ROWS, f"seg-{n}")
-        validate(commit, "segment-commit", where=base + ".commit")
-        put_bytes(base + ".jsonl", data)
+        target = self.place.payload(KIND, n)
+        validate(commit, "segment-commit", where=join(target, COMMIT))
+        put_bytes(join(target, DATA), data)
         drill.at(drill.SEG_BEFORE_COMMIT)
-        put_bytes(base + ".commit", _dump(commit))
+        put_bytes(join(target, COMMIT), _dump(commit))
+        self._segments.insert(0, target)
+        self.place.publish(KIND, self._segments)
+        if self._tidy:
+            self.place.collect(KIND, set(self._segments))
+            self._tidy = False
         self._buf.clear()
         self._since = None
         self._next = n + 1

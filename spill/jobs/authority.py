@@ -1,0 +1,67 @@
+"""How a job holds the run it writes: one writer per state location.
+
+A standalone job (``spill tune``, and ``run``/``eval``/``distill`` with ``--state``) acquires the
+run at its state location before it loads anything, so a second writer fails at once with the
+owner named (exit 75) or, with ``--wait``, waits for the lease. The heartbeat renews the lease;
+if another process takes the run over (this one was stopped past its lease), the heartbeat asks
+the job to stop, and the job's next publication fails with ``Superseded`` (exit 1). The run is
+released however the job ends, and completed (read-only from then on) when the job finished its
+work. A completed run is only read: running the same command again answers from it.
+
+Inside a build, the build holds the run and hands each stage its ``Place``; the stage's job
+neither acquires nor completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from spill.store.control import Run, RunComplete, Superseded
+from spill.store.place import Place
+
+
+@dataclass
+class Held:
+    """A job's place in its run, and whether the job owns the run (and so completes it)."""
+
+    place: Place
+    run: Run | None = None
+
+    @property
+    def read_only(self) -> bool:
+        return self.place.run is None
+
+    def finish(self) -> None:
+        """The job did all its work: complete the run it owns."""
+        if self.run is not None:
+            self.run.complete()
+
+
+def _stop_on_loss(lost: Superseded) -> None:
+    from spill.jobs.preempt import request_stop
+
+    request_stop(f"superseded ({lost})")
+
+
+@contextlib.contextmanager
+def hold(
+    state: str, place: Place | None, *, lease: float | None = None, wait: bool = False
+) -> Iterator[Held]:
+    """The job's ``Held``: ``place`` as given (a build's stage), else this process's own run."""
+    if place is not None:
+        yield Held(place)
+        return
+    from spill.store.runs import acquire
+
+    try:
+        run = acquire(state, lease=lease, wait=wait)
+    except RunComplete:
+        yield Held(Place(state))
+        return
+    run.start_heartbeat(_stop_on_loss)
+    try:
+        yield Held(run.place(), run)
+    finally:
+        run.release()
