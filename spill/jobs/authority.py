@@ -46,6 +46,23 @@ def _stop_on_loss(lost: Superseded) -> None:
 
 
 @contextlib.contextmanager
+def own(
+    state: str, *, lease: float | None = None, wait: bool = False, new_run: bool = False
+) -> Iterator[Run]:
+    """This process's ownership of the run at ``state`` (a build's, or a job's), heartbeat
+    included, released however the block ends; ``new_run``: after a completed run, start the
+    next one (its lineage names the completed one)."""
+    from spill.store.runs import acquire
+
+    run = acquire(state, lease=lease, wait=wait, new_run=new_run)
+    run.start_heartbeat(_stop_on_loss)
+    try:
+        yield run
+    finally:
+        run.release()
+
+
+@contextlib.contextmanager
 def hold(
     state: str, place: Place | None, *, lease: float | None = None, wait: bool = False
 ) -> Iterator[Held]:
@@ -53,15 +70,12 @@ def hold(
     if place is not None:
         yield Held(place)
         return
-    from spill.store.runs import acquire
-
     try:
-        run = acquire(state, lease=lease, wait=wait)
+        owned = own(state, lease=lease, wait=wait)
+        run = owned.__enter__()
     except RunComplete:
         yield Held(Place(state))
         return
-    run.start_heartbeat(_stop_on_loss)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.push(owned)
         yield Held(run.place(), run)
-    finally:
-        run.release()

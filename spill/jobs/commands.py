@@ -115,6 +115,31 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _lease(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def authority_options(p: argparse.ArgumentParser) -> None:
+    """``--wait`` and ``--lease``: how a writer meets another owner of its state's run."""
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="if another process owns the state's run, wait for it instead of exiting 75",
+    )
+    p.add_argument(
+        "--lease",
+        type=_lease,
+        metavar="SECONDS",
+        help="how long the run stays ours without a heartbeat (default $SPILL_LEASE or 120)",
+    )
+
+
 def _state_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--state",
@@ -122,6 +147,7 @@ def _state_option(p: argparse.ArgumentParser) -> None:
         help="commit results here (local path, s3://, gs://, az://, memory://) and continue "
         "from what is committed; SIGTERM/SIGINT then saves and exits 75",
     )
+    authority_options(p)
 
 
 def _load_options(args):
@@ -147,6 +173,8 @@ def _row_options(args):
         weights=args.weights,
         load=_load_options(args),
         state=args.state,
+        lease=args.lease,
+        wait=args.wait,
     )
 
 
@@ -210,6 +238,8 @@ def cmd_tune(args) -> int:
         engine=args.engine,
         weights=args.weights,
         load=_load_options(args),
+        lease=args.lease,
+        wait=args.wait,
     )
     emit(tune(args.model, Path(args.train), args.name, opts), args.json)
     return 0
@@ -348,6 +378,7 @@ def add_parsers(sub, full: bool = True) -> None:
     p.add_argument(
         "--state", metavar="URI", help="checkpoint location: a path, s3://, gs://, az://, memory://"
     )
+    authority_options(p)
     _tune_options(p)
     p.add_argument("--seed", type=int, default=0, help="adapter init and data order")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -22,7 +22,7 @@ from spill.project import state, uptodate
 from spill.project.stages import STAGES, get
 from spill.store.fs import listdir
 
-KNOWN = {"state.json", "stages", "files", "adapters", "sweep", "hydra"}
+KNOWN = {"runs", "payloads", "stages", "files", "adapters", "sweep", "hydra"}
 
 
 class BuildOptions(NamedTuple):
@@ -32,6 +32,8 @@ class BuildOptions(NamedTuple):
     overrides: tuple[str, ...] = ()
     resume: bool = False
     engine: tuple[str, ...] = ()  # resume: engine.* overrides on top of the recorded config
+    lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
+    wait: bool = False  # wait for another owner's lease instead of exiting 75
 
 
 def _done_plan(doc: dict) -> list[dict[str, str]]:
@@ -92,7 +94,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         project = config.from_record(doc["config"], root, overrides)
     else:
         project = config.compose(root, overrides)
-    return run(project, state_root, key, doc, stop, opts.dry_run)
+    return run(project, state_root, key, doc, stop, opts.dry_run, lease=opts.lease, wait=opts.wait)
 
 
 def with_engine(project, engine: tuple[str, ...]):
@@ -148,14 +150,47 @@ def prepare(project):
     )
 
 
-def run(project, state_root: str, key: str, doc: dict | None, stop=None, dry_run=False) -> dict:
-    """Plan ``project`` against the state at ``state_root`` and execute (builds and sweeps)."""
+def run(
+    project,
+    state_root: str,
+    key: str,
+    doc: dict | None,
+    stop=None,
+    dry_run=False,
+    *,
+    lease: float | None = None,
+    wait: bool = False,
+) -> dict:
+    """Plan ``project`` against the state at ``state_root`` and execute (builds and sweeps).
+
+    Unless ``dry_run``, the build owns the location's run first (``spill.jobs.authority``: a
+    second writer exits 75 naming the owner) and plans against the state as the run holds it
+    then; a completed run whose project changed starts the next run. When every stage is done
+    the run is completed."""
+    check_location(project, doc, state_root)
+    if dry_run:
+        return _run(project, state_root, key, doc, stop, None)
+    from spill.jobs.authority import own
+
+    with own(state_root, lease=lease, wait=wait, new_run=True) as owned:
+        doc = state.read(state_root)  # as the run holds it now that it is ours
+        check_location(project, doc, state_root)
+        summary = _run(project, state_root, key, doc, stop, owned)
+        done = summary["doc"] is not None and all(
+            rec["status"] in ("done", "skipped") for rec in summary["doc"]["stages"].values()
+        )
+        if done and len(summary["doc"]["stages"]) == len(STAGES):
+            owned.complete()
+    return summary
+
+
+def _run(project, state_root: str, key: str, doc: dict | None, stop, owned) -> dict:
     from spill.project.execute import Executor, data_record, now
     from spill.project.plan import plan
     from spill.project.specs import check_model_name
     from spill.project.specs import specs as stage_specs
 
-    check_location(project, doc, state_root)
+    dry_run = owned is None
     data_sha = uptodate.data_sha256(project.data_path)
     prepared = prepare(project)
     specs = stage_specs(project, prepared)
@@ -173,8 +208,8 @@ def run(project, state_root: str, key: str, doc: dict | None, stop=None, dry_run
             doc.update(compose_key=key, overrides=list(project.overrides), config=project.to_dict())
             doc.update(data=data_record(project, prepared, data_sha), updated=now())
             doc.update(plan=summary["plan"])
-            state.write(state_root, doc)
+            state.write(owned, doc)
         return {**summary, "doc": doc}
-    executor = Executor(project, state_root, prepared, data_sha, key, doc, specs)
+    executor = Executor(project, state_root, prepared, data_sha, key, doc, specs, owned)
     executor.execute(decisions)
     return {**summary, "doc": executor.doc}

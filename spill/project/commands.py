@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from spill.errors import UsageError
-from spill.jobs.commands import engine_options
+from spill.jobs.commands import authority_options, engine_options
 
 
 def _overrides(args) -> list[str]:
@@ -103,6 +103,8 @@ def _build(args) -> int:
         stop_after=args.stop_after,
         dry_run=args.dry_run,
         overrides=tuple(_overrides(args)),
+        lease=args.lease,
+        wait=args.wait,
     )
     if args.multirun:
         import json
@@ -133,6 +135,8 @@ def cmd_resume(args) -> int:
         dry_run=args.dry_run,
         resume=True,
         engine=tuple(engine_overrides(args)),
+        lease=args.lease,
+        wait=args.wait,
     )
     return _preemptible(lambda: _emit_build(build(args.dir, opts), args.json) or 0)
 
@@ -189,6 +193,7 @@ def add_parsers(sub) -> None:
         "-m", "--multirun", action="store_true", help="a Hydra sweep: one build per combination"
     )
     engine_options(p, shorthand=True)
+    authority_options(p)
     p.set_defaults(func=cmd_build, overrides=[])
 
     p = sub.add_parser(
@@ -201,6 +206,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--stop-after", metavar="STAGE[:N]", help="stop again after this point")
     p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
     engine_options(p, shorthand=True)
+    authority_options(p)
     p.set_defaults(func=cmd_resume, overrides=[])
 
     p = sub.add_parser("status", help="a project's build table, read from its state")

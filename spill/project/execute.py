@@ -64,8 +64,9 @@ def data_record(project: Project, prepared, data_sha: str) -> dict[str, Any]:
 
 
 class Executor:
-    def __init__(self, project, state_root, prepared, data_sha, key, doc, specs) -> None:
+    def __init__(self, project, state_root, prepared, data_sha, key, doc, specs, run) -> None:
         self.project, self.root, self.prepared = project, state_root, prepared
+        self.run = run  # this build's ownership of its run: every publication goes through it
         self.data_sha = data_sha
         self.specs = {s.name: s for s in specs}
         self.doc = doc or {"schema_version": state.SCHEMA_VERSION, "kind": state.KIND, "stages": {}}
@@ -84,7 +85,7 @@ class Executor:
     def save(self) -> None:
         self.doc["updated"] = now()
         with critical():
-            state.write(self.root, self.doc)
+            state.write(self.run, self.doc)
 
     def _record(self, name: str, status: str, **fields: Any) -> dict:
         spec, stage = self.specs[name], get(name)
@@ -155,13 +156,12 @@ class Executor:
             rec = self._record(stage, "stopped", **self._probe(stage))
             what = f"{stage} at {rec['unit']} {rec['progress']} of {rec['total']}"
         self.doc["updated"] = now()
-        state.write(self.root, self.doc)
+        state.write(self.run, self.doc)
         raise preempted(why, what, who="build") from None
 
     def _stage(self, d: Decision) -> None:
         note(f"== {d.stage}: {d.reason}")
         stage = get(d.stage)
-        stage_root = stage.uri(self.root)
         with critical():
             if d.fresh:
                 self._clear(d.stage)
@@ -171,7 +171,7 @@ class Executor:
         self._check_data(None)
         try:
             job = getattr(self, f"_{stage.job}")  # _eval, _distill, _tune: options, call, result
-            result, complete = job(stage, d, stage_root)
+            result, complete = job(stage, d)
         except Preempted:
             self._preempted(stop_requested() or "a stop request", d.stage)
         except Interrupted as e:
@@ -210,6 +210,7 @@ class Executor:
     def _clear(self, name: str) -> None:
         """Remove a stage's job state and outputs (it starts fresh, or its result is stale)."""
         stage = get(name)
+        stage.place(self.root, self.run).drop()  # first: no pointer may name what goes next
         remove(stage.uri(self.root))
         remove(join(self.root, stage.output(self.project.name)))
 
@@ -226,7 +227,7 @@ class Executor:
                     gone |= {later.name} if gone & set(later.needs) else set()
                 for name in gone:
                     self.doc["stages"].pop(name, None)
-                state.write(self.root, self.doc)
+                state.write(self.run, self.doc)
                 raise StoreError(
                     f"{d.stage}: its outputs cannot be restored ({e}); run spill build again "
                     "to compute them afresh"
@@ -246,7 +247,7 @@ class Executor:
     def _adapter_uri(self) -> str:
         return join(self.root, get("tune").output(self.project.name))
 
-    def _load(self, batch: int, stop: int | None, stage_root: str):
+    def _load(self, batch: int, stop: int | None, stage: Stage):
         """A job's ``RowOptions``: the engine settings, the group's batch, where it commits."""
         from spill.engines.base import LoadOptions
         from spill.jobs.rows_job import RowOptions
@@ -260,9 +261,16 @@ class Executor:
             device=e.device,
             dtype=e.dtype,
         )
-        return RowOptions(batch=batch, engine=e.name, load=load, state=stage_root, stop_after=stop)
+        return RowOptions(
+            batch=batch,
+            engine=e.name,
+            load=load,
+            state=stage.uri(self.root),
+            stop_after=stop,
+            place=stage.place(self.root, self.run),
+        )
 
-    def _eval(self, stage: EvalStage, d: Decision, stage_root: str) -> tuple[dict, bool]:
+    def _eval(self, stage: EvalStage, d: Decision) -> tuple[dict, bool]:
         from spill.jobs.eval import EvalOptions, evaluate
 
         base = not stage.adapter
@@ -271,7 +279,7 @@ class Executor:
             max_new_tokens=self.project.eval.max_new_tokens,
             adapter=None if base else self._local_adapter(),
         )
-        job = self._load(self.project.eval.batch, d.stop, stage_root)
+        job = self._load(self.project.eval.batch, d.stop, stage)
         s = evaluate(self.project.model.name, self.work / "test.jsonl", out, opts, job)
         complete = s.get("complete", True)
         if complete:
@@ -279,7 +287,7 @@ class Executor:
         keys = ("rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token")
         return {k: s[k] for k in keys}, complete
 
-    def _distill(self, stage: RowStage, d: Decision, stage_root: str) -> tuple[dict, bool]:
+    def _distill(self, stage: RowStage, d: Decision) -> tuple[dict, bool]:
         from spill.jobs.distill import distill
         from spill.jobs.run import RunOptions
 
@@ -291,7 +299,7 @@ class Executor:
             seed=self.project.seed,
             chat=stage.chat,
         )
-        job = self._load(t.batch, d.stop, stage_root)
+        job = self._load(t.batch, d.stop, stage)
         s = distill(t.name, self.work / "prompts.jsonl", out, opts, job)
         complete = s.get("complete", True)
         if complete:
@@ -307,13 +315,13 @@ class Executor:
             local.write_bytes(get_bytes(join(self.root, distill.output(self.project.name))))
         return local
 
-    def _tune(self, stage: Stage, d: Decision, stage_root: str) -> tuple[dict, bool]:
+    def _tune(self, stage: Stage, d: Decision) -> tuple[dict, bool]:
         from dataclasses import asdict
 
         from spill.jobs.tune import TuneOptions, tune
 
         t = self.project.tune
-        job = self._load(t.batch, d.stop, stage_root)
+        job = self._load(t.batch, d.stop, stage)
         opts = TuneOptions(
             **asdict(t),  # the tune group's settings, under the names TuneOptions shares
             seed=self.project.seed,
@@ -321,6 +329,7 @@ class Executor:
             state=job.state,
             engine=job.engine,
             load=job.load,
+            place=job.place,
         )
         s = tune(self.project.model.name, self._train_file(), self.project.name, opts)
         return {"step": s["step"], "steps": t.steps, "loss": s["loss"]}, s["step"] == t.steps

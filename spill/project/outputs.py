@@ -23,10 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spill.errors import StoreError
 from spill.store.fs import exists, files_under, get_bytes, join, put_bytes, stat
+
+if TYPE_CHECKING:
+    from spill.store.place import Place
 
 
 def _sha(data: bytes) -> str:
@@ -78,11 +81,11 @@ def problem(root: str, where: str, outputs: Mapping[str, Any] | None, marker: st
 
 
 def restore_adapter(
-    where: str, exported: str, root: str, out: str, recorded: Mapping[str, Any] | None
+    where: Place, exported: str, root: str, out: str, recorded: Mapping[str, Any] | None
 ) -> None:
     """Publish the adapter at ``root/out`` again: copied from ``exported`` (the tune job's own
     export) when that still holds the recorded bytes, else exported again from the final
-    checkpoint of the tune state at ``where``."""
+    checkpoint the tune job's place ``where`` points at."""
     prefix = f"{out}/"
     intact = bool(recorded) and all(
         stat(join(exported, path.removeprefix(prefix))) is not None
@@ -103,7 +106,7 @@ def copy_tree(src: str, dst: str) -> None:
         put_bytes(join(dst, rel), get_bytes(join(src, rel)))
 
 
-def _export_final(where: str) -> None:
+def _export_final(where: Place) -> None:
     """Export the adapter of the final tune checkpoint as the tune job does at its end."""
     from spill.jobs.adapter_files import publish_adapter
     from spill.models.lora import LoraConfig
@@ -111,7 +114,7 @@ def _export_final(where: str) -> None:
 
     ckpt = latest_checkpoint(where)
     if ckpt is None:
-        raise StoreError(f"{where} holds no committed checkpoint")
+        raise StoreError(f"{where.uri} holds no committed checkpoint")
     params, _, st = load_checkpoint(ckpt)
     steps = st["hyperparameters"]["steps"]
     if st["step"] != steps:
@@ -121,18 +124,20 @@ def _export_final(where: str) -> None:
     layers = 1 + max(int(k.split(".")[1]) for k in params)  # every layer carries the adapter
     losses = [float("nan") if x is None else x for x in st["losses"]]
     model = st["model"]
-    publish_adapter(where, params, lora, model["id"], model["fingerprint"], layers, losses)
+    publish_adapter(where.uri, params, lora, model["id"], model["fingerprint"], layers, losses)
 
 
-def restore_rows(where: str, dest: str, ids: list, shape: Callable[[dict], dict]) -> None:
+def restore_rows(where: Place, dest: str, ids: list, shape: Callable[[dict], dict]) -> None:
     """Write the rows file ``dest`` again from the committed segments of the row job at
-    ``where``: one ``shape(row)`` line per id of ``ids``, in that order."""
+    ``where`` (a place): one ``shape(row)`` line per id of ``ids``, in that order."""
     from spill.store.rows import restore
 
     got = restore(where)
     by_id = dict(zip(got.done, got.rows, strict=True))
     missing = [i for i in ids if i not in by_id]
     if missing:
-        raise StoreError(f"{where} holds {len(ids) - len(missing)} of {len(ids)} committed rows")
+        raise StoreError(
+            f"{where.uri} holds {len(ids) - len(missing)} of {len(ids)} committed rows"
+        )
     data = "".join(json.dumps(shape(by_id[i]), ensure_ascii=False) + "\n" for i in ids)
     put_bytes(dest, data.encode("utf-8"))

@@ -23,6 +23,8 @@ from spill.store.fs import join
 
 if TYPE_CHECKING:
     from spill.project.config import Project
+    from spill.store.control import Run
+    from spill.store.place import Place
 
 PRODUCER_KEYS = ("engine", "numerics", "machine", "os", "hardware")
 
@@ -60,6 +62,12 @@ class Stage:
 
     def uri(self, root: str) -> str:
         return join(root, "stages", self.folder)
+
+    def place(self, root: str, run: Run | None = None) -> Place:
+        """Its job's part of the build's run (read-only without ``run``)."""
+        from spill.store.place import Place
+
+        return Place(root, f"stages/{self.folder}", run)
 
     def output(self, project: str) -> str:
         """What it publishes, relative to the state location."""
@@ -135,7 +143,7 @@ class TuneStage(Stage):
     def probe(self, root: str) -> tuple[int, list[dict]]:
         from spill.store.checkpoint import newest_commit
 
-        found = newest_commit(self.uri(root))
+        found = newest_commit(self.place(root))
         if found is None:
             return 0, []
         step, state = found
@@ -148,9 +156,12 @@ class TuneStage(Stage):
         outputs.copy_tree(join(self.uri(root), self.exported), join(root, self.output(project)))
 
     def restore(self, root, project, inputs, recorded) -> None:
-        where = self.uri(root)
         outputs.restore_adapter(
-            where, join(where, self.exported), root, self.output(project), recorded
+            self.place(root),
+            join(self.uri(root), self.exported),
+            root,
+            self.output(project),
+            recorded,
         )
 
 
@@ -170,7 +181,7 @@ class RowStage(Stage):
     def probe(self, root: str) -> tuple[int, list[dict]]:
         from spill.store.rows import commit_markers
 
-        markers = commit_markers(self.uri(root))
+        markers = commit_markers(self.place(root))
         rows = sum(int(m.get("count", 0)) for m in markers)
         return rows, _distinct([m.get("producer") or {} for m in markers])
 
@@ -179,7 +190,7 @@ class RowStage(Stage):
 
     def restore(self, root, project, inputs, recorded) -> None:
         ids, shape = self.order(inputs / self.reads)
-        outputs.restore_rows(self.uri(root), join(root, self.output(project)), ids, shape)
+        outputs.restore_rows(self.place(root), join(root, self.output(project)), ids, shape)
 
     def order(self, path: Path) -> tuple[list, Callable[[dict], dict]]:
         """The row ids of its input in order, and how a committed row becomes a line of its file."""

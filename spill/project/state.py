@@ -2,13 +2,16 @@
 
 Layout under ``--state`` (default ``<project>/.spill``)::
 
-    state.json            the plan, every stage's status, inputs, result and producers
-    stages/<stage>/       the stage's job state (tune: ckpt/, row jobs: rows/)
+    runs/                 the build's runs and their control objects (``spill.store.control``)
+    payloads/state-.../   ``state.json``: the plan, every stage's status, inputs, result and
+                          producers; current when the run's ``state`` pointer names it
+    stages/<stage>/       the stage's job state (its payloads: checkpoints, row segments)
     files/                the split, the teacher's answers, graded rows
     adapters/<name>/      the tuned adapter (spill, PEFT and MLX-LM layouts)
 
-``state.json`` (schema ``build-state``) is one object written atomically through
-``spill.store.fs`` after everything it names; a reader that finds none starts fresh. Writing
+``state.json`` (schema ``build-state``) is one object written once, as a payload, after
+everything it names, and made current by the run's fenced transition (``write``, by the owner
+of the run only); a reader follows the pointer, and one that finds none starts fresh. Writing
 validates it, and so does reading (its ``config`` too, against the strict spill.yaml schema,
 and each stage's result), through ``schemas.validate_once``: bytes already validated on this
 machine (by a read, or by the write that made them) cost one hash, so ``spill status`` and a
@@ -22,27 +25,42 @@ of unfinished stages and the check of finished stages' outputs, both asked of th
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spill.errors import StoreError
 from spill.project import stages
-from spill.store.fs import get_bytes, join, put_bytes
+from spill.store.fs import exists, get_bytes, join, put_bytes
+
+if TYPE_CHECKING:
+    from spill.store.control import Run
 
 STATE = "state.json"
+KIND_POINTER = "state"  # the run's pointer to the current state.json payload
 KIND = "spill-build"
 SCHEMA_VERSION = 1
 
 
 def read(root: str) -> dict[str, Any] | None:
-    """``state.json`` under ``root`` (None when there is none), validated against the
-    ``build-state`` schema, its ``config`` against the strict spill.yaml schema."""
+    """The current ``state.json`` of the build at ``root`` (None when there is none), validated
+    against the ``build-state`` schema, its ``config`` against the strict spill.yaml schema."""
+    from spill.store.place import Place
     from spill.store.schemas import parse_json, short, validate_once
 
-    uri = join(root, STATE)
+    pointed = Place(root).pointer(KIND_POINTER)
+    if not pointed:
+        if exists(join(root, STATE)):
+            raise StoreError(
+                f"{join(root, STATE)} was written by an older spill (no runs/ beside it); move "
+                f"{root} away to rebuild"
+            )
+        return None
+    uri = join(pointed[0], STATE)
     try:
         raw = get_bytes(uri)
     except FileNotFoundError:
-        return None
+        raise StoreError(
+            f"{uri} is missing; the state was damaged: move it away to rebuild"
+        ) from None
     try:
         doc = parse_json(raw)
     except ValueError:
@@ -77,15 +95,20 @@ def _check_more(doc: dict[str, Any], uri: str) -> None:
             ) from None
 
 
-def write(root: str, doc: dict[str, Any]) -> None:
+def write(run: Run, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as a new payload and make it current (fenced: only the run's owner can)."""
     from spill.store.schemas import remember, validate
 
-    uri = join(root, STATE)
+    place = run.place()
+    target = place.payload(KIND_POINTER, run.doc["seq"])
+    uri = join(target, STATE)
     validate(doc, "build-state", where=uri)
     _check_more(doc, uri)
     raw = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode() + b"\n"
     put_bytes(uri, raw)
     remember(raw, "build-state")  # what ``read`` checks, checked: its next read costs a hash
+    place.publish(KIND_POINTER, [target])
+    place.collect(KIND_POINTER, {target})
 
 
 def recorded(root: str, doc: dict[str, Any] | None) -> dict:

@@ -8,6 +8,7 @@ an engine, Hydra or jsonschema. A finished stage whose outputs are gone or chang
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,36 @@ def render(summary: dict[str, Any]) -> str:
         ]
         return f"plan for {summary['project']} (state {summary['state']}):\n" + table(plan)
     lines = [table(rows(summary.get("doc")))]
+    if run := summary.get("run"):
+        lines.append(
+            f"run {run['id']} · {run['status']} · generation {run['generation']} · "
+            f"owner {run['owner']}"
+        )
     lines += [f"note: {n}" for n in summary.get("notes", [])]
     return "\n".join(lines)
+
+
+def run_view(where: str) -> dict[str, Any] | None:
+    """The current run at ``where`` as ``spill status`` shows it: id, status, generation, owner
+    (host, pid, since, lease left), lineage."""
+    from spill.store.cas import current
+    from spill.store.owner import describe
+
+    doc = current(where)
+    if doc is None:
+        return None
+    left = doc["lease"]["expires"] - time.time()
+    return {
+        "id": doc["run"],
+        "status": doc["status"],
+        "generation": doc["generation"],
+        "owner": describe(doc),
+        "host": doc["owner"]["host"],
+        "pid": doc["owner"]["pid"],
+        "released": doc["owner"]["released"],
+        "lease_left_s": round(max(0.0, left), 1) if not doc["owner"]["released"] else 0.0,
+        "parent": doc["lineage"]["parent"],
+    }
 
 
 def as_json(summary: dict[str, Any]) -> dict[str, Any]:
@@ -76,9 +105,8 @@ def as_json(summary: dict[str, Any]) -> dict[str, Any]:
         | ({"problem": rec["problem"]} if rec.get("problem") else {})
         for name, rec in (doc.get("stages") or {}).items()
     }
-    out = {
-        k: summary.get(k) for k in ("project", "state", "dry_run", "plan", "notes") if k in summary
-    }
+    keys = ("project", "state", "dry_run", "plan", "notes", "run")
+    out = {k: summary.get(k) for k in keys if k in summary}
     return {**out, "stages": stages, "data": doc.get("data")}
 
 
@@ -162,4 +190,5 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
         if data.is_file():
             if uptodate.data_sha256(data) != doc["data"]["sha256"]:
                 notes.append(f"{data.name} changed since; the stages that read it rerun")
-    return {"project": doc["project"]["name"], "state": where, "doc": doc, "notes": notes}
+    summary = {"project": doc["project"]["name"], "state": where, "doc": doc, "notes": notes}
+    return {**summary, "run": run_view(where)}

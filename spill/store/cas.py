@@ -203,6 +203,11 @@ class _ObjectStore(Store):
                 ) from e
             if before and before == after:
                 return data, before.strip('"')
+            if not before and not after:  # no ETag at all: nothing to make a write conditional on
+                raise Unsupported(
+                    f"{self.uri(key)}: this object store reports no ETag, so its writes cannot be "
+                    "made conditional; use s3:// (or a local disk) for the state"
+                )
         raise StoreError(f"{self.uri(key)} changes faster than it can be read; try again")
 
     def write(self, key: str, data: bytes, tag: str | None) -> None:
@@ -253,6 +258,8 @@ def _probe(store: _ObjectStore) -> None:
         why = f"a conditional write failed ({type(e).__name__.strip('_').lower()})"
     except (TypeError, ValueError, NotImplementedError) as e:
         why = f"its backend takes no preconditions ({type(e).__name__}: {e})"
+    except Unsupported:
+        why = "it reports no ETag"
     finally:
         with contextlib.suppress(Exception):
             store.fs.rm(store._path(key))  # a scratch key, not a control object

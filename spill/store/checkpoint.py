@@ -248,11 +248,29 @@ def save_checkpoint(
     drill.at(drill.CKPT_BEFORE_COMMIT)
     put_bytes(join(target, COMMIT), commit_bytes)
     _good[target] = _sha256(commit_bytes)
-    kept = [target, *[u for u in current if (payload_seq(u) or 0) < step][: keep - 1]]
+    # a pointed checkpoint that no longer verifies is dropped, so a good one is not rotated away
+    older = [u for u in current if (payload_seq(u) or 0) < step and _committed(u)]
+    kept = [target, *older[: keep - 1]]
     place.publish(KIND, kept)
     drill.at(drill.CKPT_AFTER_COMMIT)
     place.collect(KIND, set(kept))
     return target
+
+
+def _committed(uri: str) -> bool:
+    """Whether ``uri`` is a good checkpoint, hashing it only if not yet verified here."""
+    try:
+        raw = get_bytes(join(uri, COMMIT))
+    except FileNotFoundError:
+        raw = None
+    if raw is not None and _good.get(uri) == _sha256(raw):
+        return True
+    try:
+        _verify(uri, payload_seq(uri))
+    except CheckpointInvalid as e:
+        log.info("dropping %s", e)
+        return False
+    return True
 
 
 def _same_commit(uri: str, commit_bytes: bytes) -> bool:

@@ -147,6 +147,8 @@ class Run:
                 "wrote since is not used"
             )
             raise self.lost
+        if doc["status"] == "complete":  # complete() also releases: say why nothing may change
+            raise RunComplete(f"run {self.id} is complete and read-only")
         if o["released"]:
             raise StoreError(f"run {self.id} was released by this process; acquire it again")
 
