@@ -138,3 +138,13 @@ def assert_not_imported(
     )
     assert proc.returncode == 0, proc.stderr
     return proc
+
+
+def build_state_file(where: Path) -> Path:
+    """The current ``state.json`` of the build state folder ``where``: the payload the run's
+    ``state`` pointer names (``spill.project.state``)."""
+    from spill.store.place import Place
+
+    pointed = Place(str(where)).pointer("state")
+    assert pointed, f"{where} holds no build state"
+    return Path(pointed[0]) / "state.json"

@@ -163,53 +163,65 @@ def run(
 ) -> dict:
     """Plan ``project`` against the state at ``state_root`` and execute (builds and sweeps).
 
-    Unless ``dry_run``, the build owns the location's run first (``spill.jobs.authority``: a
-    second writer exits 75 naming the owner) and plans against the state as the run holds it
-    then; a completed run whose project changed starts the next run. When every stage is done
+    Everything that can refuse the build (the data, the stage specs, the model names) is checked
+    first. Then, unless ``dry_run``, the build owns the location's run (``spill.jobs.authority``:
+    a second writer exits 75 naming the owner) and plans again against the state as the run holds
+    it now; a completed run whose project changed starts the next run. When every stage is done
     the run is completed."""
+    from spill.project.specs import specs as stage_specs
+
     check_location(project, doc, state_root)
+    data_sha = uptodate.data_sha256(project.data_path)
+    prepared = prepare(project)
+    specs = stage_specs(project, prepared)
+    decisions = _plan(project, specs, state_root, doc, stop)
+    summary = {"project": project.name, "state": state_root, "dry_run": dry_run}
     if dry_run:
-        return _run(project, state_root, key, doc, stop, None)
+        return {**summary, "plan": [d.to_dict() for d in decisions], "doc": doc}
     from spill.jobs.authority import own
 
     with own(state_root, lease=lease, wait=wait, new_run=True) as owned:
-        doc = state.read(state_root)  # as the run holds it now that it is ours
-        check_location(project, doc, state_root)
-        summary = _run(project, state_root, key, doc, stop, owned)
-        done = summary["doc"] is not None and all(
-            rec["status"] in ("done", "skipped") for rec in summary["doc"]["stages"].values()
+        now_doc = state.read(state_root)  # as the run holds it now that it is ours
+        if now_doc != doc:
+            check_location(project, now_doc, state_root)
+            doc, decisions = now_doc, _plan(project, specs, state_root, now_doc, stop)
+        summary["plan"] = [d.to_dict() for d in decisions]
+        summary["doc"] = _execute(
+            project, state_root, key, doc, decisions, prepared, data_sha, specs, owned
         )
-        if done and len(summary["doc"]["stages"]) == len(STAGES):
+        recs = (summary["doc"] or {}).get("stages") or {}
+        if len(recs) == len(STAGES) and all(
+            r["status"] in ("done", "skipped") for r in recs.values()
+        ):
             owned.complete()
     return summary
 
 
-def _run(project, state_root: str, key: str, doc: dict | None, stop, owned) -> dict:
-    from spill.project.execute import Executor, data_record, now
+def _plan(project, specs, state_root: str, doc: dict | None, stop) -> list:
     from spill.project.plan import plan
     from spill.project.specs import check_model_name
-    from spill.project.specs import specs as stage_specs
 
-    dry_run = owned is None
-    data_sha = uptodate.data_sha256(project.data_path)
-    prepared = prepare(project)
-    specs = stage_specs(project, prepared)
     decisions = plan(specs, state.recorded(state_root, doc), stop)
     for d in decisions:  # a name that can name nothing fails now, not when its stage starts
         stage = get(d.stage)
         if d.action not in ("done", "skip") and (name := stage.model(project)) is not None:
             check_model_name(name, stage.model_key)
-    summary = {"project": project.name, "state": state_root, "dry_run": dry_run}
-    summary["plan"] = [d.to_dict() for d in decisions]
-    if dry_run or not any(d.works or d.drop for d in decisions):
-        if not dry_run and doc is not None:
+    return decisions
+
+
+def _execute(project, state_root, key, doc, decisions, prepared, data_sha, specs, owned):
+    """Run the decisions that work (or only record what changed); the new state document."""
+    from spill.project.execute import Executor, data_record, now
+
+    if not any(d.works or d.drop for d in decisions):
+        if doc is not None:
             # nothing to run, but what the build was made from changed (a comment, a value that
             # decides nothing): record it, so that the next build takes the fast path
             doc.update(compose_key=key, overrides=list(project.overrides), config=project.to_dict())
             doc.update(data=data_record(project, prepared, data_sha), updated=now())
-            doc.update(plan=summary["plan"])
+            doc.update(plan=[d.to_dict() for d in decisions])
             state.write(owned, doc)
-        return {**summary, "doc": doc}
+        return doc
     executor = Executor(project, state_root, prepared, data_sha, key, doc, specs, owned)
     executor.execute(decisions)
-    return {**summary, "doc": executor.doc}
+    return executor.doc

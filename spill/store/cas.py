@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ from typing import Any
 
 from spill.errors import StoreError
 from spill.store.fs import _local, filesystem, get_bytes, is_local, join, put_bytes
-from spill.store.schemas import parse_json, validate_once
+from spill.store.schemas import parse_json, remember, validate, validate_once
 
 RUNS = "runs"
 CURRENT = "current.json"
@@ -84,6 +85,14 @@ def _fs_type(path: str) -> str:
 
 class Store:
     """Read and conditionally write the control keys of one state location."""
+
+    def put(self, key: str, doc: dict[str, Any], schema: str, tag: str | None) -> None:
+        """Validate ``doc`` against ``schema`` and ``write`` it; its bytes are remembered as
+        valid, so that the next read (``spill status``, a finished build) costs one hash."""
+        raw = json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+        validate(doc, schema, where=self.uri(key))
+        self.write(key, raw, tag)
+        remember(raw, schema)
 
     def __init__(self, state: str):
         self.state = state

@@ -44,7 +44,6 @@ from spill.store.cas import (
     read_control,
 )
 from spill.store.place import Place
-from spill.store.schemas import validate
 
 SCHEMA_VERSION = 1
 
@@ -125,10 +124,8 @@ class Run:
                     new["updated"] = _iso(now)
                     if not new["owner"]["released"] and new["status"] != "complete":
                         new["lease"]["expires"] = now + self.lease
-                    raw = _dump(new)
-                    validate(new, "control", where=self.store.uri(key))
                     try:
-                        self.store.write(key, raw, tag)
+                        self.store.put(key, new, "control", tag)
                     except (_Conflict, _Uncertain):
                         continue
                 self.doc = new

@@ -36,9 +36,8 @@ from spill.store.cas import (
     read_runs,
     store_for,
 )
-from spill.store.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _dump, _iso
+from spill.store.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
 from spill.store.owner import describe, gone, home_of, host, lease_seconds, me
-from spill.store.schemas import validate
 
 
 def _new_run_id() -> str:
@@ -131,18 +130,16 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                 gen = parent["generation"] + 1 if parent else 1
                 ptrs = dict(parent["pointers"]) if parent else {}
                 doc = _fresh(rid, me(nonce), lease, home, parent and parent["run"], ptrs, gen)
-                validate(doc, "control", where=store.uri(f"{rid}/{CONTROL}"))
                 # the run's control object first (a new key, no contention), then the list
                 try:
-                    store.write(f"{rid}/{CONTROL}", _dump(doc), None)
+                    store.put(f"{rid}/{CONTROL}", doc, "control", None)
                     listing = {
                         "schema_version": SCHEMA_VERSION,
                         "kind": "spill-runs",
                         "current": rid,
                         "runs": [*(runs["runs"] if runs else []), rid],
                     }
-                    validate(listing, "runs", where=store.uri(CURRENT))
-                    store.write(CURRENT, _dump(listing), runs_tag)
+                    store.put(CURRENT, listing, "runs", runs_tag)
                 except (_Conflict, _Uncertain):
                     got, _ = read_runs(store)
                     if got is not None and got["current"] == rid:
@@ -173,9 +170,8 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                 new["home"] = home
             new["last"] = {"op": f"{nonce}:0", "what": "acquire", "at": now}
             new["updated"] = _iso(now)
-            validate(new, "control", where=store.uri(f"{rid}/{CONTROL}"))
             try:
-                store.write(f"{rid}/{CONTROL}", _dump(new), tag)
+                store.put(f"{rid}/{CONTROL}", new, "control", tag)
             except (_Conflict, _Uncertain):
                 got, _ = read_control(store, rid)
                 if got is not None and got["last"]["op"] == f"{nonce}:0":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ENGINES, assert_not_imported, cli_code, run_spill
+from tests.conftest import ENGINES, assert_not_imported, build_state_file, cli_code, run_spill
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "projects" / "toy"
@@ -38,7 +38,7 @@ def spill(*args: str, home: Path, ok: bool = True) -> subprocess.CompletedProces
 
 
 def state_doc(where: Path) -> dict:
-    return json.loads((where / "state.json").read_text())
+    return json.loads(build_state_file(where).read_text())
 
 
 def scores(doc: dict) -> dict:
@@ -243,7 +243,7 @@ def test_bad_input_is_one_line_and_loses_nothing(reference, home, tmp_path):
         bad = copy_toy(tmp_path / f"bad{n}")
         (bad / "toy.csv").write_text(content)
         fails(str(bad), message=message)
-        assert not (bad / ".spill" / "state.json").exists()
+        assert not (bad / ".spill" / "runs").exists()  # refused before the run was touched
     one_line_error(spill("status", str(tmp_path / "nowhere"), home=home, ok=False), "no build at")
 
 
@@ -291,7 +291,8 @@ def test_s3_state(reference, home, tmp_path, s3_bucket):
 
     fs = s3fs.S3FileSystem()
     assert fs.exists(f"{s3_bucket}/builds/toy/adapters/toy/peft/adapter_model.safetensors")
-    assert fs.exists(f"{s3_bucket}/builds/toy/state.json")
+    assert fs.exists(f"{s3_bucket}/builds/toy/runs/current.json")
+    assert doc["run"]["status"] == "complete" and doc["run"]["generation"] == 2
 
 
 def test_teacher_answers_become_the_training_rows(home, tmp_path):

@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from tests.conftest import assert_not_imported, cli_code
+from tests.conftest import assert_not_imported, build_state_file, cli_code
 from tests.func import test_build
 from tests.func.test_build import (
     assert_same_adapter,
@@ -167,7 +167,7 @@ def test_a_state_written_before_outputs_were_recorded(reference, home, tmp_path)
     doc = state_doc(state)
     for rec in doc["stages"].values():
         rec.pop("outputs", None)
-    (state / "state.json").write_text(json.dumps(doc))
+    build_state_file(state).write_text(json.dumps(doc))  # as an older spill recorded it
     proc = spill("build", *args, home=home)
     assert "spill build ·" not in proc.stderr and table(proc.stdout)["eval"][0] == "done"
     (state / "files" / "eval.jsonl").unlink()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_spill
+from tests.conftest import build_state_file, run_spill
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["tune.steps=8", "tune.ckpt_every=4"]
@@ -34,7 +34,7 @@ def check_runs(result: dict, toy: Path, lrs=("0.005", "0.01")) -> list[dict]:
         assert r["status"] == "done", r
         assert r["steps"] == 8 and r["base"] is not None and r["tuned"] is not None
         state = toy / ".spill" / "sweep" / r["run"]
-        doc = json.loads((state / "state.json").read_text())
+        doc = json.loads(build_state_file(state).read_text())
         assert doc["config"]["tune"]["lr"] == float(r["run"].rsplit("=", 1)[1])
         assert (state / "adapters" / "toy" / "params.safetensors").is_file()
     return runs
