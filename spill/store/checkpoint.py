@@ -36,7 +36,7 @@ import numpy as np
 
 from spill.errors import StoreError
 from spill.store import drill
-from spill.store.fs import get_bytes, join, put_bytes
+from spill.store.fs import exists, get_bytes, join, put_bytes
 from spill.store.place import Place, payload_seq
 from spill.store.schemas import SchemaInvalid, parse_json, validate
 
@@ -168,6 +168,8 @@ def newest_commit(place: Place) -> tuple[int, dict[str, Any]] | None:
     """The newest pointed step and its ``state.json`` (``{}`` if unreadable), read without
     hashing anything: a light progress probe (what a job trusts is ``latest_checkpoint``)."""
     for uri in place.pointer(KIND):
+        if not exists(join(uri, COMMIT)):
+            continue  # pointed at, but its folder is gone (removed by hand)
         try:
             state = parse_json(get_bytes(join(uri, STATE)))
         except (FileNotFoundError, ValueError):

@@ -252,7 +252,11 @@ def test_a_restore_that_fails_is_one_line_and_the_next_build_recomputes(referenc
     args = (str(project), "--state", str(state))
     shutil.rmtree(state / "adapters" / "toy")
     shutil.rmtree(state / "stages" / "tune" / "adapter")
-    final = state / "stages" / "tune" / "ckpt" / "step-300" / "params.safetensors"
+    from spill.store.place import Place
+
+    pointed = Place(str(state), "stages/tune").pointer("ckpt")[0]
+    assert pointed.endswith("-s300-0")
+    final = Path(pointed) / "params.safetensors"
     data = bytearray(final.read_bytes())
     data[-1] ^= 1  # the final checkpoint no longer verifies against its COMMIT
     final.write_bytes(bytes(data))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -65,34 +67,63 @@ def test_rows_and_a_stage_that_moved():
 
 
 def test_probes_read_commits_only(tmp_path):
+    """Probes read what the run points at: a committed payload's state.json or a segment's
+    COMMIT, never a folder nobody points at, nor a pointed folder removed by hand."""
+    from spill.store.runs import acquire
+
     root = str(tmp_path)
-    ckpt = tmp_path / "stages" / "tune" / "ckpt"
-    for step, committed in ((10, True), (20, True), (30, False)):
-        d = ckpt / f"step-{step}"
+    run = acquire(root)
+    tune = run.place("stages/tune")
+    made = {}
+    for step in (10, 20, 30):
+        d = Path(tune.payload("ckpt", step))
         d.mkdir(parents=True)
         (d / "state.json").write_text(json.dumps({"producers": [LINUX, MAC]}))
-        if committed:
-            (d / "COMMIT").write_text("{}")
+        (d / "COMMIT").write_text("{}")
+        made[step] = str(d)
+    tune.publish("ckpt", [made[20], made[10]])  # 30 landed but never became current
     assert stages.get("tune").probe(root) == (20, [LINUX, MAC])
-    rows_dir = tmp_path / "stages" / "eval" / "rows"
-    rows_dir.mkdir(parents=True)
+    shutil.rmtree(made[20])
+    assert stages.get("tune").probe(root) == (10, [LINUX, MAC])
+    rows = run.place("stages/eval")
+    segs = []
     for n, producer in enumerate([LINUX, LINUX, MAC]):
-        (rows_dir / f"seg-{n}.commit").write_text(json.dumps({"count": 5, "producer": producer}))
-    (rows_dir / "seg-3.jsonl").write_text("uncommitted\n")
+        d = Path(rows.payload("rows", n))
+        d.mkdir(parents=True)
+        (d / "COMMIT").write_text(json.dumps({"count": 5, "producer": producer}))
+        segs.insert(0, str(d))
+    rows.publish("rows", segs)
+    (Path(rows.payload("rows", 3)) / "rows.jsonl").parent.mkdir(parents=True)
     assert stages.get("eval").probe(root) == (15, [LINUX, MAC])
     assert stages.get("distill").probe(root) == (0, [])
 
 
 def test_state_file_kind_and_version(tmp_path):
+    from spill.store.runs import acquire
+
     assert state.read(str(tmp_path)) is None
-    (tmp_path / "state.json").write_text(json.dumps({"kind": "other"}))
+    run = acquire(str(tmp_path))
+    place = run.place()
+    d = Path(place.payload("state", 1))
+    d.mkdir(parents=True)
+    place.publish("state", [str(d)])
+    (d / "state.json").write_text(json.dumps({"kind": "other"}))
     with pytest.raises(StoreError, match="not a spill build state"):
         state.read(str(tmp_path))
-    (tmp_path / "state.json").write_text(json.dumps({"kind": "spill-build", "schema_version": 9}))
+    (d / "state.json").write_text(json.dumps({"kind": "spill-build", "schema_version": 9}))
     with pytest.raises(StoreError, match="version 9"):
         state.read(str(tmp_path))
-    (tmp_path / "state.json").write_text("{")
+    (d / "state.json").write_text("{")
     with pytest.raises(StoreError, match="not JSON"):
+        state.read(str(tmp_path))
+    (d / "state.json").unlink()
+    with pytest.raises(StoreError, match="is missing"):
+        state.read(str(tmp_path))
+
+
+def test_a_state_of_an_older_spill_is_refused_in_one_line(tmp_path):
+    (tmp_path / "state.json").write_text(json.dumps({"kind": "spill-build"}))
+    with pytest.raises(StoreError, match="written by an older spill"):
         state.read(str(tmp_path))
 
 
