@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if hasattr(args, "overrides"):
         args.overrides = extra
+    args.argv = argv  # what a run records, so that `spill resume <state>` can continue it
     try:
         return args.func(args)
     except SpillError as e:

@@ -15,7 +15,7 @@ neither acquires nor completes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from spill.store.control import Run, RunComplete, Superseded
@@ -45,16 +45,72 @@ def _stop_on_loss(lost: Superseded) -> None:
     request_stop(f"superseded ({lost})")
 
 
+COMMAND = "command.json"
+
+
+def record_command(state: str, argv: Sequence[str]) -> None:
+    """Write ``<state>/command.json``: the command line that owns the run now."""
+    import json
+    import os
+    import time
+
+    from spill.store.fs import join, put_bytes
+    from spill.store.owner import host
+    from spill.store.schemas import remember, validate
+
+    words = [a for a in argv if not a.startswith("-")]
+    doc = {
+        "schema_version": 1,
+        "kind": "spill-command",
+        "verb": words[0] if words else "",
+        "argv": list(argv),
+        "cwd": os.getcwd(),
+        "host": host(),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    validate(doc, "command", where=join(state, COMMAND))
+    raw = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+    put_bytes(join(state, COMMAND), raw, drilled=False)
+    remember(raw, "command")
+
+
+def read_command(state: str) -> dict | None:
+    """``<state>/command.json`` validated, or None when there is none."""
+    from spill.store.fs import get_bytes, join
+    from spill.store.schemas import parse_json, validate_once
+
+    uri = join(state, COMMAND)
+    try:
+        raw = get_bytes(uri)
+    except FileNotFoundError:
+        return None
+    try:
+        doc = parse_json(raw)
+    except ValueError as e:
+        from spill.errors import StoreError
+
+        raise StoreError(f"{uri} is not JSON ({e}); it was damaged") from None
+    validate_once(raw, doc, "command", uri)
+    return doc
+
+
 @contextlib.contextmanager
 def own(
-    state: str, *, lease: float | None = None, wait: bool = False, new_run: bool = False
+    state: str,
+    *,
+    lease: float | None = None,
+    wait: bool = False,
+    new_run: bool = False,
+    command: Sequence[str] = (),
 ) -> Iterator[Run]:
     """This process's ownership of the run at ``state`` (a build's, or a job's), heartbeat
     included, released however the block ends; ``new_run``: after a completed run, start the
-    next one (its lineage names the completed one)."""
+    next one (its lineage names the completed one); ``command``: the command line to record."""
     from spill.store.runs import acquire
 
     run = acquire(state, lease=lease, wait=wait, new_run=new_run)
+    if command:
+        record_command(state, command)
     run.start_heartbeat(_stop_on_loss)
     try:
         yield run
@@ -64,14 +120,19 @@ def own(
 
 @contextlib.contextmanager
 def hold(
-    state: str, place: Place | None, *, lease: float | None = None, wait: bool = False
+    state: str,
+    place: Place | None,
+    *,
+    lease: float | None = None,
+    wait: bool = False,
+    command: Sequence[str] = (),
 ) -> Iterator[Held]:
     """The job's ``Held``: ``place`` as given (a build's stage), else this process's own run."""
     if place is not None:
         yield Held(place)
         return
     try:
-        owned = own(state, lease=lease, wait=wait)
+        owned = own(state, lease=lease, wait=wait, command=command)
         run = owned.__enter__()
     except RunComplete:
         yield Held(Place(state))

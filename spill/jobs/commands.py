@@ -175,6 +175,7 @@ def _row_options(args):
         state=args.state,
         lease=args.lease,
         wait=args.wait,
+        command=tuple(getattr(args, "argv", ())),
     )
 
 
@@ -240,6 +241,7 @@ def cmd_tune(args) -> int:
         load=_load_options(args),
         lease=args.lease,
         wait=args.wait,
+        command=tuple(getattr(args, "argv", ())),
     )
     emit(tune(args.model, Path(args.train), args.name, opts), args.json)
     return 0

@@ -69,6 +69,7 @@ class RowOptions:
     lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
     wait: bool = False  # wait for another owner's lease instead of exiting 75
     place: Place | None = field(default=None, compare=False)  # a build's stage: its place
+    command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,9 @@ def execute(
     from spill.store.fs import probe_writable
 
     probe_writable(opts.state)
-    with hold(opts.state, opts.place, lease=opts.lease, wait=opts.wait) as held:
+    with hold(
+        opts.state, opts.place, lease=opts.lease, wait=opts.wait, command=opts.command
+    ) as held:
         outcome = _execute(job, held.place, prepare, finish)
         if outcome.complete:
             held.finish()

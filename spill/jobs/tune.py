@@ -68,6 +68,7 @@ class TuneOptions:
     lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
     wait: bool = False  # wait for another owner's lease instead of exiting 75
     place: Place | None = field(default=None, compare=False)  # a build's stage: its place
+    command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
 
     @property
     def lora(self) -> LoraConfig:
@@ -189,7 +190,7 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
         )
     root = state_root(name, opts.state)
     probe_writable(root)  # a read-only state fails before any step
-    with hold(root, opts.place, lease=opts.lease, wait=opts.wait) as held:
+    with hold(root, opts.place, lease=opts.lease, wait=opts.wait, command=opts.command) as held:
         with Guard(unit="step") as guard:
             summary = _tune(guard, held.place, model, Path(train_path), name, opts)
         if summary["step"] == opts.steps:

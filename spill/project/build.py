@@ -22,7 +22,7 @@ from spill.project import state, uptodate
 from spill.project.stages import STAGES, get
 from spill.store.fs import listdir
 
-KNOWN = {"runs", "payloads", "stages", "files", "adapters", "sweep", "hydra"}
+KNOWN = {"runs", "payloads", "command.json", "stages", "files", "adapters", "sweep", "hydra"}
 
 
 class BuildOptions(NamedTuple):
@@ -34,6 +34,7 @@ class BuildOptions(NamedTuple):
     engine: tuple[str, ...] = ()  # resume: engine.* overrides on top of the recorded config
     lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
     wait: bool = False  # wait for another owner's lease instead of exiting 75
+    command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
 
 
 def _done_plan(doc: dict) -> list[dict[str, str]]:
@@ -94,7 +95,17 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         project = config.from_record(doc["config"], root, overrides)
     else:
         project = config.compose(root, overrides)
-    return run(project, state_root, key, doc, stop, opts.dry_run, lease=opts.lease, wait=opts.wait)
+    return run(
+        project,
+        state_root,
+        key,
+        doc,
+        stop,
+        opts.dry_run,
+        lease=opts.lease,
+        wait=opts.wait,
+        command=opts.command,
+    )
 
 
 def with_engine(project, engine: tuple[str, ...]):
@@ -160,6 +171,7 @@ def run(
     *,
     lease: float | None = None,
     wait: bool = False,
+    command: tuple[str, ...] = (),
 ) -> dict:
     """Plan ``project`` against the state at ``state_root`` and execute (builds and sweeps).
 
@@ -180,7 +192,7 @@ def run(
         return {**summary, "plan": [d.to_dict() for d in decisions], "doc": doc}
     from spill.jobs.authority import own
 
-    with own(state_root, lease=lease, wait=wait, new_run=True) as owned:
+    with own(state_root, lease=lease, wait=wait, new_run=True, command=command) as owned:
         now_doc = state.read(state_root)  # as the run holds it now that it is ours
         if now_doc != doc:
             check_location(project, now_doc, state_root)

@@ -105,6 +105,7 @@ def _build(args) -> int:
         overrides=tuple(_overrides(args)),
         lease=args.lease,
         wait=args.wait,
+        command=tuple(getattr(args, "argv", ())),
     )
     if args.multirun:
         import json
@@ -119,8 +120,11 @@ def _build(args) -> int:
 
 
 def cmd_resume(args) -> int:
+    from spill.jobs.resume import is_state, resume_state
     from spill.project.build import BuildOptions, build
 
+    if args.state is None and not args.overrides and is_state(args.dir):
+        return resume_state(args.dir, args)
     if args.overrides:
         if args.overrides[0].startswith("-"):
             raise UsageError(
@@ -137,6 +141,7 @@ def cmd_resume(args) -> int:
         engine=tuple(engine_overrides(args)),
         lease=args.lease,
         wait=args.wait,
+        command=tuple(getattr(args, "argv", ())),
     )
     return _preemptible(lambda: _emit_build(build(args.dir, opts), args.json) or 0)
 
@@ -198,9 +203,12 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser(
         "resume",
-        help="continue a stopped build with its recorded config",
+        help="continue a stopped build (or any run, given its state location)",
         description="Continue the recorded build as it was. The engine options may change: "
-        "they decide where the stages compute, not what they mean.",
+        "they decide where the stages compute, not what they mean. Given a state location "
+        "(a folder or URI holding runs/) instead of a project, continue the run it holds: the "
+        "command that owned it is run again there, and the last committed step or rows are "
+        "printed first.",
     )
     project_args(p)
     p.add_argument("--stop-after", metavar="STAGE[:N]", help="stop again after this point")

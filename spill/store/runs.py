@@ -133,6 +133,12 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                 # the run's control object first (a new key, no contention), then the list
                 try:
                     store.put(f"{rid}/{CONTROL}", doc, "control", None)
+                except (_Conflict, _Uncertain):
+                    # a new random key: a conflict is our own retried create that landed
+                    got, _ = read_control(store, rid)
+                    if got is None or got["last"]["op"] != doc["last"]["op"]:
+                        continue
+                try:
                     listing = {
                         "schema_version": SCHEMA_VERSION,
                         "kind": "spill-runs",

@@ -1,0 +1,132 @@
+"""``spill resume <state>``: continue whatever run a state location holds, from the location alone.
+
+``spill resume DIR`` with a project folder continues its build (``spill.project.build``). Given a
+state location instead (a folder or a URI holding ``runs/``), this module reads the run's control
+object and ``command.json`` (the command line that last owned the run, recorded at acquisition),
+prints the last committed step or row count, and runs that command again in the folder it was
+typed in, with ``--state`` set to the location given, its own ``--stop-after`` dropped (a resume
+continues), and the resume's ``--stop-after``, ``--wait``, ``--lease`` and engine options
+applied. The command itself acquires the run (exit 75 naming the owner while another process
+holds it), restores from the pointed payloads and continues.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from spill.console import note
+from spill.errors import StoreError
+from spill.store.fs import is_local, join
+
+JOB_VERBS = ("tune", "train", "run", "eval", "distill")
+BUILD_VERBS = ("build", "resume")
+ENGINE_FLAGS = ("engine", "device", "dtype", "ring", "memory")
+
+
+def is_state(where: str) -> bool:
+    """Whether ``where`` is a state location (it holds runs), not a project folder."""
+    from spill.store.cas import CURRENT, RUNS
+    from spill.store.fs import exists
+
+    if is_local(where) and os.path.isfile(os.path.join(where, "spill.yaml")):
+        return False
+    return exists(join(where, RUNS, CURRENT))
+
+
+def _progress(where: str, doc: dict[str, Any]) -> str:
+    """The last committed step (and cursor) or row count of the run at ``where``."""
+    from spill.store.checkpoint import newest_commit
+    from spill.store.place import Place
+    from spill.store.rows import commit_markers
+
+    place = Place(where)
+    if (found := newest_commit(place)) is not None:
+        step, state = found
+        total = (state.get("hyperparameters") or {}).get("steps", "?")
+        return f"step {step} of {total} committed, cursor {state.get('cursor', '?')}"
+    if "rows" in doc["pointers"]:
+        return f"{sum(int(m.get('count', 0)) for m in commit_markers(place))} rows committed"
+    if "state" in doc["pointers"]:
+        from spill.project import state as build_state
+
+        recs = (build_state.read(where) or {}).get("stages") or {}
+        done = [f"{n} {r['status']} ({r['progress']} of {r['total']})" for n, r in recs.items()]
+        return "; ".join(done) or "nothing committed yet"
+    return "nothing committed yet"
+
+
+def _without_stop(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--stop-after":
+            skip = True
+        elif not a.startswith("--stop-after="):
+            out.append(a)
+    return out
+
+
+def _with_state(argv: list[str], where: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--state":
+            skip = True
+        elif not a.startswith("--state="):
+            out.append(a)
+    return [*out, "--state", where]
+
+
+def _extra(args) -> list[str]:
+    """The resume's own options, as flags of the recorded command."""
+    out = []
+    if args.stop_after:
+        out += ["--stop-after", args.stop_after]
+    if args.wait:
+        out.append("--wait")
+    if args.lease is not None:
+        out += ["--lease", str(args.lease)]
+    return out
+
+
+def resume_state(where: str, args) -> int:
+    """Continue the run at state location ``where``; see the module doc."""
+    from spill.cli import main
+    from spill.jobs.authority import read_command
+    from spill.store.cas import current
+
+    if is_local(where):
+        where = os.path.abspath(where)
+    doc = current(where)
+    if doc is None:
+        raise StoreError(f"nothing to resume at {where}: it holds no run")
+    cmd = read_command(where)
+    if cmd is None or cmd["verb"] not in (*JOB_VERBS, *BUILD_VERBS):
+        raise StoreError(
+            f"{where} does not record the command that owns its run; run that command again "
+            f"with --state {where}"
+        )
+    note(
+        f"resuming run {doc['run']} ({doc['status']}, generation {doc['generation']}) at "
+        f"{where}: {_progress(where, doc)}"
+    )
+    if not os.path.isdir(cmd["cwd"]):
+        raise StoreError(
+            f"{where} was run from {cmd['cwd']}, which is not on this machine; run "
+            f"`{' '.join(cmd['argv'])}` again with --state {where} from a copy of its inputs"
+        )
+    argv = _with_state(_without_stop(list(cmd["argv"])), where)
+    if cmd["verb"] in BUILD_VERBS:
+        from spill.cli import build_parser
+
+        recorded, _ = build_parser(cmd["verb"]).parse_known_args(cmd["argv"])
+        project = os.path.join(cmd["cwd"], recorded.dir)
+        argv = ["resume", project, "--state", where]
+    argv += [f"--{k}={getattr(args, k)}" for k in ENGINE_FLAGS if getattr(args, k) is not None]
+    argv += ["--resident"] if args.resident else []
+    argv += ["--json"] if args.json else []
+    os.chdir(cmd["cwd"])  # the recorded arguments are relative to it
+    return main([*argv, *_extra(args)])
