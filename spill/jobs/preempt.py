@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from spill.errors import EXIT_PREEMPTED, SpillError
+from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 
 GRACE = 15.0
 DEADLINE = 30.0
@@ -297,6 +297,8 @@ class Guard:
                 what = self.save() if self.save is not None else None
         except Exception as e:
             self._settled.set()
+            if _superseded(e):  # not a stop to retry: the run is someone else's now
+                raise
             failed = f"saving failed ({type(e).__name__}: {e})"
             raise preempted(_switch.reason, "", detail=failed, say=not self._nested) from e
         self._settled.set()
@@ -356,5 +358,15 @@ class Guard:
             detail = f"the {self.unit} in progress was abandoned after {self.grace:g} s"
             preempted(reason, what, took=time.monotonic() - at, detail=detail)
         except BaseException as e:  # the process ends here either way
+            if _superseded(e):
+                _say(f"spill: error: {e}")
+                os._exit(EXIT_USER)
             preempted(reason, "", detail=f"saving failed ({type(e).__name__}: {e})")
         os._exit(EXIT_PREEMPTED)
+
+
+def _superseded(e: BaseException) -> bool:
+    """Whether a save failed because another process took the run over (exit 1, no retry)."""
+    from spill.store.control import Superseded
+
+    return isinstance(e, Superseded)

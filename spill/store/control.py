@@ -221,8 +221,9 @@ class Run:
                 try:
                     self.renew()
                 except Superseded as e:
-                    log.warning("%s", e)
-                    if on_lost is not None:
+                    if on_lost is None:
+                        log.warning("%s", e)
+                    else:
                         on_lost(e)
                     return
                 except (StoreError, OSError) as e:  # a passing network problem: next beat
