@@ -230,7 +230,7 @@ def test_sigkill_before_commit_on_one_engine_then_the_other_finishes(clean, tmp_
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-3000:])
     # step 4's three files are written, its COMMIT is not: step 2 is the newest a reader trusts
     assert kit.latest_step(state) == 2
-    assert kit.litter(state) == ["ckpt/step-4 (uncommitted)"]
+    assert kit.litter(state) == ["payloads/ckpt-g1-s4-0 (not current)"]
     assert kit.state_json(state, 2)["losses"] == clean.runs[first].losses[:2]
 
     done = kit.run_tune(clean.argv(state, then), clean.env)
@@ -286,10 +286,11 @@ def rowjob(tmp_path_factory):
 
 
 def _segments(state: Path) -> list[dict]:
-    """Every committed segment's marker, in push order."""
-    rows = state / "rows"
-    n = sorted(int(p.name[4:-7]) for p in rows.glob("seg-*.commit"))
-    return [json.loads((rows / f"seg-{k}.commit").read_text()) for k in n]
+    """Every committed segment's marker (the run's ``rows`` pointer names it), in push order."""
+    from spill.store.place import Place
+    from spill.store.rows import commit_markers
+
+    return commit_markers(Place(str(state)))
 
 
 @pytest.mark.parametrize("first, then", DIRECTIONS, ids=IDS)
@@ -303,9 +304,12 @@ def test_a_row_job_preempted_on_one_engine_finishes_on_the_other(rowjob, tmp_pat
         text=True,
         env=rowjob["env"],
     )
-    seg0 = state / "rows" / "seg-0.commit"
     deadline = time.monotonic() + 60
-    while not seg0.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while (
+        not list(state.glob("payloads/rows-g*-s0-*/COMMIT"))
+        and proc.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)

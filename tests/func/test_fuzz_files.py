@@ -227,7 +227,8 @@ def test_stopped_build_probes(world, examples):
         ex = scratch(world)
         toy = shutil.copytree(world["w"] / "toy-stopped", ex / "toy")
         name = data.draw(st.sampled_from(["state.json", "COMMIT"]), label="file")
-        damaged(data, toy / ".spill" / "stages" / "tune" / "ckpt" / "step-30" / name, "json")
+        [folder] = (toy / ".spill").rglob("payloads/ckpt-g*-s30-*")  # the current checkpoint
+        damaged(data, folder / name, "json")
         before = snapshot(toy)
         for argv in (["status", str(toy)], ["build", str(toy), "--dry-run"]):
             o = run_cli(argv, env(world["home"]), ex)
@@ -240,8 +241,9 @@ def test_stopped_build_probes(world, examples):
 
 # --- job states ---------------------------------------------------------------------------------
 
+# the stopped tune's run is generation 1; it points at steps 3 and 2 (two are kept)
 CKPT_FILES = [
-    f"ckpt/step-{n}/{f}"
+    f"payloads/ckpt-g1-s{n}-0/{f}"
     for n in (2, 3)
     for f in ("COMMIT", "state.json", "params.safetensors", "opt.safetensors")
 ]
@@ -279,7 +281,10 @@ def test_tune_checkpoint_files(world, examples):
     fuzz(examples, example)
 
 
-ROW_FILES = ["seg-0.commit", "seg-0.jsonl", "seg-1.commit", "seg-1.jsonl", "identity.json"]
+# 30 rows: segment 0 holds 25, segment 1 five, both of generation 1
+ROW_FILES = [f"payloads/rows-g1-s{n}-0/{f}" for n in (0, 1) for f in ("COMMIT", "rows.jsonl")] + [
+    "rows/identity.json"
+]
 
 
 @variants(15)
@@ -292,9 +297,7 @@ def test_row_job_files(world, examples):
         ex = scratch(world)
         state = shutil.copytree(w / "rows", ex / "state")
         name = data.draw(st.sampled_from(ROW_FILES), label="file")
-        damaged(
-            data, state / "rows" / name, "json" if name.endswith((".commit", ".json")) else None
-        )
+        damaged(data, state / name, "json" if name.endswith(("COMMIT", ".json")) else None)
         before = snapshot(world["model"], world["prompts"], state / "rows" / "identity.json")
         out = ex / "out.jsonl"
         argv = ["run", str(world["model"]), str(world["prompts"]), "--out", str(out)]

@@ -157,7 +157,7 @@ def test_a_stopped_tune_continued_after_its_model_changed_names_the_file(tmp_pat
     assert "the model's file model.safetensors changed since this run started (sha256 " in error
     assert "restore it, or start fresh with another --state" in error
     assert "same settings" not in error
-    assert kit.step_dirs(str(state)) == ["step-1"]
+    assert kit.step_dirs(str(state)) == ["ckpt-g1-s1-0"]
 
 
 def test_a_row_state_continued_after_its_model_changed_names_the_file(tmp_path, prompts):

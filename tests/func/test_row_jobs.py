@@ -42,16 +42,17 @@ def _spill(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def _committed_ids(state: str) -> list:
-    """Row ids of every committed segment, in push order (repeats kept, to be counted)."""
-    from spill.store.fs import get_bytes, join, listdir
+    """Row ids of every committed segment (the run's ``rows`` pointer names it), in push order
+    (repeats kept, to be counted)."""
+    from spill.store.place import Place
+    from spill.store.rows import commit_markers
 
-    names = listdir(join(state, "rows"))
-    n = sorted(int(x[4:-7]) for x in names if x.startswith("seg-") and x.endswith(".commit"))
-    return [
-        rid
-        for k in n
-        for rid in json.loads(get_bytes(join(state, "rows", f"seg-{k}.commit")))["row_ids"]
-    ]
+    return [rid for marker in commit_markers(Place(state)) for rid in marker["row_ids"]]
+
+
+def _segment(state: Path, n: int, name: str = "COMMIT") -> list[Path]:
+    """``name`` in every payload folder of segment ``n`` on disk (any generation)."""
+    return sorted(state.glob(f"payloads/rows-g*-s{n}-*/{name}"))
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +87,8 @@ def test_sigterm_commits_the_rows_done_and_rerun_finishes(tmp_path, job):
         text=True,
         env={**os.environ, **ENV},
     )
-    first = state / "rows" / "seg-0.commit"
     deadline = time.monotonic() + 60
-    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not _segment(state, 0) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     t = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -102,13 +102,14 @@ def test_sigterm_commits_the_rows_done_and_rerun_finishes(tmp_path, job):
     assert 25 <= done < ROWS
     assert not out.exists()
 
-    from spill.store.rows import restore
+    from spill.store.place import Place
+    from spill.store.rows import commit_markers, restore
 
-    got = restore(str(state))
+    got = restore(Place(str(state)))
     ref = [json.loads(x) for x in job["ref"].splitlines()]
     assert got.done == [r["id"] for r in ref[:done]]  # a prefix, in input order
     assert got.rows == ref[:done]
-    commit = json.loads((state / "rows" / "seg-0.commit").read_text())
+    commit = commit_markers(Place(str(state)))[0]
     assert {"engine", "device", "hardware", "os", "numerics"} <= set(commit["producer"])
     assert commit["producer"]["numerics"] == "float32"
 
@@ -125,7 +126,7 @@ def test_sigkill_before_a_segment_commit_loses_and_repeats_nothing(tmp_path, job
     args = ["run", job["model"], job["input"], "--out", str(out), *GEN, "--state", str(state)]
     killed = _spill(*args, env={"SPILL_DRILL": "seg-before-commit@2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert (state / "rows" / "seg-1.jsonl").exists()  # written, never committed
+    assert _segment(state, 1, "rows.jsonl") and not _segment(state, 1)  # written, never committed
     assert _committed_ids(str(state)) == [f"r{i}" for i in range(25)]
 
     resumed = _spill(*args)

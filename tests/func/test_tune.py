@@ -19,7 +19,7 @@ import pytest
 from spill.jobs.train_data import data_fingerprint
 from spill.models.tiny import write_tiny
 from spill.models.weights import fingerprint
-from spill.store.checkpoint import PARAMS, step_dir
+from spill.store.checkpoint import PARAMS
 from tests.func import tune_kit as kit
 
 ADAPTER_TREE = {
@@ -190,10 +190,10 @@ def test_continuing_with_other_settings_is_refused_in_one_line(refusals, what):
     ]
     assert len(lines) <= 2, proc.stderr
     error = errors[0]
-    assert f"{step_dir(state, 1)} was made with {text};" in error, error
+    assert f"{kit.step_dir(state, 1)} was made with {text};" in error, error
     assert "another --state" in error
     assert proc.stdout == ""
-    assert kit.step_dirs(state) == ["step-1"] and kit.files(state, 1) == before  # untouched
+    assert kit.step_dirs(state) == ["ckpt-g1-s1-0"] and kit.files(state, 1) == before  # untouched
 
 
 def test_spill_tune_with_no_setting_flags_continues_a_default_build(tmp_path, spill_home):

@@ -7,7 +7,9 @@ every file), the adapter tree is the control's byte for byte, the rerun restarte
 committed step (its ``continuing ... step k`` line names the newest checkpoint that verifies
 after the kill, and that checkpoint lies on the control's trajectory), no step is lost or
 repeated (six losses, the control's), and nothing a dead writer left survives the next save
-(no uncommitted step directory, no temporary file anywhere under the state).
+(no checkpoint folder the run does not point at, no temporary file anywhere under the state).
+A checkpoint is current only while the run's control object points at it, so "committed" below
+means published: a folder with a COMMIT that the pointer does not name is litter.
 
 Kills come three ways: at each named boundary (``SPILL_DRILL=<boundary>@k``: the process
 SIGKILLs itself there), at 20 random moments (a seeded RNG; the parent sends SIGKILL, two cases
@@ -66,8 +68,8 @@ def finish(state: str, control: kit.Control, env: dict, committed: int | None, *
         assert left == []  # the rerun saved: nothing a dead writer left survives a save
     else:
         # the rerun had no step to save, so no save cleaned up; the only thing a kill after the
-        # last COMMIT can leave is an older directory half removed by the rotation
-        assert all(x.endswith("(uncommitted)") and x != f"ckpt/step-{STEPS}" for x in left), left
+        # last publication can leave is an older folder the collection had not removed (yet)
+        assert all(x.endswith("(not current)") and f"-s{STEPS}-" not in x for x in left), left
         if left:
             print(f"left after a rerun with nothing to save: {left}")
     return done.stderr
@@ -77,17 +79,24 @@ def finish(state: str, control: kit.Control, env: dict, committed: int | None, *
 
 # (drill, the step whose checkpoint verifies after the kill, what the kill must have left)
 # Saves fall at steps 2, 4 and 6 (--ckpt-every 2); each local save is four atomic puts, so puts
-# 1-4 are step 2's, 5-8 step 4's, 9-12 step 6's and 13 on the adapter's.
+# 1-4 are step 2's, 5-8 step 4's, 9-12 step 6's and 13 on the adapter's (control objects are
+# written without drill counting). The killed run is generation 1, so its folders are
+# ``payloads/ckpt-g1-s<step>-0``.
 BOUNDARIES = [
     ("tune-before-forward@4", 2, []),
     ("tune-after-backward@4", 2, []),
     ("tune-after-optimizer@4", 2, []),  # step 4 applied in memory, its checkpoint not yet due
     ("tune-after-optimizer@2", None, []),  # before the first checkpoint: the rerun starts fresh
-    ("ckpt-between-files@2", 2, ["ckpt/step-4 (uncommitted)"]),
-    ("ckpt-before-commit@2", 2, ["ckpt/step-4 (uncommitted)"]),
-    ("ckpt-after-commit@2", 4, []),
-    ("ckpt-after-commit@3", 6, []),  # the last COMMIT landed: the rerun only publishes
-    ("put-before-rename@8", 2, ["ckpt/step-4 (uncommitted)", "ckpt/step-4/.COMMIT.tmp-"]),
+    ("ckpt-between-files@2", 2, ["payloads/ckpt-g1-s4-0 (not current)"]),
+    ("ckpt-before-commit@2", 2, ["payloads/ckpt-g1-s4-0 (not current)"]),
+    ("ckpt-after-commit@2", 4, []),  # published; step 2 is still the second one kept
+    # the last checkpoint published, step 2 not yet collected: the rerun only publishes
+    ("ckpt-after-commit@3", 6, ["payloads/ckpt-g1-s2-0 (not current)"]),
+    (
+        "put-before-rename@8",
+        2,
+        ["payloads/ckpt-g1-s4-0 (not current)", "payloads/ckpt-g1-s4-0/.COMMIT.tmp-"],
+    ),
     ("put-before-rename@14", 6, ["adapter/"]),  # killed while publishing the adapter
 ]
 
@@ -119,12 +128,10 @@ def test_sigkill_before_commit_on_s3_then_rerun_equals_the_control(control, s3_b
     killed = kit.run_tune(argv, {**env, "SPILL_DRILL": "ckpt-before-commit@2"})
     assert_killed(killed)
     # step 4's three files are on the server, its COMMIT is not: a reader trusts step 2
-    assert kit.fs.listdir(kit.step_dir(state, 4)) == [
-        "opt.safetensors",
-        "params.safetensors",
-        "state.json",
-    ]
-    assert kit.latest_step(state) == 2 and kit.litter(state) == ["ckpt/step-4 (uncommitted)"]
+    [four] = kit.step_folders(state, 4)
+    assert kit.fs.listdir(four) == ["opt.safetensors", "params.safetensors", "state.json"]
+    assert kit.latest_step(state) == 2
+    assert kit.litter(state) == ["payloads/ckpt-g1-s4-0 (not current)"]
     assert_on_track(state, control, 2)
     finish(state, control, env, 2)
     assert kit.committed_steps(state) == [4, 6]
@@ -177,17 +184,16 @@ def _moment(control: kit.Control, state: str, i: int) -> tuple[str, Callable, fl
         span = control.first + (every - kit.SETTINGS["ckpt_every"]) * control.step
         return "the progress bar", lambda w: w.wait_for(kit.BAR), fraction * max(span, 0.0)
     n = saves[k - 1]
-    folder = kit.step_dir(state, n)
     span = every * control.step if n < STEPS else control.publish
 
     def created(w: kit.Worker) -> bool:
-        while not os.path.isdir(folder):
+        while not kit.step_folders(state, n):
             if w.proc.poll() is not None:
                 return False
             time.sleep(0.0005)
         return True
 
-    return f"ckpt/step-{n} appeared", created, fraction * span
+    return f"the folder of step {n} appeared", created, fraction * span
 
 
 def _kill_at(argv: list[str], env: dict, wait: Callable, delay: float):
@@ -301,9 +307,8 @@ def test_sigterm_at_an_arbitrary_moment_commits_and_the_rerun_equals_the_control
     state = str(tmp_path / "state")
     env = kit.spill_env(tmp_path / "home")
     w = kit.Worker(kit.tune_argv(control.model, control.train, state, ckpt_every=1), env)
-    first = kit.fs.join(kit.step_dir(state, 1), "COMMIT")
     deadline = time.monotonic() + 60
-    while not os.path.exists(first) and time.monotonic() < deadline and w.proc.poll() is None:
+    while not kit.commit_landed(state, 1) and time.monotonic() < deadline and w.proc.poll() is None:
         time.sleep(0.002)
     time.sleep(random.Random(7).random() * 0.03)  # well within the five steps left
     seconds = _term(w, resume=False)

@@ -4,6 +4,12 @@ Every run is a fresh ``python -m spill tune`` process with its own ``SPILL_HOME`
 environment (so the S3 server's ``AWS_*`` variables reach it). Checkpoints are read back through
 ``spill.store`` so that local and ``s3://`` states are compared the same way.
 
+A checkpoint is a payload folder ``payloads/ckpt-g<gen>-s<step>-<attempt>/``, current only while
+the run's control object points at it: ``step_dir`` is the pointed folder of a step, what a
+reader trusts; ``step_folders`` every folder of a step on disk, current or not; ``litter`` what
+no pointer names (a dead writer's folder, or one the collection has not removed yet) and any
+temporary file.
+
 The uninterrupted control of the standard run (``control``) is made once per session and shared
 by both test modules; it also records how long its steps, saves and adapter publication took,
 the window over which the random kill moments are spread.
@@ -11,6 +17,7 @@ the window over which the random kill moments are spread.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -34,8 +41,8 @@ from spill.store.checkpoint import (
     CheckpointInvalid,
     latest_checkpoint,
     load_checkpoint,
-    step_dir,
 )
+from spill.store.place import Place, payload_seq
 
 STEPS = 6
 # The standard run: a tiny llama streamed through a ring of 2, two micro-batches per step, LoRA
@@ -180,8 +187,26 @@ class Worker:
 # --- reading and comparing checkpoints ------------------------------------------------------
 
 
+def step_dir(state: str, step: int) -> str:
+    """The folder of ``step`` that the run points at (the checkpoint a reader trusts)."""
+    found = [u for u in Place(state).pointer("ckpt") if payload_seq(u) == step]
+    assert found, f"{state}: no checkpoint of step {step} is current ({step_dirs(state)} on disk)"
+    return found[0]
+
+
+def step_folders(state: str, step: int) -> list[str]:
+    """Every checkpoint folder of ``step`` on disk, pointed at or not (any generation)."""
+    base = fs.join(state, "payloads")
+    return [fs.join(base, n) for n in step_dirs(state) if payload_seq(n) == step]
+
+
+def commit_landed(state: str, step: int) -> bool:
+    """Whether a COMMIT of ``step`` is on a local disk (cheap enough to poll)."""
+    return bool(glob.glob(os.path.join(state, "payloads", f"ckpt-g*-s{step}-*", COMMIT)))
+
+
 def files(state: str, step: int) -> dict[str, bytes]:
-    """The four files of ``ckpt/step-<step>/``, as bytes."""
+    """The four files of the current checkpoint of ``step``, as bytes."""
     return {n: fs.get_bytes(fs.join(step_dir(state, step), n)) for n in (*FILES, COMMIT)}
 
 
@@ -234,25 +259,34 @@ def adapter_files(state: str) -> dict[str, bytes]:
 
 
 def committed_steps(state: str) -> list[int]:
-    """Steps whose directories are committed and verify, oldest first."""
-    return [int(n.removeprefix("step-")) for n in step_dirs(state) if _verifies(state, n)]
+    """Steps whose checkpoints the run points at and that verify, oldest first."""
+    return sorted(payload_seq(u) for u in Place(state).pointer("ckpt") if _verifies(u))
 
 
 def step_dirs(state: str) -> list[str]:
-    return [n for n in fs.listdir(fs.join(state, "ckpt")) if n.startswith("step-")]
+    """Names of every checkpoint payload folder on disk (``ckpt-g1-s4-0``), current or not."""
+    return [n for n in fs.listdir(fs.join(state, "payloads")) if n.startswith("ckpt-")]
 
 
-def _verifies(state: str, name: str) -> bool:
+def _verifies(uri: str) -> bool:
     try:
-        load_checkpoint(fs.join(state, "ckpt", name))
+        load_checkpoint(uri)
     except CheckpointInvalid:
         return False
     return True
 
 
 def litter(state: str) -> list[str]:
-    """What a dead writer left: uncommitted step directories and temporary files."""
-    out = [f"ckpt/{n} (uncommitted)" for n in step_dirs(state) if not _verifies(state, n)]
+    """What a dead writer left: payload folders no pointer names (``payloads/<name> (not
+    current)``), pointed ones that fail verification, and temporary files."""
+    doc = Place(state).doc() or {}
+    pointed = {u.rsplit("/", 1)[-1] for rels in doc.get("pointers", {}).values() for u in rels}
+    out = []
+    for name in fs.listdir(fs.join(state, "payloads")):
+        if name not in pointed:
+            out.append(f"payloads/{name} (not current)")
+        elif name.startswith("ckpt-") and not _verifies(fs.join(state, "payloads", name)):
+            out.append(f"payloads/{name} (damaged)")
     if fs.is_local(state):
         for folder, _, names in os.walk(state):
             out += [os.path.relpath(os.path.join(folder, n), state) for n in names if fs.is_temp(n)]
@@ -260,7 +294,7 @@ def litter(state: str) -> list[str]:
 
 
 def latest_step(state: str) -> int | None:
-    ckpt = latest_checkpoint(state)
+    ckpt = latest_checkpoint(Place(state))
     return None if ckpt is None else ckpt.step
 
 
@@ -314,7 +348,7 @@ def control(tmp_path_factory, tiny_models: dict[str, Path]) -> Control:
             every = SETTINGS["ckpt_every"]
             while w.proc.poll() is None and len(commits) < STEPS // every:
                 for n in range(every, STEPS + 1, every):
-                    if n not in commits and os.path.exists(f"{state}/ckpt/step-{n}/COMMIT"):
+                    if n not in commits and commit_landed(state, n):
                         commits[n] = time.monotonic() - t0
                 time.sleep(0.001)
 

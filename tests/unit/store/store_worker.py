@@ -3,7 +3,10 @@
     python store_worker.py ckpt <root> <step> [<step> ...]   save these checkpoints
     python store_worker.py rows <root> <first> <stop>        add rows first..stop-1, then close
 
-The drill itself comes from ``SPILL_DRILL`` in the environment. ``tensors`` is also used by the
+Each mode first acquires the run at ``<root>`` (as ``spill tune`` and a row job with ``--state``
+do) and releases it when done; a killed worker's run is taken over at once by the next acquire
+on this host (its owner process is gone). The drill itself comes from ``SPILL_DRILL`` in the
+environment. ``tensors`` is also used by the
 tests (through ``runpy``) to know what each step must contain.
 """
 
@@ -55,21 +58,25 @@ def tensors(step: int) -> tuple[dict, dict, dict]:
 
 def main(argv: list[str]) -> None:
     mode, root, *nums = argv
-    if mode == "ckpt":
-        from spill.store.checkpoint import save_checkpoint
-
-        for step in map(int, nums):
-            save_checkpoint(root, step, *tensors(step))
-            print("saved", step, flush=True)
-    elif mode == "rows":
-        from spill.store.rows import SegmentWriter
-
-        first, stop = map(int, nums)
-        with SegmentWriter(root, IDENTITY, PRODUCER) as w:
-            for i in range(first, stop):
-                w.add(f"r{i}", {"id": f"r{i}", "out": i * i})
-    else:
+    if mode not in ("ckpt", "rows"):
         raise SystemExit(f"unknown mode {mode}")
+    from spill.store.runs import held
+
+    with held(root) as run:
+        place = run.place()
+        if mode == "ckpt":
+            from spill.store.checkpoint import save_checkpoint
+
+            for step in map(int, nums):
+                save_checkpoint(place, step, *tensors(step))
+                print("saved", step, flush=True)
+        else:
+            from spill.store.rows import SegmentWriter
+
+            first, stop = map(int, nums)
+            with SegmentWriter(place, IDENTITY, PRODUCER) as w:
+                for i in range(first, stop):
+                    w.add(f"r{i}", {"id": f"r{i}", "out": i * i})
 
 
 if __name__ == "__main__":

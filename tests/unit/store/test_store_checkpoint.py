@@ -1,4 +1,5 @@
-"""Tune checkpoints: exact roundtrip on every backend, COMMIT semantics, keep-two."""
+"""Tune checkpoints: exact roundtrip on every backend, COMMIT semantics, keep-two, and the
+pointer: a payload folder counts only while the run's control object names it."""
 
 from __future__ import annotations
 
@@ -13,14 +14,31 @@ from spill.store.checkpoint import (
     CheckpointInvalid,
     latest_checkpoint,
     load_checkpoint,
+    newest_commit,
     save_checkpoint,
-    step_dir,
 )
+from spill.store.control import Superseded
+from spill.store.place import Place, payload_seq
+from spill.store.runs import acquire
 from spill.store.schemas import SchemaInvalid
 
 
-def steps_on_disk(root: str) -> list[str]:
-    return fs.listdir(fs.join(root, "ckpt"))
+def writer(root: str) -> Place:
+    """This process's place in the run at ``root`` (acquired, as ``spill tune`` does)."""
+    return acquire(root).place()
+
+
+def latest(root: str):
+    """What a reader (a fresh ``Place``, reading the control object) takes."""
+    return latest_checkpoint(Place(root))
+
+
+def on_disk(root: str) -> list[str]:
+    return [n for n in fs.listdir(fs.join(root, "payloads")) if n.startswith("ckpt-")]
+
+
+def pointed(root: str) -> list[int]:
+    return [payload_seq(u) for u in Place(root).pointer("ckpt")]
 
 
 def assert_exact(loaded, expected) -> None:
@@ -33,32 +51,34 @@ def assert_exact(loaded, expected) -> None:
 
 
 def test_roundtrip_is_exact(root, data):
-    assert latest_checkpoint(root) is None
-    uri = save_checkpoint(root, 7, *data(7))
-    assert uri == step_dir(root, 7)
+    assert latest(root) is None and newest_commit(Place(root)) is None
+    uri = save_checkpoint(writer(root), 7, *data(7))
+    assert uri == fs.join(root, "payloads", "ckpt-g1-s7-0")
     assert sorted(fs.listdir(uri)) == [
         "COMMIT",
         "opt.safetensors",
         "params.safetensors",
         "state.json",
     ]
-    ckpt = latest_checkpoint(root)
+    ckpt = latest(root)
     assert ckpt is not None and ckpt.step == 7 and ckpt.uri == uri
     assert_exact(load_checkpoint(ckpt), data(7))
     assert_exact(load_checkpoint(ckpt), data(7))  # a second load reads the store again
     assert_exact(load_checkpoint(uri), data(7))
+    step, state = newest_commit(Place(root))
+    assert step == 7 and state["cursor"] == data(7)[2]["cursor"]
 
 
 def test_bytes_are_deterministic(tmp_path, data):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     params, opt, state = data(2)
-    save_checkpoint(a, 2, params, opt, state)
-    save_checkpoint(b, 2, dict(reversed(params.items())), dict(reversed(opt.items())), state)
+    ua = save_checkpoint(writer(a), 2, params, opt, state)
+    ub = save_checkpoint(
+        writer(b), 2, dict(reversed(params.items())), dict(reversed(opt.items())), state
+    )
     for name in ("params.safetensors", "opt.safetensors", "state.json", "COMMIT"):
-        assert fs.get_bytes(fs.join(step_dir(a, 2), name)) == fs.get_bytes(
-            fs.join(step_dir(b, 2), name)
-        )
-    commit = json.loads(fs.get_bytes(fs.join(step_dir(a, 2), "COMMIT")))
+        assert fs.get_bytes(fs.join(ua, name)) == fs.get_bytes(fs.join(ub, name))
+    commit = json.loads(fs.get_bytes(fs.join(ua, "COMMIT")))
     assert commit["schema_version"] == 1 and set(commit["files"]) == {
         "params.safetensors",
         "opt.safetensors",
@@ -67,83 +87,170 @@ def test_bytes_are_deterministic(tmp_path, data):
 
 
 def test_keeps_the_two_newest(root, data):
+    place = writer(root)
     for step in (1, 2, 3, 4):
-        save_checkpoint(root, step, *data(step))
-    assert steps_on_disk(root) == ["step-3", "step-4"]
-    assert latest_checkpoint(root).step == 4
+        save_checkpoint(place, step, *data(step))
+    assert pointed(root) == [4, 3]  # newest first
+    assert on_disk(root) == ["ckpt-g1-s3-0", "ckpt-g1-s4-0"]
+    assert latest(root).step == 4
 
 
-def test_uncommitted_dir_is_ignored_then_removed_by_next_save(root, data, caplog):
-    save_checkpoint(root, 1, *data(1))
-    save_checkpoint(root, 2, *data(2))
-    fs.remove(fs.join(step_dir(root, 2), "COMMIT"))  # as if the writer died before COMMIT
-    with caplog.at_level(logging.WARNING, logger="spill.store.checkpoint"):
-        ckpt = latest_checkpoint(root)
-    assert ckpt.step == 1
-    [line] = [r.getMessage() for r in caplog.records]
-    assert "step-2" in line and "no COMMIT" in line and "next save removes it" in line
-    save_checkpoint(root, 3, *data(3))
-    assert steps_on_disk(root) == ["step-1", "step-3"]
+def test_a_folder_not_pointed_at_is_never_loaded_and_the_next_save_removes_it(root, tmp_path, data):
+    """Recovery follows the pointer, never "the highest step folder": a complete, verifying
+    folder of a higher step that the control object does not name is not a checkpoint."""
+    place = writer(root)
+    save_checkpoint(place, 1, *data(1))
+    save_checkpoint(place, 2, *data(2))
+    # a good step-9 checkpoint (made in another run) copied in by hand: nobody published it
+    made = save_checkpoint(writer(str(tmp_path / "other")), 9, *data(9))
+    stray = fs.join(root, "payloads", "ckpt-g1-s9-0")
+    for name in fs.listdir(made):
+        fs.put_bytes(fs.join(stray, name), fs.get_bytes(fs.join(made, name)))
+    assert_exact(load_checkpoint(stray), data(9))  # its bytes and COMMIT are valid
+    assert latest(root).step == 2 and newest_commit(Place(root))[0] == 2
+    assert pointed(root) == [2, 1]
+    save_checkpoint(place, 3, *data(3))
+    assert on_disk(root) == ["ckpt-g1-s2-0", "ckpt-g1-s3-0"]
+    assert latest(root).step == 3
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupt_file_is_ignored_with_a_message_then_removed(tmp_path, data, caplog, damage):
+def test_an_unpublished_save_is_ignored_then_removed_by_the_next_save(tmp_path, data, caplog):
+    """A writer that died after its COMMIT but before publishing left a complete folder that is
+    not current; the run continues from the pointed step and the next save collects it."""
     root = str(tmp_path / "state")
+    run = acquire(root)
+    place = run.place()
+    save_checkpoint(place, 1, *data(1))
+    save_checkpoint(place, 2, *data(2))
+    pointer = run.doc["pointers"]["ckpt"]
+    save_checkpoint(place, 3, *data(3), keep=3)  # keep=3: nothing removed yet
+    run.publish({"ckpt": pointer})  # as if step 3's publication never happened
+    fs.put_bytes(fs.join(root, "payloads", "ckpt-g1-s3-0", "state.json"), b"{}")  # never read
+    with caplog.at_level(logging.WARNING, logger="spill.store.checkpoint"):
+        assert latest(root).step == 2
+    assert caplog.records == []  # nothing pointed failed, so nothing to say
+    save_checkpoint(place, 3, *data(3))  # the continuing job saves step 3 anew
+    assert pointed(root) == [3, 2]
+    assert on_disk(root) == ["ckpt-g1-s2-0", "ckpt-g1-s3-1"]
+    assert_exact(load_checkpoint(latest(root)), data(3))
+
+
+@pytest.mark.parametrize("damage", ["no COMMIT", "truncate", "flip", "bad COMMIT"])
+def test_a_damaged_pointed_checkpoint_is_skipped_with_a_message_then_dropped(
+    tmp_path, data, caplog, damage
+):
+    root = str(tmp_path / "state")
+    place = writer(root)
     for step in (1, 2):
-        save_checkpoint(root, step, *data(step))
-    victim = fs.join(step_dir(root, 2), "opt.safetensors")
-    blob = bytearray(fs.get_bytes(victim))
-    if damage == "truncate":
-        del blob[-4:]
+        save_checkpoint(place, step, *data(step))
+    two = Place(root).pointer("ckpt")[0]
+    if damage == "no COMMIT":
+        fs.remove(fs.join(two, "COMMIT"))
+    elif damage == "bad COMMIT":
+        fs.put_bytes(fs.join(two, "COMMIT"), b'{"schema_version": 1}')
     else:
-        blob[-1] ^= 0xFF
-    fs.put_bytes(victim, bytes(blob))
+        victim = fs.join(two, "opt.safetensors")
+        blob = bytearray(fs.get_bytes(victim))
+        if damage == "truncate":
+            del blob[-4:]
+        else:
+            blob[-1] ^= 0xFF
+        fs.put_bytes(victim, bytes(blob))
     with caplog.at_level(logging.WARNING, logger="spill.store.checkpoint"):
-        assert latest_checkpoint(root).step == 1
+        assert latest(root).step == 1
     [line] = [r.getMessage() for r in caplog.records]
-    assert "step-2" in line and "opt.safetensors" in line
-    assert ("bytes, COMMIT says" if damage == "truncate" else "sha256") in line
+    assert "ckpt-g1-s2-0" in line
+    assert {
+        "no COMMIT": "no COMMIT",
+        "bad COMMIT": "unreadable COMMIT",
+        "truncate": "bytes, COMMIT says",
+        "flip": "sha256",
+    }[damage] in line
     with pytest.raises(CheckpointInvalid):
-        load_checkpoint(step_dir(root, 2))
-    save_checkpoint(root, 3, *data(3))
-    assert steps_on_disk(root) == ["step-1", "step-3"]
+        load_checkpoint(two)
+    # the continuing job saves step 2 again: the damaged one is dropped, step 1 is kept
+    save_checkpoint(place, 2, *data(2))
+    assert pointed(root) == [2, 1]
+    assert on_disk(root) == ["ckpt-g1-s1-0", "ckpt-g1-s2-1"]
+    save_checkpoint(place, 3, *data(3))
+    assert pointed(root) == [3, 2] and latest(root).step == 3
 
 
-def test_damaged_state_or_commit_is_not_trusted(tmp_path, data):
+def test_a_damaged_older_checkpoint_is_not_kept_in_place_of_a_good_one(tmp_path, data):
     root = str(tmp_path / "state")
-    save_checkpoint(root, 1, *data(1))
-    save_checkpoint(root, 2, *data(2))
-    fs.put_bytes(fs.join(step_dir(root, 2), "COMMIT"), b'{"schema_version": 1}')
-    assert latest_checkpoint(root).step == 1
+    place = writer(root)
+    for step in (1, 2):
+        save_checkpoint(place, step, *data(step))
+    older = Place(root).pointer("ckpt")[1]
+    fs.remove(fs.join(older, "COMMIT"))
+    save_checkpoint(place, 3, *data(3))
+    assert pointed(root) == [3, 2]  # not [3, 1]: step 1 no longer verifies
+    assert on_disk(root) == ["ckpt-g1-s2-0", "ckpt-g1-s3-0"]
 
 
-def test_resaving_the_same_step_is_a_no_op(tmp_path, data):
+def test_resaving_the_current_step_is_a_no_op(tmp_path, data):
     root = str(tmp_path / "state")
-    save_checkpoint(root, 1, *data(1))
-    save_checkpoint(root, 2, *data(2))
-    before = fs.get_bytes(fs.join(step_dir(root, 2), "COMMIT"))
-    save_checkpoint(root, 2, *data(2))
-    assert fs.get_bytes(fs.join(step_dir(root, 2), "COMMIT")) == before
-    assert steps_on_disk(root) == ["step-1", "step-2"]
+    place = writer(root)
+    save_checkpoint(place, 1, *data(1))
+    uri = save_checkpoint(place, 2, *data(2))
+    before = fs.get_bytes(fs.join(uri, "COMMIT"))
+    assert save_checkpoint(place, 2, *data(2)) == uri
+    assert fs.get_bytes(fs.join(uri, "COMMIT")) == before
+    assert pointed(root) == [2, 1] and on_disk(root) == ["ckpt-g1-s1-0", "ckpt-g1-s2-0"]
 
 
-def test_newer_committed_checkpoint_is_never_deleted(tmp_path, data):
+def test_a_stale_writer_cannot_make_its_checkpoint_current(root, data):
+    """A writer stopped past its lease is taken over (generation 2); its next save writes its
+    folder but the publication is fenced (Superseded), and no reader ever loads that folder.
+    The successor's saves never remove what a later generation wrote, only older litter."""
+    stale = acquire(root, lease=0.2)  # no heartbeat: as if stopped past its lease
+    save_checkpoint(stale.place(), 1, *data(1))
+    fresh = acquire(root, wait=True, poll=0.05)  # waits for the lease to expire
+    assert fresh.gen == stale.gen + 1
+    with pytest.raises(Superseded, match="generation 2"):
+        save_checkpoint(stale.place(), 5, *data(5))
+    assert "ckpt-g1-s5-0" in on_disk(root)  # written, never current
+    assert latest(root).step == 1 and pointed(root) == [1]
+    with pytest.raises(Superseded):  # and it stays fenced
+        save_checkpoint(stale.place(), 6, *data(6))
+    save_checkpoint(fresh.place(), 2, *data(2))
+    assert pointed(root) == [2, 1]
+    assert on_disk(root) == ["ckpt-g1-s1-0", "ckpt-g2-s2-0"]  # the stale folders collected
+    assert_exact(load_checkpoint(latest(root)), data(2))
+
+
+def test_a_stale_collection_never_removes_a_later_generations_folder(tmp_path, data):
+    """A writer paused between its publication and its removals, taken over meanwhile: when it
+    goes on it removes only its own generation's folders that its pointer does not name, so
+    nothing the successor wrote or points at goes."""
     root = str(tmp_path / "state")
-    for step in (5, 6):
-        save_checkpoint(root, step, *data(step))
-    save_checkpoint(root, 2, *data(2))
-    assert steps_on_disk(root) == ["step-2", "step-5", "step-6"]
+    old = acquire(root, lease=0.2)
+    one = save_checkpoint(old.place(), 1, *data(1))
+    fs.put_bytes(fs.join(root, "payloads", "ckpt-g1-s2-0", "params.safetensors"), b"x")  # litter
+    new = acquire(root, wait=True, poll=0.05)
+    save_checkpoint(new.place(), 2, *data(2))
+    assert on_disk(root) == ["ckpt-g1-s1-0", "ckpt-g2-s2-0"]
+    fs.put_bytes(fs.join(root, "payloads", "ckpt-g2-s3-0", "params.safetensors"), b"y")
+    old.place().collect("ckpt", {one})  # the old writer's removals, after its publication
+    assert on_disk(root) == ["ckpt-g1-s1-0", "ckpt-g2-s2-0", "ckpt-g2-s3-0"]
+    assert pointed(root) == [2, 1] and latest(root).step == 2
 
 
 def test_bad_inputs_are_refused_before_writing(tmp_path, data):
     root = str(tmp_path / "state")
+    place = writer(root)
     params, opt, state = data(1)
     with pytest.raises(ValueError, match="float32"):
-        save_checkpoint(root, 1, {**params, "x": np.zeros(2, np.float64)}, opt, state)
+        save_checkpoint(place, 1, {**params, "x": np.zeros(2, np.float64)}, opt, state)
     with pytest.raises(ValueError, match="m::<param>"):
-        save_checkpoint(root, 1, params, {**opt, "w::x": np.zeros(2, np.float32)}, state)
+        save_checkpoint(place, 1, params, {**opt, "w::x": np.zeros(2, np.float32)}, state)
     with pytest.raises(ValueError, match="step 1"):
-        save_checkpoint(root, 2, params, opt, state)
+        save_checkpoint(place, 2, params, opt, state)
     with pytest.raises(SchemaInvalid, match="cursor"):
-        save_checkpoint(root, 1, params, opt, {**state, "cursor": -1})
-    assert not fs.exists(root)
+        save_checkpoint(place, 1, params, opt, {**state, "cursor": -1})
+    assert on_disk(root) == [] and pointed(root) == []
+
+
+def test_a_folder_name_that_is_not_a_payload_is_refused(tmp_path):
+    with pytest.raises(CheckpointInvalid, match="not a payloads/ckpt"):
+        load_checkpoint(str(tmp_path / "ckpt" / "step-1"))

@@ -68,6 +68,6 @@ def test_unknown_scheme_is_one_line():
 
 
 def test_helpers():
-    assert fs.join("s3://b/p/", "ckpt", "step-1") == "s3://b/p/ckpt/step-1"
+    assert fs.join("s3://b/p/", "payloads", "ckpt-g1-s1-0") == "s3://b/p/payloads/ckpt-g1-s1-0"
     assert fs.is_local("/tmp/x") and fs.is_local("file:///tmp/x") and not fs.is_local("memory://x")
     assert fs.is_temp(".COMMIT.tmp-0123abcd") and not fs.is_temp("COMMIT")
