@@ -20,6 +20,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from pathlib import PurePosixPath
 from typing import Any
 
 from spill.errors import StoreError
@@ -28,6 +29,7 @@ from spill.store.cas import (
     ATTEMPTS,
     CONTROL,
     CURRENT,
+    RUNS,
     Store,
     _Conflict,
     _Uncertain,
@@ -37,6 +39,7 @@ from spill.store.cas import (
     store_for,
 )
 from spill.store.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
+from spill.store.fs import _local, exists, is_local, join
 from spill.store.owner import describe, gone, home_of, host, lease_seconds, me
 
 
@@ -104,6 +107,7 @@ def acquire(
     ``RunComplete``. A held run raises ``Busy`` unless ``wait``, which polls until it is free.
     """
     lease = lease_seconds(lease)
+    _refuse_nested(state)
     store = store_for(state)
     nonce = secrets.token_hex(16)
     while True:
@@ -185,6 +189,24 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                 continue
             return Run(store, new, lease)
     raise StoreError(f"{store.state}: could not acquire its run; try again")
+
+
+def _refuse_nested(state: str) -> None:
+    """A location inside another run's location (a build's ``.spill/stages/tune``) is that run's
+    to write: its own run would collect the other's payloads there (same names, generations
+    counted apart), so it is refused in one line."""
+    if is_local(state):
+        above = [str(p) for p in PurePosixPath(os.path.realpath(_local(state))).parents]
+    else:
+        scheme, _, rest = state.rstrip("/").partition("://")
+        parts = rest.split("/")
+        above = [f"{scheme}://" + "/".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+    for outer in above:
+        if exists(join(outer, RUNS, CURRENT)):
+            raise StoreError(
+                f"{state} lies inside {outer}, which holds runs of its own (a build's state); "
+                f"continue it there (spill build / spill resume {outer}), or give another --state"
+            )
 
 
 def _complete(store: Store, runs: dict[str, Any]) -> bool:
