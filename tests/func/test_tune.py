@@ -19,7 +19,8 @@ import pytest
 from spill.jobs.train_data import data_fingerprint
 from spill.models.tiny import write_tiny
 from spill.models.weights import fingerprint
-from spill.store.checkpoint import PARAMS
+from spill.store.checkpoint import COMMIT, PARAMS, latest_checkpoint
+from spill.store.place import Place
 from tests.func import tune_kit as kit
 
 ADAPTER_TREE = {
@@ -196,10 +197,14 @@ def test_continuing_with_other_settings_is_refused_in_one_line(refusals, what):
     assert kit.step_dirs(state) == ["ckpt-g1-s1-0"] and kit.files(state, 1) == before  # untouched
 
 
-def test_spill_tune_with_no_setting_flags_continues_a_default_build(tmp_path, spill_home):
+def test_spill_tune_with_no_setting_flags_makes_a_default_builds_checkpoint(tmp_path, spill_home):
     """One definition per setting: the toy build with every tune setting at its conf default,
-    stopped after step 1, and then a plain ``spill tune`` (no setting flags) on the same split and
-    stage state are one run: the command continues the build's checkpoint, it is not refused."""
+    stopped after step 1, and a plain ``spill tune`` (no setting flags) on the same split are one
+    run: its step-1 checkpoint is the build's, COMMIT for COMMIT (so every file's sha256).
+
+    The build's stage state is the build's run's to write: ``spill tune --state`` inside it is
+    refused in one line (its own run would collect the build's checkpoint folders, which share
+    their names) and the build's checkpoint stays current."""
     from spill.conf import defaults
 
     from tests.conftest import run_spill
@@ -211,8 +216,20 @@ def test_spill_tune_with_no_setting_flags_continues_a_default_build(tmp_path, sp
     build = run_spill("build", str(toy), "--stop-after", "tune:1", *back)
     assert build.returncode == 0, build.stderr
     state = toy / ".spill"
+    made = latest_checkpoint(Place(str(state), "stages/tune"))
+    assert made is not None and made.step == 1
     argv = ["tune", "tiny:llama:2:2x64", str(state / "files" / "train.jsonl"), "--name", "toy"]
-    argv += ["--state", str(state / "stages" / "tune"), "--stop-after", "2", "--dtype", "float32"]
-    proc = run_spill(*argv)
+    argv += ["--stop-after", "1", "--dtype", "float32"]
+
+    inside = run_spill(*argv, "--state", str(state / "stages" / "tune"))
+    assert inside.returncode == 1, inside.stderr
+    [error] = inside.stderr.splitlines()
+    assert error.startswith("spill: error:") and f"lies inside {state}" in error, error
+    again = latest_checkpoint(Place(str(state), "stages/tune"))
+    assert again is not None and again.uri == made.uri  # still current, and it verifies
+
+    solo = str(tmp_path / "solo")
+    proc = run_spill(*argv, "--state", solo)
     assert proc.returncode == 0, proc.stderr
-    assert "step 1 of 100" in proc.stderr and "continuing toy" in proc.stderr, proc.stderr
+    assert "stopped after step 1 of 100" in proc.stderr, proc.stderr
+    assert kit.files(solo, 1)[COMMIT] == kit.fs.get_bytes(kit.fs.join(made.uri, COMMIT))

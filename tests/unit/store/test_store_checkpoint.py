@@ -9,6 +9,7 @@ import logging
 import numpy as np
 import pytest
 
+from spill.errors import StoreError
 from spill.store import fs
 from spill.store.checkpoint import (
     CheckpointInvalid,
@@ -254,3 +255,16 @@ def test_bad_inputs_are_refused_before_writing(tmp_path, data):
 def test_a_folder_name_that_is_not_a_payload_is_refused(tmp_path):
     with pytest.raises(CheckpointInvalid, match="not a payloads/ckpt"):
         load_checkpoint(str(tmp_path / "ckpt" / "step-1"))
+
+
+def test_a_state_inside_another_runs_location_is_refused(root, data):
+    """A build's stage folder is the build's run's: a run of its own there would name its
+    folders like the build's (generations counted apart) and collect them."""
+    place = acquire(root).place("stages/tune")
+    made = save_checkpoint(place, 1, *data(1))
+    assert made == fs.join(root, "stages", "tune", "payloads", "ckpt-g1-s1-0")
+    with pytest.raises(StoreError, match="lies inside") as e:
+        acquire(fs.join(root, "stages", "tune"))
+    assert "\n" not in str(e.value) and "another --state" in str(e.value)
+    assert latest_checkpoint(Place(root, "stages/tune")).uri == made
+    assert not fs.exists(fs.join(root, "stages", "tune", "runs", "current.json"))
