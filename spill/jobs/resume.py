@@ -56,28 +56,17 @@ def _progress(where: str, doc: dict[str, Any]) -> str:
     return "nothing committed yet"
 
 
-def _without_stop(argv: list[str]) -> list[str]:
+def _drop(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag V`` or ``--flag=V``)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--stop-after":
+        elif a == flag:
             skip = True
-        elif not a.startswith("--stop-after="):
+        elif not a.startswith(f"{flag}="):
             out.append(a)
     return out
-
-
-def _with_state(argv: list[str], where: str) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--state":
-            skip = True
-        elif not a.startswith("--state="):
-            out.append(a)
-    return [*out, "--state", where]
 
 
 def _extra(args) -> list[str]:
@@ -118,7 +107,7 @@ def resume_state(where: str, args) -> int:
             f"{where} was run from {cmd['cwd']}, which is not on this machine; run "
             f"`{' '.join(cmd['argv'])}` again with --state {where} from a copy of its inputs"
         )
-    argv = _with_state(_without_stop(list(cmd["argv"])), where)
+    argv = [*_drop(_drop(list(cmd["argv"]), "--stop-after"), "--state"), "--state", where]
     if cmd["verb"] in BUILD_VERBS:
         from spill.cli import build_parser
 
