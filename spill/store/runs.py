@@ -191,17 +191,25 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
     raise StoreError(f"{store.state}: could not acquire its run; try again")
 
 
+OUTER_WRITES = ("stages", "payloads", "runs")  # what a run writes below its location
+
+
 def _refuse_nested(state: str) -> None:
     """A location inside another run's location (a build's ``.spill/stages/tune``) is that run's
     to write: its own run would collect the other's payloads there (same names, generations
     counted apart), so it is refused in one line."""
     if is_local(state):
-        above = [str(p) for p in PurePosixPath(os.path.realpath(_local(state))).parents]
+        full = os.path.realpath(_local(state))
+        above = [str(p) for p in PurePosixPath(full).parents]
     else:
-        scheme, _, rest = state.rstrip("/").partition("://")
+        full = state.rstrip("/")
+        scheme, _, rest = full.partition("://")
         parts = rest.split("/")
         above = [f"{scheme}://" + "/".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
     for outer in above:
+        inside = full[len(outer) :].strip("/").split("/")[0]
+        if inside not in OUTER_WRITES:  # a sweep's builds under .spill/sweep/ are their own
+            continue
         if exists(join(outer, RUNS, CURRENT)):
             raise StoreError(
                 f"{state} lies inside {outer}, which holds runs of its own (a build's state); "
