@@ -13,47 +13,15 @@ holds it), restores from the pointed payloads and continues.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from spill.console import note
 from spill.errors import StoreError
-from spill.store.fs import is_local, join
+from spill.jobs.states import progress
+from spill.store.fs import is_local
 
 JOB_VERBS = ("tune", "train", "run", "eval", "distill")
 BUILD_VERBS = ("build", "resume")
 ENGINE_FLAGS = ("engine", "device", "dtype", "ring", "memory")
-
-
-def is_state(where: str) -> bool:
-    """Whether ``where`` is a state location (it holds runs), not a project folder."""
-    from spill.store.cas import CURRENT, RUNS
-    from spill.store.fs import exists
-
-    if is_local(where) and os.path.isfile(os.path.join(where, "spill.yaml")):
-        return False
-    return exists(join(where, RUNS, CURRENT))
-
-
-def _progress(where: str, doc: dict[str, Any]) -> str:
-    """The last committed step (and cursor) or row count of the run at ``where``."""
-    from spill.store.checkpoint import newest_commit
-    from spill.store.place import Place
-    from spill.store.rows import commit_markers
-
-    place = Place(where)
-    if (found := newest_commit(place)) is not None:
-        step, state = found
-        total = (state.get("hyperparameters") or {}).get("steps", "?")
-        return f"step {step} of {total} committed, cursor {state.get('cursor', '?')}"
-    if "rows" in doc["pointers"]:
-        return f"{sum(int(m.get('count', 0)) for m in commit_markers(place))} rows committed"
-    if "state" in doc["pointers"]:
-        from spill.project import state as build_state
-
-        recs = (build_state.read(where) or {}).get("stages") or {}
-        done = [f"{n} {r['status']} ({r['progress']} of {r['total']})" for n, r in recs.items()]
-        return "; ".join(done) or "nothing committed yet"
-    return "nothing committed yet"
 
 
 def _drop(argv: list[str], flag: str) -> list[str]:
@@ -100,7 +68,7 @@ def resume_state(where: str, args) -> int:
         )
     note(
         f"resuming run {doc['run']} ({doc['status']}, generation {doc['generation']}) at "
-        f"{where}: {_progress(where, doc)}"
+        f"{where}: {progress(where, doc)}"
     )
     if not os.path.isdir(cmd["cwd"]):
         raise StoreError(

@@ -120,7 +120,8 @@ def _build(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from spill.jobs.resume import is_state, resume_state
+    from spill.jobs.resume import resume_state
+    from spill.jobs.states import is_state
     from spill.project.build import BuildOptions, build
 
     if args.state is None and not args.overrides and is_state(args.dir):
@@ -147,7 +148,16 @@ def cmd_resume(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from spill.jobs.states import is_state
     from spill.project.status import status
+
+    if args.state is None and is_state(args.dir):  # a job's (or a build's) state location
+        from spill.console import emit
+        from spill.jobs.states import summary
+
+        keys = ("state", "id", "status", "generation", "owner", "progress")
+        emit(summary(args.dir), args.json, None if args.json else keys)
+        return 0
 
     summary = status(args.dir, args.state)
     if "runs" in summary:  # a sweep's folder: its runs, as the sweep printed them
@@ -217,6 +227,11 @@ def add_parsers(sub) -> None:
     authority_options(p)
     p.set_defaults(func=cmd_resume, overrides=[])
 
-    p = sub.add_parser("status", help="a project's build table, read from its state")
+    p = sub.add_parser(
+        "status",
+        help="a project's build table, read from its state (or a state location's run)",
+        description="The build table of a project folder; given a state location (a folder or "
+        "URI holding runs/) instead, its current run: owner, generation, lease, progress.",
+    )
     project_args(p)
     p.set_defaults(func=cmd_status)

@@ -41,3 +41,16 @@ def test_an_edit_after_completion_starts_the_next_run(tmp_path):
     assert runs["runs"] == [first["run"], second["run"]] and runs["current"] == second["run"]
     status = json.loads(spill("status", str(project), "--json", home=home).stdout)
     assert status["run"]["id"] == second["run"] and status["run"]["parent"] == first["run"]
+
+
+def test_a_location_inside_what_a_run_writes_is_refused_a_sweeps_is_not(tmp_path):
+    import pytest
+
+    from spill.errors import StoreError
+    from spill.store.runs import acquire
+
+    acquire(str(tmp_path)).release()  # a build's state: its own runs
+    for inside in ("stages/tune", "payloads/x", "runs/y"):
+        with pytest.raises(StoreError, match="holds runs of its own"):
+            acquire(str(tmp_path / inside))
+    acquire(str(tmp_path / "sweep" / "tune.lr=0.1")).release()  # a sweep's build: its own run
