@@ -67,6 +67,9 @@ def test_a_stopped_tune_resumes_from_its_state_alone(work, tmp_path, where, requ
         home=home,
         cwd=work,
     )
+    shown = json.loads(spill("status", state, "--json", home=home).stdout)
+    assert shown["progress"] == "step 2 of 6 committed, cursor 4" and shown["status"] == "active"
+    assert shown["released"] and shown["generation"] == 1
     proc = spill("resume", state, "--stop-after", "4", home=home, cwd=tmp_path)
     assert "step 2 of 6 committed, cursor 4" in proc.stderr, proc.stderr
     assert "continuing job from" in proc.stderr and "step 2 of 6" in proc.stderr
