@@ -236,7 +236,8 @@ def _check_copy(doc: dict[str, Any], home: str) -> None:
     except (StoreError, OSError):
         return
     if theirs is not None and theirs["run"] == doc["run"] and _holder(theirs, "", time.time()):
-        raise _busy(theirs, original, f" (this state at {home.split(':', 1)[-1]} is a copy of it)")
+        here = home if "://" in home else home.split(":", 1)[-1]  # a URI, or host:/path
+        raise _busy(theirs, original, f" (this state at {here} is a copy of it)")
 
 
 # --- a job's view: its folder, its pointers, its payloads --------------------------------------
