@@ -153,36 +153,54 @@ def test_sigkill_after_a_control_transition_then_the_rerun_continues_at_once(
 # --- 3. a copied state ---------------------------------------------------------------------------
 
 
-def test_a_copy_cannot_continue_the_run_while_the_original_is_held(control, tmp_path):
-    original, copy = tmp_path / "state", tmp_path / "copy"
+def copy_state(src: str, dst: str) -> None:
+    """Copy a state location file by file, as a user would (``cp -r``, ``aws s3 cp``)."""
+    if kit.fs.is_local(src):
+        shutil.copytree(src, dst)
+        return
+    fs, path = kit.fs.filesystem(src)
+    fs.copy(path, kit.fs.filesystem(dst)[1], recursive=True)
+
+
+def home(state: str) -> str:
+    return f"{HOST}:{os.path.realpath(state)}" if kit.fs.is_local(state) else state
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_a_copy_cannot_continue_the_run_while_the_original_is_held(
+    control, tmp_path, request, where
+):
+    original = state_at(where, tmp_path, request)
+    copy = original[: -len("state")] + "copy" if where == "local" else original + "-copy"
     env = kit.spill_env(tmp_path / "home")
-    argv = kit.tune_argv(control.model, control.train, str(original))  # the default lease
-    owner = ak.paused(argv, env, "tune-before-forward@3", str(original))  # step 2 committed
+    argv = kit.tune_argv(control.model, control.train, original)  # the default lease
+    owner = ak.paused(argv, env, "tune-before-forward@3", original)  # step 2 committed
     try:
-        shutil.copytree(original, copy)
-        committed = kit.latest_step(str(copy))
+        copy_state(original, copy)
+        committed = kit.latest_step(copy)
         assert committed >= 2
-        on_copy = kit.tune_argv(control.model, control.train, str(copy))
+        on_copy = kit.tune_argv(control.model, control.train, copy)
         refused = kit.run_tune(on_copy, env)
         assert refused.returncode == 75, refused.stderr
         last = ak.last_line(refused.stderr)
         held = f"at {original} is held by {HOST} pid {owner.proc.pid} since "
         assert last.startswith("spill: error: run ") and held in last, last
-        assert f"(this state at {os.path.realpath(copy)} is a copy of it)" in last, last
-        assert ak.doc(str(copy))["generation"] == 1  # the refusal wrote nothing
+        shown = os.path.realpath(copy) if where == "local" else copy
+        assert f"(this state at {shown} is a copy of it)" in last, last
+        assert ak.doc(copy)["generation"] == 1  # the refusal wrote nothing
     finally:
         owner.proc.send_signal(signal.SIGCONT)
     assert owner.finish().returncode == 0
-    assert ak.doc(str(original))["status"] == "complete"
+    assert ak.doc(original)["status"] == "complete"
 
     again = kit.run_tune(on_copy, env)  # released: the copy may continue its own way
     assert again.returncode == 0, again.stderr
     assert kit.resumed_from(again.stderr) == committed
-    assert_equals_control(str(copy), control)
-    mine = ak.doc(str(copy))
+    assert_equals_control(copy, control)
+    mine = ak.doc(copy)
     assert mine["generation"] == 2 and mine["status"] == "complete"
-    assert mine["lineage"]["copied_from"] == f"{HOST}:{os.path.realpath(original)}"
-    assert mine["home"] == f"{HOST}:{os.path.realpath(copy)}"
+    assert mine["lineage"]["copied_from"] == home(original)
+    assert mine["home"] == home(copy)
 
 
 # --- 4. a second build ---------------------------------------------------------------------------
