@@ -33,7 +33,7 @@ from spill.models.tokenizer import Tokenizer
 from spill.paths import spill_home
 from spill.store import drill
 from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from spill.store.fs import is_local, probe_writable, same_file
+from spill.store.fs import exists, is_local, join, probe_writable, same_file
 from spill.store.place import Place
 
 
@@ -308,7 +308,10 @@ def _tune(
         note(f"this run moved: {moved}")
         summary["moved"] = moved
     guard.boundary()
-    if step == opts.steps:
+    if step == opts.steps and place.run is None and exists(join(root, "adapter", "adapter.json")):
+        summary["adapter"] = join(root, "adapter")  # a completed run, read only: already there
+        note(f"run complete; its adapter is {summary['adapter']}")
+    elif step == opts.steps:
         from spill.jobs.adapter_files import publish_adapter
 
         p, _, _ = trainer.state()

@@ -14,6 +14,7 @@ whatever spill.yaml says now.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -190,9 +191,13 @@ def run(
     summary = {"project": project.name, "state": state_root, "dry_run": dry_run}
     if dry_run:
         return {**summary, "plan": [d.to_dict() for d in decisions], "doc": doc}
-    from spill.jobs.authority import own
-
-    with own(state_root, lease=lease, wait=wait, new_run=True, command=command) as owned:
+    opts = (lease, wait, command)
+    with contextlib.ExitStack() as stack:
+        owned = _own(stack, project, state_root, key, specs, stop, prepared, data_sha, opts)
+        if owned is None:  # a completed run that already says all this: nothing to write
+            doc = state.read(state_root)
+            decisions = _plan(project, specs, state_root, doc, stop)
+            return {**summary, "plan": [d.to_dict() for d in decisions], "doc": doc}
         now_doc = state.read(state_root)  # as the run holds it now that it is ours
         if now_doc != doc:
             check_location(project, now_doc, state_root)
@@ -207,6 +212,40 @@ def run(
         ):
             owned.complete()
     return summary
+
+
+def _own(stack, project, state_root, key, specs, stop, prepared, data_sha, opts):
+    """Own the run at ``state_root`` for the block of ``stack``: the current one; or, when that
+    one is complete and this build would change anything, the next one (lineage: the completed
+    run). None when the completed run already records exactly this build."""
+    from spill.jobs.authority import own
+    from spill.store.control import RunComplete
+
+    lease, wait, command = opts
+    try:
+        return stack.enter_context(own(state_root, lease=lease, wait=wait, command=command))
+    except RunComplete:
+        doc = state.read(state_root)
+        decisions = _plan(project, specs, state_root, doc, stop)
+        if not _changes(project, key, doc, decisions, prepared, data_sha):
+            return None
+    new = own(state_root, lease=lease, wait=wait, new_run=True, command=command)
+    return stack.enter_context(new)
+
+
+def _changes(project, key, doc, decisions, prepared, data_sha) -> bool:
+    """Whether building ``project`` would run anything or record anything new in ``doc``."""
+    from spill.project.execute import data_record
+
+    if doc is None or any(d.works or d.drop for d in decisions):
+        return True
+    now = {
+        "compose_key": key,
+        "overrides": list(project.overrides),
+        "config": project.to_dict(),
+        "data": data_record(project, prepared, data_sha),
+    }
+    return any(doc.get(k) != v for k, v in now.items())
 
 
 def _plan(project, specs, state_root: str, doc: dict | None, stop) -> list:

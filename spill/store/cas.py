@@ -22,10 +22,11 @@ import re
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from spill.errors import StoreError
+from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
 from spill.store.fs import _local, filesystem, get_bytes, is_local, join, put_bytes
 from spill.store.schemas import parse_json, remember, validate, validate_once
 
@@ -33,12 +34,19 @@ RUNS = "runs"
 CURRENT = "current.json"
 CONTROL = "control.json"
 LOCK = "control.lock"
+LOCK_WAIT = 10.0  # seconds a transition waits for the local lock before saying so
 ATTEMPTS = 50  # conditional writes lost to others (or uncertain) before a transition gives up
 FLOCK_FS = frozenset(
     "ext2 ext3 ext4 xfs btrfs tmpfs ramfs zfs overlay apfs hfs f2fs bcachefs jfs".split()
 )
 
 log = logging.getLogger(__name__)
+
+
+class LockHeld(SpillError):
+    """The local lock stays held (its holder was stopped mid-transition): try again later."""
+
+    exit_code = EXIT_PREEMPTED
 
 
 class Unsupported(StoreError):
@@ -136,7 +144,21 @@ class _LocalStore(Store):
         os.makedirs(self.dir, exist_ok=True)
         fd = os.open(os.path.join(self.dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            # A transition holds the lock for milliseconds; one held for LOCK_WAIT belongs to a
+            # process that was stopped (SIGSTOP, Ctrl-Z, a paused VM) in the middle of one.
+            give_up, pause = time.monotonic() + LOCK_WAIT, 0.002
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > give_up:
+                        raise LockHeld(
+                            f"{os.path.join(self.dir, LOCK)} has been locked for {LOCK_WAIT:g} s "
+                            "by a process that does not let go (stopped?); try again later"
+                        ) from None
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.05)
             yield
         finally:
             os.close(fd)  # closing the descriptor releases the lock

@@ -30,6 +30,7 @@ from spill.store.cas import (
     CONTROL,
     CURRENT,
     RUNS,
+    LockHeld,
     Store,
     _Conflict,
     _Uncertain,
@@ -113,7 +114,7 @@ def acquire(
     while True:
         try:
             run = _try_acquire(store, nonce, lease, new_run)
-        except Busy:
+        except (Busy, LockHeld):
             if not wait:
                 raise
             time.sleep(poll)
