@@ -15,7 +15,7 @@ neither acquires nor completes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from spill.store.control import Run, RunComplete, Superseded
@@ -28,10 +28,24 @@ class Held:
 
     place: Place
     run: Run | None = None
+    reopen: Callable[[], Run] | None = None  # a completed run: start the next one
 
     @property
     def read_only(self) -> bool:
         return self.place.run is None
+
+    def writable(self, why: str) -> Place:
+        """The place to write to: a completed run is read-only, so a job that finds work left
+        in one (its final payload damaged since) continues in the next run, which starts from
+        the completed run's pointers and names it as its parent."""
+        if self.place.run is None and self.reopen is not None:
+            old = self.place.doc() or {}
+            self.run = self.reopen()
+            self.place = self.run.place(self.place.prefix)
+            from spill.console import note
+
+            note(f"run {old.get('run')} is complete but {why}; continuing in run {self.run.id}")
+        return self.place
 
     def finish(self) -> None:
         """The job did all its work: complete the run it owns."""
@@ -131,12 +145,16 @@ def hold(
     if place is not None:
         yield Held(place)
         return
-    try:
-        owned = own(state, lease=lease, wait=wait, command=command)
-        run = owned.__enter__()
-    except RunComplete:
-        yield Held(Place(state))
-        return
     with contextlib.ExitStack() as stack:
-        stack.push(owned)
+
+        def take(new_run: bool) -> Run:
+            return stack.enter_context(
+                own(state, lease=lease, wait=wait, new_run=new_run, command=command)
+            )
+
+        try:
+            run = take(False)
+        except RunComplete:
+            yield Held(Place(state), reopen=lambda: take(True))
+            return
         yield Held(run.place(), run)

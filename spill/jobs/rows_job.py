@@ -41,7 +41,7 @@ from spill.console import note, progress
 from spill.engines.base import EngineInfo, LoadOptions
 from spill.errors import DataError, StoreError, UsageError
 from spill.hashing import file_sha256
-from spill.jobs.authority import hold
+from spill.jobs.authority import Held, hold
 from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
@@ -195,7 +195,7 @@ def execute(
     with hold(
         opts.state, opts.place, lease=opts.lease, wait=opts.wait, command=opts.command
     ) as held:
-        outcome = _execute(job, held.place, prepare, finish)
+        outcome = _execute(job, held, prepare, finish)
         if outcome.complete:
             held.finish()
     return outcome
@@ -203,21 +203,24 @@ def execute(
 
 def _execute(
     job: RowJob,
-    place: Place | None,
+    held: Held | None,
     prepare: Callable[[LoadedModel], Compute],
     finish: Callable[[list[Record]], None],
 ) -> Outcome:
     from spill.store.rows import SegmentWriter
 
     opts = job.options
-    with Guard(unit="batch", signals=SIGNALS if place else ()) as guard:
+    with Guard(unit="batch", signals=SIGNALS if held else ()) as guard:
         resolved, fp = find_model(job.model, opts.weights)
         pinned = identity(job, resolved, fp)
+        place = held.place if held else None
         results: dict = _restore(place, pinned, job.rows) if place else {}
         todo = [r for r in job.rows if r.id not in results]
         total = len(job.rows)
         if opts.stop_after is not None:
             todo = todo[: max(0, opts.stop_after - len(results))]
+        if held and todo:
+            place = held.writable(f"{len(todo)} of its rows are not committed")
         if opts.state:
             note(
                 f"state {opts.state}: {len(results)} of {total} rows committed; "

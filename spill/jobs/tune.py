@@ -21,7 +21,7 @@ from spill.console import note, progress
 from spill.engines.base import AdamW, LoadOptions, TrainBatch
 from spill.errors import SpillError, UsageError
 from spill.jobs import producer
-from spill.jobs.authority import hold
+from spill.jobs.authority import Held, hold
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
 from spill.jobs.schedule import cosine_lr
@@ -192,15 +192,16 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     probe_writable(root)  # a read-only state fails before any step
     with hold(root, opts.place, lease=opts.lease, wait=opts.wait, command=opts.command) as held:
         with Guard(unit="step") as guard:
-            summary = _tune(guard, held.place, model, Path(train_path), name, opts)
+            summary = _tune(guard, held, model, Path(train_path), name, opts)
         if summary["step"] == opts.steps:
             held.finish()
     return summary
 
 
 def _tune(
-    guard: Guard, place: Place, model: str, train_path: Path, name: str, opts: TuneOptions
+    guard: Guard, held: Held, model: str, train_path: Path, name: str, opts: TuneOptions
 ) -> dict:
+    place = held.place
     root = place.uri
     # Everything that can refuse the run is checked before an engine opens.
     resolved, fingerprint = find_model(model, opts.weights)
@@ -213,6 +214,8 @@ def _tune(
     ckpt = latest_checkpoint(place)
     if ckpt is not None:
         refuse_mismatch(ckpt.state, want, ckpt.uri)
+    if (ckpt.step if ckpt else 0) < (opts.stop_after or opts.steps):  # steps to commit
+        place = held.writable(f"its newest good checkpoint is step {ckpt.step if ckpt else 0}")
     guard.boundary()  # a stop before anything ran saves nothing and exits 75
     loaded = open_model(model, resolved, fingerprint, opts.engine, opts.load, "tune")
     runner = loaded.runner
