@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import run_spill
+from tests.conftest import build_state_file, run_spill
 from tests.func.fuzz_kit import assert_untouched, check_outcome, damage, log, run_cli, snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,7 +189,7 @@ def test_build_state_json(world, examples):
     def example(data):
         ex = scratch(world)
         toy = shutil.copytree(world["toy"], ex / "toy")
-        damaged(data, toy / ".spill" / "state.json", "json")
+        damaged(data, build_state_file(toy / ".spill"), "json")
         before = snapshot(toy)
         for argv in (["status", str(toy)], ["build", str(toy), "--dry-run"]):
             o = run_cli(argv, env(world["home"]), ex)
@@ -459,6 +459,28 @@ def test_unreadable_yaml_is_one_line(world, tmp_path, change, says):
     assert says in _one_line(proc)
 
 
+@variants(40)
+def test_run_control_files(world, examples):
+    """The run's control object and run list of a finished build (``runs/<id>/control.json``,
+    ``runs/current.json``), read by ``spill status``, ``spill build --dry-run`` and a build."""
+
+    def example(data):
+        ex = scratch(world)
+        toy = shutil.copytree(world["toy"], ex / "toy")
+        runs = toy / ".spill" / "runs"
+        files = sorted(p.relative_to(runs) for p in runs.rglob("*.json"))
+        name = data.draw(st.sampled_from([str(f) for f in files]), label="file")
+        damaged(data, runs / name, "json")
+        before = snapshot(toy)
+        for argv in (["status", str(toy)], ["build", str(toy), "--dry-run"]):
+            o = run_cli(argv, env(world["home"]), ex)
+            if check_outcome(o, strict=True):
+                assert "eval" in o.out, str(o)
+        assert_untouched(before, snapshot(toy))
+
+    fuzz(examples, example)
+
+
 @pytest.mark.parametrize(
     "edit, says",
     [
@@ -471,7 +493,7 @@ def test_unreadable_yaml_is_one_line(world, tmp_path, change, says):
 )
 def test_a_damaged_build_state_is_refused(world, tmp_path, edit, says):
     toy = shutil.copytree(world["toy"], tmp_path / "toy")
-    path = toy / ".spill" / "state.json"
+    path = build_state_file(toy / ".spill")
     doc = json.loads(path.read_text())
     edit(doc)
     path.write_text(json.dumps(doc))
@@ -504,7 +526,7 @@ def test_a_state_validated_once_is_read_without_jsonschema(world, tmp_path):
 
     assert status() == "True 0"  # first read: validated
     assert status() == "False 0"  # the same bytes: remembered
-    path = toy / ".spill" / "state.json"
+    path = build_state_file(toy / ".spill")
     path.write_text(path.read_text() + " ")
     assert status() == "True 0"
 
