@@ -111,13 +111,16 @@ def acquire(
     _refuse_nested(state)
     store = store_for(state)
     nonce = secrets.token_hex(16)
+    tries = 0
     while True:
         try:
             run = _try_acquire(store, nonce, lease, new_run)
         except (Busy, LockHeld):
             if not wait:
                 raise
-            time.sleep(poll)
+            # soon at first (a killed owner may still be dying), then every ``poll`` seconds
+            time.sleep(min(poll, 0.02 * 2**tries))
+            tries += 1
             continue
         drill.at(drill.CONTROL_ACQUIRE)
         return run
