@@ -6,7 +6,7 @@ state behind:
 =====================  ===================================================================
 ``ckpt-between-files``  ``params.safetensors`` written, ``opt.safetensors`` not yet
 ``ckpt-before-commit``  all three checkpoint files written, ``COMMIT`` not yet
-``ckpt-after-commit``   ``COMMIT`` written, older checkpoints not yet rotated away
+``ckpt-after-commit``   ``COMMIT`` written and the pointer moved to it, older folders not yet removed
 ``seg-before-commit``   a segment payload's ``rows.jsonl`` written, its ``COMMIT`` not yet
 ``put-before-rename``   a local temporary file written and fsynced, not yet renamed
 ``tune-before-forward`` a tune step about to run its first forward pass
