@@ -87,6 +87,7 @@ class Run:
         self._beat: threading.Thread | None = None
         self._stop = threading.Event()
         self.lost: Superseded | None = None
+        self._tag: str | None = None  # the tag of this process's last write of the document
 
     @property
     def state(self) -> str:
@@ -110,9 +111,13 @@ class Run:
             if os.environ.get(UNFENCED_ENV) == "1":  # bench/authority.py's baseline only
                 self.doc = change(json.loads(json.dumps(self.doc))) or self.doc
                 return self.doc
+            # our last write's document and tag, unread: a replace conditional on that tag
+            # fails (412, or the local check) if anyone wrote since, and only then is it read
+            known = (self.doc, self._tag) if self._tag else None
             for _ in range(ATTEMPTS):
                 with self.store.exclusive():
-                    doc, tag = read_control(self.store, self.id)
+                    doc, tag = known or read_control(self.store, self.id)
+                    known = None
                     if doc is None:
                         raise StoreError(
                             f"{self.store.uri(key)} disappeared; the state was damaged"
@@ -132,8 +137,9 @@ class Run:
                     if not new["owner"]["released"] and new["status"] != "complete":
                         new["lease"]["expires"] = now + self.lease
                     try:
-                        self.store.put(key, new, "control", tag)
+                        self._tag = self.store.put(key, new, "control", tag)
                     except (_Conflict, _Uncertain):
+                        self._tag = None
                         continue
                 self.doc = new
                 return new
