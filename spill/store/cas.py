@@ -230,10 +230,7 @@ class _ObjectStore(Store):
             except FileNotFoundError:
                 return None, None
             except Exception as e:
-                raise StoreError(
-                    f"{self.uri(key)}: cannot read ({type(e).__name__}: {e}); check the location "
-                    "and its credentials"
-                ) from e
+                raise self._unreadable(key, e) from e
             if etag:
                 return data, etag.strip('"')
         for _ in range(ATTEMPTS):  # elsewhere: the ETag before and after the body must agree
@@ -246,10 +243,7 @@ class _ObjectStore(Store):
             except FileNotFoundError:
                 return None, None
             except Exception as e:
-                raise StoreError(
-                    f"{self.uri(key)}: cannot read ({type(e).__name__}: {e}); check the location "
-                    "and its credentials"
-                ) from e
+                raise self._unreadable(key, e) from e
             if before and before == after:
                 return data, before.strip('"')
             if not before and not after:  # no ETag at all: nothing to make a write conditional on
@@ -258,6 +252,12 @@ class _ObjectStore(Store):
                     "made conditional; use s3:// (or a local disk) for the state"
                 )
         raise StoreError(f"{self.uri(key)} changes faster than it can be read; try again")
+
+    def _unreadable(self, key: str, e: Exception) -> StoreError:
+        return StoreError(
+            f"{self.uri(key)}: cannot read ({type(e).__name__}: {e}); check the location and "
+            "its credentials"
+        )
 
     def _get_s3(self, path: str) -> tuple[bytes, str | None]:
         from fsspec.asyn import sync

@@ -72,10 +72,6 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-def _dump(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
-
-
 class Run:
     """This process's ownership of a run: transitions, heartbeat, and its places."""
 

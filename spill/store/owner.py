@@ -41,24 +41,24 @@ def _boot_id() -> str:
     return ""
 
 
-def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot (``""`` where unknown)."""
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (``[]`` where unknown): [0] is
+    the state (``Z`` a zombie), [19] the start time in clock ticks since boot."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
     except OSError:
-        return ""
-    fields = text[text.rfind(")") + 2 :].split()
-    return fields[19] if len(fields) > 19 else ""
+        return []
+    return text[text.rfind(")") + 2 :].split()
 
 
 def _pid_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-        return text[text.rfind(")") + 2 :].split()[0]
-    except (OSError, IndexError):
-        return ""
+    """``Z`` for a zombie, ``R``, ``S``... (``""`` where unknown)."""
+    return (_stat(pid) or [""])[0]
+
+
+def _start_time(fields: list[str]) -> str:
+    return fields[19] if len(fields) > 19 else ""
 
 
 def host() -> str:
@@ -71,7 +71,7 @@ def me(nonce: str) -> dict[str, Any]:
         "host": host(),
         "boot": _boot_id(),
         "pid": pid,
-        "start": _start_time(pid),
+        "start": _start_time(_stat(pid)),
         "nonce": nonce,
         "since": time.time(),
         "released": False,
@@ -90,9 +90,10 @@ def gone(owner: dict[str, Any]) -> bool:
         return True
     except PermissionError:
         return False
-    if _pid_state(pid) in ("Z", "X"):
+    fields = _stat(pid)
+    if fields[:1] in (["Z"], ["X"]):
         return True
-    return bool(owner["start"]) and _start_time(pid) not in ("", owner["start"])
+    return bool(owner["start"]) and _start_time(fields) not in ("", owner["start"])
 
 
 def lease_seconds(value: float | None = None) -> float:

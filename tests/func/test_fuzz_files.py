@@ -182,6 +182,17 @@ def damaged(data, path: Path, fmt: str | None) -> str:
 # --- the build's own files ----------------------------------------------------------------------
 
 
+def status_and_plan_survive(world, ex, toy, stage: str) -> None:
+    """``spill status`` and ``spill build --dry-run`` on a damaged ``toy``: one line, or a table
+    that names ``stage``; either way nothing in the project or its state changes."""
+    before = snapshot(toy)
+    for argv in (["status", str(toy)], ["build", str(toy), "--dry-run"]):
+        o = run_cli(argv, env(world["home"]), ex)
+        if check_outcome(o, strict=True):
+            assert stage in o.out, str(o)
+    assert_untouched(before, snapshot(toy))
+
+
 @variants(40)
 def test_build_state_json(world, examples):
     """``state.json`` of a finished build, read by ``spill status`` and ``spill build --dry-run``."""
@@ -190,12 +201,7 @@ def test_build_state_json(world, examples):
         ex = scratch(world)
         toy = shutil.copytree(world["toy"], ex / "toy")
         damaged(data, build_state_file(toy / ".spill"), "json")
-        before = snapshot(toy)
-        for argv in (["status", str(toy)], ["build", str(toy), "--dry-run"]):
-            o = run_cli(argv, env(world["home"]), ex)
-            if check_outcome(o, strict=True):
-                assert "eval" in o.out, str(o)
-        assert_untouched(before, snapshot(toy))
+        status_and_plan_survive(world, ex, toy, "eval")
 
     fuzz(examples, example)
 
@@ -229,12 +235,7 @@ def test_stopped_build_probes(world, examples):
         name = data.draw(st.sampled_from(["state.json", "COMMIT"]), label="file")
         [folder] = (toy / ".spill").rglob("payloads/ckpt-g*-s30-*")  # the current checkpoint
         damaged(data, folder / name, "json")
-        before = snapshot(toy)
-        for argv in (["status", str(toy)], ["build", str(toy), "--dry-run"]):
-            o = run_cli(argv, env(world["home"]), ex)
-            if check_outcome(o, strict=True):
-                assert "tune" in o.out, str(o)
-        assert_untouched(before, snapshot(toy))
+        status_and_plan_survive(world, ex, toy, "tune")
 
     fuzz(examples, example)
 
@@ -471,12 +472,7 @@ def test_run_control_files(world, examples):
         files = sorted(p.relative_to(runs) for p in runs.rglob("*.json"))
         name = data.draw(st.sampled_from([str(f) for f in files]), label="file")
         damaged(data, runs / name, "json")
-        before = snapshot(toy)
-        for argv in (["status", str(toy)], ["build", str(toy), "--dry-run"]):
-            o = run_cli(argv, env(world["home"]), ex)
-            if check_outcome(o, strict=True):
-                assert "eval" in o.out, str(o)
-        assert_untouched(before, snapshot(toy))
+        status_and_plan_survive(world, ex, toy, "eval")
 
     fuzz(examples, example)
 
