@@ -242,20 +242,10 @@ def assert_same_checkpoint(state: str, control: str, step: int = STEPS, accum: i
 
 
 def adapter_files(state: str) -> dict[str, bytes]:
-    """Every file of ``<state>/adapter/`` by relative path."""
+    """Every file of ``<state>/adapter/`` by relative path (an export killed early may leave
+    empty folders: they hold no file)."""
     root = fs.join(state, "adapter")
-    out: dict[str, bytes] = {}
-
-    def walk(uri: str, rel: str) -> None:
-        for name in fs.listdir(uri):
-            child = fs.join(uri, name)
-            if fs.listdir(child):  # a folder (a file lists as nothing)
-                walk(child, f"{rel}{name}/")
-            else:
-                out[rel + name] = fs.get_bytes(child)
-
-    walk(root, "")
-    return out
+    return {rel: fs.get_bytes(fs.join(root, rel)) for rel in fs.files_under(root) if rel}
 
 
 def committed_steps(state: str) -> list[int]:
