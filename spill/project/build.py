@@ -36,6 +36,7 @@ class BuildOptions(NamedTuple):
     lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
     wait: bool = False  # wait for another owner's lease instead of exiting 75
     command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
+    new_run: bool = False  # fork a new run from an installed copy (or a completed run)
 
 
 def _done_plan(doc: dict) -> list[dict[str, str]]:
@@ -106,6 +107,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         lease=opts.lease,
         wait=opts.wait,
         command=opts.command,
+        new_run=opts.new_run,
     )
 
 
@@ -173,6 +175,7 @@ def run(
     lease: float | None = None,
     wait: bool = False,
     command: tuple[str, ...] = (),
+    new_run: bool = False,
 ) -> dict:
     """Plan ``project`` against the state at ``state_root`` and execute (builds and sweeps).
 
@@ -191,7 +194,7 @@ def run(
     summary = {"project": project.name, "state": state_root, "dry_run": dry_run}
     if dry_run:
         return {**summary, "plan": [d.to_dict() for d in decisions], "doc": doc}
-    opts = (lease, wait, command)
+    opts = (lease, wait, command, new_run)
     with contextlib.ExitStack() as stack:
         owned = _own(stack, project, state_root, key, specs, stop, prepared, data_sha, opts)
         if owned is None:  # a completed run that already says all this: nothing to write
@@ -221,7 +224,10 @@ def _own(stack, project, state_root, key, specs, stop, prepared, data_sha, opts)
     from spill.jobs.authority import own
     from spill.store.control import RunComplete
 
-    lease, wait, command = opts
+    lease, wait, command, new_run = opts
+    if new_run:  # an installed copy's run (or a completed one) forks; any other continues
+        new = own(state_root, lease=lease, wait=wait, new_run=True, command=command)
+        return stack.enter_context(new)
     try:
         return stack.enter_context(own(state_root, lease=lease, wait=wait, command=command))
     except RunComplete:

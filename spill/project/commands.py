@@ -1,4 +1,5 @@
-"""The project verbs on the command line: ``init``, ``build``, ``status``, ``resume``.
+"""The project verbs on the command line: ``init``, ``build``, ``status``, ``resume`` (and the
+hooks of ``move`` and ``bundle``, whose parsers live with them).
 
 ``spill.cli`` adds these subcommands with ``add_parsers``; each command turns its arguments into
 one call of ``spill.project.init``, ``build``, ``sweep`` or ``status`` and prints the summary.
@@ -106,6 +107,7 @@ def _build(args) -> int:
         lease=args.lease,
         wait=args.wait,
         command=tuple(getattr(args, "argv", ())),
+        new_run=args.new_run,
     )
     if args.multirun:
         import json
@@ -207,6 +209,11 @@ def add_parsers(sub) -> None:
     p.add_argument(
         "-m", "--multirun", action="store_true", help="a Hydra sweep: one build per combination"
     )
+    p.add_argument(
+        "--new-run",
+        action="store_true",
+        help="fork a new run from an installed copy's state (lineage: the copied run)",
+    )
     engine_options(p, shorthand=True)
     authority_options(p)
     p.set_defaults(func=cmd_build, overrides=[])
@@ -235,3 +242,9 @@ def add_parsers(sub) -> None:
     )
     project_args(p)
     p.set_defaults(func=cmd_status)
+
+    from spill.project.bundle import add_parser as add_bundle
+    from spill.project.move import add_parser as add_move
+
+    add_move(sub)
+    add_bundle(sub)

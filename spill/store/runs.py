@@ -103,8 +103,9 @@ def acquire(
 ) -> Run:
     """Own the current run at ``state`` (creating the first one), at its next generation.
 
-    ``new_run``: when the current run is complete, start a new run whose lineage names it (a
-    build whose inputs changed after completion). Without it a complete run raises
+    ``new_run``: when the current run is complete (a build whose inputs changed after
+    completion) or an installed copy (``spill build --new-run``), start a new run from its
+    pointers, whose lineage names it as the parent. Without it a complete run raises
     ``RunComplete``. A held run raises ``Busy`` unless ``wait``, which polls until it is free.
     """
     lease = lease_seconds(lease)
@@ -132,7 +133,7 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
         with store.exclusive():
             runs, runs_tag = read_runs(store)
             now = time.time()
-            if runs is None or new_run and _complete(store, runs):
+            if runs is None or new_run and _forkable(store, runs):
                 parent = None if runs is None else read_control(store, runs["current"])[0]
                 rid = _new_run_id()
                 gen = parent["generation"] + 1 if parent else 1
@@ -169,8 +170,7 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                 )
             if doc["status"] == "complete":
                 raise RunComplete(f"run {rid} at {store.state} is complete and read-only")
-            if doc["status"] in ("transferred",):
-                raise StoreError(f"run {rid} was moved away from {store.state}; continue it there")
+            refuse_moving(doc, store.state)
             if doc["home"] != home:
                 _check_copy(doc, home)
             if _holder(doc, nonce, now):
@@ -221,9 +221,38 @@ def _refuse_nested(state: str) -> None:
             )
 
 
-def _complete(store: Store, runs: dict[str, Any]) -> bool:
+def _forkable(store: Store, runs: dict[str, Any]) -> bool:
+    """Whether the current run may be the parent of a new one: complete, or an installed copy."""
     doc, _ = read_control(store, runs["current"])
-    return doc is not None and doc["status"] == "complete"
+    return doc is not None and doc["status"] in ("complete", "copy")
+
+
+class CopiedRun(StoreError):
+    """An installed copy of a run that stays authoritative elsewhere: fork it, never continue it."""
+
+
+def refuse_moving(doc: dict[str, Any], state: str) -> None:
+    """Refuse, in one line, a run that may not be acquired here: a copy, or a run in a move."""
+    rid, t = doc["run"], doc.get("transfer")
+    if doc["status"] == "copy":
+        raise CopiedRun(
+            f"run {rid} at {state} is a copy (of {doc['lineage']['copied_from']}), which stays "
+            "authoritative; `spill build DIR --new-run` forks a new run from its committed state"
+        )
+    if doc["status"] == "transferred":
+        to, at = (t["to"], _iso(t["at"])) if t else ("another place", "?")
+        raise StoreError(f"run {rid} moved to {to} at {at}; continue there")
+    if doc["status"] == "incoming":
+        frm = t["from"] if t else "another place"
+        raise StoreError(
+            f"run {rid} at {state} is arriving from {frm} (a move, step {t and t['step']}); run "
+            "the same `spill move` again to finish it"
+        )
+    if doc["status"] == "quiescing" and t is not None:
+        raise StoreError(
+            f"run {rid} at {state} is being moved to {t['to']} (step {t['step']} done); run the "
+            "same `spill move` again to finish it"
+        )
 
 
 def _check_copy(doc: dict[str, Any], home: str) -> None:
@@ -263,3 +292,24 @@ def held(
         yield run
     finally:
         run.release()
+
+
+def is_held(doc: dict[str, Any]) -> bool:
+    """Whether a live owner holds the run ``doc`` now (its lease running, its process alive)."""
+    return _holder(doc, "", time.time())
+
+
+def as_copy(doc: dict[str, Any], state: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The control object and run list of a copy of run ``doc`` installed at ``state``: status
+    ``copy`` (never continued; ``spill build --new-run`` forks from it), released, its lineage
+    naming where the original is."""
+    now = time.time()
+    new = json.loads(json.dumps(doc))
+    new.update(status="copy", seq=doc["seq"] + 1, home=home_of(state), transfer=None)
+    new["owner"]["released"] = True
+    new["lease"]["expires"] = now
+    new["lineage"]["copied_from"] = doc["home"]
+    new["last"] = {"op": f"{secrets.token_hex(16)}:0", "what": "install", "at": now}
+    new["updated"] = _iso(now)
+    runs = {"schema_version": SCHEMA_VERSION, "kind": "spill-runs", "current": doc["run"]}
+    return new, {**runs, "runs": [doc["run"]]}

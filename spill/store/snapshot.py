@@ -1,0 +1,87 @@
+"""What a consistent copy of a run is made of: the files ``move`` and ``bundle`` carry.
+
+A state location holds more than its run needs: payloads of aborted writes and of older
+generations wait for collection, temporary files of a killed writer lie beside the real ones, and
+``runs/`` holds this place's control objects (a copy gets its own). ``state_files`` names what a
+run at a control document ``doc`` is: every file under the state except those, so a copy taken
+while nobody writes the run (``move`` owns it; ``bundle`` checks that nobody holds it) is
+exactly the run as its pointers say it is. ``project_files`` names a project folder's files: all
+but hidden entries (``.spill/``, ``.git/``) and the state location when it lies inside.
+
+``digest`` hashes a file of any location in 8 MiB chunks; a manifest entry is
+``{"path", "size", "sha256"}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from spill.store.fs import _local, filesystem, files_under, is_local, is_temp, join
+
+CHUNK = 8 << 20
+_PAYLOAD_DIR = re.compile(r"(?:(.*)/)?payloads/([a-z]+-g\d+-s\d+-\d+)(?:/.*)?")
+SKIP_TOP = ("runs",)  # the place's own control objects: a copy writes its own
+
+
+def _pointed(doc: dict[str, Any]) -> set[str]:
+    return {p for rels in doc.get("pointers", {}).values() for p in rels}
+
+
+def state_files(state: str, doc: dict[str, Any]) -> list[str]:
+    """``/``-separated paths, relative to ``state``, of the files the run ``doc`` consists of."""
+    keep = _pointed(doc)
+    out = []
+    for rel in files_under(state):
+        if not rel or rel.split("/", 1)[0] in SKIP_TOP or is_temp(rel.rsplit("/", 1)[-1]):
+            continue
+        m = _PAYLOAD_DIR.fullmatch(rel)
+        if m:
+            folder = f"{m[1]}/payloads/{m[2]}" if m[1] else f"payloads/{m[2]}"
+            if folder not in keep:
+                continue
+        out.append(rel)
+    return out
+
+
+def project_files(root: Path, state: str | None = None) -> list[str]:
+    """A project folder's files, ``/``-separated and relative to it: everything but hidden
+    entries and, when it lies inside, the state location."""
+    root = Path(root).resolve()
+    skip = Path(_local(state)).resolve() if state and is_local(state) else None
+    out = []
+    for d, dirs, names in os.walk(root):
+        here = Path(d)
+        dirs[:] = sorted(n for n in dirs if not n.startswith(".") and here / n != skip)
+        for n in sorted(names):
+            if not n.startswith(".") and not (here / n).is_symlink():
+                out.append((here / n).relative_to(root).as_posix())
+    return out
+
+
+def digest(uri: str) -> tuple[int, str]:
+    """(size, sha256 hex) of the file at ``uri``."""
+    h = hashlib.sha256()
+    size = 0
+    if is_local(uri):
+        opener = open(_local(uri), "rb")
+    else:
+        fs, path = filesystem(uri)
+        opener = fs.open(path, "rb")
+    with opener as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def entries(base: str, rels: list[str], prefix: str = "") -> list[dict[str, Any]]:
+    """Manifest entries of the files ``rels`` under ``base``, named ``prefix + rel``."""
+    out = []
+    for rel in rels:
+        size, sha = digest(join(base, rel))
+        out.append({"path": prefix + rel, "size": size, "sha256": sha})
+    return out
