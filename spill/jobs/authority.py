@@ -59,6 +59,12 @@ def _stop_on_loss(lost: Superseded) -> None:
     request_stop(f"superseded ({lost})")
 
 
+def _stop_for_move(doc: dict) -> None:
+    from spill.jobs.preempt import request_stop
+
+    request_stop(f"a move to {doc['transfer']['to']}")
+
+
 COMMAND = "command.json"
 
 
@@ -125,6 +131,7 @@ def own(
     run = acquire(state, lease=lease, wait=wait, new_run=new_run)
     if command:
         record_command(state, command)
+    run.on_quiesce = _stop_for_move
     run.start_heartbeat(_stop_on_loss)
     try:
         yield run

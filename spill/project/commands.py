@@ -157,8 +157,10 @@ def cmd_status(args) -> int:
         from spill.console import emit
         from spill.jobs.states import summary
 
+        view = summary(args.dir)
         keys = ("state", "id", "status", "generation", "owner", "progress")
-        emit(summary(args.dir), args.json, None if args.json else keys)
+        keys += ("move",) if view.get("move") else ()
+        emit(view, args.json, None if args.json else keys)
         return 0
 
     summary = status(args.dir, args.state)

@@ -1,18 +1,316 @@
-"""``spill move``: hand a project's run to another state location.
+"""``spill move [DIR] URI``: hand a project's run (its state and its files) to another place.
 
-(Being written.)
+The source is a project folder (its state at ``DIR/.spill`` or ``--state``), a project at a URI,
+or a bare state location (a job's ``--state``). The destination ``URI`` becomes a project
+folder (the project's files, its state at ``URI/.spill``), or for a bare state location a state
+location. The control steps and why two places are never both acquirable are in
+``spill.store.transfer``; this module copies and checks what the steps name:
+
+* the snapshot is the run as its control object says it is (``snapshot.state_files``: pointed
+  payloads, stage files, adapters; no unpointed payload, no temporary file) plus the project's
+  files, taken while the mover owns the run, so nobody changes it meanwhile;
+* its manifest (schema ``move-manifest``: every file's size and sha256) is written to the
+  destination first, as ``runs/<run>/move-<transfer>.json``, so that a rerun recognises its own
+  partial copy (a destination holding anything else is refused); a file already there with the
+  right size and hash is not copied again;
+* every destination file is read back and hashed before the destination's control object is
+  created.
+
+A complete run is read-only: it is copied (verified the same way) and created at the destination
+as complete, naming the source in its lineage; the source stays as it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from spill.errors import StoreError, UsageError
+from spill.store import snapshot
+from spill.store.fs import exists, files_under, is_local, join, put_bytes, stat
+
+STATE_DIR = ".spill"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("move", help="move a project's run (state and files) to another place")
-    p.add_argument("where", nargs="+", metavar="[DIR] URI")
+    from spill.jobs.commands import authority_options
+
+    p = sub.add_parser(
+        "move",
+        usage="spill move [DIR] URI [--state URI] [--wait] [--json]",
+        help="move a project's run (its state and files) to another folder or URI",
+        description="Quiesce the run's writer at its next committed boundary, take the run, "
+        "copy a consistent snapshot with a checksummed manifest, verify it, and hand the run "
+        "over: afterwards `spill build URI` (or `spill resume URI`) continues there, and the "
+        "source says where it went. Rerun the same command after any interruption.",
+    )
+    p.add_argument("where", nargs="+", metavar="[DIR] URI", help="the project (.) and where to")
+    p.add_argument("--state", metavar="URI", help="the source's state (default DIR/.spill/)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    authority_options(p)
     p.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    if len(args.where) > 2:
+        raise UsageError("spill move takes a project folder and a destination; see --help")
+    src, to = (".", args.where[0]) if len(args.where) == 1 else args.where
+    from spill.console import emit
+
+    result = move(src, to, state=args.state, wait=args.wait, lease=args.lease)
+    keys = None if args.json else ("run", "from", "to", "files", "bytes", "seconds", "status")
+    emit(result, args.json, keys)
+    return 0
+
+
+# --- where things are --------------------------------------------------------------------------
+
+
+def _abs(where: str) -> str:
+    return os.path.abspath(where) if is_local(where) else where.rstrip("/")
+
+
+def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, str, str]:
+    """(project root or None, source state, destination root, destination state)."""
+    src, to = _abs(src), _abs(to)
+    if exists(join(src, "spill.yaml")):
+        src_state = _abs(state) if state else join(src, STATE_DIR)
+        root: str | None = src
+        dst_state = join(to, STATE_DIR)
+    else:
+        from spill.jobs.states import is_state
+
+        if not is_state(src):
+            raise UsageError(f"{src} is neither a project folder nor a state location")
+        root, src_state, dst_state = None, src, to
+    for a, b in ((src_state, to), (to, src_state), *(((root, to), (to, root)) if root else ())):
+        if a == b or b.startswith(a.rstrip("/") + "/"):
+            raise UsageError(f"{to} and {src} overlap; move to a location outside the project")
+    return root, src_state, to, dst_state
+
+
+def _project_files(root: str, src_state: str) -> list[str]:
+    if is_local(root):
+        return snapshot.project_files(Path(root), src_state)
+    return [r for r in files_under(root) if r and not any(p.startswith(".") for p in r.split("/"))]
+
+
+# --- copying and checking ----------------------------------------------------------------------
+
+
+def _reader(uri: str):
+    if is_local(uri):
+        return open(uri, "rb")
+    from spill.store.fs import filesystem
+
+    fs_, path = filesystem(uri)
+    return fs_.open(path, "rb")
+
+
+def _copy(src: str, dst: str) -> None:
+    """Copy one file, streamed; locally it lands whole (a temporary name, fsynced, renamed)."""
+    import shutil
+
+    with _reader(src) as f:
+        if not is_local(dst):
+            from spill.store.fs import filesystem
+
+            fs_, path = filesystem(dst)
+            with fs_.open(path, "wb") as g:
+                shutil.copyfileobj(f, g, snapshot.CHUNK)
+            return
+        folder = os.path.dirname(dst)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".move-{os.getpid()}-{os.path.basename(dst)}")
+        try:
+            with open(tmp, "wb") as g:
+                shutil.copyfileobj(f, g, snapshot.CHUNK)
+                g.flush()
+                os.fsync(g.fileno())
+            os.replace(tmp, dst)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _manifest_uri(dst_state: str, run: str, tid: str) -> str:
+    return join(dst_state, "runs", run, f"move-{tid}.json")
+
+
+def _check_destination(dst_root: str, dst_state: str, run: str, tid: str) -> None:
+    """The destination is empty, or holds this transfer's own partial copy."""
+    if exists(_manifest_uri(dst_state, run, tid)):
+        return
+    there = [r for r in files_under(dst_root) if r]
+    if there:
+        raise StoreError(
+            f"{dst_root} is not empty ({there[0]}, ...); move to a new or empty location"
+        )
+
+
+def copy_snapshot(
+    root: str | None, src_state: str, dst_root: str, dst_state: str, doc: dict[str, Any]
+) -> dict[str, Any]:
+    """Step 3: hash the snapshot, write its manifest, copy what is not there yet."""
+    from spill.store.schemas import validate
+
+    t = doc["transfer"]
+    from spill.console import progress
+
+    rels = snapshot.state_files(src_state, doc)
+    files = [(join(src_state, r), f"{STATE_DIR}/{r}" if root else r) for r in rels]
+    if root:
+        files = [(join(root, r), r) for r in _project_files(root, src_state)] + files
+    entries = []
+    for src, rel in files:
+        size, sha = snapshot.digest(src)
+        entries.append({"path": rel, "size": size, "sha256": sha})
+    manifest = {
+        "schema_version": 1,
+        "kind": "spill-move",
+        "transfer": t["id"],
+        "run": doc["run"],
+        "from": t["from"],
+        "to": t["to"],
+        "project": root is not None,
+        "files": entries,
+        "bytes": sum(e["size"] for e in entries),
+    }
+    uri = _manifest_uri(dst_state, doc["run"], t["id"])
+    validate(manifest, "move-manifest", where=uri)
+    put_bytes(uri, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
+    with progress(manifest["bytes"], "copy", "B") as bar:
+        for (src, rel), e in zip(files, entries, strict=True):
+            dst = join(dst_root, rel)
+            have = stat(dst)
+            if have is None or have[0] != e["size"] or snapshot.digest(dst)[1] != e["sha256"]:
+                _copy(src, dst)
+            bar.update(e["size"])
+    return manifest
+
+
+def verify(dst_root: str, manifest: dict[str, Any]) -> None:
+    """Step 4: read every destination file back; a mismatch names the file."""
+    for e in manifest["files"]:
+        uri = join(dst_root, e["path"])
+        try:
+            size, sha = snapshot.digest(uri)
+        except FileNotFoundError:
+            raise StoreError(f"{uri} is missing after the copy; run `spill move` again") from None
+        if (size, sha) != (e["size"], e["sha256"]):
+            raise StoreError(
+                f"{uri} does not match what was copied ({size} bytes, sha256 {sha[:12]}, not "
+                f"{e['size']} bytes, {e['sha256'][:12]}); run `spill move` again"
+            )
+
+
+# --- the verb ----------------------------------------------------------------------------------
+
+
+def move(
+    src: str, to: str, *, state: str | None = None, wait: bool = False, lease: float | None = None
+) -> dict[str, Any]:
+    """Move the run of project (or state location) ``src`` to ``to``; see the module doc."""
+    from spill.console import note
+    from spill.store import transfer
+    from spill.store.cas import store_for
+
+    t0 = time.monotonic()
+    root, src_state, dst_root, dst_state = locations(src, to, state)
+    src_store = store_for(src_state)
+    dst_store = store_for(dst_state)  # a refused file system or object store says so now
+    # a project's move names the project's new place (what `spill build` is given there)
+    doc = transfer.begin(src_store, dst_root if root else dst_state, wait=wait)
+    if doc["status"] == "complete":
+        return _copy_complete(root, src_state, dst_root, dst_state, doc, t0)
+    t = doc["transfer"]
+    note(
+        f"moving run {doc['run']} from {src_state} to {dst_root} (transfer {t['id']}, step "
+        f"{transfer.step_number(t['step'])} of 7 done)"
+    )
+    manifest = None
+    if doc["status"] == "quiescing":
+        if wait:
+            note(f"waiting for the writer ({doc['owner']['host']} pid {doc['owner']['pid']})")
+        run = transfer.take(src_store, t["id"], lease=lease)
+        run.start_heartbeat()
+        try:
+            _check_destination(dst_root, dst_state, doc["run"], t["id"])
+            manifest = copy_snapshot(root, src_state, dst_root, dst_state, run.doc)
+            transfer.step(run, "copy")
+            verify(dst_root, manifest)
+            transfer.step(run, "verify")
+            transfer.incoming(dst_store, run.doc)
+            transfer.step(run, "incoming")
+            transfer.fence(run)
+        finally:
+            run.release()
+    done = transfer.activate(dst_store, t["id"])
+    if manifest is None:
+        manifest = _read_manifest(dst_state, doc["run"], t["id"])
+    return _result(done, src_state, dst_root, manifest, t0)
+
+
+def _read_manifest(dst_state: str, run: str, tid: str) -> dict[str, Any]:
+    from spill.store.fs import get_bytes
+    from spill.store.schemas import parse_json, validate
+
+    uri = _manifest_uri(dst_state, run, tid)
+    doc = parse_json(get_bytes(uri))
+    validate(doc, "move-manifest", where=uri)
+    return doc
+
+
+def _result(doc, src_state, dst_root, manifest, t0) -> dict[str, Any]:
+    return {
+        "run": doc["run"],
+        "from": src_state,
+        "to": dst_root,
+        "files": len(manifest["files"]),
+        "bytes": manifest["bytes"],
+        "seconds": round(time.monotonic() - t0, 3),
+        "status": doc["status"],
+        "transfer": manifest["transfer"],
+    }
+
+
+def _copy_complete(root, src_state, dst_root, dst_state, doc, t0) -> dict[str, Any]:
+    """A complete run is read-only: copy it, verified, and create it complete at ``to``."""
+    import secrets
+
+    from spill.console import note
+    from spill.store.cas import CURRENT, read_control, read_runs, store_for
+    from spill.store.owner import home_of
+
+    dst = store_for(dst_state)
+    runs, _ = read_runs(dst)
+    if runs is not None:
+        there, _ = read_control(dst, runs["current"])
+        if there is None or there["run"] != doc["run"] or there["status"] != "complete":
+            raise StoreError(f"{dst_state} already holds run {runs['current']}; move elsewhere")
+        tid = (there.get("transfer") or {}).get("id", "")
+        return _result(there, src_state, dst_root, _read_manifest(dst_state, there["run"], tid), t0)
+    now = time.time()
+    new = json.loads(json.dumps(doc))
+    new["transfer"] = {
+        "id": secrets.token_hex(8),
+        "from": home_of(src_state),
+        "to": dst_root if root else dst_state,
+        "step": "activate",
+        "started": now,
+        "at": now,
+    }
+    note(f"run {doc['run']} is complete (read-only): copying it; the source stays as it is")
+    _check_destination(dst_root, dst_state, doc["run"], new["transfer"]["id"])
+    manifest = copy_snapshot(root, src_state, dst_root, dst_state, new)
+    verify(dst_root, manifest)
+    new.update(home=home_of(dst_state), seq=doc["seq"] + 1)
+    new["lineage"]["copied_from"] = doc["home"]
+    dst.put(f"{doc['run']}/control.json", new, "control", None)
+    listing = {"schema_version": 1, "kind": "spill-runs", "current": doc["run"]}
+    dst.put(CURRENT, {**listing, "runs": [doc["run"]]}, "runs", None)
+    return _result(new, src_state, dst_root, manifest, t0)

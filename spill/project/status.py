@@ -68,6 +68,8 @@ def render(summary: dict[str, Any]) -> str:
             f"run {run['id']} · {run['status']} · generation {run['generation']} · "
             f"owner {run['owner']}"
         )
+        if run.get("move"):
+            lines.append(f"move: {run['move']}")
     lines += [f"note: {n}" for n in summary.get("notes", [])]
     return "\n".join(lines)
 
@@ -77,6 +79,7 @@ def run_view(where: str) -> dict[str, Any] | None:
     (host, pid, since, lease left), lineage."""
     from spill.store.cas import current
     from spill.store.owner import describe
+    from spill.store.transfer import describe_move
 
     doc = current(where)
     if doc is None:
@@ -92,6 +95,7 @@ def run_view(where: str) -> dict[str, Any] | None:
         "released": doc["owner"]["released"],
         "lease_left_s": round(max(0.0, left), 1) if not doc["owner"]["released"] else 0.0,
         "parent": doc["lineage"]["parent"],
+        "move": describe_move(doc),
     }
 
 

@@ -84,6 +84,8 @@ class Run:
         self._stop = threading.Event()
         self.lost: Superseded | None = None
         self._tag: str | None = None  # the tag of this process's last write of the document
+        # called once when a transition finds the run quiescing (a move asks it to stop)
+        self.on_quiesce: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def state(self) -> str:
@@ -122,6 +124,9 @@ class Run:
                         self.doc = doc
                         return doc
                     self._fence(doc)
+                    if doc["status"] == "quiescing" and self.on_quiesce is not None:
+                        asked, self.on_quiesce = self.on_quiesce, None
+                        asked(doc)
                     new = change(json.loads(json.dumps(doc)))
                     if new is None:
                         self.doc = doc

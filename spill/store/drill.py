@@ -16,6 +16,8 @@ state behind:
 ``control-renew``       the lease renewed by the heartbeat
 ``control-publish``     a pointer of the control object moved to a new payload (fenced)
 ``control-complete``    the run marked complete (read-only from now on)
+``move-<step>``         a move's step done (quiesce, take, copy, verify, incoming, fence,
+                        activate; ``spill.store.transfer``)
 =====================  ===================================================================
 
 Two ways to act there, both off unless asked for:
@@ -56,6 +58,10 @@ CONTROL_ACQUIRE = "control-acquire"
 CONTROL_RENEW = "control-renew"
 CONTROL_PUBLISH = "control-publish"
 CONTROL_COMPLETE = "control-complete"
+MOVE_STEPS = ("quiesce", "take", "copy", "verify", "incoming", "fence", "activate")
+MOVE_QUIESCE, MOVE_TAKE, MOVE_COPY, MOVE_VERIFY, MOVE_INCOMING, MOVE_FENCE, MOVE_ACTIVATE = (
+    f"move-{s}" for s in MOVE_STEPS
+)
 BOUNDARIES = (
     CKPT_BETWEEN_FILES,
     CKPT_BEFORE_COMMIT,
@@ -69,6 +75,7 @@ BOUNDARIES = (
     CONTROL_RENEW,
     CONTROL_PUBLISH,
     CONTROL_COMPLETE,
+    *(f"move-{s}" for s in MOVE_STEPS),
 )
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
