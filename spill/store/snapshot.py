@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from spill.store.fs import _local, filesystem, files_under, is_local, is_temp, join
+from spill.store.fs import _local, files_under, filesystem, is_local, is_temp, join
 
 CHUNK = 8 << 20
 _PAYLOAD_DIR = re.compile(r"(?:(.*)/)?payloads/([a-z]+-g\d+-s\d+-\d+)(?:/.*)?")
