@@ -96,9 +96,20 @@ def cmd_build(args) -> int:
     return _preemptible(lambda: _build(args))
 
 
+def _at_uri(args) -> None:
+    """A project at a URI (``spill move`` put it there): build a local working copy of its
+    files, with the state at ``<URI>/.spill`` (``spill.project.remote``)."""
+    from spill.project.remote import checkout, is_remote_project
+
+    if "://" in args.dir and is_remote_project(args.dir):
+        local, state = checkout(args.dir)
+        args.dir, args.state = str(local), args.state or state
+
+
 def _build(args) -> int:
     from spill.project.build import BuildOptions, build
 
+    _at_uri(args)
     opts = BuildOptions(
         state=args.state,
         stop_after=args.stop_after,
@@ -126,6 +137,7 @@ def cmd_resume(args) -> int:
     from spill.jobs.states import is_state
     from spill.project.build import BuildOptions, build
 
+    _at_uri(args)
     if args.state is None and not args.overrides and is_state(args.dir):
         return resume_state(args.dir, args)
     if args.overrides:
@@ -153,6 +165,7 @@ def cmd_status(args) -> int:
     from spill.jobs.states import is_state
     from spill.project.status import status
 
+    _at_uri(args)
     if args.state is None and is_state(args.dir):  # a job's (or a build's) state location
         from spill.console import emit
         from spill.jobs.states import summary

@@ -1,0 +1,49 @@
+"""A project at a URI (``spill build s3://bucket/proj``): its files checked out on this machine.
+
+``spill move DIR s3://bucket/proj`` leaves a project there: its files (spill.yaml, data, group
+options) beside its state under ``.spill/``. A build reads the project from a local working copy,
+``SPILL_HOME/projects/<hash of the URI>/``, refreshed from the URI before every command (a file
+whose size or sha256 differs is fetched again, one that is gone is removed), while the state
+stays at ``<URI>/.spill``: the run has one place, the URI; the copy is only what composing reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from spill.paths import spill_home
+from spill.store.fs import exists, files_under, get_bytes, is_local, join
+
+STATE_DIR = ".spill"
+
+
+def is_remote_project(where: str) -> bool:
+    return not is_local(where) and exists(join(where, "spill.yaml"))
+
+
+def checkout(uri: str) -> tuple[Path, str]:
+    """(the local working copy of the project at ``uri``, its state location)."""
+    from spill.errors import UsageError
+
+    uri = uri.rstrip("/")
+    if not exists(join(uri, "spill.yaml")):
+        raise UsageError(f"{uri} holds no spill.yaml; give a project's location")
+    local = spill_home() / "projects" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    wanted = {r for r in files_under(uri) if r and not any(p.startswith(".") for p in r.split("/"))}
+    for d, _, names in os.walk(local):
+        for n in names:
+            rel = (Path(d) / n).relative_to(local).as_posix()
+            if rel not in wanted:
+                os.unlink(Path(d) / n)
+    for rel in sorted(wanted):
+        data = get_bytes(join(uri, rel))
+        path = local / rel
+        if path.is_file() and path.read_bytes() == data:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.part")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return local, join(uri, STATE_DIR)
