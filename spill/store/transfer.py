@@ -246,4 +246,6 @@ def describe_move(doc: dict[str, Any]) -> str | None:
     if doc["status"] in ("quiescing", "incoming"):
         side = f"to {t['to']}" if doc["status"] == "quiescing" else f"from {t['from']}"
         return f"moving {side}: step {n} of {len(STEPS)} ({t['step']}) done"
+    if t["step"] != "activate":  # the move was abandoned for a build that finished the run
+        return None
     return f"moved here from {t['from']} at {_iso(t['at'])}"
