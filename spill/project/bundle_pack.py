@@ -1,0 +1,283 @@
+"""Writing a bundle: what goes in (project files, the run's files, model files) and the file.
+
+* project: ``snapshot.project_files`` (everything but hidden entries and the state folder);
+* state (``--with-state``): ``snapshot.state_files`` of the current run, without
+  ``command.json`` (it names this machine's working folder); refused while a live owner holds
+  the run (exit 75, or ``--wait``), and refused at the end if its control object changed
+  meanwhile. The control object travels in the manifest with its ``home`` reduced to
+  ``a bundle from <host>``, so no path of this machine is in the bundle;
+* models: each model a stage loads, resolved as a build resolves it (``resolve_model``: a tiny
+  model is generated, the packaged GGUF imported, on first use), checked against its cache
+  record (``integrity.check``) and pinned. Only folders of the model cache can be installed
+  where the same name finds them again, so a model named by a URI or by a folder outside the
+  cache is refused in one line.
+
+Every file is hashed before the file is written (the manifest comes first, see
+``bundle_format``); each file's stat key is taken then and compared after its bytes are copied,
+so a file that changes while bundling is refused, never recorded with a stale hash. The bundle
+is written to a temporary name beside ``PATH`` and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spill.console import note, progress
+from spill.errors import ModelError
+from spill.project.bundle_format import (
+    FORMAT,
+    KIND,
+    MANIFEST,
+    BundleError,
+    bad_path,
+    copy_plain,
+    header,
+    padding,
+    trailer,
+)
+from spill.store import snapshot
+from spill.store.fs import _local, is_local, join
+
+SKIP_STATE = ("command.json",)  # a build's record of its command line names this machine's cwd
+
+
+@dataclass
+class Item:
+    """One file to write: where it is, its entry name, and what was hashed."""
+
+    source: str  # a local path or a URI
+    path: str  # its name in the bundle
+    role: str
+    size: int
+    sha256: str
+    key: tuple | None = None  # local files: (size, mtime_ns, ctime_ns, inode) when hashed
+
+
+@dataclass
+class Contents:
+    items: list[Item] = field(default_factory=list)
+    models: list[dict[str, Any]] = field(default_factory=list)
+    run: dict[str, Any] | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.size for i in self.items)
+
+
+def _key(path: str) -> tuple:
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def _local_item(path: str, name: str, role: str, sha: str | None = None) -> Item:
+    from spill.hashing import file_sha256
+
+    key = _key(path)
+    digest = sha or file_sha256(path)
+    if sha is None and _key(path) != key:
+        raise BundleError(f"{path} changed while it was hashed; bundle again when it is still")
+    return Item(path, name, role, key[0], digest, key)
+
+
+def _checked_name(rel: str, where: str) -> str:
+    why = bad_path(rel)
+    if why:
+        raise BundleError(f"{where}: {rel!r} is {why}, which a bundle cannot carry; rename it")
+    return rel
+
+
+def project_items(root: Path, state: str) -> list[Item]:
+    out = []
+    for rel in snapshot.project_files(root, state):
+        _checked_name(rel, str(root))
+        out.append(_local_item(str(root / rel), "project/" + rel, "project"))
+    return out
+
+
+def run_items(state: str, wait: bool) -> tuple[list[Item], dict[str, Any]]:
+    """The run's files and its control object, once no live owner holds it."""
+    from spill.store.cas import current
+    from spill.store.runs import _busy, is_held, refuse_moving
+
+    doc = current(state)
+    if doc is None:
+        raise BundleError(
+            f"{state} holds no run; build the project first, or bundle without --with-state"
+        )
+    pause = 0.02
+    while is_held(doc):
+        if not wait:
+            raise _busy(doc, state)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+        doc = current(state) or doc
+    if doc["status"] in ("transferred", "incoming", "quiescing"):
+        refuse_moving(doc, state)
+    out = []
+    for rel in snapshot.state_files(state, doc):
+        if rel in SKIP_STATE or bad_path(rel):
+            continue  # hidden names are a writer's leftovers, never part of a run
+        src = join(state, rel)
+        if is_local(state):
+            out.append(_local_item(_local(src), "state/" + rel, "state"))
+        else:
+            size, sha = snapshot.digest(src)
+            out.append(Item(src, "state/" + rel, "state", size, sha))
+    return out, doc
+
+
+def _source(resolved, marker: dict[str, Any]) -> dict[str, Any]:
+    kind = {"tiny": "tiny", "gguf": "gguf", "hub": "hub"}.get(resolved.source, "imported")
+    out: dict[str, Any] = {"kind": kind}
+    if resolved.model_id:
+        out["model_id"] = resolved.model_id
+    if resolved.revision:
+        out["revision"] = resolved.revision
+    for k in ("family", "seed"):
+        if k in marker:
+            out[k] = marker[k]
+    if isinstance(marker.get("gguf"), str):
+        out["gguf"] = marker["gguf"].replace("\\", "/").rsplit("/", 1)[-1]  # its name only
+    return out
+
+
+def model_items(project) -> tuple[list[Item], list[dict[str, Any]]]:
+    """The model files of every stage's model, each model pinned once."""
+    from spill.models.cache import read_marker
+    from spill.models.integrity import check, model_files, stat_key
+    from spill.models.resolve import resolve_model
+    from spill.paths import models_dir
+    from spill.project.stages import STAGES
+
+    users: dict[str, list[str]] = {}
+    for stage in STAGES:
+        name = stage.model(project)
+        if name and stage.model_key not in users.setdefault(name, []):
+            users[name].append(stage.model_key)
+    cache = Path(os.path.realpath(models_dir()))
+    items, pins = [], []
+    for name, used_by in users.items():
+        if "://" in name:
+            raise BundleError(
+                f"{used_by[0]}: {name} is staged from a URI, which an offline machine cannot "
+                "reach; copy it into the model cache (`spill models import`) and name that"
+            )
+        resolved = resolve_model(name, progress=note)
+        folder = Path(resolved.folder)
+        real = Path(os.path.realpath(folder))
+        if not real.is_relative_to(cache):
+            raise BundleError(
+                f"{used_by[0]}: {name} is the folder {folder}, outside the model cache "
+                f"({cache}); a bundle carries cached models only: import it there and name it"
+            )
+        rel = (
+            folder.relative_to(models_dir()).as_posix()
+            if folder.is_relative_to(models_dir())
+            else real.relative_to(cache).as_posix()
+        )
+        records = check(folder, name) or {}  # a changed file is refused here, named
+        verified = read_marker(folder).get("verified") or {}
+        files = []
+        for fname in model_files(folder):
+            path = str(folder / fname)
+            rec = records.get(fname)
+            trusted = rec and verified.get(fname) == stat_key(folder / fname)
+            item = _local_item(
+                path, f"models/{rel}/{fname}", "model", rec["sha256"] if trusted else None
+            )
+            items.append(item)
+            files.append({"name": fname, "size": item.size, "sha256": item.sha256})
+        pin = {"name": name, "used_by": used_by, "folder": rel}
+        pins.append({**pin, "source": _source(resolved, read_marker(folder)), "files": files})
+        _checked_name(rel, name)
+    return items, pins
+
+
+def manifest(project, contents: Contents) -> dict[str, Any]:
+    import spill
+
+    run = None
+    if contents.run is not None:
+        doc = json.loads(json.dumps(contents.run))
+        doc["home"] = f"a bundle from {doc['owner']['host']}"
+        run = {"id": doc["run"], "status": doc["status"], "control": doc}
+    return {
+        "schema_version": FORMAT,
+        "kind": KIND,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "spill": spill.__version__,
+        "project": {"name": project.name, "id": project.id},
+        "bytes": contents.bytes,
+        "files": [
+            {"path": i.path, "role": i.role, "size": i.size, "sha256": i.sha256}
+            for i in contents.items
+        ],
+        "models": contents.models,
+        "run": run,
+    }
+
+
+def _copy(item: Item, out) -> None:
+    if item.key is None:  # a remote state file: hashed again while copied
+        from spill.project.bundle_format import Hasher
+        from spill.store.fs import filesystem
+
+        fs, path = filesystem(item.source)
+        hasher = Hasher()
+        try:
+            with fs.open(path, "rb") as src:
+                got, sha = hasher.copy(src, out, item.size)
+        finally:
+            hasher.close()
+        if (got, sha) != (item.size, item.sha256):
+            raise BundleError(f"{item.source} changed while bundling; bundle again")
+        return
+    with open(item.source, "rb", buffering=0) as src:
+        got = copy_plain(src, out, item.size)
+    if got != item.size or _key(item.source) != item.key:
+        raise BundleError(f"{item.source} changed while bundling; bundle again when it is still")
+
+
+def write(path: Path, doc: dict[str, Any], items: list[Item], show: bool = True) -> int:
+    """Write the bundle to a temporary name beside ``path`` and rename it; returns its size."""
+    raw = json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=False).encode() + b"\n"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb", buffering=0) as out:
+            out.write(header(MANIFEST, len(raw)) + raw + padding(len(raw)))
+            with progress(sum(i.size for i in items), "bundling", unit="B") as bar:
+                bar.unit_scale = True
+                for item in items:
+                    out.write(header(item.path, item.size))
+                    _copy(item, out)
+                    out.write(padding(item.size))
+                    bar.update(item.size)
+            out.write(trailer(out.tell()))
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def collect(root: Path, state: str, with_state: bool, wait: bool) -> tuple[Any, Contents]:
+    from spill.project.config import compose
+
+    project = compose(root)
+    contents = Contents()
+    try:
+        contents.items += project_items(root, state)
+        if with_state:
+            items, contents.run = run_items(state, wait)
+            contents.items += items
+        items, contents.models = model_items(project)
+    except ModelError as e:
+        raise BundleError(f"cannot bundle the models: {e}") from None
+    contents.items += items
+    return project, contents
