@@ -1,8 +1,11 @@
-"""``spill init DATA --input COL --output COL --project DIR``: a project folder, two files.
+"""``spill init DATA --input COL --output COL --project DIR``: a project folder, three files.
 
-``DIR/spill.yaml`` and a copy of the data, nothing else (a folder that holds only the data
-file itself gets just the spill.yaml). The data is read and checked first
-(columns, empty cells, a single label, too few rows for a split), the task detected. Choices
+``DIR/spill.yaml``, ``DIR/spill.schema.json`` and a copy of the data, nothing else (a folder
+that holds only the data file itself gets the other two). spill.yaml's first line points editors
+(yaml-language-server) at the schema copy by a relative path, so the project names no absolute
+path of this machine and the modeline still resolves after ``spill move`` or a bundle install.
+The data is read and checked first (columns, empty cells, a single label, too few rows for a
+split), the task detected. Choices
 that depend on this machine are made here once and written into spill.yaml with the reason
 next to each, so a later build on another machine keeps them:
 
@@ -31,6 +34,7 @@ from spill.project import config
 from spill.project.data import check_rows, detect_task, read_rows, split
 
 STUDENT = "smollm2:135m"
+SCHEMA_COPY = "spill.schema.json"  # beside spill.yaml; its modeline names it relatively
 TEACHERS = ("qwen2.5:7b", "qwen2.5:1.5b", "smollm2:1.7b")  # largest first
 _PLAIN = re.compile(r"^[A-Za-z0-9_./-]+$")
 _YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "none", "~"}
@@ -136,13 +140,11 @@ def _yaml(
     values: dict[str, dict[str, Any]],
 ) -> str:
     from spill.engines import auto_engine
-    from spill.schemas import DIR
 
-    schema = DIR / "spill-yaml.schema.json"
     where = f"{socket.gethostname()}"
     engine = auto_engine()
     lines = [
-        f"# yaml-language-server: $schema={schema}",
+        f"# yaml-language-server: $schema={SCHEMA_COPY}",
         "# A spill project: `spill build <this folder>` grades the base model, tunes it, grades",
         f"# it again. Machine-dependent choices were made by `spill init` on {where}, once.",
         "defaults:",
@@ -176,6 +178,8 @@ def init(
     teacher: str | None = None,
 ) -> dict[str, Any]:
     """Write the project folder; returns what was chosen (rows, task, models, engine)."""
+    from spill.schemas import DIR
+
     data, project = Path(data), Path(project)
     in_place = data.resolve().parent == project.resolve()  # the folder that holds the data
     if project.exists() and (
@@ -231,10 +235,12 @@ def init(
     try:
         if not in_place:
             shutil.copyfile(data, project / data.name)
+        shutil.copyfile(DIR / f"{config.SCHEMA}.schema.json", project / SCHEMA_COPY)
         (project / config.FILE).write_text(text, encoding="utf-8")
         config.compose(project)  # a new project always composes and validates
     except BaseException:
-        for path in (project / config.FILE, *(() if in_place else (project / data.name,))):
+        written = (project / config.FILE, project / SCHEMA_COPY)
+        for path in (*written, *(() if in_place else (project / data.name,))):
             path.unlink(missing_ok=True)
         if created:
             shutil.rmtree(project, ignore_errors=True)

@@ -1,6 +1,9 @@
-"""``spill init``: a folder with spill.yaml and the data, nothing else; choices written once."""
+"""``spill init``: a folder with spill.yaml, its schema and the data, nothing else; choices
+written once."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -9,17 +12,22 @@ from spill.project.config import compose
 from spill.project.init import init
 from tests.unit.project.test_data import LABELED, write_csv
 
+ROOT = Path(__file__).resolve().parents[3]
 
-def test_init_writes_two_files_that_compose(tmp_path):
+
+def test_init_writes_files_that_compose(tmp_path):
     data = write_csv(tmp_path / "tickets.csv", LABELED)
     out = init(data, "text", "label", tmp_path / "proj", seed=3)
     files = sorted(p.name for p in (tmp_path / "proj").iterdir())
-    assert files == ["spill.yaml", "tickets.csv"]
+    assert files == ["spill.schema.json", "spill.yaml", "tickets.csv"]
     assert (tmp_path / "proj" / "tickets.csv").read_bytes() == data.read_bytes()
     text = (tmp_path / "proj" / "spill.yaml").read_text()
     first = text.splitlines()[0]
-    assert first.startswith("# yaml-language-server: $schema=/")
-    assert first.endswith("schemas/spill-yaml.schema.json")
+    # a relative modeline to a copy of the schema: the project names no path of this machine
+    assert first == "# yaml-language-server: $schema=spill.schema.json"
+    assert str(tmp_path) not in text
+    shipped = ROOT / "schemas" / "spill-yaml.schema.json"
+    assert (tmp_path / "proj" / "spill.schema.json").read_bytes() == shipped.read_bytes()
     p = compose(tmp_path / "proj")
     assert (p.name, p.seed, p.data.task, p.data.file) == (
         "proj",
@@ -71,5 +79,9 @@ def test_init_in_the_folder_that_holds_the_data(tmp_path):
     (tmp_path / "mine").mkdir()
     data = write_csv(tmp_path / "mine" / "d.csv", LABELED)
     init(data, "text", "label", tmp_path / "mine")
-    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["d.csv", "spill.yaml"]
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == [
+        "d.csv",
+        "spill.schema.json",
+        "spill.yaml",
+    ]
     assert compose(tmp_path / "mine").data.file == "d.csv"
