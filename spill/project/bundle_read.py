@@ -70,11 +70,19 @@ def _refuse(path: Path, why: str) -> BundleError:
 
 
 def _members(path: Path) -> list[tarfile.TarInfo]:
+    """The entries' headers; a bundle cut short keeps those before the cut (its files are then
+    named as cut short or missing), any other unreadable header is refused."""
+    out: list[tarfile.TarInfo] = []
     try:
         with tarfile.open(path, "r:") as tf:
-            return tf.getmembers()
+            while (m := tf.next()) is not None:
+                out.append(m)
+    except tarfile.ReadError as e:
+        if not (out and "unexpected end of data" in str(e)):
+            raise _refuse(path, f"not a readable bundle ({e})") from None
     except (tarfile.TarError, EOFError, UnicodeError, ValueError, OverflowError) as e:
         raise _refuse(path, f"not a readable bundle ({type(e).__name__}: {e})") from None
+    return out
 
 
 def _check_member(path: Path, m: tarfile.TarInfo, seen: set[str]) -> None:

@@ -1,0 +1,275 @@
+"""Bundles as untrusted input: hand-made malicious and damaged bundles (tarfile here), each
+refused in one line before anything is written to DIR or SPILL_HOME/models; a good one installs."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from spill.project.bundle_format import MANIFEST, BundleError
+from spill.project.bundle_install import install
+from spill.project.bundle_read import open_bundle, verify
+
+MODEL = "tiny/tiny-llama-9-2x64"
+GOOD = {
+    "project/spill.yaml": b"name: x\n",
+    "project/data.csv": b"text,label\na,b\n",
+    f"models/{MODEL}/config.json": b"{}\n",
+    f"models/{MODEL}/model.safetensors": bytes(range(256)) * 64,
+}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def manifest(files: dict[str, bytes], **edit) -> dict:
+    model = [
+        {"name": n.rsplit("/", 1)[1], "size": len(d), "sha256": _sha(d)}
+        for n, d in files.items()
+        if n.startswith("models/")
+    ]
+    doc = {
+        "schema_version": 1,
+        "kind": "spill-bundle",
+        "created": "2026-01-01T00:00:00Z",
+        "spill": "0.1.0",
+        "project": {"name": "x", "id": None},
+        "bytes": sum(len(d) for d in files.values()),
+        "files": [
+            {
+                "path": n,
+                "role": "model" if n.startswith("models/") else n.split("/")[0],
+                "size": len(d),
+                "sha256": _sha(d),
+            }
+            for n, d in files.items()
+        ],
+        "models": [
+            {
+                "name": "tiny:llama:9:2x64",
+                "used_by": ["model.name"],
+                "folder": MODEL,
+                "source": {"kind": "tiny", "family": "llama", "seed": 9},
+                "files": model,
+            }
+        ]
+        if model
+        else [],
+        "run": None,
+    }
+    doc.update(edit)
+    return doc
+
+
+def make(
+    path: Path,
+    files: dict[str, bytes] | None = None,
+    doc: dict | None = None,
+    extra: list[tuple[tarfile.TarInfo, bytes | None]] = (),
+    skip: tuple[str, ...] = (),
+) -> Path:
+    """A bundle file: the manifest first, then ``files`` (less ``skip``), then ``extra``."""
+    files = dict(GOOD if files is None else files)
+    raw = json.dumps(doc if doc is not None else manifest(files)).encode()
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        info = tarfile.TarInfo(MANIFEST)
+        info.size = len(raw)
+        tf.addfile(info, io.BytesIO(raw))
+        for name, data in files.items():
+            if name in skip:
+                continue
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+        for info, data in extra:
+            tf.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+@pytest.fixture
+def place(tmp_path, spill_home):
+    """DIR, and ``watch()``: records the tmp folder and SPILL_HOME/models now and returns a
+    check that neither changed since."""
+    dest, models = tmp_path / "dest", spill_home / "models"
+    models.mkdir(parents=True)
+    (models / "keep").write_text("x")
+
+    def watch():
+        before = (tree(tmp_path), tree(models))
+
+        def unchanged() -> None:
+            assert (tree(tmp_path), tree(models)) == before
+
+        return unchanged
+
+    return dest, watch
+
+
+def _entry(name: str, kind: bytes, link: str = "") -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info, None
+
+
+def _file(name: str, data: bytes = b"evil") -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info, data
+
+
+MALICIOUS = {
+    "dotdot": ([_file("project/../evil")], "'..'"),
+    "absolute": ([_file("/tmp/evil")], "absolute"),
+    "symlink": ([_entry("project/link", tarfile.SYMTYPE, "/etc/passwd")], "symbolic link"),
+    "hardlink": ([_entry("project/hard", tarfile.LNKTYPE, "project/spill.yaml")], "hard link"),
+    "device": ([_entry("project/dev", tarfile.CHRTYPE)], "character device"),
+    "fifo": ([_entry("project/fifo", tarfile.FIFOTYPE)], "fifo"),
+    "folder": ([_entry("project/sub", tarfile.DIRTYPE)], "a folder"),
+    "hidden": ([_file("project/.git/hooks/post-checkout")], "hidden"),
+    "outside": ([_file("elsewhere/x")], "outside project/"),
+    "unlisted": ([_file("project/unlisted.txt")], "not in its manifest"),
+    "backslash": ([_file("project/a\\..\\b")], "backslash"),
+    "twice-by-case": ([_file("project/SPILL.yaml")], "twice"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALICIOUS), ids=list(MALICIOUS))
+def test_malicious_entries_are_refused_before_anything_is_written(tmp_path, place, case):
+    extra, why = MALICIOUS[case]
+    path = make(tmp_path / "b.spb", extra=extra)
+    dest, watch = place
+    unchanged = watch()
+    for call in (lambda: open_bundle(path), lambda: install(path, dest)):
+        with pytest.raises(BundleError, match="b.spb") as e:
+            call()
+        assert why in str(e.value) and "\n" not in str(e.value)
+    unchanged()
+
+
+def _bad_manifests() -> dict[str, tuple[dict, str]]:
+    m = manifest(GOOD)
+    out = {}
+    out["missing-file"] = (
+        {**m, "files": [*m["files"], {**m["files"][0], "path": "project/x"}]},
+        "missing",
+    )
+    out["newer-format"] = ({**m, "schema_version": 2, "files": "anything"}, "newer spill")
+    out["off-schema"] = ({**m, "files": [{**m["files"][0], "size": "big"}]}, "schema")
+    out["model-folder-escapes"] = (
+        {**m, "models": [{**m["models"][0], "folder": "../../etc"}]},
+        "schema",
+    )
+    out["role-mismatch"] = (
+        {**m, "files": [{**m["files"][0], "role": "state"}, *m["files"][1:]]},
+        "state file",
+    )
+    out["unpinned-model-file"] = ({**m, "models": []}, "no model pins")
+    out["not-a-manifest"] = ({"hello": 1}, "not a spill-bundle manifest")
+    return out
+
+
+@pytest.mark.parametrize("case", list(_bad_manifests()))
+def test_bad_manifests_are_refused_before_anything_is_written(tmp_path, place, case):
+    doc, why = _bad_manifests()[case]
+    path = make(tmp_path / "b.spb", doc=doc)
+    dest, watch = place
+    unchanged = watch()
+    with pytest.raises(BundleError, match=why):
+        install(path, dest)
+    unchanged()
+
+
+def test_manifest_not_first_is_refused(tmp_path, place):
+    path = tmp_path / "b.spb"
+    raw = json.dumps(manifest(GOOD)).encode()
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in [*GOOD.items(), (MANIFEST, raw)]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    unchanged = place[1]()
+    with pytest.raises(BundleError, match="first entry"):
+        install(path, place[0])
+    unchanged()
+
+
+def _flip(path: Path, needle: bytes) -> None:
+    data = bytearray(path.read_bytes())
+    at = data.index(needle, 1024)  # past the manifest
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+CORRUPT = {
+    "project-byte": (lambda p: _flip(p, b"text,label"), "project/data.csv: damaged"),
+    "model-byte": (lambda p: _flip(p, bytes(range(40, 60))), "model.safetensors: damaged"),
+    "truncated": (
+        lambda p: p.write_bytes(p.read_bytes()[: p.read_bytes().index(bytes(range(256))) + 100]),
+        "model.safetensors: cut short",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_corruptions_are_named_by_verify_and_install(tmp_path, place, case):
+    damage, line = CORRUPT[case]
+    path = make(tmp_path / "b.spb")
+    damage(path)
+    unchanged = place[1]()
+    problems = verify(open_bundle(path))
+    assert len(problems) == 1 and line in problems[0]
+    with pytest.raises(BundleError, match=line):
+        install(path, place[0])
+    unchanged()
+
+
+def test_missing_model_file_is_named(tmp_path, place):
+    path = make(tmp_path / "b.spb", skip=(f"models/{MODEL}/model.safetensors",))
+    unchanged = place[1]()
+    problems = verify(open_bundle(path))
+    assert problems == [
+        f"models/{MODEL}/model.safetensors: missing from the bundle (the manifest names it)"
+    ]
+    with pytest.raises(BundleError, match="model.safetensors: missing"):
+        install(path, place[0])
+    unchanged()
+
+
+def test_good_bundle_installs_and_keeps_model_files_already_there(tmp_path, spill_home):
+    path = make(tmp_path / "b.spb")
+    assert verify(open_bundle(path)) == []
+    out = install(path, tmp_path / "a")
+    assert (tmp_path / "a" / "data.csv").read_bytes() == GOOD["project/data.csv"]
+    folder = spill_home / "models" / MODEL
+    assert (folder / "model.safetensors").read_bytes() == GOOD[f"models/{MODEL}/model.safetensors"]
+    marker = json.loads((folder / "spill-source.json").read_text())
+    assert marker["source"] == "tiny" and marker["files"]["config.json"]["sha256"] == _sha(b"{}\n")
+    assert out["model_files_written"] == 2
+    again = install(path, tmp_path / "b")  # the same model files: kept, not copied again
+    assert (again["model_files_written"], again["model_files_kept"]) == (0, 2)
+    hidden = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert hidden == [] and not any(p.name.startswith(".") for p in folder.parent.iterdir())
+
+
+def test_install_into_a_non_empty_folder_needs_force(tmp_path, spill_home):
+    path = make(tmp_path / "b.spb")
+    dest = tmp_path / "d"
+    dest.mkdir()
+    (dest / "old.txt").write_text("old")
+    with pytest.raises(BundleError, match="not empty"):
+        install(path, dest)
+    assert (dest / "old.txt").exists()
+    install(path, dest, force=True)
+    assert sorted(p.name for p in dest.iterdir()) == ["data.csv", "spill.yaml"]
+    with pytest.raises(BundleError, match="holds more than a project"):
+        install(path, spill_home.parent, force=True)
