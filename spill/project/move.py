@@ -23,11 +23,14 @@ as complete, naming the source in its lineage; the source stays as it was.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from spill.errors import StoreError, UsageError
 from spill.store import snapshot
@@ -111,64 +114,79 @@ def _reader(uri: str):
     return fs_.open(path, "rb")
 
 
-def _copy(src: str, dst: str) -> None:
-    """Copy one file, streamed; locally it lands whole (a temporary name, fsynced, renamed)."""
-    import shutil
+@contextlib.contextmanager
+def _writer(dst: str) -> Iterator[BinaryIO]:
+    """A file to write ``dst`` through; locally it lands whole (a temporary name, fsynced,
+    renamed), on an object store the upload completes when the block ends."""
+    if not is_local(dst):
+        from spill.store.fs import filesystem
 
-    with _reader(src) as f:
-        if not is_local(dst):
-            from spill.store.fs import filesystem
+        fs_, path = filesystem(dst)
+        with fs_.open(path, "wb") as g:
+            yield g
+        return
+    folder = os.path.dirname(dst)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".move-{os.getpid()}-{os.path.basename(dst)}")
+    try:
+        with open(tmp, "wb") as g:
+            yield g
+            g.flush()
+            os.fsync(g.fileno())
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
-            fs_, path = filesystem(dst)
-            with fs_.open(path, "wb") as g:
-                shutil.copyfileobj(f, g, snapshot.CHUNK)
-            return
-        folder = os.path.dirname(dst)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".move-{os.getpid()}-{os.path.basename(dst)}")
-        try:
-            with open(tmp, "wb") as g:
-                shutil.copyfileobj(f, g, snapshot.CHUNK)
-                g.flush()
-                os.fsync(g.fileno())
-            os.replace(tmp, dst)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+
+def _copy(src: str, dst: str) -> tuple[int, str]:
+    """Copy one file, streamed, hashing the bytes as they pass: (size, sha256)."""
+    h, size = hashlib.sha256(), 0
+    with _reader(src) as f, _writer(dst) as g:
+        while chunk := f.read(snapshot.CHUNK):
+            h.update(chunk)
+            g.write(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
 
 
 def _manifest_uri(dst_state: str, run: str, tid: str) -> str:
     return join(dst_state, "runs", run, f"move-{tid}.json")
 
 
-def _check_destination(dst_root: str, dst_state: str, run: str, tid: str) -> None:
-    """The destination is empty, or holds this transfer's own partial copy."""
+def _check_destination(dst_root: str, dst_state: str, run: str, tid: str) -> bool:
+    """The destination is empty (True), or holds this transfer's own partial copy (False)."""
     if exists(_manifest_uri(dst_state, run, tid)):
-        return
+        return False
     there = [r for r in files_under(dst_root) if r]
     if there:
         raise StoreError(
             f"{dst_root} is not empty ({there[0]}, ...); move to a new or empty location"
         )
+    return True
+
+
+def _put_manifest(uri: str, manifest: dict[str, Any]) -> None:
+    from spill.store.schemas import validate
+
+    validate(manifest, "move-manifest", where=uri)
+    put_bytes(uri, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
 
 
 def copy_snapshot(
     root: str | None, src_state: str, dst_root: str, dst_state: str, doc: dict[str, Any]
 ) -> dict[str, Any]:
-    """Step 3: hash the snapshot, write its manifest, copy what is not there yet."""
-    from spill.store.schemas import validate
-
-    t = doc["transfer"]
+    """Step 3: claim the destination with an unsealed manifest, copy the snapshot (hashing it
+    in the same pass), then seal the manifest with every file's size and sha256. A rerun of
+    the same transfer hashes both sides first and copies only what differs."""
     from spill.console import progress
 
+    t = doc["transfer"]
+    fresh = _check_destination(dst_root, dst_state, doc["run"], t["id"])
     rels = snapshot.state_files(src_state, doc)
     files = [(join(src_state, r), f"{STATE_DIR}/{r}" if root else r) for r in rels]
     if root:
         files = [(join(root, r), r) for r in _project_files(root, src_state)] + files
-    entries = []
-    for src, rel in files:
-        size, sha = snapshot.digest(src)
-        entries.append({"path": rel, "size": size, "sha256": sha})
     manifest = {
         "schema_version": 1,
         "kind": "spill-move",
@@ -177,24 +195,32 @@ def copy_snapshot(
         "from": t["from"],
         "to": t["to"],
         "project": root is not None,
-        "files": entries,
-        "bytes": sum(e["size"] for e in entries),
+        "sealed": False,
+        "files": [],
+        "bytes": 0,
     }
     uri = _manifest_uri(dst_state, doc["run"], t["id"])
-    validate(manifest, "move-manifest", where=uri)
-    put_bytes(uri, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
-    with progress(manifest["bytes"], "copy", "B") as bar:
-        for (src, rel), e in zip(files, entries, strict=True):
+    _put_manifest(uri, manifest)  # the claim: a rerun of this transfer knows its partial copy
+    entries = []
+    with progress(len(files), "copy", "file") as bar:
+        for src, rel in files:
             dst = join(dst_root, rel)
-            have = stat(dst)
-            if have is None or have[0] != e["size"] or snapshot.digest(dst)[1] != e["sha256"]:
-                _copy(src, dst)
-            bar.update(e["size"])
+            done = None
+            if not fresh and (have := stat(dst)) is not None:
+                size, sha = snapshot.digest(src)
+                if have[0] == size and snapshot.digest(dst)[1] == sha:
+                    done = size, sha
+            size, sha = done or _copy(src, dst)
+            entries.append({"path": rel, "size": size, "sha256": sha})
+            bar.update(1)
+    manifest.update(sealed=True, files=entries, bytes=sum(e["size"] for e in entries))
+    _put_manifest(uri, manifest)
     return manifest
 
 
 def verify(dst_root: str, manifest: dict[str, Any]) -> None:
     """Step 4: read every destination file back; a mismatch names the file."""
+    assert manifest["sealed"], "verify an unsealed manifest"
     for e in manifest["files"]:
         uri = join(dst_root, e["path"])
         try:
@@ -239,7 +265,6 @@ def move(
         run = transfer.take(src_store, t["id"], lease=lease)
         run.start_heartbeat()
         try:
-            _check_destination(dst_root, dst_state, doc["run"], t["id"])
             manifest = copy_snapshot(root, src_state, dst_root, dst_state, run.doc)
             transfer.step(run, "copy")
             verify(dst_root, manifest)
@@ -280,8 +305,6 @@ def _result(doc, src_state, dst_root, manifest, t0) -> dict[str, Any]:
 
 def _copy_complete(root, src_state, dst_root, dst_state, doc, t0) -> dict[str, Any]:
     """A complete run is read-only: copy it, verified, and create it complete at ``to``."""
-    import secrets
-
     from spill.console import note
     from spill.store.cas import CURRENT, read_control, read_runs, store_for
     from spill.store.owner import home_of
@@ -296,8 +319,10 @@ def _copy_complete(root, src_state, dst_root, dst_state, doc, t0) -> dict[str, A
         return _result(there, src_state, dst_root, _read_manifest(dst_state, there["run"], tid), t0)
     now = time.time()
     new = json.loads(json.dumps(doc))
+    # one id per run and destination, so that a rerun after an interruption finds its claim
+    tid = hashlib.sha256(f"{doc['run']}\0{dst_state}".encode()).hexdigest()[:16]
     new["transfer"] = {
-        "id": secrets.token_hex(8),
+        "id": tid,
         "from": home_of(src_state),
         "to": dst_root if root else dst_state,
         "step": "activate",
@@ -305,7 +330,6 @@ def _copy_complete(root, src_state, dst_root, dst_state, doc, t0) -> dict[str, A
         "at": now,
     }
     note(f"run {doc['run']} is complete (read-only): copying it; the source stays as it is")
-    _check_destination(dst_root, dst_state, doc["run"], new["transfer"]["id"])
     manifest = copy_snapshot(root, src_state, dst_root, dst_state, new)
     verify(dst_root, manifest)
     new.update(home=home_of(dst_state), seq=doc["seq"] + 1)
