@@ -80,6 +80,10 @@ def _abs(where: str) -> str:
 def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, str, str]:
     """(project root or None, source state, destination root, destination state)."""
     src, to = _abs(src), _abs(to)
+    if to.startswith("memory://"):
+        raise UsageError(
+            f"{to}: memory:// lives only inside one process; move to a folder or an object store"
+        )
     if exists(join(src, "spill.yaml")):
         src_state = _abs(state) if state else join(src, STATE_DIR)
         root: str | None = src
@@ -154,18 +158,6 @@ def _manifest_uri(dst_state: str, run: str, tid: str) -> str:
     return join(dst_state, "runs", run, f"move-{tid}.json")
 
 
-def _check_destination(dst_root: str, dst_state: str, run: str, tid: str) -> bool:
-    """The destination is empty (True), or holds this transfer's own partial copy (False)."""
-    if exists(_manifest_uri(dst_state, run, tid)):
-        return False
-    there = [r for r in files_under(dst_root) if r]
-    if there:
-        raise StoreError(
-            f"{dst_root} is not empty ({there[0]}, ...); move to a new or empty location"
-        )
-    return True
-
-
 def _put_manifest(uri: str, manifest: dict[str, Any]) -> None:
     from spill.store.schemas import validate
 
@@ -182,7 +174,8 @@ def copy_snapshot(
     from spill.console import progress
 
     t = doc["transfer"]
-    fresh = _check_destination(dst_root, dst_state, doc["run"], t["id"])
+    uri = _manifest_uri(dst_state, doc["run"], t["id"])
+    fresh = not exists(uri)  # else a rerun of this transfer: its partial copy is there
     rels = snapshot.state_files(src_state, doc)
     files = [(join(src_state, r), f"{STATE_DIR}/{r}" if root else r) for r in rels]
     if root:
@@ -199,7 +192,6 @@ def copy_snapshot(
         "files": [],
         "bytes": 0,
     }
-    uri = _manifest_uri(dst_state, doc["run"], t["id"])
     _put_manifest(uri, manifest)  # the claim: a rerun of this transfer knows its partial copy
     entries = []
     with progress(len(files), "copy", "file") as bar:
@@ -243,16 +235,21 @@ def move(
     """Move the run of project (or state location) ``src`` to ``to``; see the module doc."""
     from spill.console import note
     from spill.store import transfer
-    from spill.store.cas import store_for
+    from spill.store.cas import current, store_for
 
     t0 = time.monotonic()
     root, src_state, dst_root, dst_state = locations(src, to, state)
     src_store = store_for(src_state)
     dst_store = store_for(dst_state)  # a refused file system or object store says so now
+    now = current(src_state)
+    if now is None:
+        raise StoreError(f"nothing to move at {src_state}: it holds no run")
     # a project's move names the project's new place (what `spill build` is given there)
-    doc = transfer.begin(src_store, dst_root if root else dst_state, wait=wait)
+    name = dst_root if root else dst_state
+    transfer.check_destination(dst_store, dst_root, now["run"], name)
+    doc = transfer.begin(src_store, name, wait=wait)
     if doc["status"] == "complete":
-        return _copy_complete(root, src_state, dst_root, dst_state, doc, t0)
+        return _copy_complete(root, src_state, (dst_root, dst_state, dst_store), doc, t0)
     t = doc["transfer"]
     note(
         f"moving run {doc['run']} from {src_state} to {dst_root} (transfer {t['id']}, step "
@@ -265,6 +262,7 @@ def move(
         run = transfer.take(src_store, t["id"], lease=lease)
         run.start_heartbeat()
         try:
+            transfer.incoming(dst_store, run.doc, step="take")  # claimed before any file lands
             manifest = copy_snapshot(root, src_state, dst_root, dst_state, run.doc)
             transfer.step(run, "copy")
             verify(dst_root, manifest)
@@ -303,38 +301,34 @@ def _result(doc, src_state, dst_root, manifest, t0) -> dict[str, Any]:
     }
 
 
-def _copy_complete(root, src_state, dst_root, dst_state, doc, t0) -> dict[str, Any]:
-    """A complete run is read-only: copy it, verified, and create it complete at ``to``."""
+def _copy_complete(root, src_state, dst, doc, t0) -> dict[str, Any]:
+    """A complete run is read-only: copy it, verified, and create it complete at the
+    destination (claimed ``incoming`` first, like a move); the source stays as it is."""
     from spill.console import note
-    from spill.store.cas import CURRENT, read_control, read_runs, store_for
+    from spill.store import transfer
+    from spill.store.cas import read_control
     from spill.store.owner import home_of
 
-    dst = store_for(dst_state)
-    runs, _ = read_runs(dst)
-    if runs is not None:
-        there, _ = read_control(dst, runs["current"])
-        if there is None or there["run"] != doc["run"] or there["status"] != "complete":
-            raise StoreError(f"{dst_state} already holds run {runs['current']}; move elsewhere")
-        tid = (there.get("transfer") or {}).get("id", "")
-        return _result(there, src_state, dst_root, _read_manifest(dst_state, there["run"], tid), t0)
-    now = time.time()
-    new = json.loads(json.dumps(doc))
+    dst_root, dst_state, dst_store = dst
     # one id per run and destination, so that a rerun after an interruption finds its claim
     tid = hashlib.sha256(f"{doc['run']}\0{dst_state}".encode()).hexdigest()[:16]
+    there, _ = read_control(dst_store, doc["run"])
+    if there is not None and there["status"] == "complete":
+        return _result(there, src_state, dst_root, _read_manifest(dst_state, doc["run"], tid), t0)
+    now = time.time()
+    new = json.loads(json.dumps(doc))
     new["transfer"] = {
         "id": tid,
         "from": home_of(src_state),
         "to": dst_root if root else dst_state,
-        "step": "activate",
+        "step": "take",
         "started": now,
         "at": now,
     }
+    new["lineage"]["copied_from"] = doc["home"]
     note(f"run {doc['run']} is complete (read-only): copying it; the source stays as it is")
+    transfer.incoming(dst_store, new, step="take")
     manifest = copy_snapshot(root, src_state, dst_root, dst_state, new)
     verify(dst_root, manifest)
-    new.update(home=home_of(dst_state), seq=doc["seq"] + 1)
-    new["lineage"]["copied_from"] = doc["home"]
-    dst.put(f"{doc['run']}/control.json", new, "control", None)
-    listing = {"schema_version": 1, "kind": "spill-runs", "current": doc["run"]}
-    dst.put(CURRENT, {**listing, "runs": [doc["run"]]}, "runs", None)
-    return _result(new, src_state, dst_root, manifest, t0)
+    done = transfer.activate(dst_store, tid, status="complete")
+    return _result(done, src_state, dst_root, manifest, t0)

@@ -308,6 +308,16 @@ def _probe(store: _ObjectStore) -> None:
     if where in _probed:
         return
     key = f".probe-{secrets.token_hex(8)}"
+    bucket = where.split("://", 1)[1]
+    try:
+        there = store.fs.exists(bucket)
+    except Exception:  # a store that cannot say: the probe's writes will
+        there = True
+    if not there:
+        raise StoreError(
+            f"{store.state}: bucket {bucket!r} does not exist (or these credentials cannot see "
+            "it); create it, or fix the URI"
+        )
     why = ""
     try:
         store.write(key, b"1", None)

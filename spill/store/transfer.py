@@ -184,14 +184,16 @@ def fence(run: Run) -> None:
     step(run, "fence", done=done)
 
 
-def incoming(dst: Store, doc: dict[str, Any]) -> None:
-    """Step 5: the destination's run list and control object, ``incoming`` under this transfer
-    (created, or replaced when an interrupted mover of the same transfer made them)."""
+def incoming(dst: Store, doc: dict[str, Any], step: str = "incoming") -> None:
+    """The destination's run list and control object, ``incoming`` under this transfer (created,
+    or replaced when an interrupted mover of the same transfer made them). The mover claims the
+    destination so before it copies anything (``step`` the source's last, so that nobody
+    acquires a partial copy), and confirms it as step 5 once the copy is verified."""
     rid, tid = doc["run"], doc["transfer"]["id"]
     new = json.loads(json.dumps(doc))
     new["home"] = home_of(dst.state)
     new["status"] = "incoming"
-    _record(new, "incoming")
+    _record(new, step)
     with dst.exclusive():
         runs, runs_tag = read_runs(dst)
         if runs is not None and runs["current"] != rid:
@@ -212,8 +214,9 @@ def incoming(dst: Store, doc: dict[str, Any]) -> None:
             dst.put(CURRENT, listing, "runs", runs_tag)
 
 
-def activate(dst: Store, tid: str) -> dict[str, Any]:
-    """Step 7: the incoming destination becomes ``active`` and free to acquire."""
+def activate(dst: Store, tid: str, status: str = "active") -> dict[str, Any]:
+    """Step 7: the incoming destination becomes ``active`` (a copied complete run: ``complete``)
+    and free to acquire."""
     for _ in range(ATTEMPTS):
         with dst.exclusive():
             doc, tag = _read(dst)
@@ -222,7 +225,7 @@ def activate(dst: Store, tid: str) -> dict[str, Any]:
                 raise StoreError(f"{dst.state} holds run {doc['run']} of another move")
             if doc["status"] != "incoming":
                 return doc  # activated already (an interrupted mover's last step landed)
-            doc["status"] = "active"
+            doc["status"] = status
             doc["owner"]["released"] = True
             doc["lease"]["expires"] = time.time()
             _record(doc, "activate")
@@ -233,6 +236,19 @@ def activate(dst: Store, tid: str) -> dict[str, Any]:
         drill.at(drill.MOVE_ACTIVATE)
         return doc
     raise StoreError(f"{dst.state}: could not activate the moved run; run `spill move` again")
+
+
+def check_destination(dst: Store, root: str, run: str, to: str) -> None:
+    """Before the source changes: the destination is empty, or it holds this run arriving from
+    (or moved in by) a move to the same place, which a rerun continues."""
+    from spill.store.fs import files_under
+
+    there, _ = read_control(dst, run)
+    if there is not None and (there.get("transfer") or {}).get("to") == to:
+        return
+    stray = [r for r in files_under(root) if r]
+    if stray:
+        raise StoreError(f"{root} is not empty ({stray[0]}, ...); move to a new or empty location")
 
 
 def describe_move(doc: dict[str, Any]) -> str | None:
