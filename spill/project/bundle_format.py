@@ -14,19 +14,28 @@ one their cache record last verified are not hashed again (``spill.models.integr
 
 Entries are written here, not by ``tarfile`` (headers from ``TarInfo.tobuf``, data copied by the
 kernel where it can), and never extracted by ``tarfile``: the reader takes only the member list
-from it and writes regular files to paths it computed and checked itself. ``copy_hashed``
-hashes on a second thread while the first reads and writes (hashlib lets go of the GIL), so
-install costs about max(sha256, copy) rather than their sum.
+from it and writes regular files to paths it computed and checked itself.
+
+Speed (docs/reports/007-bundle.md): both sides copy with ``copy_file_range`` in 16 MB pieces and
+start each piece's writeback at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through libc:
+Python has no wrapper), so the disk writes while the next piece copies and the final fsync finds
+little left to do. ``Hasher.copy_into`` (install) hashes the bytes *written*, read back from the
+new file on a second thread while the kernel copies the next piece (hashlib and pread let go of
+the GIL): install costs about max(sha256, copy) rather than their sum, and what is verified is
+exactly what was installed. Where the kernel cannot copy (another file system on an old kernel),
+``Hasher.copy`` reads into a buffer, writes it and hashes that buffer.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import sys
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from spill.errors import SpillError
 
@@ -35,7 +44,10 @@ KIND = "spill-bundle"
 MANIFEST = "spill-bundle.json"
 ROLES = ("project", "state", "model")
 PREFIX = {"project": "project/", "state": "state/", "model": "models/"}
-CHUNK = 4 << 20
+CHUNK = 4 << 20  # a buffer of the copy through Python (hashing, or no kernel copy)
+COPY_CHUNK = 16 << 20  # one kernel copy, then its writeback starts (measured: 16-64 MB alike)
+_SYNC_FILE_RANGE_WRITE = 2
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 BLOCK = tarfile.BLOCKSIZE
 RECORD = tarfile.RECORDSIZE
 MAX_MANIFEST = 64 << 20
@@ -78,21 +90,58 @@ def trailer(written: int) -> bytes:
     return b"\0" * (2 * BLOCK + (-end % RECORD))
 
 
+_writeback_call: Any = None  # libc's sync_file_range once looked up; False: there is none
+
+
+def start_writeback(fd: int, offset: int, size: int) -> None:
+    """Ask the kernel to start writing ``size`` bytes of ``fd`` at ``offset`` to disk now,
+    without waiting (``sync_file_range(..., SYNC_FILE_RANGE_WRITE)``); a no-op where there is no
+    such call. Durability still comes from the fsync that follows: this only makes it short."""
+    global _writeback_call
+    if _writeback_call is None:
+        _writeback_call = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                call = ctypes.CDLL(None, use_errno=True).sync_file_range
+                call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                _writeback_call = call
+            except (OSError, AttributeError):
+                pass
+    if _writeback_call and size > 0:
+        _writeback_call(fd, offset, size, _SYNC_FILE_RANGE_WRITE)  # an error: fsync reports it
+
+
+def _kernel_copy(src: int, dst: int, size: int, src_offset: int | None) -> int | None:
+    """One ``copy_file_range`` of up to ``size`` bytes into ``dst`` at its position (None: the
+    kernel cannot copy between these two files, so the caller copies through a buffer)."""
+    try:
+        return os.copy_file_range(src, dst, size, src_offset)
+    except (OSError, AttributeError, ValueError) as e:
+        if isinstance(e, OSError) and e.errno not in _NO_KERNEL_COPY:
+            raise
+        return None
+
+
 def copy_plain(src: BinaryIO, dst: BinaryIO, size: int) -> int:
-    """Copy ``size`` bytes from ``src`` to ``dst`` (both at their positions); returns the bytes
-    copied (fewer: ``src`` ended early). The kernel copies where it can (``copy_file_range``)."""
+    """Copy ``size`` bytes from ``src`` to ``dst`` (both at their positions), starting their
+    writeback as it goes; returns the bytes copied (fewer: ``src`` ended early)."""
     done = 0
-    if hasattr(os, "copy_file_range"):
-        try:
-            while done < size:
-                n = os.copy_file_range(src.fileno(), dst.fileno(), size - done)
-                if n == 0:
-                    return done
-                done += n
-            return done
-        except (OSError, AttributeError, ValueError):
+    out = dst.fileno()
+    at = os.lseek(out, 0, os.SEEK_CUR)
+    while done < size:
+        n = _kernel_copy(src.fileno(), out, min(COPY_CHUNK, size - done), None)
+        if n is None:
             if done:
-                raise
+                raise OSError(f"the kernel stopped copying after {done} bytes")
+            break
+        if n == 0:
+            return done
+        start_writeback(out, at + done, n)
+        done += n
+    if done == size:
+        return done
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     while done < size:
@@ -100,16 +149,54 @@ def copy_plain(src: BinaryIO, dst: BinaryIO, size: int) -> int:
         if not n:
             break
         dst.write(view[:n])
+        start_writeback(out, at + done, n)
         done += n
     return done
 
 
 class Hasher:
-    """sha256 on a worker thread, fed chunk by chunk from two alternating buffers."""
+    """sha256 on a worker thread, fed chunk by chunk from two alternating buffers, or read back
+    from the file just written (``copy_into``)."""
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="spill-sha256")
         self.bufs = (bytearray(CHUNK), bytearray(CHUNK))
+        self.back = bytearray(COPY_CHUNK)  # the worker's own: it runs one job at a time
+
+    def _hash_back(self, h: Any, fd: int, offset: int, size: int) -> None:
+        view = memoryview(self.back)
+        while size > 0:
+            n = os.preadv(fd, [view[: min(size, len(view))]], offset)
+            if n <= 0:
+                raise OSError(f"a file being installed is {offset} bytes, shorter than written")
+            h.update(view[:n])
+            offset, size = offset + n, size - n
+
+    def copy_into(self, src: BinaryIO, offset: int, dst: BinaryIO, size: int) -> tuple[int, str]:
+        """Copy ``size`` bytes of ``src`` from ``offset`` into the new, empty file ``dst``
+        (opened for reading and writing) and hash the bytes as ``dst`` holds them; returns
+        (bytes copied, sha256 hex); fewer bytes: ``src`` ended early."""
+        h = hashlib.sha256()
+        out = dst.fileno()
+        jobs = []
+        done = 0
+        try:
+            while done < size:
+                n = _kernel_copy(src.fileno(), out, min(COPY_CHUNK, size - done), offset + done)
+                if n is None and not done:
+                    src.seek(offset)
+                    return self.copy(src, dst, size)
+                if n is None:
+                    raise OSError(f"the kernel stopped copying after {done} bytes")
+                if n == 0:
+                    break
+                start_writeback(out, done, n)
+                jobs.append(self.pool.submit(self._hash_back, h, out, done, n))
+                done += n
+        finally:
+            for job in jobs:
+                job.result()  # in order: one worker; the first failure is raised
+        return done, h.hexdigest()
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -120,6 +207,7 @@ class Hasher:
         h = hashlib.sha256()
         pending = None
         done, i = 0, 0
+        at = os.lseek(dst.fileno(), 0, os.SEEK_CUR) if dst is not None else 0
         try:
             while done < size:
                 view = memoryview(self.bufs[i])[: min(CHUNK, size - done)]
@@ -131,6 +219,7 @@ class Hasher:
                 pending = self.pool.submit(h.update, view[:n])
                 if dst is not None:
                     dst.write(view[:n])
+                    start_writeback(dst.fileno(), at + done, n)
                 done += n
                 i ^= 1
         finally:

@@ -1,7 +1,8 @@
 """``spill bundle --install PATH DIR``: a checked bundle into a project folder and the model cache.
 
 Nothing is written until ``open_bundle`` accepted the bundle's structure and every file is
-whole (``spill.project.bundle_read``). Then every entry is copied, hashed as it goes, into two
+whole (``spill.project.bundle_read``). Then every entry is copied by the kernel and the bytes
+written are hashed as they land (``bundle_format.Hasher.copy_into``), into two
 temporary folders: ``.<DIR name>.install-<random>`` beside ``DIR`` (the project, its state under
 ``.spill/``) and ``SPILL_HOME/models/.bundle-install-<random>`` (model files); a damaged file
 removes both and is refused, named. Only when every hash matched are the model files renamed
@@ -94,9 +95,12 @@ def _mkdirs(path: Path, made: list[Path]) -> None:
 
 
 def _extract(b: Bundle, dest_tmp: Path, model_tmp: Path, skip: set[str], bar) -> dict[str, list]:
-    """Copy every entry into the temporary folders, hashing; a mismatch is refused, named."""
+    """Copy every entry into the temporary folders, hashing what was written; a mismatch is
+    refused, named. The files are fsynced together at the end (their writeback started as they
+    were copied), before anything is renamed into place."""
     hasher = Hasher()
     keys: dict[str, list] = {}
+    written: list[Path] = []
     try:
         with open(b.path, "rb", buffering=0) as src:
             for e in sorted(b.entries, key=lambda e: e.offset):
@@ -105,10 +109,9 @@ def _extract(b: Bundle, dest_tmp: Path, model_tmp: Path, skip: set[str], bar) ->
                     continue
                 target = _temp_path(e, dest_tmp, model_tmp)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                src.seek(e.offset)
-                with open(target, "xb", buffering=0) as out:
-                    got, sha = hasher.copy(src, out, e.size)
-                    os.fsync(out.fileno())
+                with open(target, "x+b", buffering=0) as out:
+                    written.append(target)
+                    got, sha = hasher.copy_into(src, e.offset, out, e.size)
                 if got != e.size or sha != e.sha256:
                     raise BundleError(f"{b.path}: {damaged(e, sha)}; nothing was installed")
                 st = os.stat(target)
@@ -116,6 +119,12 @@ def _extract(b: Bundle, dest_tmp: Path, model_tmp: Path, skip: set[str], bar) ->
                 bar.update(e.size)
     finally:
         hasher.close()
+    for path in written:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return keys
 
 

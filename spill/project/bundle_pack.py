@@ -266,10 +266,25 @@ def write(path: Path, doc: dict[str, Any], items: list[Item], show: bool = True)
     return path.stat().st_size
 
 
-def collect(root: Path, state: str, with_state: bool, wait: bool) -> tuple[Any, Contents]:
-    from spill.project.config import compose
+def project_config(root: Path, state: str):
+    """The project as ``compose(root)`` makes it: from the build's record when its compose key
+    says nothing composition reads has changed (no Hydra, as a finished build), else composed."""
+    from spill.errors import StoreError
+    from spill.project import config
+    from spill.project import state as build_state
+    from spill.project.uptodate import compose_key
 
-    project = compose(root)
+    try:
+        doc = build_state.read(state)
+    except StoreError:
+        doc = None  # a damaged or foreign state says nothing; composing says it all
+    if doc is not None and doc.get("compose_key") == compose_key(root):
+        return config.from_record(doc["config"], root)
+    return config.compose(root)
+
+
+def collect(root: Path, state: str, with_state: bool, wait: bool) -> tuple[Any, Contents]:
+    project = project_config(root, state)
     contents = Contents()
     try:
         contents.items += project_items(root, state)
