@@ -19,7 +19,6 @@
   source, a project without a run, an installed copy: one line, non-zero, nothing changed at
   the source and nothing written at the destination.
 
-Bugs found while writing these are ``xfail(strict=True)`` tests naming the bug.
 """
 
 from __future__ import annotations
@@ -87,17 +86,16 @@ def _check_refusals(src: str, dst: str, step: str, env: dict, cwd: Path) -> None
         assert last.endswith("; continue there"), last
     assert mk.tree(mk.state_of(src)) == before, "a refused build changed the source"
 
-    if step in ("copy", "verify"):
-        return  # the partial copy is acquirable: see the xfail test below
     before = mk.tree(dst)
     at_dst = mk.spill("build", dst, env=env, cwd=cwd)
     if step == "activate":  # the move's last write landed: the destination is the one place
         mk.ok(at_dst)
         return
     assert at_dst.returncode != 0 and not mk.ran_a_stage(at_dst), at_dst.stderr
-    if step in ("incoming", "fence"):
+    if n >= 3:  # claimed before the copy: the destination says so
         src_home = home_of(mk.state_of(src))
-        assert f"is arriving from {src_home} (a move, step incoming)" in at_dst.stderr
+        claim = "take" if n <= 4 else "incoming"
+        assert f"is arriving from {src_home} (a move, step {claim})" in at_dst.stderr
     assert mk.tree(dst) == before, "a refused build changed the destination"
 
 
@@ -108,10 +106,14 @@ def _check_status(src: str, dst: str, step: str, env: dict, cwd: Path) -> None:
         assert f"move: moving to {dst}: step {n} of 7 ({step}) done" in shown, shown
     else:
         assert f"move: moved to {dst} at " in shown, shown
-    if step in ("incoming", "fence"):
+    if 3 <= n <= 6:
         there = mk.ok(mk.spill("status", dst, env=env, cwd=cwd)).stdout
         src_home = home_of(mk.state_of(src))
-        assert f"move: moving from {src_home}: step 5 of 7 (incoming) done" in there, there
+        claim = "step 2 of 7 (take)" if n <= 4 else "step 5 of 7 (incoming)"
+        assert f"move: moving from {src_home}: {claim} done" in there, there
+
+
+STEP_AT_DST = {5: "incoming", 6: "incoming", 7: "activate"}
 
 
 def _sources_left(src: str, dst: str, step: str, gen: int) -> dict:
@@ -123,11 +125,12 @@ def _sources_left(src: str, dst: str, step: str, gen: int) -> dict:
     assert t["step"] == (step if n <= 6 else "fence")
     assert left["status"] == ("quiescing" if n <= 5 else "transferred")
     assert left["generation"] == (gen if n == 1 else gen + 1)  # the mover takes the next one
-    there = mk.doc(dst)
-    if n <= 4:
+    there = mk.doc(dst)  # claimed as incoming right after the take, before any file lands
+    if n <= 2:
         assert there is None
     else:
         assert there["status"] == ("incoming" if n <= 6 else "active")
+        assert there["transfer"]["step"] == ("take" if n <= 4 else STEP_AT_DST[n])
         assert there["transfer"]["id"] == t["id"]
     return left
 
@@ -163,24 +166,6 @@ def test_sigkill_after_each_move_step_then_the_same_move_finishes(
     refused = mk.spill("build", src, env=env, cwd=tmp_path)
     assert refused.returncode == 1 and not mk.ran_a_stage(refused), refused.stderr
     assert f"moved to {dst} at " in mk.last_line(refused.stderr)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: after the copy step the destination holds the project and the copied state "
-    "but no control object, so `spill build DEST` starts a fresh run there (every stage from "
-    "scratch), and the rerun of the move then fails: the destination holds another run",
-)
-@pytest.mark.parametrize("step", ["copy", pytest.param("verify", marks=SLOW)])
-def test_a_partly_copied_destination_is_not_acquirable(tmp_path, tmp_path_factory, step):
-    src = str(mk.copy_of_stopped(tmp_path_factory, tmp_path / "src"))
-    dst = str(tmp_path / "dst")
-    env = mk.env_for(tmp_path / "home")
-    killed = mk.spill("move", src, dst, env=env, cwd=tmp_path, drill=f"move-{step}")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    at_dst = mk.spill("build", dst, env=env, cwd=tmp_path)
-    assert at_dst.returncode != 0 and not mk.ran_a_stage(at_dst), at_dst.stderr
-    mk.ok(mk.spill("move", src, dst, env=env, cwd=tmp_path))
 
 
 # --- 2. one S3 round trip in the default run --------------------------------------------------------
@@ -427,12 +412,6 @@ def test_an_installed_copy_is_refused(tmp_path, tmp_path_factory):
     assert not (tmp_path / "dst").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a destination that is not empty is found only after steps 1-2, so the refused "
-    "move leaves the source quiescing under a transfer to that place (generation 2): the source "
-    "refuses every build until that destination is emptied",
-)
 def test_a_destination_that_is_not_empty_is_refused_before_anything_changes(
     tmp_path, tmp_path_factory
 ):
@@ -440,35 +419,31 @@ def test_a_destination_that_is_not_empty_is_refused_before_anything_changes(
     full = tmp_path / "full"
     full.mkdir()
     (full / "notes.txt").write_text("mine\n")
-    env = mk.env_for(tmp_path / "home")
-    proc = mk.spill("move", src, str(full), env=env, cwd=tmp_path)
-    assert proc.returncode == 1 and f"{full} is not empty (notes.txt, ...)" in proc.stderr
+    line = _refused(src, str(full), mk.env_for(tmp_path / "home"), tmp_path)
+    assert (
+        line
+        == f"spill: error: {full} is not empty (notes.txt, ...); move to a new or empty location"
+    )
     assert mk.tree(str(full)) == {"notes.txt": b"mine\n"}
-    assert mk.doc(src)["status"] == "active" and mk.doc(src).get("transfer") is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: memory:// lives only inside the mover's process, yet `spill move DIR "
-    "memory://...` succeeds and fences the source as transferred there: the run is lost",
-)
 def test_a_move_to_memory_is_refused(tmp_path, tmp_path_factory):
     src = str(mk.copy_of_stopped(tmp_path_factory, tmp_path / "src"))
-    _refused(src, "memory://spill-move/p", mk.env_for(tmp_path / "home"), tmp_path)
+    to = "memory://spill-move/p"
+    line = _refused(src, to, mk.env_for(tmp_path / "home"), tmp_path, code=2)
+    assert line == (
+        f"spill: error: {to}: memory:// lives only inside one process; move to a folder or an "
+        "object store"
+    )
 
 
-def test_a_move_to_a_missing_bucket_changes_nothing(tmp_path, tmp_path_factory, s3_bucket):
+def test_a_move_to_a_missing_bucket_changes_nothing_and_names_the_bucket(
+    tmp_path, tmp_path_factory, s3_bucket
+):
     src = str(mk.copy_of_stopped(tmp_path_factory, tmp_path / "src"))
-    line = _refused(src, f"s3://{s3_bucket}-missing/p", mk.env_for(tmp_path / "home"), tmp_path)
-    assert f"s3://{s3_bucket}-missing/p/.spill" in line, line
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a missing bucket is reported as 'this object store cannot make conditional "
-    "writes ... use s3://' (the probe's first create fails), not as a bucket that is not there",
-)
-def test_a_missing_bucket_is_named_as_missing(tmp_path, tmp_path_factory, s3_bucket):
-    src = str(mk.copy_of_stopped(tmp_path_factory, tmp_path / "src"))
-    line = _refused(src, f"s3://{s3_bucket}-missing/p", mk.env_for(tmp_path / "home"), tmp_path)
-    assert "conditional writes" not in line and "bucket" in line, line
+    bucket = f"{s3_bucket}-missing"
+    line = _refused(src, f"s3://{bucket}/p", mk.env_for(tmp_path / "home"), tmp_path)
+    assert line == (
+        f"spill: error: s3://{bucket}/p/.spill: bucket {bucket!r} does not exist (or these "
+        "credentials cannot see it); create it, or fix the URI"
+    )

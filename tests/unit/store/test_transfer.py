@@ -51,6 +51,9 @@ def _advance(src: str, dst: str, upto: int, lease: float | None = None) -> str:
     if upto == 1:
         return tid
     run = transfer.take(s, tid, lease=lease)
+    if upto == 2:
+        return tid
+    transfer.incoming(d, run.doc, step="take")  # the claim, before any file lands
     for n, name in enumerate(STEPS[2:6], start=3):
         if n > upto:
             return tid
@@ -73,6 +76,7 @@ def _finish(src: str, dst: str) -> dict:
     if doc["status"] == "quiescing":
         run = transfer.take(s, tid, lease=None)
         try:
+            transfer.incoming(d, run.doc, step="take")
             transfer.step(run, "copy")
             transfer.step(run, "verify")
             transfer.incoming(d, run.doc)
@@ -135,9 +139,11 @@ def test_describe_move_says_where_a_run_is_going_and_where_it_went(tmp_path):
     s, d = store_for(src), store_for(dst)
     tid = current(src)["transfer"]["id"]
     run = transfer.take(s, tid, lease=None)
+    transfer.incoming(d, run.doc, step="take")
+    frm = home_of(src)
+    assert transfer.describe_move(current(dst)) == f"moving from {frm}: step 2 of 7 (take) done"
     transfer.incoming(d, run.doc)
     transfer.step(run, "incoming")
-    frm = home_of(src)
     assert transfer.describe_move(current(src)) == f"moving to {dst}: step 5 of 7 (incoming) done"
     assert transfer.describe_move(current(dst)) == f"moving from {frm}: step 5 of 7 (incoming) done"
     transfer.fence(run)
@@ -161,15 +167,14 @@ def test_acquire_refuses_a_run_mid_move_at_either_place_in_one_line(tmp_path):
     )
     s, d = store_for(src), store_for(dst)
     run = transfer.take(s, current(src)["transfer"]["id"], lease=None)
-    transfer.step(run, "copy")
-    transfer.step(run, "verify")
-    transfer.incoming(d, run.doc)
-    with pytest.raises(StoreError) as e:
-        acquire(dst)
-    assert str(e.value) == (
-        f"run {rid} at {dst} is arriving from {home_of(src)} (a move, step incoming); run the "
-        "same `spill move` again to finish it"
-    )
+    for claim in ("take", "incoming"):  # claimed before the copy, confirmed after the verify
+        transfer.incoming(d, run.doc, step=claim)
+        with pytest.raises(StoreError) as e:
+            acquire(dst)
+        assert str(e.value) == (
+            f"run {rid} at {dst} is arriving from {home_of(src)} (a move, step {claim}); run "
+            "the same `spill move` again to finish it"
+        )
     transfer.fence(run)
     run.release()  # released already by the fence: nothing changes
     with pytest.raises(StoreError) as e:
@@ -284,3 +289,20 @@ def test_begin_refuses_a_copy_and_a_location_without_a_run_and_leaves_a_complete
     before = current(done)
     assert transfer.begin(store_for(done), dst, wait=False) == before  # copied, not fenced
     assert current(done) == before
+
+
+def test_check_destination_accepts_an_empty_place_or_the_same_move_only(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    rid = _made(src)["run"]
+    transfer.check_destination(store_for(dst), dst, rid, dst)  # nothing there
+    _advance(src, dst, 3)  # claimed, partly copied
+    put_bytes(join(dst, "job", "copied.bin"), b"part")
+    transfer.check_destination(store_for(dst), dst, rid, dst)  # the same move: continue it
+    with pytest.raises(StoreError) as e:
+        transfer.check_destination(store_for(dst), dst, rid, str(tmp_path / "elsewhere"))
+    assert str(e.value).startswith(f"{dst} is not empty (")
+    other = str(tmp_path / "other")
+    put_bytes(join(other, "mine.txt"), b"x")
+    with pytest.raises(StoreError) as e:
+        transfer.check_destination(store_for(other), other, rid, other)
+    assert str(e.value) == f"{other} is not empty (mine.txt, ...); move to a new or empty location"
