@@ -3,9 +3,12 @@ refused in one line before anything is written to DIR or SPILL_HOME/models; a go
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import os
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from spill.project.bundle_format import MANIFEST, BundleError
 from spill.project.bundle_install import install
 from spill.project.bundle_read import open_bundle, verify
 
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = "tiny/tiny-llama-9-2x64"
 GOOD = {
     "project/spill.yaml": b"name: x\n",
@@ -273,3 +277,73 @@ def test_install_into_a_non_empty_folder_needs_force(tmp_path, spill_home):
     assert sorted(p.name for p in dest.iterdir()) == ["data.csv", "spill.yaml"]
     with pytest.raises(BundleError, match="holds more than a project"):
         install(path, spill_home.parent, force=True)
+
+
+# --- the fast paths (report 007): pack from the build's record, install's copy ----------------
+
+
+def test_pack_takes_the_config_from_a_matching_build_record(tmp_path, monkeypatch):
+    """A record whose compose key matches is used as is (no Hydra); any other is not."""
+    from spill.project import bundle_pack, config
+    from spill.project import state as build_state
+    from spill.project.uptodate import compose_key
+
+    root = tmp_path / "toy"
+    shutil.copytree(ROOT / "projects" / "toy", root, ignore=shutil.ignore_patterns(".spill"))
+    recorded = config.compose(root).to_dict()
+    recorded["model"] = {"name": "tiny:llama:77"}  # tells the record from a fresh compose
+    doc = {"compose_key": compose_key(root), "config": recorded}
+    monkeypatch.setattr(build_state, "read", lambda state: doc)
+    composed = []
+    real = config.compose
+    monkeypatch.setattr(config, "compose", lambda r: composed.append(r) or real(r))
+    assert bundle_pack.project_config(root, str(root / ".spill")).model.name == "tiny:llama:77"
+    assert composed == []
+    doc["compose_key"] = "sha256:" + "0" * 64  # spill.yaml changed since the build
+    assert bundle_pack.project_config(root, str(root / ".spill")).model.name != "tiny:llama:77"
+    assert composed == [root]
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["copy_file_range", "no-kernel-copy"])
+def test_copy_into_hashes_the_bytes_written(tmp_path, monkeypatch, kernel):
+    from spill.project import bundle_format as bf
+
+    if not kernel:
+
+        def refuse(*a, **k):
+            raise OSError(errno.EXDEV, "cross-device")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    data = os.urandom(bf.CHUNK * 2 + 12345)
+    src = tmp_path / "src"
+    src.write_bytes(b"head" + data + b"tail")
+    hasher = bf.Hasher()
+    try:
+        with open(src, "rb", buffering=0) as s, open(tmp_path / "out", "x+b", buffering=0) as o:
+            got = hasher.copy_into(s, 4, o, len(data))
+        with open(src, "rb", buffering=0) as s, open(tmp_path / "short", "x+b", buffering=0) as o:
+            short = hasher.copy_into(s, len(data), o, 100)  # the source ends early
+    finally:
+        hasher.close()
+    assert got == (len(data), _sha(data)) and (tmp_path / "out").read_bytes() == data
+    assert short == (8, _sha(data[-4:] + b"tail"))
+    with open(src, "rb", buffering=0) as s, open(tmp_path / "plain", "wb", buffering=0) as o:
+        o.write(b"x")
+        assert bf.copy_plain(s, o, 10) == 10
+    assert (tmp_path / "plain").read_bytes() == b"x" + (b"head" + data)[:10]
+
+
+def test_install_without_kernel_copy_still_refuses_damage(tmp_path, spill_home, monkeypatch):
+    def refuse(*a, **k):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    install(make(tmp_path / "b.spb"), tmp_path / "a")
+    assert (tmp_path / "a" / "data.csv").read_bytes() == GOOD["project/data.csv"]
+    path = make(tmp_path / "bad.spb")
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(GOOD["project/data.csv"])] ^= 1  # the model files are cached now: kept
+    path.write_bytes(raw)
+    with pytest.raises(BundleError, match="data.csv: damaged"):
+        install(path, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
