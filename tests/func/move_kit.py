@@ -23,6 +23,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +203,65 @@ def stopped(tmp_path_factory) -> Path:
 def copy_of_stopped(tmp_path_factory, dst: Path) -> Path:
     shutil.copytree(stopped(tmp_path_factory), dst)
     return dst
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+def dest_files(to: str) -> dict[str, bytes]:
+    """What is at a destination, where it can be looked at (a local folder, an S3 prefix)."""
+    if to.startswith(("/proc", "/sys")) or not (to.startswith("s3://") or Path(to).is_absolute()):
+        return {}
+    try:
+        return tree(to)
+    except FileNotFoundError:  # a bucket that is not there
+        return {}
+
+
+def refused(src: str, to: str, env: dict, cwd: Path, code: int = 1) -> str:
+    """``spill move SRC TO`` fails in one line, changing nothing at either place; the line."""
+    before, there = tree(state_of(src)), dest_files(to)
+    proc = spill("move", src, to, env=env, cwd=cwd)
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("spill: error: "), proc.stderr
+    assert tree(state_of(src)) == before, "the source changed"
+    assert dest_files(to) == there, "something was written at the destination"
+    return lines[0]
+
+
+# --- a race's witness -----------------------------------------------------------------------------
+
+
+class Poller(threading.Thread):
+    """Reads the destination's control object, then the source's, as fast as it can: once the
+    destination exists the source must be quiescing or transferred, and while the destination
+    is active the source must be transferred (read in that order, the source's state is
+    never older than the destination's)."""
+
+    def __init__(self, src: str, dst: str):
+        super().__init__(daemon=True)
+        self.src, self.dst = src, dst
+        self.halt = threading.Event()
+        self.seen: list[tuple[str | None, str]] = []
+        self.bad: list[tuple[str, str]] = []
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                there = doc(self.dst)
+            except Exception:  # noqa: BLE001 - a half-made destination: read again
+                there = None
+            here = doc(self.src)
+            pair = (there and there["status"], here["status"])
+            if not self.seen or self.seen[-1] != pair:
+                self.seen.append(pair)
+            if there is not None and here["status"] not in ("quiescing", "transferred"):
+                self.bad.append(pair)
+            if (
+                there is not None
+                and there["status"] == "active"
+                and here["status"] != ("transferred")
+            ):
+                self.bad.append(pair)
+            time.sleep(0.002)

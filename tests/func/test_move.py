@@ -13,12 +13,13 @@
 * A race: a live ``spill build`` against ``spill move``: without ``--wait`` the move exits 75
   naming the writer and changes nothing; with ``--wait`` the writer stops at a committed
   boundary (exit 75) and the move finishes, while a poller reading both control objects never
-  sees the destination exist beside a source that is not quiescing or transferred.
+  sees the destination exist beside a source that is not quiescing or transferred. The writer
+  is paused in its tune (SIGSTOP) and continued once the move waits, in the default run; a
+  free-running long tune with ``--lease 3`` under ``slow``.
 * Engines: a build stopped on torch, moved, finished on MLX with another ``SPILL_HOME``.
 * Bad input: refused file systems and backends, a destination that is not empty or inside the
   source, a project without a run, an installed copy: one line, non-zero, nothing changed at
   the source and nothing written at the destination.
-
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import importlib.util
 import json
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -203,40 +203,6 @@ def test_a_run_moved_to_s3_finishes_there_and_its_complete_run_copies_back(
 RACE_STEPS, RACE_EVERY = 300, 5
 
 
-class Poller(threading.Thread):
-    """Reads the destination's control object, then the source's, as fast as it can: once the
-    destination exists the source must be quiescing or transferred, and while the destination
-    is active the source must be transferred (read in that order, the source's state is
-    never older than the destination's)."""
-
-    def __init__(self, src: str, dst: str):
-        super().__init__(daemon=True)
-        self.src, self.dst = src, dst
-        self.halt = threading.Event()
-        self.seen: list[tuple[str | None, str]] = []
-        self.bad: list[tuple[str, str]] = []
-
-    def run(self) -> None:
-        while not self.halt.is_set():
-            try:
-                there = mk.doc(self.dst)
-            except Exception:  # noqa: BLE001 - a half-made destination: read again
-                there = None
-            here = mk.doc(self.src)
-            pair = (there and there["status"], here["status"])
-            if not self.seen or self.seen[-1] != pair:
-                self.seen.append(pair)
-            if there is not None and here["status"] not in ("quiescing", "transferred"):
-                self.bad.append(pair)
-            if (
-                there is not None
-                and there["status"] == "active"
-                and here["status"] != ("transferred")
-            ):
-                self.bad.append(pair)
-            time.sleep(0.002)
-
-
 def _writer(how: str, src: Path, env: dict) -> kit.Worker:
     """A live ``spill build`` inside its tune stage with a committed checkpoint: paused there
     (SIGSTOP at the third step, the default lease), or running a long tune (``--lease 3``)."""
@@ -260,7 +226,7 @@ def test_a_live_writer_stops_for_the_move_and_two_places_are_never_acquirable(
     dst = tmp_path / "dst"
     env = mk.env_for(tmp_path / "home")
     writer = _writer(how, src, env)
-    poller = Poller(str(src), str(dst))
+    poller = mk.Poller(str(src), str(dst))
     try:
         refused = mk.spill("move", str(src), str(dst), env=env, cwd=tmp_path)
         assert refused.returncode == 75, refused.stderr
@@ -344,28 +310,6 @@ def test_a_run_stopped_on_torch_moves_and_finishes_on_mlx_on_another_home(
 # --- 5. bad input -----------------------------------------------------------------------------------
 
 
-def _dest_files(to: str) -> dict[str, bytes]:
-    """What is at a destination, where it can be looked at (a local folder, an S3 prefix)."""
-    if to.startswith(("/proc", "/sys")) or not (to.startswith("s3://") or Path(to).is_absolute()):
-        return {}
-    try:
-        return mk.tree(to)
-    except FileNotFoundError:  # a bucket that is not there
-        return {}
-
-
-def _refused(src: str, to: str, env: dict, cwd: Path, code: int = 1) -> str:
-    """``spill move SRC TO`` fails in one line, changing nothing at either place; the line."""
-    before, there = mk.tree(mk.state_of(src)), _dest_files(to)
-    proc = mk.spill("move", src, to, env=env, cwd=cwd)
-    assert proc.returncode == code, (proc.returncode, proc.stderr)
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("spill: error: "), proc.stderr
-    assert mk.tree(mk.state_of(src)) == before, "the source changed"
-    assert _dest_files(to) == there, "something was written at the destination"
-    return lines[0]
-
-
 BAD = [
     ("/proc/spill-move", "is on a proc file system, where locks are not reliable"),
     ("/sys/spill-move", "is on a sysfs file system, where locks are not reliable"),
@@ -378,7 +322,7 @@ def test_a_move_to_a_refused_file_system_or_backend_changes_nothing(
     tmp_path, tmp_path_factory, to, says
 ):
     src = str(mk.copy_of_stopped(tmp_path_factory, tmp_path / "src"))
-    line = _refused(src, to, mk.env_for(tmp_path / "home"), tmp_path)
+    line = mk.refused(src, to, mk.env_for(tmp_path / "home"), tmp_path)
     assert says in line, line
 
 
@@ -386,13 +330,13 @@ def test_a_move_to_a_refused_file_system_or_backend_changes_nothing(
 def test_a_destination_overlapping_the_source_is_refused(tmp_path, tmp_path_factory, inside):
     src = mk.copy_of_stopped(tmp_path_factory, tmp_path / "src")
     to = str((src / inside).resolve()) if inside == ".." else str(src / inside)
-    line = _refused(str(src), to, mk.env_for(tmp_path / "home"), tmp_path, code=2)
+    line = mk.refused(str(src), to, mk.env_for(tmp_path / "home"), tmp_path, code=2)
     assert line.endswith("overlap; move to a location outside the project"), line
 
 
 def test_a_project_without_a_run_is_refused(tmp_path):
     src = mk.project(tmp_path / "src")
-    line = _refused(str(src), str(tmp_path / "dst"), mk.env_for(tmp_path / "home"), tmp_path)
+    line = mk.refused(str(src), str(tmp_path / "dst"), mk.env_for(tmp_path / "home"), tmp_path)
     assert line == f"spill: error: nothing to move at {src}/.spill: it holds no run"
     assert mk.doc(str(src)) is None and not (tmp_path / "dst").exists()
 
@@ -406,7 +350,7 @@ def test_an_installed_copy_is_refused(tmp_path, tmp_path_factory):
     copy, runs = as_copy(mk.doc(str(src)), state)
     (src / ".spill" / RUNS / copy["run"] / "control.json").write_text(json.dumps(copy))
     (src / ".spill" / RUNS / CURRENT).write_text(json.dumps(runs))
-    line = _refused(str(src), str(tmp_path / "dst"), mk.env_for(tmp_path / "home"), tmp_path)
+    line = mk.refused(str(src), str(tmp_path / "dst"), mk.env_for(tmp_path / "home"), tmp_path)
     assert f"run {copy['run']} at {state} is an installed copy; move the original" in line, line
     assert "`spill build --new-run`" in line
     assert not (tmp_path / "dst").exists()
@@ -419,7 +363,7 @@ def test_a_destination_that_is_not_empty_is_refused_before_anything_changes(
     full = tmp_path / "full"
     full.mkdir()
     (full / "notes.txt").write_text("mine\n")
-    line = _refused(src, str(full), mk.env_for(tmp_path / "home"), tmp_path)
+    line = mk.refused(src, str(full), mk.env_for(tmp_path / "home"), tmp_path)
     assert (
         line
         == f"spill: error: {full} is not empty (notes.txt, ...); move to a new or empty location"
@@ -430,7 +374,7 @@ def test_a_destination_that_is_not_empty_is_refused_before_anything_changes(
 def test_a_move_to_memory_is_refused(tmp_path, tmp_path_factory):
     src = str(mk.copy_of_stopped(tmp_path_factory, tmp_path / "src"))
     to = "memory://spill-move/p"
-    line = _refused(src, to, mk.env_for(tmp_path / "home"), tmp_path, code=2)
+    line = mk.refused(src, to, mk.env_for(tmp_path / "home"), tmp_path, code=2)
     assert line == (
         f"spill: error: {to}: memory:// lives only inside one process; move to a folder or an "
         "object store"
@@ -442,7 +386,7 @@ def test_a_move_to_a_missing_bucket_changes_nothing_and_names_the_bucket(
 ):
     src = str(mk.copy_of_stopped(tmp_path_factory, tmp_path / "src"))
     bucket = f"{s3_bucket}-missing"
-    line = _refused(src, f"s3://{bucket}/p", mk.env_for(tmp_path / "home"), tmp_path)
+    line = mk.refused(src, f"s3://{bucket}/p", mk.env_for(tmp_path / "home"), tmp_path)
     assert line == (
         f"spill: error: s3://{bucket}/p/.spill: bucket {bucket!r} does not exist (or these "
         "credentials cannot see it); create it, or fix the URI"
