@@ -341,13 +341,13 @@ def main() -> None:
     server, bucket = moto(work)
     try:
         b = Bench(work, args.steps)
-        from spill.store.cas import _fs_type
+        from spill.store.fs import mount_type
 
         stores = {"local": str(work / "states"), "s3": bucket}
         out: dict = {
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
             "python": platform.python_version(),
-            "local_fs": _fs_type(str(work)),
+            "local_fs": mount_type(str(work)),
             "s3": "moto server on loopback",
             "steps": args.steps,
             "settings": SETTINGS,

@@ -99,11 +99,15 @@ def cmd_build(args) -> int:
 def _at_uri(args) -> None:
     """A project at a URI (``spill move`` put it there): build a local working copy of its
     files, with the state at ``<URI>/.spill`` (``spill.project.remote``)."""
+    from spill.jobs.states import is_state
     from spill.project.remote import checkout, is_remote_project
 
-    if "://" in args.dir and is_remote_project(args.dir):
-        local, state = checkout(args.dir)
-        args.dir, args.state = str(local), args.state or state
+    if "://" not in args.dir or args.command != "build" and is_state(args.dir):
+        return  # a local folder, or a state location (resume and status take those)
+    if not is_remote_project(args.dir):
+        raise UsageError(f"{args.dir} holds no spill.yaml; give a project's location")
+    local, state = checkout(args.dir)
+    args.dir, args.state = str(local), args.state or state
 
 
 def _build(args) -> int:

@@ -282,8 +282,8 @@ def move(
         if wait:
             note(f"waiting for the writer ({doc['owner']['host']} pid {doc['owner']['pid']})")
         run = transfer.take(src_store, t["id"], lease=lease)
-        run.start_heartbeat()
         try:
+            run.start_heartbeat()
             transfer.incoming(dst_store, run.doc, step="take")  # claimed before any file lands
             manifest = copy_snapshot(root, src_state, dst_root, dst_state, run.doc)
             transfer.step(run, "copy")

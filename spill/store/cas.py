@@ -18,16 +18,14 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
-from spill.store.fs import _local, filesystem, get_bytes, is_local, join, put_bytes
+from spill.store.fs import _local, filesystem, get_bytes, is_local, join, mount_type, put_bytes
 from spill.store.schemas import parse_json, remember, validate, validate_once
 
 RUNS = "runs"
@@ -59,36 +57,6 @@ class _Conflict(Exception):
 
 class _Uncertain(Exception):
     """A conditional write whose outcome is unknown (timeout, dropped connection, 5xx)."""
-
-
-def _fs_type(path: str) -> str:
-    """The file system type of the mount holding ``path`` (``""`` when it cannot be told)."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                point = left.split()[4].encode().decode("unicode_escape")
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, right.split()[0]
-        return kind
-    except (OSError, IndexError):
-        pass
-    if sys.platform == "darwin":
-        import subprocess
-
-        try:
-            out = subprocess.run(["mount"], capture_output=True, text=True).stdout
-        except OSError:
-            return ""
-        for line in out.splitlines():
-            m = re.match(r".+ on (.+) \(([a-z0-9]+)", line)
-            if m and (real == m[1] or real.startswith(m[1].rstrip("/") + "/")):
-                if len(m[1]) >= len(best):
-                    best, kind = m[1], m[2]
-    return kind
 
 
 class Store:
@@ -135,7 +103,7 @@ class _LocalStore(Store):
         probe = self.dir
         while not os.path.exists(probe):
             probe = os.path.dirname(probe) or "."
-        kind = _fs_type(probe)
+        kind = mount_type(probe)
         if kind not in FLOCK_FS:
             what = f"a {kind} file system" if kind else "a file system spill cannot identify"
             raise Unsupported(
@@ -301,6 +269,13 @@ class _ObjectStore(Store):
 _probed: set[str] = set()
 
 
+def _bucket_there(store: _ObjectStore, bucket: str) -> bool:
+    try:
+        return store.fs.exists(bucket)
+    except Exception:  # a store that cannot say: the probe's writes will
+        return True
+
+
 def _probe(store: _ObjectStore) -> None:
     """Refuse a store that does not refuse stale writes: under a scratch key, create twice and
     replace with a stale tag; both second writes must fail, the good replace must land."""
@@ -309,11 +284,7 @@ def _probe(store: _ObjectStore) -> None:
         return
     key = f".probe-{secrets.token_hex(8)}"
     bucket = where.split("://", 1)[1]
-    try:
-        there = store.fs.exists(bucket)
-    except Exception:  # a store that cannot say: the probe's writes will
-        there = True
-    if not there:
+    if not _bucket_there(store, bucket):
         raise StoreError(
             f"{store.state}: bucket {bucket!r} does not exist (or these credentials cannot see "
             "it); create it, or fix the URI"

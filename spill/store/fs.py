@@ -18,7 +18,9 @@ cannot write before it loads a model or computes anything, not at its first comm
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -311,3 +313,33 @@ def probe_writable(uri: str | os.PathLike) -> None:
             f"state location {uri} cannot be written ({_reason(e)}); "
             "give --state a location you can write to"
         ) from None
+
+
+def mount_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (``""`` when it cannot be told)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                point = left.split()[4].encode().decode("unicode_escape")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, right.split()[0]
+        return kind
+    except (OSError, IndexError):
+        pass
+    if sys.platform == "darwin":
+        import subprocess
+
+        try:
+            out = subprocess.run(["mount"], capture_output=True, text=True).stdout
+        except OSError:
+            return ""
+        for line in out.splitlines():
+            m = re.match(r".+ on (.+) \(([a-z0-9]+)", line)
+            inside = m and (real == m[1] or real.startswith(m[1].rstrip("/") + "/"))
+            if inside and len(m[1]) >= len(best):
+                best, kind = m[1], m[2]
+    return kind

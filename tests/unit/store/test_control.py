@@ -26,7 +26,7 @@ from spill.errors import EXIT_PREEMPTED
 from spill.store import cas
 from spill.store.cas import Unsupported, current
 from spill.store.control import Busy, RunComplete, Superseded
-from spill.store.fs import exists, get_bytes, join, listdir, put_bytes
+from spill.store.fs import exists, get_bytes, join, listdir, mount_type, put_bytes
 from spill.store.owner import _pid_state
 from spill.store.runs import acquire
 from spill.store.schemas import load_schema
@@ -221,12 +221,12 @@ def test_states_on_pseudo_file_systems_are_refused(where):
 
 
 def test_temporary_file_systems_are_accepted(tmp_path):
-    assert cas._fs_type(str(tmp_path)) in cas.FLOCK_FS
+    assert mount_type(str(tmp_path)) in cas.FLOCK_FS
     assert acquire(str(tmp_path / "state")).gen == 1
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         shm = f"/dev/shm/spill-{uuid.uuid4().hex[:8]}"
         try:
-            assert cas._fs_type(shm) == "tmpfs"
+            assert mount_type(shm) == "tmpfs"
             assert acquire(shm).gen == 1
         finally:
             shutil.rmtree(shm, ignore_errors=True)
