@@ -22,12 +22,11 @@ file under the copy, which also holds the source's ``runs/`` control files, abou
 Wall is the whole subprocess; "in-process" is move()'s own ``seconds`` (from its JSON) against
 the upload loop timed inside its process from before ``import boto3``.
 
-The breakdown runs move() in a fresh process with the parts it calls wrapped in timers: opening
-the stores (``store_for``; on S3 the s3fs import and the bucket probe), the control transitions
-(``spill.store.transfer`` steps and the release), hashing the source (``snapshot.digest`` inside
-``copy_snapshot``), the copy itself (``_copy``; locally it fsyncs each file), the read-back
-(``verify``), and every ``os.fsync`` of the process (file and folder syncs, control writes
-included).
+The breakdown runs move() in a fresh process with its parts wrapped in timers: opening the
+stores (``store_for``; on S3 the s3fs import and the bucket probe), the control transitions
+(``spill.store.transfer`` steps and the release), the copy (``copy_snapshot``: it hashes as it
+copies, on four threads when S3 is a side, so the per-file ``_copy`` and ``os.fsync`` sums may
+exceed its wall time), and the read-back (``verify``).
 """
 
 from __future__ import annotations
@@ -63,8 +62,8 @@ print(len(files), sum(p.stat().st_size for p in files), time.perf_counter() - t,
 BREAKDOWN = """
 import json, os, sys, time
 from spill.project import move as mv
-from spill.store import cas, control, snapshot, transfer
-acc, phase = {}, ["-"]
+from spill.store import cas, control, transfer
+acc = {}
 def wrap(owner, name, label):
     f = getattr(owner, name)
     def timed(*a, **k):
@@ -72,32 +71,16 @@ def wrap(owner, name, label):
         try:
             return f(*a, **k)
         finally:
-            key = label(a) if callable(label) else label
-            acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+            acc[label] = acc.get(label, 0.0) + time.perf_counter() - t
     setattr(owner, name, timed)
-def phased(owner, name):
-    f = getattr(owner, name)
-    def inner(*a, **k):
-        phase[0] = name
-        try:
-            return f(*a, **k)
-        finally:
-            phase[0] = "-"
-    setattr(owner, name, inner)
-    wrap(owner, name, name)
 wrap(cas, "store_for", "open stores")
 for n in ("begin", "take", "step", "incoming", "fence", "activate"):
     wrap(transfer, n, "control")
 wrap(control.Run, "release", "control")
-wrap(snapshot, "digest", lambda a: "hash " + phase[0])
-wrap(mv, "_copy", "copy files")
-wrap(mv, "stat", "stat destination files")
-wrap(mv, "put_bytes", "write manifest")
-wrap(snapshot, "state_files", "list source")
-wrap(mv, "_project_files", "list source")
-wrap(os, "fsync", "fsync (all)")
-phased(mv, "copy_snapshot")
-phased(mv, "verify")
+wrap(mv, "copy_snapshot", "copy_snapshot")
+wrap(mv, "verify", "verify")
+wrap(mv, "_copy", "copy files (summed over threads)")
+wrap(os, "fsync", "fsync (all, summed over threads)")
 if sys.argv[2].startswith("s3://"):  # timed apart: the baseline's import of boto3 is too
     t = time.perf_counter()
     import s3fs
@@ -218,61 +201,6 @@ def local_round(src: Path, work: Path, r: int, env: dict) -> dict:
     return out
 
 
-def copy_ways(src: Path, work: Path, n: int) -> dict:
-    """Local what-ifs, in this process, over the files of the snapshot (the project's files and
-    its state without ``runs/``): the copy as ``move._copy`` does it (user-space chunks, an
-    fsync per file), the same through ``shutil.copyfile`` (in-kernel on Linux) with and without
-    the fsync, and one sha256 pass over the files (the source hash; the read-back is another)."""
-    import hashlib
-
-    files = [p for p in src.rglob("*") if p.is_file() and "runs" not in p.relative_to(src).parts]
-    chunk = 8 << 20
-
-    def user_space(a: Path, b: Path, sync: bool) -> None:
-        with open(a, "rb") as f, open(b, "wb") as g:
-            shutil.copyfileobj(f, g, chunk)
-            if sync:
-                g.flush()
-                os.fsync(g.fileno())
-
-    def in_kernel(a: Path, b: Path, sync: bool) -> None:
-        shutil.copyfile(a, b)
-        if sync:
-            with open(b, "rb") as g:
-                os.fsync(g.fileno())
-
-    def sha(a: Path, b: Path, sync: bool) -> None:
-        h = hashlib.sha256()
-        with open(a, "rb") as f:
-            while c := f.read(chunk):
-                h.update(c)
-
-    ways = {
-        "copyfileobj 8 MiB + fsync (as move._copy)": (user_space, True),
-        "copyfileobj 8 MiB, no fsync": (user_space, False),
-        "shutil.copyfile (in-kernel) + fsync": (in_kernel, True),
-        "shutil.copyfile (in-kernel), no fsync": (in_kernel, False),
-        "sha256 of every file (one pass)": (sha, False),
-    }
-    times: dict[str, list[float]] = {k: [] for k in ways}
-    for i in range(n):
-        for name, (fn, sync) in ways.items():
-            dst = work / f"ways-{i}"
-            for f in files:
-                (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
-            t0 = time.perf_counter()
-            for f in files:
-                fn(f, dst / f.relative_to(src), sync)
-            times[name].append(time.perf_counter() - t0)
-            shutil.rmtree(dst)
-    return {
-        "files": len(files),
-        "bytes": sum(f.stat().st_size for f in files),
-        "median_s": {k: round(statistics.median(v), 4) for k, v in times.items()},
-        "raw": times,
-    }
-
-
 def s3_round(src: Path, work: Path, bucket: str, r: int, env: dict) -> dict:
     copies = {s: work / f"s{r}-{s}-src" for s in ("spill", "boto3")}
     for c in copies.values():
@@ -353,12 +281,6 @@ def breakdown(src: Path, work: Path, to: str, n: int, env: dict) -> dict:
     # store_for also runs inside some control steps, so "rest" can come out slightly negative
     parts = ("open stores", "control", "copy_snapshot", "verify")
     med["rest of move()"] = round(med["total"] - sum(med.get(k, 0.0) for k in parts), 4)
-    med["copy_snapshot rest (schema check, progress)"] = round(
-        med["copy_snapshot"]
-        - sum(med.get(k, 0.0) for k in ("hash copy_snapshot", "copy files", "list source"))
-        - sum(med.get(k, 0.0) for k in ("stat destination files", "write manifest")),
-        4,
-    )
     return {"median_s": med, "raw": samples}
 
 
@@ -403,7 +325,6 @@ def main() -> None:
         out["s3"] = {"summary": summarize(s3, ("boto3",)), "raw": s3}
         out["local"]["breakdown"] = breakdown(src, work, "", args.breakdown, env)
         out["s3"]["breakdown"] = breakdown(src, work, f"s3://{bucket}/b", args.breakdown, env)
-        out["local"]["copy_ways"] = copy_ways(src, work, args.breakdown)
     finally:
         server.terminate()
         server.wait()
@@ -412,11 +333,7 @@ def main() -> None:
     out["bench_seconds"] = round(time.perf_counter() - t_all, 1)
     summary = {
         "moved": out["moved"],
-        "local": out["local"]["summary"]
-        | {
-            "breakdown": out["local"]["breakdown"]["median_s"],
-            "copy_ways": out["local"]["copy_ways"]["median_s"],
-        },
+        "local": out["local"]["summary"] | {"breakdown": out["local"]["breakdown"]["median_s"]},
         "s3": out["s3"]["summary"] | {"breakdown": out["s3"]["breakdown"]["median_s"]},
     }
     print(json.dumps(summary, indent=2))
