@@ -24,7 +24,7 @@ the upload loop timed inside its process from before ``import boto3``.
 
 The breakdown runs move() in a fresh process with its parts wrapped in timers: opening the
 stores (``store_for``; on S3 the s3fs import and the bucket probe), the control transitions
-(``spill.store.transfer`` steps and the release), the copy (``copy_snapshot``: it hashes as it
+(``spill.control.transfer`` steps and the release), the copy (``copy_snapshot``: it hashes as it
 copies, on four threads when S3 is a side, so the per-file ``_copy`` and ``os.fsync`` sums may
 exceed its wall time), and the read-back (``verify``).
 """
@@ -62,7 +62,7 @@ print(len(files), sum(p.stat().st_size for p in files), time.perf_counter() - t,
 BREAKDOWN = """
 import json, os, sys, time
 from spill.project import move as mv
-from spill.store import cas, control, transfer
+from spill.control import cas, control, transfer
 acc = {}
 def wrap(owner, name, label):
     f = getattr(owner, name)

@@ -143,8 +143,18 @@ def assert_not_imported(
 def build_state_file(where: Path) -> Path:
     """The current ``state.json`` of the build state folder ``where``: the payload the run's
     ``state`` pointer names (``spill.project.state``)."""
-    from spill.store.place import Place
+    from spill.control.place import Place
 
     pointed = Place(str(where)).pointer("state")
     assert pointed, f"{where} holds no build state"
     return Path(pointed[0]) / "state.json"
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def root(request, tmp_path) -> str:
+    """A fresh state root: a local folder, a memory:// prefix, or a prefix on the S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "state")
+    if request.param == "memory":
+        return f"memory://spill-test-{uuid.uuid4().hex[:8]}/state"
+    return f"s3://{request.getfixturevalue('s3_bucket')}/state"

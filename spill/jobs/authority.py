@@ -18,8 +18,8 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from spill.store.control import Run, RunComplete, Superseded
-from spill.store.place import Place
+from spill.control.control import Run, RunComplete, Superseded
+from spill.control.place import Place
 
 
 @dataclass
@@ -74,8 +74,8 @@ def record_command(state: str, argv: Sequence[str]) -> None:
     import os
     import time
 
+    from spill.control.owner import host
     from spill.store.fs import join, put_bytes
-    from spill.store.owner import host
     from spill.store.schemas import remember, validate
 
     words = [a for a in argv if not a.startswith("-")]
@@ -126,7 +126,7 @@ def own(
     """This process's ownership of the run at ``state`` (a build's, or a job's), heartbeat
     included, released however the block ends; ``new_run``: after a completed run, start the
     next one (its lineage names the completed one); ``command``: the command line to record."""
-    from spill.store.runs import acquire
+    from spill.control.runs import acquire
 
     run = acquire(state, lease=lease, wait=wait, new_run=new_run)
     if command:

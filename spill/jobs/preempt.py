@@ -367,6 +367,6 @@ class Guard:
 
 def _superseded(e: BaseException) -> bool:
     """Whether a save failed because another process took the run over (exit 1, no retry)."""
-    from spill.store.control import Superseded
+    from spill.control.control import Superseded
 
     return isinstance(e, Superseded)

@@ -52,8 +52,8 @@ def _extra(args) -> list[str]:
 def resume_state(where: str, args) -> int:
     """Continue the run at state location ``where``; see the module doc."""
     from spill.cli import main
+    from spill.control.cas import current
     from spill.jobs.authority import read_command
-    from spill.store.cas import current
 
     if is_local(where):
         where = os.path.abspath(where)

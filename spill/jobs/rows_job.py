@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from spill.console import note, progress
+from spill.control.place import Place
 from spill.engines.base import EngineInfo, LoadOptions
 from spill.errors import DataError, StoreError, UsageError
 from spill.hashing import file_sha256
@@ -45,7 +46,6 @@ from spill.jobs.authority import Held, hold
 from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
-from spill.store.place import Place
 
 Record = dict[str, Any]
 Compute = Callable[[list[Any]], list[Record]]

@@ -12,7 +12,7 @@ from spill.store.fs import is_local, join
 
 def is_state(where: str) -> bool:
     """Whether ``where`` is a state location (it holds runs), not a project folder."""
-    from spill.store.cas import CURRENT, RUNS
+    from spill.control.cas import CURRENT, RUNS
     from spill.store.fs import exists
 
     if is_local(where) and os.path.isfile(os.path.join(where, "spill.yaml")):
@@ -22,8 +22,8 @@ def is_state(where: str) -> bool:
 
 def progress(where: str, doc: dict[str, Any]) -> str:
     """The last committed step (and cursor) or row count of the run at ``where``."""
+    from spill.control.place import Place
     from spill.store.checkpoint import newest_commit
-    from spill.store.place import Place
     from spill.store.rows import commit_markers
 
     place = Place(where)
@@ -44,9 +44,9 @@ def progress(where: str, doc: dict[str, Any]) -> str:
 
 def summary(where: str) -> dict[str, Any]:
     """``spill status <state>``: the current run, its owner and lease, and its progress."""
+    from spill.control.cas import current
     from spill.errors import StoreError
     from spill.project.status import run_view
-    from spill.store.cas import current
 
     doc = current(where)
     if doc is None:

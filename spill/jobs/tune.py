@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spill.console import note, progress
+from spill.control.place import Place
 from spill.engines.base import AdamW, LoadOptions, TrainBatch
 from spill.errors import SpillError, UsageError
 from spill.jobs import producer
@@ -34,7 +35,6 @@ from spill.paths import spill_home
 from spill.store import drill
 from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from spill.store.fs import exists, is_local, join, probe_writable, same_file
-from spill.store.place import Place
 
 
 class CheckpointMismatch(SpillError):

@@ -221,8 +221,8 @@ def _own(stack, project, state_root, key, specs, stop, prepared, data_sha, opts)
     """Own the run at ``state_root`` for the block of ``stack``: the current one; or, when that
     one is complete and this build would change anything, the next one (lineage: the completed
     run). None when the completed run already records exactly this build."""
+    from spill.control.control import RunComplete
     from spill.jobs.authority import own
-    from spill.store.control import RunComplete
 
     lease, wait, command, new_run = opts
     if new_run:  # an installed copy's run (or a completed one) forks; any other continues

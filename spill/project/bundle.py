@@ -71,8 +71,8 @@ def command(args: argparse.Namespace) -> int:
 
 
 def pack(root: Path, path: Path, args: argparse.Namespace, as_json: bool) -> int:
+    from spill.control.cas import current
     from spill.project import bundle_pack as bp
-    from spill.store.cas import current
 
     if not (root / "spill.yaml").is_file():
         raise UsageError(f"{root} holds no spill.yaml; give a project folder")

@@ -11,7 +11,7 @@ the project folder renamed to ``DIR``, so ``DIR`` is either absent, as it was, o
 
 ``DIR`` must be absent or empty; ``--force`` replaces a non-empty one (the old folder is moved
 aside, the new one renamed in, the old one removed), but never ``/``, the home folder or a folder
-holding ``SPILL_HOME``. A bundled run installs as a copy (``spill.store.runs.as_copy``): its
+holding ``SPILL_HOME``. A bundled run installs as a copy (``spill.control.runs.as_copy``): its
 control object and run list are written beside its files, so ``spill build DIR`` refuses to
 continue it and ``spill build DIR --new-run`` forks it. Each model folder gets a cache record
 (``spill-source.json``) of the files' hashes, so the first build checks them by stat alone.
@@ -141,13 +141,13 @@ def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
 
     validate(doc, schema, where=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "xb") as f:  # the byte format of spill.store.cas.Store.put
+    with open(path, "xb") as f:  # the byte format of spill.control.cas.Store.put
         f.write(json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n")
         os.fsync(f.fileno())
 
 
 def _install_run(b: Bundle, dest: Path, dest_tmp: Path) -> None:
-    from spill.store.runs import as_copy
+    from spill.control.runs import as_copy
 
     run = b.manifest["run"]
     control, runs = as_copy(run["control"], str(dest / STATE_DIR))

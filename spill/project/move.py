@@ -4,7 +4,7 @@ The source is a project folder (its state at ``DIR/.spill`` or ``--state``), a p
 or a bare state location (a job's ``--state``). The destination ``URI`` becomes a project
 folder (the project's files, its state at ``URI/.spill``), or for a bare state location a state
 location. The control steps and why two places are never both acquirable are in
-``spill.store.transfer``; this module copies and checks what the steps name:
+``spill.control.transfer``; this module copies and checks what the steps name:
 
 * the snapshot is the run as its control object says it is (``snapshot.state_files``: pointed
   payloads, stage files, adapters; no unpointed payload, no temporary file) plus the project's
@@ -256,8 +256,8 @@ def move(
 ) -> dict[str, Any]:
     """Move the run of project (or state location) ``src`` to ``to``; see the module doc."""
     from spill.console import note
-    from spill.store import transfer
-    from spill.store.cas import current, store_for
+    from spill.control import transfer
+    from spill.control.cas import current, store_for
 
     t0 = time.monotonic()
     root, src_state, dst_root, dst_state = locations(src, to, state)
@@ -327,9 +327,9 @@ def _copy_complete(root, src_state, dst, doc, t0) -> dict[str, Any]:
     """A complete run is read-only: copy it, verified, and create it complete at the
     destination (claimed ``incoming`` first, like a move); the source stays as it is."""
     from spill.console import note
-    from spill.store import transfer
-    from spill.store.cas import read_control
-    from spill.store.owner import home_of
+    from spill.control import transfer
+    from spill.control.cas import read_control
+    from spill.control.owner import home_of
 
     dst_root, dst_state, dst_store = dst
     # one id per run and destination, so that a rerun after an interruption finds its claim

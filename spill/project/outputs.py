@@ -29,7 +29,7 @@ from spill.errors import StoreError
 from spill.store.fs import exists, files_under, get_bytes, join, put_bytes, stat
 
 if TYPE_CHECKING:
-    from spill.store.place import Place
+    from spill.control.place import Place
 
 
 def _sha(data: bytes) -> str:

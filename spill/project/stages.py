@@ -22,9 +22,9 @@ from spill.project import outputs
 from spill.store.fs import join
 
 if TYPE_CHECKING:
+    from spill.control.control import Run
+    from spill.control.place import Place
     from spill.project.config import Project
-    from spill.store.control import Run
-    from spill.store.place import Place
 
 PRODUCER_KEYS = ("engine", "numerics", "machine", "os", "hardware")
 
@@ -65,7 +65,7 @@ class Stage:
 
     def place(self, root: str, run: Run | None = None) -> Place:
         """Its job's part of the build's run (read-only without ``run``)."""
-        from spill.store.place import Place
+        from spill.control.place import Place
 
         return Place(root, f"stages/{self.folder}", run)
 

@@ -2,7 +2,7 @@
 
 Layout under ``--state`` (default ``<project>/.spill``)::
 
-    runs/                 the build's runs and their control objects (``spill.store.control``)
+    runs/                 the build's runs and their control objects (``spill.control.control``)
     payloads/state-.../   ``state.json``: the plan, every stage's status, inputs, result and
                           producers; current when the run's ``state`` pointer names it
     stages/<stage>/       the stage's job state (its payloads: checkpoints, row segments)
@@ -32,7 +32,7 @@ from spill.project import stages
 from spill.store.fs import exists, get_bytes, join, put_bytes
 
 if TYPE_CHECKING:
-    from spill.store.control import Run
+    from spill.control.control import Run
 
 STATE = "state.json"
 KIND_POINTER = "state"  # the run's pointer to the current state.json payload
@@ -43,7 +43,7 @@ SCHEMA_VERSION = 1
 def read(root: str) -> dict[str, Any] | None:
     """The current ``state.json`` of the build at ``root`` (None when there is none), validated
     against the ``build-state`` schema, its ``config`` against the strict spill.yaml schema."""
-    from spill.store.place import Place
+    from spill.control.place import Place
     from spill.store.schemas import parse_json, short, validate_once
 
     pointed = Place(root).pointer(KIND_POINTER)

@@ -2,7 +2,7 @@
 ``params.safetensors``, ``opt.safetensors``, ``state.json`` and, written last, ``COMMIT``.
 
 A folder counts only when the run's control object points at it (pointer ``ckpt``, newest
-first, the ``keep`` newest: see ``spill.store.place``), its COMMIT (schema ``commit``) lists the
+first, the ``keep`` newest: see ``spill.control.place``), its COMMIT (schema ``commit``) lists the
 size and sha256 of the three files and the files match; ``state.json`` must match schema
 ``checkpoint-state``. Recovery follows the pointer, never "the highest step folder": a folder a
 stale or killed writer left is never current. A reader skips a pointed folder that fails
@@ -34,10 +34,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.fs import exists, get_bytes, join, put_bytes
-from spill.store.place import Place, payload_seq
 from spill.store.schemas import SchemaInvalid, parse_json, validate
 
 KIND = "ckpt"

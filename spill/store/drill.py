@@ -17,7 +17,7 @@ state behind:
 ``control-publish``     a pointer of the control object moved to a new payload (fenced)
 ``control-complete``    the run marked complete (read-only from now on)
 ``move-<step>``         a move's step done (quiesce, take, copy, verify, incoming, fence,
-                        activate; ``spill.store.transfer``)
+                        activate; ``spill.control.transfer``)
 =====================  ===================================================================
 
 Two ways to act there, both off unless asked for:

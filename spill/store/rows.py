@@ -6,7 +6,7 @@ A row job (run, distill, eval) hands each finished row to a ``SegmentWriter``, w
 buffered rows every 25 rows or 60 seconds (checked whenever a row is added, or on ``tick()``)
 and on ``flush()``/``close()``. A push writes the JSONL first and the commit marker (schema
 ``segment-commit``: row ids, count, size, sha256, producer) second, then adds the folder to the
-run's ``rows`` pointer by a fenced transition (``spill.store.place``): a segment counts only when
+run's ``rows`` pointer by a fenced transition (``spill.control.place``): a segment counts only when
 the pointer names it and both files agree. ``restore`` returns the rows of the pointed segments
 in order, so a job that continues runs only the rows left: a row is never lost (it is either
 committed or redone) nor repeated (a committed id is refused, and restore keeps the first of any
@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.fs import get_bytes, join, put_bytes
-from spill.store.place import Place, payload_seq
 from spill.store.schemas import SchemaInvalid, parse_json, validate
 
 ROWS = "rows"

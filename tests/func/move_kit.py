@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spill.control.cas import current
+from spill.control.place import payload_seq
 from spill.store import fs
-from spill.store.cas import current
 from spill.store.checkpoint import COMMIT, FILES
-from spill.store.place import payload_seq
 
 TOY = Path(__file__).resolve().parents[2] / "projects" / "toy"
 STATE_DIR = ".spill"

@@ -252,7 +252,7 @@ def test_a_restore_that_fails_is_one_line_and_the_next_build_recomputes(referenc
     args = (str(project), "--state", str(state))
     shutil.rmtree(state / "adapters" / "toy")
     shutil.rmtree(state / "stages" / "tune" / "adapter")
-    from spill.store.place import Place
+    from spill.control.place import Place
 
     pointed = Place(str(state), "stages/tune").pointer("ckpt")[0]
     assert pointed.endswith("-s300-0")

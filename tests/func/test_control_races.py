@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from spill.control.cas import current
+from spill.control.control import Busy
 from spill.errors import EXIT_PREEMPTED
-from spill.store.cas import current
-from spill.store.control import Busy
 from spill.store.fs import join
 
 WORKER = Path(__file__).with_name("control_worker.py")

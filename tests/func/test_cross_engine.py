@@ -287,7 +287,7 @@ def rowjob(tmp_path_factory):
 
 def _segments(state: Path) -> list[dict]:
     """Every committed segment's marker (the run's ``rows`` pointer names it), in push order."""
-    from spill.store.place import Place
+    from spill.control.place import Place
     from spill.store.rows import commit_markers
 
     return commit_markers(Place(str(state)))

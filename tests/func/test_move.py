@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from spill.store.owner import home_of
+from spill.control.owner import home_of
 from tests.func import authority_kit as ak
 from tests.func import move_kit as mk
 from tests.func import tune_kit as kit
@@ -342,8 +342,8 @@ def test_a_project_without_a_run_is_refused(tmp_path):
 
 
 def test_an_installed_copy_is_refused(tmp_path, tmp_path_factory):
-    from spill.store.cas import CURRENT, RUNS
-    from spill.store.runs import as_copy
+    from spill.control.cas import CURRENT, RUNS
+    from spill.control.runs import as_copy
 
     src = mk.copy_of_stopped(tmp_path_factory, tmp_path / "src")
     state = str(src / ".spill")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from spill.control.place import Place
 from spill.models.tiny import write_tiny
 from spill.store import fs
-from spill.store.place import Place
 from tests.conftest import run_spill
 from tests.func.test_build import copy_toy
 

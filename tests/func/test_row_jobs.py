@@ -44,7 +44,7 @@ def _spill(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def _committed_ids(state: str) -> list:
     """Row ids of every committed segment (the run's ``rows`` pointer names it), in push order
     (repeats kept, to be counted)."""
-    from spill.store.place import Place
+    from spill.control.place import Place
     from spill.store.rows import commit_markers
 
     return [rid for marker in commit_markers(Place(state)) for rid in marker["row_ids"]]
@@ -102,7 +102,7 @@ def test_sigterm_commits_the_rows_done_and_rerun_finishes(tmp_path, job):
     assert 25 <= done < ROWS
     assert not out.exists()
 
-    from spill.store.place import Place
+    from spill.control.place import Place
     from spill.store.rows import commit_markers, restore
 
     got = restore(Place(str(state)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spill.store.cas import current
+from spill.control.cas import current
 from tests.func.test_build import copy_toy, spill
 
 FAST = ("tune.steps=4", "tune.ckpt_every=2")
@@ -46,8 +46,8 @@ def test_an_edit_after_completion_starts_the_next_run(tmp_path):
 def test_a_location_inside_what_a_run_writes_is_refused_a_sweeps_is_not(tmp_path):
     import pytest
 
+    from spill.control.runs import acquire
     from spill.errors import StoreError
-    from spill.store.runs import acquire
 
     acquire(str(tmp_path)).release()  # a build's state: its own runs
     for inside in ("stages/tune", "payloads/x", "runs/y"):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spill.control.place import Place, payload_seq
 from spill.store import fs
 from spill.store.checkpoint import (
     COMMIT,
@@ -42,7 +43,6 @@ from spill.store.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
-from spill.store.place import Place, payload_seq
 
 STEPS = 6
 # The standard run: a tiny llama streamed through a ring of 2, two micro-batches per step, LoRA

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from spill.control.cas import current
+from spill.control.owner import home_of
+from spill.control.runs import acquire
 from spill.errors import StoreError, UsageError
 from spill.project import move as mv
 from spill.store import drill
-from spill.store.cas import current
 from spill.store.fs import put_bytes
-from spill.store.owner import home_of
-from spill.store.runs import acquire
 
 STEPS = ("quiesce", "take", "copy", "verify", "incoming", "fence", "activate")
 

@@ -6,7 +6,6 @@ import os
 import runpy
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -29,16 +28,6 @@ def identity() -> dict:
 @pytest.fixture
 def producer() -> dict:
     return _worker["PRODUCER"]
-
-
-@pytest.fixture(params=["local", "memory", "s3"])
-def root(request, tmp_path) -> str:
-    """A fresh state root: a local folder, a memory:// prefix, or a prefix on the S3 server."""
-    if request.param == "local":
-        return str(tmp_path / "state")
-    if request.param == "memory":
-        return f"memory://spill-test-{uuid.uuid4().hex[:8]}/state"
-    return f"s3://{request.getfixturevalue('s3_bucket')}/state"
 
 
 @pytest.fixture

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
     mode, root, *nums = argv
     if mode not in ("ckpt", "rows"):
         raise SystemExit(f"unknown mode {mode}")
-    from spill.store.runs import held
+    from spill.control.runs import held
 
     with held(root) as run:
         place = run.place()

@@ -9,6 +9,9 @@ import logging
 import numpy as np
 import pytest
 
+from spill.control.control import Superseded
+from spill.control.place import Place, payload_seq
+from spill.control.runs import acquire
 from spill.errors import StoreError
 from spill.store import fs
 from spill.store.checkpoint import (
@@ -18,9 +21,6 @@ from spill.store.checkpoint import (
     newest_commit,
     save_checkpoint,
 )
-from spill.store.control import Superseded
-from spill.store.place import Place, payload_seq
-from spill.store.runs import acquire
 from spill.store.schemas import SchemaInvalid
 
 

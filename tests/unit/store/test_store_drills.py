@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from spill.control.control import Busy
+from spill.control.place import Place
+from spill.control.runs import acquire
 from spill.store import fs
 from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from spill.store.control import Busy
-from spill.store.place import Place
 from spill.store.rows import restore
-from spill.store.runs import acquire
 
 WORKER = Path(__file__).with_name("store_worker.py")
 

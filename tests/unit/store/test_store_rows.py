@@ -8,9 +8,10 @@ import logging
 
 import pytest
 
+from spill.control.control import Superseded
+from spill.control.place import Place
+from spill.control.runs import acquire
 from spill.store import fs
-from spill.store.control import Superseded
-from spill.store.place import Place
 from spill.store.rows import (
     IdentityMismatch,
     SegmentWriter,
@@ -18,7 +19,6 @@ from spill.store.rows import (
     pin_identity,
 )
 from spill.store.rows import restore as _restore
-from spill.store.runs import acquire
 
 
 def writer(root: str, *args, **kwargs) -> SegmentWriter:

@@ -23,9 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
-from spill.errors import StoreError
-from spill.store import drill
-from spill.store.cas import (
+from spill.control.cas import (
     ATTEMPTS,
     CONTROL,
     CURRENT,
@@ -39,9 +37,11 @@ from spill.store.cas import (
     read_runs,
     store_for,
 )
-from spill.store.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
+from spill.control.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
+from spill.control.owner import describe, gone, home_of, host, lease_seconds, me
+from spill.errors import StoreError
+from spill.store import drill
 from spill.store.fs import _local, exists, is_local, join
-from spill.store.owner import describe, gone, home_of, host, lease_seconds, me
 
 
 def _new_run_id() -> str:

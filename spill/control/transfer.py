@@ -1,6 +1,6 @@
 """The control transitions of a move: a run handed from one state location to another.
 
-A move is seven steps, each a conditional transition of a control object (``spill.store.cas``)
+A move is seven steps, each a conditional transition of a control object (``spill.control.cas``)
 recorded in its ``transfer`` field (id, from, to, step, times), so that running the move again
 after an interruption anywhere continues it:
 
@@ -28,9 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spill.errors import StoreError
-from spill.store import drill
-from spill.store.cas import (
+from spill.control.cas import (
     ATTEMPTS,
     CONTROL,
     CURRENT,
@@ -40,9 +38,11 @@ from spill.store.cas import (
     read_control,
     read_runs,
 )
-from spill.store.control import Run, _iso
-from spill.store.owner import home_of, lease_seconds, me
-from spill.store.runs import CopiedRun, _busy, _holder
+from spill.control.control import Run, _iso
+from spill.control.owner import home_of, lease_seconds, me
+from spill.control.runs import CopiedRun, _busy, _holder
+from spill.errors import StoreError
+from spill.store import drill
 
 STEPS = drill.MOVE_STEPS
 

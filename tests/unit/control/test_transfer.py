@@ -1,4 +1,4 @@
-"""The control steps of a move (``spill.store.transfer``), in process, on every backend.
+"""The control steps of a move (``spill.control.transfer``), in process, on every backend.
 
 The seven steps in order (each reaching its drill point once), a rerun after each step (the
 interrupted mover abandoned with a short lease, the way a mover killed on another machine would
@@ -17,13 +17,14 @@ import time
 
 import pytest
 
+from spill.control import transfer
+from spill.control.cas import CURRENT, RUNS, current, store_for
+from spill.control.control import Busy
+from spill.control.owner import home_of
+from spill.control.runs import CopiedRun, acquire, as_copy
 from spill.errors import EXIT_PREEMPTED, StoreError
-from spill.store import drill, transfer
-from spill.store.cas import CURRENT, RUNS, current, store_for
-from spill.store.control import Busy
+from spill.store import drill
 from spill.store.fs import join, put_bytes
-from spill.store.owner import home_of
-from spill.store.runs import CopiedRun, acquire, as_copy
 
 STEPS = transfer.STEPS
 

@@ -8,7 +8,7 @@ A state location (a build's ``.spill/``, a job's ``--state``) holds its runs und
 
 A control object names the owner, the generation, the lease, the status (``active``,
 ``quiescing``, ``transferred``, ``incoming``, ``complete``), the current payloads (``Place``) and
-the lineage. It changes only by *transitions* (``spill.store.cas``): read the newest document,
+the lineage. It changes only by *transitions* (``spill.control.cas``): read the newest document,
 check the change (owner, generation, status), write the next one conditionally; a lost or
 uncertain write reads again, and finds either its own transition there or someone else's.
 
@@ -34,9 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
-from spill.store import drill
-from spill.store.cas import (
+from spill.control.cas import (
     ATTEMPTS,
     CONTROL,
     Store,
@@ -44,7 +42,9 @@ from spill.store.cas import (
     _Uncertain,
     read_control,
 )
-from spill.store.place import Place
+from spill.control.place import Place
+from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
+from spill.store import drill
 
 SCHEMA_VERSION = 1
 # A bench-only switch: transitions after acquisition change this process's copy of the control

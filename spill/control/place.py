@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from spill.store.cas import current
+from spill.control.cas import current
 from spill.store.fs import join, listdir, remove
 
 if TYPE_CHECKING:
-    from spill.store.control import Run
+    from spill.control.control import Run
 
 PAYLOADS = "payloads"
 _PAYLOAD = re.compile(r"([a-z]+)-g(\d+)-s(\d+)-(\d+)")

@@ -22,13 +22,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from spill.control import cas
+from spill.control.cas import Unsupported, current
+from spill.control.control import Busy, RunComplete, Superseded
+from spill.control.owner import _pid_state
+from spill.control.runs import acquire
 from spill.errors import EXIT_PREEMPTED
-from spill.store import cas
-from spill.store.cas import Unsupported, current
-from spill.store.control import Busy, RunComplete, Superseded
 from spill.store.fs import exists, get_bytes, join, listdir, mount_type, put_bytes
-from spill.store.owner import _pid_state
-from spill.store.runs import acquire
 from spill.store.schemas import load_schema
 
 WORKER = Path(__file__).parents[2] / "func" / "control_worker.py"
