@@ -1,9 +1,12 @@
-"""Where spill keeps things on this machine: ``SPILL_HOME`` (default ``~/.spill``)."""
+"""Where spill keeps things: ``SPILL_HOME`` on this machine (default ``~/.spill``), and a
+project's build state (default ``<project>/.spill``, ``STATE_DIR``)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+STATE_DIR = ".spill"  # a project's state location, unless --state names another
 
 
 def spill_home() -> Path:

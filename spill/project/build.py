@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from spill.errors import StoreError
+from spill.paths import STATE_DIR
 from spill.project import state, uptodate
 from spill.project.stages import STAGES, get
 from spill.store.fs import listdir
@@ -58,7 +59,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         from spill.project.config import compose
 
         compose(root)  # raises the one-line "no spill.yaml here" error
-    state_root = opts.state or str(root / ".spill")
+    state_root = opts.state or str(root / STATE_DIR)
     doc = state.read(state_root)
     if opts.resume:
         if doc is None:

@@ -21,9 +21,8 @@ from typing import Any
 
 from spill.console import emit, note
 from spill.errors import UsageError
+from spill.paths import STATE_DIR
 from spill.project.bundle_format import BundleError
-
-STATE_DIR = ".spill"
 
 
 def add_parser(sub) -> None:

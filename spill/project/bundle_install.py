@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from spill.console import progress
+from spill.paths import STATE_DIR
 from spill.project.bundle_format import BundleError, Hasher
 from spill.project.bundle_read import Bundle, Entry, damaged, free_space_ok, open_bundle
 
-STATE_DIR = ".spill"
 _MARKER_SOURCE = {"tiny": "tiny", "gguf": "gguf", "hub": "hub", "imported": "bundle"}
 
 

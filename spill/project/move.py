@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from spill.errors import StoreError, UsageError
+from spill.paths import STATE_DIR
 from spill.store import snapshot
 from spill.store.fs import exists, files_under, is_local, join, put_bytes, stat
-
-STATE_DIR = ".spill"
 
 
 def add_parser(sub) -> None:

@@ -13,10 +13,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from spill.paths import spill_home
+from spill.paths import STATE_DIR, spill_home
 from spill.store.fs import exists, files_under, get_bytes, is_local, join
-
-STATE_DIR = ".spill"
 
 
 def is_remote_project(where: str) -> bool:

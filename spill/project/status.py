@@ -14,6 +14,7 @@ from typing import Any
 
 from spill.console import table
 from spill.errors import StoreError
+from spill.paths import STATE_DIR
 from spill.project import state, uptodate
 from spill.project.stages import STAGES, get
 
@@ -172,7 +173,7 @@ def _check_outputs(doc: dict[str, Any], where: str) -> list[str]:
 def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     """Read a project's build state; refresh the progress of unfinished stages from their probes."""
     root = Path(root).resolve()
-    where = state_root or str(root / ".spill")
+    where = state_root or str(root / STATE_DIR)
     doc = state.read(where)
     if doc is None:
         runs = sweep_runs(where)

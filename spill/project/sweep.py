@@ -23,6 +23,7 @@ from typing import Any
 
 from spill.errors import SpillError
 from spill.jobs.preempt import Preempted
+from spill.paths import STATE_DIR
 from spill.project import build, config, state
 from spill.project.plan import StopAfter
 from spill.project.status import score
@@ -79,8 +80,8 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
         config.compose(root)  # the one-line "no spill.yaml here" error
     if opts.stop_after:
         StopAfter.parse(opts.stop_after)  # fail before any job starts
-    base = opts.state or str(root / ".spill")
-    logs = join(base, "hydra") if is_local(base) else str(root / ".spill" / "hydra")
+    base = opts.state or str(root / STATE_DIR)
+    logs = join(base, "hydra") if is_local(base) else str(root / STATE_DIR / "hydra")
     overrides = [*SILENT, f"hydra.sweep.dir='{logs}'", *opts.overrides]  # later ones win
     task = functools.partial(
         job, root=str(root), base=base, stop_after=opts.stop_after, dry_run=opts.dry_run
