@@ -31,6 +31,12 @@ PROMPTS = [np.array([5, 6, 7, 8, 9, 10]), np.array([100, 3]), np.arange(20, 40)]
 COMPLETIONS = [np.array([11, 12, 13]), np.array([4, 5, 6, 7]), np.array([1])]
 
 
+# float32, our scoring vs peft's: measured 6.7e-6 (llama) and 1.4e-6 (qwen2) in a torch-only
+# process; 1.05e-5 (llama) once the MLX engine's tests preloaded OpenBLAS (RTLD_GLOBAL) into the
+# same process, which moves some float32 rounding (SPILL_MLX_BLAS=bundled: 6.7e-6 again).
+PEFT_LOGPROB_TOLERANCE = 2e-5
+
+
 def examples(n=10) -> list[Example]:
     rng = np.random.default_rng(SEED)
     out = []
@@ -143,7 +149,7 @@ def test_streamed_tune_matches_peft(tiny_model, tmp_path):
     ):
         want = hf_log_probs(loaded, prompt, completion)
         worst = max(worst, float(np.abs(got - want).max()))
-        assert worst <= 1e-5
+        assert worst <= PEFT_LOGPROB_TOLERANCE
         assert not np.allclose(want, hf_log_probs(base, prompt, completion), atol=1e-3)
     print(f"{cfg.family}: worst log-prob difference against peft {worst:.1e}")
     runner.close()
