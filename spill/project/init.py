@@ -153,7 +153,7 @@ def _yaml(
         lines.append(f"  - {group}: {option}" + (f"  # {why}" if why else ""))
     lines.append(f"  - engine: {engine}  # the engine installed there; --engine overrides")
     lines += ["  - _self_", "", "hydra:", "  searchpath:", f"    - {config.SEARCH_PATH}", ""]
-    lines += ["schema_version: 1", f"name: {_q(name)}", f"id: {uuid.uuid4().hex[:12]}"]
+    lines += ["schema_version: 1", f"name: {_q(name)}", f"id: {_q(uuid.uuid4().hex[:12])}"]
     lines += [f"seed: {seed}  # the split, adapter init, data order and sampling", ""]
     lines.append("data:")
     lines += [f"  {k}: {_q(v)}" for k, v in data.items()]

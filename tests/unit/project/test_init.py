@@ -85,3 +85,18 @@ def test_init_in_the_folder_that_holds_the_data(tmp_path):
         "spill.yaml",
     ]
     assert compose(tmp_path / "mine").data.file == "d.csv"
+
+
+@pytest.mark.parametrize("drawn", ["968835431188", "1e1234567890", "000000000012"])
+def test_an_id_that_reads_as_a_number_stays_a_string(tmp_path, monkeypatch, drawn):
+    """The project id is 12 random hex digits: when they happen to read as a YAML number (CI drew
+    968835431188 once), spill.yaml must still give a string."""
+    import uuid
+
+    class Fixed:
+        hex = drawn + "0" * 20
+
+    monkeypatch.setattr(uuid, "uuid4", lambda: Fixed)
+    data = write_csv(tmp_path / "d.csv", LABELED)
+    init(data, "text", "label", tmp_path / "p")
+    assert compose(tmp_path / "p").id == drawn
