@@ -4,8 +4,9 @@ A move is seven steps, each a conditional transition of a control object (``spil
 recorded in its ``transfer`` field (id, from, to, step, times), so that running the move again
 after an interruption anywhere continues it:
 
-1. ``quiesce``  the source's status becomes ``quiescing`` (a live writer notices at its next
-                transition and stops at a committed boundary, exit 75);
+1. ``quiesce``  the source's status becomes ``quiescing`` (a live writer notices within
+                ``control.WATCH`` seconds, or at its next transition, and stops at a
+                committed boundary, exit 75);
 2. ``take``     the mover owns the source run at the next generation (still ``quiescing``);
 3. ``copy``     the snapshot is copied (``spill.project.move``), recorded as done;
 4. ``verify``   the destination was read back and every checksum matched;
