@@ -129,6 +129,14 @@ def run(argv: list[str], env: dict) -> tuple[float, str]:
     return wall, p.stdout
 
 
+def spill_move(src: Path, to: str, env: dict) -> dict:
+    """One timed ``spill move`` (the CLI): its wall time and what its JSON reports."""
+    wall, stdout = run([PY, "-m", "spill", "move", str(src), to, "--json"], env)
+    res = json.loads(stdout)
+    assert res["status"] == "active", res
+    return {"wall": wall, **{k: res[k] for k in ("seconds", "bytes", "files")}}
+
+
 def tree(root: Path) -> tuple[int, int]:
     files = [p for p in root.rglob("*") if p.is_file()]
     return len(files), sum(p.stat().st_size for p in files)
@@ -176,17 +184,7 @@ def local_round(src: Path, work: Path, r: int, env: dict) -> dict:
     for side in LOCAL_SIDES[k:] + LOCAL_SIDES[:k]:
         dst = work / f"r{r}-{LOCAL_SIDES.index(side)}-dst"
         if side == "spill":
-            wall, stdout = run(
-                [PY, "-m", "spill", "move", str(copies[side]), str(dst), "--json"], env
-            )
-            res = json.loads(stdout)
-            assert res["status"] == "active", res
-            out[side] = {
-                "wall": wall,
-                "seconds": res["seconds"],
-                "bytes": res["bytes"],
-                "files": res["files"],
-            }
+            out[side] = spill_move(copies[side], str(dst), env)
         else:
             argv = ["cp", "-r", str(copies[side]), str(dst)]
             if side == "cp+verify":
@@ -210,16 +208,7 @@ def s3_round(src: Path, work: Path, bucket: str, r: int, env: dict) -> dict:
     for side in ("spill", "boto3") if r % 2 == 0 else ("boto3", "spill"):
         prefix = f"r{r}-{side}"
         if side == "spill":
-            argv = [PY, "-m", "spill", "move", str(copies[side]), f"s3://{bucket}/{prefix}"]
-            wall, stdout = run([*argv, "--json"], env)
-            res = json.loads(stdout)
-            assert res["status"] == "active", res
-            out[side] = {
-                "wall": wall,
-                "seconds": res["seconds"],
-                "bytes": res["bytes"],
-                "files": res["files"],
-            }
+            out[side] = spill_move(copies[side], f"s3://{bucket}/{prefix}", env)
         else:
             wall, stdout = run([PY, "-c", UPLOAD, str(copies[side]), bucket, prefix], env)
             n, size, seconds, imported = stdout.split()

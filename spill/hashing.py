@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import BinaryIO
 
 CHUNK = 1 << 22
 
 
 def file_sha256(path: Path | str) -> str:
     """Hex sha256 of the file at ``path`` (OSError as open() raises it)."""
-    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        return stream_sha256(f)[1]
+
+
+def stream_sha256(f: BinaryIO) -> tuple[int, str]:
+    """(bytes read, hex sha256) of a binary file object read to its end (a local file, or one
+    that fsspec opened on an object store)."""
+    h, size = hashlib.sha256(), 0
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
+    while n := f.readinto(buf):
+        h.update(view[:n])
+        size += n
+    return size, h.hexdigest()

@@ -341,6 +341,11 @@ def parse(raw: bytes, schema: str, where: str) -> dict[str, Any]:
     return doc
 
 
+def run_list(runs: list[str]) -> dict[str, Any]:
+    """A ``runs/current.json`` document: the last of ``runs`` is current."""
+    return {"schema_version": 1, "kind": "spill-runs", "current": runs[-1], "runs": runs}
+
+
 def read_runs(store: Store) -> tuple[dict[str, Any] | None, str | None]:
     raw, tag = store.read(CURRENT)
     return (None, None) if raw is None else (parse(raw, "runs", store.uri(CURRENT)), tag)

@@ -7,8 +7,8 @@ A state location (a build's ``.spill/``, a job's ``--state``) holds its runs und
     runs/<id>/control.json   the run's authority (schema ``control``)
 
 A control object names the owner, the generation, the lease, the status (``active``,
-``quiescing``, ``transferred``, ``incoming``, ``complete``), the current payloads (``Place``) and
-the lineage. It changes only by *transitions* (``spill.control.cas``): read the newest document,
+``quiescing``, ``transferred``, ``incoming``, ``complete``, ``copy``), the current payloads
+(``Place``), the lineage and a move's ``transfer`` (``spill.control.transfer``). It changes only by *transitions* (``spill.control.cas``): read the newest document,
 check the change (owner, generation, status), write the next one conditionally; a lost or
 uncertain write reads again, and finds either its own transition there or someone else's.
 
@@ -17,9 +17,9 @@ an owner that released it, a lease that expired, or (same host, same boot) an ow
 is gone, so a SIGKILLed local job is taken over at once. Otherwise it raises ``Busy`` (exit 75,
 the owner named) or, with ``wait``, polls until the run is free. The owner's heartbeat renews
 the lease at a third of its length and, between renewals, reads the control object every
-``WATCH`` seconds, so that a move's quiesce stops the owner soon (``on_quiesce``). Every publication (``Place.publish``) is a fenced
-transition: a process whose generation is no longer the run's fails with ``Superseded`` and
-what it wrote is never pointed at.
+``WATCH`` seconds, so that a move's quiesce stops the owner soon (``on_quiesce``). Every
+publication (``Place.publish``) is a fenced transition: a process whose generation is no longer
+the run's fails with ``Superseded`` and what it wrote is never pointed at.
 
 Crash points for kill drills (``spill.store.drill``), each right after the transition's write:
 ``control-acquire``, ``control-renew``, ``control-publish``, ``control-complete``.
@@ -126,9 +126,7 @@ class Run:
                         self.doc = doc
                         return doc
                     self._fence(doc)
-                    if doc["status"] == "quiescing" and self.on_quiesce is not None:
-                        asked, self.on_quiesce = self.on_quiesce, None
-                        asked(doc)
+                    self._quiescing(doc)
                     new = change(json.loads(json.dumps(doc)))
                     if new is None:
                         self.doc = doc
@@ -256,9 +254,14 @@ class Run:
         except (StoreError, OSError) as e:
             log.info("watching run %s: %s", self.id, e)
             return
-        if doc is None or doc["owner"]["nonce"] != self.nonce or doc["status"] != "quiescing":
+        if doc is not None and doc["owner"]["nonce"] == self.nonce:
+            self._quiescing(doc)
+
+    def _quiescing(self, doc: dict[str, Any]) -> None:
+        """Call ``on_quiesce`` once, whichever of the watch and a transition sees it first."""
+        if doc["status"] != "quiescing":
             return
-        with self._lock:  # once, whichever of this and a transition sees it first
+        with self._lock:
             asked, self.on_quiesce = self.on_quiesce, None
         if asked is not None:
             asked(doc)

@@ -35,6 +35,7 @@ from spill.control.cas import (
     current,
     read_control,
     read_runs,
+    run_list,
     store_for,
 )
 from spill.control.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
@@ -148,12 +149,7 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                     if got is None or got["last"]["op"] != doc["last"]["op"]:
                         continue
                 try:
-                    listing = {
-                        "schema_version": SCHEMA_VERSION,
-                        "kind": "spill-runs",
-                        "current": rid,
-                        "runs": [*(runs["runs"] if runs else []), rid],
-                    }
+                    listing = run_list([*(runs["runs"] if runs else []), rid])
                     store.put(CURRENT, listing, "runs", runs_tag)
                 except (_Conflict, _Uncertain):
                     got, _ = read_runs(store)
@@ -311,5 +307,4 @@ def as_copy(doc: dict[str, Any], state: str) -> tuple[dict[str, Any], dict[str, 
     new["lineage"]["copied_from"] = doc["home"]
     new["last"] = {"op": f"{secrets.token_hex(16)}:0", "what": "install", "at": now}
     new["updated"] = _iso(now)
-    runs = {"schema_version": SCHEMA_VERSION, "kind": "spill-runs", "current": doc["run"]}
-    return new, {**runs, "runs": [doc["run"]]}
+    return new, run_list([doc["run"]])

@@ -38,6 +38,7 @@ from spill.control.cas import (
     _Uncertain,
     read_control,
     read_runs,
+    run_list,
 )
 from spill.control.control import Run, _iso
 from spill.control.owner import home_of, lease_seconds, me
@@ -211,8 +212,7 @@ def incoming(dst: Store, doc: dict[str, Any], step: str = "incoming") -> None:
             new["seq"] = there["seq"]
         _write(dst, new, tag, "move-incoming")
         if runs is None:
-            listing = {"schema_version": 1, "kind": "spill-runs", "current": rid, "runs": [rid]}
-            dst.put(CURRENT, listing, "runs", runs_tag)
+            dst.put(CURRENT, run_list([rid]), "runs", runs_tag)
 
 
 def activate(dst: Store, tid: str, status: str = "active") -> dict[str, Any]:

@@ -9,10 +9,12 @@ location. The control steps and why two places are never both acquirable are in
 * the snapshot is the run as its control object says it is (``snapshot.state_files``: pointed
   payloads, stage files, adapters; no unpointed payload, no temporary file) plus the project's
   files, taken while the mover owns the run, so nobody changes it meanwhile;
-* its manifest (schema ``move-manifest``: every file's size and sha256) is written to the
-  destination first, as ``runs/<run>/move-<transfer>.json``, so that a rerun recognises its own
-  partial copy (a destination holding anything else is refused); a file already there with the
-  right size and hash is not copied again;
+* the destination is checked (empty, or holding this run from a move to the same place) before
+  the source changes, and claimed ``incoming`` before any file lands;
+* its manifest (schema ``move-manifest``) is written unsealed first, as
+  ``runs/<run>/move-<transfer>.json``, so that a rerun recognises its own partial copy, and
+  sealed with every file's size and sha256 (hashed as it is copied) at the end; a rerun copies
+  only files whose size or hash differ;
 * every destination file is read back and hashed before the destination's control object is
   created.
 
@@ -29,13 +31,13 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from spill.errors import StoreError, UsageError
+from spill.hashing import CHUNK
 from spill.paths import STATE_DIR
 from spill.store import snapshot
-from spill.store.fs import exists, files_under, is_local, join, put_bytes, stat
+from spill.store.fs import exists, is_local, join, open_read, put_bytes, stat
 
 
 def add_parser(sub) -> None:
@@ -99,22 +101,7 @@ def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, st
     return root, src_state, to, dst_state
 
 
-def _project_files(root: str, src_state: str) -> list[str]:
-    if is_local(root):
-        return snapshot.project_files(Path(root), src_state)
-    return [r for r in files_under(root) if r and not any(p.startswith(".") for p in r.split("/"))]
-
-
 # --- copying and checking ----------------------------------------------------------------------
-
-
-def _reader(uri: str):
-    if is_local(uri):
-        return open(uri, "rb")
-    from spill.store.fs import filesystem
-
-    fs_, path = filesystem(uri)
-    return fs_.open(path, "rb")
 
 
 @contextlib.contextmanager
@@ -145,8 +132,8 @@ def _writer(dst: str) -> Iterator[BinaryIO]:
 def _copy(src: str, dst: str) -> tuple[int, str]:
     """Copy one file, streamed, hashing the bytes as they pass: (size, sha256)."""
     h, size = hashlib.sha256(), 0
-    with _reader(src) as f, _writer(dst) as g:
-        while chunk := f.read(snapshot.CHUNK):
+    with open_read(src) as f, _writer(dst) as g:
+        while chunk := f.read(CHUNK):
             h.update(chunk)
             g.write(chunk)
             size += len(chunk)
@@ -178,7 +165,7 @@ def copy_snapshot(
     rels = snapshot.state_files(src_state, doc)
     files = [(join(src_state, r), f"{STATE_DIR}/{r}" if root else r) for r in rels]
     if root:
-        files = [(join(root, r), r) for r in _project_files(root, src_state)] + files
+        files = [(join(root, r), r) for r in snapshot.project_files(root, src_state)] + files
     manifest = {
         "schema_version": 1,
         "kind": "spill-move",

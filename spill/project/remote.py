@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 from spill.paths import STATE_DIR, spill_home
-from spill.store.fs import exists, files_under, get_bytes, is_local, join
+from spill.store.fs import exists, get_bytes, is_local, join
+from spill.store.snapshot import project_files
 
 
 def is_remote_project(where: str) -> bool:
@@ -29,7 +30,7 @@ def checkout(uri: str) -> tuple[Path, str]:
     if not exists(join(uri, "spill.yaml")):
         raise UsageError(f"{uri} holds no spill.yaml; give a project's location")
     local = spill_home() / "projects" / hashlib.sha256(uri.encode()).hexdigest()[:16]
-    wanted = {r for r in files_under(uri) if r and not any(p.startswith(".") for p in r.split("/"))}
+    wanted = set(project_files(uri))
     for d, _, names in os.walk(local):
         for n in names:
             rel = (Path(d) / n).relative_to(local).as_posix()

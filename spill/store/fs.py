@@ -173,6 +173,15 @@ def get_bytes(uri: str | os.PathLike) -> bytes:
         return fs.cat_file(path)
 
 
+def open_read(uri: str | os.PathLike):
+    """The file at ``uri`` opened for reading, streamed (``FileNotFoundError`` when none)."""
+    uri = os.fspath(uri)
+    if is_local(uri):
+        return open(_local(uri), "rb")
+    fs, path = filesystem(uri)
+    return fs.open(path, "rb")
+
+
 def exists(uri: str | os.PathLike) -> bool:
     """Whether an object or a non-empty prefix (directory) exists at ``uri``."""
     uri = os.fspath(uri)

@@ -8,21 +8,19 @@ while nobody writes the run (``move`` owns it; ``bundle`` checks that nobody hol
 exactly the run as its pointers say it is. ``project_files`` names a project folder's files: all
 but hidden entries (``.spill/``, ``.git/``) and the state location when it lies inside.
 
-``digest`` hashes a file of any location in 8 MiB chunks; a manifest entry is
-``{"path", "size", "sha256"}``.
+``digest`` hashes a file of any location (``spill.hashing``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from spill.store.fs import _local, files_under, filesystem, is_local, is_temp, join
+from spill.hashing import stream_sha256
+from spill.store.fs import _local, files_under, is_local, is_temp, open_read
 
-CHUNK = 8 << 20
 _PAYLOAD_DIR = re.compile(r"(?:(.*)/)?payloads/([a-z]+-g\d+-s\d+-\d+)(?:/.*)?")
 SKIP_TOP = ("runs",)  # the place's own control objects: a copy writes its own
 
@@ -47,10 +45,12 @@ def state_files(state: str, doc: dict[str, Any]) -> list[str]:
     return out
 
 
-def project_files(root: Path, state: str | None = None) -> list[str]:
-    """A project folder's files, ``/``-separated and relative to it: everything but hidden
-    entries and, when it lies inside, the state location."""
-    root = Path(root).resolve()
+def project_files(root: str | Path, state: str | None = None) -> list[str]:
+    """A project folder's files (a local folder or a URI), ``/``-separated and relative to it:
+    everything but hidden entries and, when it lies inside, the state location."""
+    if not is_local(root):  # its state is ``<root>/.spill``: hidden too
+        return [r for r in files_under(root) if r and not any(p[0] == "." for p in r.split("/"))]
+    root = Path(_local(str(root))).resolve()
     skip = Path(_local(state)).resolve() if state and is_local(state) else None
     out = []
     for d, dirs, names in os.walk(root):
@@ -63,25 +63,6 @@ def project_files(root: Path, state: str | None = None) -> list[str]:
 
 
 def digest(uri: str) -> tuple[int, str]:
-    """(size, sha256 hex) of the file at ``uri``."""
-    h = hashlib.sha256()
-    size = 0
-    if is_local(uri):
-        opener = open(_local(uri), "rb")
-    else:
-        fs, path = filesystem(uri)
-        opener = fs.open(path, "rb")
-    with opener as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
-
-
-def entries(base: str, rels: list[str], prefix: str = "") -> list[dict[str, Any]]:
-    """Manifest entries of the files ``rels`` under ``base``, named ``prefix + rel``."""
-    out = []
-    for rel in rels:
-        size, sha = digest(join(base, rel))
-        out.append({"path": prefix + rel, "size": size, "sha256": sha})
-    return out
+    """(size, sha256 hex) of the file at ``uri``, local or on an object store."""
+    with open_read(uri) as f:
+        return stream_sha256(f)

@@ -19,7 +19,6 @@ out. ``assert_same`` compares two outcomes part by part, so a failure names what
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from spill.control.cas import current
 from spill.control.place import payload_seq
 from spill.store import fs
 from spill.store.checkpoint import COMMIT, FILES
+from tests.func.tune_kit import spill_env as env_for  # the child's environment, no drills
 
 TOY = Path(__file__).resolve().parents[2] / "projects" / "toy"
 STATE_DIR = ".spill"
@@ -51,17 +51,6 @@ def project(dst: Path, steps: int = STEPS, every: int = EVERY) -> Path:
     assert new.count(f"steps: {steps}\n") == 1 and f"ckpt_every: {every}\n" in new, text
     yaml.write_text(new)
     return dst
-
-
-def env_for(home: Path, **extra: str) -> dict[str, str]:
-    """The test's environment (the S3 server's ``AWS_*`` included) without drills of its own."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("SPILL_DRILL", "SPILL_PROGRESS") and not k.startswith("SPILL_PREEMPT_")
-    }
-    env.update(SPILL_HOME=str(home), HF_HUB_OFFLINE="1", **extra)
-    return env
 
 
 def spill(*args: str, env: dict[str, str], cwd: Path, drill: str | None = None):
