@@ -70,7 +70,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
 
     add_job_parsers(sub, full=verb is None or verb in JOB_VERBS)  # run, eval, distill, tune
 
-    add_parsers(sub)  # init, build, status, resume
+    add_parsers(sub)  # init, build, status, resume, move, bundle
 
     models = sub.add_parser(
         "models", help="import, generate, list and verify models"
@@ -101,6 +101,10 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=cmd_models_verify)
+
+    from spill.examples.relay import add_parser as add_example
+
+    add_example(sub)
     return parser
 
 

@@ -57,6 +57,17 @@ def test_wheel_ships_conf_and_schemas(wheel):
     assert {p + "/__init__.py" for p in packages} <= set(names)  # pyproject lists every package
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "spill").rglob("*.py")}
     assert modules <= set(names)
+    # what `spill example relay` copies: the example projects, the noise floor, the script
+    for project in ("toy", "tickets"):
+        on_disk = {
+            f"spill/projects/{project}/{p.name}"
+            for p in (ROOT / "projects" / project).iterdir()
+            if p.is_file() and not p.name.startswith(".")
+        }
+        assert on_disk <= set(names)
+    assert any(n.startswith("spill/reports/") and n.endswith("-noise-floor.json") for n in names)
+    assert {"spill/examples/relay.sh", "spill/examples/relay.md"} <= set(names)
+    assert not [n for n in names if n.startswith("spill/reports/") and n.endswith(".md")]
 
 
 def test_installed_wheel_inits_plans_and_validates(wheel, tmp_path):
@@ -81,6 +92,9 @@ def test_installed_wheel_inits_plans_and_validates(wheel, tmp_path):
           "--model", "tiny:llama:0:2x64"], env=env, cwd=where)  # fmt: skip
     plan = _run([*spill, "build", "p", "--dry-run"], env=env, cwd=where)
     assert "eval:base" in plan.stdout and "fresh: not run yet" in plan.stdout
+    _run([*spill, "example", "relay", "relay"], env=env, cwd=where)
+    assert (where / "relay" / "project" / "tickets.csv").is_file()
+    assert (where / "relay" / "noise-floor.json").is_file()
 
     check = (
         "from spill.store.schemas import validate, SchemaInvalid\n"

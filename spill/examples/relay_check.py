@@ -1,0 +1,216 @@
+"""The relay's checks: a build handed from one place to another, judged against an uninterrupted
+reference build of the same project and the measured noise floor.
+
+What is checked, each one row of the final table:
+
+* both builds complete (every stage done or skipped; the relay's run ``complete``);
+* each eval stage's accuracy within the measured tolerance of the reference's (the tolerance of
+  the project in ``noise-floor.json``: the spread of six honest builds plus one row, measured by
+  ``bench/noise_floor.py``; a project without a measured tolerance fails);
+* the tuned model beats the base model;
+* no step or row missing or repeated, read from the committed state, not from logs: the tune
+  checkpoint's producer ranges cover ``0..steps`` end to end without a gap or an overlap and it
+  holds one loss per step; each row stage's committed segments hold every held-out row id once;
+* each stage's recorded producers (engine, machine, OS) match the leg that ran it: ``eval:base``
+  and the steps before the stop on leg ``a``, the steps after it and ``eval`` on leg ``b``. What
+  each leg is comes from ``legs.json``, written on its machine at the time (``record_leg``).
+
+Everything here reads state; nothing loads a model or imports an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from spill.jobs.producer import os_name
+from spill.paths import STATE_DIR
+from spill.project import state
+from spill.project.stages import EVAL, EVAL_BASE, TUNE, RowStage
+from spill.store.fs import exists, get_bytes, join
+
+SCORE = "accuracy"
+WHO = ("engine", "machine", "os")  # what a leg record and a producer must agree on
+
+
+def leg(engine: str) -> dict[str, str]:
+    """What this machine is, as a producer records it, running ``engine``."""
+    return {"engine": engine, "machine": platform.node() or "unknown", "os": os_name()}
+
+
+def record_leg(path: Path, name: str, engine: str) -> dict[str, str]:
+    """Add leg ``name`` (this machine, ``engine``) to the legs file at ``path``."""
+    legs = json.loads(path.read_text()) if path.is_file() else {}
+    legs[name] = leg(engine)
+    path.write_text(json.dumps(legs, indent=1, sort_keys=True) + "\n")
+    return legs[name]
+
+
+def _who(p: dict[str, Any]) -> dict[str, Any]:
+    return {k: p.get(k) for k in WHO}
+
+
+def _show(p: dict[str, Any]) -> str:
+    return f"{p.get('engine')} on {p.get('machine')} ({(p.get('os') or '').split(' (')[0]})"
+
+
+def _row(check: str, reference: Any, relay: Any, ok: bool, tolerance: Any = "") -> dict[str, Any]:
+    return {
+        "check": check,
+        "reference": reference,
+        "relay": relay,
+        "tolerance": tolerance,
+        "ok": "ok" if ok else "FAIL",
+    }
+
+
+def _complete(stages: dict[str, Any]) -> bool:
+    return bool(stages) and all(r.get("status") in ("done", "skipped") for r in stages.values())
+
+
+def _score(stages: dict[str, Any], name: str) -> float | None:
+    return ((stages.get(name) or {}).get("result") or {}).get(SCORE)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def tune_ledger(root: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The newest committed tune checkpoint's state and its producer ranges."""
+    from spill.store.checkpoint import newest_commit
+
+    found = newest_commit(TUNE.place(root))
+    if found is None:
+        return None, []
+    return found[1], list(found[1].get("producers") or [])
+
+
+def steps_once(ckpt: dict[str, Any] | None, ranges: list[dict[str, Any]], steps: int) -> str:
+    """Why the ranges do not cover ``0..steps`` exactly once, or ``""``."""
+    if ckpt is None:
+        return "no committed tune checkpoint"
+    at = 0
+    for r in ranges:
+        if r["from_step"] != at:
+            what = "repeated" if r["from_step"] < at else "missing"
+            lo, hi = sorted((at, r["from_step"]))
+            return f"steps {lo}-{hi} {what}"
+        at = r["to_step"]
+    if at != steps or ckpt.get("step") != steps:
+        return f"the checkpoint ends at step {ckpt.get('step')} (ranges to {at}), not {steps}"
+    if len(ckpt.get("losses") or []) != steps:
+        return f"{len(ckpt.get('losses') or [])} losses for {steps} steps"
+    return ""
+
+
+def row_ledger(root: str, stage: RowStage) -> list[dict[str, Any]]:
+    """The commit markers of a row stage's committed segments (row ids and producer each)."""
+    from spill.store.rows import commit_markers
+
+    return commit_markers(stage.place(root))
+
+
+def rows_once(markers: list[dict[str, Any]], ids: list[Any]) -> str:
+    """Why the segments do not hold each of ``ids`` exactly once, or ``""``."""
+    seen: list[Any] = [i for m in markers for i in m.get("row_ids") or []]
+    twice = sorted({i for i in seen if seen.count(i) > 1}, key=str)
+    missing = sorted(set(ids) - set(seen), key=str)
+    extra = sorted(set(seen) - set(ids), key=str)
+    parts = []
+    for what, found in (("repeated", twice), ("missing", missing), ("not held out", extra)):
+        if found:
+            parts.append(f"{len(found)} rows {what} (first {found[0]!r})")
+    return "; ".join(parts)
+
+
+def _test_ids(root: str, stage: RowStage) -> list[Any]:
+    data = get_bytes(join(root, "files", stage.reads)).decode()
+    return [json.loads(line)["id"] for line in data.splitlines() if line.strip()]
+
+
+def _ran_on(producers: list[dict[str, Any]], want: dict[str, Any]) -> str:
+    """Why a list of producers was not all made by ``want``, or ``""``."""
+    if not producers:
+        return "no producer recorded"
+    wrong = [p for p in producers if _who(p) != _who(want)]
+    return f"recorded {_show(wrong[0])}" if wrong else ""
+
+
+def check(
+    reference: dict[str, Any],
+    relay_root: str,
+    legs: dict[str, dict[str, Any]],
+    floor: dict[str, Any],
+    stop: int,
+) -> list[dict[str, Any]]:
+    """Every check of a relay at ``relay_root`` (a project folder or URI), as table rows.
+
+    ``reference``: the reference build's ``spill status --json``; ``legs``: what ran legs ``a``
+    and ``b``; ``floor``: the noise-floor JSON; ``stop``: the step leg ``a`` stopped at."""
+    where = join(relay_root, STATE_DIR)
+    doc = state.read(where) if exists(where) else None
+    ref, got = reference.get("stages") or {}, (doc or {}).get("stages") or {}
+    from spill.project.status import run_view
+
+    run = run_view(where) if doc else None
+    out = [
+        _row(
+            "both builds complete",
+            "complete" if _complete(ref) else "incomplete",
+            (run or {}).get("status", "no build"),
+            _complete(ref) and _complete(got) and (run or {}).get("status") == "complete",
+        )
+    ]
+    name = (doc or reference).get("project", {})
+    name = name.get("name") if isinstance(name, dict) else name
+    measured = (floor.get("projects") or {}).get(name)
+    for stage in (EVAL_BASE, EVAL):
+        a, b = _score(ref, stage.name), _score(got, stage.name)
+        tol = ((measured or {}).get("stages", {}).get(stage.name) or {}).get(SCORE, {})
+        tol = tol.get("tolerance")
+        ok = None not in (a, b, tol) and abs(a - b) <= tol + 1e-9
+        shown = "not measured" if tol is None else f"±{tol:.3f}"
+        out.append(_row(f"{stage.name} {SCORE}", _fmt(a), _fmt(b), ok, shown))
+    base, tuned = _score(got, EVAL_BASE.name), _score(got, EVAL.name)
+    out.append(
+        _row(
+            "tuned beats base",
+            f"{_fmt(_score(ref, EVAL.name))} > {_fmt(_score(ref, EVAL_BASE.name))}",
+            f"{_fmt(tuned)} > {_fmt(base)}",
+            None not in (base, tuned) and tuned > base,
+        )
+    )
+    if doc is None:
+        return out
+    steps = int((got.get(TUNE.name) or {}).get("total") or 0)
+    ckpt, ranges = tune_ledger(where)
+    why = steps_once(ckpt, ranges, steps)
+    spans = ", ".join(f"{r['from_step']}-{r['to_step']} {r['engine']}" for r in ranges)
+    out.append(_row(f"tune steps 0-{steps} once", steps, why or spans, not why))
+    for stage in (EVAL_BASE, EVAL):
+        why = rows_once(row_ledger(where, stage), _test_ids(where, stage))
+        n = (got.get(stage.name) or {}).get("total")
+        out.append(_row(f"{stage.name} rows once", n, why or f"{n} rows", not why))
+    a, b = legs.get("a") or {}, legs.get("b") or {}
+    want = {
+        EVAL_BASE.name: (row_ledger(where, EVAL_BASE), a),
+        EVAL.name: (row_ledger(where, EVAL), b),
+    }
+    for stage, (markers, who) in want.items():
+        why = _ran_on([m.get("producer") or {} for m in markers], who) if who else "no leg record"
+        out.append(_row(f"{stage} ran on", "", _show(who) if not why else why, not why))
+    before = [r for r in ranges if r["to_step"] <= stop]
+    after = [r for r in ranges if r["from_step"] >= stop]
+    why = "" if len(before) + len(after) == len(ranges) else f"no range ends at step {stop}"
+    why = why or ("" if a else "no leg record a") or _ran_on(before, a)
+    why = why or ("" if b else "no leg record b") or _ran_on(after, b)
+    shown = f"0-{stop} {_show(a)}; {stop}-{steps} {_show(b)}" if not why else why
+    out.append(_row("tune ran on", "", shown, not why))
+    return out
+
+
+def passed(rows: list[dict[str, Any]]) -> bool:
+    return all(r["ok"] == "ok" for r in rows)
