@@ -32,7 +32,7 @@ def _command_list() -> dict[str, list[str]]:
     """``{"build": ["--state", ...], "models verify": [...]}`` from the Commands code block."""
     block = _section("Commands").split("```sh\n", 1)[1].split("```", 1)[0]
     found: dict[str, list[str]] = {}
-    heads = list(re.finditer(r"spill ((?:models )?[a-z]+)", block))
+    heads = list(re.finditer(r"spill ((?:models |example )?[a-z]+)", block))
     for head, nxt in zip(heads, [*heads[1:], None], strict=True):
         text = block[head.end() : nxt.start() if nxt else len(block)]
         found.setdefault(head.group(1), []).extend(re.findall(r"(?<![\w-])--?[a-z][\w-]*", text))
@@ -52,7 +52,8 @@ def _subparser(verb: str):
     action = next(a for a in parser._actions if a.dest == "command")
     sub = action.choices[verb.split()[0]]
     if " " in verb:
-        inner = next(a for a in sub._actions if a.dest == "models_command")
+        dest = {"models": "models_command", "example": "example"}[verb.split()[0]]
+        inner = next(a for a in sub._actions if a.dest == dest)
         sub = inner.choices[verb.split()[1]]
     return sub
 
@@ -71,7 +72,7 @@ def _accepts(verb: str, option: str) -> bool:
 
 def test_readme_lists_commands():
     assert {"build", "init", "status", "resume", "tune", "run", "eval", "distill"} <= set(COMMANDS)
-    assert {"models import", "models tiny", "models list"} <= set(COMMANDS)
+    assert {"models import", "models tiny", "models list", "example relay"} <= set(COMMANDS)
     assert ENGINE_OPTIONS[:3] == ["--engine", "--device", "--dtype"]
 
 
