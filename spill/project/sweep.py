@@ -10,26 +10,44 @@ or skips each combination like a plain build does.
 
 A job never raises (Hydra would drop every other job's result): it returns a small dict with
 its status, scores and state location, from which the comparison table is made.
+
+A launcher can still lose a job: a Ray worker or a submitit process killed mid-build makes the
+launcher raise out of Hydra (``ray.get`` or ``job.result()``), and every result goes with it.
+So each job also writes its dict to its Hydra output folder (``<sweep dir>/<num>/spill-job.json``,
+``running`` when it starts, the result when it ends), tagged with the sweep's token; when the
+launcher raises, the sweep reads those back: finished jobs keep their results, a job that
+started and never ended is ``lost`` (with its state's progress), and the same command continues
+it. Where no job wrote a record (the launcher failed before any started) the sweep fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 import platform
 import re
+import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-from spill.errors import SpillError
+from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 from spill.jobs.preempt import Preempted
 from spill.paths import STATE_DIR
-from spill.project import build, config, state
+from spill.project import build, config, stages, state
 from spill.project.plan import StopAfter
 from spill.project.status import score
-from spill.store.fs import is_local, join
+from spill.store.fs import get_bytes, is_local, join, listdir, put_bytes
 
 SILENT = ["hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null"]
+RECORD = "spill-job.json"  # a job's result, in its Hydra output folder
+
+
+class LauncherError(SpillError):
+    """Hydra's launcher failed before any job of the sweep reported back."""
 
 
 def run_name(overrides: list[str] | tuple[str, ...]) -> str:
@@ -38,39 +56,109 @@ def run_name(overrides: list[str] | tuple[str, ...]) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+@:-]+", "_", text)
 
 
-def job(cfg: Any, *, root: str, base: str, stop_after: str | None, dry_run: bool) -> dict:
+def job(
+    cfg: Any, *, root: str, base: str, stop_after: str | None, dry_run: bool, token: str = ""
+) -> dict:
     """Hydra's task function: one build; errors come back as a status, never raised."""
     from hydra.core.hydra_config import HydraConfig
 
-    overrides = tuple(HydraConfig.get().overrides.task)
+    hydra = HydraConfig.get()
+    overrides = tuple(hydra.overrides.task)
     name = run_name(overrides)
     where = join(base, "sweep", name)
     out: dict[str, Any] = {"run": name, "overrides": list(overrides), "state": where}
     out.update(machine=platform.node(), pid=os.getpid())  # where the launcher ran it
+    record = join(hydra.runtime.output_dir, RECORD) if token else None
+    _record(record, {**out, "num": hydra.job.num, "token": token, "status": "running"})
     try:
         project = config.from_composed(cfg, root, overrides)
         stop = StopAfter.parse(stop_after) if stop_after else None
         key = config.compose_key(root, overrides)
         summary = build.run(project, where, key, state.read(where), stop, dry_run)
     except Preempted as e:
-        return {**out, "status": "preempted", "error": str(e)}
+        result = {**out, "status": "preempted", "error": str(e)}
     except SpillError as e:
-        return {**out, "status": "error", "error": str(e)}
+        result = {**out, "status": "error", "error": str(e)}
     except Exception as e:  # a bug in one job must not lose the others' results
-        return {**out, "status": "error", "error": f"{type(e).__name__}: {e}"}
-    doc = summary["doc"]
-    recs = (doc or {}).get("stages") or {}
-    finished = all(recs.get(s, {}).get("status") in ("done", "skipped") for s in recs) and recs
-    status = "planned" if dry_run else ("done" if finished and len(recs) == 4 else "stopped")
+        result = {**out, "status": "error", "error": f"{type(e).__name__}: {e}"}
+    else:
+        recs = (summary["doc"] or {}).get("stages") or {}
+        finished = all(recs.get(s, {}).get("status") in ("done", "skipped") for s in recs)
+        status = "done" if finished and len(recs) == 4 else "stopped"
+        result = {**out, "status": "planned" if dry_run else status, **_scores(recs)}
+        result["plan"] = summary["plan"]
+    _record(record, {**result, "num": hydra.job.num, "token": token})
+    return result
+
+
+def _scores(recs: dict) -> dict[str, Any]:
     tune = (recs.get("tune") or {}).get("progress")
-    return {
-        **out,
-        "status": status,
-        "base": score(recs, "eval:base"),
-        "tuned": score(recs, "eval"),
-        "steps": tune,
-        "plan": summary["plan"],
-    }
+    return {"base": score(recs, "eval:base"), "tuned": score(recs, "eval"), "steps": tune}
+
+
+def _record(where: str | None, doc: dict) -> None:
+    """Best effort: a record that cannot be written must not fail the build it describes."""
+    if where is None:
+        return
+    try:
+        put_bytes(where, json.dumps(doc, sort_keys=True).encode(), drilled=False)
+    except Exception:  # noqa: BLE001 (the record only matters if the launcher fails)
+        pass
+
+
+def _recover(logs: str, token: str, error: BaseException) -> list[dict]:
+    """The sweep's jobs from their records after the launcher raised, in job order; a job that
+    started and never ended is ``lost``, with the progress its state had committed."""
+    found = _records(logs, token)
+    while any(_alive_here(d) for d in found):  # the launcher stopped waiting; spill does not
+        time.sleep(1)
+        found = _records(logs, token)
+    if not found:
+        raise LauncherError(
+            f"the sweep's launcher failed before any job reported: {_line(error)}; "
+            "check the launcher's settings (hydra.launcher.*) and run the same command again"
+        )
+    runs = []
+    for doc in sorted(found, key=lambda d: d["num"]):
+        del doc["token"], doc["num"]
+        if doc["status"] == "running":
+            recs = (state.read(doc["state"]) or {}).get("stages") or {}
+            for name, rec in recs.items():  # what the state committed before the job was lost
+                if rec["status"] in ("running", "stopped"):
+                    rec["progress"] = stages.get(name).probe(doc["state"])[0]
+            doc.update(status="lost", error=f"the launcher lost it: {_line(error)}")
+            doc.update(_scores(recs))
+        runs.append(doc)
+    return runs
+
+
+def _records(logs: str, token: str) -> list[dict]:
+    found = []
+    for sub in listdir(logs) if is_local(logs) and os.path.isdir(logs) else []:
+        try:
+            doc = json.loads(get_bytes(join(logs, sub, RECORD)))
+        except (OSError, ValueError, SpillError):
+            continue
+        if doc.get("token") == token:
+            found.append(doc)
+    return found
+
+
+def _alive_here(doc: dict) -> bool:
+    """A job still running in a live process on this machine (elsewhere it cannot be known)."""
+    import psutil
+
+    if doc["status"] != "running" or doc["machine"] != platform.node():
+        return False
+    try:
+        return psutil.Process(doc["pid"]).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _line(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}"[:300]
 
 
 def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
@@ -83,9 +171,32 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
     base = opts.state or str(root / STATE_DIR)
     logs = join(base, "hydra") if is_local(base) else str(root / STATE_DIR / "hydra")
     overrides = [*SILENT, f"hydra.sweep.dir='{logs}'", *opts.overrides]  # later ones win
+    token = uuid.uuid4().hex
     task = functools.partial(
-        job, root=str(root), base=base, stop_after=opts.stop_after, dry_run=opts.dry_run
+        job,
+        root=str(root),
+        base=base,
+        stop_after=opts.stop_after,
+        dry_run=opts.dry_run,
+        token=token,
     )
+    # Ray relays its workers' and raylet's lines to this process's stdout: keep them off the
+    # table and the --json document, and leave Ray before printing (its relay is a thread)
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            runs, lost = _launch(root, task, overrides, logs, token)
+        finally:
+            ray = sys.modules.get("ray")
+            if ray is not None and ray.is_initialized():
+                ray.shutdown()  # a cluster ray.init() started here stops; a running one stays
+    out = {"project": root.name, "state": base, "dry_run": opts.dry_run, "pid": os.getpid()}
+    return {**out, "runs": runs, **({"launcher_error": lost} if lost else {})}
+
+
+def _launch(
+    root: Path, task: Any, overrides: list[str], logs: str, token: str
+) -> tuple[list[dict], str | None]:
+    """Hydra's multirun: the jobs' dicts, and the launcher's error if it lost any."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -98,19 +209,18 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
             )
     except (HydraException, OmegaConfBaseException) as e:
         raise config.ConfigError(f"{root / config.FILE}: {config.hydra_line(e)}") from None
-    runs = [r.return_value for batch in returns for r in batch]
-    return {
-        "project": root.name,
-        "state": base,
-        "dry_run": opts.dry_run,
-        "pid": os.getpid(),
-        "runs": runs,
-    }
+    except SpillError:
+        raise
+    except Exception as e:  # a launcher that lost a job (a killed Ray worker, submitit process)
+        return _recover(logs, token, e), _line(e)
+    return [r.return_value for batch in returns for r in batch], None
 
 
 def exit_code(result: dict[str, Any]) -> int:
+    """1 if a job failed; 75 if one was preempted or lost (the same command continues it)."""
     statuses = {r["status"] for r in result["runs"]}
-    return 1 if "error" in statuses else 75 if "preempted" in statuses else 0
+    again = statuses & {"preempted", "lost"}
+    return EXIT_USER if "error" in statuses else EXIT_PREEMPTED if again else 0
 
 
 def render(result: dict[str, Any]) -> str:
@@ -137,4 +247,8 @@ def render(result: dict[str, Any]) -> str:
         }
         for r in result["runs"]
     ]
-    return "\n".join([*lines, table(rows)])
+    if result.get("launcher_error"):
+        lines.append(f"the launcher raised {result['launcher_error']}; the jobs' own records:")
+    tail = ["lost jobs continue from their checkpoints: run the same command again"]
+    lost = any(r["status"] == "lost" for r in result["runs"])
+    return "\n".join([*lines, table(rows), *(tail if lost else [])])
