@@ -18,6 +18,11 @@ So each job also writes its dict to its Hydra output folder (``<sweep dir>/<num>
 launcher raises, the sweep reads those back: finished jobs keep their results, a job that
 started and never ended is ``lost`` (with its state's progress), and the same command continues
 it. Where no job wrote a record (the launcher failed before any started) the sweep fails.
+
+Jobs get the sweep's ``--lease`` and ``--wait``: a requeued job whose elder still holds the run
+comes back ``busy`` (exit 75, like preempted and lost) or, with ``--wait``, waits for it. Ray
+relays its workers' output to this process's stdout; the sweep sends it to stderr and leaves
+Ray (``ray.shutdown()``) before returning, so the table and ``--json`` are all stdout holds.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from spill.control.control import Busy
 from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 from spill.jobs.preempt import Preempted
 from spill.paths import STATE_DIR
@@ -57,7 +63,15 @@ def run_name(overrides: list[str] | tuple[str, ...]) -> str:
 
 
 def job(
-    cfg: Any, *, root: str, base: str, stop_after: str | None, dry_run: bool, token: str = ""
+    cfg: Any,
+    *,
+    root: str,
+    base: str,
+    stop_after: str | None,
+    dry_run: bool,
+    token: str = "",
+    lease: float | None = None,
+    wait: bool = False,
 ) -> dict:
     """Hydra's task function: one build; errors come back as a status, never raised."""
     from hydra.core.hydra_config import HydraConfig
@@ -74,9 +88,12 @@ def job(
         project = config.from_composed(cfg, root, overrides)
         stop = StopAfter.parse(stop_after) if stop_after else None
         key = config.compose_key(root, overrides)
-        summary = build.run(project, where, key, state.read(where), stop, dry_run)
+        doc = state.read(where)
+        summary = build.run(project, where, key, doc, stop, dry_run, lease=lease, wait=wait)
     except Preempted as e:
-        result = {**out, "status": "preempted", "error": str(e)}
+        result = {**out, "status": "preempted", "error": str(e), **_committed(where)}
+    except Busy as e:  # another process holds this combination's run (a requeued job's elder)
+        result = {**out, "status": "busy", "error": str(e)}
     except SpillError as e:
         result = {**out, "status": "error", "error": str(e)}
     except Exception as e:  # a bug in one job must not lose the others' results
@@ -94,6 +111,18 @@ def job(
 def _scores(recs: dict) -> dict[str, Any]:
     tune = (recs.get("tune") or {}).get("progress")
     return {"base": score(recs, "eval:base"), "tuned": score(recs, "eval"), "steps": tune}
+
+
+def _committed(where: str) -> dict[str, Any]:
+    """The scores and tune progress a stopped job's state has committed (best effort)."""
+    try:
+        recs = (state.read(where) or {}).get("stages") or {}
+        for name, rec in recs.items():
+            if rec["status"] in ("running", "stopped"):
+                rec["progress"] = stages.get(name).probe(where)[0]
+    except Exception:  # noqa: BLE001 (a report of a stopped job must not fail the sweep)
+        return {}
+    return _scores(recs)
 
 
 def _record(where: str | None, doc: dict) -> None:
@@ -122,12 +151,8 @@ def _recover(logs: str, token: str, error: BaseException) -> list[dict]:
     for doc in sorted(found, key=lambda d: d["num"]):
         del doc["token"], doc["num"]
         if doc["status"] == "running":
-            recs = (state.read(doc["state"]) or {}).get("stages") or {}
-            for name, rec in recs.items():  # what the state committed before the job was lost
-                if rec["status"] in ("running", "stopped"):
-                    rec["progress"] = stages.get(name).probe(doc["state"])[0]
             doc.update(status="lost", error=f"the launcher lost it: {_line(error)}")
-            doc.update(_scores(recs))
+            doc.update(_committed(doc["state"]))
         runs.append(doc)
     return runs
 
@@ -179,6 +204,8 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
         stop_after=opts.stop_after,
         dry_run=opts.dry_run,
         token=token,
+        lease=opts.lease,
+        wait=opts.wait,
     )
     # Ray relays its workers' and raylet's lines to this process's stdout: keep them off the
     # table and the --json document, and leave Ray before printing (its relay is a thread)
@@ -217,9 +244,9 @@ def _launch(
 
 
 def exit_code(result: dict[str, Any]) -> int:
-    """1 if a job failed; 75 if one was preempted or lost (the same command continues it)."""
+    """1 if a job failed; 75 if one was preempted, lost or busy (the same command continues)."""
     statuses = {r["status"] for r in result["runs"]}
-    again = statuses & {"preempted", "lost"}
+    again = statuses & {"preempted", "lost", "busy"}
     return EXIT_USER if "error" in statuses else EXIT_PREEMPTED if again else 0
 
 
@@ -243,7 +270,7 @@ def render(result: dict[str, Any]) -> str:
             "base": pct(r.get("base")),
             "tuned": pct(r.get("tuned")),
             "steps": r.get("steps") if r.get("steps") is not None else "",
-            "state": r["state"] if r["status"] != "error" else r["error"],
+            "state": r["state"] if r["status"] not in ("error", "busy") else r["error"],
         }
         for r in result["runs"]
     ]

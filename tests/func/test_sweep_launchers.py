@@ -9,6 +9,11 @@ drill turns Ray's task retries off (``max_retries=0``) so the launcher gives up 
 when a node is lost for good): the other job finishes, the sweep reports the killed one ``lost``
 and exits 75, and the same command again skips the finished job (its files untouched) and
 continues the killed one from its checkpoint, with every step's loss recorded once.
+
+Two more run under ``-m slow`` (about 25-30 s each here): with Ray's default retries the sweep
+itself continues a killed task and exits 0; and a SIGTERM to a submitit job reaches spill's
+handler (not submitit's, which only logs SIGTERM), so the job comes back ``preempted`` (exit 75)
+and the same command continues it.
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ def toy(tmp_path) -> Path:
 
 
 def need(*modules: str) -> None:
+    extra = "[ray]" if "ray" in modules else "[slurm]"
     for m in modules:
-        pytest.importorskip(m, reason=f"{m} comes with the [ray] / [slurm] extras")
+        pytest.importorskip(m, reason=f"{m} is not installed: pip install -e '.{extra}'")
 
 
 def sweep(toy: Path, *args: str) -> tuple[int, dict, str]:
@@ -82,8 +88,8 @@ def files_digest(where: Path) -> str:
     return h.hexdigest()
 
 
-def kill_when_mid_tune(proc: subprocess.Popen, state: Path) -> int:
-    """SIGKILL the process that owns ``state``'s run once a tune checkpoint is committed."""
+def kill_when_mid_tune(proc: subprocess.Popen, state: Path, sig: int = signal.SIGKILL) -> int:
+    """Signal the process that owns ``state``'s run once a tune checkpoint is committed."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         for path in state.glob("runs/*/control.json"):
@@ -93,19 +99,26 @@ def kill_when_mid_tune(proc: subprocess.Popen, state: Path) -> int:
                 continue
             live = doc["status"] == "active" and not doc["owner"]["released"]
             if live and doc["pointers"].get("stages/tune/ckpt"):
-                os.kill(doc["owner"]["pid"], signal.SIGKILL)
+                os.kill(doc["owner"]["pid"], sig)
                 return doc["owner"]["pid"]
         time.sleep(0.05)
     raise AssertionError(f"{state} never reached a tune checkpoint: {proc.poll()}")
 
 
+def start(toy: Path, args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "spill", "build", str(toy), "-m", *args, "--json"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+DONE, HIT = (f"{','.join(STEPS)},tune.lr={x}" for x in ("0.005", "0.01"))
+
+
 def test_a_killed_ray_task_is_reported_and_the_same_sweep_continues_it(toy):
     need("ray", "hydra_plugins.hydra_ray_launcher")
     args = [*STEPS, LRS, "hydra/launcher=ray", NO_RETRY]
-    done, lost = (f"{','.join(STEPS)},tune.lr={x}" for x in ("0.005", "0.01"))
+    done, lost = DONE, HIT
     states = toy / ".spill" / "sweep"
-    cmd = [sys.executable, "-m", "spill", "build", str(toy), "-m", *args, "--json"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(toy, args)
     pid = kill_when_mid_tune(proc, states / lost)
     out, err = proc.communicate(timeout=200)
     assert proc.returncode == 75, err[-3000:]
@@ -130,3 +143,35 @@ def test_a_killed_ray_task_is_reported_and_the_same_sweep_continues_it(toy):
     (ckpt,) = (states / lost / "stages" / "tune" / "payloads").glob("ckpt-*-s200-*")
     tuned = json.loads((ckpt / "state.json").read_text())
     assert tuned["step"] == 200 and len(tuned["losses"]) == 200  # no step lost or repeated
+
+
+@pytest.mark.slow
+def test_ray_retries_a_killed_task_and_the_retry_continues_it(toy):
+    """Ray's default (``max_retries`` 3): the sweep itself finishes the killed job."""
+    need("ray", "hydra_plugins.hydra_ray_launcher")
+    proc = start(toy, [*STEPS, LRS, "hydra/launcher=ray"])
+    pid = kill_when_mid_tune(proc, toy / ".spill" / "sweep" / HIT)
+    out, err = proc.communicate(timeout=200)
+    assert proc.returncode == 0, err[-3000:]
+    runs = {r["run"]: r for r in json.loads(out)["runs"]}
+    assert {r["status"] for r in runs.values()} == {"done"} and runs[HIT]["pid"] != pid
+    assert runs[HIT]["plan"][2]["action"] == "continue", runs[HIT]["plan"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_submitit_job_comes_back_preempted_and_continues(toy):
+    """spill's SIGTERM handler, not submitit's (which only logs SIGTERM), runs in the job."""
+    need("submitit", "hydra_plugins.hydra_submitit_launcher")
+    args = [*STEPS, LRS, "hydra/launcher=submitit_local"]
+    proc = start(toy, args)
+    kill_when_mid_tune(proc, toy / ".spill" / "sweep" / HIT, signal.SIGTERM)
+    out, err = proc.communicate(timeout=200)
+    assert proc.returncode == 75, err[-3000:]
+    runs = {r["run"]: r for r in json.loads(out)["runs"]}
+    assert runs[DONE]["status"] == "done" and runs[HIT]["status"] == "preempted"
+    assert "preempted by SIGTERM" in runs[HIT]["error"] and 0 < runs[HIT]["steps"] < 200
+    rc, again, err = sweep(toy, *args)
+    assert rc == 0, err[-3000:]
+    tune = {r["run"]: r["plan"][2] for r in again["runs"]}
+    assert tune[DONE]["action"] == "done"
+    assert tune[HIT]["reason"] == f"continue at step {runs[HIT]['steps']} of 200"
