@@ -100,6 +100,26 @@ class AdamW:
     weight_decay: float = 0.0
 
 
+@dataclass(frozen=True)
+class ActivationPlan:
+    """Whether a trainer keeps a step's activations (no recompute) and why: the estimate of a
+    micro-batch's activations against the memory budget, or what forced the choice."""
+
+    keep: bool
+    need: int  # bytes, estimated
+    budget: int  # bytes
+    forced: str = ""  # what decided instead of the budget ("layers stream", an env setting)
+
+    def line(self) -> str:
+        gb = 1e9
+        est = f"est. {self.need / gb:.2f} GB"
+        if self.forced:
+            return f"activations {'kept' if self.keep else 'recomputed'} ({self.forced}; {est})"
+        if self.keep:
+            return f"activations kept ({est} of {self.budget / gb:.1f} GB budget)"
+        return f"activations recomputed ({est} > {self.budget / gb:.1f} GB budget)"
+
+
 class Trainer(Protocol):
     """A LoRA adapter being trained on an engine: float32 parameters and AdamW moments.
 
@@ -113,6 +133,11 @@ class Trainer(Protocol):
 
     def state(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(params, m, v) as float32 numpy copies."""
+        ...
+
+    def plan(self, rows: int, length: int) -> ActivationPlan:
+        """Decide once for the run whether (rows, length) micro-batches keep their activations
+        (unplanned, each micro-batch decides for its own shape); the results do not depend on it."""
         ...
 
     def accumulate(self, batch: TrainBatch) -> float:

@@ -234,6 +234,8 @@ def _tune(
     accum = opts.batch // opts.micro_batch
     trainer = runner.trainer(opts.lora)
     trainer.set_state(params, m, v)
+    # the longest micro-batch this run can make; the choice never changes the results
+    note(f"spill tune · {trainer.plan(opts.micro_batch, opts.seq_len).line()}")
     started, saved_at = step, step if ckpt is not None else None
     tokens = 0
     t0 = time.perf_counter()

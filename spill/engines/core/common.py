@@ -153,6 +153,22 @@ def check_batch(batch: TrainBatch, vocab: int) -> tuple[np.ndarray, np.ndarray, 
     return tokens.astype(np.int64), attention, targets
 
 
+def activation_bytes(
+    cfg: ModelConfig, lora: LoraConfig, rows: int, length: int, itemsize: int
+) -> int:
+    """What a whole step's kept activations take for a (rows, length) micro-batch: per token and
+    layer, the tensors autograd saves (two norms, q/k/v/o and their rotary copies, the repeated
+    KV heads, the MLP's four intermediates, each adapter's float32 input and rank-r product) plus
+    the attention weights (heads x length per token, float32). An upper estimate: measured 1.0 GB
+    peak over recompute for SmolLM2-135M at 4 x 128 (docs/reports/011-speed-tune.md)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    base = (6 * h + 6 * q + 4 * kv + 5 * inter) * itemsize
+    adapters = len(lora.targets) * lora.rank * 4 + 4 * h * 2  # the float32 adapter inputs
+    attention = 2 * cfg.num_attention_heads * length * 4
+    return rows * length * cfg.num_hidden_layers * (base + adapters + attention)
+
+
 def adamw_factors(opt: AdamW) -> tuple[float, float]:
     """(step size, sqrt of the second bias correction) of torch's AdamW, as Python floats."""
     if opt.step < 1:

@@ -30,6 +30,7 @@ LOGIT_ROWS = 1024  # lm_head runs on chunks of this many rows: never (N, vocab) 
 
 class Kernel(Protocol):
     cfg: ModelConfig
+    itemsize: int  # bytes per element of the base weights' compute dtype
 
     # -- arrays in and out ---------------------------------------------------------------------
     def array(self, a: np.ndarray) -> Array:
@@ -104,6 +105,28 @@ class Kernel(Protocol):
     ) -> tuple[Array | None, list[Array]]:
         """Recompute ``layer(w, x, ctx, None, lora(leaves))`` and pull ``grad`` back through it:
         (gradient at x, or None without ``wrt_input``; the gradient of each leaf)."""
+        ...
+
+    def stack_vjp(
+        self,
+        ws: Sequence[dict],
+        x: Array,
+        ctx: Any,
+        leaves: Sequence[Sequence[Array]],
+        loras: Sequence[Callable[[Sequence[Array]], LayerLora]],
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        scale: float,
+    ) -> tuple[float, list[list[Array]]]:
+        """Every layer of ``ws`` in order from x (layer ``i`` with ``loras[i](leaves[i])``), then
+        ``head_vjp``'s loss, keeping what backward needs, and backward once through all of it:
+        (the head's loss, each layer's leaf gradients). The same ops in the same order as
+        ``layer`` forward, ``head_vjp``, then ``layer_vjp`` down the layers, so the same bits."""
+        ...
+
+    def memory_budget(self) -> int:
+        """Bytes a step's kept activations may take on this device now."""
         ...
 
     def head_vjp(

@@ -1,12 +1,23 @@
 """LoRA training through the streaming ring: ``StreamTrainer``, every engine's ``base.Trainer``.
 
-``accumulate`` walks the ring twice. Forward keeps each layer's input hidden state and nothing
-else; the kernel's head (final norm, lm_head, a float32 cross-entropy over the target tokens)
-gives the loss and its gradient at the last layer's output. Backward walks the ring in reverse,
-recomputes each layer from its saved input through the kernel's ``layer_vjp`` with respect to
-that input and the layer's LoRA tensors, and hands the input's gradient down. So only one
-layer's graph exists at a time, and resident mode runs the very same code (its ring just never
-evicts): streamed and resident gradients are bit-identical.
+Two walks give the same gradients, bit for bit; the memory budget picks one per run (``plan``):
+
+* **kept activations** (resident layers whose whole step's activations fit the budget): one
+  forward over every layer and the head records what backward needs, and backward runs once
+  through it (the kernel's ``stack_vjp``: one autograd graph on torch, one ``mx.vjp`` over the
+  stack on MLX). No layer is computed twice.
+* **recompute** (layers stream, or activations do not fit): forward keeps each layer's input
+  hidden state and nothing else; the kernel's head (final norm, lm_head, a float32
+  cross-entropy over the target tokens) gives the loss and its gradient at the last layer's
+  output. Backward walks the ring in reverse, recomputes each layer from its saved input
+  through the kernel's ``layer_vjp`` with respect to that input and the layer's LoRA tensors,
+  and hands the input's gradient down. So only one layer's graph exists at a time, and
+  resident mode can run the very same code (its ring just never evicts).
+
+Both run the same ops in the same order on the same inputs (the recompute's forward of a layer
+is the kept forward of that layer), so streamed, resident, kept and recomputed gradients are
+bit-identical; tests check it with exact equality. ``SPILL_ACTIVATIONS=keep|recompute`` forces
+the choice (keep still needs resident layers).
 
 LoRA dropout masks are a pure function of (``batch.dropout_seed``, layer, module): the module's
 seed (``common.dropout_seed``) keys the kernel's generator, so the recompute draws the forward's
@@ -17,16 +28,25 @@ counters, and ``state()`` is everything needed to continue exactly.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spill.engines.base import AdamW, TrainBatch
-from spill.engines.core.common import check_batch, check_lora, check_params, dropout_seed
+from spill.engines.base import ActivationPlan, AdamW, TrainBatch
+from spill.engines.core.common import (
+    activation_bytes,
+    check_batch,
+    check_lora,
+    check_params,
+    dropout_seed,
+)
 from spill.engines.core.kernel import Array, LayerLora
 from spill.errors import EngineError
 from spill.models.lora import MODULES, LoraConfig, param_names
+
+FORCE = "SPILL_ACTIVATIONS"  # "keep" or "recompute" overrides the budget's choice
 
 if TYPE_CHECKING:
     from spill.engines.core.runner import Model
@@ -64,6 +84,7 @@ class StreamTrainer:
         self.m: dict[str, Array] = {}
         self.v: dict[str, Array] = {}
         self.grads: dict[str, Array] = {}
+        self._plan: ActivationPlan | None = None  # None: each micro-batch decides for itself
 
     # -- state -------------------------------------------------------------------------------
 
@@ -110,6 +131,26 @@ class StreamTrainer:
 
         return names, build
 
+    def plan(self, rows: int, length: int) -> ActivationPlan:
+        """Decide, for every later micro-batch, whether activations are kept: they are when the
+        layers are resident and a (rows, length) micro-batch's activations fit the budget (half
+        the memory available now, after the weights were loaded)."""
+        self._plan = self._decide(rows, length)
+        return self._plan
+
+    def _decide(self, rows: int, length: int) -> ActivationPlan:
+        m, k = self.model, self.kernel
+        need = activation_bytes(m.cfg, self.lora, rows, length, k.itemsize)
+        budget = k.memory_budget()
+        forced = os.environ.get(FORCE, "").strip().lower()
+        if forced not in ("", "keep", "recompute"):
+            raise EngineError(f"{FORCE}={forced!r} is not understood; use keep or recompute")
+        if not m.ring.resident:
+            return ActivationPlan(False, need, budget, "layers stream")
+        if forced:
+            return ActivationPlan(forced == "keep", need, budget, f"{FORCE}={forced}")
+        return ActivationPlan(need <= budget, need, budget, "")
+
     def accumulate(self, batch: TrainBatch) -> float:
         """Forward and backward through the ring; add ``scale`` x d(loss sum) to the gradients.
         Returns the micro-batch's summed token loss times ``scale``."""
@@ -119,6 +160,32 @@ class StreamTrainer:
         rows, cols = np.nonzero(targets[:, 1:])  # the hidden state at cols predicts cols + 1
         if len(rows) == 0:
             return 0.0
+        plan = self._plan or self._decide(*tokens.shape)
+        if plan.keep:
+            return self._kept(tokens, attention, rows, cols, batch)
+        return self._recompute(tokens, attention, rows, cols, batch)
+
+    def _kept(self, tokens, attention, rows, cols, batch: TrainBatch) -> float:
+        """One forward over the resident layers that keeps what backward needs, then backward."""
+        m, k, seed = self.model, self.kernel, batch.dropout_seed
+        ctx = k.context(attention, 0, tokens.shape[1])
+        ws, names, leaves, builds = [], [], [], []
+        for i, w in m.ring.walk(range(m.cfg.num_hidden_layers)):  # resident: never evicts
+            layer_names_i, build = self._lora(i, seed)
+            ws.append(w)
+            names.append(layer_names_i)
+            leaves.append([self.params[n] for n in layer_names_i])
+            builds.append(build)
+        x = k.embed_ids(k.array(tokens))
+        loss, got = k.stack_vjp(ws, x, ctx, leaves, builds, tokens, rows, cols, batch.scale)
+        for layer_names_i, gs in zip(names, got, strict=True):
+            for name, g in zip(layer_names_i, gs, strict=True):
+                self.grads[name] = self.grads[name] + g
+        k.sync(list(self.grads.values()))
+        return loss
+
+    def _recompute(self, tokens, attention, rows, cols, batch: TrainBatch) -> float:
+        """Keep each layer's input; backward recomputes each layer from it, one at a time."""
         m, k, seed = self.model, self.kernel, batch.dropout_seed
         layers = m.cfg.num_hidden_layers
         ctx = k.context(attention, 0, tokens.shape[1])

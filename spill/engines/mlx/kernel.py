@@ -2,7 +2,10 @@
 
 The torch kernel's semantics, op for op where the engines must agree. MLX is lazy: ``sync``
 evaluates, and the core syncs after every layer, so a released ring slot is really free.
-Gradients come from ``mx.vjp`` one layer at a time. A sampled row draws from its own
+Gradients come from ``mx.vjp`` one layer at a time (the recompute walk), or, with kept activations,
+from one ``mx.vjp`` over the whole resident stack and the head (``stack_vjp``: ``head_vjp``'s
+ops inside, the chunk losses summed from zero with ``scale`` as the cotangent, so the same bits
+as the recompute walk; MLX keeps no graph between calls, so the head must be inside). A sampled row draws from its own
 ``numpy.random.Generator`` (``core.runner.sample_numpy``): its draws differ from torch's
 generator, so sampled text is reproducible per engine, greedy text agrees across engines. LoRA
 dropout masks key ``mx.random`` with the module's seed. ``adamw`` is torch.optim.AdamW's
@@ -25,7 +28,7 @@ from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.runner import sample_numpy
 from spill.engines.mlx import llama, qwen2
 from spill.engines.mlx.ops import Context, KVCache, context, inv_freq, log_softmax, rms_norm
-from spill.engines.mlx.reader import WeightReader
+from spill.engines.mlx.reader import WeightReader, default_budget
 from spill.models.config import ModelConfig
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
@@ -53,6 +56,7 @@ class MLXKernel:
         self.cfg, self.reader = cfg, reader
         self.family = FAMILIES[cfg.family]
         self.dtype = reader.dtype
+        self.itemsize = self.dtype.size
         self.embed = reader.tensor("model.embed_tokens.weight")  # (V, hidden)
         self.norm = reader.tensor("model.norm.weight")
         tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
@@ -130,6 +134,37 @@ class MLXKernel:
             return got[0], list(got[1:])
         _, got = mx.vjp(lambda *lv: step(x, *lv), list(leaves), [grad])
         return None, list(got)
+
+    def stack_vjp(self, ws, x, ctx, leaves, loras, tokens, rows, cols, scale):
+        sizes = [len(group) for group in leaves]
+        r, c = mx.array(rows), mx.array(cols)
+        labels = mx.array(tokens[rows, cols + 1])  # (N,): position t predicts t + 1
+
+        def run(*flat):  # head_vjp's ops: chunked cross-entropy, the sum from zero
+            h, at = x, 0
+            for w, n, lora in zip(ws, sizes, loras, strict=True):
+                h = self.layer(w, h, ctx, None, lora(list(flat[at : at + n])))
+                at += n
+            picked = self.final_norm(h)[r, c]  # (N, hidden)
+            total = mx.zeros((), dtype=mx.float32)
+            for j in range(0, len(rows), LOGIT_ROWS):
+                logp = log_softmax(self.logits(picked[j : j + LOGIT_ROWS]))  # float32 (n, V)
+                y = labels[j : j + LOGIT_ROWS]
+                total = total + -mx.sum(mx.take_along_axis(logp, y[:, None], axis=1))
+            return [total]
+
+        flat = [a for group in leaves for a in group]
+        (total,), got = mx.vjp(run, flat, [mx.array(scale, mx.float32)])
+        total = total * scale
+        mx.eval(total, got)
+        out, at = [], 0
+        for n in sizes:
+            out.append(list(got[at : at + n]))
+            at += n
+        return float(total.item()), out
+
+    def memory_budget(self) -> int:
+        return default_budget()
 
     def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
         r, c = mx.array(rows), mx.array(cols)

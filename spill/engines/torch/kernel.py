@@ -1,8 +1,11 @@
 """The torch kernel: one model's resident parts and the primitives ``spill.engines.core`` runs.
 
 The family module (``llama``, ``qwen2``) is picked once from the config; it supplies the layer
-function. Gradients come from autograd one layer at a time (``layer_vjp``); the head's
-cross-entropy backs through lm_head in chunks of rows so (N, vocab) never exists at once.
+function. Gradients come from autograd one layer at a time (``layer_vjp``, the recompute walk)
+or from one graph over the whole resident stack (``stack_vjp``, kept activations: the same
+layer ops in the same order, then ``head_vjp``, so the same bits); the head's cross-entropy
+backs through lm_head in chunks of rows so (N, vocab) never exists at once. The budget for
+kept activations is the ring's default: half the memory available on the device now.
 Sampling runs on the CPU in float32 with one ``torch.Generator`` per row. LoRA dropout masks
 come from a seeded ``torch.Generator`` on the model's device. ``adamw`` is
 torch.optim.AdamW's single-tensor update, op for op (``lerp_`` for the first moment, bias
@@ -22,7 +25,7 @@ from spill.engines.core.common import adamw_factors
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.torch import llama, qwen2
 from spill.engines.torch.ops import Context, KVCache, context, inv_freq, rms_norm
-from spill.engines.torch.reader import WeightReader
+from spill.engines.torch.reader import WeightReader, default_budget
 from spill.models.config import ModelConfig
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
@@ -55,6 +58,7 @@ class TorchKernel:
         self.cfg, self.reader = cfg, reader
         self.family = FAMILIES[cfg.family]
         self.device, self.dtype = reader.device, reader.dtype
+        self.itemsize = self.dtype.itemsize
         self.embed = reader.tensor("model.embed_tokens.weight")  # (V, hidden)
         self.norm = reader.tensor("model.norm.weight")
         tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
@@ -133,6 +137,18 @@ class TorchKernel:
             out = self.layer(w, x, ctx, None, lora(leaves))
             got = torch.autograd.grad(out, [*leaves, x] if wrt_input else leaves, grad)
         return (got[-1] if wrt_input else None), list(got[: len(leaves)])
+
+    def stack_vjp(self, ws, x, ctx, leaves, loras, tokens, rows, cols, scale):
+        with torch.enable_grad():
+            leaves = [[a.detach().requires_grad_() for a in group] for group in leaves]
+            for w, group, lora in zip(ws, leaves, loras, strict=True):
+                x = self.layer(w, x, ctx, None, lora(group))
+            loss, grad = self.head_vjp(x, tokens, rows, cols, scale)
+            got = iter(torch.autograd.grad(x, [a for group in leaves for a in group], grad))
+        return loss, [[next(got) for _ in group] for group in leaves]
+
+    def memory_budget(self) -> int:
+        return default_budget(self.device)
 
     def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
         ids = self.array(tokens)  # (B, T)
