@@ -20,7 +20,10 @@ order that rotates from round to round:
 * submitit: ``hydra/launcher=submitit_local`` (one ``submitit`` process per job, polled).
 
 The ratio of a side is its wall over the round's alone wall; a parallel launcher can come in
-under 1 on the two cores. A sweep that does not exit 0 with every job ``done`` stops the bench.
+under 1 on the two cores. A sweep's wall is split by its jobs' own ``started`` and ``seconds``
+(from ``--json``): before the first job starts (CLI start-up, Hydra, the launcher's start: Ray's
+cluster, loky's or submitit's processes), from the first job's start to the last one's end, and
+after the last job (results back, shutdown). A sweep that does not exit 0 with every job ``done`` stops the bench.
 Each round also times, in a fresh ``python``, ``import ray``, ``ray.init()`` (a local cluster,
 as the launcher starts it) and ``ray.shutdown()``: the part of the Ray side that is Ray's own.
 Absent launchers (no ``[ray]`` or ``[slurm]`` extra) are left out and named in the output.
@@ -100,10 +103,21 @@ def alone(work: Path, values: list[str], key: str, extra: list[str], env: dict) 
 def swept(work: Path, name: str, sweep: str, extra: list[str], env: dict) -> dict:
     copy = fresh(work, f"sweep-{name}")
     cmd = [PY, "-m", "spill", "build", str(copy), "-m", *extra, sweep, *LAUNCHERS[name], "--json"]
+    t0 = time.time()
     wall, out = timed(cmd, env)
+    t1 = time.time()
     runs = json.loads(out)["runs"]
     assert [r["status"] for r in runs] == ["done"] * len(runs), runs
-    return {"wall": wall, "jobs": len(runs), "pids": sorted({r["pid"] for r in runs})}
+    first = min(r["started"] for r in runs)
+    last = max(r["started"] + r["seconds"] for r in runs)
+    return {
+        "wall": wall,
+        "before first job": first - t0,
+        "first job start to last job end": last - first,
+        "after last job": t1 - last,
+        "job seconds": [r["seconds"] for r in runs],
+        "pids": sorted({r["pid"] for r in runs}),
+    }
 
 
 def ray_probe(env: dict) -> dict:
@@ -128,6 +142,8 @@ def summarize(rounds: list[dict], sides: list[str]) -> dict:
             for s in sides
         },
     }
+    parts = ("before first job", "first job start to last job end", "after last job")
+    out["median parts s"] = {s: {p: med(lambda r, s=s, p=p: r[s][p]) for p in parts} for s in sides}
     if "ray" in sides:
         keys = rounds[0]["ray probe"]
         out["median ray probe s"] = {k: med(lambda r, k=k: r["ray probe"][k]) for k in keys}

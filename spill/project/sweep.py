@@ -82,6 +82,7 @@ def job(
     where = join(base, "sweep", name)
     out: dict[str, Any] = {"run": name, "overrides": list(overrides), "state": where}
     out.update(machine=platform.node(), pid=os.getpid())  # where the launcher ran it
+    out["started"] = round(time.time(), 3)  # epoch s: with "seconds", where a launcher's time went
     record = join(hydra.runtime.output_dir, RECORD) if token else None
     _record(record, {**out, "num": hydra.job.num, "token": token, "status": "running"})
     try:
@@ -104,6 +105,7 @@ def job(
         status = "done" if finished and len(recs) == 4 else "stopped"
         result = {**out, "status": "planned" if dry_run else status, **_scores(recs)}
         result["plan"] = summary["plan"]
+    result["seconds"] = round(time.time() - out["started"], 3)
     _record(record, {**result, "num": hydra.job.num, "token": token})
     return result
 
