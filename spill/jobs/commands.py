@@ -95,7 +95,8 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
         "--batch",
         type=int,
         default=t["batch"],
-        help="rows generated together (default %(default)s)",
+        help="rows generated together (default: as many as the memory budget fits when layers "
+        "stream, 8 when resident)",
     )
     p.add_argument(
         "--temperature",
@@ -349,7 +350,11 @@ def add_parsers(sub, full: bool = True) -> None:
         help="generation limit (default: the longest answer's tokens + 16)",
     )
     p.add_argument(
-        "--batch", type=int, default=ev["batch"], help="rows graded together (default %(default)s)"
+        "--batch",
+        type=int,
+        default=ev["batch"],
+        help="rows graded together (default: as many as the memory budget fits when layers "
+        "stream, 8 when resident)",
     )
     p.add_argument(
         "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"

@@ -30,6 +30,7 @@ from spill.jobs.loading import LoadedModel
 from spill.jobs.rows_job import (
     RowJob,
     RowOptions,
+    Work,
     execute,
     job_inputs,
     refuse_overlap,
@@ -91,7 +92,8 @@ def _grader(
     apply_adapter(loaded, adapter)
     prompts = encode_rows(tok, [r.row for r in rows], opts.chat, input_path)
     gold = {r.id: np.asarray(tok.encode(r.answer, False), dtype=np.int64) for r in rows}
-    params = GenerateParams(_max_new(opts, rows, tok), 0.0, 1.0, tuple(tok.eos_ids))
+    new = _max_new(opts, rows, tok)
+    params = GenerateParams(new, 0.0, 1.0, tuple(tok.eos_ids))
 
     def compute(batch: list[EvalRow]) -> list[dict]:
         ids = [prompts[r.id] for r in batch]
@@ -118,7 +120,8 @@ def _grader(
             )
         return records
 
-    return compute
+    # a row at its longest: generated (prompt + new) or scored (prompt + gold answer)
+    return Work(compute, lambda row: len(prompts[row.id]) + max(new, len(gold[row.id])))
 
 
 def _max_new(opts: EvalOptions, rows: list[EvalRow], tok) -> int:
@@ -135,7 +138,9 @@ def _mean(values) -> float | None:
 def evaluate(
     model: str, input_path: Path, out_path: Path | None, opts: EvalOptions, job: RowOptions
 ) -> dict:
-    if job.batch < 1 or (opts.max_new_tokens is not None and opts.max_new_tokens < 1):
+    if (job.batch is not None and job.batch < 1) or (
+        opts.max_new_tokens is not None and opts.max_new_tokens < 1
+    ):
         raise DataError("--batch and --max-new-tokens must be at least 1")
     input_path = Path(input_path)
     refuse_overlap(job_inputs(input_path, model, opts.adapter), out_path, job.state)

@@ -1,15 +1,18 @@
 """The row-job driver shared by run, eval and distill: quanta of rows, committed segments, resume.
 
 A verb gives its rows (anything with an ``id``), the settings that decide its results, and a
-``prepare(loaded)`` that returns ``compute(batch) -> [record, ...]`` (one JSON record with an
-``"id"`` per row, in the batch's order). The driver:
+``prepare(loaded)`` that returns a ``Work``: ``compute(batch) -> [record, ...]`` (one JSON record
+with an ``"id"`` per row, in the batch's order) and each row's length in tokens. The driver:
 
 1. resolves the model and hashes the input, and with ``--state`` pins ``rows/identity.json``
    (job, model id + fingerprint, input sha256, settings) before the engine opens, so another
    job is refused in one line without loading anything;
 2. restores the committed segments and runs only the rows left, in input order, ``batch`` at a
    time; a row is done when its batch returns, and then goes to the ``SegmentWriter`` (pushes
-   every 25 rows or 60 s and on stop, each commit naming the producer);
+   every 25 rows or 60 s and on stop, each commit naming the producer). ``batch`` None (the
+   conf default) asks the runner for one from the memory budget and the longest row left
+   (``spill.engines.core.batching``: rows share a streamed walk over the layers); the line
+   after the pre-run line says which batch and why. A row's result does not depend on it;
 3. inside a preemption ``Guard`` (``spill.jobs.preempt``): SIGTERM/SIGINT finishes the batch in
    flight if it returns within the grace period, else abandons it, pushes what is done,
    prints ``preempted`` and exits 75;
@@ -40,6 +43,7 @@ from typing import Any, Protocol
 from spill.console import note, progress
 from spill.control.place import Place
 from spill.engines.base import EngineInfo, LoadOptions
+from spill.engines.core.batching import BatchPlan
 from spill.errors import DataError, StoreError, UsageError
 from spill.hashing import file_sha256
 from spill.jobs.authority import Held, hold
@@ -60,7 +64,7 @@ class RowOptions:
     """Where and how a row job computes; nothing here changes a row's result, so none of it is
     pinned. ``batch`` comes from the verb's conf group (``eval.batch``, ``teacher.batch``)."""
 
-    batch: int  # rows computed together (speed only)
+    batch: int | None  # rows computed together (speed only); None: from the memory budget
     engine: str
     weights: str | None = None
     load: LoadOptions = LoadOptions()
@@ -70,6 +74,15 @@ class RowOptions:
     wait: bool = False  # wait for another owner's lease instead of exiting 75
     place: Place | None = field(default=None, compare=False)  # a build's stage: its place
     command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
+    batch_from: str = "--batch"  # where an explicit batch came from, for the pre-run line
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a verb's ``prepare`` returns."""
+
+    compute: Compute
+    tokens: Callable[[Any], int]  # a row's tokens at its longest (prompt + generated or scored)
 
 
 @dataclass(frozen=True)
@@ -178,15 +191,22 @@ def _restore(place: Place, pinned: dict[str, Any], rows: Sequence[HasId]) -> dic
     return dict(zip(got.done, got.rows, strict=True))
 
 
+def batch_plan(opts: RowOptions, runner, work: Work, todo: Sequence[HasId]) -> BatchPlan:
+    """``opts.batch`` when set, else the runner's plan for the rows left."""
+    if opts.batch is not None:
+        return BatchPlan(opts.batch, f"({opts.batch_from})")
+    return runner.plan_batch(max(work.tokens(r) for r in todo), len(todo))
+
+
 def execute(
     job: RowJob,
-    prepare: Callable[[LoadedModel], Compute],
+    prepare: Callable[[LoadedModel], Work],
     finish: Callable[[list[Record]], None],
 ) -> Outcome:
     """Run the rows left and call ``finish(records in input order)``; see the module doc."""
     opts = job.options
-    if opts.batch < 1:
-        raise DataError("--batch must be at least 1")
+    if opts.batch is not None and opts.batch < 1:
+        raise DataError(f"{opts.batch_from} must be at least 1")
     if not opts.state:
         return _execute(job, None, prepare, finish)
     from spill.store.fs import probe_writable
@@ -204,7 +224,7 @@ def execute(
 def _execute(
     job: RowJob,
     held: Held | None,
-    prepare: Callable[[LoadedModel], Compute],
+    prepare: Callable[[LoadedModel], Work],
     finish: Callable[[list[Record]], None],
 ) -> Outcome:
     from spill.store.rows import SegmentWriter
@@ -228,7 +248,12 @@ def _execute(
             )
         loaded = _open(job, resolved, fp)
         try:
-            compute = prepare(loaded) if todo else None
+            work = prepare(loaded) if todo else None
+            batch = 1
+            if work is not None:
+                plan = batch_plan(opts, loaded.runner, work, todo)
+                note(plan.line())
+                batch = plan.rows
             producer = describe(loaded.runner.info)
             writer = SegmentWriter(place, pinned, producer) if place else None
 
@@ -242,10 +267,10 @@ def _execute(
             with progress(total, job.verb) as bar:
                 bar.update(len(results))
                 try:
-                    for lo in range(0, len(todo), opts.batch):
+                    for lo in range(0, len(todo), batch):
                         guard.boundary()
-                        chunk = list(todo[lo : lo + opts.batch])
-                        records = compute(chunk)
+                        chunk = list(todo[lo : lo + batch])
+                        records = work.compute(chunk)
                         assert [r["id"] for r in records] == [r.id for r in chunk]
                         with guard.mutating():
                             for rec in records:

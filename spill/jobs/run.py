@@ -1,6 +1,7 @@
 """``spill run``: batch generation over a JSONL file of prompts.
 
-Rows are generated in input order, ``batch`` at a time. A row's sampling seed is derived from
+Rows are generated in input order, ``batch`` at a time (by default as many as the memory budget
+fits when layers stream: ``spill.jobs.rows_job``). A row's sampling seed is derived from
 the run seed and the row id, so a sampled answer does not depend on batch size or neighbours,
 nor on which machine continued the job. With ``--state`` the job is a portable row job
 (``spill.jobs.rows_job``): results are committed in segments and a rerun continues where the
@@ -26,6 +27,7 @@ from spill.jobs.loading import LoadedModel
 from spill.jobs.rows_job import (
     RowJob,
     RowOptions,
+    Work,
     execute,
     job_inputs,
     refuse_overlap,
@@ -91,7 +93,8 @@ def generator(
     counter: dict,
     adapter: Adapter | None = None,
 ):
-    """``compute(batch)`` for run and distill: ``{"id", "output", "finish", "tokens"}`` each."""
+    """The ``Work`` of run and distill: ``compute(batch)`` gives ``{"id", "output", "finish",
+    "tokens"}`` per row; a row's length is its prompt plus ``max_new_tokens``."""
     tok = loaded.tokenizer
     apply_adapter(loaded, adapter)
     encoded = encode_rows(tok, rows, opts.chat, input_path)
@@ -113,11 +116,11 @@ def generator(
             )
         return records
 
-    return compute
+    return Work(compute, lambda row: len(encoded[row.id]) + opts.max_new_tokens)
 
 
 def check_options(opts: RunOptions, job: RowOptions) -> None:
-    if job.batch < 1 or opts.max_new_tokens < 1:
+    if (job.batch is not None and job.batch < 1) or opts.max_new_tokens < 1:
         raise DataError("--batch and --max-new-tokens must be at least 1")
 
 

@@ -11,11 +11,12 @@ text agrees across engines.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from spill.engines.base import EngineInfo, GenerateParams, Generation, Stats
+from spill.engines.core.batching import ROWS_FRACTION, BatchPlan, plan_batch
 from spill.engines.core.common import (
     check_generate,
     check_params,
@@ -74,10 +75,36 @@ class Model:
         self.kernel.close()
 
 
+def host_free() -> int:
+    """Bytes of host memory available now (a CPU's, or a unified-memory GPU's)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 class StreamRunner:
     def __init__(self, model: Model, info: EngineInfo, stats: Stats):
         self.model, self.info, self.stats = model, info, stats
         self._adapter: dict[int, dict] | None = None  # layer -> module -> (A, B, scale)
+        # Free device memory in bytes now; None: the host's (``host_free``), right for a CPU
+        # and MLX's unified memory. A discrete GPU's opener sets it, or its batch stays fixed.
+        self.free_memory: Callable[[], int] | None = None
+
+    def plan_batch(self, tokens: int, rows: int) -> BatchPlan:
+        """The batch a row job of ``rows`` rows of at most ``tokens`` tokens runs at
+        (``spill.engines.core.batching``): rows share each walk over the streamed layers."""
+        info, cfg = self.info, self.model.cfg
+        itemsize = 4 if info.numerics == "float32" else 2
+        free = None
+        if self.free_memory is not None:
+            free = self.free_memory()
+        elif not info.device.startswith("cuda"):
+            free = host_free()
+        if free is not None and not info.resident:
+            # the ring's slots fill on the first walk: count them as taken already
+            free = max(0, free - info.ring * cfg.layer_params() * itemsize)
+            free = int(free * ROWS_FRACTION)
+        return plan_batch(cfg, itemsize, tokens, rows, free, info.resident)
 
     def use_adapter(self, lora: LoraConfig | None, params: dict[str, np.ndarray] | None) -> None:
         """Later ``generate``/``score`` calls run with this adapter (float32 copies); None: base."""

@@ -1,0 +1,82 @@
+"""How many rows one walk over the layers serves: a row job's batch from the memory budget.
+
+A streamed decode step reads every layer once whatever the batch, so the rows of a batch share
+that read: the more rows, the less streaming costs per token. A row job (run, eval, distill)
+knows all its rows before it starts, so it asks for the largest batch whose KV cache and
+activations fit; ``--batch`` (``eval.batch``, ``teacher.batch``) overrides.
+
+The arithmetic, per row of ``tokens`` tokens (prompt plus generated or scored tokens):
+
+* KV cache: 2 (keys, values) x layers x kv heads x head dim x tokens, in the compute dtype;
+* one layer's activations at the prefill (layers run one at a time and free theirs): the
+  residual, the normed input, q/k/v, the attention output and the MLP's gate, up and product,
+  in the compute dtype, plus the attention weights (heads x tokens x tokens, float32, twice:
+  scores and probabilities, as the math kernel of ``scaled_dot_product_attention`` keeps them);
+* the last position's float32 logits and their host copy (2 x vocab x 4 bytes);
+
+all times ``SAFETY`` for the allocator's slack and temporaries the sum does not name. The rows
+may use ``ROWS_FRACTION`` of the memory left free once the ring's slots are allocated (the
+ring's ``--memory`` budget stays the ring's), and a batch is at most ``MAX_BATCH`` rows: past
+that a decode step is compute-bound on a CPU anyway, and a larger batch only delays commits
+(segments are pushed between batches) and loses more work to a preemption that outlasts the
+grace period. A resident model reads nothing per step, so its batch stays ``RESIDENT_BATCH``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spill.models.config import ModelConfig
+
+MAX_BATCH = 64  # rows per batch at most (see the module doc)
+RESIDENT_BATCH = 8  # a resident model's batch: nothing streams, so nothing is shared
+ROWS_FRACTION = 0.5  # share of the memory left free after the ring that the rows may use
+SAFETY = 1.5  # on top of the named buffers (allocator slack, temporaries)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    rows: int  # rows per batch
+    why: str  # for the pre-run line: "from the memory budget (...)", "(--batch)"
+
+    def line(self) -> str:
+        return f"batch {self.rows} {self.why}"
+
+
+def row_bytes(cfg: ModelConfig, itemsize: int, tokens: int) -> int:
+    """Bytes one row of ``tokens`` tokens needs at its peak (KV cache + one layer's activations
+    + the last position's logits), with ``SAFETY``; see the module doc."""
+    t = max(1, tokens)
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    cache = 2 * cfg.num_hidden_layers * kv * t * itemsize
+    per_token = 3 * cfg.hidden_size + q + 2 * kv + q + 3 * cfg.intermediate_size
+    acts = t * per_token * itemsize + 2 * cfg.num_attention_heads * t * t * 4
+    logits = 2 * cfg.vocab_size * 4
+    return int(SAFETY * (cache + acts + logits))
+
+
+def plan_batch(
+    cfg: ModelConfig,
+    itemsize: int,
+    tokens: int,
+    rows: int,
+    free: int | None,
+    resident: bool,
+) -> BatchPlan:
+    """The batch for ``rows`` rows of at most ``tokens`` tokens each, given ``free`` bytes that
+    the rows may use (None: unknown on this device, so ``RESIDENT_BATCH``)."""
+    rows = max(1, rows)
+    if resident:
+        return BatchPlan(min(RESIDENT_BATCH, rows), "(resident: no layer is read per step)")
+    if free is None:
+        return BatchPlan(min(RESIDENT_BATCH, rows), "(the device's free memory is not known)")
+    need = row_bytes(cfg, itemsize, tokens)
+    fit = max(1, free // need)
+    n = min(fit, MAX_BATCH, rows)
+    limit = "all the rows" if n == rows else "the cap" if n == MAX_BATCH else "what fits"
+    why = (
+        f"from the memory budget ({need / 2**20:.1f} MiB a row of {tokens} tokens, "
+        f"{free / 2**30:.1f} GiB for rows; {limit})"
+    )
+    return BatchPlan(n, why)
