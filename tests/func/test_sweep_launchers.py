@@ -34,6 +34,8 @@ from tests.conftest import build_state_file, run_spill
 from tests.func.test_sweep import FAST, ROOT, check_runs
 
 LRS = "tune.lr=0.005,0.01"
+# a new local cluster per sweep even where `ray start` left one (ray.init() would join it)
+RAY = ["hydra/launcher=ray", "hydra.launcher.ray.init.address=local"]
 
 
 @pytest.fixture
@@ -56,7 +58,7 @@ def sweep(toy: Path, *args: str) -> tuple[int, dict, str]:
 
 def test_ray_launcher_runs_each_job_as_a_ray_task(toy):
     need("ray", "hydra_plugins.hydra_ray_launcher")
-    rc, result, err = sweep(toy, *FAST, LRS, "hydra/launcher=ray")
+    rc, result, err = sweep(toy, *FAST, LRS, *RAY)
     assert rc == 0, err
     runs = check_runs(result, toy)
     # Ray names the remote function and the worker's pid on every line it relays from a task
@@ -115,7 +117,7 @@ DONE, HIT = (f"{','.join(STEPS)},tune.lr={x}" for x in ("0.005", "0.01"))
 
 def test_a_killed_ray_task_is_reported_and_the_same_sweep_continues_it(toy):
     need("ray", "hydra_plugins.hydra_ray_launcher")
-    args = [*STEPS, LRS, "hydra/launcher=ray", NO_RETRY]
+    args = [*STEPS, LRS, *RAY, NO_RETRY]
     done, lost = DONE, HIT
     states = toy / ".spill" / "sweep"
     proc = start(toy, args)
@@ -149,7 +151,7 @@ def test_a_killed_ray_task_is_reported_and_the_same_sweep_continues_it(toy):
 def test_ray_retries_a_killed_task_and_the_retry_continues_it(toy):
     """Ray's default (``max_retries`` 3): the sweep itself finishes the killed job."""
     need("ray", "hydra_plugins.hydra_ray_launcher")
-    proc = start(toy, [*STEPS, LRS, "hydra/launcher=ray"])
+    proc = start(toy, [*STEPS, LRS, *RAY])
     pid = kill_when_mid_tune(proc, toy / ".spill" / "sweep" / HIT)
     out, err = proc.communicate(timeout=200)
     assert proc.returncode == 0, err[-3000:]
