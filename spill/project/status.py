@@ -132,6 +132,9 @@ def sweep_runs(where: str) -> list[dict[str, Any]]:
         finished = len(recs) == len(STAGES) and all(
             r["status"] in ("done", "skipped") for r in recs.values()
         )
+        for stage, rec in recs.items():  # a stopped job's progress, as its own status shows it
+            if rec["status"] in ("running", "stopped"):
+                rec["progress"] = get(stage).probe(join(where, "sweep", name))[0]
 
         out.append(
             {

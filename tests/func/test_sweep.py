@@ -74,3 +74,10 @@ def test_a_failing_job_does_not_lose_the_others(toy):
     assert any(
         "tune.rank=0" in x and "tune.rank: 0 is less than the minimum of 1" in x for x in lines
     )
+
+
+def test_status_of_a_stopped_sweep_shows_committed_steps(toy):
+    proc = run_spill("build", str(toy), "-m", *FAST, "tune.lr=0.005,0.01", "--stop-after", "tune:4")
+    assert proc.returncode == 0, proc.stderr
+    status = json.loads(run_spill("status", str(toy), "--json").stdout)
+    assert [(r["status"], r["steps"]) for r in status["runs"]] == [("stopped", 4)] * 2
