@@ -95,8 +95,7 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
         "--batch",
         type=int,
         default=t["batch"],
-        help="rows generated together (default: as many as the memory budget fits when layers "
-        "stream, 8 when resident)",
+        help="rows generated together (default: as many as the memory budget fits, at most 64)",
     )
     p.add_argument(
         "--temperature",
@@ -353,8 +352,7 @@ def add_parsers(sub, full: bool = True) -> None:
         "--batch",
         type=int,
         default=ev["batch"],
-        help="rows graded together (default: as many as the memory budget fits when layers "
-        "stream, 8 when resident)",
+        help="rows graded together (default: as many as the memory budget fits, at most 64)",
     )
     p.add_argument(
         "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"

@@ -11,7 +11,7 @@ with an ``"id"`` per row, in the batch's order) and each row's length in tokens.
    time; a row is done when its batch returns, and then goes to the ``SegmentWriter`` (pushes
    every 25 rows or 60 s and on stop, each commit naming the producer). ``batch`` None (the
    conf default) asks the runner for one from the memory budget and the longest row left
-   (``spill.engines.core.batching``: rows share a streamed walk over the layers); the line
+   (``spill.engines.core.batching``: the rows share each walk over the layers); the line
    after the pre-run line says which batch and why. A row's result does not depend on it;
 3. inside a preemption ``Guard`` (``spill.jobs.preempt``): SIGTERM/SIGINT finishes the batch in
    flight if it returns within the grace period, else abandons it, pushes what is done,

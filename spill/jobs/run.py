@@ -1,7 +1,7 @@
 """``spill run``: batch generation over a JSONL file of prompts.
 
 Rows are generated in input order, ``batch`` at a time (by default as many as the memory budget
-fits when layers stream: ``spill.jobs.rows_job``). A row's sampling seed is derived from
+fits: ``spill.jobs.rows_job``). A row's sampling seed is derived from
 the run seed and the row id, so a sampled answer does not depend on batch size or neighbours,
 nor on which machine continued the job. With ``--state`` the job is a portable row job
 (``spill.jobs.rows_job``): results are committed in segments and a rerun continues where the

@@ -92,7 +92,7 @@ class StreamRunner:
 
     def plan_batch(self, tokens: int, rows: int) -> BatchPlan:
         """The batch a row job of ``rows`` rows of at most ``tokens`` tokens runs at
-        (``spill.engines.core.batching``): rows share each walk over the streamed layers."""
+        (``spill.engines.core.batching``): the rows share each walk over the layers."""
         info, cfg = self.info, self.model.cfg
         itemsize = 4 if info.numerics == "float32" else 2
         free = None
@@ -100,11 +100,11 @@ class StreamRunner:
             free = self.free_memory()
         elif not info.device.startswith("cuda"):
             free = host_free()
-        if free is not None and not info.resident:
-            # the ring's slots fill on the first walk: count them as taken already
-            free = max(0, free - info.ring * cfg.layer_params() * itemsize)
-            free = int(free * ROWS_FRACTION)
-        return plan_batch(cfg, itemsize, tokens, rows, free, info.resident)
+        if free is not None:
+            if not info.resident:  # the ring's slots fill on its first walk: count them taken
+                free = max(0, free - info.ring * cfg.layer_params() * itemsize)
+            free = int(free * ROWS_FRACTION)  # resident layers were loaded at open
+        return plan_batch(cfg, itemsize, tokens, rows, free)
 
     def use_adapter(self, lora: LoraConfig | None, params: dict[str, np.ndarray] | None) -> None:
         """Later ``generate``/``score`` calls run with this adapter (float32 copies); None: base."""

@@ -1,4 +1,4 @@
-"""A row job's batch: chosen from the memory budget when layers stream, overridden by --batch,
+"""A row job's batch: chosen from the memory budget (streamed or resident), overridden by --batch,
 said on the line after the pre-run line, and never changing a result beyond float noise.
 
 Greedy outputs are equal at batch 1, 8 and the auto batch; the gold answers' log-probs differ
@@ -58,14 +58,14 @@ def test_results_do_not_depend_on_the_batch(family, tiny_models, tmp_path, capsy
         assert np.all(np.abs(a - b) <= ATOL + RTOL * np.abs(b)), np.abs(a - b).max()
 
 
-def test_a_resident_model_keeps_a_batch_of_8(tiny_models, tmp_path, capsys):
+def test_a_resident_model_batches_from_the_budget_too(tiny_models, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"row {i}"}) + "\n" for i in range(9)))
     job = RowOptions(batch=None, engine="torch", load=LoadOptions(resident=True, dtype="float32"))
     gen = RunOptions(max_new_tokens=2, temperature=0.0, seed=0)
     s = run(str(tiny_models["llama"]), src, tmp_path / "out.jsonl", gen, job)
     assert s["rows"] == 9
-    assert "batch 8 (resident: no layer is read per step)" in capsys.readouterr().err
+    assert "batch 9 from the memory budget" in capsys.readouterr().err
 
 
 def test_an_explicit_batch_names_where_it_came_from(tiny_models, tmp_path, capsys):
