@@ -61,6 +61,10 @@ def row_bytes(cfg: ModelConfig, itemsize: int, tokens: int) -> int:
     return int(SAFETY * (cache + acts + logits))
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
 def plan_batch(
     cfg: ModelConfig,
     itemsize: int,
@@ -78,7 +82,7 @@ def plan_batch(
     n = min(fit, MAX_BATCH, rows)
     limit = "all the rows" if n == rows else "the cap" if n == MAX_BATCH else "what fits"
     why = (
-        f"from the memory budget ({need / 2**20:.1f} MiB a row of {tokens} tokens, "
+        f"from the memory budget ({_mib(need)} a row of {tokens} tokens, "
         f"{free / 2**30:.1f} GiB for rows; {limit})"
     )
     return BatchPlan(n, why)
