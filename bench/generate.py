@@ -11,8 +11,8 @@ a time.
   ``StreamRunner.plan_batch``). Ratios: streamed / resident at each batch, and streamed at the
   auto batch / resident at 8 (what a user who did not set ``--batch`` gets on each side now).
 * ``bound``: a generated llama (``write_tiny``, ``--layers`` x ``--hidden``, bf16 on disk,
-  float32 compute) opened with ``--memory`` = model bytes / 8 in float32 (so the ring gets
-  2 of 16 layers). A decode step reads every layer's bytes from the file; the bound is
+  float32 compute, or ``--bound-dtype bfloat16``: no conversion) opened with ``--memory`` =
+  model bytes / 8 in the compute dtype (so the ring gets 2 of 16 layers). A decode step reads every layer's bytes from the file; the bound is
   steps/s = read rate / bytes per step, for two read rates measured here on the same files
   (``read()`` in 16 MiB chunks): page cache (the files read once before: what a decode step
   finds, since the model fits in RAM) and cold-ish (each file's pages evicted with
@@ -172,7 +172,9 @@ def decode_steps_per_s(runner, prompts, batch: int, new: int) -> float:
     return new / max(many - one, 1e-9)
 
 
-def bench_bound(layers: int, hidden: int, rows: int, new: int, rounds: int, work: Path) -> dict:
+def bench_bound(
+    layers: int, hidden: int, rows: int, new: int, rounds: int, work: Path, dtype: str
+) -> dict:
     from spill.models.config import load_config
     from spill.models.tiny import write_tiny
     from spill.models.weights import weight_files
@@ -182,16 +184,16 @@ def bench_bound(layers: int, hidden: int, rows: int, new: int, rounds: int, work
         write_tiny(folder, "llama", seed=0, layers=layers, hidden=hidden)
     cfg = load_config(folder)
     files = [folder / s for s in weight_files(folder).shards]
-    model_f32 = cfg.layer_params() * layers * 4
-    memory = model_f32 // 8
+    model_bytes = cfg.layer_params() * layers * (4 if dtype == "float32" else 2)
+    memory = model_bytes // 8
     step_bytes = cfg.layer_params() * layers * 2  # bf16 on disk: every layer, once a step
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, size=32) for _ in range(rows)]
-    streamed = open_runner(folder, memory=memory, dtype="float32")
-    resident = open_runner(folder, resident=True, dtype="float32")
+    streamed = open_runner(folder, memory=memory, dtype=dtype)
+    resident = open_runner(folder, resident=True, dtype=dtype)
     plan = auto_batch(streamed, prompts, new)
     print(
-        f"bound: {layers} x hidden {hidden}, {model_f32 / 1e6:.0f} MB float32 = 8x --memory "
+        f"bound: {layers} x hidden {hidden}, {model_bytes / 1e6:.0f} MB {dtype} = 8x --memory "
         f"{memory / 1e6:.0f} MB (ring {streamed.info.ring}); {step_bytes / 1e6:.0f} MB read "
         f"a decode step; auto {plan.line()}",
         flush=True,
@@ -215,7 +217,8 @@ def bench_bound(layers: int, hidden: int, rows: int, new: int, rounds: int, work
     out: dict = {
         "layers": layers,
         "hidden": hidden,
-        "model_bytes_float32": model_f32,
+        "dtype": dtype,
+        "model_bytes": model_bytes,
         "memory": memory,
         "ring": streamed.info.ring,
         "bytes_per_step": step_bytes,
@@ -312,6 +315,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--bound-rows", type=int, default=16)
+    p.add_argument("--bound-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--work", type=Path, default=Path("/tmp/spill-bench-generate"))
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--json", type=Path)
@@ -335,7 +339,9 @@ def main() -> None:
     if a.what in ("ring", "all"):
         result["ring"] = bench_ring(a.rows, a.new, a.rounds)
     if a.what in ("bound", "all"):
-        result["bound"] = bench_bound(a.layers, a.hidden, a.bound_rows, 8, a.rounds, a.work)
+        result["bound"] = bench_bound(
+            a.layers, a.hidden, a.bound_rows, 8, a.rounds, a.work, a.bound_dtype
+        )
     if a.what in ("profile", "all"):
         result["profile"] = bench_profile(a.rows, a.new)
     if a.json:
