@@ -62,7 +62,7 @@ class TeacherConfig:
     name: str | None
     max_new_tokens: int
     temperature: float
-    batch: int
+    batch: int | None  # None: from the memory budget
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class TuneConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     max_new_tokens: int | None
-    batch: int
+    batch: int | None  # None: from the memory budget
 
 
 @dataclass(frozen=True)

@@ -247,8 +247,9 @@ class Executor:
     def _adapter_uri(self) -> str:
         return join(self.root, get("tune").output(self.project.name))
 
-    def _load(self, batch: int, stop: int | None, stage: Stage):
-        """A job's ``RowOptions``: the engine settings, the group's batch, where it commits."""
+    def _load(self, batch: int | None, stop: int | None, stage: Stage, setting: str = ""):
+        """A job's ``RowOptions``: the engine settings, the group's batch (``setting`` names it
+        for the pre-run line; None: from the memory budget), where it commits."""
         from spill.engines.base import LoadOptions
         from spill.jobs.rows_job import RowOptions
         from spill.sizes import parse_size
@@ -263,6 +264,7 @@ class Executor:
         )
         return RowOptions(
             batch=batch,
+            batch_from=setting or "--batch",
             engine=e.name,
             load=load,
             state=stage.uri(self.root),
@@ -279,7 +281,7 @@ class Executor:
             max_new_tokens=self.project.eval.max_new_tokens,
             adapter=None if base else self._local_adapter(),
         )
-        job = self._load(self.project.eval.batch, d.stop, stage)
+        job = self._load(self.project.eval.batch, d.stop, stage, "eval.batch")
         s = evaluate(self.project.model.name, self.work / "test.jsonl", out, opts, job)
         complete = s.get("complete", True)
         if complete:
@@ -299,7 +301,7 @@ class Executor:
             seed=self.project.seed,
             chat=stage.chat,
         )
-        job = self._load(t.batch, d.stop, stage)
+        job = self._load(t.batch, d.stop, stage, "teacher.batch")
         s = distill(t.name, self.work / "prompts.jsonl", out, opts, job)
         complete = s.get("complete", True)
         if complete:
