@@ -172,7 +172,8 @@ def check(
         tol = ((measured or {}).get("stages", {}).get(stage.name) or {}).get(SCORE, {})
         tol = tol.get("tolerance")
         ok = None not in (a, b, tol) and abs(a - b) <= tol + 1e-9
-        shown = "not measured" if tol is None else f"±{tol:.3f}"
+        builds = (measured or {}).get("builds", "?")
+        shown = "not measured" if tol is None else f"±{tol:.3f} ({builds} builds)"
         out.append(_row(f"{stage.name} {SCORE}", _fmt(a), _fmt(b), ok, shown))
     base, tuned = _score(got, EVAL_BASE.name), _score(got, EVAL.name)
     out.append(
