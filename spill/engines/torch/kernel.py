@@ -5,7 +5,9 @@ function. Gradients come from autograd one layer at a time (``layer_vjp``, the r
 or from one graph over the whole resident stack (``stack_vjp``, kept activations: the same
 layer ops in the same order, then ``head_vjp``, so the same bits); the head's cross-entropy
 backs through lm_head in chunks of rows so (N, vocab) never exists at once. The budget for
-kept activations is the ring's default: half the memory available on the device now.
+kept activations is the ring's default: half the memory available on the device now. A
+recomputed layer skips ``down_proj``'s base matmul (``ops.unused_outputs``): its output roots
+the graph only, and its input gradient keeps its bits.
 Sampling runs on the CPU in float32 with one ``torch.Generator`` per row. LoRA dropout masks
 come from a seeded ``torch.Generator`` on the model's device. ``adamw`` is
 torch.optim.AdamW's single-tensor update, op for op (``lerp_`` for the first moment, bias
@@ -24,11 +26,21 @@ from spill.engines.base import AdamW
 from spill.engines.core.common import adamw_factors
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.torch import llama, qwen2
-from spill.engines.torch.ops import Context, KVCache, context, inv_freq, rms_norm
+from spill.engines.torch.ops import (
+    Context,
+    KVCache,
+    context,
+    inv_freq,
+    rms_norm,
+    unused_outputs,
+)
 from spill.engines.torch.reader import WeightReader, default_budget
 from spill.models.config import ModelConfig
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
+# A recomputed layer's output only roots its graph: the last linear's base output, added to the
+# residual, is read by no backward formula (every family ends a layer with mlp.down_proj).
+RECOMPUTE_UNUSED = frozenset({"mlp.down_proj"})
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
@@ -134,7 +146,8 @@ class TorchKernel:
             leaves = [a.detach().requires_grad_() for a in leaves]
             if wrt_input:
                 x = x.detach().requires_grad_()
-            out = self.layer(w, x, ctx, None, lora(leaves))
+            with unused_outputs(RECOMPUTE_UNUSED):  # out's value is never read
+                out = self.layer(w, x, ctx, None, lora(leaves))
             got = torch.autograd.grad(out, [*leaves, x] if wrt_input else leaves, grad)
         return (got[-1] if wrt_input else None), list(got[: len(leaves)])
 

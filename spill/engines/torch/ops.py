@@ -4,12 +4,19 @@ The op order follows transformers' Llama and Qwen2 modules (norm in float32, rot
 repeated KV heads into SDPA), so float32 log-probs agree with them to about 1e-6. Weights are
 plain dicts keyed like the HF checkpoint, so the same functions run on a ring slot or a resident
 layer and give bit-identical results.
+
+``unused_outputs`` names linears whose base output nobody reads (the recompute of a layer in
+the backward walk needs only the layer's graph, and no backward formula reads ``down_proj``'s
+output): inside it those linears skip their base matmul and record only its input gradient,
+``grad @ W``, the very ``mm`` autograd runs for ``F.linear``, so the gradients keep their bits.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +32,40 @@ Lora = (
 )
 
 
-def linear(x, w, b=None, lora: Lora | None = None):
-    """``x @ w.T + b``, plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32."""
-    y = F.linear(x, w, b)
+_UNUSED: ContextVar[frozenset[str]] = ContextVar("spill_unused_outputs", default=frozenset())
+
+
+@contextmanager
+def unused_outputs(names: frozenset[str]) -> Iterator[None]:
+    """Within: the base output of the linears called ``names`` is never read (see the module
+    docstring); their value is a zero placeholder, their input gradient exact."""
+    token = _UNUSED.set(names)
+    try:
+        yield
+    finally:
+        _UNUSED.reset(token)
+
+
+class _InputGradOnly(torch.autograd.Function):
+    """``F.linear(x, w)``'s graph without its output: backward is ``grad @ W`` as
+    ``MmBackward`` computes it for ``F.linear`` on the folded (N, in) input."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        ctx.shape = x.shape
+        return x.new_zeros(()).expand(*x.shape[:-1], w.shape[0])  # (..., out), no memory
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad.reshape(-1, grad.shape[-1]).mm(w).view(ctx.shape), None
+
+
+def linear(x, w, b=None, lora: Lora | None = None, unused: bool = False):
+    """``x @ w.T + b``, plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32.
+    ``unused``: the base output is never read (a zero placeholder; exact input gradient)."""
+    y = _InputGradOnly.apply(x, w) if unused and x.requires_grad else F.linear(x, w, b)
     if lora is not None:
         a, bb, scale, *drop = lora
         h = x.float()
@@ -40,7 +78,7 @@ def linear(x, w, b=None, lora: Lora | None = None):
 def proj(w: dict, name: str, x, lora: dict[str, Lora] | None):
     """The linear called ``name`` (``self_attn.q_proj``) of a layer's weight dict."""
     adapter = lora.get(name) if lora else None
-    return linear(x, w[name + ".weight"], w.get(name + ".bias"), adapter)
+    return linear(x, w[name + ".weight"], w.get(name + ".bias"), adapter, name in _UNUSED.get())
 
 
 def rms_norm(x, weight, eps: float):
