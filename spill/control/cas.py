@@ -25,7 +25,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
-from spill.store.fs import _local, filesystem, get_bytes, is_local, join, mount_type, put_bytes
+from spill.store.fs import (
+    _local,
+    filesystem,
+    get_bytes,
+    is_local,
+    is_temp,
+    join,
+    mount_type,
+    put_bytes,
+)
 from spill.store.schemas import parse_json, remember, validate, validate_once
 
 RUNS = "runs"
@@ -148,6 +157,13 @@ class _LocalStore(Store):
     def write(self, key: str, data: bytes, tag: str | None) -> None:
         if self.read(key)[1] != tag:  # under the lock: changed since our last write of it
             raise _Conflict()
+        # Every write of this key holds the lock, so a temporary file of it found now is one a
+        # killed writer left: remove it, or it outlives every later write of the object.
+        folder, name = os.path.split(os.path.join(self.dir, key))
+        for n in os.listdir(folder) if os.path.isdir(folder) else ():
+            if n.startswith(f".{name}") and is_temp(n):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, n))
         put_bytes(self.uri(key), data, drilled=False)
 
 

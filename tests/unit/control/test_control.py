@@ -284,3 +284,16 @@ def test_wait_acquires_once_the_holder_releases(shared):
         assert holder.stdout.read().split() == ["released"]
     finally:
         _stop(holder)
+
+
+def test_a_temporary_control_file_a_killed_writer_left_goes_at_the_next_write(tmp_path):
+    state = str(tmp_path / "state")
+    run = acquire(state)
+    folder = Path(state) / "runs" / run.id
+    stray = folder / ".control.json.tmp-0123456789ab"  # SIGKILL between write and rename
+    stray.write_bytes(b'{"half": ')
+    other = folder / ".notes.tmp-0123456789ab"  # not a temporary file of the control object
+    other.write_bytes(b"x")
+    run.renew()
+    assert not stray.exists() and other.exists()
+    assert current(state)["generation"] == run.gen
