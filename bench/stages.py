@@ -7,7 +7,7 @@ Each ``--python`` is an interpreter with a spill installed (default: this one), 
 virtual environment of an older checkout; each builds a fresh copy of the project with a fresh
 state and its own ``SPILL_HOME`` (the GGUF import of the first use is timed apart, by ``spill
 models import`` before the build). A stage's time runs from the build's ``== <stage>:`` line on
-stderr to the next one (the last to the process's end); the plan before the first stage is
+stderr (the name before ": ") to the next one (the last to the process's end); the plan before the first stage is
 "start". The builds run one after the other, in the order given.
 """
 
@@ -43,7 +43,7 @@ def build(python: str, project: str) -> dict[str, Any]:
     assert proc.stderr is not None
     for line in proc.stderr:
         if line.startswith("== ") and ":" in line:
-            marks.append((line[3:].split(":", 1)[0], time.perf_counter() - t0))
+            marks.append((line[3:].split(": ", 1)[0], time.perf_counter() - t0))
     out = proc.stdout.read() if proc.stdout else ""
     end = time.perf_counter() - t0
     if proc.wait() != 0:
