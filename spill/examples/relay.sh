@@ -44,7 +44,7 @@ say() { printf '\n== %s\n' "$*"; }
 leg_a() {
   export SPILL_HOME="$WORK/home-a"
   say "leg a: the reference, uninterrupted ($PROJECT on $FROM)"
-  if [ -e "$WORK" ] && [ -z "${RELAY_KEEP:-}" ]; then rm -rf "$WORK"; fi
+  rm -rf "$WORK"
   mkdir -p "$WORK"
   cp -r "$HERE/project" "$REF"
   "$SPILL" build "$REF" --engine "$FROM"

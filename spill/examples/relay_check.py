@@ -191,18 +191,16 @@ def check(
     why = steps_once(ckpt, ranges, steps)
     spans = ", ".join(f"{r['from_step']}-{r['to_step']} {r['engine']}" for r in ranges)
     out.append(_row(f"tune steps 0-{steps} once", steps, why or spans, not why))
+    markers = {stage.name: row_ledger(where, stage) for stage in (EVAL_BASE, EVAL)}
     for stage in (EVAL_BASE, EVAL):
-        why = rows_once(row_ledger(where, stage), _test_ids(where, stage))
+        why = rows_once(markers[stage.name], _test_ids(where, stage))
         n = (got.get(stage.name) or {}).get("total")
         out.append(_row(f"{stage.name} rows once", n, why or f"{n} rows", not why))
     a, b = legs.get("a") or {}, legs.get("b") or {}
-    want = {
-        EVAL_BASE.name: (row_ledger(where, EVAL_BASE), a),
-        EVAL.name: (row_ledger(where, EVAL), b),
-    }
-    for stage, (markers, who) in want.items():
-        why = _ran_on([m.get("producer") or {} for m in markers], who) if who else "no leg record"
-        out.append(_row(f"{stage} ran on", "", _show(who) if not why else why, not why))
+    for stage, who in ((EVAL_BASE, a), (EVAL, b)):
+        made = [m.get("producer") or {} for m in markers[stage.name]]
+        why = _ran_on(made, who) if who else "no leg record"
+        out.append(_row(f"{stage.name} ran on", "", _show(who) if not why else why, not why))
     before = [r for r in ranges if r["to_step"] <= stop]
     after = [r for r in ranges if r["from_step"] >= stop]
     why = "" if len(before) + len(after) == len(ranges) else f"no range ends at step {stop}"
