@@ -148,6 +148,9 @@ def entry() -> None:
     if "torch" in sys.modules or "mlx.core" in sys.modules:
         import psutil
 
+        from spill.store.checkpoint import settle
+
+        settle()  # a save's removal of older checkpoints, still on its own thread
         if not psutil.Process().children():
             os._exit(code)
     raise SystemExit(code)

@@ -8,6 +8,7 @@ write, so every file already on disk keeps the form it has.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -18,6 +19,15 @@ def file_sha256(path: Path | str) -> str:
     """Hex sha256 of the file at ``path`` (OSError as open() raises it)."""
     with open(path, "rb", buffering=0) as f:
         return stream_sha256(f)[1]
+
+
+def buffers_sha256(parts: Iterable[bytes | memoryview]) -> str:
+    """Hex sha256 of the buffers' bytes one after the other (hashlib drops the GIL on large
+    buffers, so a thread can hash while another writes the same memory)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
 
 
 def stream_sha256(f: BinaryIO) -> tuple[int, str]:

@@ -66,32 +66,40 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def encode(
+    tensors: Mapping[str, tuple[str, np.ndarray]], metadata: dict[str, str] | None = None
+) -> list[bytes | memoryview]:
+    """A safetensors file as buffers to write in order: the length and header, then each
+    tensor's own memory (no copy when an array is already contiguous in its dtype).
+
+    ``tensors`` maps a name to ``(dtype code, array)`` ("BF16" takes uint16 bits)."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    parts: list[bytes | memoryview] = []
+    # widest dtype first, then by name (as safetensors orders them): every tensor stays aligned
+    for name in sorted(tensors, key=lambda n: (-np.dtype(_DTYPES[tensors[n][0]]).itemsize, n)):
+        dtype, arr = tensors[name]
+        data = np.ascontiguousarray(arr, dtype=_DTYPES[dtype])
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + data.nbytes],
+        }
+        parts.append(memoryview(data.reshape(-1)).cast("B"))
+        offset += data.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return [struct.pack("<Q", len(raw)) + raw, *parts]
+
+
 def write_file(
     path: Path,
     tensors: Mapping[str, tuple[str, np.ndarray]],
     metadata: dict[str, str] | None = None,
 ) -> None:
-    """Write ``{name: (dtype, array)}``; ``dtype`` is a safetensors code ("BF16" takes uint16 bits)."""
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    blobs = []
-    # widest dtype first, then by name (as safetensors orders them): every tensor stays aligned
-    for name in sorted(tensors, key=lambda n: (-np.dtype(_DTYPES[tensors[n][0]]).itemsize, n)):
-        dtype, arr = tensors[name]
-        data = np.ascontiguousarray(arr, dtype=_DTYPES[dtype]).tobytes()
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        blobs.append(data)
-        offset += len(data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    """Write ``{name: (dtype, array)}`` (see ``encode``) to a local file."""
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for blob in blobs:
-            f.write(blob)
+        for part in encode(tensors, metadata):
+            f.write(part)

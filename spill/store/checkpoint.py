@@ -9,10 +9,17 @@ stale or killed writer left is never current. A reader skips a pointed folder th
 verification with one logged line (warning level) and takes the next. A save writes a new
 folder (payload names are unique per generation, so no two writers ever write one name),
 publishes it through the run's fenced transition, and then removes the folders of its kind that
-no pointer names (never one of a later generation).
+no pointer names (never one of a later generation). That removal runs on a thread of its own,
+off the training loop's path; the next save, ``settle`` and the end of the process wait for it
+(a process killed before it finishes leaves folders that no pointer names, which the next save
+removes).
 
-Tensors are float32 and written with ``safetensors.numpy.save`` in name order, so equal inputs
-give equal bytes and an equal COMMIT. Optimizer tensors are named ``m::<name>`` and
+A save writes the arrays' own memory (no encoded copy) while two threads hash it (hashlib drops
+the GIL), fsyncs the three files together, then puts COMMIT atomically: the cost of a plain
+fsync'd write of the same bytes plus what the hashes do not hide (``bench/checkpoint.py``).
+
+Tensors are float32 and laid out as ``safetensors.numpy.save`` lays them out (name order,
+``spill.models.safetensors_io.encode``), so equal inputs give equal bytes and an equal COMMIT. Optimizer tensors are named ``m::<name>`` and
 ``v::<name>`` after the parameter they belong to.
 
 A save hashes each existing folder at most once per process (a verdict is remembered per COMMIT
@@ -28,16 +35,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
+from spill.hashing import buffers_sha256
+from spill.models.safetensors_io import encode
 from spill.store import drill
-from spill.store.fs import exists, get_bytes, join, put_bytes
+from spill.store.fs import exists, get_bytes, join, put_bytes, put_fresh, sync_fresh
 from spill.store.schemas import SchemaInvalid, parse_json, validate
 
 KIND = "ckpt"
@@ -52,6 +64,7 @@ SCHEMA_VERSION = 1
 log = logging.getLogger(__name__)
 
 _good: dict[str, str] = {}  # step directory URI -> sha256 of a COMMIT verified in this process
+_removing: dict[str, threading.Thread] = {}  # place URI -> its older folders being removed
 
 
 class CheckpointInvalid(StoreError):
@@ -88,16 +101,14 @@ def _dump(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
 
 
-def _encode_tensors(tensors: Mapping[str, np.ndarray], what: str) -> bytes:
-    from safetensors.numpy import save
-
+def _encode_tensors(tensors: Mapping[str, np.ndarray], what: str) -> list[bytes | memoryview]:
     for name, a in tensors.items():
         if not isinstance(a, np.ndarray) or a.dtype != np.float32:
             kind = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
             raise ValueError(
                 f"{what} tensor {name!r} is {kind}; checkpoints hold float32 numpy arrays"
             )
-    return save({k: np.ascontiguousarray(tensors[k]) for k in sorted(tensors)})
+    return encode({k: ("F32", a) for k, a in tensors.items()})
 
 
 def _check_opt(params: Mapping[str, np.ndarray], opt: Mapping[str, np.ndarray]) -> None:
@@ -217,36 +228,45 @@ def save_checkpoint(
     ``state`` is the state.json document without ``schema_version`` (added here); its ``step``,
     if present, must equal ``step``. Non-finite losses must be given as None. Once it is
     published, the ``keep`` newest pointed checkpoints stay and other folders of its kind go.
+
+    The tensors' own memory is written (no encoded copy) while two threads hash it; the three
+    files are fsynced together, then COMMIT goes in atomically and the pointer moves.
     """
     if step < 0 or keep < 1:
         raise ValueError(f"step {step} and keep {keep}: need step >= 0 and keep >= 1")
     _check_opt(params, opt)
+    settle(place)  # a removal still running must not see this save's new folder
     doc = {"schema_version": SCHEMA_VERSION, **state}
     if doc.setdefault("step", step) != step:
         raise ValueError(f"state says step {doc['step']}, saving step {step}")
-    where = join(place.uri, f"payloads/{KIND}-s{step}", STATE)
-    validate(doc, "checkpoint-state", where=where)
-    blobs = {PARAMS: _encode_tensors(params, "parameter"), OPT: _encode_tensors(opt, "optimizer")}
-    blobs[STATE] = _dump(doc)
-    commit = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "spill-checkpoint",
-        "step": step,
-        "files": {n: {"size": len(blobs[n]), "sha256": _sha256(blobs[n])} for n in FILES},
-    }
+    validate(doc, "checkpoint-state", where=join(place.uri, f"payloads/{KIND}-s{step}", STATE))
+    parts = {PARAMS: _encode_tensors(params, "parameter"), OPT: _encode_tensors(opt, "optimizer")}
+    parts[STATE] = [_dump(doc)]
+    current = place.pointer(KIND)
+    # the exact same checkpoint may already be current (a stop right after a resume): then
+    # nothing is written before the hashes say whether it is
+    again = bool(current) and payload_seq(current[0]) == step
+    target = place.payload(KIND, step)
+    with ThreadPoolExecutor(2, thread_name_prefix="spill-ckpt") as pool:
+        # two cores' worth of work: one thread hashes the largest file from the start; this one
+        # writes the files, hands their fsync (a wait on the disk) to the other thread, then
+        # hashes the rest
+        opt_digest = pool.submit(buffers_sha256, parts[OPT])
+        synced = None if again else pool.submit(_write_files(target, parts))
+        hashed = {n: buffers_sha256(parts[n]) for n in (PARAMS, STATE)}
+        hashed[OPT] = opt_digest.result()
+        files = {n: {"size": _size(parts[n]), "sha256": hashed[n]} for n in FILES}
+        if synced is not None:
+            synced.result()
+    commit = {"schema_version": SCHEMA_VERSION, "kind": "spill-checkpoint", "step": step}
+    commit["files"] = files
     validate(commit, "commit", where=join(place.uri, f"payloads/{KIND}-s{step}", COMMIT))
     commit_bytes = _dump(commit)
-
-    current = place.pointer(KIND)
-    # the exact same checkpoint may already be current (a stop right after a resume)
-    if current and payload_seq(current[0]) == step and _same_commit(current[0], commit_bytes):
-        drill.at(drill.CKPT_AFTER_COMMIT)
-        return current[0]
-    target = place.payload(KIND, step)
-    put_bytes(join(target, PARAMS), blobs[PARAMS])
-    drill.at(drill.CKPT_BETWEEN_FILES)
-    put_bytes(join(target, OPT), blobs[OPT])
-    put_bytes(join(target, STATE), blobs[STATE])
+    if again:
+        if _same_commit(current[0], commit_bytes):
+            drill.at(drill.CKPT_AFTER_COMMIT)
+            return current[0]
+        _write_files(target, parts)()
     drill.at(drill.CKPT_BEFORE_COMMIT)
     put_bytes(join(target, COMMIT), commit_bytes)
     _good[target] = _sha256(commit_bytes)
@@ -255,8 +275,42 @@ def save_checkpoint(
     kept = [target, *older[: keep - 1]]
     place.publish(KIND, kept)
     drill.at(drill.CKPT_AFTER_COMMIT)
-    place.collect(KIND, set(kept))
+    remover = threading.Thread(
+        target=_collect, args=(place, set(kept)), name="spill-ckpt-collect", daemon=False
+    )
+    _removing[place.uri] = remover
+    remover.start()
     return target
+
+
+def settle(place: Place | None = None) -> None:
+    """Wait until the older checkpoint folders a save is removing (of ``place``, or of every
+    place) are gone."""
+    for uri in [place.uri] if place is not None else list(_removing):
+        if (remover := _removing.pop(uri, None)) is not None:
+            remover.join()
+
+
+def _collect(place: Place, keep: set[str]) -> None:
+    try:
+        place.collect(KIND, keep)
+    except StoreError as e:  # the next save tries again
+        log.warning("older checkpoints not removed yet: %s", e)
+
+
+def _size(parts: list[bytes | memoryview]) -> int:
+    return sum(memoryview(b).nbytes for b in parts)
+
+
+def _write_files(target: str, parts: Mapping[str, list[bytes | memoryview]]) -> Callable[[], None]:
+    """Write the three files of a new payload folder in place (nobody reads them before the
+    COMMIT that follows names their sizes and hashes); returns what fsyncs them, to run before
+    that COMMIT."""
+    put_fresh(join(target, PARAMS), parts[PARAMS])
+    drill.at(drill.CKPT_BETWEEN_FILES)
+    put_fresh(join(target, OPT), parts[OPT])
+    put_fresh(join(target, STATE), parts[STATE])
+    return partial(sync_fresh, [join(target, n) for n in FILES])
 
 
 def _committed(uri: str) -> bool:

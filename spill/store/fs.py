@@ -22,7 +22,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import PurePosixPath
 
@@ -157,6 +157,51 @@ def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> N
     with _errors(uri, "write"):
         fs.pipe_file(path, data)
         fs.invalidate_cache(path)
+
+
+def put_fresh(uri: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> None:
+    """Write a new file from ``parts`` that nobody trusts before a marker written after it (a
+    checkpoint's files before its COMMIT): no temporary name and no fsync here; ``sync_fresh``
+    makes the files durable before the marker is written. Locally the name must be new (a
+    payload folder's names are unique to their writer); remotely it is one put."""
+    uri = os.fspath(uri)
+    if is_local(uri):
+        path = _local(uri)
+        with _errors(uri, "write"):
+            _makedirs_durable(os.path.dirname(os.path.abspath(path)))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for part in parts:
+                    view = memoryview(part)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                if hasattr(os, "posix_fadvise"):  # start writing it to disk now, not at fsync
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return
+    fs, path = filesystem(uri)
+    with _errors(uri, "write"):
+        fs.pipe_file(path, b"".join(parts))
+        fs.invalidate_cache(path)
+
+
+def sync_fresh(uris: Sequence[str]) -> None:
+    """fsync local files written by ``put_fresh`` and their folders; object stores have
+    nothing to do (a put is durable when it returns)."""
+    folders = set()
+    for uri in uris:
+        if is_local(uri):
+            path = _local(uri)
+            with _errors(uri, "sync"):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            folders.add(os.path.dirname(os.path.abspath(path)))
+    for folder in sorted(folders):
+        _fsync_dir(folder)
 
 
 def get_bytes(uri: str | os.PathLike) -> bytes:

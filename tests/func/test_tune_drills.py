@@ -78,9 +78,10 @@ def finish(state: str, control: kit.Control, env: dict, committed: int | None, *
 # --- every named boundary -----------------------------------------------------------------------
 
 # (drill, the step whose checkpoint verifies after the kill, what the kill must have left)
-# Saves fall at steps 2, 4 and 6 (--ckpt-every 2); each local save is four atomic puts, so puts
-# 1-4 are step 2's, 5-8 step 4's, 9-12 step 6's and 13 on the adapter's (control objects are
-# written without drill counting). The killed run is generation 1, so its folders are
+# Saves fall at steps 2, 4 and 6 (--ckpt-every 2); a local save writes its three files in place
+# (nobody trusts them before COMMIT) and puts COMMIT atomically, so put 1 is step 2's COMMIT, 2
+# step 4's, 3 step 6's and 4 on the adapter's (control objects are written without drill
+# counting). The killed run is generation 1, so its folders are
 # ``payloads/ckpt-g1-s<step>-0``.
 BOUNDARIES = [
     ("tune-before-forward@4", 2, []),
@@ -93,11 +94,11 @@ BOUNDARIES = [
     # the last checkpoint published, step 2 not yet collected: the rerun only publishes
     ("ckpt-after-commit@3", 6, ["payloads/ckpt-g1-s2-0 (not current)"]),
     (
-        "put-before-rename@8",
+        "put-before-rename@2",
         2,
         ["payloads/ckpt-g1-s4-0 (not current)", "payloads/ckpt-g1-s4-0/.COMMIT.tmp-"],
     ),
-    ("put-before-rename@14", 6, ["adapter/"]),  # killed while publishing the adapter
+    ("put-before-rename@5", 6, ["adapter/"]),  # killed while publishing the adapter
 ]
 
 

@@ -1,10 +1,11 @@
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save
 
 from spill.errors import ModelError
 from spill.models.safetensors_io import (
     bf16_bits_to_float32,
+    encode,
     float32_to_bf16_bits,
     read_header,
     write_file,
@@ -45,3 +46,21 @@ def test_truncated_and_corrupt_files(tmp_path):
     p.write_bytes(b"\xff" * 64)
     with pytest.raises(ModelError, match="corrupt"):
         read_header(p)
+
+
+def test_encode_lays_out_what_safetensors_writes_without_copying():
+    rng = np.random.default_rng(0)
+    tensors = {
+        "b::x": rng.random((2, 3), dtype=np.float32),
+        "a": np.ones(5, np.float32),
+        "scalar": np.array(2.5, np.float32),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+    parts = encode({k: ("F32", a) for k, a in tensors.items()})
+    assert b"".join(bytes(p) for p in parts) == save(dict(sorted(tensors.items())))
+    # each tensor's buffer is the array's own memory
+    assert all(
+        np.shares_memory(np.frombuffer(p, np.float32), a)
+        for p, a in zip(parts[1:], [tensors[k] for k in sorted(tensors)], strict=True)
+        if a.size
+    )

@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 import pytest
+from safetensors.numpy import save as safetensors_save
 
 from spill.control.control import Superseded
 from spill.control.place import Place, payload_seq
@@ -20,6 +21,7 @@ from spill.store.checkpoint import (
     load_checkpoint,
     newest_commit,
     save_checkpoint,
+    settle,
 )
 from spill.store.schemas import SchemaInvalid
 
@@ -35,6 +37,8 @@ def latest(root: str):
 
 
 def on_disk(root: str) -> list[str]:
+    """The checkpoint folders left once every save's background removal has finished."""
+    settle()
     return [n for n in fs.listdir(fs.join(root, "payloads")) if n.startswith("ckpt-")]
 
 
@@ -85,6 +89,31 @@ def test_bytes_are_deterministic(tmp_path, data):
         "opt.safetensors",
         "state.json",
     }
+    # the layout safetensors itself writes (checkpoints of earlier versions were written by it)
+    assert fs.get_bytes(fs.join(ua, "params.safetensors")) == safetensors_save(
+        dict(sorted(params.items()))
+    )
+
+
+def test_a_view_is_written_as_its_values(tmp_path, data):
+    """A transposed (non-contiguous) array is saved as the values it shows, not as its memory."""
+    params, opt, state = data(1)
+    name = sorted(params)[0]
+    params = {**params, name: np.asfortranarray(params[name])}
+    uri = save_checkpoint(writer(str(tmp_path / "s")), 1, params, opt, state)
+    assert np.array_equal(load_checkpoint(uri).params[name], params[name])
+
+
+def test_resaving_the_current_step_with_other_values_writes_a_new_folder(tmp_path, data):
+    root = str(tmp_path / "state")
+    place = writer(root)
+    save_checkpoint(place, 1, *data(1))
+    params, opt, state = data(2)
+    first = save_checkpoint(place, 2, params, opt, state)
+    other = {k: a + 1 for k, a in params.items()}
+    again = save_checkpoint(place, 2, other, opt, state)
+    assert again != first and again.endswith("ckpt-g1-s2-1")
+    assert_exact(load_checkpoint(latest(root)), (other, opt, state))
 
 
 def test_keeps_the_two_newest(root, data):
@@ -227,6 +256,7 @@ def test_a_stale_collection_never_removes_a_later_generations_folder(tmp_path, d
     root = str(tmp_path / "state")
     old = acquire(root, lease=0.2)
     one = save_checkpoint(old.place(), 1, *data(1))
+    settle()
     fs.put_bytes(fs.join(root, "payloads", "ckpt-g1-s2-0", "params.safetensors"), b"x")  # litter
     new = acquire(root, wait=True, poll=0.05)
     save_checkpoint(new.place(), 2, *data(2))

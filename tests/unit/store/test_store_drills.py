@@ -19,7 +19,7 @@ from spill.control.control import Busy
 from spill.control.place import Place
 from spill.control.runs import acquire
 from spill.store import fs
-from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.store.rows import restore
 
 WORKER = Path(__file__).with_name("store_worker.py")
@@ -30,6 +30,7 @@ def assert_killed(proc: subprocess.CompletedProcess) -> None:
 
 
 def payloads(root: str, kind: str) -> list[str]:
+    settle()  # this process's saves remove older folders on a thread of their own
     return [n for n in fs.listdir(fs.join(root, "payloads")) if n.startswith(kind + "-")]
 
 
