@@ -9,7 +9,7 @@ and its model families.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -101,6 +101,20 @@ class AdamW:
 
 
 @dataclass(frozen=True)
+class BatchPlan:
+    """How many rows a row job's batch holds, and why (``spill.engines.core.batching``)."""
+
+    rows: int  # rows per batch
+    why: str  # for the pre-run line: "from the memory budget (...)", "(--batch)"
+
+    def line(self) -> str:
+        return f"batch {self.rows} {self.why}"
+
+
+ACTIVATIONS = ("auto", "keep", "recompute")  # how a trainer treats a step's activations
+
+
+@dataclass(frozen=True)
 class ActivationPlan:
     """Whether a trainer keeps a step's activations (no recompute) and why: the estimate of a
     micro-batch's activations against the memory budget, or what forced the choice."""
@@ -109,15 +123,21 @@ class ActivationPlan:
     need: int  # bytes, estimated
     budget: int  # bytes
     forced: str = ""  # what decided instead of the budget ("layers stream", an env setting)
+    outputs: int = 0  # bytes of base outputs the recompute keeps from the forward (0: none)
 
     def line(self) -> str:
         gb = 1e9
         est = f"est. {self.need / gb:.2f} GB"
-        if self.forced:
-            return f"activations {'kept' if self.keep else 'recomputed'} ({self.forced}; {est})"
         if self.keep:
-            return f"activations kept ({est} of {self.budget / gb:.1f} GB budget)"
-        return f"activations recomputed ({est} > {self.budget / gb:.1f} GB budget)"
+            why = self.forced or f"{est} of {self.budget / gb:.1f} GB budget"
+            return f"activations kept ({why}{'; ' + est if self.forced else ''})"
+        why = (
+            f"{self.forced}; {est}" if self.forced else f"{est} > {self.budget / gb:.1f} GB budget"
+        )
+        kept = (
+            f"; reuses {self.outputs / gb:.2f} GB of forward matmul outputs" if self.outputs else ""
+        )
+        return f"activations recomputed ({why}){kept}"
 
 
 class Trainer(Protocol):
@@ -135,9 +155,10 @@ class Trainer(Protocol):
         """(params, m, v) as float32 numpy copies."""
         ...
 
-    def plan(self, rows: int, length: int) -> ActivationPlan:
+    def plan(self, rows: int, length: int, activations: str = "auto") -> ActivationPlan:
         """Decide once for the run whether (rows, length) micro-batches keep their activations
-        (unplanned, each micro-batch decides for its own shape); the results do not depend on it."""
+        (``auto``: when they fit the budget; or ``keep``, ``recompute``; unplanned, each
+        micro-batch decides for its own shape); the results do not depend on it."""
         ...
 
     def accumulate(self, batch: TrainBatch) -> float:
@@ -155,6 +176,14 @@ class Trainer(Protocol):
 class Runner(Protocol):
     info: EngineInfo
     stats: Stats
+    # free device memory in bytes now; None: the host's (a CPU, MLX's unified memory)
+    free_memory: Callable[[], int] | None
+
+    def plan_batch(self, tokens: int, rows: int) -> BatchPlan:
+        """The batch a row job of ``rows`` rows of at most ``tokens`` tokens runs at: as many
+        rows as the memory left after the ring allows (at most 64), so that each walk over the
+        layers serves them all."""
+        ...
 
     def generate(
         self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]

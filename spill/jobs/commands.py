@@ -250,6 +250,7 @@ def cmd_tune(args) -> int:
 def _tune_options(p: argparse.ArgumentParser) -> None:
     """One flag per setting of the tune conf group, its default read from there."""
     from spill.conf import defaults
+    from spill.engines.base import ACTIVATIONS
 
     t = defaults("tune")
     g = p.add_argument_group("settings (defaults: conf/tune/default.yaml, as in a build)")
@@ -299,6 +300,13 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=t["ckpt_every"],
         help="steps between checkpoints (default %(default)s)",
+    )
+    g.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default=t["activations"],
+        help="keep a step's activations or recompute them in backward; auto keeps them when "
+        "they fit the memory budget; the same result either way (default %(default)s)",
     )
 
 

@@ -42,8 +42,7 @@ from typing import Any, Protocol
 
 from spill.console import note, progress
 from spill.control.place import Place
-from spill.engines.base import EngineInfo, LoadOptions
-from spill.engines.core.batching import BatchPlan
+from spill.engines.base import BatchPlan, EngineInfo, LoadOptions
 from spill.errors import DataError, StoreError, UsageError
 from spill.hashing import file_sha256
 from spill.jobs.authority import Held, hold

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from spill.console import note, progress
 from spill.control.place import Place
-from spill.engines.base import AdamW, LoadOptions, TrainBatch
+from spill.engines.base import ACTIVATIONS, AdamW, LoadOptions, TrainBatch
 from spill.errors import SpillError, UsageError
 from spill.jobs import producer
 from spill.jobs.authority import Held, hold
@@ -33,7 +33,7 @@ from spill.models.lora import LoraConfig, init_params
 from spill.models.tokenizer import Tokenizer
 from spill.paths import spill_home
 from spill.store import drill
-from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.store.fs import exists, is_local, join, probe_writable, same_file
 
 
@@ -60,6 +60,7 @@ class TuneOptions:
     seq_len: int
     ckpt_every: int
     seed: int
+    activations: str  # keep, recompute, or auto: kept when they fit the budget
     engine: str
     stop_after: int | None = None
     state: str | None = None
@@ -87,6 +88,8 @@ class TuneOptions:
         LoraConfig.parse_targets(self.targets)  # an unknown module fails here, in one line
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise SpillError(f"--stop-after must be between 1 and --steps ({self.steps})")
+        if self.activations not in ACTIVATIONS:
+            raise SpillError(f"--activations {self.activations!r}: use {', '.join(ACTIVATIONS)}")
         if self.lr <= 0 or self.warmup < 0:
             raise SpillError("--lr must be positive and --warmup zero or more")
 
@@ -235,7 +238,8 @@ def _tune(
     trainer = runner.trainer(opts.lora)
     trainer.set_state(params, m, v)
     # the longest micro-batch this run can make; the choice never changes the results
-    note(f"spill tune · {trainer.plan(opts.micro_batch, opts.seq_len).line()}")
+    plan = trainer.plan(opts.micro_batch, opts.seq_len, opts.activations)
+    note(f"spill tune · {plan.line()}")
     started, saved_at = step, step if ckpt is not None else None
     tokens = 0
     t0 = time.perf_counter()
@@ -293,6 +297,7 @@ def _tune(
                 with guard.mutating():
                     save()
     seconds = time.perf_counter() - t0
+    settle(place)  # the last save's removal of older checkpoints ends with the tune
     summary = {
         "name": name,
         "step": step,

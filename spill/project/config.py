@@ -81,6 +81,7 @@ class TuneConfig:
     micro_batch: int
     seq_len: int
     ckpt_every: int
+    activations: str  # auto, keep or recompute (the same bits either way)
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ def specs(project: Project, prepared: Prepared) -> list[StageSpec]:
         why_off="no teacher (teacher.name is null)",
     )
 
-    tune_values = {f"tune.{k}": v for k, v in asdict(p.tune).items() if k != "ckpt_every"}
+    same = ("ckpt_every", "activations")  # neither changes a bit of the result
+    tune_values = {f"tune.{k}": v for k, v in asdict(p.tune).items() if k not in same}
     tune_inputs = {**common, **tune_values}
     if teacher:
         tune_inputs["stage:distill"] = distill.fingerprint

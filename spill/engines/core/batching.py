@@ -29,23 +29,13 @@ the device's free memory (a discrete GPU whose engine gives none) the batch is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from spill.engines.base import BatchPlan
 from spill.models.config import ModelConfig
 
 MAX_BATCH = 64  # rows per batch at most (see the module doc)
 FALLBACK_BATCH = 8  # the batch when the device's free memory is not known
 ROWS_FRACTION = 0.5  # share of the memory left free after the ring that the rows may use
 SAFETY = 1.5  # on top of the named buffers (allocator slack, temporaries)
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    rows: int  # rows per batch
-    why: str  # for the pre-run line: "from the memory budget (...)", "(--batch)"
-
-    def line(self) -> str:
-        return f"batch {self.rows} {self.why}"
 
 
 def row_bytes(cfg: ModelConfig, itemsize: int, tokens: int) -> int:

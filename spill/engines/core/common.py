@@ -170,6 +170,19 @@ def activation_bytes(
     return rows * length * cfg.num_hidden_layers * (base + adapters + attention)
 
 
+def output_bytes(
+    cfg: ModelConfig, names: frozenset[str], rows: int, length: int, itemsize: int
+) -> int:
+    """What keeping the base outputs of the linears ``names`` (``mlp.gate_proj``) of every layer
+    takes for a (rows, length) micro-batch."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    width = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h}
+    width |= {"gate_proj": inter, "up_proj": inter, "down_proj": h}
+    per_token = sum(width[n.rsplit(".", 1)[-1]] for n in names) * itemsize
+    return rows * length * cfg.num_hidden_layers * per_token
+
+
 def adamw_factors(opt: AdamW) -> tuple[float, float]:
     """(step size, sqrt of the second bias correction) of torch's AdamW, as Python floats."""
     if opt.step < 1:

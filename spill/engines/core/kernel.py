@@ -70,8 +70,17 @@ class Kernel(Protocol):
         """ids (B, T) -> (B, T, hidden)."""
         ...
 
-    def layer(self, w: dict, x: Array, ctx: Any, cache: Any, lora: LayerLora | None) -> Array:
-        """One decoder layer: x (B, T, hidden) -> (B, T, hidden)."""
+    def layer(
+        self,
+        w: dict,
+        x: Array,
+        ctx: Any,
+        cache: Any,
+        lora: LayerLora | None,
+        outputs: dict | None = None,
+    ) -> Array:
+        """One decoder layer: x (B, T, hidden) -> (B, T, hidden). Given ``outputs`` (empty), the
+        base outputs of the ``kept_outputs`` linears are stored in it for ``layer_vjp``."""
         ...
 
     def final_norm(self, x: Array) -> Array: ...
@@ -102,9 +111,11 @@ class Kernel(Protocol):
         lora: Callable[[Sequence[Array]], LayerLora],
         grad: Array,
         wrt_input: bool,
+        outputs: dict | None = None,
     ) -> tuple[Array | None, list[Array]]:
         """Recompute ``layer(w, x, ctx, None, lora(leaves))`` and pull ``grad`` back through it:
-        (gradient at x, or None without ``wrt_input``; the gradient of each leaf)."""
+        (gradient at x, or None without ``wrt_input``; the gradient of each leaf). ``outputs``:
+        what the forward's ``layer`` kept; those linears are not computed again."""
         ...
 
     def stack_vjp(
@@ -127,6 +138,11 @@ class Kernel(Protocol):
 
     def memory_budget(self) -> int:
         """Bytes a step's kept activations may take on this device now."""
+        ...
+
+    def kept_outputs(self) -> frozenset[str]:
+        """Linears (``mlp.gate_proj``) whose base outputs ``layer`` can keep for ``layer_vjp``
+        (empty: the recompute computes every linear again)."""
         ...
 
     def head_vjp(

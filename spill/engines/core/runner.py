@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from spill.engines.base import EngineInfo, GenerateParams, Generation, Stats
-from spill.engines.core.batching import ROWS_FRACTION, BatchPlan, plan_batch
+from spill.engines.base import BatchPlan, EngineInfo, GenerateParams, Generation, Stats
+from spill.engines.core.batching import ROWS_FRACTION, plan_batch
 from spill.engines.core.common import (
     check_generate,
     check_params,
@@ -83,8 +83,9 @@ def host_free() -> int:
 
 
 class StreamRunner:
-    def __init__(self, model: Model, info: EngineInfo, stats: Stats):
+    def __init__(self, model: Model, info: EngineInfo, stats: Stats, memory: int | None = None):
         self.model, self.info, self.stats = model, info, stats
+        self.memory = memory  # an explicit byte budget (``--memory``); None: the device decides
         self._adapter: dict[int, dict] | None = None  # layer -> module -> (A, B, scale)
         # Free device memory in bytes now; None: the host's (``host_free``), right for a CPU
         # and MLX's unified memory. A discrete GPU's opener sets it, or its batch stays fixed.
@@ -118,7 +119,16 @@ class StreamRunner:
 
     def trainer(self, lora: LoraConfig) -> StreamTrainer:
         """A trainer on these base weights; the caller sets its state (``init_params`` to start)."""
-        return StreamTrainer(self.model, lora)
+        return StreamTrainer(self.model, lora, self.activation_budget)
+
+    def activation_budget(self) -> int:
+        """Bytes a training step's activations may take now: the kernel's budget (half the
+        memory available), and within an explicit ``--memory`` what the ring's layers leave."""
+        budget = self.model.kernel.memory_budget()
+        if self.memory is not None:
+            layers = self.info.ring * self.model.cfg.layer_params() * self.model.kernel.itemsize
+            budget = min(budget, max(0, self.memory - layers))
+        return budget
 
     def _last_logits(self, h) -> np.ndarray:
         return self.model.kernel.numpy(self.model.kernel.logits(h[:, -1]))  # (B, V) float32

@@ -7,7 +7,9 @@ Two walks give the same gradients, bit for bit; the memory budget picks one per 
   through it (the kernel's ``stack_vjp``: one autograd graph on torch, one ``mx.vjp`` over the
   stack on MLX). No layer is computed twice.
 * **recompute** (layers stream, or activations do not fit): forward keeps each layer's input
-  hidden state and nothing else; the kernel's head (final norm, lm_head, a float32
+  hidden state (and, when they fit the budget too, the base outputs of the kernel's
+  ``kept_outputs`` linears, which the recompute then takes instead of computing them again:
+  the same bits, half a layer's matmuls fewer on torch); the kernel's head (final norm, lm_head, a float32
   cross-entropy over the target tokens) gives the loss and its gradient at the last layer's
   output. Backward walks the ring in reverse, recomputes each layer from its saved input
   through the kernel's ``layer_vjp`` with respect to that input and the layer's LoRA tensors,
@@ -16,8 +18,9 @@ Two walks give the same gradients, bit for bit; the memory budget picks one per 
 
 Both run the same ops in the same order on the same inputs (the recompute's forward of a layer
 is the kept forward of that layer), so streamed, resident, kept and recomputed gradients are
-bit-identical; tests check it with exact equality. ``SPILL_ACTIVATIONS=keep|recompute`` forces
-the choice (keep still needs resident layers).
+bit-identical; tests check it with exact equality. ``plan``'s ``keep`` or ``recompute`` (the
+``tune.activations`` setting, ``--activations``) forces the choice (keep still needs resident
+layers).
 
 LoRA dropout masks are a pure function of (``batch.dropout_seed``, layer, module): the module's
 seed (``common.dropout_seed``) keys the kernel's generator, so the recompute draws the forward's
@@ -28,25 +31,23 @@ counters, and ``state()`` is everything needed to continue exactly.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spill.engines.base import ActivationPlan, AdamW, TrainBatch
+from spill.engines.base import ACTIVATIONS, ActivationPlan, AdamW, TrainBatch
 from spill.engines.core.common import (
     activation_bytes,
     check_batch,
     check_lora,
     check_params,
     dropout_seed,
+    output_bytes,
 )
 from spill.engines.core.kernel import Array, LayerLora
 from spill.errors import EngineError
 from spill.models.lora import MODULES, LoraConfig, param_names
-
-FORCE = "SPILL_ACTIVATIONS"  # "keep" or "recompute" overrides the budget's choice
 
 if TYPE_CHECKING:
     from spill.engines.core.runner import Model
@@ -75,9 +76,10 @@ def layer_adapters(
 class StreamTrainer:
     """float32 LoRA parameters, AdamW moments and accumulated gradients as kernel arrays."""
 
-    def __init__(self, model: Model, lora: LoraConfig):
+    def __init__(self, model: Model, lora: LoraConfig, budget: Callable[[], int] | None = None):
         check_lora(lora)
         self.model, self.kernel, self.lora = model, model.kernel, lora
+        self.budget = budget or model.kernel.memory_budget  # bytes activations may take now
         self.names = param_names(model.cfg, lora)
         self._ready = False
         self.params: dict[str, Array] = {}
@@ -131,25 +133,33 @@ class StreamTrainer:
 
         return names, build
 
-    def plan(self, rows: int, length: int) -> ActivationPlan:
-        """Decide, for every later micro-batch, whether activations are kept: they are when the
-        layers are resident and a (rows, length) micro-batch's activations fit the budget (half
-        the memory available now, after the weights were loaded)."""
-        self._plan = self._decide(rows, length)
+    def plan(self, rows: int, length: int, activations: str = "auto") -> ActivationPlan:
+        """Decide, for every later micro-batch, whether activations are kept: with ``auto`` they
+        are when the layers are resident and a (rows, length) micro-batch's activations fit the
+        budget (half the memory available now, after the weights were loaded, and within an
+        explicit ``--memory``); ``keep`` or ``recompute`` decide instead (keep needs resident
+        layers)."""
+        self._plan = self._decide(rows, length, activations)
         return self._plan
 
-    def _decide(self, rows: int, length: int) -> ActivationPlan:
+    def _decide(self, rows: int, length: int, activations: str = "auto") -> ActivationPlan:
         m, k = self.model, self.kernel
+        if activations not in ACTIVATIONS:
+            raise EngineError(f"activations {activations!r}: use {', '.join(ACTIVATIONS)}")
         need = activation_bytes(m.cfg, self.lora, rows, length, k.itemsize)
-        budget = k.memory_budget()
-        forced = os.environ.get(FORCE, "").strip().lower()
-        if forced not in ("", "keep", "recompute"):
-            raise EngineError(f"{FORCE}={forced!r} is not understood; use keep or recompute")
-        if not m.ring.resident:
+        budget = self.budget()
+        if activations == "keep" and not m.ring.resident:
             return ActivationPlan(False, need, budget, "layers stream")
-        if forced:
-            return ActivationPlan(forced == "keep", need, budget, f"{FORCE}={forced}")
-        return ActivationPlan(need <= budget, need, budget, "")
+        if activations != "auto":
+            return ActivationPlan(
+                activations == "keep", need, budget, f"--activations {activations}"
+            )
+        if m.ring.resident and need <= budget:
+            return ActivationPlan(True, need, budget)
+        names = k.kept_outputs()
+        outputs = output_bytes(m.cfg, names, rows, length, k.itemsize) if names else 0
+        why = "" if m.ring.resident else "layers stream"
+        return ActivationPlan(False, need, budget, why, outputs if outputs <= budget else 0)
 
     def accumulate(self, batch: TrainBatch) -> float:
         """Forward and backward through the ring; add ``scale`` x d(loss sum) to the gradients.
@@ -163,7 +173,7 @@ class StreamTrainer:
         plan = self._plan or self._decide(*tokens.shape)
         if plan.keep:
             return self._kept(tokens, attention, rows, cols, batch)
-        return self._recompute(tokens, attention, rows, cols, batch)
+        return self._recompute(tokens, attention, rows, cols, batch, plan.outputs > 0)
 
     def _kept(self, tokens, attention, rows, cols, batch: TrainBatch) -> float:
         """One forward over the resident layers that keeps what backward needs, then backward."""
@@ -184,17 +194,19 @@ class StreamTrainer:
         k.sync(list(self.grads.values()))
         return loss
 
-    def _recompute(self, tokens, attention, rows, cols, batch: TrainBatch) -> float:
-        """Keep each layer's input; backward recomputes each layer from it, one at a time."""
+    def _recompute(self, tokens, attention, rows, cols, batch: TrainBatch, reuse: bool) -> float:
+        """Keep each layer's input (and with ``reuse`` some of its matmul outputs); backward
+        recomputes each layer from them, one at a time."""
         m, k, seed = self.model, self.kernel, batch.dropout_seed
         layers = m.cfg.num_hidden_layers
         ctx = k.context(attention, 0, tokens.shape[1])
         saved: list = [None] * layers  # each layer's input (B, T, hidden)
+        outputs: list = [{} if reuse else None for _ in range(layers)]
         x = k.embed_ids(k.array(tokens))
         for i, w in m.ring.walk(range(layers)):
             saved[i] = x
             names, build = self._lora(i, seed)
-            x = k.layer(w, x, ctx, None, build([self.params[n] for n in names]))
+            x = k.layer(w, x, ctx, None, build([self.params[n] for n in names]), outputs[i])
             k.sync(x)
         loss, grad = k.head_vjp(x, tokens, rows, cols, batch.scale)
         for i, w in m.ring.walk(range(layers - 1, -1, -1)):
@@ -202,7 +214,8 @@ class StreamTrainer:
             names, build = self._lora(i, seed)
             leaves = [self.params[n] for n in names]
             # nothing below layer 0 takes a gradient
-            grad, got = k.layer_vjp(w, x, ctx, leaves, build, grad, wrt_input=i > 0)
+            given, outputs[i] = outputs[i], None
+            grad, got = k.layer_vjp(w, x, ctx, leaves, build, grad, i > 0, given)
             for name, g in zip(names, got, strict=True):
                 self.grads[name] = self.grads[name] + g
             k.sync([self.grads[n] for n in names], *([grad] if grad is not None else []))

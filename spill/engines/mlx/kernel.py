@@ -99,7 +99,8 @@ class MLXKernel:
     def embed_ids(self, ids):
         return self.embed[ids]  # (B, T, hidden)
 
-    def layer(self, w: dict, x, ctx: Context, cache=None, lora=None):
+    def layer(self, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
+        # keeps no base outputs (``kept_outputs`` is empty): mx.vjp recomputes the whole layer
         return self.family.layer(self.cfg, w, x, ctx, cache, lora)
 
     def final_norm(self, x):
@@ -125,7 +126,7 @@ class MLXKernel:
     def dropout(self, p: float, seed: int):
         return dropout(p, seed)
 
-    def layer_vjp(self, w, x, ctx, leaves, lora, grad, wrt_input: bool):
+    def layer_vjp(self, w, x, ctx, leaves, lora, grad, wrt_input: bool, outputs=None):
         def step(h, *lv):
             return [self.layer(w, h, ctx, None, lora(list(lv)))]
 
@@ -165,6 +166,9 @@ class MLXKernel:
 
     def memory_budget(self) -> int:
         return default_budget()
+
+    def kept_outputs(self) -> frozenset[str]:
+        return frozenset()  # mx.vjp takes no given outputs: a recompute computes every linear
 
     def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
         r, c = mx.array(rows), mx.array(cols)

@@ -45,7 +45,11 @@ class TorchEngine:
     families = FAMILIES
 
     def open(self, model: ModelSpec, options: LoadOptions) -> StreamRunner:
-        return open_runner(self, model, options)
+        runner = open_runner(self, model, options)
+        if runner.info.device.startswith("cuda"):  # row jobs size their batch from it
+            device = torch.device(runner.info.device)
+            runner.free_memory = lambda: int(torch.cuda.mem_get_info(device)[0])
+        return runner
 
     def place(self, cfg: ModelConfig, folder, options: LoadOptions) -> Placement:
         device = pick_device(options.device)

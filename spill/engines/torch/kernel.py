@@ -7,7 +7,9 @@ layer ops in the same order, then ``head_vjp``, so the same bits); the head's cr
 backs through lm_head in chunks of rows so (N, vocab) never exists at once. The budget for
 kept activations is the ring's default: half the memory available on the device now. A
 recomputed layer skips ``down_proj``'s base matmul (``ops.unused_outputs``): its output roots
-the graph only, and its input gradient keeps its bits.
+the graph only, and its input gradient keeps its bits. When the trainer gives ``layer`` a dict,
+the forward keeps the MLP's gate and up base outputs in it (``ops.base_outputs``: about half of
+a layer's matmul work) and ``layer_vjp`` takes them from there instead of recomputing them.
 Sampling runs on the CPU in float32 with one ``torch.Generator`` per row. LoRA dropout masks
 come from a seeded ``torch.Generator`` on the model's device. ``adamw`` is
 torch.optim.AdamW's single-tensor update, op for op (``lerp_`` for the first moment, bias
@@ -29,6 +31,7 @@ from spill.engines.torch import llama, qwen2
 from spill.engines.torch.ops import (
     Context,
     KVCache,
+    base_outputs,
     context,
     inv_freq,
     rms_norm,
@@ -41,6 +44,9 @@ FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
 # A recomputed layer's output only roots its graph: the last linear's base output, added to the
 # residual, is read by no backward formula (every family ends a layer with mlp.down_proj).
 RECOMPUTE_UNUSED = frozenset({"mlp.down_proj"})
+# Linears whose base outputs a streamed forward may keep for the recompute: the widest ones
+# (intermediate_size each), two thirds of the MLP's matmuls and half of the layer's.
+KEPT_OUTPUTS = frozenset({"mlp.gate_proj", "mlp.up_proj"})
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
@@ -115,8 +121,11 @@ class TorchKernel:
     def embed_ids(self, ids):
         return F.embedding(ids, self.embed)  # (B, T, hidden)
 
-    def layer(self, w: dict, x, ctx: Context, cache=None, lora=None):
-        return self.family.layer(self.cfg, w, x, ctx, cache, lora)
+    def layer(self, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
+        if outputs is None:
+            return self.family.layer(self.cfg, w, x, ctx, cache, lora)
+        with base_outputs(KEPT_OUTPUTS, outputs):
+            return self.family.layer(self.cfg, w, x, ctx, cache, lora)
 
     def final_norm(self, x):
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
@@ -141,13 +150,13 @@ class TorchKernel:
     def dropout(self, p: float, seed: int):
         return dropout(p, seed)
 
-    def layer_vjp(self, w, x, ctx, leaves, lora, grad, wrt_input: bool):
+    def layer_vjp(self, w, x, ctx, leaves, lora, grad, wrt_input: bool, outputs=None):
         with torch.enable_grad():
             leaves = [a.detach().requires_grad_() for a in leaves]
             if wrt_input:
                 x = x.detach().requires_grad_()
             with unused_outputs(RECOMPUTE_UNUSED):  # out's value is never read
-                out = self.layer(w, x, ctx, None, lora(leaves))
+                out = self.layer(w, x, ctx, None, lora(leaves), outputs)
             got = torch.autograd.grad(out, [*leaves, x] if wrt_input else leaves, grad)
         return (got[-1] if wrt_input else None), list(got[: len(leaves)])
 
@@ -162,6 +171,9 @@ class TorchKernel:
 
     def memory_budget(self) -> int:
         return default_budget(self.device)
+
+    def kept_outputs(self) -> frozenset[str]:
+        return KEPT_OUTPUTS
 
     def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
         ids = self.array(tokens)  # (B, T)

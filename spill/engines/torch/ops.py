@@ -5,10 +5,12 @@ repeated KV heads into SDPA), so float32 log-probs agree with them to about 1e-6
 plain dicts keyed like the HF checkpoint, so the same functions run on a ring slot or a resident
 layer and give bit-identical results.
 
-``unused_outputs`` names linears whose base output nobody reads (the recompute of a layer in
-the backward walk needs only the layer's graph, and no backward formula reads ``down_proj``'s
-output): inside it those linears skip their base matmul and record only its input gradient,
-``grad @ W``, the very ``mm`` autograd runs for ``F.linear``, so the gradients keep their bits.
+Two ways a recomputed layer (the backward walk's) skips base matmuls, both recording only the
+input gradient ``grad @ W``, the very ``mm`` autograd runs for ``F.linear``, so gradients keep
+their bits: ``unused_outputs`` names linears whose base output nobody reads (no backward formula
+reads ``down_proj``'s output); ``base_outputs`` records chosen linears' base outputs during the
+streamed forward and hands them to the recompute, which then takes them instead of computing
+them again (the same bits: the same matmul on the same input).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ Lora = (
 
 
 _UNUSED: ContextVar[frozenset[str]] = ContextVar("spill_unused_outputs", default=frozenset())
+# (names to record, {name: base output}): recording when the dict starts empty, else replaying
+_BASE: ContextVar[tuple[frozenset[str], dict] | None] = ContextVar("spill_base", default=None)
 
 
 @contextmanager
@@ -46,26 +50,44 @@ def unused_outputs(names: frozenset[str]) -> Iterator[None]:
         _UNUSED.reset(token)
 
 
+@contextmanager
+def base_outputs(names: frozenset[str], outputs: dict) -> Iterator[None]:
+    """Within: with ``outputs`` empty, the linears called ``names`` store their base output
+    (``x @ W.T + b``, before any adapter) in it; with ``outputs`` filled, they take it from
+    there instead of computing it and record only their input gradient."""
+    token = _BASE.set((names, outputs))
+    try:
+        yield
+    finally:
+        _BASE.reset(token)
+
+
 class _InputGradOnly(torch.autograd.Function):
-    """``F.linear(x, w)``'s graph without its output: backward is ``grad @ W`` as
-    ``MmBackward`` computes it for ``F.linear`` on the folded (N, in) input."""
+    """``F.linear(x, w)``'s graph with a given output ``y`` (a zero placeholder when None):
+    backward is ``grad @ W`` as ``MmBackward`` computes it for ``F.linear`` on the folded
+    (N, in) input."""
 
     @staticmethod
-    def forward(ctx, x, w):
+    def forward(ctx, x, w, y=None):
         ctx.save_for_backward(w)
         ctx.shape = x.shape
-        return x.new_zeros(()).expand(*x.shape[:-1], w.shape[0])  # (..., out), no memory
+        if y is None:
+            return x.new_zeros(()).expand(*x.shape[:-1], w.shape[0])  # (..., out), no memory
+        return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
         (w,) = ctx.saved_tensors
-        return grad.reshape(-1, grad.shape[-1]).mm(w).view(ctx.shape), None
+        return grad.reshape(-1, grad.shape[-1]).mm(w).view(ctx.shape), None, None
 
 
-def linear(x, w, b=None, lora: Lora | None = None, unused: bool = False):
-    """``x @ w.T + b``, plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32.
-    ``unused``: the base output is never read (a zero placeholder; exact input gradient)."""
-    y = _InputGradOnly.apply(x, w) if unused and x.requires_grad else F.linear(x, w, b)
+def linear(x, w, b=None, lora: Lora | None = None):
+    """``x @ w.T + b``, plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32."""
+    return with_adapter(F.linear(x, w, b), x, lora)
+
+
+def with_adapter(y, x, lora: Lora | None):
+    """A linear's base output ``y`` plus its adapter's update of the input ``x``."""
     if lora is not None:
         a, bb, scale, *drop = lora
         h = x.float()
@@ -77,8 +99,18 @@ def linear(x, w, b=None, lora: Lora | None = None, unused: bool = False):
 
 def proj(w: dict, name: str, x, lora: dict[str, Lora] | None):
     """The linear called ``name`` (``self_attn.q_proj``) of a layer's weight dict."""
-    adapter = lora.get(name) if lora else None
-    return linear(x, w[name + ".weight"], w.get(name + ".bias"), adapter, name in _UNUSED.get())
+    weight, bias = w[name + ".weight"], w.get(name + ".bias")
+    names, outputs = _BASE.get() or ((), None)
+    if name in names and name in outputs:  # replaying the forward's base output
+        given = outputs[name]
+        y = _InputGradOnly.apply(x, weight, given) if x.requires_grad else given
+    elif name in _UNUSED.get() and x.requires_grad:
+        y = _InputGradOnly.apply(x, weight)
+    else:
+        y = F.linear(x, weight, bias)
+        if name in names:
+            outputs[name] = y
+    return with_adapter(y, x, lora.get(name) if lora else None)
 
 
 def rms_norm(x, weight, eps: float):

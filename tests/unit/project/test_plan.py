@@ -39,6 +39,7 @@ CONFIG = {
         "micro_batch": 2,
         "seq_len": 64,
         "ckpt_every": 10,
+        "activations": "auto",
     },
     "eval": {"max_new_tokens": None, "batch": 8},
     "engine": {
@@ -96,11 +97,12 @@ def test_finished_build_is_all_done():
     "change",
     [
         {"tune__ckpt_every": 1},
+        {"tune__activations": "recompute"},
         {"eval__batch": 1},
         {"teacher__batch": 2},
         {"engine__name": "mlx", "engine__dtype": "bfloat16", "engine__ring": 2},
     ],
-    ids=["ckpt_every", "eval.batch", "teacher.batch", "engine"],
+    ids=["ckpt_every", "activations", "eval.batch", "teacher.batch", "engine"],
 )
 def test_values_that_cannot_change_results_rerun_nothing(change):
     recorded = done_records(specs(project(), PREPARED))
