@@ -240,18 +240,18 @@ def save_checkpoint(
     if doc.setdefault("step", step) != step:
         raise ValueError(f"state says step {doc['step']}, saving step {step}")
     validate(doc, "checkpoint-state", where=join(place.uri, f"payloads/{KIND}-s{step}", STATE))
-    parts = {PARAMS: _encode_tensors(params, "parameter"), OPT: _encode_tensors(opt, "optimizer")}
-    parts[STATE] = [_dump(doc)]
-    current = place.pointer(KIND)
-    # the exact same checkpoint may already be current (a stop right after a resume): then
-    # nothing is written before the hashes say whether it is
-    again = bool(current) and payload_seq(current[0]) == step
-    target = place.payload(KIND, step)
     with ThreadPoolExecutor(2, thread_name_prefix="spill-ckpt") as pool:
         # two cores' worth of work: one thread hashes the largest file from the start; this one
         # writes the files, hands their fsync (a wait on the disk) to the other thread, then
         # hashes the rest
+        parts = {OPT: _encode_tensors(opt, "optimizer")}
         opt_digest = pool.submit(buffers_sha256, parts[OPT])
+        parts |= {PARAMS: _encode_tensors(params, "parameter"), STATE: [_dump(doc)]}
+        current = place.pointer(KIND)
+        # the exact same checkpoint may already be current (a stop right after a resume): then
+        # nothing is written before the hashes say whether it is
+        again = bool(current) and payload_seq(current[0]) == step
+        target = place.payload(KIND, step)
         synced = None if again else pool.submit(_write_files(target, parts))
         hashed = {n: buffers_sha256(parts[n]) for n in (PARAMS, STATE)}
         hashed[OPT] = opt_digest.result()
