@@ -33,21 +33,29 @@ def build(python: str, project: str) -> dict[str, Any]:
     shutil.copytree(REPO / "projects" / project, root, ignore=shutil.ignore_patterns(".spill"))
     env = dict(os.environ, SPILL_HOME=str(work / "home"), PYTHONUNBUFFERED="1")
     t = time.perf_counter()
+    # cwd: the temp folder, so that ``-m spill`` imports each interpreter's own install, never
+    # a spill/ in the folder this bench was started from
     subprocess.run([python, "-m", "spill", "models", "import", "smollm2:135m"], env=env,
-                   check=True, capture_output=True)  # fmt: skip
+                   check=True, capture_output=True, cwd=work)  # fmt: skip
     imported = time.perf_counter() - t
+    which = [python, "-c", "import spill; print(spill.__file__)"]
+    spill_at = subprocess.run(which, env=env, cwd=work, capture_output=True, text=True).stdout
+    spill_at = spill_at.strip()
     t0 = time.perf_counter()
     proc = subprocess.Popen([python, "-m", "spill", "build", str(root), "--json"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=work)  # fmt: skip
     marks: list[tuple[str, float]] = [("start", 0.0)]
     assert proc.stderr is not None
+    tail: list[str] = []
     for line in proc.stderr:
+        tail = [*tail[-19:], line]
         if line.startswith("== ") and ":" in line:
             marks.append((line[3:].split(": ", 1)[0], time.perf_counter() - t0))
     out = proc.stdout.read() if proc.stdout else ""
     end = time.perf_counter() - t0
     if proc.wait() != 0:
-        sys.exit(f"{python}: spill build exited {proc.returncode}")
+        sys.exit(f"{python}: spill build exited {proc.returncode}:\n{''.join(tail)}")
     doc = json.loads(out)
     stages = {}
     for (name, at), nxt in zip(marks, [*marks[1:], ("end", end)], strict=True):
@@ -55,6 +63,7 @@ def build(python: str, project: str) -> dict[str, Any]:
     shutil.rmtree(work)
     return {
         "python": python,
+        "spill": spill_at,
         "import_s": round(imported, 1),
         "build_s": round(end, 1),
         "stages_s": stages,

@@ -111,12 +111,26 @@ def test_stop_after_then_the_same_command_continues_exactly(control, tmp_path):
     assert kit.litter(state) == []
 
 
-def test_streamed_and_resident_runs_give_identical_checkpoints(control, tmp_path):
+@pytest.mark.parametrize(
+    "over, line",
+    [
+        ({"resident": True}, "activations kept (est."),
+        ({"resident": True, "activations": "recompute"}, "recomputed (--activations recompute;"),
+        ({"activations": "recompute"}, "recomputed (--activations recompute;"),
+        ({"activations": "keep"}, "recomputed (layers stream;"),
+    ],
+    ids=["resident-kept", "resident-recompute", "ring-recompute", "ring-keep-streams"],
+)
+def test_streamed_and_resident_runs_give_identical_checkpoints(control, tmp_path, over, line):
+    """The control streams (ring 2) and reuses its forward's gate/up outputs in the recompute;
+    kept activations, a full recompute and a refused keep give the very same checkpoint."""
     state = str(tmp_path / "state")
-    argv = kit.tune_argv(control.model, control.train, state, resident=True, ckpt_every=3)
+    argv = kit.tune_argv(control.model, control.train, state, ckpt_every=3, **over)
     done = kit.run_tune(argv, kit.spill_env(tmp_path / "home"))
     assert done.returncode == 0, done.stderr
-    assert "· resident" in done.stderr and "ring" not in done.stderr
+    resident = "resident" in over
+    assert ("· resident" in done.stderr) == resident and ("ring" in done.stderr) != resident
+    assert line in done.stderr
     kit.assert_same_checkpoint(state, control.state)
     assert kit.adapter_files(state) == kit.adapter_files(control.state)
 
