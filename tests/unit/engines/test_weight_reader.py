@@ -1,4 +1,4 @@
-"""The ring's reader: pread into torch-owned (recycled) memory equals safetensors' own loading."""
+"""The ring's reader: pread into torch-owned (recycled) memory, or a mapped view, equals safetensors' own loading."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spill.engines.torch.reader import WeightReader
+from spill.engines.torch.reader import MAPPED, WeightReader
 from spill.models.safetensors_io import float32_to_bf16_bits, write_file
 from spill.models.weights import weight_files
 
@@ -48,4 +48,24 @@ def test_recycled_memory_is_reused_and_never_aliases(mixed):
     assert second["a.bf16"].data_ptr() == ptr  # recycled, not freshly allocated
     assert second["d.bf16"].data_ptr() != first["d.bf16"].data_ptr()  # d was not given back
     assert torch.equal(first["d.bf16"], kept)  # an unreleased tensor is never overwritten
+    reader.close()
+
+
+def test_a_mapped_load_views_the_file_and_is_never_pooled(mixed):
+    """Within ``mapping()`` (a streamed CPU layer), tensors in the compute dtype are views of the
+    page cache: equal to safetensors' loading, never handed out again by the pool; converted
+    tensors still come from owned, recycled memory."""
+    ref = load_file(mixed / "model.safetensors")
+    reader = WeightReader(weight_files(mixed), torch.device("cpu"), torch.bfloat16)
+    with reader.mapping():  # file order b.f32 a.bf16 c.f16 d.bf16: a and d are ranges of bf16
+        got = reader.tensors(["a.bf16", "d.bf16"]) | reader.tensors(["b.f32", "c.f16"])
+    for name, t in ref.items():
+        assert torch.equal(got[name], t.to(torch.bfloat16)), name
+    mapped = {n for n, t in got.items() if getattr(t, MAPPED, False)}
+    assert mapped == {"a.bf16", "d.bf16"}  # the bf16 ones; f32 and f16 were converted
+    reader.recycle(list(got.values()))
+    again = reader.tensors(list(ref))  # not mapping: owned memory, some from the pool
+    ptrs = {got[n].data_ptr() for n in mapped}
+    assert not any(t.data_ptr() in ptrs for t in again.values())
+    assert not any(getattr(t, MAPPED, False) for t in again.values())
     reader.close()
