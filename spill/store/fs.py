@@ -161,10 +161,9 @@ def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> N
 
 
 def put_fresh(uri: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> None:
-    """Write a new file from ``parts`` that nobody trusts before a marker written after it (a
-    checkpoint's files before its COMMIT): no temporary name and no fsync here; ``sync_fresh``
-    makes the files durable before the marker is written. Locally the name must be new (a
-    payload folder's names are unique to their writer); remotely it is one put."""
+    """Write a new file that nobody trusts before a marker written after it (a checkpoint's
+    files before COMMIT): no temporary name, no fsync (``sync_fresh``, before the marker). The
+    local name must be new (payload names are unique to their writer); remotely one put."""
     uri = os.fspath(uri)
     if is_local(uri):
         path = _local(uri)
@@ -199,21 +198,11 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
 
 
 def sync_fresh(uris: Sequence[str]) -> None:
-    """fsync local files written by ``put_fresh`` and their folders; object stores have
-    nothing to do (a put is durable when it returns)."""
-    folders = set()
-    for uri in uris:
-        if is_local(uri):
-            path = _local(uri)
-            with _errors(uri, "sync"):
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            folders.add(os.path.dirname(os.path.abspath(path)))
-    for folder in sorted(folders):
-        _fsync_dir(folder)
+    """fsync the local files ``put_fresh`` wrote, then their folders (a put is durable already)."""
+    local = [_local(u) for u in uris if is_local(u)]
+    with _errors(", ".join(uris), "sync"):
+        for path in [*local, *sorted({os.path.dirname(os.path.abspath(p)) for p in local})]:
+            _fsync_dir(path)  # (opens a file as well as a folder)
 
 
 def get_bytes(uri: str | os.PathLike) -> bytes:

@@ -66,6 +66,10 @@ class Kernel(Protocol):
         """One KV cache per layer, preallocated for ``length`` positions."""
         ...
 
+    def keep_rows(self, caches: list, rows: np.ndarray) -> None:
+        """Keep only batch rows ``rows`` (ascending) of every cache, in place."""
+        ...
+
     def embed_ids(self, ids: Array) -> Array:
         """ids (B, T) -> (B, T, hidden)."""
         ...

@@ -75,6 +75,9 @@ class Model:
         self.kernel.close()
 
 
+SHRINK = 0.75  # a generating batch drops its finished rows once a quarter of it has finished
+
+
 def host_free() -> int:
     """Bytes of host memory available now (a CPU's, or a unified-memory GPU's)."""
     import psutil
@@ -149,18 +152,19 @@ class StreamRunner:
         stop = set(params.stop_ids)
         out: list[list[int]] = [[] for _ in prompts]
         finish: list[str | None] = [None] * batch
+        live = np.arange(batch)  # the rows still in the batch, in batch order
         with k.inference():
             caches = k.caches(batch, width + steps)
             ctx = k.context(valid[:, :width], 0, width)
             logits = self._last_logits(m.forward(k.array(ids), ctx, caches, self._adapter))
             for step in range(steps):
                 nxt = logits.argmax(axis=-1)  # (B,) greedy; sampled rows overwrite theirs
-                for r in range(batch):
+                for j, r in enumerate(live):
                     if finish[r] is not None:
                         continue  # a finished row draws nothing; its neighbours are unaffected
                     if params.temperature > 0:
-                        nxt[r] = samplers[r](logits[r], params.temperature, params.top_p)
-                    tok = int(nxt[r])
+                        nxt[j] = samplers[r](logits[j], params.temperature, params.top_p)
+                    tok = int(nxt[j])
                     self.stats.generated_tokens += 1
                     if tok in stop:
                         finish[r] = "stop"
@@ -168,6 +172,10 @@ class StreamRunner:
                         out[r].append(tok)
                 if all(f is not None for f in finish) or step == steps - 1:
                     break
+                still = np.flatnonzero([finish[r] is None for r in live])
+                if len(still) <= SHRINK * len(live):  # finished rows stop taking compute
+                    k.keep_rows(caches, still)
+                    live, nxt, valid = live[still], nxt[still], valid[still]
                 at = width + step
                 valid[:, at] = True
                 ctx = k.context(valid[:, : at + 1], at, 1)

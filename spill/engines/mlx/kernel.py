@@ -96,6 +96,12 @@ class MLXKernel:
             for _ in range(c.num_hidden_layers)
         ]
 
+    def keep_rows(self, caches: list[KVCache], rows: np.ndarray) -> None:
+        idx = mx.array(rows)
+        for c in caches:
+            c.k, c.v = c.k[idx], c.v[idx]  # (B', KV, L, D)
+        mx.eval([a for c in caches for a in (c.k, c.v)])
+
     def embed_ids(self, ids):
         return self.embed[ids]  # (B, T, hidden)
 

@@ -118,6 +118,11 @@ class TorchKernel:
             for _ in range(c.num_hidden_layers)
         ]
 
+    def keep_rows(self, caches: list[KVCache], rows: np.ndarray) -> None:
+        idx = torch.as_tensor(rows, device=self.device)
+        for c in caches:
+            c.k, c.v = c.k[idx], c.v[idx]  # (B', KV, L, D) copies; the old ones are freed
+
     def embed_ids(self, ids):
         return F.embedding(ids, self.embed)  # (B, T, hidden)
 

@@ -174,3 +174,41 @@ def test_streaming_generation_reloads_every_layer_each_step(engine, tiny_models)
     assert runner.stats.extra["ring_max_live"] == 2
     assert runner.stats.load_seconds > 0
     runner.close()
+
+
+def test_finished_rows_leave_the_batch_and_the_rest_decode_as_before(runners, monkeypatch):
+    """Rows stop at different steps; once a quarter of the batch has finished, the finished rows
+    are dropped from the KV caches (``keep_rows``) and the others decode on. Every row's tokens
+    and finish equal what it makes alone, greedy and sampled, streamed and resident alike."""
+    streamed, resident = runners
+    prompts = [np.array([(i * 7 + j) % 60 + 1 for j in range(2 + i % 4)]) for i in range(8)]
+    seeds = list(range(8))
+    free = streamed.generate(prompts, GREEDY, seeds)
+    stop: set[int] = set()  # tokens some rows make early, none that two rows never make
+    for i, g in enumerate(free):
+        more = stop | {int(g.tokens[1 + i % 5])}
+        if sum(not set(f.tokens.tolist()) & more for f in free) >= 2:
+            stop = more
+    assert len(stop) >= 2
+    calls = []
+    for runner in (streamed, resident):
+        kernel = runner.model.kernel
+        keep = kernel.keep_rows
+        monkeypatch.setattr(
+            kernel, "keep_rows", lambda c, r, keep=keep: calls.append(len(r)) or keep(c, r)
+        )
+    greedy = GenerateParams(max_new_tokens=12, stop_ids=tuple(stop))
+    sampled = GenerateParams(max_new_tokens=12, stop_ids=tuple(stop), temperature=0.9, top_p=0.95)
+    for params in (greedy, sampled):
+        calls.clear()
+        batch = streamed.generate(prompts, params, seeds)
+        if params is greedy:
+            assert calls and calls[0] < 8, "no row ever left the batch"
+            assert {g.finish for g in batch} == {"stop", "length"}
+        alone = [
+            streamed.generate([p], params, [s])[0] for p, s in zip(prompts, seeds, strict=True)
+        ]
+        assert [(g.tokens.tolist(), g.finish) for g in batch] == [
+            (g.tokens.tolist(), g.finish) for g in alone
+        ]
+        assert tokens(batch) == tokens(resident.generate(prompts, params, seeds))
