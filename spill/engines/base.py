@@ -122,7 +122,7 @@ class ActivationPlan:
     keep: bool
     need: int  # bytes, estimated
     budget: int  # bytes
-    forced: str = ""  # what decided instead of the budget ("layers stream", an env setting)
+    forced: str = ""  # what decided instead of the budget ("layers stream", --activations)
     outputs: int = 0  # bytes of base outputs the recompute keeps from the forward (0: none)
 
     def line(self) -> str:

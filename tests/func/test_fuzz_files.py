@@ -124,6 +124,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
         "# the toy's tune options, as a group file of the project's own\n"
         "steps: 60\nlr: 0.005\nwarmup: 5\nweight_decay: 0.0\nrank: 8\nalpha: null\n"
         "dropout: 0.0\ntargets: all\nbatch: 8\nmicro_batch: 8\nseq_len: 64\nckpt_every: 30\n"
+        "activations: auto\n"
     )
     text = (toy / "spill.yaml").read_text()
     start = text.index("\ntune:\n")

@@ -9,9 +9,9 @@ Two walks give the same gradients, bit for bit; the memory budget picks one per 
 * **recompute** (layers stream, or activations do not fit): forward keeps each layer's input
   hidden state (and, when they fit the budget too, the base outputs of the kernel's
   ``kept_outputs`` linears, which the recompute then takes instead of computing them again:
-  the same bits, half a layer's matmuls fewer on torch); the kernel's head (final norm, lm_head, a float32
-  cross-entropy over the target tokens) gives the loss and its gradient at the last layer's
-  output. Backward walks the ring in reverse, recomputes each layer from its saved input
+  the same bits, half a layer's matmuls fewer on torch); the kernel's head (final norm,
+  lm_head, a float32 cross-entropy over the target tokens) gives the loss and its gradient at
+  the last layer's output. Backward walks the ring in reverse, recomputes each layer from its saved input
   through the kernel's ``layer_vjp`` with respect to that input and the layer's LoRA tensors,
   and hands the input's gradient down. So only one layer's graph exists at a time, and
   resident mode can run the very same code (its ring just never evicts).

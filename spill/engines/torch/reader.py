@@ -6,7 +6,9 @@ output tensors recycled from released ring slots: fresh memory costs a page faul
 which on this kind of machine cut a warm read from ~11 GB/s to ~2 GB/s. A streamed layer on a
 CPU whose file holds the compute dtype is not copied at all: ``TorchHooks`` has the loader map
 its range (``ShardFiles.map``) and the slot's tensors are views of the page cache, unmapped
-when the ring drops the slot (they are never written: weights are frozen). ``TorchHooks``
+when the ring drops the slot (they are never written: weights are frozen). spill replaces model
+files by rename, which leaves a mapping intact; a file truncated in place under a running job
+would end it with SIGBUS where a read would fail in one line. ``TorchHooks``
 gives CUDA a side stream, so layer copies overlap compute on the default stream.
 """
 
