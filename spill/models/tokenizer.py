@@ -61,8 +61,8 @@ class Tokenizer:
         if not path.is_file():
             return {}
         try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError:
+            return json.loads(path.read_bytes())  # bytes: the same reading as load_config's
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise TokenizerError(
                 f"{path}: not valid JSON; re-import or re-download the model"
             ) from None

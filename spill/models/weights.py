@@ -41,8 +41,8 @@ def weight_files(folder: Path) -> WeightFiles:
     index = folder / INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError):
             raise ModelError(f"{index}: unreadable shard index; fetch the model again") from None
         shards = tuple(sorted(set(weight_map.values())))
     else:
@@ -129,7 +129,9 @@ def fingerprint(folder: Path) -> str:
     folder = Path(folder)
     files = weight_files(folder)
     doc = {
-        "config": json.loads((folder / "config.json").read_text()),
+        # bytes, as load_config reads them: json accepts what it accepted (a UTF-8-encoded lone
+        # surrogate, which a strict text read refuses with a traceback)
+        "config": json.loads((folder / "config.json").read_bytes()),
         "shards": [[s, (folder / s).stat().st_size] for s in files.shards],
         "headers": [files.headers[s] for s in files.shards],
         "samples": [_sample(folder / s) for s in files.shards],
