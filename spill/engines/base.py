@@ -128,16 +128,14 @@ class ActivationPlan:
     def line(self) -> str:
         gb = 1e9
         est = f"est. {self.need / gb:.2f} GB"
-        if self.keep:
-            why = self.forced or f"{est} of {self.budget / gb:.1f} GB budget"
-            return f"activations kept ({why}{'; ' + est if self.forced else ''})"
-        why = (
-            f"{self.forced}; {est}" if self.forced else f"{est} > {self.budget / gb:.1f} GB budget"
-        )
-        kept = (
+        if self.forced:
+            why = f"{self.forced}; {est}"
+        else:
+            why = f"{est} {'of' if self.keep else '>'} {self.budget / gb:.1f} GB budget"
+        reuse = (
             f"; reuses {self.outputs / gb:.2f} GB of forward matmul outputs" if self.outputs else ""
         )
-        return f"activations recomputed ({why}){kept}"
+        return f"activations {'kept' if self.keep else 'recomputed'} ({why}){reuse}"
 
 
 class Trainer(Protocol):

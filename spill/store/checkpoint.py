@@ -37,10 +37,9 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -253,7 +252,7 @@ def save_checkpoint(
         # nothing is written before the hashes say whether it is
         again = bool(current) and payload_seq(current[0]) == step
         target = place.payload(KIND, step)
-        synced = None if again else pool.submit(_write_files(target, parts))
+        synced = None if again else pool.submit(sync_fresh, _write_files(target, parts))
         hashed = {n: buffers_sha256(parts[n]) for n in (PARAMS, STATE)}
         hashed[OPT] = opt_digest.result()
         files = {n: {"size": _size(parts[n]), "sha256": hashed[n]} for n in FILES}
@@ -267,7 +266,7 @@ def save_checkpoint(
         if _same_commit(current[0], commit_bytes):
             drill.at(drill.CKPT_AFTER_COMMIT)
             return current[0]
-        _write_files(target, parts)()
+        sync_fresh(_write_files(target, parts))
     drill.at(drill.CKPT_BEFORE_COMMIT)
     put_bytes(join(target, COMMIT), commit_bytes)
     _good[target] = _sha256(commit_bytes)
@@ -303,15 +302,15 @@ def _size(parts: list[bytes | memoryview]) -> int:
     return sum(memoryview(b).nbytes for b in parts)
 
 
-def _write_files(target: str, parts: Mapping[str, list[bytes | memoryview]]) -> Callable[[], None]:
+def _write_files(target: str, parts: Mapping[str, list[bytes | memoryview]]) -> list[str]:
     """Write the three files of a new payload folder in place (nobody reads them before the
-    COMMIT that follows names their sizes and hashes); returns what fsyncs them, to run before
-    that COMMIT."""
+    COMMIT that follows names their sizes and hashes) and return their URIs, to be fsynced
+    (``sync_fresh``) before that COMMIT."""
     put_fresh(join(target, PARAMS), parts[PARAMS])
     drill.at(drill.CKPT_BETWEEN_FILES)
     put_fresh(join(target, OPT), parts[OPT])
     put_fresh(join(target, STATE), parts[STATE])
-    return partial(sync_fresh, [join(target, n) for n in FILES])
+    return [join(target, n) for n in FILES]
 
 
 def _committed(uri: str) -> bool:

@@ -101,7 +101,7 @@ def _errors(uri: str, verb: str) -> Iterator[None]:
         ) from e
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync(path: str) -> None:  # a file or a folder, by its path
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -121,7 +121,7 @@ def _makedirs_durable(path: str) -> None:
             os.mkdir(d)
         except FileExistsError:
             pass
-        _fsync_dir(os.path.dirname(d))
+        _fsync(os.path.dirname(d))
 
 
 def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
@@ -141,7 +141,7 @@ def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    _fsync_dir(parent)
+    _fsync(parent)
 
 
 def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> None:
@@ -202,7 +202,7 @@ def sync_fresh(uris: Sequence[str]) -> None:
     local = [_local(u) for u in uris if is_local(u)]
     with _errors(", ".join(uris), "sync"):
         for path in [*local, *sorted({os.path.dirname(os.path.abspath(p)) for p in local})]:
-            _fsync_dir(path)  # (opens a file as well as a folder)
+            _fsync(path)
 
 
 def get_bytes(uri: str | os.PathLike) -> bytes:
@@ -311,7 +311,7 @@ def remove(uri: str | os.PathLike) -> None:
         with _errors(uri, "remove"):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=False)
-                _fsync_dir(os.path.dirname(os.path.abspath(path)))
+                _fsync(os.path.dirname(os.path.abspath(path)))
             elif os.path.lexists(path):
                 os.remove(path)
         return
