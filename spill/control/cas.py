@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -191,9 +190,18 @@ class _MemoryStore(Store):
         put_bytes(self.uri(key), data)
 
 
-def _precondition_failed(e: BaseException) -> bool:
-    text = f"{type(e).__name__} {e}"
-    return "PreconditionFailed" in text or "412" in text or "ConditionalRequestConflict" in text
+def _precondition_failed(e: BaseException | None) -> bool:
+    """The store refused a conditional write (S3: 412 PreconditionFailed, 409 for a racing one),
+    told by the error or its causes, never by "412" in the text (a bucket's name may hold it)."""
+    while e is not None:
+        answer = getattr(e, "response", None)
+        answer = answer if isinstance(answer, dict) else {}
+        said = f"{answer.get('Error', {}).get('Code', '')} {type(e).__name__} {e}"
+        status = answer.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status == 412 or "PreconditionFailed" in said or "ConditionalRequestConflict" in said:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class _ObjectStore(Store):
@@ -269,12 +277,10 @@ class _ObjectStore(Store):
                 self.fs.pipe_file(path, data, mode="create")
             else:
                 self.fs.pipe_file(path, data, IfMatch=f'"{tag}"')
-        except FileExistsError:
+        except (FileExistsError, FileNotFoundError):  # the key is there / not (If-Match)
             raise _Conflict() from None
-        except FileNotFoundError:
-            raise _Conflict() from None  # If-Match on a key that is not there (never deleted)
         except Exception as e:
-            if _precondition_failed(e) or (isinstance(e, OSError) and e.errno == errno.EINVAL):
+            if _precondition_failed(e):  # s3fs: OSError(EINVAL) from a 412 ClientError
                 raise _Conflict() from None
             log.info("uncertain write of %s (%s: %s); reading it back", path, type(e).__name__, e)
             raise _Uncertain() from None
@@ -336,15 +342,19 @@ def _probe(store: _ObjectStore) -> None:
     _probed.add(where)
 
 
-def store_for(state: str) -> Store:
+def _store(state: str) -> Store:
     if is_local(state):
-        s = _LocalStore(state)
+        return _LocalStore(state)
+    return _MemoryStore(state) if state.startswith("memory://") else _ObjectStore(state)
+
+
+def store_for(state: str) -> Store:
+    """The store of ``state``, checked (a local one honours flock, an object store 412s)."""
+    s = _store(state)
+    if isinstance(s, _LocalStore):
         s.check()
-        return s
-    if state.startswith("memory://"):
-        return _MemoryStore(state)
-    s = _ObjectStore(state)
-    _probe(s)
+    elif isinstance(s, _ObjectStore):
+        _probe(s)
     return s
 
 
@@ -377,12 +387,7 @@ def current(state: str) -> dict[str, Any] | None:
     """The current run's control object at ``state`` (validated), or None when it has none.
 
     A reader's view: no lock is taken (every write is an atomic replace)."""
-    if is_local(state):
-        store: Store = _LocalStore(state)  # reading needs no flock, so no file system check
-    elif state.startswith("memory://"):
-        store = _MemoryStore(state)
-    else:
-        store = _ObjectStore(state)
+    store = _store(state)  # reading needs no flock, so no file system check
     runs, _ = read_runs(store)
     if runs is None:
         return None

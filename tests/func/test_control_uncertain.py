@@ -76,8 +76,9 @@ def mode(request, proxy):
 
 @pytest.fixture
 def state(proxy, mode) -> str:
-    """``s3://<a fresh bucket>/state``, reached through the proxy."""
-    bucket = f"spill-{uuid.uuid4().hex[:12]}"
+    """``s3://<a fresh bucket>/state``, reached through the proxy. Every bucket's name holds
+    "412": a client error naming the bucket once passed for a 412 (a refused write)."""
+    bucket = f"spill-412-{uuid.uuid4().hex[:8]}"
     filesystem(f"s3://{bucket}")[0].mkdir(bucket)
     proxy.clear()
     yield f"s3://{bucket}/state"
