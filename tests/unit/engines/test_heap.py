@@ -1,0 +1,68 @@
+"""The torch engine keeps freed large CPU blocks in the heap (``spill.engines.torch.heap``):
+counted in page faults of a fresh process, never in time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+BLOCK = 2**24  # float32 elements: 64 MiB, above glibc's largest adaptive mmap threshold
+ROUNDS = 10
+
+CODE = f"""
+import resource, sys, torch
+from spill.engines.torch import heap
+if sys.argv[1] == "keep":
+    assert heap.keep_freed_blocks()
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.ones({BLOCK}); del x
+before = faults()
+for _ in range({ROUNDS}):
+    x = torch.ones({BLOCK}); del x
+print(faults() - before)
+"""
+
+
+def _faults(how: str, env: dict[str, str] | None = None) -> int:
+    proc = subprocess.run(
+        [sys.executable, "-c", CODE, how],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout)
+
+
+def _glibc() -> bool:
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not _glibc(), reason="the thresholds are glibc's")
+def test_a_freed_large_tensor_is_reused_not_faulted_in_again():
+    default, kept = _faults("default"), _faults("keep")
+    print(f"\npage faults for {ROUNDS} 64 MiB tensors: default {default}, kept {kept}")
+    assert default > 3 * kept  # by default every block is mapped and zero-filled anew
+
+
+def test_a_user_s_own_malloc_tuning_is_left_alone(monkeypatch):
+    from spill.engines.torch import heap
+
+    names = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    assert not heap._user_tunes_malloc()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.rtld.optional_static_tls=2048")
+    assert not heap._user_tunes_malloc()  # a tunable of something else
+    values = ("glibc.malloc.mmap_threshold=1048576", "1048576", "131072")
+    for name, value in zip(names, values, strict=True):
+        monkeypatch.setenv(name, value)
+        assert heap._user_tunes_malloc()
+        monkeypatch.delenv(name)
