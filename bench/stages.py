@@ -78,7 +78,9 @@ def main() -> None:
     ap.add_argument("--project", default="tickets")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    runs = [build(py, a.project) for py in a.python or [sys.executable]]
+    # a path is made absolute: each build runs from its own temp folder
+    pythons = [os.path.abspath(p) if os.sep in p else p for p in a.python or [sys.executable]]
+    runs = [build(py, a.project) for py in pythons]
     for r in runs:
         parts = ", ".join(f"{k} {v} s" for k, v in r["stages_s"].items())
         print(f"{r['python']}: build {r['build_s']} s ({parts}); scores {r['scores']}")
