@@ -93,11 +93,9 @@ class Tokenizer:
             template = self._read_json(self.folder / "chat_template.json").get("chat_template")
         return template
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise TokenizerError(
-                f"{self.folder}: the model has no chat template; give rows a 'prompt' instead of 'messages'"
-            )
+    @cached_property
+    def _template(self):
+        """The chat template, compiled once: a training row renders it once per turn."""
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -112,8 +110,17 @@ class Tokenizer:
         )
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError(
+                f"{self.folder}: the model has no chat template; give rows a 'prompt' instead of 'messages'"
+            )
+        from jinja2 import TemplateError
+
         try:
-            return env.from_string(self.chat_template).render(
+            return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

@@ -51,6 +51,41 @@ def test_tokenizer_roundtrip_and_chat(tiny_models):
     assert tok.vocab_size == 259
 
 
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("{% for m in messages %}{{ m.content }", "unexpected '}'"),  # does not compile
+        ("{{ raise_exception('system turns only') }}", "system turns only"),  # refuses at render
+    ],
+)
+def test_a_bad_chat_template_is_one_line_each_time(tmp_path, template, says):
+    """The template is compiled once per tokenizer; a template that fails to compile or refuses
+    a chat is a TokenizerError naming the folder, on every call, never a Jinja traceback."""
+    from spill.errors import TokenizerError
+
+    folder = write_tiny(tmp_path / "m", "llama", seed=1)
+    (folder / "chat_template.jinja").write_text(template)
+    tok = Tokenizer(folder)
+    for _ in range(2):
+        with pytest.raises(TokenizerError, match=f"chat template failed: .*{says}") as e:
+            tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert str(folder) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_chat_rendering_is_the_same_on_every_call(tiny_models):
+    tok = Tokenizer(tiny_models["qwen2"])
+    chats = [[{"role": "user", "content": f"row {i}"}] for i in range(3)]
+    first = [
+        tok.apply_chat_template(c, add_generation_prompt=i % 2 == 0) for i, c in enumerate(chats)
+    ]
+    again = [
+        tok.apply_chat_template(c, add_generation_prompt=i % 2 == 0) for i, c in enumerate(chats)
+    ]
+    assert (
+        first == again and first[0].endswith("assistant\n") and not first[1].endswith("assistant\n")
+    )
+
+
 def test_tokenizer_matches_transformers(tiny_models):
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoTokenizer.from_pretrained(str(tiny_models["qwen2"]))
