@@ -6,8 +6,8 @@ read through one would weigh its whole size in RSS however small the ring. ``map
 range a mapping of its own instead, unmapped with its last view: for a ring slot on a CPU that
 computes in the file's dtype, it saves the copy (a warm 14 MB layer: ~0.5 ms mapped vs ~2.2 ms
 read, measured here). A layer's tensors are read in file order, one read per contiguous byte
-range (a decoder layer is usually one), so the disk sees a sequential read. What the bytes become (torch tensors, MLX arrays) is the
-engine's reader's business.
+range (a decoder layer is usually one), so the disk sees a sequential read. What the bytes
+become (torch tensors, MLX arrays) is the engine's reader's business.
 """
 
 from __future__ import annotations

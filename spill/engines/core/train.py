@@ -11,9 +11,9 @@ Two walks give the same gradients, bit for bit; the memory budget picks one per 
   ``kept_outputs`` linears, which the recompute then takes instead of computing them again:
   the same bits, half a layer's matmuls fewer on torch); the kernel's head (final norm,
   lm_head, a float32 cross-entropy over the target tokens) gives the loss and its gradient at
-  the last layer's output. Backward walks the ring in reverse, recomputes each layer from its saved input
-  through the kernel's ``layer_vjp`` with respect to that input and the layer's LoRA tensors,
-  and hands the input's gradient down. So only one layer's graph exists at a time, and
+  the last layer's output. Backward walks the ring in reverse, recomputes each layer from its
+  saved input through the kernel's ``layer_vjp`` with respect to that input and the layer's
+  LoRA tensors, and hands the input's gradient down. So only one layer's graph exists at a time, and
   resident mode can run the very same code (its ring just never evicts).
 
 Both run the same ops in the same order on the same inputs (the recompute's forward of a layer

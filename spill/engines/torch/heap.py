@@ -30,14 +30,17 @@ def _user_tunes_malloc() -> bool:
     )
 
 
+def glibc() -> bool:
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):  # not a name this platform knows
+        return False
+
+
 @functools.cache
 def keep_freed_blocks() -> bool:
     """Set the thresholds once per process; True when they were set."""
-    try:
-        glibc = bool(os.confstr("CS_GNU_LIBC_VERSION"))
-    except (ValueError, OSError):  # not a name this platform knows
-        glibc = False
-    if not glibc or _user_tunes_malloc():
+    if not glibc() or _user_tunes_malloc():
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from spill.engines.torch import heap
+
 BLOCK = 2**24  # float32 elements: 64 MiB, above glibc's largest adaptive mmap threshold
 ROUNDS = 10
 
@@ -38,14 +40,7 @@ def _faults(how: str, env: dict[str, str] | None = None) -> int:
     return int(proc.stdout)
 
 
-def _glibc() -> bool:
-    try:
-        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
-    except (ValueError, OSError):
-        return False
-
-
-@pytest.mark.skipif(not _glibc(), reason="the thresholds are glibc's")
+@pytest.mark.skipif(not heap.glibc(), reason="the thresholds are glibc's")
 def test_a_freed_large_tensor_is_reused_not_faulted_in_again():
     default, kept = _faults("default"), _faults("keep")
     print(f"\npage faults for {ROUNDS} 64 MiB tensors: default {default}, kept {kept}")
@@ -53,8 +48,6 @@ def test_a_freed_large_tensor_is_reused_not_faulted_in_again():
 
 
 def test_a_user_s_own_malloc_tuning_is_left_alone(monkeypatch):
-    from spill.engines.torch import heap
-
     names = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
     for name in names:
         monkeypatch.delenv(name, raising=False)
