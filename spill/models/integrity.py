@@ -167,9 +167,10 @@ def _remember(folder: Path, fresh: dict, full: bool) -> None:
         pass  # a read-only folder is checked in full each time, never refused for it
 
 
-def check(folder: Path, name: str) -> dict[str, dict] | None:
+def check(folder: Path, name: str, remember: bool = True) -> dict[str, dict] | None:
     """At job start: the folder's file records once every file matches them (re-hashing only
-    files whose stat changed), None when it has none; else one line naming the first change."""
+    files whose stat changed), None when it has none; else one line naming the first change.
+    ``remember=False`` writes nothing (a look at a folder that is not ours to touch)."""
     folder = Path(folder)
     files = recorded(folder)
     if files is None:
@@ -178,7 +179,8 @@ def check(folder: Path, name: str) -> dict[str, dict] | None:
     if diffs:
         more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
         raise ModelChanged(f"{diffs[0].line(folder)}{more}; {_fix(folder, name)}")
-    _remember(folder, fresh, full=False)
+    if remember:
+        _remember(folder, fresh, full=False)
     return files
 
 

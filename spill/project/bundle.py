@@ -66,20 +66,34 @@ def command(args: argparse.Namespace) -> int:
         return verify(Path(args.verify), args.json)
     if args.install:
         return install(Path(args.install[0]), Path(args.install[1]), args.force, args.json)
-    return pack(Path(args.args[0]), Path(args.args[1]), args, args.json)
+    return pack(args.args[0], Path(args.args[1]), args, args.json)
 
 
-def pack(root: Path, path: Path, args: argparse.Namespace, as_json: bool) -> int:
+def _project(where: str, state: str | None) -> tuple[Path, str]:
+    """(the project folder to read, its state): a local folder, or a project at a URI read from
+    its working copy (``spill.project.remote``) with its state at the URI."""
+    from spill.store.fs import is_local
+
+    if not is_local(where):
+        from spill.project.remote import checkout
+
+        root, there = checkout(where)
+        return root, state or there
+    root = Path(where.removeprefix("file://"))
+    if not (root / "spill.yaml").is_file():
+        raise UsageError(f"{root} holds no spill.yaml; give a project folder")
+    return root, state or str(root / STATE_DIR)
+
+
+def pack(where: str, path: Path, args: argparse.Namespace, as_json: bool) -> int:
     from spill.control.cas import current
     from spill.project import bundle_pack as bp
 
-    if not (root / "spill.yaml").is_file():
-        raise UsageError(f"{root} holds no spill.yaml; give a project folder")
     if path.exists() and not args.force:
         raise BundleError(f"{path} exists; give another PATH, or --force to replace it")
     if not path.parent.is_dir():
         raise BundleError(f"{path.parent} is not a folder; create it first")
-    state = args.state or str(root / STATE_DIR)
+    root, state = _project(where, args.state)
     t0 = time.perf_counter()
     project, contents = bp.collect(root, state, args.with_state, args.wait)
     n_models = len(contents.models)
@@ -147,6 +161,7 @@ def install(path: Path, dest: Path, force: bool, as_json: bool) -> int:
     result.update(seconds=round(seconds, 2), rate=_rate(result["bytes"], seconds))
     if not as_json:
         result["models"] = ", ".join(result["models"]) or "-"
+        result["models_own"] = ", ".join(result["models_own"]) or "-"
         result["run"] = result["run"] or "-"
     emit(result, as_json)
     return 0

@@ -52,6 +52,14 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, er
 BLOCK = tarfile.BLOCKSIZE
 RECORD = tarfile.RECORDSIZE
 MAX_MANIFEST = 64 << 20
+# Limits on what a bundle may hold, checked before anything is written: a real project is a few
+# files, its run a few hundred (checkpoints, row segments), its models a few dozen; 70B in bf16 is
+# 141 GB. A name segment longer than 255 bytes cannot be created on common file systems, and a
+# path deeper than MAX_DEPTH is no project's.
+MAX_ENTRIES = 20_000
+MAX_BYTES = 1 << 40  # 1 TiB
+MAX_NAME = 255  # bytes of one path segment (UTF-8)
+MAX_DEPTH = 32  # segments of one path
 _SEGMENT = re.compile(r"^[^/\\\x00-\x1f]+$")
 
 
@@ -61,16 +69,24 @@ class BundleError(SpillError):
 
 def bad_path(rel: str) -> str:
     """Why ``rel`` may not name a file in a bundle (``""`` when it may): it must be relative,
-    ``/``-separated, without ``.``/``..``/hidden segments, backslashes or control characters."""
-    if not rel or rel.startswith("/") or len(rel) > 4096:
+    ``/``-separated, without ``.``/``..``/hidden segments, backslashes or control characters,
+    and no longer or deeper than a file system (and the limits above) allow."""
+    if not rel or rel.startswith("/"):
         return "an absolute or empty path"
-    for seg in rel.split("/"):
+    if len(rel.encode("utf-8", "surrogateescape")) > 4096:
+        return "a path longer than 4096 bytes"
+    segments = rel.split("/")
+    if len(segments) > MAX_DEPTH:
+        return f"a path {len(segments) - 1} folders deep (at most {MAX_DEPTH - 1})"
+    for seg in segments:
         if seg in ("", ".", ".."):
             return "a path with an empty, '.' or '..' part"
         if not _SEGMENT.match(seg):
             return "a path with a backslash or a control character"
         if seg.startswith("."):
             return "a hidden name"
+        if len(seg.encode("utf-8", "surrogateescape")) > MAX_NAME:
+            return f"a path with a name longer than {MAX_NAME} bytes"
     return ""
 
 

@@ -1,20 +1,22 @@
 """``spill bundle --install PATH DIR``: a checked bundle into a project folder and the model cache.
 
 Nothing is written until ``open_bundle`` accepted the bundle's structure and every file is
-whole (``spill.project.bundle_read``). Then every entry is copied by the kernel and the bytes
-written are hashed as they land (``bundle_format.Hasher.copy_into``), into two
-temporary folders: ``.<DIR name>.install-<random>`` beside ``DIR`` (the project, its state under
-``.spill/``) and ``SPILL_HOME/models/.bundle-install-<random>`` (model files); a damaged file
-removes both and is refused, named. Only when every hash matched are the model files renamed
-into their cache folders (a file already there with the same sha256 is not copied at all) and
-the project folder renamed to ``DIR``, so ``DIR`` is either absent, as it was, or whole.
+whole (``spill.project.bundle_read``) and ``DIR`` passed its checks: a new or empty folder
+outside ``SPILL_HOME`` and outside every run's state (``--force`` replaces only a folder that a
+previous install made, whose run nobody holds). Where each model goes is decided next
+(``spill.project.bundle_models``: a cache folder of its own name only on proof that these are
+its bytes). Then every entry is copied by the kernel and the bytes written are hashed as they
+land (``bundle_format.Hasher.copy_into``) into two temporary folders, ``.<DIR name>.install-
+<random>`` beside ``DIR`` (the project, its state under ``.spill/``) and
+``SPILL_HOME/models/.bundle-install-<random>`` (new model folders); model files that are not
+written (kept or made from their source) are hashed all the same, so a damaged bundle is
+refused, named, whatever the cache holds. Only when every hash matched are the new model folders
+renamed into the cache and the project folder renamed to ``DIR``, so ``DIR`` is either as it was
+or whole. The project gets its install record (``spill.project.installed``).
 
-``DIR`` must be absent or empty; ``--force`` replaces a non-empty one (the old folder is moved
-aside, the new one renamed in, the old one removed), but never ``/``, the home folder or a folder
-holding ``SPILL_HOME``. A bundled run installs as a copy (``spill.control.runs.as_copy``): its
-control object and run list are written beside its files, so ``spill build DIR`` refuses to
-continue it and ``spill build DIR --new-run`` forks it. Each model folder gets a cache record
-(``spill-source.json``) of the files' hashes, so the first build checks them by stat alone.
+A bundled run installs as a copy (``spill.control.runs.as_copy``): its control object and run
+list are written beside its files, so ``spill build DIR`` refuses to continue it and ``spill
+build DIR --new-run`` forks it.
 """
 
 from __future__ import annotations
@@ -29,57 +31,59 @@ from typing import Any
 from spill.console import progress
 from spill.paths import STATE_DIR
 from spill.project.bundle_format import BundleError, Hasher
-from spill.project.bundle_read import Bundle, Entry, damaged, free_space_ok, open_bundle
-
-_MARKER_SOURCE = {"tiny": "tiny", "gguf": "gguf", "hub": "hub", "imported": "bundle"}
+from spill.project.bundle_read import Bundle, damaged, free_space_ok, open_bundle
 
 
-def _check_dest(dest: Path, force: bool) -> bool:
-    """Whether ``dest`` holds anything (refused unless ``force``, and never a folder that
-    matters more than a project: ``/``, home, one holding SPILL_HOME)."""
+def _check_dest(dest: Path, force: bool, bundle: Path) -> bool:
+    """Whether ``dest`` holds a previous install that ``--force`` replaces; refused in one line:
+    a file, a folder inside or above ``SPILL_HOME``, one inside a run's state location, one that
+    holds the bundle itself, and (even with ``--force``) a non-empty folder no bundle installed."""
+    from spill.paths import spill_home
+    from spill.project.installed import FILE, read
+
     if dest.exists() and not dest.is_dir() or dest.is_symlink():
         raise BundleError(f"{dest} exists and is not a folder; give --install another DIR")
-    full = dest.exists() and any(dest.iterdir())
-    if not full:
+    real = Path(os.path.realpath(dest))
+    home = Path(os.path.realpath(spill_home()))
+    if real.is_relative_to(home) or home.is_relative_to(real):
+        raise BundleError(
+            f"{dest} is {'inside' if real.is_relative_to(home) else 'above'} SPILL_HOME ({home}), "
+            "which spill manages; install the project somewhere else"
+        )
+    for above in (real, *real.parents):
+        if (above / "runs" / "current.json").exists():
+            raise BundleError(
+                f"{dest} lies inside {above}, the state of a run; install the project elsewhere"
+            )
+    if not (dest.exists() and any(dest.iterdir())):
         return False
     if not force:
         raise BundleError(
             f"{dest} is not empty; give an empty or new DIR, or --force to replace it"
         )
-    from spill.paths import spill_home
-
-    real = Path(os.path.realpath(dest))
-    keep = [Path("/"), Path(os.path.realpath(Path.home()))]
-    if real in keep or Path(os.path.realpath(spill_home())).is_relative_to(real):
-        raise BundleError(f"--force would replace {dest}, which holds more than a project; refused")
+    if Path(os.path.realpath(bundle)).is_relative_to(real):
+        raise BundleError(f"--force would replace {dest}, which holds the bundle {bundle}; refused")
+    if read(dest) is None:
+        raise BundleError(
+            f"--force replaces only a project a bundle installed, and {dest} has no {FILE}; "
+            "give an empty or new DIR"
+        )
+    _refuse_live(dest)
     return True
 
 
-def _model_targets(b: Bundle, models: Path, force: bool) -> dict[str, tuple[Path, str | None]]:
-    """model entry path -> (its cache path, the sha256 of a file already there, or None)."""
-    from spill.hashing import file_sha256
+def _refuse_live(dest: Path) -> None:
+    """A previous install whose run a live process owns is not replaced under it."""
+    from spill.control.cas import current
+    from spill.control.runs import _busy, is_held
 
-    real = Path(os.path.realpath(models))
-    out = {}
-    for m in b.manifest["models"]:
-        folder = models / m["folder"]
-        where = Path(os.path.realpath(folder))
-        if not where.is_relative_to(real):
-            raise BundleError(f"{folder} leads outside the model cache {models}; refused")
-        for f in m["files"]:
-            target = folder / f["name"]
-            have = None
-            if target.is_symlink() or target.exists() and not target.is_file():
-                raise BundleError(f"{target} exists and is not a plain file; remove it first")
-            if target.is_file():
-                have = file_sha256(target)
-                if have != f["sha256"] and not force:
-                    raise BundleError(
-                        f"{target} holds other bytes than the bundle's (sha256 {have[:12]}.. vs "
-                        f"{f['sha256'][:12]}..); run `spill models verify`, or --force to replace it"
-                    )
-            out[f"models/{m['folder']}/{f['name']}"] = (target, have)
-    return out
+    state = str(dest / STATE_DIR)
+    try:
+        doc = current(state)
+    except Exception:  # a damaged state: nothing live can hold it
+        return
+    if doc is not None and is_held(doc):
+        raise _busy(doc, state, f"; --force would replace {dest} under it")
 
 
 def _mkdirs(path: Path, made: list[Path]) -> None:
@@ -94,20 +98,28 @@ def _mkdirs(path: Path, made: list[Path]) -> None:
         made.append(d)
 
 
-def _extract(b: Bundle, dest_tmp: Path, model_tmp: Path, skip: set[str], bar) -> dict[str, list]:
-    """Copy every entry into the temporary folders, hashing what was written; a mismatch is
-    refused, named. The files are fsynced together at the end (their writeback started as they
-    were copied), before anything is renamed into place."""
+def _extract(b: Bundle, targets: dict[str, Path], bar) -> dict[str, list]:
+    """Copy every entry named in ``targets`` to its temporary path, hashing what was written, and
+    hash the others (model files the cache has or its source made) without writing them; a
+    mismatch is refused, named. The files are fsynced together at the end (their writeback
+    started as they were copied), before anything is renamed into place."""
     hasher = Hasher()
     keys: dict[str, list] = {}
     written: list[Path] = []
     try:
         with open(b.path, "rb", buffering=0) as src:
             for e in sorted(b.entries, key=lambda e: e.offset):
-                if e.path in skip:
+                target = targets.get(e.path)
+                if target is None:
+                    src.seek(e.offset)
+                    got, sha = hasher.copy(src, None, e.size)
+                    if got != e.size or sha != e.sha256:
+                        raise BundleError(
+                            f"{b.path}: {damaged(e, sha)}; nothing was installed (the cache's "
+                            "own copy of the file is untouched)"
+                        )
                     bar.update(e.size)
                     continue
-                target = _temp_path(e, dest_tmp, model_tmp)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with open(target, "x+b", buffering=0) as out:
                     written.append(target)
@@ -128,12 +140,20 @@ def _extract(b: Bundle, dest_tmp: Path, model_tmp: Path, skip: set[str], bar) ->
     return keys
 
 
-def _temp_path(e: Entry, dest_tmp: Path, model_tmp: Path) -> Path:
-    if e.role == "project":
-        return dest_tmp / e.path.removeprefix("project/")
-    if e.role == "state":
-        return dest_tmp / STATE_DIR / e.path.removeprefix("state/")
-    return model_tmp / e.path.removeprefix("models/")
+def _targets(b: Bundle, dest_tmp: Path, model_tmp: Path, placements: list) -> dict[str, Path]:
+    """Entry path -> where it is written: the project's and the state's files into the project
+    folder, the files of each new own model folder into ``model_tmp/<n>/``."""
+    out = {}
+    for e in b.entries:
+        if e.role == "project":
+            out[e.path] = dest_tmp / e.path.removeprefix("project/")
+        elif e.role == "state":
+            out[e.path] = dest_tmp / STATE_DIR / e.path.removeprefix("state/")
+    for n, p in enumerate(placements):
+        if p.write:
+            for path, f in zip(p.entries(), p.pin["files"], strict=True):
+                out[path] = model_tmp / str(n) / f["name"]
+    return out
 
 
 def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
@@ -155,49 +175,43 @@ def _install_run(b: Bundle, dest: Path, dest_tmp: Path) -> None:
     _write_json(dest_tmp / STATE_DIR / "runs" / "current.json", runs, "runs")
 
 
-def _place_models(b: Bundle, targets: dict, model_tmp: Path, keys: dict, made: list) -> int:
-    """Rename the verified model files into the cache and record their hashes there."""
-    from spill.models.integrity import record
-
-    placed = 0
-    for m in b.manifest["models"]:
-        hashed, moved = {}, False
-        for f in m["files"]:
-            name = f"models/{m['folder']}/{f['name']}"
-            target, have = targets[name]
-            if have != f["sha256"]:
-                _mkdirs(target.parent, made)
-                os.replace(model_tmp / m["folder"] / f["name"], target)
-                moved, placed = True, placed + 1
-            hashed[f["name"]] = (f["sha256"], keys.get(name))
-        if moved:
-            src = m["source"]
-            fields = {
-                k: src[k] for k in ("model_id", "revision", "family", "seed", "gguf") if k in src
-            }
-            folder = targets[f"models/{m['folder']}/{m['files'][0]['name']}"][0].parent
-            record(
-                folder, hashed=hashed, source=_MARKER_SOURCE[src["kind"]], name=m["name"], **fields
+def _free_space(b: Bundle, dest: Path, models: Path) -> None:
+    """Refuse, naming the bytes, an install that cannot fit where the file system says (every
+    model file counted, as if none were cached yet)."""
+    project = sum(e.size for e in b.entries if e.role != "model")
+    model = b.bytes - project
+    at = _existing(dest.parent), _existing(models)
+    need = {at[0]: project, at[1]: model}
+    if at[0].stat().st_dev == at[1].stat().st_dev:
+        need = {at[0]: b.bytes}
+    for where, nbytes in need.items():
+        if nbytes and not free_space_ok(where, nbytes):
+            raise BundleError(
+                f"not enough free space for {nbytes / 1e6:.0f} MB at {where}; free some space "
+                "and install again"
             )
-    return placed
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
     """Install the bundle at ``path`` into ``dest`` and the model cache; returns a summary."""
+    from spill.console import note
     from spill.paths import models_dir
+    from spill.project import bundle_models, installed
 
     b = open_bundle(path)
     if b.problems:
         more = f" (and {len(b.problems) - 1} more: spill bundle --verify lists them)"
         raise BundleError(f"{path}: {b.problems[0]}{more if len(b.problems) > 1 else ''}")
     dest = Path(os.path.abspath(dest))
-    replace = _check_dest(dest, force)
+    replace = _check_dest(dest, force, Path(path))
     models = models_dir()
-    targets = _model_targets(b, models, force)
-    skip = {n for n, (_, have) in targets.items() if have is not None and have == _sha(b, n)}
-    need = sum(e.size for e in b.entries if e.path not in skip)
-    if not free_space_ok(dest.parent if dest.parent.exists() else Path("/"), need):
-        raise BundleError(f"not enough free space for {need / 1e6:.0f} MB beside {dest}")
+    _free_space(b, dest, models)
     made: list[Path] = []
     token = secrets.token_hex(4)
     dest_tmp = dest.parent / f".{dest.name}.install-{token}"
@@ -205,14 +219,19 @@ def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
     try:
         _mkdirs(dest.parent, made)
         _mkdirs(models, made)
-        dest_tmp.mkdir()
         model_tmp.mkdir()
+        placements = bundle_models.plan(b.manifest, model_tmp, note)
+        dest_tmp.mkdir()
         with progress(b.bytes, "installing", unit="B") as bar:
             bar.unit_scale = True
-            keys = _extract(b, dest_tmp, model_tmp, skip, bar)
+            keys = _extract(b, _targets(b, dest_tmp, model_tmp, placements), bar)
         if b.manifest["run"] is not None:
             _install_run(b, dest, dest_tmp)
-        placed = _place_models(b, targets, model_tmp, keys, made)
+        own = {p.pin["name"]: p for p in placements if p.how == "own"}
+        installed.write(dest_tmp, _record(b, own, models))
+        placed = sum(
+            bundle_models.place(p, model_tmp / str(n), keys) for n, p in enumerate(placements)
+        )
         if replace:
             old = dest.parent / f".{dest.name}.replaced-{token}"
             os.rename(dest, old)
@@ -232,6 +251,8 @@ def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
                 pass
         raise
     shutil.rmtree(model_tmp, ignore_errors=True)
+    for name, p in own.items():
+        note(f"{name}: the bundle's copy is {p.folder}, for this project only ({p.why})")
     run = b.manifest["run"]
     return {
         "installed": str(dest),
@@ -239,10 +260,23 @@ def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
         "bytes": b.bytes,
         "models": [m["name"] for m in b.manifest["models"]],
         "model_files_written": placed,
-        "model_files_kept": len(skip),
+        "model_files_kept": sum(len(p.pin["files"]) for p in placements) - placed,
+        "models_own": sorted(own),
         "run": run["id"] if run else None,
     }
 
 
-def _sha(b: Bundle, name: str) -> str:
-    return next(e.sha256 for e in b.entries if e.path == name)
+def _record(b: Bundle, own: dict[str, Any], models: Path) -> dict[str, Any]:
+    import time
+
+    return {
+        "schema_version": 1,
+        "kind": "spill-installed-bundle",
+        "bundle": b.path.name[:255],
+        "manifest_sha256": b.manifest_sha256,
+        "installed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "models": {
+            name: {"folder": p.folder.relative_to(models).as_posix(), "why": p.why}
+            for name, p in own.items()
+        },
+    }

@@ -132,6 +132,8 @@ def run_items(state: str, wait: bool) -> tuple[list[Item], dict[str, Any]]:
 
 
 def _source(resolved, marker: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(marker.get("bundle"), dict):  # a bundle's own copy: what that bundle claimed
+        return dict(marker["bundle"]["source"])
     kind = {"tiny": "tiny", "gguf": "gguf", "hub": "hub"}.get(resolved.source, "imported")
     out: dict[str, Any] = {"kind": kind}
     if resolved.model_id:
@@ -141,17 +143,22 @@ def _source(resolved, marker: dict[str, Any]) -> dict[str, Any]:
     for k in ("family", "seed"):
         if k in marker:
             out[k] = marker[k]
-    if isinstance(marker.get("gguf"), str):
-        out["gguf"] = marker["gguf"].replace("\\", "/").rsplit("/", 1)[-1]  # its name only
+    gguf = marker.get("gguf") or marker.get("file")
+    if kind == "gguf" and isinstance(gguf, str):
+        out["gguf"] = gguf.replace("\\", "/").rsplit("/", 1)[-1]  # its name only
+    if kind == "gguf" and isinstance(marker.get("sha256"), str):
+        out["gguf_sha256"] = marker["sha256"]  # the import's record of its GGUF file
     return out
 
 
 def model_items(project) -> tuple[list[Item], list[dict[str, Any]]]:
-    """The model files of every stage's model, each model pinned once."""
+    """The model files of every stage's model, each model pinned once (a model an install
+    gave this project a folder of its own for is that folder, as the project's builds load)."""
     from spill.models.cache import read_marker
     from spill.models.integrity import check, model_files, stat_key
     from spill.models.resolve import resolve_model
     from spill.paths import models_dir
+    from spill.project.installed import model_folder
     from spill.project.stages import STAGES
 
     users: dict[str, list[str]] = {}
@@ -167,7 +174,7 @@ def model_items(project) -> tuple[list[Item], list[dict[str, Any]]]:
                 f"{used_by[0]}: {name} is staged from a URI, which an offline machine cannot "
                 "reach; copy it into the model cache (`spill models import`) and name that"
             )
-        resolved = resolve_model(name, progress=note)
+        resolved = resolve_model(name, model_folder(project.root, name), progress=note)
         folder = Path(resolved.folder)
         real = Path(os.path.realpath(folder))
         if not real.is_relative_to(cache):

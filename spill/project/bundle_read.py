@@ -15,6 +15,7 @@ per file, for ``--verify`` to print all of them and ``--install`` to refuse on t
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tarfile
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from spill.project.bundle_format import (
     FORMAT,
     KIND,
     MANIFEST,
+    MAX_BYTES,
+    MAX_ENTRIES,
     MAX_MANIFEST,
     PREFIX,
     BundleError,
@@ -56,6 +59,7 @@ class Bundle:
     path: Path
     manifest: dict[str, Any]
     entries: list[Entry]  # in the manifest's order
+    manifest_sha256: str
     problems: list[str] = field(default_factory=list)  # one line per file that is not whole
 
     @property
@@ -77,6 +81,8 @@ def _members(path: Path) -> list[tarfile.TarInfo]:
         with tarfile.open(path, "r:") as tf:
             while (m := tf.next()) is not None:
                 out.append(m)
+                if len(out) > MAX_ENTRIES + 1:  # + the manifest
+                    raise _refuse(path, f"it holds more than {MAX_ENTRIES} files, spill's limit")
     except tarfile.ReadError as e:
         if not (out and "unexpected end of data" in str(e)):
             raise _refuse(path, f"not a readable bundle ({e})") from None
@@ -101,7 +107,7 @@ def _check_member(path: Path, m: tarfile.TarInfo, seen: set[str]) -> None:
     seen.add(folded)
 
 
-def _manifest(path: Path, first: tarfile.TarInfo, size: int) -> dict[str, Any]:
+def _manifest(path: Path, first: tarfile.TarInfo, size: int) -> tuple[dict[str, Any], str]:
     from spill.store.schemas import SchemaInvalid, parse_json, validate
 
     if first.name != MANIFEST:
@@ -127,7 +133,22 @@ def _manifest(path: Path, first: tarfile.TarInfo, size: int) -> dict[str, Any]:
         validate(doc, "bundle", where=f"{path}: {MANIFEST}")
     except SchemaInvalid as e:
         raise _refuse(path, str(e).split("; it was written")[0].split(": ", 1)[-1]) from None
-    return doc
+    _whole_numbers(doc)
+    if doc["bytes"] > MAX_BYTES:
+        raise _refuse(path, f"its manifest says {doc['bytes']} bytes, over spill's limit of 1 TiB")
+    return doc, hashlib.sha256(raw).hexdigest()
+
+
+def _whole_numbers(doc: dict[str, Any]) -> None:
+    """The schema's integers as ints: JSON Schema calls 1118.0 an integer, Python does not."""
+    doc["bytes"] = int(doc["bytes"])
+    for f in doc["files"]:
+        f["size"] = int(f["size"])
+    for m in doc["models"]:
+        for f in m["files"]:
+            f["size"] = int(f["size"])
+        if "seed" in m["source"]:
+            m["source"]["seed"] = int(m["source"]["seed"])
 
 
 def _consistent(path: Path, doc: dict[str, Any]) -> list[Entry]:
@@ -145,6 +166,9 @@ def _consistent(path: Path, doc: dict[str, Any]) -> list[Entry]:
         entries.append(Entry(name, role, f["size"], f["sha256"]))
     by_path = {e.path: e for e in entries}
     pinned = set()
+    folders = [m["folder"].casefold() for m in doc["models"]]
+    if len(set(folders)) != len(folders):
+        raise _refuse(path, "its manifest pins two models to one folder")
     for m in doc["models"]:
         for f in m["files"]:
             name = f"models/{m['folder']}/{f['name']}"
@@ -180,14 +204,14 @@ def open_bundle(path: Path | str) -> Bundle:
     seen: set[str] = set()
     for m in members:
         _check_member(path, m, seen)
-    doc = _manifest(path, members[0], size)
+    doc, digest = _manifest(path, members[0], size)
     entries = _consistent(path, doc)
     at = {m.name: m for m in members[1:]}
     listed = {e.path for e in entries}
     extra = [n for n in at if n not in listed]
     if extra:
         raise _refuse(path, f"entry {extra[0]!r} is not in its manifest")
-    out = Bundle(path, doc, entries)
+    out = Bundle(path, doc, entries, digest)
     for e in entries:
         m = at.get(e.path)
         if m is None:

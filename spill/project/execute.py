@@ -249,9 +249,11 @@ class Executor:
 
     def _load(self, batch: int | None, stop: int | None, stage: Stage, setting: str = ""):
         """A job's ``RowOptions``: the engine settings, the group's batch (``setting`` names it
-        for the pre-run line; None: from the memory budget), where it commits."""
+        for the pre-run line; None: from the memory budget), the model folder a bundle install
+        gave this project (None: the name's own), where it commits."""
         from spill.engines.base import LoadOptions
         from spill.jobs.rows_job import RowOptions
+        from spill.project.installed import model_folder
         from spill.sizes import parse_size
 
         e = self.project.engine  # its memory passed the schema: a size parse_size reads
@@ -267,6 +269,7 @@ class Executor:
             batch_from=setting or "--batch",
             engine=e.name,
             load=load,
+            weights=model_folder(self.project.root, stage.model(self.project)),
             state=stage.uri(self.root),
             stop_after=stop,
             place=stage.place(self.root, self.run),
@@ -331,6 +334,7 @@ class Executor:
             state=job.state,
             engine=job.engine,
             load=job.load,
+            weights=job.weights,
             place=job.place,
         )
         s = tune(self.project.model.name, self._train_file(), self.project.name, opts)

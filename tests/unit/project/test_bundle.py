@@ -32,6 +32,22 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def real_tiny() -> dict[str, bytes]:
+    """GOOD with the files tiny:llama:9:2x64 really has (its seed makes the same bytes here)."""
+    import tempfile
+
+    from spill.models.tiny import write_tiny
+
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny(Path(d), "llama", 9, 2, 64)
+        model = {
+            f"models/{MODEL}/{p.name}": p.read_bytes()
+            for p in sorted(Path(d).iterdir())
+            if p.name != "spill-source.json"
+        }
+    return {k: v for k, v in GOOD.items() if not k.startswith("models/")} | model
+
+
 def manifest(files: dict[str, bytes], **edit) -> dict:
     model = [
         {"name": n.rsplit("/", 1)[1], "size": len(d), "sha256": _sha(d)}
@@ -250,19 +266,50 @@ def test_missing_model_file_is_named(tmp_path, place):
 
 
 def test_good_bundle_installs_and_keeps_model_files_already_there(tmp_path, spill_home):
-    path = make(tmp_path / "b.spb")
+    files = real_tiny()
+    path = make(tmp_path / "b.spb", files)
     assert verify(open_bundle(path)) == []
     out = install(path, tmp_path / "a")
     assert (tmp_path / "a" / "data.csv").read_bytes() == GOOD["project/data.csv"]
-    folder = spill_home / "models" / MODEL
-    assert (folder / "model.safetensors").read_bytes() == GOOD[f"models/{MODEL}/model.safetensors"]
+    folder = spill_home / "models" / MODEL  # its bytes are the seed's: it takes its own name
+    for name, data in files.items():
+        if name.startswith("models/"):
+            assert (folder / name.rsplit("/", 1)[1]).read_bytes() == data
     marker = json.loads((folder / "spill-source.json").read_text())
-    assert marker["source"] == "tiny" and marker["files"]["config.json"]["sha256"] == _sha(b"{}\n")
-    assert out["model_files_written"] == 2
+    cfg = files[f"models/{MODEL}/config.json"]
+    assert marker["source"] == "tiny" and marker["files"]["config.json"]["sha256"] == _sha(cfg)
+    assert out["model_files_written"] == 5 and out["models_own"] == []
+    record = json.loads((tmp_path / "a" / ".spill-bundle.json").read_text())
+    assert record["models"] == {} and record["bundle"] == "b.spb"
     again = install(path, tmp_path / "b")  # the same model files: kept, not copied again
-    assert (again["model_files_written"], again["model_files_kept"]) == (0, 2)
+    assert (again["model_files_written"], again["model_files_kept"]) == (0, 5)
     hidden = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert hidden == [] and not any(p.name.startswith(".") for p in folder.parent.iterdir())
+    assert sorted(p.name for p in (spill_home / "models").iterdir()) == ["tiny"]
+
+
+def test_bytes_unlike_the_seeds_install_under_a_folder_of_their_own(tmp_path, spill_home):
+    """GOOD's model files are not what tiny:llama:9:2x64 is: they never take its folder."""
+    from spill.models.resolve import resolve_model
+    from spill.project.bundle_models import key
+
+    out = install(make(tmp_path / "b.spb"), tmp_path / "a")
+    models = spill_home / "models"
+    assert out["models_own"] == ["tiny:llama:9:2x64"] and not (models / MODEL).exists()
+    files = {n.rsplit("/", 1)[1]: _sha(d) for n, d in GOOD.items() if n.startswith("models/")}
+    own = models / "bundled" / key(files)[:16]
+    assert (own / "model.safetensors").read_bytes() == GOOD[f"models/{MODEL}/model.safetensors"]
+    record = json.loads((tmp_path / "a" / ".spill-bundle.json").read_text())
+    pin = record["models"]["tiny:llama:9:2x64"]
+    assert pin["folder"] == f"bundled/{key(files)[:16]}" and "differ" in pin["why"]
+    marker = json.loads((own / "spill-source.json").read_text())
+    assert marker["source"] == "bundle" and marker["bundle"]["source"]["kind"] == "tiny"
+    # every other project naming the model gets the seed's bytes, generated afresh
+    resolved = resolve_model("tiny:llama:9:2x64", progress=lambda _: None)
+    assert resolved.folder == models / MODEL
+    assert (resolved.folder / "model.safetensors").read_bytes() != GOOD[
+        f"models/{MODEL}/model.safetensors"
+    ]
 
 
 def test_install_into_a_non_empty_folder_needs_force(tmp_path, spill_home):
@@ -272,11 +319,24 @@ def test_install_into_a_non_empty_folder_needs_force(tmp_path, spill_home):
     (dest / "old.txt").write_text("old")
     with pytest.raises(BundleError, match="not empty"):
         install(path, dest)
-    assert (dest / "old.txt").exists()
-    install(path, dest, force=True)
-    assert sorted(p.name for p in dest.iterdir()) == ["data.csv", "spill.yaml"]
-    with pytest.raises(BundleError, match="holds more than a project"):
-        install(path, spill_home.parent, force=True)
+    with pytest.raises(BundleError, match="only a project a bundle installed"):
+        install(path, dest, force=True)  # a folder no install made is never replaced
+    assert (dest / "old.txt").read_text() == "old"
+    install(path, tmp_path / "e")
+    (tmp_path / "e" / "mine.txt").write_text("mine")
+    install(path, tmp_path / "e", force=True)  # a previous install: replaced
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == [
+        ".spill-bundle.json",
+        "data.csv",
+        "spill.yaml",
+    ]
+    for where, says in (
+        (spill_home.parent, "above SPILL_HOME"),
+        (spill_home / "models", "inside SPILL_HOME"),
+        (spill_home / "models" / "new", "inside SPILL_HOME"),
+    ):
+        with pytest.raises(BundleError, match=says):
+            install(path, where, force=True)
 
 
 # --- the fast paths (report 007): pack from the build's record, install's copy ----------------

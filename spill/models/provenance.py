@@ -1,0 +1,133 @@
+"""Where a model name lives in the cache, and the files its own source gives for it here.
+
+The cache folder a name resolves to (``home``) is shared by every project on the machine, so
+bytes that arrive from elsewhere (a bundle) may fill it only when they equal what the name's
+pinned source gives on this machine (``genuine``):
+
+* ``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated again from its seed (the same bytes
+  on every machine);
+* an alias served by an offline GGUF (``smollm2:135m``) is imported again from the GGUF
+  installed here, when one is (the import of one GGUF always gives the same bytes);
+* anything else (a hub snapshot, a user's own import, a folder outside the cache) cannot be
+  checked without the network: ``genuine`` says why not, and such bytes never take the name.
+
+The genuine files are written to a folder the caller names, on the cache's file system, with
+the record a first use writes, so a caller whose bytes matched renames that folder into place.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from spill.errors import ModelError
+from spill.models.names import (
+    alias_for_model_id,
+    looks_like_hub_id,
+    lookup,
+    parse_tiny,
+    safe_name,
+)
+from spill.paths import models_dir
+
+# a tiny model is generated only when its size is near the bytes offered for it: a hostile name
+# (tiny:llama:1:64x8192) must not make a check write gigabytes for a bundle of kilobytes
+_TINY_SLACK = 4
+
+
+class Unverifiable(ModelError):
+    """A model whose source cannot say here which bytes it has."""
+
+
+def _tiny(name: str):
+    try:
+        return parse_tiny(name)
+    except ModelError:
+        return None
+
+
+def home(name: str, source: Mapping[str, Any]) -> Path | None:
+    """The cache folder ``name`` resolves to on this machine for a model from ``source`` (the
+    bundle manifest's pin: kind, model_id, revision), or None when no fixed folder is its."""
+    from spill.models.hub import hub_cache
+    from spill.models.resolve import tiny_folder
+
+    spec = _tiny(name)
+    if spec is not None:
+        return tiny_folder(spec)
+    alias = lookup(name)
+    kind = source.get("kind")
+    if alias is not None and alias.offline and kind == "gguf":
+        return models_dir() / safe_name(alias.name)
+    model_id, _, revision = name.strip().partition("@")
+    if alias is not None:
+        model_id, revision = alias.model_id, alias.revision
+    elif not looks_like_hub_id(name):
+        return None
+    elif not revision:  # an alias's hub id means its pinned commit; anything else "main"
+        pinned = alias_for_model_id(model_id)
+        if pinned is None:
+            return None
+        revision = pinned.revision
+    if kind != "hub" or source.get("revision") != revision or source.get("model_id") != model_id:
+        return None
+    return hub_cache() / f"models--{model_id.replace('/', '--')}" / "snapshots" / revision
+
+
+def _estimated_tiny_bytes(spec) -> int:
+    # bf16 weights: about 11 h^2 per layer (attention 3.5, MLP 7.5) plus the embedding
+    return 2 * (11 * spec.layers * spec.hidden**2 + 259 * spec.hidden)
+
+
+def genuine(
+    name: str,
+    source: Mapping[str, Any],
+    offered: int,
+    tmp: Path,
+    progress: Callable[[str], object],
+) -> Path:
+    """Write into the new folder ``tmp`` (on the cache's file system) the files the name's
+    source gives here, with their cache record; raises ``Unverifiable`` (why, in words) when it
+    cannot. ``offered``: the bytes offered for the model, which bounds what a tiny check makes."""
+    from spill.models.resolve import generate_tiny
+
+    where = home(name, source)
+    if where is None:
+        raise Unverifiable(f"{name} has no fixed folder in the model cache")
+    spec = _tiny(name)
+    alias = lookup(name)
+    if spec is None and not (alias is not None and alias.offline and source.get("kind") == "gguf"):
+        raise Unverifiable(f"{name}'s source (the hub) cannot be asked without the network")
+    if spec is not None and _estimated_tiny_bytes(spec) > _TINY_SLACK * offered + (8 << 20):
+        raise Unverifiable(
+            f"{spec.name} would be about {_estimated_tiny_bytes(spec) / 1e6:.0f} MB, far more "
+            f"than the {offered / 1e6:.1f} MB offered for it"
+        )
+    try:
+        if spec is not None:
+            tmp.mkdir()
+            generate_tiny(spec, tmp)
+        else:
+            _offline_gguf(alias, source, tmp, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def _offline_gguf(alias, source: Mapping[str, Any], tmp: Path, progress) -> None:
+    from spill.errors import ModelNotFound
+    from spill.hashing import file_sha256
+    from spill.models.gguf_import import find_smollm2_gguf
+    from spill.models.resolve import import_offline
+
+    try:
+        gguf = find_smollm2_gguf()
+    except ModelNotFound:
+        raise Unverifiable(f"the GGUF that serves {alias.name} is not installed here") from None
+    want = source.get("gguf_sha256")
+    if want and file_sha256(gguf) != want:
+        raise Unverifiable(f"the GGUF installed here ({gguf.name}) is another file than its source")
+    import_offline(alias, tmp, progress)
