@@ -185,6 +185,8 @@ def resolve_model(
         folder = Path(weights).resolve()
         marker = read_marker(folder)
         source = marker.get("source", "local")
+        if "bundle" in marker:
+            progress(f"{name}: loading the bundle's own copy at {folder} (this project only)")
         model = ResolvedModel(name, marker.get("model_id"), marker.get("revision"), folder, source)
         return _checked(model)
     if weights:

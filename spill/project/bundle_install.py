@@ -21,6 +21,7 @@ build DIR --new-run`` forks it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -70,6 +71,24 @@ def _check_dest(dest: Path, force: bool, bundle: Path) -> bool:
         )
     _refuse_live(dest)
     return True
+
+
+def _check_lengths(b: Bundle, dest: Path) -> None:
+    """A file whose installed path would be longer than the file system takes is refused
+    before anything is written (the bundle's own limits do not know ``DIR``)."""
+    limit = 4096
+    with contextlib.suppress(OSError, ValueError):
+        limit = os.pathconf(_existing(dest.parent), "PC_PATH_MAX")
+    for e in b.entries:
+        if e.role == "model":
+            continue
+        rel = e.path.removeprefix("project/") if e.role == "project" else e.path
+        full = dest / (rel if e.role == "project" else f"{STATE_DIR}/{rel[len('state/') :]}")
+        if len(os.fsencode(full)) >= limit:
+            raise BundleError(
+                f"{b.path}: {e.path} would be installed at a path of {len(os.fsencode(full))} "
+                f"bytes, longer than this file system takes ({limit}); give a shorter DIR"
+            )
 
 
 def _refuse_live(dest: Path) -> None:
@@ -210,6 +229,7 @@ def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
         raise BundleError(f"{path}: {b.problems[0]}{more if len(b.problems) > 1 else ''}")
     dest = Path(os.path.abspath(dest))
     replace = _check_dest(dest, force, Path(path))
+    _check_lengths(b, dest)
     models = models_dir()
     _free_space(b, dest, models)
     made: list[Path] = []

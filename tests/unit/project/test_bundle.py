@@ -407,3 +407,14 @@ def test_install_without_kernel_copy_still_refuses_damage(tmp_path, spill_home, 
     with pytest.raises(BundleError, match="data.csv: damaged"):
         install(path, tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_a_path_too_long_under_dir_is_refused_before_anything_is_written(tmp_path, place):
+    """Each name fits, but DIR's own path plus a deep entry passes PATH_MAX (4096 here)."""
+    deep = "project/" + "/".join(["p" * 200] * 4) + "/f"
+    path = make(tmp_path / "b.spb", {**GOOD, deep: b"x"})
+    dest = tmp_path.joinpath(*["d" * 200] * 19)  # ~3.9 kB of folders
+    unchanged = place[1]()
+    with pytest.raises(BundleError, match="longer than this file system takes"):
+        install(path, dest)
+    unchanged()
