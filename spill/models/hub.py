@@ -124,3 +124,37 @@ def download(
     except (HfHubHTTPError, OSError) as e:
         raise _not_cached(model_id, revision, f"{type(e).__name__}: {e}") from None
     return _mark(Path(path), model_id)
+
+
+def reported_files(model_id: str, revision: str, timeout: float = 20) -> dict[str, dict]:
+    """What the hub says the model files of ``model_id`` at commit ``revision`` are: name ->
+    size, sha256 (LFS files) and git blob id (every file). Raises ``ModelNotFound`` (why, one
+    line) when the hub cannot be asked: offline, unreachable, or no such commit."""
+    if offline():
+        raise ModelNotFound("HF_HUB_OFFLINE is set, so the hub cannot be asked")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        info = HfApi().model_info(model_id, revision=revision, files_metadata=True, timeout=timeout)
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ModelNotFound(
+            f"the hub did not answer for {model_id}@{revision[:12]} ({e})"
+        ) from None
+    except Exception as e:  # requests' and httpx's connection errors alike
+        raise ModelNotFound(f"the hub cannot be reached ({type(e).__name__})") from None
+    if info.sha and info.sha != revision:
+        raise ModelNotFound(f"the hub answered for commit {info.sha[:12]}, not {revision[:12]}")
+    out = {}
+    for s in info.siblings or []:
+        if "/" not in s.rfilename and is_model_file(s.rfilename):
+            lfs = s.lfs.sha256 if s.lfs is not None else None
+            out[s.rfilename] = {"size": s.size, "sha256": lfs, "oid": s.blob_id}
+    return out
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git (and the hub) gives a file of these bytes: sha1 of ``blob <size>\\0<bytes>``."""
+    import hashlib
+
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()

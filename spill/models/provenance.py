@@ -8,8 +8,11 @@ pinned source gives on this machine (``genuine``):
   on every machine);
 * an alias served by an offline GGUF (``smollm2:135m``) is imported again from the GGUF
   installed here, when one is (the import of one GGUF always gives the same bytes);
-* anything else (a hub snapshot, a user's own import, a folder outside the cache) cannot be
-  checked without the network: ``genuine`` says why not, and such bytes never take the name.
+* a hub snapshot at a pinned commit is compared with what the hub reports for that commit
+  (``hub_differs``: each LFS file's sha256, each small file's git blob id), when the hub can be
+  asked;
+* anything else (a user's own import, a folder outside the cache) has no source to ask: such
+  bytes never take the name.
 
 The genuine files are written to a folder the caller names, on the cache's file system, with
 the record a first use writes, so a caller whose bytes matched renames that folder into place.
@@ -131,3 +134,34 @@ def _offline_gguf(alias, source: Mapping[str, Any], tmp: Path, progress) -> None
     if want and file_sha256(gguf) != want:
         raise Unverifiable(f"the GGUF installed here ({gguf.name}) is another file than its source")
     import_offline(alias, tmp, progress)
+
+
+def hub_differs(
+    name: str, source: Mapping[str, Any], files: Mapping[str, tuple[int, str]], read
+) -> str:
+    """``""`` when the hub reports exactly ``files`` (name -> size, sha256) for the commit the
+    name pins, else the first difference in words; ``read(file name) -> bytes`` gives a small
+    file's bytes (the hub names those by git blob id, not sha256). Raises ``Unverifiable`` when
+    the hub cannot be asked."""
+    from spill.errors import ModelNotFound
+    from spill.models.hub import git_blob_id, reported_files
+
+    if home(name, source) is None or source.get("kind") != "hub":
+        raise Unverifiable(f"{name} is no hub snapshot at a pinned commit")
+    try:
+        reported = reported_files(source["model_id"], source["revision"])
+    except ModelNotFound as e:
+        raise Unverifiable(str(e)) from None
+    if set(reported) != set(files):
+        extra = sorted(set(files) ^ set(reported))[0]
+        return f"the hub's file list differs ({extra})"
+    for fname, (size, sha) in sorted(files.items()):
+        want = reported[fname]
+        if want["size"] is not None and want["size"] != size:
+            return f"{fname} is {size} bytes, the hub's {want['size']}"
+        if want["sha256"] is not None:
+            if want["sha256"] != sha:
+                return f"{fname}'s sha256 is not the hub's"
+        elif want["oid"] is None or git_blob_id(read(fname)) != want["oid"]:
+            return f"{fname} is not the hub's file"
+    return ""

@@ -240,7 +240,7 @@ def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
         _mkdirs(dest.parent, made)
         _mkdirs(models, made)
         model_tmp.mkdir()
-        placements = bundle_models.plan(b.manifest, model_tmp, note)
+        placements = bundle_models.plan(b.manifest, model_tmp, _reader(b), note)
         dest_tmp.mkdir()
         with progress(b.bytes, "installing", unit="B") as bar:
             bar.unit_scale = True
@@ -284,6 +284,19 @@ def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
         "models_own": sorted(own),
         "run": run["id"] if run else None,
     }
+
+
+def _reader(b: Bundle):
+    """``read(entry path) -> bytes`` of a bundle whose files are whole (checked)."""
+    at = {e.path: e for e in b.entries}
+
+    def read(name: str) -> bytes:
+        e = at[name]
+        with open(b.path, "rb") as f:
+            f.seek(e.offset)
+            return f.read(e.size)
+
+    return read
 
 
 def _record(b: Bundle, own: dict[str, Any], models: Path) -> dict[str, Any]:

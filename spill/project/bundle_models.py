@@ -8,6 +8,8 @@ model takes the folder its name resolves to here (``provenance.home``) only on p
 * ``genuine``: that folder does not exist and the name's own source (a tiny model's seed, the
   GGUF installed here) gives exactly these files: the folder made from the source is renamed
   into place, and the bundle's copy is only verified;
+* ``verified``: that folder does not exist, it is a hub snapshot, and the hub reports exactly
+  these files for its commit: the bundle's files are written there;
 * ``own``: anything else (bytes unlike the source's, a source that cannot be asked here, a
   folder already there with other files): the files go to ``bundled/<key>`` (the sha256 of
   their names and hashes), which no model name resolves to; the installed project's record
@@ -86,9 +88,10 @@ def _own(pin: dict[str, Any], why: str) -> Placement:
     return Placement(pin, folder, "own", why, write=held is None)
 
 
-def plan(manifest: dict[str, Any], scratch: Path, progress) -> list[Placement]:
+def plan(manifest: dict[str, Any], scratch: Path, read, progress) -> list[Placement]:
     """One placement per bundled model; a source check makes its folder under ``scratch`` (a
-    temporary folder of the cache's file system, removed with everything left in it)."""
+    temporary folder of the cache's file system, removed with everything left in it).
+    ``read(entry path) -> bytes``: a small file's bytes as the bundle holds them."""
     from spill.models import provenance
 
     out: list[Placement] = []
@@ -106,6 +109,9 @@ def plan(manifest: dict[str, Any], scratch: Path, progress) -> list[Placement]:
         if held is not None:
             out.append(_own(pin, f"the cache's {name} ({where}) holds other files"))
             continue
+        if source["kind"] == "hub":
+            out.append(_hub(pin, where, read))
+            continue
         offered = sum(f["size"] for f in pin["files"])
         try:
             made = provenance.genuine(name, source, offered, scratch / f"source-{n}", progress)
@@ -118,6 +124,20 @@ def plan(manifest: dict[str, Any], scratch: Path, progress) -> list[Placement]:
         shutil.rmtree(made, ignore_errors=True)
         out.append(_own(pin, f"its files differ from what {name}'s own source gives here"))
     return out
+
+
+def _hub(pin: dict[str, Any], where: Path, read) -> Placement:
+    from spill.models import provenance
+
+    files = {f["name"]: (f["size"], f["sha256"]) for f in pin["files"]}
+    prefix = f"models/{pin['folder']}/"
+    try:
+        why = provenance.hub_differs(pin["name"], pin["source"], files, lambda f: read(prefix + f))
+    except provenance.Unverifiable as e:
+        return _own(pin, f"its bytes cannot be checked here: {e}")
+    if why:
+        return _own(pin, f"its files differ from what the hub reports ({why})")
+    return Placement(pin, where, "verified", write=True)
 
 
 def place(p: Placement, staged: Path | None, keys: dict[str, list]) -> int:
@@ -137,15 +157,12 @@ def place(p: Placement, staged: Path | None, keys: dict[str, list]) -> int:
             for f in pin["files"]
         }
         fields = {k: source[k] for k in ("revision", "family", "seed") if k in source}
-        record(
-            staged,
-            hashed=hashed,
-            name=pin["name"],
-            model_id=source.get("model_id") or pin["name"],
-            source="bundle",
-            bundle={"key": key(p.files), "source": source, "why": p.why},
-            **fields,
-        )
+        if p.how == "verified":  # as the hub client's own download is recorded (hub._mark)
+            fields.update(name=f"{source['model_id']}@{source['revision'][:12]}", source="hub")
+        else:
+            fields.update(name=pin["name"], source="bundle")
+            fields["bundle"] = {"key": key(p.files), "source": source, "why": p.why}
+        record(staged, hashed=hashed, model_id=source.get("model_id") or pin["name"], **fields)
         src = staged
     p.folder.parent.mkdir(parents=True, exist_ok=True)
     try:

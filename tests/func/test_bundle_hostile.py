@@ -327,3 +327,94 @@ def test_the_gguf_model_takes_its_name_only_when_the_gguf_here_gives_its_bytes(t
     assert "for this project only" in done.stderr
     assert not (home / "models" / "smollm2-135m").exists()
     assert len(list((home / "models" / "bundled").iterdir())) == 1
+
+
+HUB_REPO, HUB_REV = "spill-test/tiny", "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hub_server(siblings: list[dict]):
+    """A loopback stand-in for the hub's model-info API (``HF_ENDPOINT``): the answer the real
+    hub gives ``HfApi.model_info(files_metadata=True)`` for one repository at one commit."""
+    import http.server
+    import threading
+
+    body = json.dumps({"id": HUB_REPO, "sha": HUB_REV, "siblings": siblings}).encode()
+    want = f"/api/models/{HUB_REPO}/revision/{HUB_REV}"
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            ok = self.path.split("?")[0] == want
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body if ok else b'{"error": "Repository not found"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def hub_bundle(tmp_path_factory) -> dict:
+    """The toy project on a hub model (a snapshot in the source machine's hub cache), bundled,
+    and what the hub reports for that snapshot's files."""
+    from spill.models.hub import git_blob_id
+    from spill.models.tiny import write_tiny
+
+    base = tmp_path_factory.mktemp("hub")
+    home = base / "home"
+    snap = home / "models" / "hub" / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots"
+    write_tiny(snap / HUB_REV, "llama", 2, 2, 64)
+    (snap / HUB_REV / "spill-source.json").unlink()  # as the hub client leaves a snapshot
+    toy = copy_project(ROOT / "projects" / "toy", base / "toy")
+    yaml = (toy / "spill.yaml").read_text()
+    (toy / "spill.yaml").write_text(yaml.replace("tiny:llama:2:2x64", f"{HUB_REPO}@{HUB_REV}"))
+    path = base / "toy.spb"
+    spill("bundle", str(toy), str(path), home=home)
+    siblings = []
+    for p in sorted((snap / HUB_REV).iterdir()):
+        data = p.read_bytes()
+        lfs = {"sha256": _sha(data), "size": len(data), "pointerSize": 134}
+        siblings.append(
+            {
+                "rfilename": p.name,
+                "size": len(data),
+                "blobId": git_blob_id(data),
+                **({"lfs": lfs} if p.suffix == ".safetensors" else {}),
+            }
+        )
+    return {"bundle": path, "siblings": siblings}
+
+
+@pytest.mark.parametrize("hub", ["same", "other", "offline"])
+def test_a_hub_model_takes_its_snapshot_folder_only_when_the_hub_reports_its_files(
+    hub_bundle, tmp_path, hub
+):
+    siblings = json.loads(json.dumps(hub_bundle["siblings"]))
+    if hub == "other":  # the hub's safetensors is another file than the bundle's
+        lfs = next(s for s in siblings if "lfs" in s)
+        lfs["lfs"]["sha256"] = "0" * 64
+    server = _hub_server(siblings)
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"}
+    if hub == "offline":
+        env["HF_HUB_OFFLINE"] = "1"
+    home = tmp_path / "home"
+    try:
+        done = spill(
+            "bundle", "--install", str(hub_bundle["bundle"]), str(tmp_path / "i"), home=home, **env
+        )
+    finally:
+        server.shutdown()
+    snap = home / "models" / "hub" / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots"
+    if hub == "same":
+        assert (snap / HUB_REV / "model.safetensors").is_file()
+        assert "for this project only" not in done.stderr
+        assert not (home / "models" / "bundled").exists()
+        spill("build", str(tmp_path / "i"), "--stop-after", "eval:base", home=home, offline=True)
+    else:
+        assert not snap.exists() and "for this project only" in done.stderr
+        says = "differ from what the hub reports" if hub == "other" else "HF_HUB_OFFLINE"
+        assert says in done.stderr
