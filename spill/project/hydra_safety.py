@@ -36,9 +36,11 @@ key. The choices:
   a shared filesystem). ``run.dir``, ``help``, ``mode``, ``verbose``, ``env``, ``runtime``,
   ``job.name``/``chdir``: data spill's Hydra calls never run or write with. ``overrides``: only
   Hydra's record of this command line (each job is composed again with ``overrides.hydra``).
-  A key Hydra's schema lacks is refused (``+hydra.sweep.mode`` makes submitit chmod a folder).
+  A key Hydra's schema lacks (in ``hydra``, ``job``, ``run``, ``sweep``, a launcher, logging) is
+  refused: ``+hydra.sweep.mode`` makes submitit chmod the sweep folder.
 - A sweep: each job's config is checked as its launcher will compose it (a swept group option
   can write into ``hydra:`` through a package header); ``sweeper.params`` names no hydra key.
+  A build without ``-m`` is checked as its sweep would be (spill's own ``SILENT`` first).
 """
 
 from __future__ import annotations
