@@ -23,6 +23,11 @@ class UsageError(SpillError):
     exit_code = EXIT_USAGE
 
 
+class ConfigError(SpillError):
+    """A spill.yaml (or override) that does not compose, does not validate, or asks Hydra to
+    run code (``spill.project.hydra_safety``)."""
+
+
 class ModelError(SpillError):
     """A model folder, file or name that cannot be used."""
 

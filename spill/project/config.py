@@ -7,7 +7,8 @@ frozen dataclasses. Nothing downstream reads a config with defaults of its own: 
 live in ``conf/``.
 
 Errors from Hydra, OmegaConf, YAML and the schema all become one ``ConfigError`` line naming the
-key path and what is allowed.
+key path and what is allowed. Before validation, ``hydra_safety`` refuses a ``hydra:`` tree (or
+a ``_target_`` anywhere) that could run code or write files, here and in every sweep.
 
 ``compose_key`` (``spill.project.uptodate``) hashes everything composition reads. A build
 records it next to the composed config; a later build with the same key rebuilds the
@@ -24,20 +25,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spill.errors import SpillError
+from spill.errors import ConfigError
+from spill.project import hydra_safety
+from spill.project.hydra_safety import SEARCH_PATH  # noqa: F401  (init writes it into projects)
 from spill.project.uptodate import compose_key  # noqa: F401  (part of this boundary's API)
 from spill.store.schemas import short
 
 FILE = "spill.yaml"
 CONFIG_NAME = "spill"
-SEARCH_PATH = "pkg://spill.conf"
 SCHEMA = "spill-yaml"
 SECTIONS = ("data", "model", "teacher", "tune", "eval", "engine", "prompt")
 TEMPLATE_FIELDS = ("input", "labels")
-
-
-class ConfigError(SpillError):
-    """A spill.yaml (or override) that does not compose or does not validate."""
+# spill's own Hydra settings, before the user's overrides: no logging, no .hydra/ copies
+SILENT = ("hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null")
 
 
 @dataclass(frozen=True)
@@ -287,13 +287,18 @@ def compose(root: Path | str, overrides: Sequence[str] = ()) -> Project:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
 
+    given = [*SILENT, *overrides]  # the hydra tree as a sweep of this project would have it
+    hydra_safety.check_sources(root / FILE, given, where)
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3", job_name="spill"):
-            cfg = hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
+            cfg = hydra_compose(CONFIG_NAME, given, return_hydra_config=True)
+        hydra_safety.check(hydra_safety.plain(cfg), where, given)
+        with open_dict(cfg):
+            del cfg["hydra"]
         doc = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)

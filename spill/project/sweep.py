@@ -19,6 +19,10 @@ launcher raises, the sweep reads those back: finished jobs keep their results, a
 started and never ended is ``lost`` (with its state's progress), and the same command continues
 it. Where no job wrote a record (the launcher failed before any started) the sweep fails.
 
+Before ``multirun`` instantiates anything, ``hydra_safety`` composes the sweep and each job as
+Hydra will and refuses a ``hydra:`` tree that could run code or write files (callbacks, a
+``_target_`` not Hydra's own launcher, a logging FileHandler...), with one line naming the key.
+
 Jobs get the sweep's ``--lease`` and ``--wait``: a requeued job whose elder still holds the run
 comes back ``busy`` (exit 75, like preempted and lost) or, with ``--wait``, waits for it. Ray
 relays its workers' output to this process's stdout; the sweep sends it to stderr and leaves
@@ -43,12 +47,11 @@ from spill.control.control import Busy
 from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 from spill.jobs.preempt import Preempted
 from spill.paths import STATE_DIR
-from spill.project import build, config, stages, state
+from spill.project import build, config, hydra_safety, stages, state
 from spill.project.plan import StopAfter
 from spill.project.status import score
 from spill.store.fs import get_bytes, is_local, join, listdir, put_bytes
 
-SILENT = ["hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null"]
 RECORD = "spill-job.json"  # a job's result, in its Hydra output folder
 
 
@@ -197,7 +200,7 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
         StopAfter.parse(opts.stop_after)  # fail before any job starts
     base = opts.state or str(root / STATE_DIR)
     logs = join(base, "hydra") if is_local(base) else str(root / STATE_DIR / "hydra")
-    overrides = [*SILENT, f"hydra.sweep.dir='{logs}'", *opts.overrides]  # later ones win
+    overrides = [*config.SILENT, f"hydra.sweep.dir='{logs}'", *opts.overrides]  # later ones win
     token = uuid.uuid4().hex
     task = functools.partial(
         job,
@@ -231,13 +234,18 @@ def _launch(
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    where = str(root / config.FILE)
+    hydra_safety.check_sources(root / config.FILE, overrides, where)
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3", job_name="spill"):
-            returns = GlobalHydra.instance().hydra.multirun(
+            hydra = GlobalHydra.instance().hydra
+            # before multirun instantiates or runs any of it
+            hydra_safety.check_sweep(hydra, config.CONFIG_NAME, overrides, where)
+            returns = hydra.multirun(
                 config_name=config.CONFIG_NAME, task_function=task, overrides=overrides
             )
     except (HydraException, OmegaConfBaseException) as e:
-        raise config.ConfigError(f"{root / config.FILE}: {config.hydra_line(e)}") from None
+        raise config.ConfigError(f"{where}: {config.hydra_line(e)}") from None
     except SpillError:
         raise
     except Exception as e:  # a launcher that lost a job (a killed Ray worker, submitit process)
