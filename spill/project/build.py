@@ -185,20 +185,21 @@ def run(
     a second writer exits 75 naming the owner) and plans again against the state as the run holds
     it now; a completed run whose project changed starts the next run. When every stage is done
     the run is completed."""
+    from spill.project.context import BuildContext
     from spill.project.specs import specs as stage_specs
 
     check_location(project, doc, state_root)
     data_sha = uptodate.data_sha256(project.data_path)
-    prepared = prepare(project)
-    specs = stage_specs(project, prepared)
+    ctx = BuildContext(project, state_root, prepare(project), data_sha, key)
+    specs = stage_specs(project, ctx.prepared)
     decisions = _plan(project, specs, state_root, doc, stop)
     summary = {"project": project.name, "state": state_root, "dry_run": dry_run}
     if dry_run:
         return {**summary, "plan": [d.to_dict() for d in decisions], "doc": doc}
-    opts = (lease, wait, command, new_run)
+    owner = Owner(lease, wait, command, new_run)
     with contextlib.ExitStack() as stack:
-        owned = _own(stack, project, state_root, key, specs, stop, prepared, data_sha, opts)
-        if owned is None:  # a completed run that already says all this: nothing to write
+        ctx.run = _own(stack, ctx, specs, stop, owner)
+        if ctx.run is None:  # a completed run that already says all this: nothing to write
             doc = state.read(state_root)
             decisions = _plan(project, specs, state_root, doc, stop)
             return {**summary, "plan": [d.to_dict() for d in decisions], "doc": doc}
@@ -207,52 +208,61 @@ def run(
             check_location(project, now_doc, state_root)
             doc, decisions = now_doc, _plan(project, specs, state_root, now_doc, stop)
         summary["plan"] = [d.to_dict() for d in decisions]
-        summary["doc"] = _execute(
-            project, state_root, key, doc, decisions, prepared, data_sha, specs, owned
-        )
+        summary["doc"] = _execute(ctx, doc, decisions, specs)
         recs = (summary["doc"] or {}).get("stages") or {}
         if len(recs) == len(STAGES) and all(
             r["status"] in ("done", "skipped") for r in recs.values()
         ):
-            owned.complete()
+            ctx.run.complete()
     return summary
 
 
-def _own(stack, project, state_root, key, specs, stop, prepared, data_sha, opts):
-    """Own the run at ``state_root`` for the block of ``stack``: the current one; or, when that
-    one is complete and this build would change anything, the next one (lineage: the completed
-    run). None when the completed run already records exactly this build."""
+class Owner(NamedTuple):
+    """How a build takes its run (``spill.jobs.authority.own``)."""
+
+    lease: float | None
+    wait: bool
+    command: tuple[str, ...]
+    new_run: bool
+
+
+def _own(stack, ctx, specs, stop, owner: Owner):
+    """Own the run at the build's state for the block of ``stack``: the current one; or, when
+    that one is complete and this build would change anything, the next one (lineage: the
+    completed run). None when the completed run already records exactly this build."""
     from spill.control.control import RunComplete
     from spill.jobs.authority import own
 
-    lease, wait, command, new_run = opts
-    if new_run:  # an installed copy's run (or a completed one) forks; any other continues
-        new = own(state_root, lease=lease, wait=wait, new_run=True, command=command)
-        return stack.enter_context(new)
+    how = {"lease": owner.lease, "wait": owner.wait, "command": owner.command}
+    if owner.new_run:  # an installed copy's run (or a completed one) forks; any other continues
+        return stack.enter_context(own(ctx.root, new_run=True, **how))
     try:
-        return stack.enter_context(own(state_root, lease=lease, wait=wait, command=command))
+        return stack.enter_context(own(ctx.root, **how))
     except RunComplete:
-        doc = state.read(state_root)
-        decisions = _plan(project, specs, state_root, doc, stop)
-        if not _changes(project, key, doc, decisions, prepared, data_sha):
+        doc = state.read(ctx.root)
+        decisions = _plan(ctx.project, specs, ctx.root, doc, stop)
+        if not _changes(ctx, doc, decisions):
             return None
-    new = own(state_root, lease=lease, wait=wait, new_run=True, command=command)
-    return stack.enter_context(new)
+    return stack.enter_context(own(ctx.root, new_run=True, **how))
 
 
-def _changes(project, key, doc, decisions, prepared, data_sha) -> bool:
-    """Whether building ``project`` would run anything or record anything new in ``doc``."""
+def _record(ctx) -> dict[str, Any]:
+    """What a build records about what it was made from."""
     from spill.project.execute import data_record
 
+    return {
+        "compose_key": ctx.key,
+        "overrides": list(ctx.project.overrides),
+        "config": ctx.project.to_dict(),
+        "data": data_record(ctx.project, ctx.prepared, ctx.data_sha),
+    }
+
+
+def _changes(ctx, doc, decisions) -> bool:
+    """Whether building ``ctx.project`` would run anything or record anything new in ``doc``."""
     if doc is None or any(d.works or d.drop for d in decisions):
         return True
-    now = {
-        "compose_key": key,
-        "overrides": list(project.overrides),
-        "config": project.to_dict(),
-        "data": data_record(project, prepared, data_sha),
-    }
-    return any(doc.get(k) != v for k, v in now.items())
+    return any(doc.get(k) != v for k, v in _record(ctx).items())
 
 
 def _plan(project, specs, state_root: str, doc: dict | None, stop) -> list:
@@ -267,19 +277,17 @@ def _plan(project, specs, state_root: str, doc: dict | None, stop) -> list:
     return decisions
 
 
-def _execute(project, state_root, key, doc, decisions, prepared, data_sha, specs, owned):
+def _execute(ctx, doc, decisions, specs):
     """Run the decisions that work (or only record what changed); the new state document."""
-    from spill.project.execute import Executor, data_record, now
+    from spill.project.execute import Executor, now
 
     if not any(d.works or d.drop for d in decisions):
         if doc is not None:
             # nothing to run, but what the build was made from changed (a comment, a value that
             # decides nothing): record it, so that the next build takes the fast path
-            doc.update(compose_key=key, overrides=list(project.overrides), config=project.to_dict())
-            doc.update(data=data_record(project, prepared, data_sha), updated=now())
-            doc.update(plan=[d.to_dict() for d in decisions])
-            state.write(owned, doc)
+            doc.update(_record(ctx), updated=now(), plan=[d.to_dict() for d in decisions])
+            state.write(ctx.run, doc)
         return doc
-    executor = Executor(project, state_root, prepared, data_sha, key, doc, specs, owned)
+    executor = Executor(ctx, doc, specs)
     executor.execute(decisions)
     return executor.doc

@@ -10,7 +10,8 @@ their hashes under ``outputs``), so a reader never sees a result whose files are
 that drops an out-of-date record removes its job state and outputs even when the stage waits.
 
 The stages are the objects of ``spill.project.stages``: the executor asks each one for its
-folder, unit, outputs and the job it calls, and branches on no stage name.
+folder, unit and outputs and has it run its job (``Stage.execute``) with the build's
+``BuildContext``; it branches on no stage name.
 
 Ctrl-C or SIGTERM anywhere behaves like preemption (``spill.jobs.preempt``, one mechanism for
 the process): inside a job the job's ``Guard`` saves and stops; between jobs the build stops at
@@ -41,10 +42,11 @@ from spill.jobs.preempt import (
 )
 from spill.project import state
 from spill.project.config import Project
+from spill.project.context import BuildContext
 from spill.project.plan import Decision
-from spill.project.stages import STAGES, EvalStage, RowStage, Stage, get
+from spill.project.stages import STAGES, get
 from spill.project.uptodate import data_sha256
-from spill.store.fs import get_bytes, is_local, join, put_bytes, remove
+from spill.store.fs import join, put_bytes, remove
 
 
 def now() -> str:
@@ -64,21 +66,24 @@ def data_record(project: Project, prepared, data_sha: str) -> dict[str, Any]:
 
 
 class Executor:
-    def __init__(self, project, state_root, prepared, data_sha, key, doc, specs, run) -> None:
-        self.project, self.root, self.prepared = project, state_root, prepared
-        self.run = run  # this build's ownership of its run: every publication goes through it
-        self.data_sha = data_sha
+    def __init__(self, ctx: BuildContext, doc: dict | None, specs) -> None:
+        self.ctx = ctx
+        self.project, self.root, self.prepared = ctx.project, ctx.root, ctx.prepared
+        self.run = ctx.run  # this build's ownership of its run: every publication goes through it
+        self.data_sha = ctx.data_sha
         self.specs = {s.name: s for s in specs}
         self.doc = doc or {"schema_version": state.SCHEMA_VERSION, "kind": state.KIND, "stages": {}}
         self.doc.update(
-            project={"name": project.name, **({"id": project.id} if project.id else {})},
+            project={
+                "name": ctx.project.name,
+                **({"id": ctx.project.id} if ctx.project.id else {}),
+            },
             spill_version=__version__,
-            compose_key=key,
-            overrides=list(project.overrides),
-            config=project.to_dict(),
-            data=data_record(project, prepared, data_sha),
+            compose_key=ctx.key,
+            overrides=list(ctx.project.overrides),
+            config=ctx.project.to_dict(),
+            data=data_record(ctx.project, ctx.prepared, ctx.data_sha),
         )
-        self.work = Path()
 
     # the state document ---------------------------------------------------------------------
 
@@ -127,13 +132,14 @@ class Executor:
             elif d.action == "skip":
                 self._record(d.stage, "skipped")
         with stops_at_once(), tempfile.TemporaryDirectory(prefix="spill-build-") as work:
-            self.work = Path(work)
+            self.ctx.work = Path(work)
             for name, data in self.prepared.files().items():
-                (self.work / name).write_bytes(data)
+                (self.ctx.work / name).write_bytes(data)
             try:
                 with critical():  # the split, for people to read
                     for name in ("train.jsonl", "test.jsonl"):
-                        put_bytes(join(self.root, "files", name), (self.work / name).read_bytes())
+                        data = (self.ctx.work / name).read_bytes()
+                        put_bytes(join(self.root, "files", name), data)
                 self.save()
                 with critical():  # out of date and waiting: not even its files stay
                     for d in decisions:
@@ -170,8 +176,7 @@ class Executor:
         self.save()
         self._check_data(None)
         try:
-            job = getattr(self, f"_{stage.job}")  # _eval, _distill, _tune: options, call, result
-            result, complete = job(stage, d)
+            result, complete = stage.execute(self.ctx, d)
         except Preempted:
             self._preempted(stop_requested() or "a stop request", d.stage)
         except Interrupted as e:
@@ -220,7 +225,7 @@ class Executor:
         rec, stage = self.doc["stages"][d.stage], get(d.stage)
         with critical():
             try:
-                stage.restore(self.root, self.project.name, self.work, rec.get("outputs"))
+                stage.restore(self.root, self.project.name, self.ctx.work, rec.get("outputs"))
             except SpillError as e:  # then the next build recomputes it and what reads it
                 gone = {d.stage}
                 for later in STAGES:
@@ -234,118 +239,3 @@ class Executor:
                 ) from None
             rec.update(outputs=stage.record(self.root, self.project.name), updated=now())
         self.save()
-
-    def _output(self, name: str) -> Path:
-        """Where a job writes a file of ``files/``: there directly on a local state."""
-        where = join(self.root, "files")
-        return Path(where.removeprefix("file://")) / name if is_local(where) else self.work / name
-
-    def _publish(self, path: Path) -> None:
-        if not is_local(self.root):
-            put_bytes(join(self.root, "files", path.name), path.read_bytes())
-
-    def _adapter_uri(self) -> str:
-        return join(self.root, get("tune").output(self.project.name))
-
-    def _load(self, batch: int | None, stop: int | None, stage: Stage, setting: str = ""):
-        """A job's ``RowOptions``: the engine settings, the group's batch (``setting`` names it
-        for the pre-run line; None: from the memory budget), the model folder a bundle install
-        gave this project (None: the name's own), where it commits."""
-        from spill.engines.base import LoadOptions
-        from spill.jobs.rows_job import RowOptions
-        from spill.project.installed import model_folder
-        from spill.sizes import parse_size
-
-        e = self.project.engine  # its memory passed the schema: a size parse_size reads
-        load = LoadOptions(
-            ring=e.ring,
-            resident=e.resident,
-            memory=parse_size(e.memory),
-            device=e.device,
-            dtype=e.dtype,
-        )
-        return RowOptions(
-            batch=batch,
-            batch_from=setting or "--batch",
-            engine=e.name,
-            load=load,
-            weights=model_folder(self.project.root, stage.model(self.project)),
-            state=stage.uri(self.root),
-            stop_after=stop,
-            place=stage.place(self.root, self.run),
-        )
-
-    def _eval(self, stage: EvalStage, d: Decision) -> tuple[dict, bool]:
-        from spill.jobs.eval import EvalOptions, evaluate
-
-        base = not stage.adapter
-        out = self._output(stage.file)
-        opts = EvalOptions(
-            max_new_tokens=self.project.eval.max_new_tokens,
-            adapter=None if base else self._local_adapter(),
-        )
-        job = self._load(self.project.eval.batch, d.stop, stage, "eval.batch")
-        s = evaluate(self.project.model.name, self.work / "test.jsonl", out, opts, job)
-        complete = s.get("complete", True)
-        if complete:
-            self._publish(out)
-        keys = ("rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token")
-        return {k: s[k] for k in keys}, complete
-
-    def _distill(self, stage: RowStage, d: Decision) -> tuple[dict, bool]:
-        from spill.jobs.distill import distill
-        from spill.jobs.run import RunOptions
-
-        t = self.project.teacher
-        out = self._output(stage.file)
-        opts = RunOptions(
-            max_new_tokens=t.max_new_tokens,
-            temperature=t.temperature,
-            seed=self.project.seed,
-            chat=stage.chat,
-        )
-        job = self._load(t.batch, d.stop, stage, "teacher.batch")
-        s = distill(t.name, self.work / "prompts.jsonl", out, opts, job)
-        complete = s.get("complete", True)
-        if complete:
-            self._publish(out)
-        return {k: s[k] for k in ("rows", "truncated", "generated_tokens")}, complete
-
-    def _train_file(self) -> Path:
-        if self.project.teacher.name is None:
-            return self.work / "train.jsonl"
-        distill = get("distill")  # the teacher's answers are the training rows
-        local = self._output(distill.file)
-        if not local.is_file():
-            local.write_bytes(get_bytes(join(self.root, distill.output(self.project.name))))
-        return local
-
-    def _tune(self, stage: Stage, d: Decision) -> tuple[dict, bool]:
-        from dataclasses import asdict
-
-        from spill.jobs.tune import TuneOptions, tune
-
-        t = self.project.tune
-        job = self._load(t.batch, d.stop, stage)
-        opts = TuneOptions(
-            **asdict(t),  # the tune group's settings, under the names TuneOptions shares
-            seed=self.project.seed,
-            stop_after=job.stop_after,
-            state=job.state,
-            engine=job.engine,
-            load=job.load,
-            weights=job.weights,
-            place=job.place,
-        )
-        s = tune(self.project.model.name, self._train_file(), self.project.name, opts)
-        return {"step": s["step"], "steps": t.steps, "loss": s["loss"]}, s["step"] == t.steps
-
-    def _local_adapter(self) -> Path:
-        uri = self._adapter_uri()
-        if is_local(uri):
-            return Path(uri.removeprefix("file://"))
-        local = self.work / "adapter"
-        local.mkdir(exist_ok=True)
-        for name in ("params.safetensors", "adapter.json"):
-            (local / name).write_bytes(get_bytes(join(uri, name)))
-        return local

@@ -1,4 +1,5 @@
-"""What each stage reads in one build: ``specs(project, prepared)`` -> one ``StageSpec`` each.
+"""What each stage reads in one build: ``specs(project, prepared)`` -> one ``StageSpec`` each,
+as each stage's ``spec`` says (``spill.project.stages``).
 
 Pure and engine-free. Inputs are keyed by the config path a user edits (``tune.lr``),
 ``data:<file>`` for a derived file's hash and ``stage:<name>`` for the fingerprint of a stage
@@ -8,95 +9,22 @@ whose output is read. What cannot change a result stays out: ``tune.ckpt_every``
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from spill.project.stages import DISTILL, EVAL, EVAL_BASE, TUNE, Stage, get
+from spill.project.stages import STAGES
+from spill.project.stages.spec import StageSpec, fingerprint  # noqa: F401  (this module's API)
 
 if TYPE_CHECKING:
     from spill.project.config import Project
     from spill.project.data import Prepared
 
 
-def fingerprint(inputs: Mapping[str, Any]) -> str:
-    text = json.dumps(inputs, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """What a stage is in this build: its inputs and size."""
-
-    name: str
-    inputs: Mapping[str, Any]  # key path -> value: everything that decides the stage's result
-    total: int  # steps or rows
-    enabled: bool = True
-    why_off: str = ""  # reason when not enabled
-
-    @property
-    def stage(self) -> Stage:
-        return get(self.name)
-
-    @property
-    def needs(self) -> tuple[str, ...]:
-        return self.stage.needs
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self.inputs)
-
-
 def specs(project: Project, prepared: Prepared) -> list[StageSpec]:
-    """One spec per stage of ``STAGES``, in order."""
-    from spill.project.data import sha256
-
-    p = project
-    common = {
-        "model.name": p.model.name,
-        "seed": p.seed,
-        "data.input": p.data.input,
-        "data.output": p.data.output,
-        "data.task": prepared.task,
-        "data.test_fraction": p.data.test_fraction,
-        "prompt.template": p.prompt.template,
-        "prompt.chat": p.prompt.chat,
-    }
-    graded = {**common, "eval.max_new_tokens": p.eval.max_new_tokens}
-    base = StageSpec(
-        EVAL_BASE.name, {**graded, "data:test.jsonl": sha256(prepared.test)}, prepared.n_test
-    )
-
-    teacher = p.teacher.name
-    distill_inputs = {
-        "teacher.name": teacher,
-        "teacher.max_new_tokens": p.teacher.max_new_tokens,
-        "teacher.temperature": p.teacher.temperature,
-        "seed": p.seed,
-        "data:prompts.jsonl": sha256(prepared.prompts),
-    }
-    distill = StageSpec(
-        DISTILL.name,
-        distill_inputs if teacher else {"teacher.name": None},
-        prepared.n_train,
-        enabled=teacher is not None,
-        why_off="no teacher (teacher.name is null)",
-    )
-
-    same = ("ckpt_every", "activations")  # neither changes a bit of the result
-    tune_values = {f"tune.{k}": v for k, v in asdict(p.tune).items() if k not in same}
-    tune_inputs = {**common, **tune_values}
-    if teacher:
-        tune_inputs["stage:distill"] = distill.fingerprint
-    else:
-        tune_inputs["data:train.jsonl"] = sha256(prepared.train)
-    tune = StageSpec(TUNE.name, tune_inputs, p.tune.steps)
-
-    tuned = {**graded, "data:test.jsonl": sha256(prepared.test), "stage:tune": tune.fingerprint}
-    final = StageSpec(EVAL.name, tuned, prepared.n_test)
-    return [base, distill, tune, final]
+    """One spec per stage of ``STAGES``, in order; each stage says its own inputs."""
+    done: dict[str, StageSpec] = {}
+    for stage in STAGES:
+        done[stage.name] = stage.spec(project, prepared, done)
+    return list(done.values())
 
 
 def check_model_name(name: str, key: str) -> None:

@@ -1,0 +1,84 @@
+"""One build as the stages see it: the project, its state, its prepared data, its run, and the
+few services a stage's job needs (where a job writes a file of ``files/``, the options of a job
+that commits under the build's run, the tuned adapter as a local folder)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from spill.store.fs import _local, get_bytes, is_local, join, put_bytes
+
+if TYPE_CHECKING:
+    from spill.control.control import Run
+    from spill.project.config import Project
+    from spill.project.data import Prepared
+    from spill.project.stages.base import Stage
+
+
+@dataclass
+class BuildContext:
+    project: Project
+    root: str  # the state location
+    prepared: Prepared
+    data_sha: str  # the data file's sha256 when the build read it
+    key: str  # the compose key of the config being built
+    run: Run | None = None  # the build's ownership of its run: every publication goes through it
+    work: Path = field(default_factory=Path)  # the derived input files, local
+
+    def output(self, name: str) -> Path:
+        """Where a job writes a file of ``files/``: there directly on a local state."""
+        where = join(self.root, "files")
+        return Path(_local(where)) / name if is_local(where) else self.work / name
+
+    def publish(self, path: Path) -> None:
+        """A file a job wrote with ``output``, under ``files/`` (a no-op on a local state)."""
+        if not is_local(self.root):
+            put_bytes(join(self.root, "files", path.name), path.read_bytes())
+
+    def fetch(self, rel: str) -> Path:
+        """A published file of the state (``files/teacher.jsonl``) as a local file."""
+        local = self.output(rel.rsplit("/", 1)[-1])
+        if not local.is_file():
+            local.write_bytes(get_bytes(join(self.root, rel)))
+        return local
+
+    def job_options(self, batch: int | None, stop: int | None, stage: Stage, setting: str = ""):
+        """A job's ``RowOptions``: the engine settings, the group's batch (``setting`` names it
+        for the pre-run line; None: from the memory budget), the model folder a bundle install
+        gave this project (None: the name's own), where it commits."""
+        from spill.engines.base import LoadOptions
+        from spill.jobs.rows_job import RowOptions
+        from spill.project.installed import model_folder
+        from spill.sizes import parse_size
+
+        e = self.project.engine  # its memory passed the schema: a size parse_size reads
+        load = LoadOptions(
+            ring=e.ring,
+            resident=e.resident,
+            memory=parse_size(e.memory),
+            device=e.device,
+            dtype=e.dtype,
+        )
+        return RowOptions(
+            batch=batch,
+            batch_from=setting or "--batch",
+            engine=e.name,
+            load=load,
+            weights=model_folder(self.project.root, stage.model(self.project)),
+            state=stage.uri(self.root),
+            stop_after=stop,
+            place=stage.place(self.root, self.run),
+        )
+
+    def local_folder(self, rel: str, names: tuple[str, ...]) -> Path:
+        """The state's folder ``rel`` (the tuned adapter) as a local folder holding ``names``."""
+        uri = join(self.root, rel)
+        if is_local(uri):
+            return Path(_local(uri))
+        local = self.work / rel.rsplit("/", 1)[-1]
+        local.mkdir(exist_ok=True)
+        for name in names:
+            (local / name).write_bytes(get_bytes(join(uri, name)))
+        return local

@@ -1,0 +1,61 @@
+"""The stages of a build as objects: the vocabulary the planner, the executor and the tables use.
+
+Each stage (``base.Stage``) says what decides its result in one build, the job it runs, what it
+publishes, the stages whose output it reads, the model it loads, and how its committed state is
+probed and published again. The planner, the executor, status and the tables iterate ``STAGES``
+and ask the objects; none of them branches on a stage's name, so a new stage is one class and
+one entry below (in the spirit of DVC's ``dvc/stage``).
+"""
+
+from __future__ import annotations
+
+from spill.project.stages.base import PRODUCER_KEYS, Stage, distinct
+from spill.project.stages.rows import DistillStage, EvalStage, RowStage
+from spill.project.stages.tune import TuneStage
+
+__all__ = [
+    "ALIASES",
+    "DISTILL",
+    "EVAL",
+    "EVAL_BASE",
+    "NAMES",
+    "PRODUCER_KEYS",
+    "STAGES",
+    "TUNE",
+    "DistillStage",
+    "EvalStage",
+    "RowStage",
+    "Stage",
+    "TuneStage",
+    "distinct",
+    "get",
+]
+
+EVAL_BASE = EvalStage(
+    name="eval:base", folder="eval-base", file="eval-base.jsonl", reads="test.jsonl"
+)
+DISTILL = DistillStage(
+    name="distill",
+    folder="distill",
+    model_key="teacher.name",
+    file="teacher.jsonl",
+    reads="prompts.jsonl",
+)
+TUNE = TuneStage(name="tune", folder="tune", needs=("distill",))
+EVAL = EvalStage(
+    name="eval",
+    folder="eval",
+    file="eval.jsonl",
+    reads="test.jsonl",
+    adapter=True,
+    needs=("tune",),
+)
+STAGES: tuple[Stage, ...] = (EVAL_BASE, DISTILL, TUNE, EVAL)
+NAMES = tuple(s.name for s in STAGES)
+ALIASES = {"train": "tune"}
+_BY_NAME = {s.name: s for s in STAGES}
+
+
+def get(name: str) -> Stage:
+    """The stage called ``name`` (``KeyError`` for none)."""
+    return _BY_NAME[name]

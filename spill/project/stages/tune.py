@@ -1,0 +1,113 @@
+"""The tune stage: trains the adapter; progress is the newest committed checkpoint's step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from spill.project import outputs
+from spill.project.stages.base import Stage, common_inputs, distinct
+from spill.store.fs import join
+
+if TYPE_CHECKING:
+    from spill.project.config import Project
+    from spill.project.context import BuildContext
+    from spill.project.data import Prepared
+    from spill.project.plan import Decision
+    from spill.project.stages.spec import StageSpec
+
+SAME_BITS = ("ckpt_every", "activations")  # tune settings that change no bit of the result
+
+
+class TuneStage(Stage):
+    """Trains the adapter on the training rows, or on the teacher's answers when the stage it
+    reads (``distill``) runs."""
+
+    unit: ClassVar[str] = "step"
+    marker: ClassVar[str] = "params.safetensors"
+    exported: ClassVar[str] = "adapter"  # where the tune job exports, inside its folder
+    files: ClassVar[tuple[str, ...]] = ("params.safetensors", "adapter.json")  # what eval loads
+
+    def inputs(
+        self, project: Project, prepared: Prepared, earlier: Mapping[str, StageSpec]
+    ) -> dict[str, Any]:
+        from spill.project.data import sha256
+
+        tune = {f"tune.{k}": v for k, v in asdict(project.tune).items() if k not in SAME_BITS}
+        out = {**common_inputs(project, prepared), **tune}
+        teacher = earlier.get(self.needs[0])
+        if teacher is not None and teacher.enabled:  # it trains on the teacher's answers
+            out[f"stage:{teacher.name}"] = teacher.fingerprint
+        else:
+            out["data:train.jsonl"] = sha256(prepared.train)
+        return out
+
+    def total(self, project: Project, prepared: Prepared) -> int:
+        return project.tune.steps
+
+    def execute(self, ctx: BuildContext, d: Decision) -> tuple[dict[str, Any], bool]:
+        from spill.jobs.tune import TuneOptions, tune
+
+        p, t = ctx.project, ctx.project.tune
+        job = ctx.job_options(t.batch, d.stop, self)
+        opts = TuneOptions(
+            **asdict(t),  # the tune group's settings, under the names TuneOptions shares
+            seed=p.seed,
+            stop_after=job.stop_after,
+            state=job.state,
+            engine=job.engine,
+            load=job.load,
+            weights=job.weights,
+            place=job.place,
+        )
+        s = tune(p.model.name, self.train_file(ctx), p.name, opts)
+        return {"step": s["step"], "steps": t.steps, "loss": s["loss"]}, s["step"] == t.steps
+
+    def train_file(self, ctx: BuildContext) -> Path:
+        """The rows it trains on: the split's training rows, or the teacher's answers."""
+        from spill.project.stages import get
+
+        teacher = get(self.needs[0])
+        if teacher.off(ctx.project):
+            return ctx.work / "train.jsonl"
+        return ctx.fetch(teacher.output(ctx.project.name))
+
+    def output(self, project: str) -> str:
+        return f"adapters/{project}"
+
+    def summarize(self, result: Mapping[str, Any]) -> str:
+        if not result:
+            return ""
+        loss = result.get("loss")
+        return f"{result['step']} of {result['steps']} steps" + (
+            f", loss {loss:.4f}" if loss is not None else ""
+        )
+
+    def count_name(self) -> str:
+        return f"{self.name}.steps"
+
+    def probe(self, root: str) -> tuple[int, list[dict]]:
+        from spill.store.checkpoint import newest_commit
+
+        found = newest_commit(self.place(root))
+        if found is None:
+            return 0, []
+        step, state = found
+        return step, distinct(state.get("producers") or [])
+
+    def _source(self, done: int) -> str:
+        return f"{self.name} step {done} checkpoint"
+
+    def publish(self, root: str, project: str) -> None:
+        outputs.copy_tree(join(self.uri(root), self.exported), join(root, self.output(project)))
+
+    def restore(self, root, project, inputs, recorded) -> None:
+        outputs.restore_adapter(
+            self.place(root),
+            join(self.uri(root), self.exported),
+            root,
+            self.output(project),
+            recorded,
+        )
