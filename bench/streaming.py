@@ -266,7 +266,6 @@ def bench_read(work: Path, hidden: int = 2048, layers: int = 16) -> dict:
     from spill.engines.base import Stats
     from spill.engines.core.open import layer_loader
     from spill.engines.core.ring import Ring
-    from spill.engines.torch.kernel import FAMILIES
     from spill.engines.torch.reader import TorchHooks, WeightReader
     from spill.models.config import load_config
     from spill.models.weights import weight_files
@@ -297,7 +296,7 @@ def bench_read(work: Path, hidden: int = 2048, layers: int = 16) -> dict:
         # one walk first fills the slot pool, as every walk after the first finds it
         reader = WeightReader(files, torch.device("cpu"), torch.bfloat16)
         stats = Stats()
-        load = layer_loader(reader, FAMILIES[cfg.family].layer_keys(cfg))
+        load = layer_loader(reader, cfg.layer_keys())
         ring = Ring(load, layers, 2, False, stats, TorchHooks(reader, None))
         for _i, _w in ring.walk(range(layers)):
             pass

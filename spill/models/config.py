@@ -14,6 +14,10 @@ from pathlib import Path
 from spill.errors import ModelError, UnsupportedModel
 
 FAMILIES = ("llama", "qwen2")
+# a decoder layer's linears, named as the HF weights below ``model.layers.<k>.`` (both families)
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = ATTENTION + MLP  # every linear an adapter may target
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,18 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, float]:
         return dict(self.rope_scaling)
+
+    def layer_keys(self) -> tuple[str, ...]:
+        """Names of one decoder layer's tensors, relative to ``model.layers.<k>.``."""
+        keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        keys += [m + ".weight" for m in LINEARS]
+        if self.qkv_bias:
+            keys += [m + ".bias" for m in ATTENTION[:3]]
+        if self.o_bias:
+            keys.append("self_attn.o_proj.bias")
+        if self.mlp_bias:
+            keys += [m + ".bias" for m in MLP]
+        return tuple(keys)
 
     def layer_params(self) -> int:
         """Number of parameters of one decoder layer."""

@@ -17,17 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import SpillError
-from spill.models.config import ModelConfig
+from spill.models.config import LINEARS, ModelConfig
 
-MODULES = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
+MODULES = {m.rsplit(".", 1)[1]: m for m in LINEARS}  # q_proj -> self_attn.q_proj, ...
 ALL_LINEAR = tuple(MODULES)
 
 

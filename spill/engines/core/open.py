@@ -39,7 +39,7 @@ class Placement:
 
 class Backend(Protocol):
     name: str
-    families: dict[str, ModuleType]  # family -> its module (``layer_keys(cfg)``, ``layer``)
+    families: dict[str, ModuleType]  # family -> its module (``layer``: one decoder layer's math)
 
     def place(self, cfg: ModelConfig, folder, options: LoadOptions) -> Placement: ...
 
@@ -68,7 +68,7 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
     place = engine.place(cfg, model.folder, options)
     layers = cfg.num_hidden_layers
     slots, resident = plan_model_ring(cfg, place.itemsize, options, place.budget)
-    keys = engine.families[cfg.family].layer_keys(cfg)
+    keys = cfg.layer_keys()
     check_layers(model, keys, place.reader.has)
     stats = Stats()
     hooks = engine.hooks(place, resident)

@@ -11,18 +11,6 @@ from __future__ import annotations
 from spill.engines.mlx.ops import apply_rotary, attend, proj, rms_norm, silu
 from spill.models.config import ModelConfig
 
-ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-LINEARS = ATTENTION + MLP  # every linear an adapter may target
-
-
-def layer_keys(cfg: ModelConfig) -> tuple[str, ...]:
-    """Names of one decoder layer's tensors, relative to ``model.layers.<k>.``."""
-    keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    keys += [m + ".weight" for m in LINEARS]
-    keys += [m + ".bias" for m in ATTENTION[:3]]
-    return tuple(keys)
-
 
 def attention(cfg: ModelConfig, w: dict, x, ctx, cache, lora):
     b, t, _ = x.shape
