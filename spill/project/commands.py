@@ -101,7 +101,10 @@ def _at_uri(args) -> None:
     files, with the state at ``<URI>/.spill`` (``spill.project.remote``)."""
     from spill.jobs.states import is_state
     from spill.project.remote import checkout, is_remote_project
+    from spill.store.fs import absolute, is_local
 
+    if is_local(args.dir):  # file:///p is the folder /p
+        args.dir = absolute(args.dir) if "://" in args.dir else args.dir
     if "://" not in args.dir or args.command != "build" and is_state(args.dir):
         return  # a local folder, or a state location (resume and status take those)
     if not is_remote_project(args.dir):

@@ -313,11 +313,12 @@ def test_a_run_stopped_on_torch_moves_and_finishes_on_mlx_on_another_home(
 BAD = [
     ("/proc/spill-move", "is on a proc file system, where locks are not reliable"),
     ("/sys/spill-move", "is on a sysfs file system, where locks are not reliable"),
-    ("foo://bucket/p", "unsupported location (Protocol not known: foo)"),
+    ("foo://bucket/p", "unsupported location (foo:// is not a store spill keeps runs on)"),
+    ("ftp://host/x", "unsupported location (ftp:// is not a store spill keeps runs on)"),
 ]
 
 
-@pytest.mark.parametrize("to, says", BAD, ids=["proc", "sys", "unknown-scheme"])
+@pytest.mark.parametrize("to, says", BAD, ids=["proc", "sys", "unknown-scheme", "ftp"])
 def test_a_move_to_a_refused_file_system_or_backend_changes_nothing(
     tmp_path, tmp_path_factory, to, says
 ):
