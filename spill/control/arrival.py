@@ -21,7 +21,12 @@ removal when the move is aborted. The source's side is ``spill.control.transfer`
 * ``remove_claim``: only a claim of the given transfer (``incoming``, its id) is removed: the
   files its manifest lists (``paths``) and the mover's temporary files beside them, then its
   control object and manifest, then its run list; never a file of another run. The lock file
-  ``runs/control.lock`` stays (another process may have it open), and emptied folders go.
+  ``runs/control.lock`` stays (another process may have it open), and emptied folders go. On
+  an object store this is the one place a control object is deleted, not replaced: a claim
+  never activated, which only a mover of its transfer writes, and no such mover can make it
+  count again (the source's new generation fences it, or the quiesce's deadline has passed;
+  ``incoming`` and ``activate`` need the claim). A mover stopped past its lease may still drop
+  files there when it wakes: litter, never an acquirable run.
 """
 
 from __future__ import annotations

@@ -103,8 +103,10 @@ def _at_uri(args) -> None:
     from spill.project.remote import checkout, is_remote_project
     from spill.store.fs import absolute, is_local
 
-    if is_local(args.dir):  # file:///p is the folder /p
-        args.dir = absolute(args.dir) if "://" in args.dir else args.dir
+    for key in ("dir", "state"):  # file:///p is the folder /p (Hydra's sweep folder too)
+        where = getattr(args, key, None)
+        if where and "://" in where and is_local(where):
+            setattr(args, key, absolute(where))
     if "://" not in args.dir or args.command != "build" and is_state(args.dir):
         return  # a local folder, or a state location (resume and status take those)
     if not is_remote_project(args.dir):

@@ -108,8 +108,8 @@ def _check_refusals(src: str, dst: str, step: str, env: dict, cwd: Path) -> None
 def _check_status(src: str, dst: str, step: str, env: dict, cwd: Path) -> None:
     n = N[step]
     shown = mk.ok(mk.spill("status", src, env=env, cwd=cwd)).stdout
-    if n == 0:
-        assert "move:" not in shown, shown
+    if n == 0:  # the source is untouched (from S3: it says where it was moved from)
+        assert "move: moving" not in shown, shown
     elif n <= 5:
         assert f"move: moving to {dst}: step {n} of 7 ({step}) done" in shown, shown
     else:
@@ -124,16 +124,16 @@ def _check_status(src: str, dst: str, step: str, env: dict, cwd: Path) -> None:
             assert f"move: {said}" in there, there
 
 
-def _sources_left(src: str, dst: str, step: str, gen: int) -> dict:
-    """The control objects the killed mover left, checked against the step it reached."""
-    n = N[step]
+def _sources_left(src: str, dst: str, step: str, first: dict) -> dict:
+    """The control objects the killed mover left, checked against the step it reached
+    (``first``: the source's control object before the move)."""
+    n, gen = N[step], first["generation"]
     left = mk.doc(src)
     there = mk.doc(dst)  # claimed as incoming before the source changed
     assert there["status"] == ("incoming" if n <= 6 else "active")
     assert there["transfer"]["step"] == CLAIM_AT_DST.get(n, "activate")
     if n == 0:  # the source is untouched
-        assert left["status"] == "active" and left.get("transfer") is None
-        assert left["generation"] == gen
+        assert left == first
         return there
     t = left["transfer"]
     assert t["to"] == dst and t["from"] == home_of(mk.state_of(src))
@@ -151,10 +151,10 @@ def test_sigkill_after_each_move_step_then_the_same_move_finishes(
 ):
     src, dst, env = places(where, tmp_path, tmp_path_factory, request)
     argv = ("move", src, dst, "--json")
-    gen = mk.doc(src)["generation"]
+    first = mk.doc(src)
     killed = mk.spill(*argv, env=env, cwd=tmp_path, drill=f"move-{step}")
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-3000:])
-    left = _sources_left(src, dst, step, gen)
+    left = _sources_left(src, dst, step, first)
     _check_status(src, dst, step, env, tmp_path)
     _check_refusals(src, dst, step, env, tmp_path)
 
