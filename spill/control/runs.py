@@ -198,6 +198,17 @@ def _refuse_nested(state: str) -> None:
     """A location inside another run's location (a build's ``.spill/stages/tune``) is that run's
     to write: its own run would collect the other's payloads there (same names, generations
     counted apart), so it is refused in one line."""
+    outer = outer_state(state)
+    if outer is not None:
+        raise StoreError(
+            f"{state} lies inside {outer}, which holds runs of its own (a build's state); "
+            f"continue it there (spill build / spill resume {outer}), or give another --state"
+        )
+
+
+def outer_state(state: str, every: bool = False) -> str | None:
+    """The location holding runs whose own folders (``stages``, ``payloads``, ``runs``; with
+    ``every`` any folder, as ``spill move`` asks of a destination) hold ``state``, if any."""
     if is_local(state):
         full = os.path.realpath(_local(state))
         above = [str(p) for p in PurePosixPath(full).parents]
@@ -208,13 +219,11 @@ def _refuse_nested(state: str) -> None:
         above = [f"{scheme}://" + "/".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
     for outer in above:
         inside = full[len(outer) :].strip("/").split("/")[0]
-        if inside not in OUTER_WRITES:  # a sweep's builds under .spill/sweep/ are their own
+        if not every and inside not in OUTER_WRITES:  # a sweep's builds under .spill/sweep/
             continue
         if exists(join(outer, RUNS, CURRENT)):
-            raise StoreError(
-                f"{state} lies inside {outer}, which holds runs of its own (a build's state); "
-                f"continue it there (spill build / spill resume {outer}), or give another --state"
-            )
+            return outer
+    return None
 
 
 def _forkable(store: Store, runs: dict[str, Any]) -> bool:
@@ -247,7 +256,7 @@ def refuse_moving(doc: dict[str, Any], state: str) -> None:
     if doc["status"] == "quiescing" and t is not None:
         raise StoreError(
             f"run {rid} at {state} is being moved to {t['to']} (step {t['step']} done); run the "
-            "same `spill move` again to finish it"
+            "same `spill move` again to finish it, or `spill move --abort` to call it off"
         )
 
 

@@ -1,8 +1,12 @@
-"""The control transitions of a move: a run handed from one state location to another.
+"""The control transitions of a move at its source: a run handed from one state location to
+another. The destination's side (its claim, ``incoming``, ``activate``) is
+``spill.control.arrival``.
 
 A move is seven steps, each a conditional transition of a control object (``spill.control.cas``)
 recorded in its ``transfer`` field (id, from, to, step, times), so that running the move again
-after an interruption anywhere continues it:
+after an interruption anywhere continues it. Before step 1 the destination is claimed
+(``arrival.claim``, under the transfer id the quiesce then records), so that a move that would
+lose its destination to another loses before its source changes:
 
 1. ``quiesce``  the source's status becomes ``quiescing`` (a live writer notices within
                 ``control.WATCH`` seconds, or at its next transition, and stops at a
@@ -18,7 +22,15 @@ after an interruption anywhere continues it:
 Nobody but a mover of the same transfer acquires a ``quiescing`` (with a transfer) or
 ``incoming`` run (``runs.refuse_moving``), and the source is fenced before the destination is
 activated, so at no moment may two places be acquired. Crash points for kill drills
-(``spill.store.drill``), each right after its step's write: ``move-<step>``.
+(``spill.store.drill``), each right after its step's write: ``move-<step>``, ``move-abort``.
+
+``abort`` (``spill move --abort``) calls off a move that has not reached ``fence``: once nobody
+holds the source (its mover stopped or died, its writer stopped), the source returns to the
+status it had before the quiesce (``transfer.before``, recorded then; ``active`` for a control
+object written before that field existed), released, at the next generation, so that a stale
+mover's next transition fails (fencing); ``transfer.aborted`` records when. After ``fence`` the
+destination may be active already, so an abort is refused. A run whose move was aborted is an
+ordinary run again: built, resumed, or moved anywhere (a new transfer).
 """
 
 from __future__ import annotations
@@ -38,19 +50,55 @@ from spill.control.cas import (
     _Uncertain,
     read_control,
     read_runs,
-    run_list,
 )
 from spill.control.control import Run, _iso
 from spill.control.owner import home_of, lease_seconds, me
 from spill.control.runs import CopiedRun, _busy, _holder
-from spill.errors import StoreError
+from spill.errors import StoreError, UsageError
 from spill.store import drill
 
 STEPS = drill.MOVE_STEPS
 
 
 def step_number(step: str) -> int:
-    return STEPS.index(step) + 1
+    """1..7 for the seven steps; 0 for the destination's claim, made before them."""
+    return STEPS.index(step) + 1 if step in STEPS else 0
+
+
+def pending(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The transfer a source run stands under (quiescing or transferred, not aborted), if any."""
+    t = doc.get("transfer")
+    if t and not t.get("aborted") and doc["status"] in ("quiescing", "transferred"):
+        return t
+    return None
+
+
+def check_source(doc: dict[str, Any], state: str, to: str, *, wait: bool) -> None:
+    """Refuse, in one line, a source run that cannot be moved to ``to`` now: an installed copy,
+    a run arriving from elsewhere, one in a move to another place, or one held by a live writer
+    (unless ``wait``). Checked before the destination is claimed, and again by ``begin``."""
+    t, status = doc.get("transfer"), doc["status"]
+    if status == "copy":
+        raise CopiedRun(
+            f"run {doc['run']} at {state} is an installed copy; move the original "
+            f"({doc['lineage']['copied_from']}) or fork it with `spill build --new-run`"
+        )
+    if status == "incoming":
+        raise StoreError(
+            f"run {doc['run']} at {state} is itself arriving from {t and t['from']}; finish "
+            "that move first"
+        )
+    if status == "transferred" or status == "quiescing" and t:
+        if t is None or t["to"] != to:
+            where = t["to"] if t else "another place"
+            more = "" if status == "transferred" else ", or `spill move --abort` to call it off"
+            raise StoreError(
+                f"run {doc['run']} at {state} is being moved (or was moved) to {where}, not "
+                f"{to}; run `spill move` to {where} to finish it{more}"
+            )
+        return
+    if status != "complete" and _holder(doc, "", time.time()) and not wait:
+        raise _busy(doc, state, "; add --wait to stop it at its next committed boundary")
 
 
 def _read(store: Store) -> tuple[dict[str, Any], str | None]:
@@ -76,46 +124,39 @@ def _record(doc: dict[str, Any], step: str) -> None:
     doc["transfer"]["at"] = time.time()
 
 
-def begin(src: Store, to: str, *, wait: bool, poll: float = 0.5) -> dict[str, Any]:
-    """Step 1: the source's run, quiescing under a transfer to ``to`` (a new one, or the one
-    an interrupted move to the same place left). Returns the control document."""
+def begin(
+    src: Store, to: str, *, wait: bool, tid: str | None = None, deadline: float | None = None
+) -> dict[str, Any]:
+    """Step 1: the source's run, quiescing under transfer ``tid`` (a new id when None) to ``to``,
+    or under the transfer an interrupted move to the same place left. Returns the control
+    document. ``deadline``: the time by which the quiesce must land (the destination's claim
+    counts as live until then; a mover stopped past it claims again)."""
     for _ in range(ATTEMPTS):
         with src.exclusive():
             doc, tag = _read(src)
-            t, status = doc.get("transfer"), doc["status"]
-            if status == "copy":
-                raise CopiedRun(
-                    f"run {doc['run']} at {src.state} is an installed copy; move the original "
-                    f"({doc['lineage']['copied_from']}) or fork it with `spill build --new-run`"
-                )
-            if status in ("transferred", "incoming") or status == "quiescing" and t:
-                if t is None or t["to"] != to or status == "incoming":
-                    where = t["to"] if t else "another place"
-                    if status == "incoming":
-                        raise StoreError(
-                            f"run {doc['run']} at {src.state} is itself arriving from "
-                            f"{t and t['from']}; finish that move first"
-                        )
-                    raise StoreError(
-                        f"run {doc['run']} at {src.state} is being moved (or was moved) to "
-                        f"{where}, not {to}; run `spill move` to {where} to finish it"
-                    )
-                return doc  # an interrupted move to the same place: continue it
-            if status == "complete":
-                return doc  # read-only: copied as it is, see move.py
-            if _holder(doc, "", time.time()) and not wait:
-                raise _busy(
-                    doc, src.state, "; add --wait to stop it at its next committed boundary"
-                )
+            check_source(doc, src.state, to, wait=wait)
+            if pending(doc) or doc["status"] == "complete":
+                return doc  # an interrupted move to the same place (or a read-only run)
             now = time.time()
+            if deadline is not None and now > deadline:
+                raise StoreError(
+                    f"this move was stopped for {now - deadline:.0f} s too long between claiming "
+                    f"{to} and quiescing {src.state}; run it again"
+                )
+            before = {
+                "status": doc["status"],
+                "generation": doc["generation"],
+                "released": doc["owner"]["released"],
+            }
             doc["status"] = "quiescing"
             doc["transfer"] = {
-                "id": secrets.token_hex(8),
+                "id": tid or secrets.token_hex(8),
                 "from": home_of(src.state),
                 "to": to,
                 "step": "quiesce",
                 "started": now,
                 "at": now,
+                "before": before,
             }
             try:
                 _write(src, doc, tag, "move-quiesce")
@@ -186,78 +227,61 @@ def fence(run: Run) -> None:
     step(run, "fence", done=done)
 
 
-def incoming(dst: Store, doc: dict[str, Any], step: str = "incoming") -> None:
-    """The destination's run list and control object, ``incoming`` under this transfer (created,
-    or replaced when an interrupted mover of the same transfer made them). The mover claims the
-    destination so before it copies anything (``step`` the source's last, so that nobody
-    acquires a partial copy), and confirms it as step 5 once the copy is verified."""
-    rid, tid = doc["run"], doc["transfer"]["id"]
-    new = json.loads(json.dumps(doc))
-    new["home"] = home_of(dst.state)
-    new["status"] = "incoming"
-    _record(new, step)
-    with dst.exclusive():
-        runs, runs_tag = read_runs(dst)
-        if runs is not None and runs["current"] != rid:
-            raise StoreError(
-                f"{dst.state} already holds run {runs['current']}; move to an empty location"
-            )
-        there, tag = read_control(dst, rid)
-        if there is not None:
-            t = there.get("transfer") or {}
-            if there["status"] != "incoming" or t.get("id") != tid:
+def abort(src: Store, *, wait: bool = False, poll: float = 0.5) -> dict[str, Any]:
+    """``spill move --abort``: return the source of a move that has not reached ``fence`` (see
+    the module doc); the control document after it. A move aborted already is returned as it
+    is (a rerun of an abort that was interrupted cleans the destination it left)."""
+    tries = 0
+    while True:
+        with src.exclusive():
+            doc, tag = _read(src)
+            t, status, rid = doc.get("transfer"), doc["status"], doc["run"]
+            if t and t.get("aborted"):
+                return doc
+            if status == "transferred":
                 raise StoreError(
-                    f"{dst.state} holds run {rid} already ({there['status']}); nothing to move"
+                    f"run {rid} at {src.state} is transferred (its destination may be active "
+                    f"already); finish the move to {t['to'] if t else 'its destination'} by "
+                    "running the same `spill move` again"
                 )
-            new["seq"] = there["seq"]
-        _write(dst, new, tag, "move-incoming")
-        if runs is None:
-            dst.put(CURRENT, run_list([rid]), "runs", runs_tag)
-
-
-def activate(dst: Store, tid: str, status: str = "active") -> dict[str, Any]:
-    """Step 7: the incoming destination becomes ``active`` (a copied complete run: ``complete``)
-    and free to acquire."""
-    for _ in range(ATTEMPTS):
-        with dst.exclusive():
-            doc, tag = _read(dst)
-            t = doc.get("transfer") or {}
-            if t.get("id") != tid:
-                raise StoreError(f"{dst.state} holds run {doc['run']} of another move")
-            if doc["status"] != "incoming":
-                return doc  # activated already (an interrupted mover's last step landed)
-            doc["status"] = status
-            doc["owner"]["released"] = True
-            doc["lease"]["expires"] = time.time()
-            _record(doc, "activate")
-            try:
-                _write(dst, doc, tag, "move-activate")
-            except (_Conflict, _Uncertain):
-                continue
-        drill.at(drill.MOVE_ACTIVATE)
-        return doc
-    raise StoreError(f"{dst.state}: could not activate the moved run; run `spill move` again")
-
-
-def check_destination(dst: Store, root: str, run: str, to: str) -> None:
-    """Before the source changes: the destination is empty, or it holds this run arriving from
-    (or moved in by) a move to the same place, which a rerun continues."""
-    from spill.store.fs import files_under
-
-    there, _ = read_control(dst, run)
-    if there is not None and (there.get("transfer") or {}).get("to") == to:
-        return
-    stray = [r for r in files_under(root) if r]
-    if stray:
-        raise StoreError(f"{root} is not empty ({stray[0]}, ...); move to a new or empty location")
+            if status == "incoming":
+                raise StoreError(
+                    f"run {rid} at {src.state} is arriving from {t and t['from']}; abort the "
+                    "move at its source (`spill move --abort` there)"
+                )
+            if status != "quiescing" or t is None:
+                raise UsageError(f"run {rid} at {src.state} is not in a move; nothing to abort")
+            now = time.time()
+            if not _holder(doc, "", now):
+                new = json.loads(json.dumps(doc))
+                before = t.get("before") or {}
+                new["status"] = before.get("status", "active")
+                new["generation"] = doc["generation"] + 1
+                new["owner"] = {**me(secrets.token_hex(16)), "released": True}
+                new["lease"]["expires"] = now
+                new["transfer"].update(aborted=now, at=now)
+                try:
+                    _write(src, new, tag, "move-abort")
+                except (_Conflict, _Uncertain):
+                    tries += 1
+                    continue
+                break
+            if not wait:
+                raise _busy(doc, src.state, f" (the move to {t['to']}, step {t['step']} done)")
+        time.sleep(min(poll, 0.02 * 2**tries))
+        tries += 1
+    drill.at(drill.MOVE_ABORT)
+    return new
 
 
 def describe_move(doc: dict[str, Any]) -> str | None:
-    """What ``spill status`` says of a run's move: in progress (which step), or done."""
+    """What ``spill status`` says of a run's move: in progress (which step), done, or aborted."""
     t = doc.get("transfer")
     if not t:
         return None
     n = step_number(t["step"])
+    if t.get("aborted"):
+        return f"the move to {t['to']} was aborted at {_iso(t['aborted'])} (after step {n} of 7)"
     if doc["status"] == "transferred":
         return f"moved to {t['to']} at {_iso(t['at'])}; continue there"
     if doc["status"] in ("quiescing", "incoming"):

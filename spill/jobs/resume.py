@@ -17,7 +17,7 @@ import os
 from spill.console import note
 from spill.errors import StoreError
 from spill.jobs.states import progress
-from spill.store.fs import is_local
+from spill.store.fs import absolute
 
 JOB_VERBS = ("tune", "train", "run", "eval", "distill")
 BUILD_VERBS = ("build", "resume")
@@ -55,8 +55,7 @@ def resume_state(where: str, args) -> int:
     from spill.control.cas import current
     from spill.jobs.authority import read_command
 
-    if is_local(where):
-        where = os.path.abspath(where)
+    where = absolute(where)  # file:///p is the path /p
     doc = current(where)
     if doc is None:
         raise StoreError(f"nothing to resume at {where}: it holds no run")

@@ -208,7 +208,7 @@ def execute(
         raise DataError(f"{opts.batch_from} must be at least 1")
     if not opts.state:
         return _execute(job, None, prepare, finish)
-    from spill.store.fs import probe_writable
+    from spill.store.probe import probe_writable
 
     probe_writable(opts.state)
     with hold(

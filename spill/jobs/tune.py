@@ -34,7 +34,8 @@ from spill.models.tokenizer import Tokenizer
 from spill.paths import spill_home
 from spill.store import drill
 from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
-from spill.store.fs import exists, is_local, join, probe_writable, same_file
+from spill.store.fs import exists, is_local, join, same_file
+from spill.store.probe import probe_writable
 
 
 class CheckpointMismatch(SpillError):

@@ -101,7 +101,12 @@ def _at_uri(args) -> None:
     files, with the state at ``<URI>/.spill`` (``spill.project.remote``)."""
     from spill.jobs.states import is_state
     from spill.project.remote import checkout, is_remote_project
+    from spill.store.fs import absolute, is_local
 
+    for key in ("dir", "state"):  # file:///p is the folder /p (Hydra's sweep folder too)
+        where = getattr(args, key, None)
+        if where and "://" in where and is_local(where):
+            setattr(args, key, absolute(where))
     if "://" not in args.dir or args.command != "build" and is_state(args.dir):
         return  # a local folder, or a state location (resume and status take those)
     if not is_remote_project(args.dir):

@@ -18,6 +18,10 @@ state behind:
 ``control-complete``    the run marked complete (read-only from now on)
 ``move-<step>``         a move's step done (quiesce, take, copy, verify, incoming, fence,
                         activate; ``spill.control.transfer``)
+``move-checked``        a move's destination checked (empty, names, space), nothing written
+``move-claim``          the destination claimed (``incoming``), the source not changed yet
+``move-abort``          an aborted move's source returned (a new generation), its
+                        destination claim not yet removed
 =====================  ===================================================================
 
 Two ways to act there, both off unless asked for:
@@ -62,6 +66,7 @@ MOVE_STEPS = ("quiesce", "take", "copy", "verify", "incoming", "fence", "activat
 MOVE_QUIESCE, MOVE_TAKE, MOVE_COPY, MOVE_VERIFY, MOVE_INCOMING, MOVE_FENCE, MOVE_ACTIVATE = (
     f"move-{s}" for s in MOVE_STEPS
 )
+MOVE_CHECKED, MOVE_CLAIM, MOVE_ABORT = "move-checked", "move-claim", "move-abort"
 BOUNDARIES = (
     CKPT_BETWEEN_FILES,
     CKPT_BEFORE_COMMIT,
@@ -76,6 +81,9 @@ BOUNDARIES = (
     CONTROL_PUBLISH,
     CONTROL_COMPLETE,
     *(f"move-{s}" for s in MOVE_STEPS),
+    MOVE_CHECKED,
+    MOVE_CLAIM,
+    MOVE_ABORT,
 )
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 

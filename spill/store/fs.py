@@ -11,8 +11,9 @@ fsyncs it, renames it over the target and fsyncs the directory; on an object sto
 the store's next write can remove those a killed writer left. Listings are never served from
 fsspec's cache, because another process may have written since.
 
-``probe_writable`` writes and removes one such temporary name, so that a job finds a location it
-cannot write before it loads a model or computes anything, not at its first commit.
+A location's scheme is checked before any backend is made (``SCHEMES``): fsspec knows many
+more (``ftp://``, ``http://``), whose transitions spill cannot make safe, and some of which
+connect as they are made. ``file:///abs/path`` is the local path it names (``_local``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ _TMP = ".tmp-"
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
 
 
+# fsspec's names of the stores spill keeps runs on (the cloud ones through the cloud extra)
+SCHEMES = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+_WHERE = "use a local path, s3://, gs://, az:// or memory://"
+
+
 class BackendMissing(StoreError):
     """A URI scheme whose fsspec backend is not installed."""
 
@@ -48,9 +54,25 @@ def is_local(uri: str | os.PathLike) -> bool:
 
 
 def _local(uri: str) -> str:
-    if uri.startswith("file://"):
-        uri = uri[len("file://") :]
+    """The local path a local location names: ``file:///p`` and ``file://localhost/p`` are
+    ``/p``; a ``file://`` URI naming another host is refused in one line."""
+    if uri[:7].lower() == "file://":
+        rest = uri[7:]
+        if rest.lower().startswith("localhost/"):
+            rest = rest[len("localhost") :]
+        if not rest.startswith("/"):
+            raise StoreError(
+                f"{uri}: a file:// URI names an absolute local path (file:///path); give the "
+                "path itself"
+            )
+        return rest
     return os.path.expanduser(uri)
+
+
+def absolute(where: str) -> str:
+    """A location as its one spelling: a local one as an absolute path (``file://`` and ``~``
+    resolved, symlinks kept), a URI without its trailing ``/``."""
+    return os.path.abspath(_local(where)) if is_local(where) else where.rstrip("/")
 
 
 def join(uri: str | os.PathLike, *parts: str) -> str:
@@ -71,9 +93,15 @@ def is_temp(name: str) -> bool:
 
 
 def filesystem(uri: str):
-    """``(fsspec filesystem, path)`` for a non-local URI; a missing backend fails in one line."""
+    """``(fsspec filesystem, path)`` for a non-local URI; a missing backend or a scheme that is
+    not a place for runs fails in one line, before any backend is made (or connects)."""
     import fsspec
 
+    if _scheme(uri) not in SCHEMES:
+        raise StoreError(
+            f"{uri}: unsupported location ({_scheme(uri)}:// is not a store spill keeps runs "
+            f"on); {_WHERE}"
+        )
     try:
         return fsspec.core.url_to_fs(uri)
     except ImportError:
@@ -81,9 +109,7 @@ def filesystem(uri: str):
             f"{uri}: the {_scheme(uri)}:// backend is not installed; {CLOUD_HINT}"
         ) from None
     except ValueError as e:
-        raise StoreError(
-            f"{uri}: unsupported location ({e}); use a local path, s3://, gs://, az:// or memory://"
-        ) from None
+        raise StoreError(f"{uri}: unsupported location ({e}); {_WHERE}") from None
 
 
 @contextmanager
@@ -333,41 +359,6 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one of them does not exist (yet)
         return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _reason(e: BaseException) -> str:
-    """The short cause of a failed write, on one line."""
-    cause = e.__cause__ or e
-    if isinstance(cause, OSError) and cause.strerror:
-        return cause.strerror
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[0][:200]}" if text else type(cause).__name__
-
-
-def probe_writable(uri: str | os.PathLike) -> None:
-    """Write and remove a small temporary object under ``uri``; a ``StoreError`` if it cannot.
-
-    The probe's name is a temporary one (``is_temp``), so a probe a killed process left is
-    litter the store already knows how to ignore.
-    """
-    uri = os.fspath(uri)
-    probe = join(uri, f".write-probe{_TMP}{uuid.uuid4().hex[:12]}")
-    try:  # a plain write, not put_bytes: no fsync, and no drill point to shift the drills' counts
-        if is_local(uri):
-            with _errors(probe, "write"):
-                _makedirs_durable(_local(uri))
-                with open(_local(probe), "wb") as f:
-                    f.write(b"spill write probe\n")
-        else:
-            fs, path = filesystem(probe)
-            with _errors(probe, "write"):
-                fs.pipe_file(path, b"spill write probe\n")
-        remove(probe)
-    except (StoreError, FileNotFoundError, NotADirectoryError) as e:
-        raise StoreError(
-            f"state location {uri} cannot be written ({_reason(e)}); "
-            "give --state a location you can write to"
-        ) from None
 
 
 def mount_type(path: str) -> str:

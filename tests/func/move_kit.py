@@ -194,6 +194,21 @@ def copy_of_stopped(tmp_path_factory, dst: Path) -> Path:
     return dst
 
 
+def places(where: str, tmp_path: Path, tmp_path_factory, request) -> tuple[str, str, dict]:
+    """(source project, destination, environment): a copy of the stopped project, local or
+    moved to the S3 server first (``where``: local, to-s3, from-s3), and where it goes."""
+    bucket = request.getfixturevalue("s3_bucket") if where != "local" else None
+    env = env_for(tmp_path / "home")  # after the bucket: the AWS_* variables reach children
+    local = str(copy_of_stopped(tmp_path_factory, tmp_path / "src"))
+    if where == "local":
+        return local, str(tmp_path / "dst"), env
+    if where == "to-s3":
+        return local, f"s3://{bucket}/dst", env
+    s3 = f"s3://{bucket}/src"
+    ok(spill("move", local, s3, env=env, cwd=tmp_path))
+    return s3, str(tmp_path / "dst"), env
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 
@@ -222,11 +237,15 @@ def refused(src: str, to: str, env: dict, cwd: Path, code: int = 1) -> str:
 # --- a race's witness -----------------------------------------------------------------------------
 
 
+MOVING = ("quiescing", "transferred")
+
+
 class Poller(threading.Thread):
     """Reads the destination's control object, then the source's, as fast as it can: once the
-    destination exists the source must be quiescing or transferred, and while the destination
-    is active the source must be transferred (read in that order, the source's state is
-    never older than the destination's)."""
+    destination is past its claim (made before the quiesce, acquirable by nobody) the source
+    must be quiescing or transferred, and while the destination is active the source must be
+    transferred (read in that order, the source's state is never older than the
+    destination's)."""
 
     def __init__(self, src: str, dst: str):
         super().__init__(daemon=True)
@@ -245,7 +264,10 @@ class Poller(threading.Thread):
             pair = (there and there["status"], here["status"])
             if not self.seen or self.seen[-1] != pair:
                 self.seen.append(pair)
-            if there is not None and here["status"] not in ("quiescing", "transferred"):
+            claimed = there is not None and there["transfer"]["step"] == "claim"
+            if there is not None and not claimed and here["status"] not in MOVING:
+                self.bad.append(pair)
+            if claimed and there["status"] != "incoming":  # a claim is never acquirable
                 self.bad.append(pair)
             if (
                 there is not None

@@ -1,10 +1,11 @@
 """Issue 11's evidence for ``spill move`` with real processes and real signals.
 
-* Drills: a real ``spill move`` SIGKILLed right after each of its seven steps (``SPILL_DRILL=
-  move-<step>``). Before the rerun, ``spill status`` says which step the move is at and no place is
-  acquirable: ``spill build`` at the source and at the destination both refuse and change nothing
-  (after ``activate`` the destination is the one place, and its build runs). The same ``spill
-  move`` then finishes the same transfer; ``spill build`` at the destination ends equal to an
+* Drills: a real ``spill move`` SIGKILLed right after its destination claim and after each of
+  its seven steps (``SPILL_DRILL=move-claim``, ``move-<step>``). Before the rerun, ``spill
+  status`` says which step the move is at and no place is acquirable: ``spill build`` at the
+  source and at the destination both refuse and change nothing (after the claim alone the
+  source is untouched; after ``activate`` the destination is the one place, and its build runs).
+  The same ``spill move`` then finishes the same transfer (after the claim: adopting it); ``spill build`` at the destination ends equal to an
   uninterrupted build of the project (``move_kit.assert_same``: every stage, the checkpoint, the
   adapter, byte for byte), and the source refuses with "moved to <dest> at ...".
   Local -> local in the default run; local -> S3 and S3 -> local (the moto server over HTTP) under
@@ -13,13 +14,15 @@
 * A race: a live ``spill build`` against ``spill move``: without ``--wait`` the move exits 75
   naming the writer and changes nothing; with ``--wait`` the writer stops at a committed
   boundary (exit 75) and the move finishes, while a poller reading both control objects never
-  sees the destination exist beside a source that is not quiescing or transferred. The writer
+  sees the destination past its claim beside a source that is not quiescing or transferred,
+  nor an active destination beside a source that is not transferred. The writer
   is paused in its tune (SIGSTOP) and continued once the move waits, in the default run; a
   free-running long tune with ``--lease 3`` under ``slow``.
 * Engines: a build stopped on torch, moved, finished on MLX with another ``SPILL_HOME``.
 * Bad input: refused file systems and backends, a destination that is not empty or inside the
   source, a project without a run, an installed copy: one line, non-zero, nothing changed at
-  the source and nothing written at the destination.
+  the source and nothing written at the destination (more: tests/func/test_move_places.py;
+  aborts, races for one destination and a full disk: tests/func/test_move_abort.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from spill.control.owner import home_of
+from spill.control.transfer import describe_move
 from tests.func import authority_kit as ak
 from tests.func import move_kit as mk
 from tests.func import tune_kit as kit
@@ -49,42 +53,44 @@ def control(tmp_path_factory) -> dict:
     return mk.control(tmp_path_factory)
 
 
-def places(where: str, tmp_path: Path, tmp_path_factory, request) -> tuple[str, str, dict]:
-    """(source project, destination, environment): a copy of the stopped project, local or
-    moved to the S3 server first, and where it goes."""
-    bucket = request.getfixturevalue("s3_bucket") if where != "local" else None
-    env = mk.env_for(tmp_path / "home")  # after the bucket: the AWS_* variables reach children
-    local = str(mk.copy_of_stopped(tmp_path_factory, tmp_path / "src"))
-    if where == "local":
-        return local, str(tmp_path / "dst"), env
-    if where == "to-s3":
-        return local, f"s3://{bucket}/dst", env
-    s3 = f"s3://{bucket}/src"
-    mk.ok(mk.spill("move", local, s3, env=env, cwd=tmp_path))
-    return s3, str(tmp_path / "dst"), env
+places = mk.places
 
 
 # --- 1. SIGKILL after each step, then the same move ----------------------------------------------
 
 
+N = {"claim": 0, **{s: i + 1 for i, s in enumerate(mk.MOVE_STEPS)}}
+CLAIM_AT_DST = {
+    0: "claim",
+    1: "claim",
+    2: "claim",
+    3: "take",
+    4: "take",
+    5: "incoming",
+    6: "incoming",
+}
+
+
 def _check_refusals(src: str, dst: str, step: str, env: dict, cwd: Path) -> None:
-    """After the kill: the source refuses, and so does the destination (until ``activate``)."""
-    n = mk.MOVE_STEPS.index(step) + 1
+    """After the kill: the source refuses (after the claim alone it is untouched), and so does
+    the destination (until ``activate``)."""
+    n = N[step]
     rid = mk.doc(src)["run"]
     before = mk.tree(mk.state_of(src))
-    at_src = mk.spill("build", src, env=env, cwd=cwd)
-    assert at_src.returncode == 1 and not mk.ran_a_stage(at_src), at_src.stderr
-    last = mk.last_line(at_src.stderr)
-    if n <= 5:
-        assert f"spill: error: run {rid} at " in last, last
-        assert last.endswith(
-            f" is being moved to {dst} (step {step} done); run the same `spill move` again to "
-            "finish it"
-        ), last
-    else:
-        assert last.startswith(f"spill: error: run {rid} moved to {dst} at "), last
-        assert last.endswith("; continue there"), last
-    assert mk.tree(mk.state_of(src)) == before, "a refused build changed the source"
+    if n >= 1:
+        at_src = mk.spill("build", src, env=env, cwd=cwd)
+        assert at_src.returncode == 1 and not mk.ran_a_stage(at_src), at_src.stderr
+        last = mk.last_line(at_src.stderr)
+        if n <= 5:
+            assert f"spill: error: run {rid} at " in last, last
+            assert last.endswith(
+                f" is being moved to {dst} (step {step} done); run the same `spill move` again "
+                "to finish it, or `spill move --abort` to call it off"
+            ), last
+        else:
+            assert last.startswith(f"spill: error: run {rid} moved to {dst} at "), last
+            assert last.endswith("; continue there"), last
+        assert mk.tree(mk.state_of(src)) == before, "a refused build changed the source"
 
     before = mk.tree(dst)
     at_dst = mk.spill("build", dst, env=env, cwd=cwd)
@@ -92,60 +98,63 @@ def _check_refusals(src: str, dst: str, step: str, env: dict, cwd: Path) -> None
         mk.ok(at_dst)
         return
     assert at_dst.returncode != 0 and not mk.ran_a_stage(at_dst), at_dst.stderr
-    if n >= 3:  # claimed before the copy: the destination says so
+    if n >= 3:  # the files are there (a project's spill.yaml): the claim says where they come from
         src_home = home_of(mk.state_of(src))
-        claim = "take" if n <= 4 else "incoming"
+        claim = CLAIM_AT_DST[n]
         assert f"is arriving from {src_home} (a move, step {claim})" in at_dst.stderr
     assert mk.tree(dst) == before, "a refused build changed the destination"
 
 
 def _check_status(src: str, dst: str, step: str, env: dict, cwd: Path) -> None:
-    n = mk.MOVE_STEPS.index(step) + 1
+    n = N[step]
     shown = mk.ok(mk.spill("status", src, env=env, cwd=cwd)).stdout
-    if n <= 5:
+    if n == 0:  # the source is untouched (from S3: it says where it was moved from)
+        assert "move: moving" not in shown, shown
+    elif n <= 5:
         assert f"move: moving to {dst}: step {n} of 7 ({step}) done" in shown, shown
     else:
         assert f"move: moved to {dst} at " in shown, shown
-    if 3 <= n <= 6:
-        there = mk.ok(mk.spill("status", dst, env=env, cwd=cwd)).stdout
+    if n <= 6:
         src_home = home_of(mk.state_of(src))
-        claim = "step 2 of 7 (take)" if n <= 4 else "step 5 of 7 (incoming)"
-        assert f"move: moving from {src_home}: {claim} done" in there, there
+        claim = CLAIM_AT_DST[n]
+        said = f"moving from {src_home}: step {N[claim]} of 7 ({claim}) done"
+        assert describe_move(mk.doc(dst)) == said  # what `spill status` says there
+        if n >= 3:  # the project's files are there: its status says it too
+            there = mk.ok(mk.spill("status", dst, env=env, cwd=cwd)).stdout
+            assert f"move: {said}" in there, there
 
 
-STEP_AT_DST = {5: "incoming", 6: "incoming", 7: "activate"}
-
-
-def _sources_left(src: str, dst: str, step: str, gen: int) -> dict:
-    """The control objects the killed mover left, checked against the step it reached."""
-    n = mk.MOVE_STEPS.index(step) + 1
+def _sources_left(src: str, dst: str, step: str, first: dict) -> dict:
+    """The control objects the killed mover left, checked against the step it reached
+    (``first``: the source's control object before the move)."""
+    n, gen = N[step], first["generation"]
     left = mk.doc(src)
+    there = mk.doc(dst)  # claimed as incoming before the source changed
+    assert there["status"] == ("incoming" if n <= 6 else "active")
+    assert there["transfer"]["step"] == CLAIM_AT_DST.get(n, "activate")
+    if n == 0:  # the source is untouched
+        assert left == first
+        return there
     t = left["transfer"]
     assert t["to"] == dst and t["from"] == home_of(mk.state_of(src))
     assert t["step"] == (step if n <= 6 else "fence")
     assert left["status"] == ("quiescing" if n <= 5 else "transferred")
     assert left["generation"] == (gen if n == 1 else gen + 1)  # the mover takes the next one
-    there = mk.doc(dst)  # claimed as incoming right after the take, before any file lands
-    if n <= 2:
-        assert there is None
-    else:
-        assert there["status"] == ("incoming" if n <= 6 else "active")
-        assert there["transfer"]["step"] == ("take" if n <= 4 else STEP_AT_DST[n])
-        assert there["transfer"]["id"] == t["id"]
+    assert there["transfer"]["id"] == t["id"]
     return left
 
 
 @pytest.mark.parametrize("where", WHERE)
-@pytest.mark.parametrize("step", mk.MOVE_STEPS)
+@pytest.mark.parametrize("step", ["claim", *mk.MOVE_STEPS])
 def test_sigkill_after_each_move_step_then_the_same_move_finishes(
     control, tmp_path, tmp_path_factory, request, where, step
 ):
     src, dst, env = places(where, tmp_path, tmp_path_factory, request)
     argv = ("move", src, dst, "--json")
-    gen = mk.doc(src)["generation"]
+    first = mk.doc(src)
     killed = mk.spill(*argv, env=env, cwd=tmp_path, drill=f"move-{step}")
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-3000:])
-    left = _sources_left(src, dst, step, gen)
+    left = _sources_left(src, dst, step, first)
     _check_status(src, dst, step, env, tmp_path)
     _check_refusals(src, dst, step, env, tmp_path)
 
@@ -257,7 +266,8 @@ def test_a_live_writer_stops_for_the_move_and_two_places_are_never_acquirable(
     assert f"build preempted by a move to {dst}; committed: tune at step " in stopped.stderr
     assert "adapter written" not in stopped.stderr
     assert not poller.bad, poller.bad
-    assert (None, "quiescing") in poller.seen and poller.seen[-1] == ("active", "transferred")
+    assert ("incoming", "quiescing") in poller.seen
+    assert poller.seen[-1] == ("active", "transferred")
     committed = mk.doc(str(dst))["pointers"]["stages/tune/ckpt"]
     step = max(mk.payload_seq(c) for c in committed)
     assert 0 < step < steps and step % every == 0
@@ -313,11 +323,12 @@ def test_a_run_stopped_on_torch_moves_and_finishes_on_mlx_on_another_home(
 BAD = [
     ("/proc/spill-move", "is on a proc file system, where locks are not reliable"),
     ("/sys/spill-move", "is on a sysfs file system, where locks are not reliable"),
-    ("foo://bucket/p", "unsupported location (Protocol not known: foo)"),
+    ("foo://bucket/p", "unsupported location (foo:// is not a store spill keeps runs on)"),
+    ("ftp://host/x", "unsupported location (ftp:// is not a store spill keeps runs on)"),
 ]
 
 
-@pytest.mark.parametrize("to, says", BAD, ids=["proc", "sys", "unknown-scheme"])
+@pytest.mark.parametrize("to, says", BAD, ids=["proc", "sys", "unknown-scheme", "ftp"])
 def test_a_move_to_a_refused_file_system_or_backend_changes_nothing(
     tmp_path, tmp_path_factory, to, says
 ):

@@ -1,26 +1,30 @@
-"""The control steps of a move (``spill.control.transfer``), in process, on every backend.
+"""The control steps of a move (``spill.control.transfer`` at the source, ``spill.control.
+arrival`` at the destination), in process, on every backend.
 
-The seven steps in order (each reaching its drill point once), a rerun after each step (the
-interrupted mover abandoned with a short lease, the way a mover killed on another machine would
-be left), ``describe_move`` at every status, and the refusals: ``acquire`` of a run mid-move at
-either place, a second destination, a held run without ``--wait``, a copy, a location without a
-run, a destination holding another run, and a transfer id that is not the destination's. What
-is copied between the steps is ``spill.project.move``'s (tests/unit/project/test_move.py); the
-steps with real processes and SIGKILL are tests/func/test_move.py.
+The claim and the seven steps in order (each reaching its drill point once), a rerun after each
+step (the interrupted mover abandoned with a short lease, the way a mover killed on another
+machine would be left), ``describe_move`` at every status, and the refusals: ``acquire`` of a
+run mid-move at either place, a second destination, a held run without ``--wait``, a copy, a
+location without a run, a destination holding another run, and a transfer id that is not the
+destination's. The abort after each step before ``fence`` (the source returned at a new
+generation, the claim removed; a stale mover fenced), its refusals, a claim's adoption and an
+abandoned claim. What is copied between the steps is ``spill.project.move``'s
+(tests/unit/project/test_move.py); real processes and SIGKILL are tests/func/test_move.py.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import time
 
 import pytest
 
-from spill.control import transfer
+from spill.control import arrival, transfer
 from spill.control.cas import CURRENT, RUNS, current, store_for
 from spill.control.control import Busy
-from spill.control.owner import home_of
+from spill.control.owner import home_of, lease_seconds
 from spill.control.runs import CopiedRun, acquire, as_copy
 from spill.errors import EXIT_PREEMPTED, StoreError
 from spill.store import drill
@@ -45,47 +49,69 @@ def places(root) -> tuple[str, str]:
     return src, dst
 
 
+def _claim(src: str, dst: str, lease: float | None = None) -> str:
+    """The destination's claim, as ``spill move`` makes it before the quiesce: its transfer id."""
+    doc = current(src)
+    was = transfer.pending(doc)
+    tid, _ = arrival.claim(
+        store_for(dst),
+        doc,
+        was["id"] if was else secrets.token_hex(8),
+        home_of(src),
+        dst,
+        lease=lease_seconds(lease),
+        nonce=secrets.token_hex(16),
+    )
+    return tid
+
+
 def _advance(src: str, dst: str, upto: int, lease: float | None = None) -> str:
-    """Steps 1..``upto`` by a mover that then stops without releasing; the transfer id."""
+    """The claim, then steps 1..``upto`` by a mover that then stops without releasing; the
+    transfer id."""
     s, d = store_for(src), store_for(dst)
-    tid = transfer.begin(s, dst, wait=False)["transfer"]["id"]
+    tid = _claim(src, dst, lease)
+    if upto == 0:
+        return tid
+    tid = transfer.begin(s, dst, wait=False, tid=tid)["transfer"]["id"]
     if upto == 1:
         return tid
     run = transfer.take(s, tid, lease=lease)
     if upto == 2:
         return tid
-    transfer.incoming(d, run.doc, step="take")  # the claim, before any file lands
+    arrival.incoming(d, run.doc, step="take")  # the claim confirmed, before any file lands
     for n, name in enumerate(STEPS[2:6], start=3):
         if n > upto:
             return tid
         if name == "incoming":
-            transfer.incoming(d, run.doc)
+            arrival.incoming(d, run.doc)
         if name == "fence":
             transfer.fence(run)
         else:
             transfer.step(run, name)
     if upto == 7:
-        transfer.activate(d, tid)
+        arrival.activate(d, tid)
     return tid
 
 
 def _finish(src: str, dst: str) -> dict:
     """What a rerun of ``spill move`` does with the control objects (``move.move``)."""
     s, d = store_for(src), store_for(dst)
-    doc = transfer.begin(s, dst, wait=False)
+    doc = current(src)
+    if doc["status"] != "transferred":
+        doc = transfer.begin(s, dst, wait=False, tid=_claim(src, dst))
     tid = doc["transfer"]["id"]
     if doc["status"] == "quiescing":
         run = transfer.take(s, tid, lease=None)
         try:
-            transfer.incoming(d, run.doc, step="take")
+            arrival.incoming(d, run.doc, step="take")
             transfer.step(run, "copy")
             transfer.step(run, "verify")
-            transfer.incoming(d, run.doc)
+            arrival.incoming(d, run.doc)
             transfer.step(run, "incoming")
             transfer.fence(run)
         finally:
             run.release()
-    return transfer.activate(d, tid)
+    return arrival.activate(d, tid)
 
 
 def test_the_seven_steps_in_order_hand_the_run_over(places):
@@ -94,7 +120,7 @@ def test_the_seven_steps_in_order_hand_the_run_over(places):
     seen: list[str] = []
     with drill.hooked(lambda b: b.startswith("move-") and seen.append(b)):
         tid = _advance(src, dst, 7)
-    assert seen == [f"move-{s}" for s in STEPS]
+    assert seen == ["move-claim", *(f"move-{s}" for s in STEPS)]
     here, there = current(src), current(dst)
     assert here["status"] == "transferred" and here["owner"]["released"]
     t = here["transfer"]
@@ -140,10 +166,10 @@ def test_describe_move_says_where_a_run_is_going_and_where_it_went(tmp_path):
     s, d = store_for(src), store_for(dst)
     tid = current(src)["transfer"]["id"]
     run = transfer.take(s, tid, lease=None)
-    transfer.incoming(d, run.doc, step="take")
+    arrival.incoming(d, run.doc, step="take")
     frm = home_of(src)
     assert transfer.describe_move(current(dst)) == f"moving from {frm}: step 2 of 7 (take) done"
-    transfer.incoming(d, run.doc)
+    arrival.incoming(d, run.doc)
     transfer.step(run, "incoming")
     assert transfer.describe_move(current(src)) == f"moving to {dst}: step 5 of 7 (incoming) done"
     assert transfer.describe_move(current(dst)) == f"moving from {frm}: step 5 of 7 (incoming) done"
@@ -151,7 +177,7 @@ def test_describe_move_says_where_a_run_is_going_and_where_it_went(tmp_path):
     at = current(src)["transfer"]["at"]
     iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
     assert transfer.describe_move(current(src)) == f"moved to {dst} at {iso}; continue there"
-    transfer.activate(d, tid)
+    arrival.activate(d, tid)
     iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(current(dst)["transfer"]["at"]))
     assert transfer.describe_move(current(dst)) == f"moved here from {frm} at {iso}"
 
@@ -164,12 +190,13 @@ def test_acquire_refuses_a_run_mid_move_at_either_place_in_one_line(tmp_path):
         acquire(src, wait=True)  # a refusal, not a wait: it returns at once
     assert str(e.value) == (
         f"run {rid} at {src} is being moved to {dst} (step quiesce done); run the same "
-        "`spill move` again to finish it"
+        "`spill move` again to finish it, or `spill move --abort` to call it off"
     )
     s, d = store_for(src), store_for(dst)
     run = transfer.take(s, current(src)["transfer"]["id"], lease=None)
-    for claim in ("take", "incoming"):  # claimed before the copy, confirmed after the verify
-        transfer.incoming(d, run.doc, step=claim)
+    for claim in ("claim", "take", "incoming"):  # claimed first, confirmed after take, verify
+        if claim != "claim":
+            arrival.incoming(d, run.doc, step=claim)
         with pytest.raises(StoreError) as e:
             acquire(dst)
         assert str(e.value) == (
@@ -225,9 +252,10 @@ def test_a_second_destination_is_refused_until_the_first_move_is_finished(tmp_pa
             _finish(src, dst)
         with pytest.raises(StoreError) as e:
             transfer.begin(store_for(src), other, wait=False)
+        more = ", or `spill move --abort` to call it off" if upto == 1 else ""
         assert str(e.value).endswith(
             f"is being moved (or was moved) to {dst}, not {other}; run `spill move` to {dst} "
-            "to finish it"
+            f"to finish it{more}"
         )
 
 
@@ -253,10 +281,14 @@ def test_incoming_refuses_a_destination_holding_another_run(tmp_path):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     _made(src)
     theirs = _made(dst)["run"]
-    with pytest.raises(StoreError) as e:
+    before = current(src)
+    with pytest.raises(arrival.Taken) as e:
         _advance(src, dst, 5)
-    assert str(e.value) == f"{dst} already holds run {theirs}; move to an empty location"
+    assert str(e.value) == (
+        f"{dst} holds run {theirs} (active) now; move to a new or empty location"
+    )
     assert current(dst)["run"] == theirs and current(dst)["status"] == "active"
+    assert current(src) == before  # refused by the claim, before the source changed
 
 
 def test_activate_refuses_another_transfer(tmp_path):
@@ -264,7 +296,7 @@ def test_activate_refuses_another_transfer(tmp_path):
     _made(src)
     _advance(src, dst, 5)
     with pytest.raises(StoreError) as e:
-        transfer.activate(store_for(dst), "0123456789abcdef")
+        arrival.activate(store_for(dst), "0123456789abcdef")
     assert "of another move" in str(e.value)
     assert current(dst)["status"] == "incoming"
 
@@ -294,16 +326,20 @@ def test_begin_refuses_a_copy_and_a_location_without_a_run_and_leaves_a_complete
 
 def test_check_destination_accepts_an_empty_place_or_the_same_move_only(tmp_path):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    rid = _made(src)["run"]
-    transfer.check_destination(store_for(dst), dst, rid, dst)  # nothing there
+    _made(src)
+    frm, d = home_of(src), store_for(dst)
+    assert arrival.check_destination(d, dst, current(src), frm, dst) == []  # nothing there
     _advance(src, dst, 3)  # claimed, partly copied
     put_bytes(join(dst, "job", "copied.bin"), b"part")
-    transfer.check_destination(store_for(dst), dst, rid, dst)  # the same move: continue it
-    with pytest.raises(StoreError) as e:
-        transfer.check_destination(store_for(dst), dst, rid, str(tmp_path / "elsewhere"))
-    assert str(e.value).startswith(f"{dst} is not empty (")
+    assert arrival.check_destination(d, dst, current(src), frm, dst) == []  # the same move
+    with pytest.raises(arrival.Taken) as e:
+        arrival.check_destination(d, dst, current(src), frm, str(tmp_path / "elsewhere"))
+    assert str(e.value) == (
+        f"{dst} holds a claim of another move (run {current(src)['run']} from {frm}, step take "
+        "done); move to a new or empty location"
+    )
     other = str(tmp_path / "other")
     put_bytes(join(other, "mine.txt"), b"x")
-    with pytest.raises(StoreError) as e:
-        transfer.check_destination(store_for(other), other, rid, other)
+    with pytest.raises(arrival.Taken) as e:
+        arrival.check_destination(store_for(other), other, current(src), frm, other)
     assert str(e.value) == f"{other} is not empty (mine.txt, ...); move to a new or empty location"

@@ -9,6 +9,8 @@ An interruption is an exception raised at a step's drill point (``drill.hooked``
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,68 @@ def test_a_complete_run_is_copied_and_the_source_stays_as_it_was(tmp_path):
     assert set(_files(dst)) == WANTED
     again = mv.move(str(src), str(dst))  # a rerun answers from the copy
     assert again["transfer"] == result["transfer"] and current(str(dst)) == there
+
+
+def test_a_symlink_or_a_file_uri_into_the_source_overlaps(tmp_path):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "spill.yaml").write_text("name: x\n")
+    (tmp_path / "alias").symlink_to(proj)
+    with pytest.raises(UsageError) as e:
+        mv.locations(str(proj), str(tmp_path / "alias" / "in"), None)
+    assert str(e.value) == (
+        f"{tmp_path}/alias/in (that is {proj}/in) and {proj} overlap; move to a location "
+        "outside the project"
+    )
+    with pytest.raises(UsageError):
+        mv.locations(str(proj), f"file://{proj}/in", None)
+    got = mv.locations(str(proj), f"file://{tmp_path}/to", None)
+    assert got[2:] == (str(tmp_path / "to"), f"{tmp_path}/to/.spill")
+
+
+def test_an_interrupted_move_is_aborted_and_its_partial_copy_removed(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    before = _state(src)
+
+    def crash(boundary: str) -> None:
+        if boundary == "move-copy":
+            raise RuntimeError("interrupted")
+
+    with drill.hooked(crash), pytest.raises(RuntimeError):
+        mv.move(str(src), str(dst), lease=0.3)
+    assert set(WANTED) <= set(_files(dst))
+    time.sleep(0.35)  # the interrupted mover's lease runs out
+    result = mv.abort(str(src))
+    assert result["destination"] == "cleaned" and result["status"] == "active"
+    assert [p for p in dst.rglob("*") if p.is_file()] == [dst / "runs" / "control.lock"]
+    here = current(str(src))
+    assert here["generation"] == before["generation"] + 2  # the mover's take, then the abort's
+    assert here["pointers"] == before["pointers"] and here["transfer"]["aborted"]
+    assert mv.move(str(src), str(dst))["status"] == "active"  # moved anew, as any run
+
+
+def test_a_rerun_whose_destination_is_someone_elses_aborts_the_move(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _state(src)
+
+    def crash(boundary: str) -> None:
+        if boundary == "move-take":
+            raise RuntimeError("interrupted")
+
+    with drill.hooked(crash), pytest.raises(RuntimeError):
+        mv.move(str(src), str(dst), lease=0.3)
+    time.sleep(0.35)
+    shutil.rmtree(dst)  # emptied by hand, and someone else's run made there
+    theirs = acquire(str(dst))
+    theirs.release()
+    left = current(str(src))
+    with pytest.raises(StoreError) as e:
+        mv.move(str(src), str(dst))
+    assert str(e.value) == (
+        f"{dst} holds run {theirs.id} (active), not this move's claim: the move of run "
+        f"{left['run']} to {dst} is aborted, and the run is active again at {src} (generation "
+        f"{left['generation'] + 1}); move it to another place"
+    )
+    here = current(str(src))
+    assert here["status"] == "active" and here["transfer"]["aborted"]
+    assert current(str(dst))["run"] == theirs.id

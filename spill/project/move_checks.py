@@ -1,0 +1,179 @@
+"""Where a move goes, and whether it can go there, checked before the source changes.
+
+``locations``, ``check_place`` and ``check_room`` are the checks of ``spill move`` that need no
+control object; with the stores', the source's and ``arrival.check_destination`` between them
+(``move.move``), the order is, each refused in one line with nothing written at either place:
+
+1. the scheme: a local path (``file:///abs/path`` is that path), ``s3://``, ``gs://``, ``az://``;
+   ``memory://`` lives in one process, and every other scheme fsspec knows (``ftp://``,
+   ``http://``) is refused before its backend is made, so before any connection;
+2. overlap: the destination against the project folder and the source's state, compared as
+   resolved paths (symlinks followed, ``..`` folded): ``alias/inner`` with ``alias`` a link to
+   the project is inside the project;
+3. the stores: a file system that honours flock, an object store that refuses stale writes
+   (``cas.store_for``);
+4. the destination's own name fits the file system (each segment within ``NAME_MAX``, the path
+   within ``PATH_MAX``; a key within 1024 bytes), it is a folder or prefix, not a file nor
+   below one, and it lies inside no
+   location that holds runs (``runs.outer_state`` over every folder: another build's
+   ``.spill/stages/x``, a job's ``--state``), whose snapshot would carry it;
+5. the source's run can be moved there (``transfer.check_source``): not a copy, not arriving,
+   not in a move elsewhere, not held by a live writer (unless ``--wait``);
+6. the destination is empty, or holds this run under a move to the same place; an abandoned
+   claim there is removed first (``arrival.check_destination``);
+7. names: every path segment within the file system's ``NAME_MAX``, and a write probe of the
+   longest path the snapshot holds (``probe.probe_names``); on an object store every key within
+   1024 bytes;
+8. space: locally, what the copy still writes (each file rounded up to the block size, a block
+   per folder and 16 for the manifest and control objects) against the free bytes ``statvfs``
+   reports; an object store cannot say, and a full one fails the copy in one line.
+
+The snapshot's names and sizes are read before the quiesce, so a live writer that commits more
+before it stops may make the copy a little longer; the copy's own errors (a full disk, a name
+refused after all) are single lines too, the source left quiescing for a rerun or an abort.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from spill.errors import StoreError, UsageError
+from spill.paths import STATE_DIR
+from spill.store import snapshot
+from spill.store.fs import _local, absolute, exists, filesystem, is_local, join, stat
+
+
+def _real(where: str) -> str:
+    return os.path.realpath(_local(where)) if is_local(where) else where.rstrip("/")
+
+
+def _inside(a: str, b: str) -> bool:
+    return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+def source(src: str, state: str | None) -> tuple[str | None, str]:
+    """(project root or None, source state) of ``spill move``'s first argument."""
+    src = absolute(src)
+    if exists(join(src, "spill.yaml")):
+        return src, absolute(state) if state else join(src, STATE_DIR)
+    from spill.jobs.states import is_state
+
+    if not is_state(src):
+        raise UsageError(f"{src} is neither a project folder nor a state location")
+    return None, src
+
+
+def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, str, str]:
+    """(project root or None, source state, destination root, destination state), after
+    checks 1 and 2 of the module doc (no store is asked anything of the destination)."""
+    to = absolute(to)
+    if to.startswith("memory://"):
+        raise UsageError(
+            f"{to}: memory:// lives only inside one process; move to a folder or an object store"
+        )
+    if not is_local(to):
+        filesystem(to)  # a scheme that is no place for runs: one line, nothing connected
+    root, src_state = source(src, state)
+    real = _real(to)
+    for mine in (src_state, root) if root else (src_state,):
+        if _inside(real, _real(mine)) or _inside(_real(mine), real):
+            that = f" (that is {real})" if real != to else ""
+            raise UsageError(
+                f"{to}{that} and {root or src_state} overlap; move to a location outside the "
+                "project"
+            )
+    return root, src_state, to, join(to, STATE_DIR) if root else to
+
+
+def check_place(to: str) -> None:
+    """Check 4 of the module doc, once the destination's store is known to be usable."""
+    from spill.control.runs import outer_state
+    from spill.store.probe import check_names, not_a_file
+
+    check_names(to)  # a name too long there would fail every read of it, not in one line
+    not_a_file(to)
+    outer = outer_state(to, every=True)
+    if outer is not None:
+        raise StoreError(
+            f"{to} lies inside {outer}, which holds runs of its own (a state location); move "
+            "to a location outside it"
+        )
+
+
+def snapshot_files(root: str | None, src_state: str, doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(source URI, path relative to the destination) of every file a move of run ``doc``
+    copies: the project's files, then the run's (``snapshot.state_files``)."""
+    rels = snapshot.state_files(src_state, doc)
+    files = [(join(src_state, r), f"{STATE_DIR}/{r}" if root else r) for r in rels]
+    if root:
+        files = [(join(root, r), r) for r in snapshot.project_files(root, src_state)] + files
+    return files
+
+
+def _bytes(n: int) -> str:
+    return f"{n} bytes ({n / 2**20:.1f} MiB)" if n >= 2**20 else f"{n} bytes ({n / 1024:.0f} KiB)"
+
+
+def still_to_copy(dst_root: str, files: list[tuple[str, str]]) -> list[tuple[str, int]]:
+    """(relative path, size) of the files not at the destination yet at their size."""
+    out = []
+    for src, rel in files:
+        size = (stat(src) or (0, None))[0]
+        have = stat(join(dst_root, rel))
+        if have is None or have[0] != size:
+            out.append((rel, size))
+    return out
+
+
+def room_needed(dst_root: str, left: list[tuple[str, int]]) -> tuple[int, int] | None:
+    """(bytes the copy of ``left`` takes there, bytes free), where the store can say."""
+    from spill.store.probe import space
+
+    room = space(dst_root)
+    if room is None:
+        return None
+    free, block = room
+    folders = {rel.rpartition("/")[0] for rel, _ in left}
+    need = sum(-(-size // block) * block for _, size in left) + (len(folders) + 16) * block
+    return need, free
+
+
+def full(
+    dst_root: str, need: int, free: int, why: str = "", then: str = "or move to another place"
+) -> StoreError:
+    return StoreError(
+        f"{dst_root} has {_bytes(free)} free, and the move needs {_bytes(need)} there{why}; "
+        f"free some space, {then}"
+    )
+
+
+def written(files: list[tuple[str, str]], state_rel: str, run: str) -> list[str]:
+    """Every name a move writes at its destination, relative to it, at its longest: each file's
+    temporary name while it is copied (``.move-<pid>-<name>``), the manifest's and the control
+    object's while they are replaced (``.<name>.tmp-<12 hex>``)."""
+    pid = "9" * len(str(2**22))  # the longest pid Linux gives
+    out = [
+        f"{d}{'/' if d else ''}.move-{pid}-{n}" for d, _, n in (r.rpartition("/") for _, r in files)
+    ]
+    runs = f"{state_rel}/runs/{run}".lstrip("/")
+    tmp = ".tmp-" + "f" * 12
+    return [*out, f"{runs}/.move-{'f' * 16}.json{tmp}", f"{runs}/.control.json{tmp}"]
+
+
+AGAIN = "then run the same `spill move` again (or `spill move --abort` to call it off)"
+
+
+def check_room(
+    dst_root: str, files: list[tuple[str, str]], state_rel: str, run: str, moving: bool
+) -> None:
+    """Checks 7 and 8 of the module doc (``moving``: the source is in this move already)."""
+    from spill.store.probe import probe_names
+
+    names = [rel for _, rel in files] + (
+        written(files, state_rel, run) if is_local(dst_root) else []
+    )
+    probe_names(dst_root, names)
+    room = room_needed(dst_root, still_to_copy(dst_root, files))
+    if room is not None and room[0] > room[1]:
+        raise full(dst_root, *room, then=AGAIN if moving else "or move to another place")
