@@ -23,6 +23,7 @@ from spill.console import emit, note
 from spill.errors import UsageError
 from spill.paths import STATE_DIR
 from spill.project.bundle_format import BundleError
+from spill.store.fs import absolute
 
 
 def add_parser(sub) -> None:
@@ -63,9 +64,10 @@ def command(args: argparse.Namespace) -> int:
     if (args.verify or args.install) and (args.with_state or args.state or args.wait):
         raise UsageError("--with-state, --state and --wait go with writing a bundle (DIR PATH)")
     if args.verify:
-        return verify(Path(args.verify), args.json)
+        return verify(Path(absolute(args.verify)), args.json)
     if args.install:
-        return install(Path(args.install[0]), Path(args.install[1]), args.force, args.json)
+        path, dest = (Path(absolute(w)) for w in args.install)
+        return install(path, dest, args.force, args.json)
     return pack(args.args[0], Path(args.args[1]), args, args.json)
 
 
@@ -79,7 +81,7 @@ def _project(where: str, state: str | None) -> tuple[Path, str]:
 
         root, there = checkout(where)
         return root, state or there
-    root = Path(where.removeprefix("file://"))
+    root = Path(absolute(where))
     if not (root / "spill.yaml").is_file():
         raise UsageError(f"{root} holds no spill.yaml; give a project folder")
     return root, state or str(root / STATE_DIR)
