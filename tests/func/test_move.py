@@ -270,7 +270,10 @@ def test_a_live_writer_stops_for_the_move_and_two_places_are_never_acquirable(
     assert poller.seen[-1] == ("active", "transferred")
     committed = mk.doc(str(dst))["pointers"]["stages/tune/ckpt"]
     step = max(mk.payload_seq(c) for c in committed)
-    assert 0 < step < steps and step % every == 0
+    # the writer stops at the first step boundary after it sees the quiesce, with a checkpoint
+    # there: a ckpt_every step when it saw it at a publication, any step when its heartbeat saw
+    # it first (a writer paused past its heartbeat's interval reads the control object at once)
+    assert 0 < step < steps
 
     final = mk.ok(mk.spill("build", str(dst), env=env, cwd=tmp_path))
     assert f"== tune: continue at step {step} of {steps}" in final.stderr, final.stderr
