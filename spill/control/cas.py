@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from spill.store.fs import (
     is_local,
     is_temp,
     join,
+    listdir,
     mount_type,
     put_bytes,
 )
@@ -37,6 +39,7 @@ RUNS = "runs"
 CURRENT = "current.json"
 CONTROL = "control.json"
 LOCK = "control.lock"
+RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")  # as schemas/runs.schema.json says
 LOCK_WAIT = 10.0  # seconds a transition waits for the local lock before saying so
 ATTEMPTS = 50  # conditional writes lost to others (or uncertain) before a transition gives up
 FLOCK_FS = frozenset(
@@ -230,6 +233,11 @@ def read_control(store: Store, run: str) -> tuple[dict[str, Any] | None, str | N
     key = f"{run}/{CONTROL}"
     raw, tag = store.read(key)
     return (None, None) if raw is None else (parse(raw, "control", store.uri(key)), tag)
+
+
+def run_ids(store: Store) -> list[str]:
+    """The ids of the runs under ``runs/`` (folders named like a run), sorted."""
+    return [n for n in listdir(join(store.state, RUNS)) if RUN_ID.fullmatch(n)]
 
 
 def current(state: str) -> dict[str, Any] | None:
