@@ -8,6 +8,9 @@
   ``If-Match: <etag>``, never delete; a lost write is a ``_Conflict``, one whose outcome is
   unknown ``_Uncertain``, and the caller reads again either way. ``store_for`` probes a store
   once per bucket and process and refuses one that accepts a second create or a stale replace.
+
+``current`` is the readers' view of the current run (``spill.control.runlist``: when
+``runs/current.json`` is missing, the view rebuilt from the control objects).
 """
 
 from __future__ import annotations
@@ -243,15 +246,8 @@ def run_ids(store: Store) -> list[str]:
 def current(state: str) -> dict[str, Any] | None:
     """The current run's control object at ``state`` (validated), or None when it has none.
 
-    A reader's view: no lock is taken (every write is an atomic replace)."""
-    store = _store(state)  # reading needs no flock, so no file system check
-    runs, _ = read_runs(store)
-    if runs is None:
-        return None
-    doc, _ = read_control(store, runs["current"])
-    if doc is None:
-        raise StoreError(
-            f"{store.uri(CURRENT)} names run {runs['current']}, which has no control object; "
-            "the state was copied incompletely"
-        )
-    return doc
+    A reader's view: no lock is taken (every write is an atomic replace) and nothing is written
+    (``spill.control.runlist.current``)."""
+    from spill.control.runlist import current as view
+
+    return view(state)

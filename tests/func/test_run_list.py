@@ -1,5 +1,11 @@
 """Issue 19, item 4, through real ``spill`` processes: a run's control object is the authority.
 
+* ``runs/current.json`` deleted under a stopped build (local and on the S3 server): ``spill
+  status`` reads the run list from the control objects and writes nothing; the next build
+  rebuilds it (SIGKILLed right after, at ``control-rebuild``: every payload the old run points at
+  is untouched, and the build after that accepts the state), continues the run from its
+  committed step 4 and ends equal to an uninterrupted build. No payload name is written twice.
+* Two unfinished runs and no run list: refused in one line that names both, nothing written.
 * Every control object deleted, the payloads left: the new run's generation is above theirs.
 * The run after an edit (the completed run its parent) clears and collects its stages without
   removing anything the completed run's control object points at.
@@ -7,15 +13,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
+from pathlib import Path
+
+import pytest
 
 from spill.store import fs
 from tests.func import move_kit as mk
 
 CKPT = f"stages/tune/payloads/ckpt-g1-s{mk.STOP}-0"  # the stopped build's newest checkpoint
 _GEN = re.compile(r"(?:^|/)payloads/[a-z]+-g(\d+)-s\d+-\d+/")
+
+
+@pytest.fixture
+def control(tmp_path_factory) -> dict:
+    return mk.control(tmp_path_factory)
 
 
 def files(state: str) -> dict[str, tuple[bytes, object]]:
@@ -46,6 +62,77 @@ def assert_no_name_written_twice(before: dict, after: dict) -> None:
             assert got == before[rel], f"{rel} was written again"
         else:
             assert int(m[1]) > max(old, default=0), f"{rel} reuses a generation"
+
+
+def stopped(where: str, tmp_path: Path, tmp_path_factory, request) -> tuple[str, list[str], dict]:
+    """(project root as outcome() reads it, the build's arguments, environment): the toy build
+    stopped after tune:STOP, its state in the project or on the S3 server."""
+    if where == "local":
+        root = mk.copy_of_stopped(tmp_path_factory, tmp_path / "toy")
+        return str(root), [str(root)], mk.env_for(tmp_path / "home")
+    bucket = request.getfixturevalue("s3_bucket")
+    env = mk.env_for(tmp_path / "home")  # after the bucket: the AWS_* variables reach children
+    project = mk.project(tmp_path / "toy")
+    root = f"s3://{bucket}/toy"
+    args = [str(project), "--state", mk.state_of(root)]
+    mk.ok(mk.spill("build", *args, "--stop-after", f"tune:{mk.STOP}", env=env, cwd=tmp_path))
+    return root, args, env
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_deleted_run_list_is_rebuilt_and_the_build_continues_the_run(
+    where, control, tmp_path, tmp_path_factory, request
+):
+    root, args, env = stopped(where, tmp_path, tmp_path_factory, request)
+    state = mk.state_of(root)
+    old = mk.doc(root)
+    listed = fs.join(state, "runs", "current.json")
+    fs.remove(listed)
+    before = files(state)
+    said = f"the control object of 1 run: current is run {old['run']} (active, generation 1, "
+
+    shown = mk.ok(mk.spill("status", *args, env=env, cwd=tmp_path))
+    assert f"note: {listed} is missing; read from {said}" in shown.stdout, shown.stdout
+    assert files(state) == before, "spill status wrote something"
+
+    killed = mk.spill("build", *args, env=env, cwd=tmp_path, drill="control-rebuild")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert f"{listed} was missing; rebuilt from {said}{old['created']})" in killed.stderr
+    rebuilt = files(state)
+    runs = json.loads(rebuilt.pop("runs/current.json")[0])
+    assert runs["runs"] == [old["run"]] == [runs["current"]]
+    assert rebuilt == before, "the rebuild changed more than the run list"
+    assert f"{CKPT}/COMMIT" in rebuilt and mk.doc(root) == old
+
+    built = mk.ok(mk.spill("build", *args, env=env, cwd=tmp_path))
+    assert f"== tune: continue at step {mk.STOP} of {mk.STEPS}" in built.stderr
+    assert f"continuing toy from {fs.join(state, CKPT)}: step {mk.STOP} of" in built.stderr
+    assert "was missing" not in built.stderr
+    mk.assert_same(mk.outcome(root), control)
+    now = mk.doc(root)
+    assert now["run"] == old["run"] and now["generation"] == 2
+    assert_no_name_written_twice(before, files(state))
+
+
+def test_two_unfinished_runs_without_a_run_list_are_refused_in_one_line(tmp_path, tmp_path_factory):
+    root = mk.copy_of_stopped(tmp_path_factory, tmp_path / "toy")
+    env, runs = mk.env_for(tmp_path / "home"), root / ".spill" / "runs"
+    (a,) = [p.name for p in runs.iterdir() if p.is_dir()]
+    other = json.loads((runs / a / "control.json").read_text())
+    other.update(run="20000101-000000-abcdef", generation=1, created="2000-01-01T00:00:00Z")
+    (runs / other["run"]).mkdir()
+    (runs / other["run"] / "control.json").write_text(json.dumps(other))  # an older build's
+    (runs / "current.json").unlink()
+    before = files(str(root / ".spill"))
+    for verb in ("build", "status"):
+        proc = mk.spill(verb, str(root), env=env, cwd=tmp_path)
+        assert proc.returncode == 1, proc.stderr
+        line = mk.last_line(proc.stderr)
+        assert proc.stderr.strip() == line and line.startswith("spill: error: ")
+        assert "is missing and more than one run there is unfinished: " in line
+        assert f"{a} (active, generation 1," in line and f"{other['run']} (active" in line
+        assert f"move the others' folders out of {runs}" in line
+    assert files(str(root / ".spill")) == before
 
 
 def test_a_state_whose_control_objects_were_deleted_never_reuses_a_payload_name(

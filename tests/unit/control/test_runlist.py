@@ -1,5 +1,6 @@
-"""A location's runs as a whole (issue 19, item 4): a new run's generation is above every one in
-use, and no collection removes what another run's control object points at.
+"""A location's runs as a whole (issue 19, item 4): a lost run list is rebuilt from the control
+objects (or refused in one line), a new run's generation is above every one in use, and no
+collection removes what another run's control object points at.
 
 On a local folder (a real flock), ``memory://`` and the S3 server over HTTP (conditional PUTs).
 """
@@ -12,7 +13,11 @@ import logging
 import pytest
 
 from spill.control import place as place_mod
-from spill.control.runs import acquire
+from spill.control.cas import CURRENT, current, store_for
+from spill.control.control import Run, RunComplete
+from spill.control.owner import home_of, me
+from spill.control.runlist import UnclearRuns, restore
+from spill.control.runs import _fresh, acquire
 from spill.store.fs import exists, get_bytes, join, listdir, put_bytes, remove
 
 REBUILT = "spill.control.runlist"
@@ -22,9 +27,103 @@ def _raw(state: str, key: str) -> dict:
     return json.loads(get_bytes(join(state, "runs", key)))
 
 
+def _drop_list(state: str) -> None:
+    remove(join(state, "runs", CURRENT))
+    assert not exists(join(state, "runs", CURRENT))
+
+
 def _payload(uri: str) -> str:
     put_bytes(join(uri, "MANIFEST"), b"{}")
     return uri
+
+
+def _other_run(state: str, rid: str, *, used: bool, created: str | None = None) -> dict:
+    """A second run's control object at ``state``, made as a racing first build would (its only
+    transition the create) or, ``used``, released after that."""
+    store = store_for(state)
+    doc = _fresh(rid, me("ab" * 16), 60.0, home_of(state), None, {}, 1)
+    if created:
+        doc["created"] = created
+    with store.exclusive():
+        store.put(f"{rid}/control.json", doc, "control", None)
+    if used:
+        Run(store, doc, 60.0).release()
+    return _raw(state, f"{rid}/control.json")
+
+
+def test_a_lost_run_list_is_read_from_the_control_objects_and_written_by_the_next_acquire(
+    root, caplog
+):
+    first = acquire(root)
+    first.complete()
+    second = acquire(root, new_run=True)
+    second.release()
+    want = _raw(root, CURRENT)
+    assert want["runs"] == [first.id, second.id]
+    _drop_list(root)
+    assert current(root)["run"] == second.id  # the readers' view ...
+    assert not exists(join(root, "runs", CURRENT))  # ... writes nothing
+    with caplog.at_level(logging.WARNING, logger=REBUILT):
+        again = acquire(root)
+    assert again.id == second.id and again.gen == second.gen + 1
+    assert _raw(root, CURRENT) == want  # the lineage orders runs made in the same second
+    (line,) = [r.getMessage() for r in caplog.records if r.name == REBUILT]
+    assert line.startswith(f"{join(root, 'runs', CURRENT)} was missing; rebuilt from the control ")
+    assert f"objects of 2 runs: current is run {second.id} (active, generation 2, " in line
+
+
+def test_with_every_run_finished_the_newest_is_current(root):
+    first = acquire(root)
+    first.complete()
+    second = acquire(root, new_run=True)
+    second.complete()
+    want = _raw(root, CURRENT)
+    _drop_list(root)
+    assert current(root)["run"] == second.id
+    with pytest.raises(RunComplete, match=f"run {second.id} at "):
+        acquire(root)
+    assert _raw(root, CURRENT) == want
+    child = acquire(root, new_run=True)  # the next run forks from the newest, as before
+    assert current(root)["lineage"]["parent"] == second.id and child.gen == 3
+
+
+def test_two_unfinished_runs_without_a_run_list_are_refused_in_one_line(root):
+    run = acquire(root)
+    run.release()
+    other = _other_run(root, "20000101-000000-abcdef", used=True)
+    _drop_list(root)
+    for attempt in (lambda: current(root), lambda: acquire(root)):
+        with pytest.raises(UnclearRuns) as e:
+            attempt()
+        line = str(e.value)
+        assert "\n" not in line and "more than one run there is unfinished" in line
+        assert f"{run.id} (active, generation 1, " in line and f"{other['run']} (active" in line
+        assert f"move the others' folders out of {join(root, 'runs')}" in line
+    assert not exists(join(root, "runs", CURRENT))
+
+
+def test_a_run_that_was_created_and_never_used_gives_way(root):
+    run = acquire(root)
+    run.release()
+    # a racing first build that lost (made earlier: the list puts it first)
+    _other_run(root, "20000101-000000-abcdef", used=False, created="2000-01-01T00:00:00Z")
+    _drop_list(root)
+    assert current(root)["run"] == run.id
+    assert acquire(root).id == run.id
+    assert _raw(root, CURRENT)["runs"] == ["20000101-000000-abcdef", run.id]
+
+
+def test_finished_runs_made_in_the_same_second_are_refused(root):
+    for rid in ("20000101-000000-aaaaaa", "20000101-000000-bbbbbb"):
+        _other_run(root, rid, used=True, created="2000-01-01T00:00:00Z")
+        store = store_for(root)
+        doc = _raw(root, f"{rid}/control.json")
+        doc.update(status="complete", seq=doc["seq"] + 1)
+        with store.exclusive():
+            _, tag = store.read(f"{rid}/control.json")
+            store.put(f"{rid}/control.json", doc, "control", tag)
+    with pytest.raises(UnclearRuns, match="newest runs were made in the same second"):
+        current(root)
 
 
 @pytest.mark.parametrize("how", ["runs deleted", "no runs yet"])
@@ -102,3 +201,26 @@ def test_a_collect_that_cannot_read_another_control_object_removes_nothing(root,
         child.place().collect("ckpt", set())
     assert exists(join(litter, "MANIFEST"))
     assert "not collected yet" in caplog.text and "is not JSON" in caplog.text
+
+
+def test_two_rebuilders_one_creates_the_list_the_other_reads_it(root, caplog):
+    """The rebuild's create is conditional (the flock's check locally, If-None-Match on S3): a
+    rebuilder that loses the race reads what the winner wrote and says nothing."""
+    run = acquire(root)
+    run.release()
+    want = _raw(root, CURRENT)
+    _drop_list(root)
+    mine, theirs = store_for(root), store_for(root)
+    real = mine.put
+
+    def late(key, doc, schema, tag):
+        if key == CURRENT:  # the other rebuilder creates it first
+            assert restore(theirs)[0] == want
+        return real(key, doc, schema, tag)
+
+    mine.put = late
+    with caplog.at_level(logging.WARNING, logger=REBUILT):
+        got, tag = restore(mine)
+    assert got == want and tag is not None
+    assert len([r for r in caplog.records if r.name == REBUILT]) == 1  # the winner's line
+    assert _raw(root, CURRENT) == want
