@@ -2,7 +2,10 @@
 
 * local: every transition holds an exclusive ``flock`` on ``runs/control.lock`` and replaces the
   file atomically (write, fsync, rename, fsync the folder). Only file systems known to honour
-  flock are accepted; a network or unknown file system is refused in one line.
+  flock are accepted; a network or unknown file system is refused in one line. A fixed name
+  under ``runs/`` that is not what spill keeps there (a folder or a link where the lock file,
+  ``current.json`` or a ``control.json`` belongs) is refused in one line that names what to
+  remove.
 * ``memory://`` (tests): one store per process, so a lock in this process is enough.
 * object stores (``spill.control.objstore``): create with ``If-None-Match: *``, replace with
   ``If-Match: <etag>``, never delete; a lost write is a ``_Conflict``, one whose outcome is
@@ -20,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -103,6 +107,26 @@ class Store:
         raise NotImplementedError
 
 
+_THEN = {  # what removing a fixed name that holds something else leads to
+    LOCK: "; the next command makes it again",
+    CURRENT: "; the next command rebuilds it from the runs' control objects",
+    CONTROL: ", then put the run's control object back from a copy (else the run is lost)",
+}
+
+
+def _foreign(path: str, wants: str) -> StoreError:
+    """One line for a fixed name under ``runs/`` that holds what spill did not put there."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = 0
+    kinds = {stat.S_ISDIR: "a folder", stat.S_ISLNK: "a link", stat.S_ISFIFO: "a named pipe"}
+    kind = next((k for test, k in kinds.items() if test(mode)), "a special file")
+    kind = "a file" if stat.S_ISREG(mode) else kind
+    then = _THEN.get(os.path.basename(path), " if nothing of yours is in it")
+    return StoreError(f"{path} is {kind}, not {wants}; remove it (rm -r {path}){then}")
+
+
 class _LocalStore(Store):
     def __init__(self, state: str):
         super().__init__(state)
@@ -124,9 +148,20 @@ class _LocalStore(Store):
     def exclusive(self) -> Iterator[None]:
         import fcntl
 
-        os.makedirs(self.dir, exist_ok=True)
-        fd = os.open(os.path.join(self.dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        lock = os.path.join(self.dir, LOCK)
         try:
+            os.makedirs(self.dir, exist_ok=True)
+            # never through a link, never blocking on a named pipe: only the file spill made
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except (FileExistsError, NotADirectoryError):  # runs/ (or a folder above) is a file
+            raise _foreign(self.dir, "the folder of the runs") from None
+        except OSError as e:
+            if os.path.islink(lock) or os.path.lexists(lock) and not os.path.isfile(lock):
+                raise _foreign(lock, "the lock file spill keeps") from None
+            raise StoreError(f"{lock}: cannot open ({e.strerror}); check its permissions") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a device or a fifo opens, but is no file
+                raise _foreign(lock, "the lock file spill keeps")
             # A transition holds the lock for milliseconds; one held for LOCK_WAIT belongs to a
             # process that was stopped (SIGSTOP, Ctrl-Z, a paused VM) in the middle of one.
             give_up, pause = time.monotonic() + LOCK_WAIT, 0.002
@@ -137,8 +172,8 @@ class _LocalStore(Store):
                 except BlockingIOError:
                     if time.monotonic() > give_up:
                         raise LockHeld(
-                            f"{os.path.join(self.dir, LOCK)} has been locked for {LOCK_WAIT:g} s "
-                            "by a process that does not let go (stopped?); try again later"
+                            f"{lock} has been locked for {LOCK_WAIT:g} s by a process that does "
+                            "not let go (stopped?); try again later"
                         ) from None
                     time.sleep(pause)
                     pause = min(pause * 2, 0.05)
@@ -147,11 +182,24 @@ class _LocalStore(Store):
             os.close(fd)  # closing the descriptor releases the lock
 
     def read(self, key: str) -> tuple[bytes | None, str | None]:
+        path = os.path.join(self.dir, key)
+        wants = "the run list" if key == CURRENT else "a control object"
         try:
-            with open(os.path.join(self.dir, key), "rb") as f:
-                data = f.read()
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None, None
+        except NotADirectoryError:  # runs/<id> (or runs/) is a file
+            up = os.path.dirname(path)
+            raise _foreign(
+                up, "the folder of the runs" if up == self.dir else "a run's folder"
+            ) from None
+        except OSError as e:
+            raise StoreError(f"{path}: cannot read ({e.strerror}); check its permissions") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _foreign(path, wants)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
         return data, hashlib.sha256(data).hexdigest()
 
     def write(self, key: str, data: bytes, tag: str | None) -> None:

@@ -1,4 +1,5 @@
-"""Issue 19, item 4, through real ``spill`` processes: a run's control object is the authority.
+"""Issue 19, items 4 and 11, through real ``spill`` processes: a run's control object is the
+authority, and the fixed names under ``runs/`` say in one line what is wrong with them.
 
 * ``runs/current.json`` deleted under a stopped build (local and on the S3 server): ``spill
   status`` reads the run list from the control objects and writes nothing; the next build
@@ -9,6 +10,8 @@
 * Every control object deleted, the payloads left: the new run's generation is above theirs.
 * The run after an edit (the completed run its parent) clears and collects its stages without
   removing anything the completed run's control object points at.
+* ``runs/control.lock`` (and ``runs/``, ``current.json``, a ``control.json``) replaced by a
+  folder, a link or a named pipe: one line naming what to remove; once removed, the build goes on.
 """
 
 from __future__ import annotations
@@ -172,3 +175,53 @@ def test_the_run_after_an_edit_keeps_what_the_completed_run_points_at(tmp_path):
     assert {rel: after.get(rel) for rel in pointed} == pointed  # every pointed file, untouched
     assert after[f"runs/{first['run']}/control.json"] == before[f"runs/{first['run']}/control.json"]
     assert_no_name_written_twice(before, after)
+
+
+CASES = {
+    "lock-folder": ("runs/control.lock", "a folder", True),
+    "lock-link": ("runs/control.lock", "a link", True),
+    "lock-pipe": ("runs/control.lock", "a named pipe", True),
+    "list-folder": ("runs/current.json", "a folder", True),
+    "control-folder": ("runs/{id}/control.json", "a folder", False),
+    "runs-file": ("runs", "a file", False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_fixed_name_under_runs_that_holds_something_else_is_one_line(
+    case, tmp_path, tmp_path_factory
+):
+    root = mk.copy_of_stopped(tmp_path_factory, tmp_path / "toy")
+    env, spill_dir = mk.env_for(tmp_path / "home"), root / ".spill"
+    rid = mk.doc(str(root))["run"]
+    rel, kind, recoverable = CASES[case]
+    path = spill_dir / rel.format(id=rid)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        if case == "control-folder":
+            path.rename(tmp_path / "control.json")
+        else:
+            path.unlink()
+    if kind == "a folder":
+        (path / "inside").mkdir(parents=True)
+    elif kind == "a link":
+        path.symlink_to(tmp_path / "nowhere" / "lock")
+    elif kind == "a named pipe":
+        os.mkfifo(path)
+    else:
+        path.write_text("not spill's\n")
+    before = sorted(str(p.relative_to(spill_dir)) for p in spill_dir.rglob("*"))
+    proc = mk.spill("build", str(root), env=env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"spill: error: {path} is {kind}, not ")
+    assert f"; remove it (rm -r {path})" in proc.stderr
+    assert sorted(str(p.relative_to(spill_dir)) for p in spill_dir.rglob("*")) == before
+    if recoverable:  # doing what the line says is enough
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        built = mk.ok(mk.spill("build", str(root), env=env, cwd=tmp_path))
+        assert f"== tune: continue at step {mk.STOP} of {mk.STEPS}" in built.stderr
