@@ -135,9 +135,9 @@ def pointed_elsewhere(store: Store, run: str) -> set[str]:
     ``run`` at ``store`` point at."""
     out: set[str] = set()
     for rid in run_ids(store):
-        key = store.uri(f"{rid}/{CONTROL}")
         if rid == run:
             continue
+        key = store.uri(f"{rid}/{CONTROL}")
         if (known := _frozen.get(key)) is None:
             doc, _ = read_control(store, rid)
             if doc is None:

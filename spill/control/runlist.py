@@ -10,11 +10,13 @@ generation 1 would rewrite the old run's payloads under their own names):
   and id;
 * an *open* run (``active``, ``quiescing``, ``incoming``: one that can still change) is
   current. An open run that was created and never used (its only transition its create: the
-  loser of two first builds racing on an object store, a run killed before it was listed)
-  wrote nothing of its own and gives way to an open run that was used;
-* with no open run, the newest run that no other run names as its parent is current;
-* otherwise (two used open runs, or two such newest runs created in the same second) which
-  one is current cannot be told safely: ``UnclearRuns`` says so in one line, naming them.
+  loser of two first builds racing on an object store, a fork killed before it was listed)
+  wrote nothing of its own and gives way to any other run;
+* with no open run that was used, the newest finished run (complete, transferred, copy) that no
+  finished run names as its parent is current (a completed run: the next build forks from it);
+* otherwise (two used open runs, two never used and nothing else, or two newest finished runs
+  created in the same second) which one is current cannot be told safely: ``UnclearRuns`` says
+  so in one line, naming them, and nothing is written.
 
 Readers (``current``: ``spill status``, probes, a build's plan) see the rebuilt list and write
 nothing; a writer (``restore``, from ``spill.control.runs`` under the location's lock) creates
@@ -93,21 +95,20 @@ def decide(store: Store, docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     order = _ordered(docs)
     where, runs = store.uri(CURRENT), join(store.state, RUNS)
     live = [d for d in order if d["status"] not in FROZEN]
-    if len(live) > 1:
-        used = [d for d in live if d["last"]["what"] != "create"]
-        if len(used) != 1:
-            them = ", ".join(_said(d) for d in used or live)
-            raise UnclearRuns(
-                f"{where} is missing and more than one run there is unfinished: {them}; keep "
-                f"the one to continue and move the others' folders out of {runs}, then run the "
-                "command again"
-            )
-        live = used
-    if live:
-        now = live[0]
-    else:
-        parents = {d["lineage"]["parent"] for d in order}
-        leaves = [d for d in order if d["run"] not in parents]
+    used = [d for d in live if d["last"]["what"] != "create"]
+    done = [d for d in order if d["status"] in FROZEN]
+    if len(used) > 1 or not (used or done) and len(live) > 1:
+        them = ", ".join(_said(d) for d in (used if len(used) > 1 else live))
+        raise UnclearRuns(
+            f"{where} is missing and more than one run there is unfinished: {them}; keep the "
+            f"one to continue and move the others' folders out of {runs}, then run the command "
+            "again"
+        )
+    if used or not done:
+        now = (used or live)[0]
+    else:  # every run finished (or never used): the newest that no finished run came from
+        parents = {d["lineage"]["parent"] for d in done}
+        leaves = [d for d in done if d["run"] not in parents] or done  # (a hand-made cycle)
         newest = max(d["created"] for d in leaves)
         tied = [d for d in leaves if d["created"] == newest]
         if len(tied) > 1:

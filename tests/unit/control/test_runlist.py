@@ -102,15 +102,31 @@ def test_two_unfinished_runs_without_a_run_list_are_refused_in_one_line(root):
     assert not exists(join(root, "runs", CURRENT))
 
 
-def test_a_run_that_was_created_and_never_used_gives_way(root):
+@pytest.mark.parametrize("then", ["released", "complete"])
+def test_a_run_that_was_created_and_never_used_gives_way(root, then):
     run = acquire(root)
-    run.release()
+    if then == "released":
+        run.release()
+    else:
+        run.complete()
     # a racing first build that lost (made earlier: the list puts it first)
     _other_run(root, "20000101-000000-abcdef", used=False, created="2000-01-01T00:00:00Z")
     _drop_list(root)
     assert current(root)["run"] == run.id
-    assert acquire(root).id == run.id
+    if then == "released":
+        assert acquire(root).id == run.id
+    else:
+        with pytest.raises(RunComplete):
+            acquire(root)
     assert _raw(root, CURRENT)["runs"] == ["20000101-000000-abcdef", run.id]
+
+
+def test_two_runs_never_used_and_nothing_else_are_refused(root):
+    for rid in ("20000101-000000-aaaaaa", "20000101-000000-bbbbbb"):
+        _other_run(root, rid, used=False)
+    with pytest.raises(UnclearRuns, match="more than one run there is unfinished"):
+        acquire(root)
+    assert not exists(join(root, "runs", CURRENT))
 
 
 def test_finished_runs_made_in_the_same_second_are_refused(root):
