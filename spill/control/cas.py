@@ -2,12 +2,18 @@
 
 * local: every transition holds an exclusive ``flock`` on ``runs/control.lock`` and replaces the
   file atomically (write, fsync, rename, fsync the folder). Only file systems known to honour
-  flock are accepted; a network or unknown file system is refused in one line.
+  flock are accepted; a network or unknown file system is refused in one line. A fixed name
+  under ``runs/`` that is not what spill keeps there (a folder or a link where the lock file,
+  ``current.json`` or a ``control.json`` belongs) is refused in one line that names what to
+  remove.
 * ``memory://`` (tests): one store per process, so a lock in this process is enough.
-* object stores: create with ``If-None-Match: *``, replace with ``If-Match: <etag>``, never
-  delete. A 412 is a ``_Conflict``; any other failure of a write is ``_Uncertain`` (it may have
-  landed): the caller reads again either way. ``_probe`` refuses a store that accepts a second
-  create or a stale replace, once per bucket and process, before anything is published.
+* object stores (``spill.control.objstore``): create with ``If-None-Match: *``, replace with
+  ``If-Match: <etag>``, never delete; a lost write is a ``_Conflict``, one whose outcome is
+  unknown ``_Uncertain``, and the caller reads again either way. ``store_for`` probes a store
+  once per bucket and process and refuses one that accepts a second create or a stale replace.
+
+``current`` is the readers' view of the current run (``spill.control.runlist``: when
+``runs/current.json`` is missing, the view rebuilt from the control objects).
 """
 
 from __future__ import annotations
@@ -15,9 +21,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
-import secrets
+import re
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -26,11 +32,11 @@ from typing import Any
 from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
 from spill.store.fs import (
     _local,
-    filesystem,
     get_bytes,
     is_local,
     is_temp,
     join,
+    listdir,
     mount_type,
     put_bytes,
 )
@@ -40,13 +46,12 @@ RUNS = "runs"
 CURRENT = "current.json"
 CONTROL = "control.json"
 LOCK = "control.lock"
+RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")  # as schemas/runs.schema.json says
 LOCK_WAIT = 10.0  # seconds a transition waits for the local lock before saying so
 ATTEMPTS = 50  # conditional writes lost to others (or uncertain) before a transition gives up
 FLOCK_FS = frozenset(
     "ext2 ext3 ext4 xfs btrfs tmpfs ramfs zfs overlay apfs hfs f2fs bcachefs jfs".split()
 )
-
-log = logging.getLogger(__name__)
 
 
 class LockHeld(SpillError):
@@ -102,6 +107,26 @@ class Store:
         raise NotImplementedError
 
 
+_THEN = {  # what removing a fixed name that holds something else leads to
+    LOCK: "; the next command makes it again",
+    CURRENT: "; the next command rebuilds it from the runs' control objects",
+    CONTROL: ", then put the run's control object back from a copy (else the run is lost)",
+}
+
+
+def _foreign(path: str, wants: str) -> StoreError:
+    """One line for a fixed name under ``runs/`` that holds what spill did not put there."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = 0
+    kinds = {stat.S_ISDIR: "a folder", stat.S_ISLNK: "a link", stat.S_ISFIFO: "a named pipe"}
+    kind = next((k for test, k in kinds.items() if test(mode)), "a special file")
+    kind = "a file" if stat.S_ISREG(mode) else kind
+    then = _THEN.get(os.path.basename(path), " if nothing of yours is in it")
+    return StoreError(f"{path} is {kind}, not {wants}; remove it (rm -r {path}){then}")
+
+
 class _LocalStore(Store):
     def __init__(self, state: str):
         super().__init__(state)
@@ -123,9 +148,20 @@ class _LocalStore(Store):
     def exclusive(self) -> Iterator[None]:
         import fcntl
 
-        os.makedirs(self.dir, exist_ok=True)
-        fd = os.open(os.path.join(self.dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        lock = os.path.join(self.dir, LOCK)
         try:
+            os.makedirs(self.dir, exist_ok=True)
+            # never through a link, never blocking on a named pipe: only the file spill made
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except (FileExistsError, NotADirectoryError):  # runs/ (or a folder above) is a file
+            raise _foreign(self.dir, "the folder of the runs") from None
+        except OSError as e:
+            if os.path.islink(lock) or os.path.lexists(lock) and not os.path.isfile(lock):
+                raise _foreign(lock, "the lock file spill keeps") from None
+            raise StoreError(f"{lock}: cannot open ({e.strerror}); check its permissions") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a device or a fifo opens, but is no file
+                raise _foreign(lock, "the lock file spill keeps")
             # A transition holds the lock for milliseconds; one held for LOCK_WAIT belongs to a
             # process that was stopped (SIGSTOP, Ctrl-Z, a paused VM) in the middle of one.
             give_up, pause = time.monotonic() + LOCK_WAIT, 0.002
@@ -136,8 +172,8 @@ class _LocalStore(Store):
                 except BlockingIOError:
                     if time.monotonic() > give_up:
                         raise LockHeld(
-                            f"{os.path.join(self.dir, LOCK)} has been locked for {LOCK_WAIT:g} s "
-                            "by a process that does not let go (stopped?); try again later"
+                            f"{lock} has been locked for {LOCK_WAIT:g} s by a process that does "
+                            "not let go (stopped?); try again later"
                         ) from None
                     time.sleep(pause)
                     pause = min(pause * 2, 0.05)
@@ -146,11 +182,24 @@ class _LocalStore(Store):
             os.close(fd)  # closing the descriptor releases the lock
 
     def read(self, key: str) -> tuple[bytes | None, str | None]:
+        path = os.path.join(self.dir, key)
+        wants = "the run list" if key == CURRENT else "a control object"
         try:
-            with open(os.path.join(self.dir, key), "rb") as f:
-                data = f.read()
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None, None
+        except NotADirectoryError:  # runs/<id> (or runs/) is a file
+            up = os.path.dirname(path)
+            raise _foreign(
+                up, "the folder of the runs" if up == self.dir else "a run's folder"
+            ) from None
+        except OSError as e:
+            raise StoreError(f"{path}: cannot read ({e.strerror}); check its permissions") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _foreign(path, wants)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
         return data, hashlib.sha256(data).hexdigest()
 
     def write(self, key: str, data: bytes, tag: str | None) -> None:
@@ -190,162 +239,14 @@ class _MemoryStore(Store):
         put_bytes(self.uri(key), data)
 
 
-def _precondition_failed(e: BaseException | None) -> bool:
-    """The store refused a conditional write (S3: 412 PreconditionFailed, 409 for a racing one),
-    told by the error or its causes, never by "412" in the text (a bucket's name may hold it)."""
-    while e is not None:
-        answer = getattr(e, "response", None)
-        answer = answer if isinstance(answer, dict) else {}
-        said = f"{answer.get('Error', {}).get('Code', '')} {type(e).__name__} {e}"
-        status = answer.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if status == 412 or "PreconditionFailed" in said or "ConditionalRequestConflict" in said:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-class _ObjectStore(Store):
-    """An fsspec object store (s3://, and gs://, az:// if ``probe`` accepts them)."""
-
-    def __init__(self, state: str):
-        super().__init__(state)
-        self.fs, _ = filesystem(state)
-
-    def _path(self, key: str) -> str:
-        return filesystem(self.uri(key))[1]
-
-    def read(self, key: str) -> tuple[bytes | None, str | None]:
-        path = self._path(key)
-        if hasattr(self.fs, "_call_s3"):  # S3: the body and its ETag in one GET
-            try:
-                data, etag = self._get_s3(path)
-            except FileNotFoundError:
-                return None, None
-            except Exception as e:
-                raise self._unreadable(key, e) from e
-            if etag:
-                return data, etag.strip('"')
-        for _ in range(ATTEMPTS):  # elsewhere: the ETag before and after the body must agree
-            try:
-                self.fs.invalidate_cache(path)
-                before = self.fs.info(path).get("ETag")
-                data = self.fs.cat_file(path)
-                self.fs.invalidate_cache(path)
-                after = self.fs.info(path).get("ETag")
-            except FileNotFoundError:
-                return None, None
-            except Exception as e:
-                raise self._unreadable(key, e) from e
-            if before and before == after:
-                return data, before.strip('"')
-            if not before and not after:  # no ETag at all: nothing to make a write conditional on
-                raise Unsupported(
-                    f"{self.uri(key)}: this object store reports no ETag, so its writes cannot be "
-                    "made conditional; use s3:// (or a local disk) for the state"
-                )
-        raise StoreError(f"{self.uri(key)} changes faster than it can be read; try again")
-
-    def _unreadable(self, key: str, e: Exception) -> StoreError:
-        return StoreError(
-            f"{self.uri(key)}: cannot read ({type(e).__name__}: {e}); check the location and "
-            "its credentials"
-        )
-
-    def _get_s3(self, path: str) -> tuple[bytes, str | None]:
-        from fsspec.asyn import sync
-
-        bucket, key, _ = self.fs.split_path(path)
-
-        async def get() -> tuple[bytes, str | None]:
-            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-            try:
-                return await resp["Body"].read(), resp.get("ETag")
-            finally:
-                resp["Body"].close()
-
-        return sync(self.fs.loop, get)
-
-    def tag_of(self, data: bytes) -> str:
-        # S3's ETag of a single PUT is the body's MD5 (not with SSE-KMS: there a replace with
-        # this tag fails once with 412, and the transition reads the real one)
-        return hashlib.md5(data, usedforsecurity=False).hexdigest()
-
-    def write(self, key: str, data: bytes, tag: str | None) -> None:
-        path = self._path(key)
-        try:
-            if tag is None:
-                self.fs.pipe_file(path, data, mode="create")
-            else:
-                self.fs.pipe_file(path, data, IfMatch=f'"{tag}"')
-        except (FileExistsError, FileNotFoundError):  # the key is there / not (If-Match)
-            raise _Conflict() from None
-        except Exception as e:
-            if _precondition_failed(e):  # s3fs: OSError(EINVAL) from a 412 ClientError
-                raise _Conflict() from None
-            log.info("uncertain write of %s (%s: %s); reading it back", path, type(e).__name__, e)
-            raise _Uncertain() from None
-        finally:
-            self.fs.invalidate_cache(path)
-
-
-_probed: set[str] = set()
-
-
-def _bucket_there(store: _ObjectStore, bucket: str) -> bool:
-    try:
-        return store.fs.exists(bucket)
-    except Exception:  # a store that cannot say: the probe's writes will
-        return True
-
-
-def _probe(store: _ObjectStore) -> None:
-    """Refuse a store that does not refuse stale writes: under a scratch key, create twice and
-    replace with a stale tag; both second writes must fail, the good replace must land."""
-    where = store.state.split("://", 1)[0] + "://" + filesystem(store.state)[1].split("/")[0]
-    if where in _probed:
-        return
-    key = f".probe-{secrets.token_hex(8)}"
-    bucket = where.split("://", 1)[1]
-    if not _bucket_there(store, bucket):
-        raise StoreError(
-            f"{store.state}: bucket {bucket!r} does not exist (or these credentials cannot see "
-            "it); create it, or fix the URI"
-        )
-    why = ""
-    try:
-        store.write(key, b"1", None)
-        _, tag = store.read(key)
-        try:
-            store.write(key, b"2", None)
-            why = "a second create of one key succeeded"
-        except _Conflict:
-            store.write(key, b"3", tag)
-            try:
-                store.write(key, b"4", tag)
-                why = "a replace with a stale ETag succeeded"
-            except _Conflict:
-                pass
-    except (_Conflict, _Uncertain) as e:
-        why = f"a conditional write failed ({type(e).__name__.strip('_').lower()})"
-    except (TypeError, ValueError, NotImplementedError) as e:
-        why = f"its backend takes no preconditions ({type(e).__name__}: {e})"
-    except Unsupported:
-        why = "it reports no ETag"
-    finally:
-        with contextlib.suppress(Exception):
-            store.fs.rm(store._path(key))  # a scratch key, not a control object
-    if why:
-        raise Unsupported(
-            f"{store.state}: this object store cannot make conditional writes ({why}), so two "
-            "writers could not be kept apart; use s3:// (or a local disk) for the state"
-        )
-    _probed.add(where)
-
-
 def _store(state: str) -> Store:
     if is_local(state):
         return _LocalStore(state)
-    return _MemoryStore(state) if state.startswith("memory://") else _ObjectStore(state)
+    if state.startswith("memory://"):
+        return _MemoryStore(state)
+    from spill.control.objstore import ObjectStore
+
+    return ObjectStore(state)
 
 
 def store_for(state: str) -> Store:
@@ -353,8 +254,10 @@ def store_for(state: str) -> Store:
     s = _store(state)
     if isinstance(s, _LocalStore):
         s.check()
-    elif isinstance(s, _ObjectStore):
-        _probe(s)
+    elif not isinstance(s, _MemoryStore):
+        from spill.control.objstore import probe
+
+        probe(s)
     return s
 
 
@@ -383,18 +286,16 @@ def read_control(store: Store, run: str) -> tuple[dict[str, Any] | None, str | N
     return (None, None) if raw is None else (parse(raw, "control", store.uri(key)), tag)
 
 
+def run_ids(store: Store) -> list[str]:
+    """The ids of the runs under ``runs/`` (folders named like a run), sorted."""
+    return [n for n in listdir(join(store.state, RUNS)) if RUN_ID.fullmatch(n)]
+
+
 def current(state: str) -> dict[str, Any] | None:
     """The current run's control object at ``state`` (validated), or None when it has none.
 
-    A reader's view: no lock is taken (every write is an atomic replace)."""
-    store = _store(state)  # reading needs no flock, so no file system check
-    runs, _ = read_runs(store)
-    if runs is None:
-        return None
-    doc, _ = read_control(store, runs["current"])
-    if doc is None:
-        raise StoreError(
-            f"{store.uri(CURRENT)} names run {runs['current']}, which has no control object; "
-            "the state was copied incompletely"
-        )
-    return doc
+    A reader's view: no lock is taken (every write is an atomic replace) and nothing is written
+    (``spill.control.runlist.current``)."""
+    from spill.control.runlist import current as view
+
+    return view(state)

@@ -1,24 +1,39 @@
 """A job's view of its run: its folder under the state location, its pointers, its payloads.
 
 Payloads are folders written once, ``<job>/payloads/<kind>-g<generation>-s<seq>-<attempt>/``,
-so two writers never write one name; a payload is current only while a pointer of the control
-object names it. A ``Place`` with a run (``Run.place``) allocates payloads and publishes; one
-without (``Place(state, prefix)``) reads the current control object only.
+so two writers never write one name (the attempt is one above any taken, and a new run's
+generation is above every one in use: ``spill.control.runlist``); a payload is current only
+while a pointer of the control object names it. A ``Place`` with a run (``Run.place``)
+allocates payloads and publishes; one without (``Place(state, prefix)``) reads the current
+control object only.
+
+Nothing removes a payload that any control object at the location points at: ``collect`` and
+``clear`` spare what the other runs' control objects name (a completed parent's checkpoints, an
+older run's), besides what the caller keeps. The pointers of runs that never change again
+(complete, transferred, copy) are read once per process, so a save on an object store lists
+``runs/`` and reads only the control objects that may still change.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-from spill.control.cas import current
+from spill.control.cas import CONTROL, Store, current, read_control, run_ids
+from spill.errors import StoreError
 from spill.store.fs import join, listdir, remove
 
 if TYPE_CHECKING:
     from spill.control.control import Run
 
 PAYLOADS = "payloads"
+STAGES = "stages"  # a build's job places, stages/<stage>/, each with payloads of its own
 _PAYLOAD = re.compile(r"([a-z]+)-g(\d+)-s(\d+)-(\d+)")
+FROZEN = ("complete", "transferred", "copy")  # statuses a control object never leaves
+
+log = logging.getLogger(__name__)
+_frozen: dict[str, frozenset[str]] = {}  # a frozen run's control object URI -> its pointers
 
 
 class Place:
@@ -58,8 +73,9 @@ class Place:
         """A new payload folder's URI: ``payloads/<kind>-g<gen>-s<seq>-<attempt>``."""
         assert self.run is not None, "a read-only place allocates no payloads"
         stem = f"{kind}-g{self.run.gen}-s{seq}-"
-        taken = [n for n in listdir(join(self.uri, PAYLOADS)) if n.startswith(stem)]
-        return join(self.uri, PAYLOADS, f"{stem}{len(taken)}")
+        names = listdir(join(self.uri, PAYLOADS))
+        taken = [int(n[len(stem) :]) for n in names if _PAYLOAD.fullmatch(n) and n.startswith(stem)]
+        return join(self.uri, PAYLOADS, f"{stem}{max(taken, default=-1) + 1}")
 
     def publish(self, name: str, uris: list[str]) -> None:
         assert self.run is not None
@@ -76,14 +92,69 @@ class Place:
 
     def collect(self, kind: str, keep: set[str]) -> None:
         """Remove payloads of ``kind`` that no pointer of this run needs: those not in ``keep``
-        (URIs) of generations up to ours. A later generation's payloads are never touched."""
+        (URIs) of generations up to ours, except what another control object points at. A
+        later generation's payloads are never touched; when the other control objects cannot
+        be read, nothing is removed (the next collection tries again)."""
         assert self.run is not None
+        try:
+            others = pointed_elsewhere(self.run.store, self.run.id)
+        except (StoreError, OSError) as e:
+            log.warning("payloads of %s not collected yet: %s", self.uri, e)
+            return
+        keep = keep | {join(self.state, rel) for rel in others}
         base = join(self.uri, PAYLOADS)
         for n in listdir(base):
             m = _PAYLOAD.fullmatch(n)
             uri = join(base, n)
             if m and m[1] == kind and int(m[2]) <= self.run.gen and uri not in keep:
                 remove(uri)
+
+    def clear(self) -> None:
+        """Remove everything under this place (its job starts afresh) except the payload folders
+        another control object points at; this run's own pointers here are dropped first."""
+        assert self.run is not None
+        self.drop()
+        spare = pointed_elsewhere(self.run.store, self.run.id)
+        _remove_except(self.uri, self.prefix, spare)
+
+
+def _remove_except(uri: str, rel: str, spare: set[str]) -> None:
+    """Remove ``uri`` (``rel`` under the state) but the paths in ``spare`` below it."""
+    if rel in spare:
+        return
+    below = f"{rel}/" if rel else ""
+    if not any(s.startswith(below) for s in spare):
+        remove(uri)
+        return
+    for n in listdir(uri):
+        _remove_except(join(uri, n), below + n, spare)
+
+
+def pointed_elsewhere(store: Store, run: str) -> set[str]:
+    """The payloads (relative to the location) that the control objects of runs other than
+    ``run`` at ``store`` point at."""
+    out: set[str] = set()
+    for rid in run_ids(store):
+        if rid == run:
+            continue
+        key = store.uri(f"{rid}/{CONTROL}")
+        if (known := _frozen.get(key)) is None:
+            doc, _ = read_control(store, rid)
+            if doc is None:
+                continue
+            known = frozenset(rel for rels in doc["pointers"].values() for rel in rels)
+            if doc["status"] in FROZEN:
+                _frozen[key] = known
+        out |= known
+    return out
+
+
+def generations(state: str) -> list[int]:
+    """The generations in the names of the payload folders at ``state``: its ``payloads/`` and
+    each build stage's (``stages/<stage>/payloads/``), where a run writes its payloads."""
+    homes = [PAYLOADS, *(f"{STAGES}/{n}/{PAYLOADS}" for n in listdir(join(state, STAGES)))]
+    names = [n for home in homes for n in listdir(join(state, home))]
+    return [int(m[2]) for n in names if (m := _PAYLOAD.fullmatch(n))]
 
 
 def payload_seq(uri: str) -> int | None:

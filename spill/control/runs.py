@@ -5,7 +5,10 @@ is free: no owner, an owner that released it, a lease that expired, or (same hos
 owner process that is gone, so a SIGKILLed local job is taken over at once. Otherwise it raises
 ``Busy`` (exit 75, the owner named) or, with ``wait``, polls until the run is free. The first
 run of a location, and a new run after a completed one (``new_run``), are created by a
-conditional write of ``runs/current.json``, so two processes never start two runs in one place.
+conditional write of ``runs/current.json``, so two processes never start two runs in one place;
+a new run's generation is above every generation in use there (``runlist.next_generation``),
+so it never writes a payload name that exists or existed. A missing ``runs/current.json`` is
+rebuilt from the control objects there (``runlist.restore``), never started afresh.
 
 A state copied from elsewhere (its control object's ``home`` is another place) may not continue
 while the original's owner holds the original: checked where the original can be read (the same
@@ -27,7 +30,6 @@ from spill.control.cas import (
     ATTEMPTS,
     CONTROL,
     CURRENT,
-    RUNS,
     LockHeld,
     Store,
     _Conflict,
@@ -40,9 +42,10 @@ from spill.control.cas import (
 )
 from spill.control.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
 from spill.control.owner import describe, gone, home_of, host, lease_seconds, me
+from spill.control.runlist import has_runs, next_generation, restore
 from spill.errors import StoreError
 from spill.store import drill
-from spill.store.fs import _local, exists, is_local, join
+from spill.store.fs import _local, is_local
 
 
 def _new_run_id() -> str:
@@ -132,12 +135,12 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
     home = home_of(store.state)
     for _ in range(ATTEMPTS):
         with store.exclusive():
-            runs, runs_tag = read_runs(store)
+            runs, runs_tag = restore(store)  # a missing list: rebuilt from the control objects
             now = time.time()
             if runs is None or new_run and _forkable(store, runs):
                 parent = None if runs is None else read_control(store, runs["current"])[0]
                 rid = _new_run_id()
-                gen = parent["generation"] + 1 if parent else 1
+                gen = next_generation(store)  # above every generation here: no name reused
                 ptrs = dict(parent["pointers"]) if parent else {}
                 doc = _fresh(rid, me(nonce), lease, home, parent and parent["run"], ptrs, gen)
                 # the run's control object first (a new key, no contention), then the list
@@ -221,7 +224,7 @@ def outer_state(state: str, every: bool = False) -> str | None:
         inside = full[len(outer) :].strip("/").split("/")[0]
         if not every and inside not in OUTER_WRITES:  # a sweep's builds under .spill/sweep/
             continue
-        if exists(join(outer, RUNS, CURRENT)):
+        if has_runs(outer):
             return outer
     return None
 

@@ -7,17 +7,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from spill.store.fs import is_local, join
+from spill.store.fs import is_local
 
 
 def is_state(where: str) -> bool:
     """Whether ``where`` is a state location (it holds runs), not a project folder."""
-    from spill.control.cas import CURRENT, RUNS
-    from spill.store.fs import exists
+    from spill.control.runlist import has_runs
 
     if is_local(where) and os.path.isfile(os.path.join(where, "spill.yaml")):
         return False
-    return exists(join(where, RUNS, CURRENT))
+    return has_runs(where)
 
 
 def progress(where: str, doc: dict[str, Any]) -> str:
@@ -45,10 +44,12 @@ def progress(where: str, doc: dict[str, Any]) -> str:
 def summary(where: str) -> dict[str, Any]:
     """``spill status <state>``: the current run, its owner and lease, and its progress."""
     from spill.control.cas import current
+    from spill.control.runlist import missing_note
     from spill.errors import StoreError
     from spill.project.status import run_view
 
     doc = current(where)
     if doc is None:
         raise StoreError(f"no run at {where}")
-    return {"state": where, **run_view(where), "progress": progress(where, doc)}
+    notes = [line] if (line := missing_note(where)) else []
+    return {"state": where, **run_view(where), "progress": progress(where, doc), "notes": notes}

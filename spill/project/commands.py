@@ -183,6 +183,8 @@ def cmd_status(args) -> int:
         keys = ("state", "id", "status", "generation", "owner", "progress")
         keys += ("move",) if view.get("move") else ()
         emit(view, args.json, None if args.json else keys)
+        for line in [] if args.json else view["notes"]:
+            print(f"note: {line}")
         return 0
 
     summary = status(args.dir, args.state)

@@ -8,6 +8,8 @@ segments. ``state.json`` is written after what it names (the adapter copy, the g
 their hashes under ``outputs``), so a reader never sees a result whose files are missing. A
 ``restore`` publishes a done stage's outputs again (``spill.project.outputs``); a decision
 that drops an out-of-date record removes its job state and outputs even when the stage waits.
+Clearing a stage never removes a payload another run's control object points at (a completed
+parent's checkpoints and rows stay where its control object says they are).
 
 The stages are the objects of ``spill.project.stages``: the executor asks each one for its
 folder, unit and outputs and has it run its job (``Stage.execute``) with the build's
@@ -213,10 +215,10 @@ class Executor:
     # the stages -------------------------------------------------------------------------------
 
     def _clear(self, name: str) -> None:
-        """Remove a stage's job state and outputs (it starts fresh, or its result is stale)."""
+        """Remove a stage's job state and outputs (it starts fresh, or its result is stale);
+        the payloads another run's control object points at (a completed parent's) stay."""
         stage = get(name)
-        stage.place(self.root, self.run).drop()  # first: no pointer may name what goes next
-        remove(stage.uri(self.root))
+        stage.place(self.root, self.run).clear()  # this run's pointers dropped first
         remove(join(self.root, stage.output(self.project.name)))
 
     def _restore(self, d: Decision) -> None:

@@ -198,5 +198,8 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
         if data.is_file():
             if uptodate.data_sha256(data) != doc["data"]["sha256"]:
                 notes.append(f"{data.name} changed since; the stages that read it rerun")
+    from spill.control.runlist import missing_note
+
+    notes += [line] if (line := missing_note(where)) else []
     summary = {"project": doc["project"]["name"], "state": where, "doc": doc, "notes": notes}
     return {**summary, "run": run_view(where)}

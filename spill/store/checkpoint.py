@@ -9,7 +9,8 @@ stale or killed writer left is never current. A reader skips a pointed folder th
 verification with one logged line (warning level) and takes the next. A save writes a new
 folder (payload names are unique per generation, so no two writers ever write one name),
 publishes it through the run's fenced transition, and then removes the folders of its kind that
-no pointer names (never one of a later generation). That removal runs on a thread of its own,
+no pointer names (never one of a later generation, nor one that another run's control object
+points at: a completed parent's checkpoints stay). That removal runs on a thread of its own,
 off the training loop's path; the next save, ``settle`` and the end of the process wait for it
 (a process killed before it finishes leaves folders that no pointer names, which the next save
 removes).

@@ -16,6 +16,8 @@ state behind:
 ``control-renew``       the lease renewed by the heartbeat
 ``control-publish``     a pointer of the control object moved to a new payload (fenced)
 ``control-complete``    the run marked complete (read-only from now on)
+``control-rebuild``     a missing ``runs/current.json`` rebuilt from the control objects, no
+                        run acquired yet
 ``move-<step>``         a move's step done (quiesce, take, copy, verify, incoming, fence,
                         activate; ``spill.control.transfer``)
 ``move-checked``        a move's destination checked (empty, names, space), nothing written
@@ -62,6 +64,7 @@ CONTROL_ACQUIRE = "control-acquire"
 CONTROL_RENEW = "control-renew"
 CONTROL_PUBLISH = "control-publish"
 CONTROL_COMPLETE = "control-complete"
+CONTROL_REBUILD = "control-rebuild"
 MOVE_STEPS = ("quiesce", "take", "copy", "verify", "incoming", "fence", "activate")
 MOVE_QUIESCE, MOVE_TAKE, MOVE_COPY, MOVE_VERIFY, MOVE_INCOMING, MOVE_FENCE, MOVE_ACTIVATE = (
     f"move-{s}" for s in MOVE_STEPS
@@ -80,6 +83,7 @@ BOUNDARIES = (
     CONTROL_RENEW,
     CONTROL_PUBLISH,
     CONTROL_COMPLETE,
+    CONTROL_REBUILD,
     *(f"move-{s}" for s in MOVE_STEPS),
     MOVE_CHECKED,
     MOVE_CLAIM,

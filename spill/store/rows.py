@@ -17,7 +17,8 @@ duplicate).
 
 Pointed segments that fail verification are ignored with a logged line and dropped from the
 pointer by the writer's first push, which also removes folders no pointer names (never one of a
-later generation). Crash point for kill drills: ``seg-before-commit``.
+later generation, nor one another run's control object points at). Crash point for kill drills:
+``seg-before-commit``.
 """
 
 from __future__ import annotations

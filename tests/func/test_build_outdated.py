@@ -64,8 +64,17 @@ def test_rerun_tune_stopped_early_shows_no_old_eval(reference, home, tmp_path):
         "reason": "waits for tune (runs first)",
     }
     assert "outputs" not in doc["stages"]["tune"]
-    for gone in ("files/eval.jsonl", "adapters/toy", "stages/eval"):
+    for gone in ("files/eval.jsonl", "adapters/toy"):
         assert not (state / gone).exists(), gone
+    # of the old eval's job state only the completed run's segments stay, where its control
+    # object (read-only for good) points; this run points at none of them
+    runs = json.loads((state / "runs" / "current.json").read_text())
+    old, now = (json.loads((state / "runs" / r / "control.json").read_text()) for r in runs["runs"])
+    left = [p.relative_to(state).as_posix() for p in (state / "stages/eval").rglob("*")]
+    folders = {f.rsplit("/", 1)[0] for f in left if f.count("/") == 4}  # stages/eval/payloads/x/f
+    assert folders == set(old["pointers"]["stages/eval/rows"])
+    assert all("/payloads" in f for f in left)  # no identity.json: a fresh eval pins its own
+    assert not [k for k in now["pointers"] if k.startswith("stages/eval/")]
     assert (state / "files" / "eval-base.jsonl").is_file()  # eval:base is still done
     status = spill("status", str(project), "--state", str(state), home=home)
     assert "1.000" not in status.stdout and "at step 3 of 300" in status.stdout

@@ -22,7 +22,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from spill.control import cas
+from spill.control import cas, objstore
 from spill.control.cas import Unsupported, current
 from spill.control.control import Busy, RunComplete, Superseded
 from spill.control.owner import _pid_state
@@ -234,16 +234,16 @@ def test_temporary_file_systems_are_accepted(tmp_path):
 
 def test_the_probe_refuses_a_store_that_ignores_preconditions():
     # memory:// refuses a second create but ignores If-Match and reports no ETag
-    store = cas._ObjectStore(f"memory://spill-probe-{uuid.uuid4().hex[:8]}/state")
+    store = objstore.ObjectStore(f"memory://spill-probe-{uuid.uuid4().hex[:8]}/state")
     with pytest.raises(Unsupported) as e:
-        cas._probe(store)
+        objstore.probe(store)
     assert "cannot make conditional writes" in str(e.value) and "\n" not in str(e.value)
     assert listdir(join(store.state, "runs")) == []  # its scratch key is gone
 
 
 def test_the_probe_accepts_the_s3_server(s3_bucket):
     store = cas.store_for(f"s3://{s3_bucket}/state")
-    assert isinstance(store, cas._ObjectStore)
+    assert isinstance(store, objstore.ObjectStore)
 
 
 def test_a_copy_cannot_continue_while_the_original_is_held(tmp_path):

@@ -1,0 +1,179 @@
+"""Conditional writes on an object store (s3://, and gs://, az:// if the probe accepts them).
+
+Create with ``If-None-Match: *`` (fsspec's ``mode="create"``), replace with ``If-Match: <etag>``,
+never delete. A 412 (or 409 for a racing one) is a ``_Conflict``, told by the store's answer,
+never by "412" in an error's text; any other failure of a write is ``_Uncertain`` (it may have
+landed): the caller reads again either way. On S3 a read gets the body and its ETag in one
+GET; elsewhere the ETag before and after the body must agree.
+
+``probe`` refuses a store that does not refuse stale writes: under a scratch key of the state's
+bucket it creates twice and replaces with a stale tag; both second writes must fail, the good
+replace must land. A store that accepts either (or reports no ETag, or takes no preconditions)
+is refused in one line before anything is published, once per bucket and process; a bucket
+that does not exist is named as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import secrets
+
+from spill.control.cas import ATTEMPTS, Store, Unsupported, _Conflict, _Uncertain
+from spill.errors import StoreError
+from spill.store.fs import filesystem
+
+log = logging.getLogger(__name__)
+
+
+def _precondition_failed(e: BaseException | None) -> bool:
+    """The store refused a conditional write (S3: 412 PreconditionFailed, 409 for a racing one),
+    told by the error or its causes, never by "412" in the text (a bucket's name may hold it)."""
+    while e is not None:
+        answer = getattr(e, "response", None)
+        answer = answer if isinstance(answer, dict) else {}
+        said = f"{answer.get('Error', {}).get('Code', '')} {type(e).__name__} {e}"
+        status = answer.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status == 412 or "PreconditionFailed" in said or "ConditionalRequestConflict" in said:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class ObjectStore(Store):
+    """An fsspec object store (s3://, and gs://, az:// if ``probe`` accepts them)."""
+
+    def __init__(self, state: str):
+        super().__init__(state)
+        self.fs, _ = filesystem(state)
+
+    def _path(self, key: str) -> str:
+        return filesystem(self.uri(key))[1]
+
+    def read(self, key: str) -> tuple[bytes | None, str | None]:
+        path = self._path(key)
+        if hasattr(self.fs, "_call_s3"):  # S3: the body and its ETag in one GET
+            try:
+                data, etag = self._get_s3(path)
+            except FileNotFoundError:
+                return None, None
+            except Exception as e:
+                raise self._unreadable(key, e) from e
+            if etag:
+                return data, etag.strip('"')
+        for _ in range(ATTEMPTS):  # elsewhere: the ETag before and after the body must agree
+            try:
+                self.fs.invalidate_cache(path)
+                before = self.fs.info(path).get("ETag")
+                data = self.fs.cat_file(path)
+                self.fs.invalidate_cache(path)
+                after = self.fs.info(path).get("ETag")
+            except FileNotFoundError:
+                return None, None
+            except Exception as e:
+                raise self._unreadable(key, e) from e
+            if before and before == after:
+                return data, before.strip('"')
+            if not before and not after:  # no ETag at all: nothing to make a write conditional on
+                raise Unsupported(
+                    f"{self.uri(key)}: this object store reports no ETag, so its writes cannot be "
+                    "made conditional; use s3:// (or a local disk) for the state"
+                )
+        raise StoreError(f"{self.uri(key)} changes faster than it can be read; try again")
+
+    def _unreadable(self, key: str, e: Exception) -> StoreError:
+        return StoreError(
+            f"{self.uri(key)}: cannot read ({type(e).__name__}: {e}); check the location and "
+            "its credentials"
+        )
+
+    def _get_s3(self, path: str) -> tuple[bytes, str | None]:
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(path)
+
+        async def get() -> tuple[bytes, str | None]:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            try:
+                return await resp["Body"].read(), resp.get("ETag")
+            finally:
+                resp["Body"].close()
+
+        return sync(self.fs.loop, get)
+
+    def tag_of(self, data: bytes) -> str:
+        # S3's ETag of a single PUT is the body's MD5 (not with SSE-KMS: there a replace with
+        # this tag fails once with 412, and the transition reads the real one)
+        return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+    def write(self, key: str, data: bytes, tag: str | None) -> None:
+        path = self._path(key)
+        try:
+            if tag is None:
+                self.fs.pipe_file(path, data, mode="create")
+            else:
+                self.fs.pipe_file(path, data, IfMatch=f'"{tag}"')
+        except (FileExistsError, FileNotFoundError):  # the key is there / not (If-Match)
+            raise _Conflict() from None
+        except Exception as e:
+            if _precondition_failed(e):  # s3fs: OSError(EINVAL) from a 412 ClientError
+                raise _Conflict() from None
+            log.info("uncertain write of %s (%s: %s); reading it back", path, type(e).__name__, e)
+            raise _Uncertain() from None
+        finally:
+            self.fs.invalidate_cache(path)
+
+
+_probed: set[str] = set()
+
+
+def _bucket_there(store: ObjectStore, bucket: str) -> bool:
+    try:
+        return store.fs.exists(bucket)
+    except Exception:  # a store that cannot say: the probe's writes will
+        return True
+
+
+def probe(store: ObjectStore) -> None:
+    """Refuse a store that does not refuse stale writes: under a scratch key, create twice and
+    replace with a stale tag; both second writes must fail, the good replace must land."""
+    where = store.state.split("://", 1)[0] + "://" + filesystem(store.state)[1].split("/")[0]
+    if where in _probed:
+        return
+    key = f".probe-{secrets.token_hex(8)}"
+    bucket = where.split("://", 1)[1]
+    if not _bucket_there(store, bucket):
+        raise StoreError(
+            f"{store.state}: bucket {bucket!r} does not exist (or these credentials cannot see "
+            "it); create it, or fix the URI"
+        )
+    why = ""
+    try:
+        store.write(key, b"1", None)
+        _, tag = store.read(key)
+        try:
+            store.write(key, b"2", None)
+            why = "a second create of one key succeeded"
+        except _Conflict:
+            store.write(key, b"3", tag)
+            try:
+                store.write(key, b"4", tag)
+                why = "a replace with a stale ETag succeeded"
+            except _Conflict:
+                pass
+    except (_Conflict, _Uncertain) as e:
+        why = f"a conditional write failed ({type(e).__name__.strip('_').lower()})"
+    except (TypeError, ValueError, NotImplementedError) as e:
+        why = f"its backend takes no preconditions ({type(e).__name__}: {e})"
+    except Unsupported:
+        why = "it reports no ETag"
+    finally:
+        with contextlib.suppress(Exception):
+            store.fs.rm(store._path(key))  # a scratch key, not a control object
+    if why:
+        raise Unsupported(
+            f"{store.state}: this object store cannot make conditional writes ({why}), so two "
+            "writers could not be kept apart; use s3:// (or a local disk) for the state"
+        )
+    _probed.add(where)

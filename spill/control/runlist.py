@@ -1,0 +1,200 @@
+"""A state location's runs as a whole: the run list rebuilt from the control objects when
+``runs/current.json`` is missing, and the generation a new run takes.
+
+``runs/current.json`` says which run is current and which came before; each run's control
+object is the authority. When the list is gone (deleted by hand, left out of a copy) but
+control objects are there, the list is rebuilt from them, never started afresh (a fresh run at
+generation 1 would rewrite the old run's payloads under their own names):
+
+* the runs are ordered by lineage (a parent before the runs made from it), then by ``created``
+  and id;
+* an *open* run (``active``, ``quiescing``, ``incoming``: one that can still change) is
+  current. An open run that was created and never used (its only transition its create: the
+  loser of two first builds racing on an object store, a fork killed before it was listed)
+  wrote nothing of its own and gives way to any other run;
+* with no open run that was used, the newest finished run (complete, transferred, copy) that no
+  finished run names as its parent is current (a completed run: the next build forks from it);
+* otherwise (two used open runs, two never used and nothing else, or two newest finished runs
+  created in the same second) which one is current cannot be told safely: ``UnclearRuns`` says
+  so in one line, naming them, and nothing is written.
+
+Readers (``current``: ``spill status``, probes, a build's plan) see the rebuilt list and write
+nothing; a writer (``restore``, from ``spill.control.runs`` under the location's lock) creates
+it with a conditional create (If-None-Match on an object store: of two rebuilders one wins,
+the other reads what it wrote) and logs one line. Crash point: ``control-rebuild``, right after
+that create.
+
+``next_generation``: a new run's generation is one above every generation a control object
+here has had and every generation in a payload folder's name, so no payload name is reused
+even where control objects were deleted and their payloads stayed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from spill.control.cas import (
+    ATTEMPTS,
+    CONTROL,
+    CURRENT,
+    RUNS,
+    Store,
+    _Conflict,
+    _store,
+    _Uncertain,
+    read_control,
+    read_runs,
+    run_ids,
+    run_list,
+)
+from spill.control.place import FROZEN, generations
+from spill.errors import StoreError
+from spill.store import drill
+from spill.store.fs import exists, join
+
+log = logging.getLogger(__name__)
+
+
+class UnclearRuns(StoreError):
+    """``runs/current.json`` is missing and the control objects do not say which run is current."""
+
+
+def controls(store: Store) -> dict[str, dict[str, Any]]:
+    """Every control object under ``runs/`` by run id (a run folder without one is skipped)."""
+    out = {}
+    for rid in run_ids(store):
+        doc, _ = read_control(store, rid)
+        if doc is None:
+            continue
+        if doc["run"] != rid:
+            raise StoreError(
+                f"{store.uri(f'{rid}/{CONTROL}')} is the control object of run {doc['run']}, "
+                f"copied there by hand; move {store.uri(rid)} away"
+            )
+        out[rid] = doc
+    return out
+
+
+def _ordered(docs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parents before the runs made from them; otherwise oldest first (``created``, then id)."""
+    left, out = dict(docs), []
+    while left:
+        ready = [d for d in left.values() if d["lineage"]["parent"] not in left]
+        first = min(ready or left.values(), key=lambda d: (d["created"], d["run"]))
+        out.append(left.pop(first["run"]))
+    return out
+
+
+def _said(doc: dict[str, Any]) -> str:
+    return f"{doc['run']} ({doc['status']}, generation {doc['generation']}, {doc['created']})"
+
+
+def decide(store: Store, docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The run list that ``docs`` (every control object at ``store``) imply; see the module doc."""
+    order = _ordered(docs)
+    where, runs = store.uri(CURRENT), join(store.state, RUNS)
+    live = [d for d in order if d["status"] not in FROZEN]
+    used = [d for d in live if d["last"]["what"] != "create"]
+    done = [d for d in order if d["status"] in FROZEN]
+    if len(used) > 1 or not (used or done) and len(live) > 1:
+        them = ", ".join(_said(d) for d in (used if len(used) > 1 else live))
+        raise UnclearRuns(
+            f"{where} is missing and more than one run there is unfinished: {them}; keep the "
+            f"one to continue and move the others' folders out of {runs}, then run the command "
+            "again"
+        )
+    if used or not done:
+        now = (used or live)[0]
+    else:  # every run finished (or never used): the newest that no finished run came from
+        parents = {d["lineage"]["parent"] for d in done}
+        leaves = [d for d in done if d["run"] not in parents] or done  # (a hand-made cycle)
+        newest = max(d["created"] for d in leaves)
+        tied = [d for d in leaves if d["created"] == newest]
+        if len(tied) > 1:
+            them = ", ".join(_said(d) for d in tied)
+            raise UnclearRuns(
+                f"{where} is missing and its newest runs were made in the same second: {them}; "
+                f"keep the current one and move the others' folders out of {runs}, then run the "
+                "command again"
+            )
+        now = tied[0]
+    return run_list([*(d["run"] for d in order if d is not now), now["run"]])
+
+
+def view(store: Store) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """The run list (and its tag), rebuilt in memory when missing; whether it was rebuilt."""
+    runs, tag = read_runs(store)
+    if runs is not None:
+        return runs, tag, False
+    docs = controls(store)
+    return (decide(store, docs), None, True) if docs else (None, None, False)
+
+
+def restore(store: Store) -> tuple[dict[str, Any] | None, str | None]:
+    """The run list of ``store`` and its tag; a missing one is rebuilt from the control objects
+    and created (None when there are none). Called under ``store.exclusive()``."""
+    for _ in range(ATTEMPTS):
+        runs, tag = read_runs(store)
+        if runs is not None:
+            return runs, tag
+        docs = controls(store)
+        if not docs:
+            return None, None
+        runs = decide(store, docs)
+        try:
+            tag = store.put(CURRENT, runs, "runs", None)
+        except (_Conflict, _Uncertain):  # another rebuilder won (or ours landed): read it
+            continue
+        log.warning("%s was missing; rebuilt from %s", store.uri(CURRENT), _line(runs, docs))
+        drill.at(drill.CONTROL_REBUILD)
+        return runs, tag
+    raise StoreError(f"{store.uri(CURRENT)}: could not be rebuilt; try again")
+
+
+def _line(runs: dict[str, Any], docs: dict[str, dict[str, Any]]) -> str:
+    n = len(runs["runs"])
+    many = f"s of {n} runs" if n > 1 else " of 1 run"
+    return f"the control object{many}: current is run {_said(docs[runs['current']])}"
+
+
+def missing_note(state: str) -> str | None:
+    """For ``spill status``: a line saying the run list is missing and what stands in for it."""
+    store = _store(state)
+    runs, _, rebuilt = view(store)
+    if not rebuilt or runs is None:
+        return None
+    line = _line(runs, controls(store))
+    return f"{store.uri(CURRENT)} is missing; read from {line}; the next build or resume writes it"
+
+
+def next_generation(store: Store) -> int:
+    """A new run's generation: above every control object's and every payload folder's here."""
+    docs = controls(store)
+    gens = [d["generation"] for d in docs.values()] + generations(store.state)
+    return max(gens, default=0) + 1
+
+
+def has_runs(state: str) -> bool:
+    """Whether ``state`` holds runs: a run list, or control objects without one."""
+    if exists(join(state, RUNS, CURRENT)):
+        return True
+    return any(exists(join(state, RUNS, rid, CONTROL)) for rid in run_ids(_store(state)))
+
+
+def current(state: str) -> dict[str, Any] | None:
+    """The current run's control object at ``state`` (validated), or None when it has none.
+
+    A reader's view: no lock is taken (every write is an atomic replace) and nothing is
+    written; a missing run list is rebuilt in memory (``view``)."""
+    store = _store(state)  # reading needs no flock, so no file system check
+    runs, _, _ = view(store)
+    if runs is None:
+        return None
+    doc, _ = read_control(store, runs["current"])
+    if doc is None:
+        raise StoreError(
+            f"{store.uri(CURRENT)} names run {runs['current']}, which has no control object; "
+            "the state was copied incompletely"
+        )
+    return doc
