@@ -49,10 +49,10 @@ from spill.control.cas import (
     _Conflict,
     _Uncertain,
     read_control,
-    read_runs,
 )
 from spill.control.control import Run, _iso
 from spill.control.owner import home_of, lease_seconds, me
+from spill.control.runlist import restore
 from spill.control.runs import CopiedRun, _busy, _holder
 from spill.errors import StoreError, UsageError
 from spill.store import drill
@@ -102,7 +102,9 @@ def check_source(doc: dict[str, Any], state: str, to: str, *, wait: bool) -> Non
 
 
 def _read(store: Store) -> tuple[dict[str, Any], str | None]:
-    runs, _ = read_runs(store)
+    """The current run's control object and tag, under the store's lock (a missing run list is
+    rebuilt from the control objects, as an acquire does)."""
+    runs, _ = restore(store)
     if runs is None:
         raise StoreError(f"nothing to move at {store.state}: it holds no run")
     doc, tag = read_control(store, runs["current"])

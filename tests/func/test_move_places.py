@@ -145,3 +145,13 @@ def test_state_and_resume_take_a_file_uri(tmp_path, env):
     )
     assert f"at {state}: " in resumed.stderr and not (tmp_path / "file:").exists()
     assert mk.doc(str(proj)) is None and os.path.isdir(state / "stages")
+
+
+def test_a_source_whose_run_list_was_deleted_still_moves(src, env, tmp_path, control):
+    """The control objects are the authority: the mover rebuilds the lost ``runs/current.json``
+    as a build would, and the moved run finishes as an uninterrupted build does."""
+    os.unlink(Path(src) / ".spill" / "runs" / "current.json")
+    dst = tmp_path / "dst"
+    mk.ok(mk.spill("move", src, str(dst), env=env, cwd=tmp_path))
+    mk.ok(mk.spill("build", str(dst), env=env, cwd=tmp_path))
+    mk.assert_same(mk.outcome(str(dst)), control)
