@@ -2,7 +2,9 @@
 of per-machine measurements under ``machine_cache()``.
 
 Engine-free (no torch or mlx): the job layer records the CPU in provenance, and each engine's
-``numerics`` keys its cached bf16 measurement by it. The cache matches schema ``machine`` on
+``numerics`` keys its cached bf16 measurement by it (model name and flags, ``cpu_key``). The
+cache is per machine, not per ``SPILL_HOME`` (``paths.machine_cache``), so every home on one
+machine computes in the same numerics. The cache matches schema ``machine`` on
 read and on write; a damaged one (not JSON, wrong types, a hand edit) is measured again and
 replaced, and a cache folder that cannot be written only means measuring again next time.
 """
@@ -50,6 +52,40 @@ def cpu_model() -> str:
         except (OSError, subprocess.SubprocessError):
             pass
     return platform.processor() or platform.machine() or "unknown cpu"
+
+
+@functools.cache
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags as the OS lists them (``/proc/cpuinfo``'s ``flags``,
+    macOS's ``machdep.cpu.features``), sorted; ``""`` where neither says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            return " ".join(sorted(out.stdout.lower().split()))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return ""
+
+
+def cpu_key() -> str:
+    """What a per-machine measurement is keyed by: the CPU's model and a digest of its flags
+    (two VMs of one model name may differ in what the hypervisor passes through)."""
+    import hashlib
+
+    digest = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
+    return f"{cpu_model()} | flags {digest}"
 
 
 def cached_measurement(name: str, key: str, measure: Callable[[], dict]) -> dict:

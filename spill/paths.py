@@ -18,5 +18,10 @@ def models_dir() -> Path:
 
 
 def machine_cache() -> Path:
-    """Per-machine measurements (for example whether bf16 matmul is fast here)."""
-    return spill_home() / "machine"
+    """Per-machine measurements (for example whether bf16 matmul is fast here): one folder per
+    machine, shared by every SPILL_HOME on it (``SPILL_MACHINE_CACHE``, else the user's cache
+    folder, ``$XDG_CACHE_HOME/spill/machine`` or ``~/.cache/spill/machine``)."""
+    if os.environ.get("SPILL_MACHINE_CACHE"):
+        return Path(os.environ["SPILL_MACHINE_CACHE"]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser() / "spill" / "machine"

@@ -24,6 +24,7 @@ from spill.models.tiny import write_tiny
 def spill_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.mktemp("spill-home")
     monkeypatch.setenv("SPILL_HOME", str(home))
+    monkeypatch.setenv("SPILL_MACHINE_CACHE", str(home / "machine"))  # per test, as the home
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return home
 

@@ -170,7 +170,11 @@ def scratch(world) -> Path:
 
 
 def env(home: Path) -> dict[str, str]:
-    return {"SPILL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    return {
+        "SPILL_HOME": str(home),
+        "SPILL_MACHINE_CACHE": str(home / "machine"),
+        "HF_HUB_OFFLINE": "1",
+    }
 
 
 def damaged(data, path: Path, fmt: str | None) -> str:
@@ -391,10 +395,10 @@ def test_machine_cache(world, examples):
     cache is measured again and replaced with one that matches its schema."""
     import torch
 
-    from spill.machine import cpu_model
+    from spill.machine import cpu_key
     from spill.store.schemas import validate
 
-    key = f"{cpu_model()} | torch {torch.__version__}"
+    key = f"{cpu_key()} | torch {torch.__version__}"
     good = {key: {"shape": [64, 1024, 1024], "float32_s": 0.001, "bfloat16_s": 0.1, "ratio": 100.0}}
 
     def example(data):

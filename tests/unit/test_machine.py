@@ -62,8 +62,29 @@ def test_a_bad_measurement_is_not_cached():
 
 def test_an_unwritable_cache_still_answers(spill_home, monkeypatch):
     (spill_home / "blocked").write_text("a file where the cache folder would be")
-    monkeypatch.setenv("SPILL_HOME", str(spill_home / "blocked"))
+    monkeypatch.setenv("SPILL_MACHINE_CACHE", str(spill_home / "blocked" / "machine"))
     measure, calls = counted()
     assert cached_measurement("m.json", "cpu a", measure) == GOOD
     assert cached_measurement("m.json", "cpu a", measure) == GOOD
     assert len(calls) == 2
+
+
+def test_every_home_on_a_machine_shares_one_cache(tmp_path, monkeypatch):
+    """The cache is the machine's (the user's cache folder), not a SPILL_HOME's: a fresh home
+    reads what another home measured, so both compute in the same numerics."""
+    monkeypatch.delenv("SPILL_MACHINE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    measure, calls = counted()
+    for home in ("a", "b"):
+        monkeypatch.setenv("SPILL_HOME", str(tmp_path / home))
+        assert cached_measurement("m.json", "cpu a", measure) == GOOD
+    assert len(calls) == 1 and (tmp_path / "xdg" / "spill" / "machine" / "m.json").is_file()
+
+
+def test_the_key_names_the_cpu_and_its_flags():
+    from spill.machine import cpu_flags, cpu_key, cpu_model
+
+    key = cpu_key()
+    assert key.startswith(cpu_model() + " | flags ") and len(key.rsplit(" ", 1)[1]) == 12
+    if cpu_flags():  # Linux: the kernel lists them
+        assert cpu_flags() == " ".join(sorted(cpu_flags().split()))

@@ -6,24 +6,24 @@ layer shows bf16 fast enough (``core.numerics.verdict``, as the torch engine), t
 Linux MLX's float32 matmul is BLAS while its bf16 matmul is its own kernel, so the answer
 depends on the BLAS too (see ``blas``): the bundled reference BLAS makes float32 slower than
 bf16, OpenBLAS makes it much faster. The measurement is kept per machine in
-``machine_cache()/numerics-mlx.json``, keyed by CPU model, MLX version and BLAS.
+``machine_cache()/numerics-mlx.json``, keyed by CPU model and flags, MLX version and BLAS.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from spill.engines.core.numerics import SHAPE, best, timings, verdict
+from spill.engines.core.numerics import ROUNDS, SHAPE, measure, verdict
 from spill.engines.mlx import blas
 from spill.errors import EngineError
-from spill.machine import cached_measurement, cpu_model
+from spill.machine import cached_measurement, cpu_key
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 CACHE = "numerics-mlx.json"
 
 
-def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
-    """Best-of-``reps`` seconds of one linear layer in float32 and in bfloat16 on MLX's CPU."""
+def measure_linear(shape: tuple[int, int, int] = SHAPE, rounds: int = ROUNDS) -> dict:
+    """One linear layer in float32 and in bfloat16 on MLX's CPU, timed interleaved."""
     n, k, m = shape
     key = mx.random.key(0)
     with mx.stream(mx.cpu):
@@ -31,16 +31,14 @@ def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
         w = mx.random.normal((m, k), key=mx.random.split(key)[1])
         xb, wb = x.astype(mx.bfloat16), w.astype(mx.bfloat16)
         mx.eval(x, w, xb, wb)
-        f32 = best(lambda: mx.eval(x @ w.T), reps)
-        bf16 = best(lambda: mx.eval(xb @ wb.T), reps)
-    return timings(f32, bf16, shape)
+        return measure(lambda: mx.eval(x @ w.T), lambda: mx.eval(xb @ wb.T), shape, rounds)
 
 
 def cpu_measurement() -> dict:
     """This machine's measurement, from the cache when present, else measured and cached."""
     # measure_linear is looked up here, at call time, so a test may replace it
     return cached_measurement(
-        CACHE, f"{cpu_model()} | mlx {mx.__version__} | {blas.describe()}", measure_linear
+        CACHE, f"{cpu_key()} | mlx {mx.__version__} | {blas.describe()}", measure_linear
     )
 
 
@@ -53,7 +51,7 @@ def choose(device: mx.Device, requested: str | None = None) -> tuple[mx.Dtype, s
         return DTYPES[requested], "requested" + where
     if device == mx.gpu:
         return mx.bfloat16, "GPU"
-    bf16, why = verdict(cpu_measurement()["ratio"])
+    bf16, why = verdict(cpu_measurement())
     return (mx.bfloat16 if bf16 else mx.float32), why + where
 
 

@@ -1,9 +1,10 @@
 """The compute dtype of base weights on torch, and why.
 
 CUDA computes in bfloat16. A CPU computes in bfloat16 only where a measured linear layer shows
-bf16 fast enough (``core.numerics.verdict``). The measurement takes well under a second and is
-kept per machine in ``machine_cache()/numerics-torch.json``, keyed by CPU model and torch
-version, so it happens once. Adapters are float32 everywhere; that is not decided here.
+bf16 fast enough (``core.numerics``: interleaved rounds, the fastest of each, a margin before
+it flips). The measurement takes well under a second and is kept per machine in
+``machine_cache()/numerics-torch.json``, keyed by CPU model and flags and torch version, so it
+happens once. Adapters are float32 everywhere; that is not decided here.
 """
 
 from __future__ import annotations
@@ -11,29 +12,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spill.engines.core.numerics import SHAPE, best, timings, verdict
+from spill.engines.core.numerics import ROUNDS, SHAPE, measure, verdict
 from spill.errors import EngineError
-from spill.machine import cached_measurement, cpu_model
+from spill.machine import cached_measurement, cpu_key, cpu_model  # noqa: F401 (tests read it)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CACHE = "numerics-torch.json"
 
 
-def measure_linear(shape: tuple[int, int, int] = SHAPE, reps: int = 3) -> dict:
-    """Best-of-``reps`` seconds of one linear layer in float32 and in bfloat16 on this CPU."""
+def measure_linear(shape: tuple[int, int, int] = SHAPE, rounds: int = ROUNDS) -> dict:
+    """One linear layer in float32 and in bfloat16 on this CPU, timed interleaved."""
     n, k, m = shape
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, k, generator=gen)
     w = torch.randn(m, k, generator=gen)
-    f32 = best(lambda: F.linear(x, w), reps)
     xb, wb = x.bfloat16(), w.bfloat16()
-    return timings(f32, best(lambda: F.linear(xb, wb), reps), shape)
+    return measure(lambda: F.linear(x, w), lambda: F.linear(xb, wb), shape, rounds)
 
 
 def cpu_measurement() -> dict:
     """This machine's measurement, from the cache when present, else measured and cached."""
     # measure_linear is looked up here, at call time, so a test may replace it
-    return cached_measurement(CACHE, f"{cpu_model()} | torch {torch.__version__}", measure_linear)
+    return cached_measurement(CACHE, f"{cpu_key()} | torch {torch.__version__}", measure_linear)
 
 
 def choose(device: torch.device, requested: str | None = None) -> tuple[torch.dtype, str]:
@@ -48,7 +48,7 @@ def choose(device: torch.device, requested: str | None = None) -> tuple[torch.dt
         return torch.float32, "CUDA without bf16 support"
     if device.type != "cpu":
         return torch.float32, f"no bf16 measurement for {device.type}"
-    bf16, why = verdict(cpu_measurement()["ratio"])
+    bf16, why = verdict(cpu_measurement())
     return (torch.bfloat16 if bf16 else torch.float32), why
 
 

@@ -135,7 +135,7 @@ def test_slow_bf16_picks_float32_measured_once(monkeypatch):
 
 
 def test_real_measurement_is_cheap_and_blas_is_named():
-    found = numerics.measure_linear(reps=1)
+    found = numerics.measure_linear(rounds=1)
     assert found["float32_s"] > 0 and found["bfloat16_s"] > 0
     print(f"\nBLAS: {blas.describe()}; 64x1024x1024 linear {found}")
     assert blas.describe()
