@@ -263,8 +263,7 @@ def _execute(
             if writer is not None:
                 guard.save = save
             start = time.perf_counter()
-            with progress(total, job.verb) as bar:
-                bar.update(len(results))
+            with progress(total, job.verb, initial=len(results)) as bar:
                 try:
                     for lo in range(0, len(todo), batch):
                         guard.boundary()
@@ -276,8 +275,8 @@ def _execute(
                                 results[rec["id"]] = rec
                                 if writer is not None:
                                     writer.add(rec["id"], rec)
-                            if writer is not None:
-                                writer.tick()
+                            if writer is not None and writer.tick():
+                                bar.checkpoint(f"{len(writer.done)} rows committed")
                         bar.update(len(chunk))
                 except Exception:
                     # an engine or data error: the rows already finished are worth keeping

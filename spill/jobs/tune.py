@@ -265,7 +265,7 @@ def _tune(
 
     guard.save = save
     stop = opts.stop_after or opts.steps
-    with progress(stop - step, "tune", unit="step") as bar:
+    with progress(stop, "tune", unit="step", initial=step) as bar:
         while step < stop:
             guard.boundary()
             drill.at(drill.TUNE_BEFORE_FORWARD)
@@ -292,11 +292,12 @@ def _tune(
                 losses.append(loss)
                 step += 1
                 drill.at(drill.TUNE_AFTER_OPTIMIZER)
-            bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            bar.update(1)
             if step % opts.ckpt_every == 0 or step == stop:
                 with guard.mutating():
                     save()
+                    bar.checkpoint("checkpoint committed")
     seconds = time.perf_counter() - t0
     settle(place)  # the last save's removal of older checkpoints ends with the tune
     summary = {
