@@ -9,6 +9,7 @@
 #   ./relay.sh --two-machines       leg a here; prints what to copy and run on a second machine
 #   ./relay.sh --finish             leg b and the checks (run on the second machine)
 #   --from ENGINE --to ENGINE --stop N   override the settings below
+#   --project NAME                 accepted when NAME is this folder's project
 #
 # Exits 0 when every check passed, 1 when one failed, the failing command's code otherwise.
 set -euo pipefail
@@ -28,9 +29,15 @@ while [ $# -gt 0 ]; do
     --from) FROM="$2"; shift 2 ;;
     --to) TO="$2"; shift 2 ;;
     --stop) STOP="$2"; shift 2 ;;
+    --project)
+      if [ "$2" != "$PROJECT" ]; then
+        echo "relay.sh: this folder relays $PROJECT; \`spill example relay DIR --project $2\` writes one for $2" >&2
+        exit 2
+      fi
+      shift 2 ;;
     --two-machines) TWO=1; shift ;;
     --finish) FINISH=1; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "relay.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -43,6 +50,10 @@ say() { printf '\n== %s\n' "$*"; }
 
 leg_a() {
   export SPILL_HOME="$WORK/home-a"
+  if [ "$FROM" = "$TO" ]; then
+    echo "relay.sh: leg b computes on $TO too (no second engine here): the relay hands the run" \
+      "between two places and two SPILL_HOMEs, and the checks say so" >&2
+  fi
   say "leg a: the reference, uninterrupted ($PROJECT on $FROM)"
   rm -rf "$WORK"
   mkdir -p "$WORK"

@@ -11,9 +11,12 @@ What is checked, each one row of the final table:
 * no step or row missing or repeated, read from the committed state, not from logs: the tune
   checkpoint's producer ranges cover ``0..steps`` end to end without a gap or an overlap and it
   holds one loss per step; each row stage's committed segments hold every held-out row id once;
+* the relay's run arrived at its place by a finished ``spill move`` from another place;
 * each stage's recorded producers (engine, machine, OS) match the leg that ran it: ``eval:base``
   and the steps before the stop on leg ``a``, the steps after it and ``eval`` on leg ``b``. What
   each leg is comes from ``legs.json``, written on its machine at the time (``record_leg``).
+  When both legs are one producer (one engine on one machine: no MLX here), a checkpoint keeps
+  their steps as one range, and that range must be theirs.
 
 Everything here reads state; nothing loads a model or imports an engine.
 """
@@ -201,6 +204,14 @@ def check(
         made = [m.get("producer") or {} for m in markers[stage.name]]
         why = _ran_on(made, who) if who else "no leg record"
         out.append(_row(f"{stage.name} ran on", "", _show(who) if not why else why, not why))
+    out.append(_moved_in(where))
+    if a and b and _who(a) == _who(b):
+        # one engine on one machine for both legs: a producer range is one producer, so the
+        # legs' steps are one range; the handoff is the move the row above checks
+        why = _ran_on(ranges, a)
+        shown = f"0-{steps} {_show(a)}, both legs (one producer: one range)" if not why else why
+        out.append(_row("tune ran on", "", shown, not why))
+        return out
     before = [r for r in ranges if r["to_step"] <= stop]
     after = [r for r in ranges if r["from_step"] >= stop]
     why = "" if len(before) + len(after) == len(ranges) else f"no range ends at step {stop}"
@@ -209,6 +220,17 @@ def check(
     shown = f"0-{stop} {_show(a)}; {stop}-{steps} {_show(b)}" if not why else why
     out.append(_row("tune ran on", "", shown, not why))
     return out
+
+
+def _moved_in(where: str) -> dict[str, Any]:
+    """The relay's run arrived by a move from another place (its control object says so)."""
+    from spill.control.cas import current
+
+    doc = current(where) or {}
+    t = doc.get("transfer") or {}
+    ok = t.get("step") == "activate" and bool(t.get("from")) and t.get("from") != t.get("to")
+    shown = f"from {t.get('from')}" if ok else f"no finished move recorded ({t.get('step')})"
+    return _row("moved between two places", "", shown, ok)
 
 
 def passed(rows: list[dict[str, Any]]) -> bool:

@@ -59,7 +59,8 @@ PLUGIN_TARGETS = ("hydra.launcher._target_", "hydra.sweeper._target_")
 CALLBACKS = "Hydra callbacks run code; spill.yaml is data, so spill refuses them; remove the key"
 JOB_NUM = "${hydra.job.num}"
 ENV = tuple(  # values that are data: a folder, a number, a switch, a credential
-    "SPILL_HOME SPILL_LEASE SPILL_PROGRESS SPILL_PREEMPT_GRACE SPILL_PREEMPT_DEADLINE "
+    "SPILL_HOME SPILL_LEASE SPILL_PROGRESS SPILL_PROGRESS_EVERY SPILL_PREEMPT_GRACE "
+    "SPILL_PREEMPT_DEADLINE "
     "HF_HUB_OFFLINE CUDA_VISIBLE_DEVICES OMP_NUM_THREADS AWS_ACCESS_KEY_ID "
     "AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN AWS_REGION AWS_DEFAULT_REGION".split()
 )

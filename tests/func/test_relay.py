@@ -138,3 +138,20 @@ def test_example_folder_refusals(tmp_path):
     )  # fmt: skip
     assert missing.returncode == 2 and "cannot read the reference" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_relay_with_one_engine_passes_and_says_so(tmp_path):
+    """Without MLX (here: ``--to torch``) both legs are one producer: the relay says so before
+    it starts, and its checks hold what is true then (one range, a move between two places).
+    ``--project`` naming the folder's own project is accepted, another is refused."""
+    folder = written(tmp_path)
+    other = relay_sh(folder, "--project", "tickets")
+    assert other.returncode == 2 and "this folder relays toy" in other.stderr
+    out = relay_sh(folder, "--project", "toy", "--to", "torch")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "leg b computes on torch too" in out.stderr
+    code, doc = check_json(folder, str(folder / "work" / "relay-moved"))
+    checks = {c["check"]: c for c in doc["checks"]}
+    assert code == 0 and checks["tune steps 0-300 once"]["relay"] == "0-300 torch"
+    assert "both legs" in checks["tune ran on"]["relay"]
+    assert checks["moved between two places"]["relay"].startswith("from ")
