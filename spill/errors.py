@@ -28,6 +28,17 @@ class ConfigError(SpillError):
     run code (``spill.project.hydra_safety``)."""
 
 
+class HydraRefused(ConfigError):
+    """A ``hydra:`` setting refused because it could run code or write files."""
+
+
+class BadOverride(ConfigError):
+    """A command-line override that makes a project that composes fail (an unknown key, a bad
+    value): a usage error, exit 2, like an unknown option."""
+
+    exit_code = EXIT_USAGE
+
+
 class ModelError(SpillError):
     """A model folder, file or name that cannot be used."""
 

@@ -333,7 +333,8 @@ def _tune(
         note(f"adapter written to {summary['adapter']} (spill, PEFT and MLX-LM layouts, loss.png)")
     else:
         note(
-            f"stopped after step {step} of {opts.steps} with a committed checkpoint; run the same command to continue"
+            f"stopped after step {step} of {opts.steps} (--stop-after) with a committed "
+            "checkpoint; to continue, run it again without --stop-after or with a later one"
         )
     runner.close()
     return summary

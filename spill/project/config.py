@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spill.errors import ConfigError
+from spill.errors import BadOverride, ConfigError, HydraRefused
 from spill.project import hydra_safety
 from spill.project.hydra_safety import SEARCH_PATH  # noqa: F401  (init writes it into projects)
 from spill.project.uptodate import compose_key  # noqa: F401  (part of this boundary's API)
@@ -275,7 +275,24 @@ def hydra_line(e: BaseException) -> str:
 
 
 def compose(root: Path | str, overrides: Sequence[str] = ()) -> Project:
-    """Compose ``<root>/spill.yaml`` with ``overrides`` and validate it (the Hydra boundary)."""
+    """Compose ``<root>/spill.yaml`` with ``overrides`` and validate it (the Hydra boundary).
+    A failure that the project without the overrides does not have is the command line's
+    (``BadOverride``, exit 2); a ``hydra:`` setting refused as code stays a refusal."""
+    try:
+        return _compose(root, overrides)
+    except HydraRefused:
+        raise
+    except ConfigError as e:
+        if not overrides:
+            raise
+        try:
+            _compose(root, ())
+        except ConfigError:
+            raise e from None  # the project itself fails: that says more than the override
+        raise BadOverride(str(e)) from None
+
+
+def _compose(root: Path | str, overrides: Sequence[str]) -> Project:
     root = Path(root).resolve()
     where = f"{root / FILE}"
     if not (root / FILE).is_file():

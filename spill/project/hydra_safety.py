@@ -50,7 +50,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from spill.errors import ConfigError
+from spill.errors import HydraRefused
 
 SEARCH_PATH = "pkg://spill.conf"  # spill's shipped groups, the one search path a project has
 
@@ -190,7 +190,7 @@ class _Check:
 
     def no(self, path: str, why: str, *args: Any) -> None:
         why = WHY.get(why, why)
-        raise ConfigError(f"{self.where}: {path}: {why.format(*args) if args else why}")
+        raise HydraRefused(f"{self.where}: {path}: {why.format(*args) if args else why}")
 
     def keys(self, node: Any, path: str, allowed: Sequence[str], what: str) -> dict:
         """``node`` (a mapping or null) with no key outside ``allowed``."""

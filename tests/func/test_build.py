@@ -222,7 +222,16 @@ def test_bad_input_is_one_line_and_loses_nothing(reference, home, tmp_path):
         code=2,
     )
     fails(str(project), "--state", str(state), "data.output=labl", message="no column 'labl'")
-    fails(str(project), "--state", str(state), "tune.lrr=1", message="tune.lrr is not a setting")
+    # an override the project does not take is the command line's error, like an unknown option
+    fails(
+        str(project),
+        "--state",
+        str(state),
+        "tune.lrr=1",
+        message="tune.lrr is not a setting",
+        code=2,
+    )
+    fails(str(project), "--state", str(state), "tune.lr=fast", message="tune.lr", code=2)
     other = copy_toy(tmp_path / "other")
     text = (other / "spill.yaml").read_text().replace("name: toy", "name: other")
     (other / "spill.yaml").write_text(text.replace("id: 70790000000a", "id: 0123456789ab"))

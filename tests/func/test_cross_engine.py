@@ -209,7 +209,7 @@ def test_a_tune_stopped_on_one_engine_finishes_on_the_other(clean, tmp_path, fir
     state = str(tmp_path / "state")
     stop = kit.run_tune(clean.argv(state, first, stop_after=3), clean.env)
     assert stop.returncode == 0, stop.stderr
-    assert "stopped after step 3 of 6 with a committed checkpoint" in stop.stderr
+    assert "stopped after step 3 of 6 (--stop-after) with a committed checkpoint" in stop.stderr
     assert kit.committed_steps(state) == [2, 3]
     assert kit.state_json(state, 3)["losses"] == clean.runs[first].losses[:3]
 

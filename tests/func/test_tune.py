@@ -97,7 +97,10 @@ def test_stop_after_then_the_same_command_continues_exactly(control, tmp_path):
     env = kit.spill_env(tmp_path / "home")
     first = kit.run_tune(kit.tune_argv(control.model, control.train, state, stop_after=3), env)
     assert first.returncode == 0, first.stderr
-    assert "stopped after step 3 of 6 with a committed checkpoint" in first.stderr
+    assert (
+        "stopped after step 3 of 6 (--stop-after) with a committed checkpoint; to continue, run it again without --stop-after or with a later one"
+        in first.stderr
+    )
     assert kit.committed_steps(state) == [2, 3]  # every 2 steps, and at the stop
     assert "adapter" not in kit.fs.listdir(state)
     partial = kit.state_json(state, 3)
