@@ -5,7 +5,10 @@ spill's own layout is ``params.safetensors`` (float32, spill's names) plus ``ada
 (``schema_version``, the LoRA configuration and the base model it was trained on; validated
 against ``schemas/adapter.schema.json`` on read). An older ``adapter.json`` that is the bare LoRA
 configuration, and a tune checkpoint folder (its ``state.json``), are read too. PEFT's layout is
-``adapter_model.safetensors`` + ``adapter_config.json``. Everything is first written to a local
+``adapter_model.safetensors`` + ``adapter_config.json``, naming the hub repository and commit
+the model name pins as its base (what PEFT can resolve); a ``README.md`` beside them says which
+base weights the adapter was trained on (for an imported GGUF: the file and its sha256).
+Everything is first written to a local
 temporary folder by the exporters, then published file by file through the store, so an
 ``s3://`` state gets the same tree as a local one.
 """
@@ -48,6 +51,43 @@ def loss_png(losses: list[float], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def readme(base: dict, fingerprint: str, files: dict[str, str] | None, lora, steps: int) -> str:
+    """The note beside an export: exactly which base weights the adapter was trained on."""
+    import spill
+
+    lines = [
+        f"# LoRA adapter for {base['name']}",
+        "",
+        f"Trained by spill {spill.__version__}: rank {lora.rank}, alpha {lora.alpha:g}, "
+        f"targets {', '.join(lora.targets)}, {steps} steps.",
+        "",
+        "## The base weights it was trained on",
+        "",
+        f"- model: `{base['name']}`, weight fingerprint `{fingerprint}`",
+    ]
+    if base.get("hub"):
+        at = f" at commit `{base['revision']}`" if base.get("revision") else ""
+        lines.append(f"- hub repository: `{base['hub']}`{at} (what `peft/` names as its base)")
+    if base.get("gguf"):
+        lines.append(
+            f"- imported from the GGUF file `{base['gguf']}` (sha256 `{base['gguf_sha256']}`), "
+            "dequantized exactly: these are not the hub repository's own weights, so the "
+            "adapter on the hub's weights computes close to, not exactly, what spill measured"
+        )
+    for name, sha in sorted((files or {}).items()):
+        lines.append(f"- `{name}`: sha256 `{sha}`")
+    lines += [
+        "",
+        "## Layouts",
+        "",
+        "- `params.safetensors` + `adapter.json`: spill's own (`spill run --adapter`, `eval`)",
+        "- `peft/`: PEFT (`PeftModel.from_pretrained(base, 'peft')`)",
+        "- `mlx/`: mlx-lm (`mlx_lm.generate --adapter-path mlx`)",
+        "- `loss.png`: the training loss per step",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def write_local(
     out: Path,
     params: dict[str, np.ndarray],
@@ -56,8 +96,11 @@ def write_local(
     fingerprint: str,
     layers: int,
     losses: list[float],
+    files: dict[str, str] | None = None,
 ) -> Path:
     from safetensors.numpy import save_file
+
+    from spill.models.provenance import describe_base
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(dict(sorted(params.items())), str(out / "params.safetensors"))
@@ -70,8 +113,10 @@ def write_local(
         "steps": len(losses),
     }
     (out / "adapter.json").write_text(json.dumps(meta, indent=2) + "\n")
-    export_peft(params, lora, model, out / "peft")
+    base = describe_base(model, files)
+    export_peft(params, lora, base["hub"] or model, out / "peft", base["revision"])
     export_mlx(params, lora, layers, out / "mlx")
+    (out / "README.md").write_text(readme(base, fingerprint, files, lora, len(losses)))
     loss_png(losses, out / "loss.png", f"{model} · LoRA r{lora.rank} · {len(losses)} steps")
     return out
 
@@ -84,12 +129,14 @@ def publish_adapter(
     fingerprint: str,
     layers: int,
     losses: list[float],
+    files: dict[str, str] | None = None,
 ) -> str:
-    """Write the adapter tree under ``<root>/adapter`` and return its location."""
+    """Write the adapter tree under ``<root>/adapter`` and return its location; ``files``: the
+    base's weight files and their sha256, as the run recorded them (for the README)."""
     target = join(root, ADAPTER)
     remove(target)  # what a publication killed midway left, its temporary files included
     with tempfile.TemporaryDirectory(prefix="spill-adapter-") as tmp:
-        local = write_local(Path(tmp), params, lora, model, fingerprint, layers, losses)
+        local = write_local(Path(tmp), params, lora, model, fingerprint, layers, losses, files)
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             put_bytes(join(target, *path.relative_to(local).parts), path.read_bytes())
     return target

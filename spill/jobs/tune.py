@@ -328,7 +328,7 @@ def _tune(
 
         p, _, _ = trainer.state()
         summary["adapter"] = publish_adapter(
-            root, p, opts.lora, model, fingerprint, cfg.num_hidden_layers, losses
+            root, p, opts.lora, model, fingerprint, cfg.num_hidden_layers, losses, resolved.files
         )
         note(f"adapter written to {summary['adapter']} (spill, PEFT and MLX-LM layouts, loss.png)")
     else:

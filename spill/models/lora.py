@@ -102,9 +102,14 @@ def init_params(cfg: ModelConfig, lora: LoraConfig, seed: int) -> dict[str, np.n
 
 
 def export_peft(
-    params: dict[str, np.ndarray], lora: LoraConfig, base_model: str, out: Path
+    params: dict[str, np.ndarray],
+    lora: LoraConfig,
+    base_model: str,
+    out: Path,
+    revision: str | None = None,
 ) -> Path:
-    """PEFT layout: ``adapter_model.safetensors`` (``lora_A.weight`` is ``[r, in]``) + config."""
+    """PEFT layout: ``adapter_model.safetensors`` (``lora_A.weight`` is ``[r, in]``) + config;
+    ``base_model``/``revision``: what ``AutoPeftModelForCausalLM`` loads the adapter onto."""
     from safetensors.numpy import save_file
 
     out = Path(out)
@@ -133,6 +138,8 @@ def export_peft(
         "use_rslora": False,
         "init_lora_weights": True,
     }
+    if revision:
+        config["revision"] = revision
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 

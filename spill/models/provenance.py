@@ -165,3 +165,25 @@ def hub_differs(
         elif want["oid"] is None or git_blob_id(read(fname)) != want["oid"]:
             return f"{fname} is not the hub's file"
     return ""
+
+
+def describe_base(name: str, files: Mapping[str, str] | None) -> dict[str, Any]:
+    """What a model name's weights are, for a note beside an export: the hub repository and
+    commit the name pins (what PEFT can resolve), and, when ``files`` (the weight files' sha256
+    a run recorded) are those of the GGUF import in this cache, that GGUF file and its sha256."""
+    from spill.models.cache import read_marker
+    from spill.models.integrity import weight_hashes
+
+    out: dict[str, Any] = {"name": name, "hub": None, "revision": None}
+    alias = lookup(name)
+    model_id, _, revision = name.strip().partition("@")
+    if alias is not None:
+        out.update(hub=alias.model_id, revision=alias.revision)
+    elif _tiny(name) is None and looks_like_hub_id(name):
+        pinned = alias_for_model_id(model_id)
+        out.update(hub=model_id, revision=revision or (pinned.revision if pinned else None))
+    if alias is not None and alias.offline and files:
+        marker = read_marker(models_dir() / safe_name(alias.name))
+        if marker.get("source") == "gguf" and weight_hashes(marker.get("files")) == dict(files):
+            out.update(gguf=marker.get("file"), gguf_sha256=marker.get("sha256"))
+    return out

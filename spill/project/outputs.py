@@ -124,7 +124,16 @@ def _export_final(where: Place) -> None:
     layers = 1 + max(int(k.split(".")[1]) for k in params)  # every layer carries the adapter
     losses = [float("nan") if x is None else x for x in st["losses"]]
     model = st["model"]
-    publish_adapter(where.uri, params, lora, model["id"], model["fingerprint"], layers, losses)
+    publish_adapter(
+        where.uri,
+        params,
+        lora,
+        model["id"],
+        model["fingerprint"],
+        layers,
+        losses,
+        model.get("files"),
+    )
 
 
 def restore_rows(where: Place, dest: str, ids: list, shape: Callable[[dict], dict]) -> None:

@@ -24,6 +24,7 @@ from spill.store.checkpoint import COMMIT, PARAMS, latest_checkpoint
 from tests.func import tune_kit as kit
 
 ADAPTER_TREE = {
+    "README.md",
     "adapter.json",
     "loss.png",
     "params.safetensors",
