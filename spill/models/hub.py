@@ -105,6 +105,9 @@ def download(
             return folder
         if offline():
             raise _not_cached(model_id, revision, "HF_HUB_OFFLINE is set")
+    why = unreachable()
+    if why:
+        raise _not_cached(model_id, revision, why)
     progress(f"fetching {model_id}@{revision[:12]} from the Hugging Face hub into {hub_cache()}")
     try:
         path = snapshot_download(model_id, **_kwargs(revision))
@@ -126,12 +129,47 @@ def download(
     return _mark(Path(path), model_id)
 
 
+def unreachable(timeout: float = 5.0) -> str:
+    """Why the hub (``HF_ENDPOINT``, or the proxy that reaches it) cannot be reached now, or
+    ``""``: one TCP connect, so that a machine without a network fails in milliseconds, not
+    after the hub client's ~24 s of retries."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    proxy = next(
+        (
+            os.environ[k]
+            for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+            if os.environ.get(k)
+        ),
+        None,
+    )
+    url = urlsplit(proxy if proxy and "://" in proxy else f"http://{proxy}" if proxy else endpoint)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        what = "its proxy " if proxy else ""
+        return (
+            f"the hub cannot be reached: {what}{host}:{port}: {e.strerror or e}; set "
+            "HF_HUB_OFFLINE=1 to use only what is cached"
+        )
+    return ""
+
+
 def reported_files(model_id: str, revision: str, timeout: float = 20) -> dict[str, dict]:
     """What the hub says the model files of ``model_id`` at commit ``revision`` are: name ->
     size, sha256 (LFS files) and git blob id (every file). Raises ``ModelNotFound`` (why, one
     line) when the hub cannot be asked: offline, unreachable, or no such commit."""
     if offline():
         raise ModelNotFound("HF_HUB_OFFLINE is set, so the hub cannot be asked")
+    why = unreachable()
+    if why:
+        raise ModelNotFound(why)
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
