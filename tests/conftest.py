@@ -51,7 +51,7 @@ def _free_port() -> int:
 def s3_endpoint():
     """A moto S3 server on loopback for the session; yields its endpoint URL."""
     pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
-    pytest.importorskip("s3fs", reason="s3fs[boto3] is in the test extra")
+    pytest.importorskip("s3fs", reason="s3fs is in the test extra")
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
