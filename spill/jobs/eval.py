@@ -48,6 +48,7 @@ class EvalOptions:
     max_new_tokens: int | None  # None: longest answer + ANSWER_MARGIN
     chat: bool = False
     adapter: Path | None = None
+    labels: tuple[str, ...] = ()  # a classification's label set: per-label results (no row changes)
 
     def settings(self, adapter: Adapter | None) -> dict:
         """Pinned in a state location's identity."""
@@ -63,6 +64,7 @@ class EvalRow:
     id: str | int
     row: PromptRow
     answer: str
+    input: str  # what a person reads as the row: its ``input`` key, else the prompt's text
 
 
 def read_eval_rows(path: Path) -> list[EvalRow]:
@@ -74,7 +76,10 @@ def read_eval_rows(path: Path) -> list[EvalRow]:
             raise DataError(
                 f"{path}:{lineno}: row has no 'answer' (or 'completion') string to grade against"
             )
-        out.append(EvalRow(row.id, row, answer))
+        text = obj.get("input")
+        if not isinstance(text, str):
+            text = row.prompt if row.prompt is not None else row.messages[-1]["content"]
+        out.append(EvalRow(row.id, row, answer, text))
     return out
 
 
@@ -106,6 +111,7 @@ def _grader(
             records.append(
                 {
                     "id": row.id,
+                    "input": row.input,
                     "output": text,
                     "answer": row.answer,
                     "correct": text.strip() == row.answer.strip(),
@@ -128,6 +134,30 @@ def _max_new(opts: EvalOptions, rows: list[EvalRow], tok) -> int:
     if opts.max_new_tokens is not None:
         return opts.max_new_tokens
     return max(len(tok.encode(r.answer, False)) for r in rows) + ANSWER_MARGIN
+
+
+OTHER = "(other)"  # a generated answer that is none of the labels
+
+
+def label_results(records: list[dict], labels: tuple[str, ...]) -> dict:
+    """Per label: precision, recall and support; and the confusion matrix (gold -> generated
+    label -> rows), a generated answer outside the label set counted as ``(other)``."""
+    confusion = {gold: dict.fromkeys((*labels, OTHER), 0) for gold in labels}
+    for r in records:
+        gold, said = r["answer"].strip(), r["output"].strip()
+        if gold in confusion:
+            confusion[gold][said if said in confusion else OTHER] += 1
+    per = {}
+    for label in labels:
+        hit = confusion[label][label]
+        said = sum(row[label] for row in confusion.values())
+        support = sum(confusion[label].values())
+        per[label] = {
+            "precision": round(hit / said, 6) if said else None,
+            "recall": round(hit / support, 6) if support else None,
+            "support": support,
+        }
+    return {"labels": per, "confusion": confusion}
 
 
 def _mean(values) -> float | None:
@@ -160,6 +190,8 @@ def evaluate(
         "gold_logprob_per_token": _mean(r["gold_logprob_mean"] for r in records),
         "adapter": str(opts.adapter) if opts.adapter else None,
     }
+    if opts.labels and records:
+        summary |= label_results(records, opts.labels)
     if out_path and done.complete:
         summary["out"] = str(out_path)
         note(f"wrote {len(records)} graded rows to {out_path}")

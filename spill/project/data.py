@@ -191,7 +191,7 @@ def render(
             }
         return {"id": r.id, **p, "completion": r.output}
 
-    graded = [{"id": r.id, **prompt(r), "answer": r.output} for r in test]
+    graded = [{"id": r.id, **prompt(r), "answer": r.output, "input": r.input} for r in test]
     return (
         _jsonl([trained(r) for r in train]),
         _jsonl(graded),

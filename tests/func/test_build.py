@@ -108,6 +108,18 @@ def test_toy_build_solves_the_task(reference):
         assert (adapter / name).is_file(), name
     for name in ("eval-base.jsonl", "eval.jsonl"):
         assert (reference["state"] / "files" / name).is_file()
+    # a person reads each graded row by its input; a classification has per-label results
+    rows = [json.loads(x) for x in (reference["state"] / "files" / "eval.jsonl").open()]
+    inputs = {r["id"]: r["input"] for r in rows}
+    csv = (reference["project"] / "toy.csv").read_text().splitlines()[1:]
+    assert all(inputs[i] == csv[i - 1].rsplit(",", 1)[0] for i in inputs)  # ids: 1-based rows
+    result = reference["json"]["stages"]["eval"]["result"]
+    assert set(result["labels"]) == {"big", "hot", "low", "red"} == set(result["confusion"])
+    assert all(
+        v == {"precision": 1.0, "recall": 1.0, "support": v["support"]}
+        for v in result["labels"].values()
+    )
+    assert sum(v["support"] for v in result["labels"].values()) == result["rows"]
     from spill.store.schemas import validate
 
     validate(doc, "build-state")

@@ -88,13 +88,14 @@ class EvalStage(RowStage):
             tuned = get(self.needs[0])
             adapter = ctx.local_folder(tuned.output(p.name), tuned.files)
         out = ctx.output(self.file)
-        opts = EvalOptions(max_new_tokens=p.eval.max_new_tokens, adapter=adapter)
+        classes = ctx.prepared.labels if ctx.prepared.task == "classification" else ()
+        opts = EvalOptions(max_new_tokens=p.eval.max_new_tokens, adapter=adapter, labels=classes)
         job = ctx.job_options(p.eval.batch, d.stop, self, "eval.batch")
         s = evaluate(p.model.name, ctx.work / self.reads, out, opts, job)
         complete = s.get("complete", True)
         if complete:
             ctx.publish(out)
-        return {k: s[k] for k in self.KEYS}, complete
+        return {k: s[k] for k in (*self.KEYS, "labels", "confusion") if k in s}, complete
 
     def summarize(self, result: Mapping[str, Any]) -> str:
         if not result:
