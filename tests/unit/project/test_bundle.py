@@ -418,3 +418,19 @@ def test_a_path_too_long_under_dir_is_refused_before_anything_is_written(tmp_pat
     with pytest.raises(BundleError, match="longer than this file system takes"):
         install(path, dest)
     unchanged()
+
+
+def test_a_damaged_model_file_is_refused_even_when_the_cache_holds_it(tmp_path, spill_home):
+    """Issue 21: every byte of a bundle is hashed on install, also the model files the cache
+    already holds (which are not copied): the damaged one is named, the good copy kept."""
+    files = real_tiny()
+    install(make(tmp_path / "good.spb", files), tmp_path / "a")
+    cached = spill_home / "models" / MODEL / "model.safetensors"
+    before = cached.read_bytes()
+    path = make(tmp_path / "bad.spb", files)
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(before[-4096:])] ^= 1  # inside the model file's bytes, as the bundle holds them
+    path.write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match=f"models/{MODEL}/model.safetensors: damaged"):
+        install(path, tmp_path / "b")
+    assert cached.read_bytes() == before and not (tmp_path / "b").exists()
