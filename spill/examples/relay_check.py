@@ -28,6 +28,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from spill.errors import UsageError
 from spill.jobs.producer import os_name
 from spill.paths import STATE_DIR
 from spill.project import state
@@ -235,3 +236,25 @@ def _moved_in(where: str) -> dict[str, Any]:
 
 def passed(rows: list[dict[str, Any]]) -> bool:
     return all(r["ok"] == "ok" for r in rows)
+
+
+def _read_json(path: str, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: cannot read the {what} ({e})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: the {what} is not a JSON object")
+    return doc
+
+
+def check_files(reference: str, relay_root: str, legs: str, floor: str, stop: int) -> list[dict]:
+    """``check`` with the reference's status, the legs and the noise floor read from the JSON
+    files ``relay-check`` names (one line for a file that cannot be read)."""
+    return check(
+        _read_json(reference, "reference build's status"),
+        relay_root,
+        _read_json(legs, "legs file"),
+        _read_json(floor, "noise floor"),
+        stop,
+    )

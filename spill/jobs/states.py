@@ -1,5 +1,5 @@
-"""A state location seen from outside: whether a path or URI is one (it holds runs), what its
-current run has committed, and the view ``spill status <state>`` prints for it.
+"""A state location seen from outside: whether a path or URI is one (it holds runs), and what a
+job's current run there has committed (``spill.project.status.progress`` adds a build's).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ def is_state(where: str) -> bool:
     return has_runs(where)
 
 
-def progress(where: str, doc: dict[str, Any]) -> str:
-    """The last committed step (and cursor) or row count of the run at ``where``."""
+def progress(where: str, doc: dict[str, Any]) -> str | None:
+    """The last committed step (and cursor) or row count of the job whose run is at ``where``,
+    or None when it has committed neither (a build's state, or nothing yet)."""
     from spill.control.place import Place
     from spill.store.checkpoint import newest_commit
     from spill.store.rows import commit_markers
@@ -32,24 +33,4 @@ def progress(where: str, doc: dict[str, Any]) -> str:
         return f"step {step} of {total} committed, cursor {state.get('cursor', '?')}"
     if "rows" in doc["pointers"]:
         return f"{sum(int(m.get('count', 0)) for m in commit_markers(place))} rows committed"
-    if "state" in doc["pointers"]:
-        from spill.project import state as build_state
-
-        recs = (build_state.read(where) or {}).get("stages") or {}
-        done = [f"{n} {r['status']} ({r['progress']} of {r['total']})" for n, r in recs.items()]
-        return "; ".join(done) or "nothing committed yet"
-    return "nothing committed yet"
-
-
-def summary(where: str) -> dict[str, Any]:
-    """``spill status <state>``: the current run, its owner and lease, and its progress."""
-    from spill.control.cas import current
-    from spill.control.runlist import missing_note
-    from spill.errors import StoreError
-    from spill.project.status import run_view
-
-    doc = current(where)
-    if doc is None:
-        raise StoreError(f"no run at {where}")
-    notes = [line] if (line := missing_note(where)) else []
-    return {"state": where, **run_view(where), "progress": progress(where, doc), "notes": notes}
+    return None

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from spill.errors import ModelError
 from spill.hashing import file_sha256
-from spill.models.cache import is_model_file, read_marker, write_marker
+from spill.models.cache import is_model_file, list_models, read_marker, write_marker
 
 SCHEMA_VERSION = 1
 CHUNK = 1 << 22
@@ -216,6 +216,20 @@ def verify(folder: Path) -> Verified:
         _remember(folder, fresh, full=True)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def verify_models(
+    name: str | None, progress: Callable[[str], object]
+) -> list[tuple[str, Verified]]:
+    """``spill models verify [NAME]``: (the name, ``verify``'s result) for ``name`` (as ``spill
+    run`` takes it) or for every cached model."""
+    from spill.models.resolve import resolve_model
+
+    if name:
+        targets = [(name, Path(resolve_model(name, progress=progress).folder))]
+    else:
+        targets = [(m["name"], Path(m["folder"])) for m in list_models()]
+    return [(label, verify(folder)) for label, folder in targets]
 
 
 def explain(found: Mapping[str, str] | None, want: Mapping[str, str] | None) -> str | None:

@@ -26,12 +26,11 @@ partial copy at the destination (``arrival.remove_claim``), never anything else 
 
 A complete run is read-only: it is copied (checked, claimed and verified the same way) and
 created at the destination as complete, naming the source in its lineage; the source stays as
-it was.
+it was. The command line (``spill.cli.move``) calls ``move`` or ``abort``.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import secrets
@@ -45,55 +44,6 @@ from spill.project.move_checks import locations
 from spill.project.move_copy import copy_snapshot, verify
 from spill.store import drill
 from spill.store.fs import absolute, join
-
-
-def add_parser(sub) -> None:
-    from spill.jobs.commands import authority_options
-
-    p = sub.add_parser(
-        "move",
-        usage="spill move [DIR] URI [--state URI] [--wait] [--json]\n       spill move --abort [DIR]",
-        help="move a project's run (its state and files) to another folder or URI",
-        description="Quiesce the run's writer at its next committed boundary, take the run, "
-        "copy a consistent snapshot with a checksummed manifest, verify it, and hand the run "
-        "over: afterwards `spill build URI` (or `spill resume URI`) continues there, and the "
-        "source says where it went. Rerun the same command after any interruption; "
-        "`--abort` calls off a move that has not handed the run over yet.",
-    )
-    p.add_argument("where", nargs="*", metavar="[DIR] URI", help="the project (.) and where to")
-    p.add_argument("--state", metavar="URI", help="the source's state (default DIR/.spill/)")
-    p.add_argument(
-        "--abort",
-        action="store_true",
-        help="call off the move of DIR's run: the run returns to what it was before the move "
-        "(a new generation), and its partial copy at the destination is removed",
-    )
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    authority_options(p)
-    p.set_defaults(func=command)
-
-
-def command(args: argparse.Namespace) -> int:
-    from spill.console import emit
-
-    if args.abort:
-        if len(args.where) > 2:
-            raise UsageError("spill move --abort takes the project folder; see --help")
-        src = args.where[0] if args.where else "."
-        to = args.where[1] if len(args.where) == 2 else None
-        result = abort(src, to, state=args.state, wait=args.wait)
-        keys = ("run", "from", "to", "status", "generation", "destination")
-    else:
-        if not 1 <= len(args.where) <= 2:
-            raise UsageError("spill move takes a project folder and a destination; see --help")
-        src, to = (".", args.where[0]) if len(args.where) == 1 else args.where
-        result = move(src, to, state=args.state, wait=args.wait, lease=args.lease)
-        keys = ("run", "from", "to", "files", "bytes", "seconds", "status")
-    emit(result, args.json, None if args.json else keys)
-    return 0
-
-
-# --- the verb ----------------------------------------------------------------------------------
 
 
 def _places(src: str, to: str, state: str | None):

@@ -5,6 +5,7 @@ options) beside its state under ``.spill/``. A build reads the project from a lo
 ``SPILL_HOME/projects/<hash of the URI>/``, refreshed from the URI before every command (a file
 whose size or sha256 differs is fetched again, one that is gone is removed), while the state
 stays at ``<URI>/.spill``: the run has one place, the URI; the copy is only what composing reads.
+``locate`` is where build, resume and status turn their ``DIR`` and ``--state`` into places.
 """
 
 from __future__ import annotations
@@ -14,8 +15,25 @@ import os
 from pathlib import Path
 
 from spill.paths import STATE_DIR, spill_home
-from spill.store.fs import exists, get_bytes, is_local, join
+from spill.store.fs import absolute, exists, get_bytes, is_local, join
 from spill.store.snapshot import project_files
+
+
+def locate(where: str, state: str | None, *, build: bool) -> tuple[str, str | None]:
+    """(the project folder or state location a command reads, its ``--state``): file:///p is
+    the folder /p (Hydra's sweep folder too); a project at a URI is checked out, its state at
+    ``<URI>/.spill`` unless given; a state location is kept as it is, except by ``build``
+    (resume and status take those)."""
+    from spill.errors import UsageError
+    from spill.jobs.states import is_state
+
+    where, state = (absolute(w) if w and "://" in w and is_local(w) else w for w in (where, state))
+    if "://" not in where or not build and is_state(where):
+        return where, state  # a local folder, or a state location
+    if not is_remote_project(where):
+        raise UsageError(f"{where} holds no spill.yaml; give a project's location")
+    local, there = checkout(where)
+    return str(local), state or there
 
 
 def is_remote_project(where: str) -> bool:

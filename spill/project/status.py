@@ -1,4 +1,5 @@
-"""``spill status``, and the tables a build prints: each stage, its result, where it ran.
+"""``spill status``, and the tables a build prints: each stage, its result, where it ran; and
+``spill status <state>``, a state location's current run and what it has committed.
 
 Everything here reads ``state.json`` (and, for an unfinished stage, the small probe files of
 its job state; for a finished one, the stats of its outputs); nothing loads a model or imports
@@ -98,6 +99,32 @@ def run_view(where: str) -> dict[str, Any] | None:
         "parent": doc["lineage"]["parent"],
         "move": describe_move(doc),
     }
+
+
+def progress(where: str, doc: dict[str, Any]) -> str:
+    """What the run at ``where`` has committed: a job's last step or rows
+    (``spill.jobs.states.progress``), else each stage of a build's state."""
+    from spill.jobs.states import progress as job_progress
+
+    if (found := job_progress(where, doc)) is not None:
+        return found
+    if "state" in doc["pointers"]:
+        recs = (state.read(where) or {}).get("stages") or {}
+        done = [f"{n} {r['status']} ({r['progress']} of {r['total']})" for n, r in recs.items()]
+        return "; ".join(done) or "nothing committed yet"
+    return "nothing committed yet"
+
+
+def run_summary(where: str) -> dict[str, Any]:
+    """``spill status <state>``: the current run, its owner and lease, and its progress."""
+    from spill.control.cas import current
+    from spill.control.runlist import missing_note
+
+    doc = current(where)
+    if doc is None:
+        raise StoreError(f"no run at {where}")
+    notes = [line] if (line := missing_note(where)) else []
+    return {"state": where, **run_view(where), "progress": progress(where, doc), "notes": notes}
 
 
 def as_json(summary: dict[str, Any]) -> dict[str, Any]:

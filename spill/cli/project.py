@@ -1,10 +1,10 @@
-"""The project verbs on the command line: ``init``, ``build``, ``status``, ``resume`` (and the
-hooks of ``move`` and ``bundle``, whose parsers live with them).
+"""The project verbs on the command line: ``init``, ``build``, ``status``, ``resume``.
 
-``spill.cli`` adds these subcommands with ``add_parsers``; each command turns its arguments into
-one call of ``spill.project.init``, ``build``, ``sweep`` or ``status`` and prints the summary.
-Everything heavy is imported inside the commands, so ``spill --help`` stays light. Arguments
-argparse does not know are Hydra overrides (``tune.lr=3e-4``; with ``-m`` a sweep).
+Each command turns its arguments into one call of ``spill.project.init``, ``build``, ``sweep`` or
+``status`` and prints the summary; ``resume`` and ``status`` given a state location instead of
+a project go to ``spill.cli.resume`` and ``spill.project.status.run_summary``. Everything heavy
+is imported inside the commands, so ``spill --help`` stays light. Arguments argparse does not
+know are Hydra overrides (``tune.lr=3e-4``; with ``-m`` a sweep).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from spill.cli.options import authority_options, engine_options, engine_overrides
 from spill.errors import UsageError
-from spill.jobs.commands import authority_options, engine_options
 
 
 def _overrides(args) -> list[str]:
@@ -28,23 +28,6 @@ def _overrides(args) -> list[str]:
     if bad:
         raise UsageError(f"unknown option {bad[0]}; `spill {args.command} --help` lists them")
     return extra + engine_overrides(args)
-
-
-def engine_overrides(args) -> list[str]:
-    """``--engine --device --dtype --ring --resident --memory`` as the ``engine.*`` overrides
-    they stand for (the same options every computing verb takes)."""
-    out = []
-    for key in ("engine", "device", "dtype", "ring", "memory"):
-        value = getattr(args, key, None)
-        if value is not None:
-            out.append(f"engine.{'name' if key == 'engine' else key}={value}")
-    if args.ring is not None and args.ring < 1:
-        raise UsageError("--ring must be at least 1")
-    if args.resident:
-        out += ["engine.resident=true", "engine.ring=null"]
-    elif args.ring is not None:
-        out.append("engine.resident=false")
-    return out
 
 
 def _emit_build(summary: dict, as_json: bool) -> None:
@@ -97,22 +80,11 @@ def cmd_build(args) -> int:
 
 
 def _at_uri(args) -> None:
-    """A project at a URI (``spill move`` put it there): build a local working copy of its
-    files, with the state at ``<URI>/.spill`` (``spill.project.remote``)."""
-    from spill.jobs.states import is_state
-    from spill.project.remote import checkout, is_remote_project
-    from spill.store.fs import absolute, is_local
+    """A project at a URI (``spill move`` put it there) is read from a local working copy, with
+    its state at ``<URI>/.spill``; file:///p is the folder /p (``spill.project.remote.locate``)."""
+    from spill.project.remote import locate
 
-    for key in ("dir", "state"):  # file:///p is the folder /p (Hydra's sweep folder too)
-        where = getattr(args, key, None)
-        if where and "://" in where and is_local(where):
-            setattr(args, key, absolute(where))
-    if "://" not in args.dir or args.command != "build" and is_state(args.dir):
-        return  # a local folder, or a state location (resume and status take those)
-    if not is_remote_project(args.dir):
-        raise UsageError(f"{args.dir} holds no spill.yaml; give a project's location")
-    local, state = checkout(args.dir)
-    args.dir, args.state = str(local), args.state or state
+    args.dir, args.state = locate(args.dir, args.state, build=args.command == "build")
 
 
 def _build(args) -> int:
@@ -142,7 +114,7 @@ def _build(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from spill.jobs.resume import resume_state
+    from spill.cli.resume import resume_state
     from spill.jobs.states import is_state
     from spill.project.build import BuildOptions, build
 
@@ -177,9 +149,9 @@ def cmd_status(args) -> int:
     _at_uri(args)
     if args.state is None and is_state(args.dir):  # a job's (or a build's) state location
         from spill.console import emit
-        from spill.jobs.states import summary
+        from spill.project.status import run_summary
 
-        view = summary(args.dir)
+        view = run_summary(args.dir)
         keys = ("state", "id", "status", "generation", "owner", "progress")
         keys += ("move",) if view.get("move") else ()
         emit(view, args.json, None if args.json else keys)
@@ -268,9 +240,3 @@ def add_parsers(sub) -> None:
     )
     project_args(p)
     p.set_defaults(func=cmd_status)
-
-    from spill.project.bundle import add_parser as add_bundle
-    from spill.project.move import add_parser as add_move
-
-    add_move(sub)
-    add_bundle(sub)

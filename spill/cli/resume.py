@@ -2,26 +2,25 @@
 
 ``spill resume DIR`` with a project folder continues its build (``spill.project.build``). Given a
 state location instead (a folder or a URI holding ``runs/``), this module reads the run's control
-object and ``command.json`` (the command line that last owned the run, recorded at acquisition),
-prints the last committed step or row count, and runs that command again in the folder it was
-typed in, with ``--state`` set to the location given, its own ``--stop-after`` dropped (a resume
-continues), and the resume's ``--stop-after``, ``--wait``, ``--lease`` and engine options
-applied. The command itself acquires the run (exit 75 naming the owner while another process
-holds it), restores from the pointed payloads and continues.
+object and ``command.json`` (the command line that last owned the run, recorded at acquisition
+by ``spill.jobs.authority``), prints the last committed step or row count
+(``spill.project.status.progress``), and runs that command again through ``spill.cli.main`` in
+the folder it was typed in, with ``--state`` set to the location given, its own
+``--stop-after`` dropped (a resume continues), and the resume's ``--stop-after``, ``--wait``,
+``--lease`` and engine options applied. The command itself acquires the run (exit 75 naming the
+owner while another process holds it), restores from the pointed payloads and continues.
 """
 
 from __future__ import annotations
 
 import os
 
+from spill.cli.options import ENGINE_FLAGS, JOB_VERBS
 from spill.console import note
 from spill.errors import StoreError
-from spill.jobs.states import progress
 from spill.store.fs import absolute
 
-JOB_VERBS = ("tune", "train", "run", "eval", "distill")
 BUILD_VERBS = ("build", "resume")
-ENGINE_FLAGS = ("engine", "device", "dtype", "ring", "memory")
 
 
 def _drop(argv: list[str], flag: str) -> list[str]:
@@ -51,9 +50,10 @@ def _extra(args) -> list[str]:
 
 def resume_state(where: str, args) -> int:
     """Continue the run at state location ``where``; see the module doc."""
-    from spill.cli import main
+    from spill.cli import build_parser, main  # the floor's own entry: a replay is a command line
     from spill.control.cas import current
     from spill.jobs.authority import read_command
+    from spill.project.status import progress
 
     where = absolute(where)  # file:///p is the path /p
     doc = current(where)
@@ -76,8 +76,6 @@ def resume_state(where: str, args) -> int:
         )
     argv = [*_drop(_drop(list(cmd["argv"]), "--stop-after"), "--state"), "--state", where]
     if cmd["verb"] in BUILD_VERBS:
-        from spill.cli import build_parser
-
         recorded, _ = build_parser(cmd["verb"]).parse_known_args(cmd["argv"])
         project = os.path.join(cmd["cwd"], recorded.dir)
         argv = ["resume", project, "--state", where]

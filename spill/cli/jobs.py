@@ -1,10 +1,10 @@
-"""The job verbs on the command line: ``run``, ``eval``, ``distill``, ``tune``.
+"""The job verbs on the command line: ``run``, ``eval``, ``distill``, ``tune`` (alias ``train``).
 
-``spill.cli`` adds these subcommands with ``add_parsers``; each command turns its arguments into
-one call of its job module and prints the summary. Every flag that is a setting of a conf group
-(``tune``, ``eval``, ``teacher``, ``engine``) takes its default from ``spill.conf.defaults``, so
-``spill tune`` and a build with the same values are the same run. Everything heavy is imported
-inside the commands, so ``spill --help`` stays light.
+Each command turns its arguments into the options of its job module (``spill.jobs.run``,
+``eval``, ``distill``, ``tune``), makes one call and prints the summary. Every flag that is a
+setting of a conf group (``tune``, ``eval``, ``teacher``, ``engine``) takes its default from
+``spill.conf.defaults``, so ``spill tune`` and a build with the same values are the same run.
+Everything heavy is imported inside the commands, so ``spill --help`` stays light.
 """
 
 from __future__ import annotations
@@ -12,78 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from spill.cli.options import authority_options, engine_options
 from spill.errors import SpillError
-
-
-def parse_size(text: str) -> int:
-    """``--memory``: ``8G``, ``512MiB``, ``1.5g`` or a plain byte count (``spill.sizes``)."""
-    from spill.sizes import parse_size as parse
-
-    try:
-        return parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def engine_options(p: argparse.ArgumentParser, shorthand: bool = False) -> None:
-    """``--engine --device --dtype --ring|--resident --memory`` (and ``--weights``): every verb
-    that computes takes them. A job verb defaults them to the engine group's base option; with
-    ``shorthand`` (build, resume) they default to None and stand for ``engine.*`` overrides."""
-    if shorthand:  # no conf read: a finished build should not import YAML
-        e = dict.fromkeys(("name", "device", "dtype", "ring", "resident", "memory"))
-    else:
-        from spill.conf import defaults
-
-        e = defaults("engine")
-    g = p.add_argument_group(
-        "engine (shorthand for the engine.* settings; unset: the project's)"
-        if shorthand
-        else "model and engine"
-    )
-    if not shorthand:
-        g.add_argument(
-            "--weights",
-            metavar="URI",
-            help="stage the model folder from this fsspec URI (local, s3://, memory://)",
-        )
-    g.add_argument(
-        "--engine",
-        default=e["name"],
-        choices=["auto", "torch", "mlx"],
-        help="compute engine" + ("" if shorthand else " (default: %(default)s)"),
-    )
-    g.add_argument(
-        "--device",
-        default=e["device"],
-        help="device for the engine, e.g. cpu or cuda (default: the best available)",
-    )
-    g.add_argument(
-        "--dtype",
-        default=e["dtype"],
-        choices=["float32", "bfloat16"],
-        help="base-weight numerics (default: measured choice)",
-    )
-    ring = g.add_mutually_exclusive_group()
-    ring.add_argument(
-        "--ring",
-        type=int,
-        default=e["ring"],
-        metavar="K",
-        help="stream decoder layers through K slots (2 streams hardest)",
-    )
-    ring.add_argument(
-        "--resident",
-        action="store_true",
-        default=bool(e["resident"]),
-        help="load every layer once and keep it",
-    )
-    g.add_argument(
-        "--memory",
-        type=parse_size,
-        default=e["memory"],
-        metavar="SIZE",
-        help="memory budget for the layer ring, e.g. 8G (default: from free RAM)",
-    )
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
@@ -112,31 +42,6 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
-    )
-
-
-def _lease(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
-def authority_options(p: argparse.ArgumentParser) -> None:
-    """``--wait`` and ``--lease``: how a writer meets another owner of its state's run."""
-    p.add_argument(
-        "--wait",
-        action="store_true",
-        help="if another process owns the state's run, wait for it instead of exiting 75",
-    )
-    p.add_argument(
-        "--lease",
-        type=_lease,
-        metavar="SECONDS",
-        help="how long the run stays ours without a heartbeat (default $SPILL_LEASE or 120)",
     )
 
 
@@ -316,7 +221,6 @@ HELP = {
     "distill": "have a teacher answer prompts, as training rows",
     "tune": "train a LoRA adapter, streamed through the ring",
 }
-VERBS = (*HELP, "train")
 
 
 def add_parsers(sub, full: bool = True) -> None:

@@ -1,0 +1,130 @@
+"""What several verbs share on the command line: which verbs are jobs, the engine flags (and the
+``engine.*`` overrides they stand for), ``--wait``/``--lease`` and sizes as an argparse type.
+
+Nothing here reads a conf file when imported: a job verb's engine defaults are read when its
+parser is built, so ``spill --help`` and a finished ``spill build`` stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from spill.errors import UsageError
+
+JOB_VERBS = ("run", "eval", "distill", "tune", "train")  # train: tune's alias
+# the engine flags that take a value (--resident is the one switch): what build and resume turn
+# into engine.* overrides, and what a resume passes on to the command it replays
+ENGINE_FLAGS = ("engine", "device", "dtype", "ring", "memory")
+
+
+def parse_size(text: str) -> int:
+    """``--memory``: ``8G``, ``512MiB``, ``1.5g`` or a plain byte count (``spill.sizes``)."""
+    from spill.sizes import parse_size as parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def engine_options(p: argparse.ArgumentParser, shorthand: bool = False) -> None:
+    """``--engine --device --dtype --ring|--resident --memory`` (and ``--weights``): every verb
+    that computes takes them. A job verb defaults them to the engine group's base option; with
+    ``shorthand`` (build, resume) they default to None and stand for ``engine.*`` overrides."""
+    if shorthand:  # no conf read: a finished build should not import YAML
+        e = dict.fromkeys(("name", "device", "dtype", "ring", "resident", "memory"))
+    else:
+        from spill.conf import defaults
+
+        e = defaults("engine")
+    g = p.add_argument_group(
+        "engine (shorthand for the engine.* settings; unset: the project's)"
+        if shorthand
+        else "model and engine"
+    )
+    if not shorthand:
+        g.add_argument(
+            "--weights",
+            metavar="URI",
+            help="stage the model folder from this fsspec URI (local, s3://, memory://)",
+        )
+    g.add_argument(
+        "--engine",
+        default=e["name"],
+        choices=["auto", "torch", "mlx"],
+        help="compute engine" + ("" if shorthand else " (default: %(default)s)"),
+    )
+    g.add_argument(
+        "--device",
+        default=e["device"],
+        help="device for the engine, e.g. cpu or cuda (default: the best available)",
+    )
+    g.add_argument(
+        "--dtype",
+        default=e["dtype"],
+        choices=["float32", "bfloat16"],
+        help="base-weight numerics (default: measured choice)",
+    )
+    ring = g.add_mutually_exclusive_group()
+    ring.add_argument(
+        "--ring",
+        type=int,
+        default=e["ring"],
+        metavar="K",
+        help="stream decoder layers through K slots (2 streams hardest)",
+    )
+    ring.add_argument(
+        "--resident",
+        action="store_true",
+        default=bool(e["resident"]),
+        help="load every layer once and keep it",
+    )
+    g.add_argument(
+        "--memory",
+        type=parse_size,
+        default=e["memory"],
+        metavar="SIZE",
+        help="memory budget for the layer ring, e.g. 8G (default: from free RAM)",
+    )
+
+
+def engine_overrides(args: argparse.Namespace) -> list[str]:
+    """``--engine --device --dtype --ring --resident --memory`` as the ``engine.*`` overrides
+    they stand for (the same options every computing verb takes)."""
+    out = []
+    for key in ENGINE_FLAGS:
+        value = getattr(args, key, None)
+        if value is not None:
+            out.append(f"engine.{'name' if key == 'engine' else key}={value}")
+    if args.ring is not None and args.ring < 1:
+        raise UsageError("--ring must be at least 1")
+    if args.resident:
+        out += ["engine.resident=true", "engine.ring=null"]
+    elif args.ring is not None:
+        out.append("engine.resident=false")
+    return out
+
+
+def _lease(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def authority_options(p: argparse.ArgumentParser) -> None:
+    """``--wait`` and ``--lease``: how a writer meets another owner of its state's run."""
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="if another process owns the state's run, wait for it instead of exiting 75",
+    )
+    p.add_argument(
+        "--lease",
+        type=_lease,
+        metavar="SECONDS",
+        help="how long the run stays ours without a heartbeat (default $SPILL_LEASE or 120)",
+    )
