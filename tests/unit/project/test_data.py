@@ -88,7 +88,8 @@ def test_rendered_rows(tmp_path):
     first = json.loads(plain.train.splitlines()[0])
     assert set(first) == {"id", "prompt", "completion"} and first["prompt"].startswith("Q: item")
     graded = json.loads(plain.test.splitlines()[0])
-    assert set(graded) == {"id", "prompt", "answer"}
+    assert set(graded) == {"id", "prompt", "answer", "input"}  # the input, for people to read
+    assert graded["prompt"] == f"Q: {graded['input']}\n"
     chat = prepare(path, "text", "label", "auto", 0, 0.2, "Pick {labels}: {input}", True)
     first = json.loads(chat.train.splitlines()[0])
     assert [m["role"] for m in first["messages"]] == ["user", "assistant"]
