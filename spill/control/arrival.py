@@ -55,7 +55,7 @@ from spill.control.transfer import _read, _record, _write, pending
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.fs import _local, files_under, get_bytes, is_local, join, listdir, remove
-from spill.store.schemas import parse_json, validate
+from spill.validate import parse_json, validate
 
 _ELSEWHERE = "move to a new or empty location"
 

@@ -40,7 +40,7 @@ from spill.store.fs import (
     mount_type,
     put_bytes,
 )
-from spill.store.schemas import parse_json, remember, validate, validate_once
+from spill.validate import parse_json, remember, validate, validate_once
 
 RUNS = "runs"
 CURRENT = "current.json"

@@ -176,7 +176,7 @@ def _targets(b: Bundle, dest_tmp: Path, model_tmp: Path, placements: list) -> di
 
 
 def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
-    from spill.store.schemas import validate
+    from spill.validate import validate
 
     validate(doc, schema, where=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -282,7 +282,7 @@ def abort(
 def _read_manifest(dst_state: str, run: str, tid: str) -> dict[str, Any]:
     from spill.control.arrival import manifest_uri
     from spill.store.fs import get_bytes
-    from spill.store.schemas import parse_json, validate
+    from spill.validate import parse_json, validate
 
     uri = manifest_uri(dst_state, run, tid)
     doc = parse_json(get_bytes(uri))

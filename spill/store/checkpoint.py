@@ -51,7 +51,7 @@ from spill.hashing import buffers_sha256
 from spill.models.safetensors_io import encode
 from spill.store import drill
 from spill.store.fs import exists, get_bytes, join, put_bytes, put_fresh, sync_fresh
-from spill.store.schemas import SchemaInvalid, parse_json, validate
+from spill.validate import SchemaInvalid, parse_json, validate
 
 KIND = "ckpt"
 PARAMS = "params.safetensors"

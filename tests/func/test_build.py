@@ -108,7 +108,7 @@ def test_toy_build_solves_the_task(reference):
         assert (adapter / name).is_file(), name
     for name in ("eval-base.jsonl", "eval.jsonl"):
         assert (reference["state"] / "files" / name).is_file()
-    from spill.store.schemas import validate
+    from spill.validate import validate
 
     validate(doc, "build-state")
 

@@ -29,7 +29,7 @@ from spill.control.owner import _pid_state
 from spill.control.runs import acquire
 from spill.errors import EXIT_PREEMPTED
 from spill.store.fs import exists, get_bytes, join, listdir, mount_type, put_bytes
-from spill.store.schemas import load_schema
+from spill.validate import load_schema
 
 WORKER = Path(__file__).parents[2] / "func" / "control_worker.py"
 HOST = socket.gethostname()

@@ -23,7 +23,7 @@ from spill.store.checkpoint import (
     save_checkpoint,
     settle,
 )
-from spill.store.schemas import SchemaInvalid
+from spill.validate import SchemaInvalid
 
 
 def writer(root: str) -> Place:
