@@ -21,7 +21,7 @@ atomically: 0.86x the speed of a plain fsync'd write of the same bytes on a 2-co
 (``bench/checkpoint.py``, docs/reports/012-speed.md).
 
 Tensors are float32 and laid out as ``safetensors.numpy.save`` lays them out (name order,
-``spill.models.safetensors_io.encode``), so equal inputs give equal bytes and an equal COMMIT.
+``spill.store.safetensors_io.encode``), so equal inputs give equal bytes and an equal COMMIT.
 Optimizer tensors are named ``m::<name>`` and ``v::<name>`` after the parameter they belong to.
 
 A save hashes each existing folder at most once per process (a verdict is remembered per COMMIT
@@ -48,9 +48,9 @@ import numpy as np
 from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
 from spill.hashing import buffers_sha256
-from spill.models.safetensors_io import encode
 from spill.store import drill
 from spill.store.fs import exists, get_bytes, join, put_bytes, put_fresh, sync_fresh
+from spill.store.safetensors_io import encode
 from spill.validate import SchemaInvalid, parse_json, validate
 
 KIND = "ckpt"
