@@ -52,7 +52,7 @@ def _extra(args) -> list[str]:
 def resume_state(where: str, args) -> int:
     """Continue the run at state location ``where``; see the module doc."""
     from spill.cli import main
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.jobs.authority import read_command
 
     where = absolute(where)  # file:///p is the path /p

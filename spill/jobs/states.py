@@ -43,7 +43,7 @@ def progress(where: str, doc: dict[str, Any]) -> str:
 
 def summary(where: str) -> dict[str, Any]:
     """``spill status <state>``: the current run, its owner and lease, and its progress."""
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.control.runlist import missing_note
     from spill.errors import StoreError
     from spill.project.status import run_view

@@ -88,7 +88,7 @@ def _project(where: str, state: str | None) -> tuple[Path, str]:
 
 
 def pack(where: str, path: Path, args: argparse.Namespace, as_json: bool) -> int:
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.project import bundle_pack as bp
 
     if path.exists() and not args.force:

@@ -98,7 +98,7 @@ def command(args: argparse.Namespace) -> int:
 
 def _places(src: str, to: str, state: str | None):
     """Checks 1 to 4 (``move_checks``): the places and their stores."""
-    from spill.control.cas import store_for
+    from spill.control.keys import store_for
 
     root, src_state, dst_root, dst_state = locations(src, to, state)
     src_store = store_for(src_state)
@@ -152,7 +152,7 @@ def move(
     """Move the run of project (or state location) ``src`` to ``to``; see the module doc."""
     from spill.console import note
     from spill.control import arrival, transfer
-    from spill.control.cas import current
+    from spill.control.keys import current
 
     t0 = time.monotonic()
     root, src_state, dst, src_store = _places(src, to, state)
@@ -233,7 +233,7 @@ def abort(
     move left at its destination; see the module doc."""
     from spill.console import note
     from spill.control import arrival, transfer
-    from spill.control.cas import current, store_for
+    from spill.control.keys import current, store_for
 
     root, src_state = checks.source(src, state)
     src_store = store_for(src_state)
@@ -308,7 +308,7 @@ def _copy_complete(root, src_state, dst, doc, name, t0) -> dict[str, Any]:
     destination (checked and claimed first, like a move); the source stays as it is."""
     from spill.console import note
     from spill.control import arrival
-    from spill.control.cas import read_control
+    from spill.control.keys import read_control
     from spill.control.owner import home_of
 
     dst_root, dst_state, dst_store = dst

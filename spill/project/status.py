@@ -78,7 +78,7 @@ def render(summary: dict[str, Any]) -> str:
 def run_view(where: str) -> dict[str, Any] | None:
     """The current run at ``where`` as ``spill status`` shows it: id, status, generation, owner
     (host, pid, since, lease left), lineage."""
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.control.owner import describe
     from spill.control.transfer import describe_move
 

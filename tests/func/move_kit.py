@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spill.control.cas import current
+from spill.control.keys import current
 from spill.control.place import payload_seq
 from spill.store import fs
 from spill.store.checkpoint import COMMIT, FILES
