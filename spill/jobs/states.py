@@ -22,8 +22,8 @@ def is_state(where: str) -> bool:
 def progress(where: str, doc: dict[str, Any]) -> str:
     """The last committed step (and cursor) or row count of the run at ``where``."""
     from spill.control.place import Place
-    from spill.store.checkpoint import newest_commit
-    from spill.store.rows import commit_markers
+    from spill.payloads.checkpoint import newest_commit
+    from spill.payloads.rows import commit_markers
 
     place = Place(where)
     if (found := newest_commit(place)) is not None:

@@ -17,7 +17,7 @@ from spill.validate import (
     validate,
     validate_once,
 )
-from tests.unit.store.store_worker import IDENTITY, tensors
+from tests.unit.payloads.payload_worker import IDENTITY, tensors
 
 NAMES = ["checkpoint-state", "commit", "segment-commit", "row-identity", "machine"]
 
