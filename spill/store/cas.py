@@ -2,8 +2,8 @@
 or replaces the one last read, or raises ``Conflict`` (it changed since) or ``Uncertain`` (its
 outcome is unknown); the caller reads again either way.
 
-* local: every write holds an exclusive ``flock`` on the folder's lock file (``exclusive``) and
-  replaces the file atomically (``spill.store.fs.put_bytes``). Only file systems known to honour
+* local: a transition holds an exclusive ``flock`` on the folder's lock file (``exclusive``)
+  and each write replaces the file atomically (``spill.store.fs.put_bytes``). Only file systems known to honour
   flock are accepted; a network or unknown file system is refused in one line. A fixed name
   that holds what spill did not put there (a folder or a link where a file belongs) is refused
   in one line that names what to remove (in the words of the folder's ``Layout``).
