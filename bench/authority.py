@@ -126,7 +126,7 @@ class Bench:
         wall = time.perf_counter() - t0
         if p.returncode:
             sys.exit(f"spill tune failed ({p.returncode}):\n{p.stderr.decode()}")
-        from spill.control.cas import current
+        from spill.control.keys import current
 
         doc = current(state)
         seconds = json.loads(p.stdout)["seconds"]
@@ -286,7 +286,7 @@ def sigkill(b: Bench, root: str, rounds: int) -> dict:
 
 
 def sigstop(b: Bench, root: str, rounds: int, cases: list[tuple[float, float]]) -> dict:
-    from spill.control.cas import current
+    from spill.control.keys import current
 
     rows = []
     for _ in range(rounds):

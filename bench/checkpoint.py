@@ -6,7 +6,7 @@ asserts a time.
 
 The checkpoint: SmolLM2-135M's LoRA rank 16 on all seven linears (4.9M float32 parameters,
 random), its AdamW moments m and v, and a state.json like tune's. ``spill`` is the real path,
-``spill.store.checkpoint.save_checkpoint`` on the place of a run this process holds (as
+``spill.payloads.checkpoint.save_checkpoint`` on the place of a run this process holds (as
 ``spill tune`` does): the safetensors layout written from the arrays' memory while two threads
 hash it (sha256), params, opt and state.json fsynced, COMMIT written atomically (temp file,
 fsync, rename, fsync of the folder), the run's control object moved to it (flock, fsync'd
@@ -102,7 +102,7 @@ def plain_write(folder: Path, blobs: dict[str, bytes]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from spill.jobs.authority import hold
-    from spill.store.checkpoint import COMMIT, FILES, save_checkpoint, settle
+    from spill.payloads.checkpoint import COMMIT, FILES, save_checkpoint, settle
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)

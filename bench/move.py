@@ -62,7 +62,7 @@ print(len(files), sum(p.stat().st_size for p in files), time.perf_counter() - t,
 BREAKDOWN = """
 import json, os, sys, time
 from spill.project import move as mv
-from spill.control import cas, control, transfer
+from spill.control import control, keys, transfer
 acc = {}
 def wrap(owner, name, label):
     f = getattr(owner, name)
@@ -73,7 +73,7 @@ def wrap(owner, name, label):
         finally:
             acc[label] = acc.get(label, 0.0) + time.perf_counter() - t
     setattr(owner, name, timed)
-wrap(cas, "store_for", "open stores")
+wrap(keys, "store_for", "open stores")
 for n in ("begin", "take", "step", "incoming", "fence", "activate"):
     wrap(transfer, n, "control")
 wrap(control.Run, "release", "control")

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 
 from spill.paths import machine_cache
-from spill.store.schemas import SchemaInvalid, parse_json, validate, validate_once
+from spill.validate import SchemaInvalid, parse_json, validate, validate_once
 
 SCHEMA = "machine"
 

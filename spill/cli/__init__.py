@@ -80,7 +80,7 @@ def entry() -> None:
     if "torch" in sys.modules or "mlx.core" in sys.modules:
         import psutil
 
-        from spill.store.checkpoint import settle
+        from spill.payloads.checkpoint import settle
 
         settle()  # a save's removal of older checkpoints, still on its own thread
         if not psutil.Process().children():

@@ -51,7 +51,7 @@ def _extra(args) -> list[str]:
 def resume_state(where: str, args) -> int:
     """Continue the run at state location ``where``; see the module doc."""
     from spill.cli import build_parser, main  # the floor's own entry: a replay is a command line
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.jobs.authority import read_command
     from spill.project.status import progress
 

@@ -36,26 +36,15 @@ import os
 import time
 from typing import Any
 
-from spill.control.cas import (
-    ATTEMPTS,
-    CURRENT,
-    LOCK,
-    RUNS,
-    Store,
-    _Conflict,
-    _Uncertain,
-    current,
-    read_control,
-    read_runs,
-    run_list,
-)
+from spill.control.keys import CURRENT, LOCK, RUNS, current, read_control, read_runs, run_list
 from spill.control.owner import home_of, host, me
 from spill.control.runs import _holder
 from spill.control.transfer import _read, _record, _write, pending
 from spill.errors import StoreError
 from spill.store import drill
+from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
 from spill.store.fs import _local, files_under, get_bytes, is_local, join, listdir, remove
-from spill.store.schemas import parse_json, validate
+from spill.validate import parse_json, validate
 
 _ELSEWHERE = "move to a new or empty location"
 
@@ -194,7 +183,7 @@ def claim(
                 _write(dst, new, tag, "move-claim")
                 if runs is None:
                     dst.put(CURRENT, run_list([rid]), "runs", runs_tag)
-            except (_Conflict, _Uncertain):
+            except (Conflict, Uncertain):
                 continue  # read again: another claim, or our own write that landed
         drill.at(drill.MOVE_CLAIM)
         return tid, now + lease
@@ -225,7 +214,7 @@ def incoming(dst: Store, doc: dict[str, Any], step: str = "incoming") -> None:
             new["seq"] = there["seq"]
             try:
                 _write(dst, new, tag, "move-incoming")
-            except (_Conflict, _Uncertain):
+            except (Conflict, Uncertain):
                 continue
         return
     raise StoreError(f"{dst.state}: could not record the move there; run `spill move` again")
@@ -248,7 +237,7 @@ def activate(dst: Store, tid: str, status: str = "active") -> dict[str, Any]:
             _record(doc, "activate")
             try:
                 _write(dst, doc, tag, "move-activate")
-            except (_Conflict, _Uncertain):
+            except (Conflict, Uncertain):
                 continue
         drill.at(drill.MOVE_ACTIVATE)
         return doc

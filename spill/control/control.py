@@ -8,7 +8,7 @@ A state location (a build's ``.spill/``, a job's ``--state``) holds its runs und
 
 A control object names the owner, the generation, the lease, the status (``active``,
 ``quiescing``, ``transferred``, ``incoming``, ``complete``, ``copy``), the current payloads
-(``Place``), the lineage and a move's ``transfer`` (``spill.control.transfer``). It changes only by *transitions* (``spill.control.cas``): read the newest document,
+(``Place``), the lineage and a move's ``transfer`` (``spill.control.transfer``). It changes only by *transitions* (``spill.store.cas``): read the newest document,
 check the change (owner, generation, status), write the next one conditionally; a lost or
 uncertain write reads again, and finds either its own transition there or someone else's.
 
@@ -35,17 +35,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spill.control.cas import (
-    ATTEMPTS,
-    CONTROL,
-    Store,
-    _Conflict,
-    _Uncertain,
-    read_control,
-)
+from spill.control.keys import CONTROL, read_control
 from spill.control.place import Place
 from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
 from spill.store import drill
+from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
 
 SCHEMA_VERSION = 1
 # A bench-only switch: transitions after acquisition change this process's copy of the control
@@ -139,7 +133,7 @@ class Run:
                         new["lease"]["expires"] = now + self.lease
                     try:
                         self._tag = self.store.put(key, new, "control", tag)
-                    except (_Conflict, _Uncertain):
+                    except (Conflict, Uncertain):
                         self._tag = None
                         continue
                 self.doc = new

@@ -20,8 +20,9 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-from spill.control.cas import CONTROL, Store, current, read_control, run_ids
+from spill.control.keys import CONTROL, current, read_control, run_ids
 from spill.errors import StoreError
+from spill.store.cas import Store
 from spill.store.fs import join, listdir, remove
 
 if TYPE_CHECKING:

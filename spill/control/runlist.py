@@ -34,15 +34,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from spill.control.cas import (
-    ATTEMPTS,
+from spill.control.keys import (
     CONTROL,
     CURRENT,
     RUNS,
-    Store,
-    _Conflict,
-    _store,
-    _Uncertain,
+    open_store,
     read_control,
     read_runs,
     run_ids,
@@ -51,6 +47,7 @@ from spill.control.cas import (
 from spill.control.place import FROZEN, generations
 from spill.errors import StoreError
 from spill.store import drill
+from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
 from spill.store.fs import exists, join
 
 log = logging.getLogger(__name__)
@@ -144,7 +141,7 @@ def restore(store: Store) -> tuple[dict[str, Any] | None, str | None]:
         runs = decide(store, docs)
         try:
             tag = store.put(CURRENT, runs, "runs", None)
-        except (_Conflict, _Uncertain):  # another rebuilder won (or ours landed): read it
+        except (Conflict, Uncertain):  # another rebuilder won (or ours landed): read it
             continue
         log.warning("%s was missing; rebuilt from %s", store.uri(CURRENT), _line(runs, docs))
         drill.at(drill.CONTROL_REBUILD)
@@ -160,7 +157,7 @@ def _line(runs: dict[str, Any], docs: dict[str, dict[str, Any]]) -> str:
 
 def missing_note(state: str) -> str | None:
     """For ``spill status``: a line saying the run list is missing and what stands in for it."""
-    store = _store(state)
+    store = open_store(state)
     runs, _, rebuilt = view(store)
     if not rebuilt or runs is None:
         return None
@@ -179,7 +176,7 @@ def has_runs(state: str) -> bool:
     """Whether ``state`` holds runs: a run list, or control objects without one."""
     if exists(join(state, RUNS, CURRENT)):
         return True
-    return any(exists(join(state, RUNS, rid, CONTROL)) for rid in run_ids(_store(state)))
+    return any(exists(join(state, RUNS, rid, CONTROL)) for rid in run_ids(open_store(state)))
 
 
 def current(state: str) -> dict[str, Any] | None:
@@ -187,7 +184,7 @@ def current(state: str) -> dict[str, Any] | None:
 
     A reader's view: no lock is taken (every write is an atomic replace) and nothing is
     written; a missing run list is rebuilt in memory (``view``)."""
-    store = _store(state)  # reading needs no flock, so no file system check
+    store = open_store(state)  # reading needs no flock, so no file system check
     runs, _, _ = view(store)
     if runs is None:
         return None

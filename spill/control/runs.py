@@ -26,25 +26,21 @@ from collections.abc import Callable, Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
-from spill.control.cas import (
-    ATTEMPTS,
+from spill.control.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
+from spill.control.keys import (
     CONTROL,
     CURRENT,
-    LockHeld,
-    Store,
-    _Conflict,
-    _Uncertain,
     current,
     read_control,
     read_runs,
     run_list,
     store_for,
 )
-from spill.control.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
 from spill.control.owner import describe, gone, home_of, host, lease_seconds, me
 from spill.control.runlist import has_runs, next_generation, restore
 from spill.errors import StoreError
 from spill.store import drill
+from spill.store.cas import ATTEMPTS, Conflict, LockHeld, Store, Uncertain
 from spill.store.fs import _local, is_local
 
 
@@ -146,7 +142,7 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                 # the run's control object first (a new key, no contention), then the list
                 try:
                     store.put(f"{rid}/{CONTROL}", doc, "control", None)
-                except (_Conflict, _Uncertain):
+                except (Conflict, Uncertain):
                     # a new random key: a conflict is our own retried create that landed
                     got, _ = read_control(store, rid)
                     if got is None or got["last"]["op"] != doc["last"]["op"]:
@@ -154,7 +150,7 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                 try:
                     listing = run_list([*(runs["runs"] if runs else []), rid])
                     store.put(CURRENT, listing, "runs", runs_tag)
-                except (_Conflict, _Uncertain):
+                except (Conflict, Uncertain):
                     got, _ = read_runs(store)
                     if got is not None and got["current"] == rid:
                         return Run(store, doc, lease)
@@ -185,7 +181,7 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
             new["updated"] = _iso(now)
             try:
                 store.put(f"{rid}/{CONTROL}", new, "control", tag)
-            except (_Conflict, _Uncertain):
+            except (Conflict, Uncertain):
                 got, _ = read_control(store, rid)
                 if got is not None and got["last"]["op"] == f"{nonce}:0":
                     return Run(store, got, lease)

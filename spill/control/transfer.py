@@ -2,7 +2,7 @@
 another. The destination's side (its claim, ``incoming``, ``activate``) is
 ``spill.control.arrival``.
 
-A move is seven steps, each a conditional transition of a control object (``spill.control.cas``)
+A move is seven steps, each a conditional transition of a control object (``spill.store.cas``)
 recorded in its ``transfer`` field (id, from, to, step, times), so that running the move again
 after an interruption anywhere continues it. Before step 1 the destination is claimed
 (``arrival.claim``, under the transfer id the quiesce then records), so that a move that would
@@ -41,21 +41,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spill.control.cas import (
-    ATTEMPTS,
-    CONTROL,
-    CURRENT,
-    Store,
-    _Conflict,
-    _Uncertain,
-    read_control,
-)
 from spill.control.control import Run, _iso
+from spill.control.keys import CONTROL, CURRENT, read_control
 from spill.control.owner import home_of, lease_seconds, me
 from spill.control.runlist import restore
 from spill.control.runs import CopiedRun, _busy, _holder
 from spill.errors import StoreError, UsageError
 from spill.store import drill
+from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
 
 STEPS = drill.MOVE_STEPS
 
@@ -162,7 +155,7 @@ def begin(
             }
             try:
                 _write(src, doc, tag, "move-quiesce")
-            except (_Conflict, _Uncertain):
+            except (Conflict, Uncertain):
                 continue  # read again: a writer's transition, or our own that landed
         drill.at(drill.MOVE_QUIESCE)
         return doc
@@ -192,7 +185,7 @@ def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Run
                 _record(new, "take")
                 try:
                     tag = _write(src, new, tag, "move-take")
-                except (_Conflict, _Uncertain):
+                except (Conflict, Uncertain):
                     tries += 1
                     continue
                 run = Run(src, new, lease)
@@ -264,7 +257,7 @@ def abort(src: Store, *, wait: bool = False, poll: float = 0.5) -> dict[str, Any
                 new["transfer"].update(aborted=now, at=now)
                 try:
                     _write(src, new, tag, "move-abort")
-                except (_Conflict, _Uncertain):
+                except (Conflict, Uncertain):
                     tries += 1
                     continue
                 break

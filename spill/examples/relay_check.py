@@ -84,7 +84,7 @@ def _fmt(x: float | None) -> str:
 
 def tune_ledger(root: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The newest committed tune checkpoint's state and its producer ranges."""
-    from spill.store.checkpoint import newest_commit
+    from spill.payloads.checkpoint import newest_commit
 
     found = newest_commit(TUNE.place(root))
     if found is None:
@@ -112,7 +112,7 @@ def steps_once(ckpt: dict[str, Any] | None, ranges: list[dict[str, Any]], steps:
 
 def row_ledger(root: str, stage: RowStage) -> list[dict[str, Any]]:
     """The commit markers of a row stage's committed segments (row ids and producer each)."""
-    from spill.store.rows import commit_markers
+    from spill.payloads.rows import commit_markers
 
     return commit_markers(stage.place(root))
 
@@ -225,7 +225,7 @@ def check(
 
 def _moved_in(where: str) -> dict[str, Any]:
     """The relay's run arrived by a move from another place (its control object says so)."""
-    from spill.control.cas import current
+    from spill.control.keys import current
 
     doc = current(where) or {}
     t = doc.get("transfer") or {}

@@ -26,7 +26,7 @@ import numpy as np
 from spill.errors import SpillError
 from spill.models.lora import MODULES, LoraConfig, export_mlx, export_peft
 from spill.store.fs import join, put_bytes, remove
-from spill.store.schemas import validate
+from spill.validate import validate
 
 ADAPTER = "adapter"
 SCHEMA_VERSION = 1

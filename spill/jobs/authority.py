@@ -76,7 +76,7 @@ def record_command(state: str, argv: Sequence[str]) -> None:
 
     from spill.control.owner import host
     from spill.store.fs import join, put_bytes
-    from spill.store.schemas import remember, validate
+    from spill.validate import remember, validate
 
     words = [a for a in argv if not a.startswith("-")]
     doc = {
@@ -97,7 +97,7 @@ def record_command(state: str, argv: Sequence[str]) -> None:
 def read_command(state: str) -> dict | None:
     """``<state>/command.json`` validated, or None when there is none."""
     from spill.store.fs import get_bytes, join
-    from spill.store.schemas import parse_json, validate_once
+    from spill.validate import parse_json, validate_once
 
     uri = join(state, COMMAND)
     try:

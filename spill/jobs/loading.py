@@ -13,7 +13,7 @@ from spill.models.tokenizer import Tokenizer
 
 @dataclass
 class LoadedModel:
-    """A model open on an engine (``spill.store.checkpoint.Loaded`` is a checkpoint read back)."""
+    """A model open on an engine (``spill.payloads.checkpoint.Loaded`` is a checkpoint read back)."""
 
     name: str
     folder: Path

@@ -362,7 +362,7 @@ class Guard:
                 _say(f"spill: error: {e}")
                 os._exit(EXIT_USER)
             preempted(reason, "", detail=f"saving failed ({type(e).__name__}: {e})")
-        from spill.store.checkpoint import settle  # numpy: not at import (planning loads this)
+        from spill.payloads.checkpoint import settle  # numpy: not at import (planning loads this)
 
         settle()  # the save's removal of older checkpoints (the hard stop still bounds it)
         os._exit(EXIT_PREEMPTED)

@@ -175,7 +175,7 @@ def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
 
 
 def _restore(place: Place, pinned: dict[str, Any], rows: Sequence[HasId]) -> dict:
-    from spill.store.rows import pin_identity, restore
+    from spill.payloads.rows import pin_identity, restore
 
     uri = place.uri
     pin_identity(uri, pinned)
@@ -226,7 +226,7 @@ def _execute(
     prepare: Callable[[LoadedModel], Work],
     finish: Callable[[list[Record]], None],
 ) -> Outcome:
-    from spill.store.rows import SegmentWriter
+    from spill.payloads.rows import SegmentWriter
 
     opts = job.options
     with Guard(unit="batch", signals=SIGNALS if held else ()) as guard:

@@ -23,8 +23,8 @@ def progress(where: str, doc: dict[str, Any]) -> str | None:
     """The last committed step (and cursor) or row count of the job whose run is at ``where``,
     or None when it has committed neither (a build's state, or nothing yet)."""
     from spill.control.place import Place
-    from spill.store.checkpoint import newest_commit
-    from spill.store.rows import commit_markers
+    from spill.payloads.checkpoint import newest_commit
+    from spill.payloads.rows import commit_markers
 
     place = Place(where)
     if (found := newest_commit(place)) is not None:

@@ -32,8 +32,8 @@ from spill.models.integrity import explain
 from spill.models.lora import LoraConfig, init_params
 from spill.models.tokenizer import Tokenizer
 from spill.paths import spill_home
+from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.store import drill
-from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.store.fs import exists, is_local, join, same_file
 from spill.store.probe import probe_writable
 

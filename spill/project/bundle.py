@@ -56,7 +56,7 @@ def pack(
     force: bool = False,
 ) -> dict[str, Any]:
     """Write the bundle of the project at ``where`` to ``path``: its one-row result."""
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.project import bundle_pack as bp
 
     if path.exists() and not force:

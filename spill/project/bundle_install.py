@@ -93,7 +93,7 @@ def _check_lengths(b: Bundle, dest: Path) -> None:
 
 def _refuse_live(dest: Path) -> None:
     """A previous install whose run a live process owns is not replaced under it."""
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.control.runs import _busy, is_held
 
     state = str(dest / STATE_DIR)
@@ -176,11 +176,11 @@ def _targets(b: Bundle, dest_tmp: Path, model_tmp: Path, placements: list) -> di
 
 
 def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
-    from spill.store.schemas import validate
+    from spill.validate import validate
 
     validate(doc, schema, where=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "xb") as f:  # the byte format of spill.control.cas.Store.put
+    with open(path, "xb") as f:  # the byte format of spill.store.cas.Store.put
         f.write(json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n")
         os.fsync(f.fileno())
 

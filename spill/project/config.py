@@ -29,7 +29,7 @@ from spill.errors import BadOverride, ConfigError, HydraRefused
 from spill.project import hydra_safety
 from spill.project.hydra_safety import SEARCH_PATH  # noqa: F401  (init writes it into projects)
 from spill.project.uptodate import compose_key  # noqa: F401  (part of this boundary's API)
-from spill.store.schemas import short
+from spill.validate import short
 
 FILE = "spill.yaml"
 CONFIG_NAME = "spill"
@@ -210,7 +210,7 @@ def validate(doc: Any, where: str, strict: bool = True) -> None:
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import best_match
 
-    from spill.store.schemas import load_schema
+    from spill.validate import load_schema
 
     schema = load_schema(SCHEMA)
     checked = _strict(schema) if strict else schema
@@ -251,7 +251,7 @@ def hydra_line(e: BaseException) -> str:
     if text.startswith("Could not override '"):
         key = text.split("'")[1]
         section = key.split(".")[0]
-        from spill.store.schemas import load_schema
+        from spill.validate import load_schema
 
         known = load_schema(SCHEMA)["properties"].get(section, {}).get("properties")
         allowed = f"; allowed in {section}: {', '.join(known)}" if known else ""

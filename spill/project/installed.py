@@ -25,7 +25,7 @@ KIND = "spill-installed-bundle"
 
 def read(root: Path | str) -> dict[str, Any] | None:
     """The project's record (validated), or None when no bundle installed it."""
-    from spill.store.schemas import SchemaInvalid, parse_json, validate
+    from spill.validate import SchemaInvalid, parse_json, validate
 
     path = Path(root) / FILE
     try:
@@ -63,7 +63,7 @@ def model_folder(root: Path | str, name: str | None) -> str | None:
 
 
 def encode(doc: dict[str, Any]) -> bytes:
-    from spill.store.schemas import validate
+    from spill.validate import validate
 
     validate(doc, "installed-bundle", where=FILE)
     return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"

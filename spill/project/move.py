@@ -48,7 +48,7 @@ from spill.store.fs import absolute, join
 
 def _places(src: str, to: str, state: str | None):
     """Checks 1 to 4 (``move_checks``): the places and their stores."""
-    from spill.control.cas import store_for
+    from spill.control.keys import store_for
 
     root, src_state, dst_root, dst_state = locations(src, to, state)
     src_store = store_for(src_state)
@@ -102,7 +102,7 @@ def move(
     """Move the run of project (or state location) ``src`` to ``to``; see the module doc."""
     from spill.console import note
     from spill.control import arrival, transfer
-    from spill.control.cas import current
+    from spill.control.keys import current
 
     t0 = time.monotonic()
     root, src_state, dst, src_store = _places(src, to, state)
@@ -183,7 +183,7 @@ def abort(
     move left at its destination; see the module doc."""
     from spill.console import note
     from spill.control import arrival, transfer
-    from spill.control.cas import current, store_for
+    from spill.control.keys import current, store_for
 
     root, src_state = checks.source(src, state)
     src_store = store_for(src_state)
@@ -232,7 +232,7 @@ def abort(
 def _read_manifest(dst_state: str, run: str, tid: str) -> dict[str, Any]:
     from spill.control.arrival import manifest_uri
     from spill.store.fs import get_bytes
-    from spill.store.schemas import parse_json, validate
+    from spill.validate import parse_json, validate
 
     uri = manifest_uri(dst_state, run, tid)
     doc = parse_json(get_bytes(uri))
@@ -258,7 +258,7 @@ def _copy_complete(root, src_state, dst, doc, name, t0) -> dict[str, Any]:
     destination (checked and claimed first, like a move); the source stays as it is."""
     from spill.console import note
     from spill.control import arrival
-    from spill.control.cas import read_control
+    from spill.control.keys import read_control
     from spill.control.owner import home_of
 
     dst_root, dst_state, dst_store = dst

@@ -82,7 +82,7 @@ def _errno(e: BaseException | None) -> int | None:
 
 
 def _put_manifest(uri: str, manifest: dict[str, Any]) -> None:
-    from spill.store.schemas import validate
+    from spill.validate import validate
 
     validate(manifest, "move-manifest", where=uri)
     put_bytes(uri, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")

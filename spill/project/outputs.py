@@ -110,7 +110,7 @@ def _export_final(where: Place) -> None:
     """Export the adapter of the final tune checkpoint as the tune job does at its end."""
     from spill.jobs.adapter_files import publish_adapter
     from spill.models.lora import LoraConfig
-    from spill.store.checkpoint import latest_checkpoint, load_checkpoint
+    from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint
 
     ckpt = latest_checkpoint(where)
     if ckpt is None:
@@ -139,7 +139,7 @@ def _export_final(where: Place) -> None:
 def restore_rows(where: Place, dest: str, ids: list, shape: Callable[[dict], dict]) -> None:
     """Write the rows file ``dest`` again from the committed segments of the row job at
     ``where`` (a place): one ``shape(row)`` line per id of ``ids``, in that order."""
-    from spill.store.rows import restore
+    from spill.payloads.rows import restore
 
     got = restore(where)
     by_id = dict(zip(got.done, got.rows, strict=True))

@@ -44,7 +44,7 @@ def read(root: str) -> dict[str, Any] | None:
     """The current ``state.json`` of the build at ``root`` (None when there is none), validated
     against the ``build-state`` schema, its ``config`` against the strict spill.yaml schema."""
     from spill.control.place import Place
-    from spill.store.schemas import parse_json, short, validate_once
+    from spill.validate import parse_json, short, validate_once
 
     pointed = Place(root).pointer(KIND_POINTER)
     if not pointed:
@@ -79,7 +79,7 @@ def read(root: str) -> dict[str, Any] | None:
 def _check_more(doc: dict[str, Any], uri: str) -> None:
     """What the schema leaves open: the config (strict spill.yaml) and each stage's result."""
     from spill.project.config import ConfigError, validate
-    from spill.store.schemas import short
+    from spill.validate import short
 
     try:
         validate(doc["config"], "config")
@@ -97,7 +97,7 @@ def _check_more(doc: dict[str, Any], uri: str) -> None:
 
 def write(run: Run, doc: dict[str, Any]) -> None:
     """Write ``doc`` as a new payload and make it current (fenced: only the run's owner can)."""
-    from spill.store.schemas import remember, validate
+    from spill.validate import remember, validate
 
     place = run.place()
     target = place.payload(KIND_POINTER, run.doc["seq"])

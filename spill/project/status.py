@@ -79,7 +79,7 @@ def render(summary: dict[str, Any]) -> str:
 def run_view(where: str) -> dict[str, Any] | None:
     """The current run at ``where`` as ``spill status`` shows it: id, status, generation, owner
     (host, pid, since, lease left), lineage."""
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.control.owner import describe
     from spill.control.transfer import describe_move
 
@@ -117,7 +117,7 @@ def progress(where: str, doc: dict[str, Any]) -> str:
 
 def run_summary(where: str) -> dict[str, Any]:
     """``spill status <state>``: the current run, its owner and lease, and its progress."""
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.control.runlist import missing_note
 
     doc = current(where)

@@ -1,4 +1,5 @@
-"""The engine-free storage layer: byte access to a state URI (``fs``), tune checkpoints
-(``checkpoint``), committed row segments (``rows``), JSON Schema validation (``schemas``) and the
-named crash points used by kill drills (``drill``). Nothing here imports torch or mlx.
+"""The engine-free storage layer: byte access to a state URI (``fs``), conditional writes
+(``cas``; ``objstore`` on an object store), the safetensors byte format (``safetensors_io``),
+destination probes (``probe``), snapshots (``snapshot``) and the named crash points used by
+kill drills (``drill``). It imports nothing of spill but the ground floor.
 """

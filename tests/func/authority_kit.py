@@ -6,7 +6,7 @@ hold ``runs/control.lock`` for the few milliseconds of a write; a writer whose h
 happens to be inside a renewal when it stops would hold every successor off until it continues.
 ``paused`` therefore lets such a writer run on a moment and stops it again until the lock is free.
 
-Control documents are read through ``spill.control.cas.current``, so local and ``s3://`` states are
+Control documents are read through ``spill.control.keys.current``, so local and ``s3://`` states are
 read the same way.
 """
 
@@ -18,7 +18,7 @@ import signal
 import time
 from typing import Any
 
-from spill.control.cas import current
+from spill.control.keys import current
 from spill.control.place import _PAYLOAD
 from spill.store import fs
 from tests.func import tune_kit as kit

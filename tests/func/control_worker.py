@@ -71,7 +71,7 @@ def hold(argv: list[str]) -> int:
 
 def _racer(state: str, go: int, done: int, out: str, keep: bool) -> int:
     """One forked racer: wait for the start, acquire, and (the winner) hold until told."""
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.control.runs import acquire
 
     for fd, suffix in ((1, ".out"), (2, ".err")):
@@ -144,7 +144,7 @@ def race(argv: list[str]) -> int:
     import fsspec.asyn
 
     import spill.control.runs  # noqa: F401  (imported once, before the forks)
-    from spill.control.cas import current
+    from spill.control.keys import current
     from spill.store.fs import is_local, join
 
     base, rounds, n = argv[0], int(argv[1]), int(argv[2])

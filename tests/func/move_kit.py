@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spill.control.cas import current
+from spill.control.keys import current
 from spill.control.place import payload_seq
+from spill.payloads.checkpoint import COMMIT, FILES
 from spill.store import fs
-from spill.store.checkpoint import COMMIT, FILES
 from tests.func.tune_kit import spill_env as env_for  # the child's environment, no drills
 
 TOY = Path(__file__).resolve().parents[2] / "projects" / "toy"

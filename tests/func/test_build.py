@@ -120,7 +120,7 @@ def test_toy_build_solves_the_task(reference):
         for v in result["labels"].values()
     )
     assert sum(v["support"] for v in result["labels"].values()) == result["rows"]
-    from spill.store.schemas import validate
+    from spill.validate import validate
 
     validate(doc, "build-state")
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from spill.control.cas import current
 from spill.control.control import Busy
+from spill.control.keys import current
 from spill.errors import EXIT_PREEMPTED
 from spill.store.fs import join
 

@@ -10,7 +10,7 @@ ways:
 * default retries: the client retries by itself (aiohttp on a reused connection, botocore,
   s3fs); the retried conditional PUT gets a 412, and the transition reads again;
 * retries off (``AWS_MAX_ATTEMPTS=1``, s3fs ``retries = 1``, and aiohttp's one retry dropped
-  too): the write is ``_Uncertain`` in ``spill.control.objstore``, and ``_transact`` (or
+  too): the write is ``Uncertain`` in ``spill.store.objstore``, and ``_transact`` (or
   ``acquire``) recognises its own landed write by ``last.op``.
 
 The server's side is counted by the proxy: exactly one write of the control key landed per
@@ -26,7 +26,7 @@ import uuid
 
 import pytest
 
-from spill.control import cas
+from spill.control import keys
 from spill.control.runs import acquire
 from spill.store.fs import filesystem, get_bytes, join
 from tests.func import s3_fault_proxy
@@ -127,7 +127,7 @@ def test_lost_answer_resolved_once(state, proxy, mode, fault, transition, caplog
     """The faulted control write landed once, the transition took effect exactly once (seq
     +1, ``last.op`` ours, pointers and generation as they should be), and there is one run."""
     key = "/current.json" if transition == "create-current" else "/control.json"
-    caplog.set_level(logging.INFO, logger="spill.control.objstore")
+    caplog.set_level(logging.INFO, logger="spill.store.objstore")
     before, gen, ops, since = None, 1, 0, 0
     if transition.startswith("create"):
         arm(proxy, key, fault, mode)
@@ -139,7 +139,7 @@ def test_lost_answer_resolved_once(state, proxy, mode, fault, transition, caplog
         if transition == "acquire-released":
             run.release()
             gen, ops = 2, 0
-        before = cas.current(state)
+        before = keys.current(state)
         since = len(landed(proxy, state, key))
         arm(proxy, key, fault, mode)
         if transition == "acquire-released":
@@ -155,7 +155,7 @@ def test_lost_answer_resolved_once(state, proxy, mode, fault, transition, caplog
         ops += transition != "acquire-released"
     proxy.clear()
 
-    doc = cas.current(state)
+    doc = keys.current(state)
     assert doc["last"]["op"] == f"{run.nonce}:{ops}"
     assert doc["owner"]["nonce"] == run.nonce and doc["generation"] == gen == run.gen
     assert doc["seq"] == (1 if before is None else before["seq"] + 1)
@@ -190,7 +190,7 @@ def test_publishes_with_random_lost_answers(state, proxy, mode, n, seed):
     pointer changes on the server, in order, each once."""
     rng = random.Random(seed)
     run = acquire(state, lease=60)
-    start = cas.current(state)["seq"]
+    start = keys.current(state)["seq"]
     since = len(landed(proxy, state, "/control.json"))
     faults = []
     for i in range(1, n + 1):
@@ -201,7 +201,7 @@ def test_publishes_with_random_lost_answers(state, proxy, mode, n, seed):
         run.publish(ptr(i))
         proxy.clear()
     assert sum(map(bool, faults)) >= n // 4
-    doc = cas.current(state)
+    doc = keys.current(state)
     assert doc["seq"] == start + n and doc["pointers"] == ptr(n)
     bodies = [json.loads(p.body) for p in landed(proxy, state, "/control.json")[since:]]
     assert [b["pointers"] for b in bodies] == [ptr(i) for i in range(1, n + 1)]
@@ -247,7 +247,7 @@ def test_tune_with_a_lost_checkpoint_publication_equals_the_control(
 
     kit.assert_same_checkpoint(state, control.state)
     assert kit.adapter_files(state) == kit.adapter_files(control.state)
-    doc, want = cas.current(state), cas.current(control.state)
+    doc, want = keys.current(state), keys.current(control.state)
     assert doc["status"] == want["status"] == "complete"
     assert doc["seq"] == want["seq"] and doc["pointers"] == want["pointers"]
     assert runs_json(state)["runs"] == [doc["run"]] and run_folders(state) == [doc["run"]]

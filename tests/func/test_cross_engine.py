@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 from spill.models.tiny import write_tiny
-from spill.store.checkpoint import PARAMS
+from spill.payloads.checkpoint import PARAMS
 from tests.func import tune_kit as kit
 
 
@@ -288,7 +288,7 @@ def rowjob(tmp_path_factory):
 def _segments(state: Path) -> list[dict]:
     """Every committed segment's marker (the run's ``rows`` pointer names it), in push order."""
     from spill.control.place import Place
-    from spill.store.rows import commit_markers
+    from spill.payloads.rows import commit_markers
 
     return commit_markers(Place(str(state)))
 

@@ -396,7 +396,7 @@ def test_machine_cache(world, examples):
     import torch
 
     from spill.machine import cpu_key
-    from spill.store.schemas import validate
+    from spill.validate import validate
 
     key = f"{cpu_key()} | torch {torch.__version__}"
     good = {key: {"shape": [64, 1024, 1024], "float32_s": 0.001, "bfloat16_s": 0.1, "ratio": 100.0}}

@@ -45,7 +45,7 @@ def _committed_ids(state: str) -> list:
     """Row ids of every committed segment (the run's ``rows`` pointer names it), in push order
     (repeats kept, to be counted)."""
     from spill.control.place import Place
-    from spill.store.rows import commit_markers
+    from spill.payloads.rows import commit_markers
 
     return [rid for marker in commit_markers(Place(state)) for rid in marker["row_ids"]]
 
@@ -103,7 +103,7 @@ def test_sigterm_commits_the_rows_done_and_rerun_finishes(tmp_path, job):
     assert not out.exists()
 
     from spill.control.place import Place
-    from spill.store.rows import commit_markers, restore
+    from spill.payloads.rows import commit_markers, restore
 
     got = restore(Place(str(state)))
     ref = [json.loads(x) for x in job["ref"].splitlines()]

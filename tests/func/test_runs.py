@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spill.control.cas import current
+from spill.control.keys import current
 from tests.func.test_build import copy_toy, spill
 
 FAST = ("tune.steps=4", "tune.ckpt_every=2")

@@ -20,7 +20,7 @@ from spill.control.place import Place
 from spill.jobs.train_data import data_fingerprint
 from spill.models.tiny import write_tiny
 from spill.models.weights import fingerprint
-from spill.store.checkpoint import COMMIT, PARAMS, latest_checkpoint
+from spill.payloads.checkpoint import COMMIT, PARAMS, latest_checkpoint
 from tests.func import tune_kit as kit
 
 ADAPTER_TREE = {

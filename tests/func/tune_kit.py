@@ -32,8 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.control.place import Place, payload_seq
-from spill.store import fs
-from spill.store.checkpoint import (
+from spill.payloads.checkpoint import (
     COMMIT,
     FILES,
     OPT,
@@ -43,6 +42,7 @@ from spill.store.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
+from spill.store import fs
 
 STEPS = 6
 # The standard run: a tiny llama streamed through a ring of 2, two micro-batches per step, LoRA

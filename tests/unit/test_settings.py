@@ -62,7 +62,7 @@ def cli_defaults(verb: str) -> dict:
 
 
 def schema_section(group: str) -> dict:
-    from spill.store.schemas import load_schema
+    from spill.validate import load_schema
 
     return load_schema("spill-yaml")["properties"][group]["properties"]
 

@@ -4,6 +4,7 @@ seam, modules stay small, and every shipped JSON Schema is itself valid."""
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from pathlib import Path
@@ -18,6 +19,25 @@ HEAVY = re.compile(r"^\s*(import|from)\s+(torch|mlx|transformers|peft)\b", re.MU
 FAMILY_BUDGET, BUDGET = 300, 400
 # "spill/path.py" or "bench/name.py": lines, with a reason next to each
 EXCEPTIONS: dict[str, int] = {}
+# The floors of spill/, each with the floors it rests on directly. A module may import its own
+# floor and every floor below it, and nothing else: not in a function, not under TYPE_CHECKING.
+FLOORS: dict[str, tuple[str, ...]] = {
+    "ground": (),  # GROUND: imports nothing of spill but GROUND
+    "store": ("ground",),  # locations, atomic and conditional writes, byte formats, drills
+    "models": ("store",),  # families, names, sources, weight files, fingerprints
+    "engines": ("models",),  # the engine seam: the only floor that imports torch or mlx
+    "control": ("store",),  # control objects, leases, fencing, payload pointers, moves
+    "payloads": ("control",),  # checkpoints and row segments in a run's payload folders
+    "jobs": ("payloads", "engines"),  # tune and row jobs, preemption
+    "project": ("jobs",),  # spill.yaml, plan, build, move, bundle
+    "examples": ("project",),  # the relay: run by the cli only
+    "cli": ("examples",),  # argument parsing and printing: nothing imports it
+}
+GROUND = {  # spill/<name>.py, and the data packages installed beside them
+    *("__init__", "errors", "paths", "hashing", "sizes", "console", "machine", "validate"),
+    *("conf", "schemas", "projects", "reports"),
+}
+CLI = {"cli", "__main__"}
 
 
 def _modules():
@@ -34,66 +54,91 @@ def test_heavy_imports_only_in_engines():
     assert not leaks, f"torch/mlx imported outside spill/engines/: {leaks}"
 
 
-def test_layers_import_down():
-    """models/, store/ and control/ never import project/, jobs/ or cli; engines never import
-    jobs/; jobs/ never imports project/; examples/ (the top, beside cli) is imported by nothing
-    else."""
-    top = ("spill.cli", "spill.examples")
-    rules = {
-        "models": ("spill.project", "spill.jobs", "spill.engines", *top),
-        "store": ("spill.project", "spill.jobs", "spill.engines", *top),
-        "control": ("spill.project", "spill.jobs", "spill.engines", *top),
-        "engines": ("spill.jobs", *top),
-        "jobs": ("spill.project", *top),
-        "project": top,
-    }
-    bad = []
+def _floor(name: str) -> str:
+    """The floor of ``spill`` or ``spill.<part>...`` (a module, or a name imported from one)."""
+    head = name.split(".")[1] if "." in name else "__init__"
+    return "cli" if head in CLI else head if head in FLOORS else "ground"
+
+
+def _below(floor: str) -> set[str]:
+    """Every floor that ``floor`` rests on, directly or through another."""
+    out: set[str] = set()
+    for f in FLOORS[floor]:
+        out |= {f, *_below(f)}
+    return out
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every ``spill`` name ``path`` imports, at module level, in a function or under
+    ``TYPE_CHECKING`` alike (``from a import b`` counts as ``a.b``: ``b`` may be a module)."""
+    package = list(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                up = package[: len(package) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return [(n, m) for n, m in out if m == "spill" or m.startswith("spill.")]
+
+
+@functools.cache
+def _all_arrows() -> tuple[tuple[str, str, str], ...]:
+    """(importing floor, imported floor, "path imports name") for every import between two
+    floors."""
+    out = []
     for p in _modules():
-        layer = p.relative_to(PKG).parts[0]
-        for banned in rules.get(layer, ()):
-            if re.search(
-                rf"^\s*(from|import)\s+{re.escape(banned)}\b", p.read_text(), re.MULTILINE
-            ):
-                bad.append(f"{p.relative_to(ROOT)} imports {banned}")
+        mine = _floor(".".join(p.relative_to(ROOT).with_suffix("").parts))
+        for _, name in _imports(p):
+            if _floor(name) != mine:
+                out.append((mine, _floor(name), f"{p.relative_to(ROOT)} imports {name}"))
+    return tuple(out)
+
+
+def _arrows() -> list[tuple[str, str, str]]:
+    return list(_all_arrows())
+
+
+def test_every_part_of_spill_has_a_floor():
+    """A new package or top-level module of spill/ is given its floor here first."""
+    parts = {p.stem for p in PKG.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    unknown = parts - set(FLOORS) - GROUND - CLI
+    assert not unknown, f"add to FLOORS, GROUND or CLI: {sorted(unknown)}"
+    assert set(FLOORS) - {"ground"} <= parts | {"cli"}, "a floor that no longer exists"
+
+
+def test_floors_import_only_floors_below():
+    bad = [w for a, b, w in _arrows() if b not in _below(a)]
     assert not bad, bad
 
 
-def _name(p: Path) -> str:
-    """``spill/jobs/tune.py`` -> ``spill.jobs.tune``; a package's ``__init__`` is the package."""
-    parts = p.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def test_no_circle_between_floors():
+    """Neither the table nor the imports themselves go round: a walk from any floor along its
+    imports never comes back to it."""
+    graph: dict[str, set[str]] = {f: set(below) for f, below in FLOORS.items()}
+    for a, b, _ in _arrows():
+        graph[a].add(b)
+
+    def circle(at: str, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        if at in path:
+            return (*path[path.index(at) :], at)
+        return next(filter(None, (circle(b, (*path, at)) for b in sorted(graph[at]))), None)
+
+    circles = list(filter(None, (circle(f, ()) for f in sorted(graph))))
+    assert not circles, circles[0]
 
 
-def _imports(p: Path) -> set[str]:
-    """Every spill module ``p`` imports, at module level, inside functions or under
-    ``TYPE_CHECKING`` alike: ``from spill import cli`` names ``spill.cli``, ``from spill import
-    __version__`` the package ``spill``; relative imports are resolved."""
-    me = _name(p).split(".")
-    package = me if p.name == "__init__.py" else me[:-1]
-    out = set()
-    for node in ast.walk(ast.parse(p.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            mod = ".".join([*base, *([node.module] if node.module else [])])
-            for a in node.names:  # a name may be a submodule (from spill.cli import jobs)
-                sub = f"{mod}.{a.name}"
-                found = (PKG.parent / sub.replace(".", "/")).with_suffix(".py").is_file()
-                out.add(sub if found or (PKG.parent / sub.replace(".", "/")).is_dir() else mod)
-    return {m for m in out if m == "spill" or m.startswith("spill.")}
+def test_store_imports_no_floor_above_it():
+    above = {"control", "models", "payloads", "jobs", "project", "engines", "examples", "cli"}
+    bad = [w for a, b, w in _arrows() if a == "store" and b in above]
+    assert not bad, bad
 
 
 def test_nothing_below_the_cli_imports_it():
-    """Only spill/cli/ imports spill.cli (and ``spill/__main__.py``, ``python -m spill``, the
-    console script's twin): anywhere in a module, including inside functions and under
-    ``TYPE_CHECKING``."""
-    bad = []
-    for p in _modules():
-        rel = p.relative_to(ROOT)
-        if rel.parts[:2] == ("spill", "cli") or str(rel) == "spill/__main__.py":
-            continue
-        bad += [f"{rel} imports {m}" for m in _imports(p) if m.split(".")[:2] == ["spill", "cli"]]
+    bad = [w for a, b, w in _arrows() if b == "cli"]
     assert not bad, bad
 
 
@@ -115,46 +160,6 @@ def test_shared_command_line_names_are_defined_once():
                     found[n].append(f"{p.relative_to(ROOT)}:{node.lineno}")
     where = {n: [w.split(":")[0] for w in at] for n, at in found.items()}
     assert where == {n: ["spill/cli/options.py"] for n in names}, found
-
-
-# store -> control and store -> models go with issue 20 item 2 (conditional writes and the
-# safetensors writer into store/, the payload formats above control): delete each pair once
-# the store stops importing that layer (the test below says when)
-UNTIL_STORE_MOVES = {("store", "control"), ("store", "models")}
-
-
-def _layer(module: str) -> str:
-    """``spill.jobs.tune`` -> ``jobs``; ``spill.paths`` -> ``paths``; the package -> ``spill``."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "spill"
-
-
-def test_layers_import_no_circle():
-    """The graph of imports between spill's top-level layers (module-level and function-level
-    imports alike) has no circle."""
-    graph: dict[str, set[str]] = {}
-    for p in _modules():
-        me = _layer(_name(p))
-        graph.setdefault(me, set()).update(_layer(m) for m in _imports(p) if _layer(m) != me)
-    stale = [edge for edge in UNTIL_STORE_MOVES if edge[1] not in graph.get(edge[0], ())]
-    assert not stale, f"no longer imported, remove from UNTIL_STORE_MOVES: {stale}"
-    for a, b in UNTIL_STORE_MOVES:
-        graph[a].discard(b)
-    circles, done = [], set()
-
-    def walk(node: str, path: list[str]) -> None:
-        if node in path:
-            circles.append(" -> ".join(path[path.index(node) :] + [node]))
-            return
-        if node in done:
-            return
-        for nxt in sorted(graph.get(node, ())):
-            walk(nxt, [*path, node])
-        done.add(node)
-
-    for node in sorted(graph):
-        walk(node, [])
-    assert not circles, circles
 
 
 def test_line_budget():
@@ -182,7 +187,7 @@ def test_schemas_are_valid(schema):
 
 def test_engine_free_modules_import_without_torch():
     code = (
-        "import spill.cli, spill.jobs.tune, spill.jobs.run, spill.models.resolve, spill.store.checkpoint\n"
+        "import spill.cli, spill.jobs.tune, spill.jobs.run, spill.models.resolve, spill.payloads.checkpoint\n"
         "import spill.engines, spill.engines.base\n"
     )
     assert_not_imported(code, (*ENGINES, "transformers"))

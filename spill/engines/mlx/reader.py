@@ -20,8 +20,8 @@ import numpy as np
 from spill.engines.core.reader import ShardFiles
 from spill.engines.core.ring import Hooks
 from spill.errors import EngineError
-from spill.models.safetensors_io import float32_to_bf16_bits
 from spill.models.weights import WeightFiles
+from spill.store.safetensors_io import float32_to_bf16_bits
 
 RESIDENT_FRACTION = 0.5  # default budget: this share of the memory available right now
 

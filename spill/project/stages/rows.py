@@ -33,7 +33,7 @@ class RowStage(Stage):
         return f"files/{self.file}"
 
     def probe(self, root: str) -> tuple[int, list[dict]]:
-        from spill.store.rows import commit_markers
+        from spill.payloads.rows import commit_markers
 
         markers = commit_markers(self.place(root))
         rows = sum(int(m.get("count", 0)) for m in markers)

@@ -23,8 +23,8 @@ import time
 import pytest
 
 from spill.control import arrival, transfer
-from spill.control.cas import current, store_for
 from spill.control.control import Busy, Superseded
+from spill.control.keys import current, store_for
 from spill.control.owner import home_of
 from spill.control.runs import acquire
 from spill.errors import StoreError, UsageError

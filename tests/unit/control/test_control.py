@@ -22,14 +22,15 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from spill.control import cas, objstore
-from spill.control.cas import Unsupported, current
 from spill.control.control import Busy, RunComplete, Superseded
+from spill.control.keys import current
 from spill.control.owner import _pid_state
 from spill.control.runs import acquire
 from spill.errors import EXIT_PREEMPTED
+from spill.store import cas
+from spill.store.cas import Unsupported
 from spill.store.fs import exists, get_bytes, join, listdir, mount_type, put_bytes
-from spill.store.schemas import load_schema
+from spill.validate import load_schema
 
 WORKER = Path(__file__).parents[2] / "func" / "control_worker.py"
 HOST = socket.gethostname()
@@ -230,20 +231,6 @@ def test_temporary_file_systems_are_accepted(tmp_path):
             assert acquire(shm).gen == 1
         finally:
             shutil.rmtree(shm, ignore_errors=True)
-
-
-def test_the_probe_refuses_a_store_that_ignores_preconditions():
-    # memory:// refuses a second create but ignores If-Match and reports no ETag
-    store = objstore.ObjectStore(f"memory://spill-probe-{uuid.uuid4().hex[:8]}/state")
-    with pytest.raises(Unsupported) as e:
-        objstore.probe(store)
-    assert "cannot make conditional writes" in str(e.value) and "\n" not in str(e.value)
-    assert listdir(join(store.state, "runs")) == []  # its scratch key is gone
-
-
-def test_the_probe_accepts_the_s3_server(s3_bucket):
-    store = cas.store_for(f"s3://{s3_bucket}/state")
-    assert isinstance(store, objstore.ObjectStore)
 
 
 def test_a_copy_cannot_continue_while_the_original_is_held(tmp_path):

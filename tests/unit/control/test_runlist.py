@@ -13,8 +13,8 @@ import logging
 import pytest
 
 from spill.control import place as place_mod
-from spill.control.cas import CURRENT, current, store_for
 from spill.control.control import Run, RunComplete
+from spill.control.keys import CURRENT, current, store_for
 from spill.control.owner import home_of, me
 from spill.control.runlist import UnclearRuns, restore
 from spill.control.runs import _fresh, acquire

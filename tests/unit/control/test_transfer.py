@@ -22,8 +22,8 @@ import time
 import pytest
 
 from spill.control import arrival, transfer
-from spill.control.cas import CURRENT, RUNS, current, store_for
 from spill.control.control import Busy
+from spill.control.keys import CURRENT, RUNS, current, store_for
 from spill.control.owner import home_of, lease_seconds
 from spill.control.runs import CopiedRun, acquire, as_copy
 from spill.errors import EXIT_PREEMPTED, StoreError

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from spill.engines.torch.reader import MAPPED, WeightReader
-from spill.models.safetensors_io import float32_to_bf16_bits, write_file
 from spill.models.weights import weight_files
+from spill.store.safetensors_io import float32_to_bf16_bits, write_file
 
 
 @pytest.fixture

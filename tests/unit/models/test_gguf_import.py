@@ -26,9 +26,9 @@ from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.models import gguf_import
 from spill.models.config import load_config
 from spill.models.gguf_import import find_smollm2_gguf, import_gguf
-from spill.models.safetensors_io import read_header
 from spill.models.tokenizer import Tokenizer
-from spill.store.schemas import validate
+from spill.store.safetensors_io import read_header
+from spill.validate import validate
 from tests.conftest import assert_not_imported
 
 Q = gguf.GGMLQuantizationType

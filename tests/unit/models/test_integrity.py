@@ -13,7 +13,7 @@ from spill.models.cache import MARKER, MarkerInvalid, list_models, read_marker
 from spill.models.integrity import ModelChanged, check, explain, record, verify, weight_hashes
 from spill.models.tiny import write_tiny
 from spill.paths import models_dir
-from spill.store.schemas import validate
+from spill.validate import validate
 
 
 def sha(path):

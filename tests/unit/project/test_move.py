@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from spill.control.cas import current
+from spill.control.keys import current
 from spill.control.owner import home_of
 from spill.control.runs import acquire
 from spill.errors import StoreError, UsageError

@@ -1,35 +1,24 @@
 """Tune checkpoints: payload folders ``<job>/payloads/ckpt-g<gen>-s<step>-<attempt>/`` with
-``params.safetensors``, ``opt.safetensors``, ``state.json`` and, written last, ``COMMIT``.
+``params.safetensors``, ``opt.safetensors``, ``state.json`` (schema ``checkpoint-state``) and,
+written last, ``COMMIT`` (schema ``commit``: size and sha256 of the three).
 
-A folder counts only when the run's control object points at it (pointer ``ckpt``, newest
-first, the ``keep`` newest: see ``spill.control.place``), its COMMIT (schema ``commit``) lists the
-size and sha256 of the three files and the files match; ``state.json`` must match schema
-``checkpoint-state``. Recovery follows the pointer, never "the highest step folder": a folder a
-stale or killed writer left is never current. A reader skips a pointed folder that fails
-verification with one logged line (warning level) and takes the next. A save writes a new
-folder (payload names are unique per generation, so no two writers ever write one name),
-publishes it through the run's fenced transition, and then removes the folders of its kind that
-no pointer names (never one of a later generation, nor one that another run's control object
-points at: a completed parent's checkpoints stay). That removal runs on a thread of its own,
-off the training loop's path; the next save, ``settle`` and the end of the process wait for it
-(a process killed before it finishes leaves folders that no pointer names, which the next save
-removes).
+A folder counts only while the run's control object points at it (pointer ``ckpt``, the
+``keep`` newest: ``spill.control.place``) and its files match its COMMIT; recovery follows the
+pointer, never "the highest step folder", and a reader skips a pointed folder that fails
+verification with one warning and takes the next. A save writes a new folder, publishes it by
+the run's fenced transition, then removes, on a thread of its own, the folders no pointer names
+(never a later generation's, nor one another run's control object names); the next save,
+``settle`` and the end of the process wait for that removal.
 
-A save writes the arrays' own memory (no encoded copy) in place, hashing it on both cores as
-it goes (hashlib drops the GIL), fsyncs the three files on a second thread, then puts COMMIT
-atomically: 0.86x the speed of a plain fsync'd write of the same bytes on a 2-core VM
-(``bench/checkpoint.py``, docs/reports/012-speed.md).
+Tensors are float32, laid out as ``safetensors.numpy.save`` lays them out
+(``spill.store.safetensors_io.encode``), so equal inputs give equal bytes and an equal COMMIT;
+optimizer tensors are ``m::<name>`` and ``v::<name>``. A save writes the arrays' own memory,
+hashing as it goes (``bench/checkpoint.py``, docs/reports/012-speed.md); it hashes each existing
+folder at most once per process, readers always hash what they return, and
+``latest_checkpoint`` keeps the verified bytes for the ``load_checkpoint`` that follows.
 
-Tensors are float32 and laid out as ``safetensors.numpy.save`` lays them out (name order,
-``spill.models.safetensors_io.encode``), so equal inputs give equal bytes and an equal COMMIT.
-Optimizer tensors are named ``m::<name>`` and ``v::<name>`` after the parameter they belong to.
-
-A save hashes each existing folder at most once per process (a verdict is remembered per COMMIT
-content); readers always hash what they return. ``latest_checkpoint`` keeps the verified bytes
-so that the following ``load_checkpoint`` does not read them twice.
-
-Crash points for kill drills (``spill.store.drill``): ``ckpt-between-files``,
-``ckpt-before-commit``, ``ckpt-after-commit`` (published, older folders not yet removed).
+Crash points (``spill.store.drill``): ``ckpt-between-files``, ``ckpt-before-commit``,
+``ckpt-after-commit`` (published, older folders not yet removed).
 """
 
 from __future__ import annotations
@@ -48,10 +37,10 @@ import numpy as np
 from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
 from spill.hashing import buffers_sha256
-from spill.models.safetensors_io import encode
 from spill.store import drill
 from spill.store.fs import exists, get_bytes, join, put_bytes, put_fresh, sync_fresh
-from spill.store.schemas import SchemaInvalid, parse_json, validate
+from spill.store.safetensors_io import encode
+from spill.validate import SchemaInvalid, parse_json, validate
 
 KIND = "ckpt"
 PARAMS = "params.safetensors"

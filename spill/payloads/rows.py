@@ -34,7 +34,7 @@ from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.fs import get_bytes, join, put_bytes
-from spill.store.schemas import SchemaInvalid, parse_json, validate
+from spill.validate import SchemaInvalid, parse_json, validate
 
 ROWS = "rows"
 IDENTITY = "identity.json"

@@ -3,7 +3,7 @@ import pytest
 from safetensors.numpy import load_file, save
 
 from spill.errors import ModelError
-from spill.models.safetensors_io import (
+from spill.store.safetensors_io import (
     bf16_bits_to_float32,
     encode,
     float32_to_bf16_bits,

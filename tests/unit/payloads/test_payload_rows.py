@@ -11,14 +11,14 @@ import pytest
 from spill.control.control import Superseded
 from spill.control.place import Place
 from spill.control.runs import acquire
-from spill.store import fs
-from spill.store.rows import (
+from spill.payloads.rows import (
     IdentityMismatch,
     SegmentWriter,
     commit_markers,
     pin_identity,
 )
-from spill.store.rows import restore as _restore
+from spill.payloads.rows import restore as _restore
+from spill.store import fs
 
 
 def writer(root: str, *args, **kwargs) -> SegmentWriter:
@@ -107,7 +107,7 @@ def test_a_segment_not_pointed_at_is_never_restored_and_the_next_push_removes_it
     stray = fs.join(root, "payloads", "rows-g1-s2-0")
     for name in fs.listdir(made):
         fs.put_bytes(fs.join(stray, name), fs.get_bytes(fs.join(made, name)))
-    with caplog.at_level(logging.WARNING, logger="spill.store.rows"):
+    with caplog.at_level(logging.WARNING, logger="spill.payloads.rows"):
         assert restore(root).done == [f"r{i}" for i in range(25)]
     assert caplog.records == []  # nothing pointed failed
     assert [m["count"] for m in commit_markers(Place(root))] == [25]
@@ -126,7 +126,7 @@ def test_damaged_segment_is_not_trusted_then_dropped(tmp_path, identity, produce
         add_rows(w, range(10))
     seg = fs.join(root, "payloads", "rows-g1-s0-0", "rows.jsonl")
     fs.put_bytes(seg, fs.get_bytes(seg).replace(b"answer 3", b"answer 9"))
-    with caplog.at_level(logging.WARNING, logger="spill.store.rows"):
+    with caplog.at_level(logging.WARNING, logger="spill.payloads.rows"):
         assert restore(root).done == [f"r{i}" for i in range(5, 10)]
     assert any(
         "rows-g1-s0-0" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records

@@ -1,7 +1,8 @@
-"""A real process that writes through the store, for kill drills (run by path, not imported).
+"""A real process that writes payloads (checkpoints, row segments) for kill drills; run by
+path, not imported (``tests/unit/test_validate.py`` imports its test data).
 
-    python store_worker.py ckpt <root> <step> [<step> ...]   save these checkpoints
-    python store_worker.py rows <root> <first> <stop>        add rows first..stop-1, then close
+    python payload_worker.py ckpt <root> <step> [<step> ...]   save these checkpoints
+    python payload_worker.py rows <root> <first> <stop>        add rows first..stop-1, then close
 
 Each mode first acquires the run at ``<root>`` (as ``spill tune`` and a row job with ``--state``
 do) and releases it when done; a killed worker's run is taken over at once by the next acquire
@@ -65,13 +66,13 @@ def main(argv: list[str]) -> None:
     with held(root) as run:
         place = run.place()
         if mode == "ckpt":
-            from spill.store.checkpoint import save_checkpoint
+            from spill.payloads.checkpoint import save_checkpoint
 
             for step in map(int, nums):
                 save_checkpoint(place, step, *tensors(step))
                 print("saved", step, flush=True)
         else:
-            from spill.store.rows import SegmentWriter
+            from spill.payloads.rows import SegmentWriter
 
             first, stop = map(int, nums)
             with SegmentWriter(place, IDENTITY, PRODUCER) as w:

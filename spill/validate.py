@@ -1,4 +1,5 @@
-"""JSON Schema validation for the files the store writes and reads.
+"""JSON Schema validation of every document spill writes and reads (ground floor: it imports
+only ``spill.errors``, ``spill.paths`` and the schema files).
 
 Schemas are draft 2020-12 files in the repository's ``schemas/``, installed as the package
 ``spill.schemas`` and read from its folder (``spill.schemas.DIR``). A document that

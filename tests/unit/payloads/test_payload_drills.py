@@ -1,4 +1,4 @@
-"""Kill drills: a real worker process SIGKILLs itself at each named store boundary.
+"""Kill drills: a real worker process SIGKILLs itself at each named boundary of a payload write.
 
 After each kill the reader must see the previous committed state (the run's pointer never names
 what the dead writer left), and the next writer, which takes the run over at once (the owner
@@ -18,11 +18,11 @@ import pytest
 from spill.control.control import Busy
 from spill.control.place import Place
 from spill.control.runs import acquire
+from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
+from spill.payloads.rows import restore
 from spill.store import fs
-from spill.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
-from spill.store.rows import restore
 
-WORKER = Path(__file__).with_name("store_worker.py")
+WORKER = Path(__file__).with_name("payload_worker.py")
 
 
 def assert_killed(proc: subprocess.CompletedProcess) -> None:

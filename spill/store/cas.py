@@ -1,19 +1,16 @@
-"""Conditional writes of a state location's control keys (``runs/...``), and reading them.
+"""Conditional writes of the objects under one folder of a location: a write creates an object
+or replaces the one last read, or raises ``Conflict`` (it changed since) or ``Uncertain`` (its
+outcome is unknown); the caller reads again either way.
 
-* local: every transition holds an exclusive ``flock`` on ``runs/control.lock`` and replaces the
-  file atomically (write, fsync, rename, fsync the folder). Only file systems known to honour
+* local: a transition holds an exclusive ``flock`` on the folder's lock file (``exclusive``)
+  and each write replaces the file atomically (``spill.store.fs.put_bytes``). Only file systems known to honour
   flock are accepted; a network or unknown file system is refused in one line. A fixed name
-  under ``runs/`` that is not what spill keeps there (a folder or a link where the lock file,
-  ``current.json`` or a ``control.json`` belongs) is refused in one line that names what to
-  remove.
+  that holds what spill did not put there (a folder or a link where a file belongs) is refused
+  in one line that names what to remove (in the words of the folder's ``Layout``).
 * ``memory://`` (tests): one store per process, so a lock in this process is enough.
-* object stores (``spill.control.objstore``): create with ``If-None-Match: *``, replace with
-  ``If-Match: <etag>``, never delete; a lost write is a ``_Conflict``, one whose outcome is
-  unknown ``_Uncertain``, and the caller reads again either way. ``store_for`` probes a store
-  once per bucket and process and refuses one that accepts a second create or a stale replace.
-
-``current`` is the readers' view of the current run (``spill.control.runlist``: when
-``runs/current.json`` is missing, the view rebuilt from the control objects).
+* object stores (``spill.store.objstore``): create with ``If-None-Match: *``, replace with
+  ``If-Match: <etag>``, never delete. ``store_for`` probes a store once per bucket and process
+  and refuses one that accepts a second create or a stale replace.
 """
 
 from __future__ import annotations
@@ -22,36 +19,35 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
-from spill.store.fs import (
-    _local,
-    get_bytes,
-    is_local,
-    is_temp,
-    join,
-    listdir,
-    mount_type,
-    put_bytes,
-)
-from spill.store.schemas import parse_json, remember, validate, validate_once
+from spill.store.fs import _local, get_bytes, is_local, is_temp, join, mount_type, put_bytes
+from spill.validate import remember, validate
 
-RUNS = "runs"
-CURRENT = "current.json"
-CONTROL = "control.json"
-LOCK = "control.lock"
-RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")  # as schemas/runs.schema.json says
 LOCK_WAIT = 10.0  # seconds a transition waits for the local lock before saying so
 ATTEMPTS = 50  # conditional writes lost to others (or uncertain) before a transition gives up
 FLOCK_FS = frozenset(
     "ext2 ext3 ext4 xfs btrfs tmpfs ramfs zfs overlay apfs hfs f2fs bcachefs jfs".split()
 )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The folder a store keeps under its location, and what its refusals call the things in it."""
+
+    folder: str  # under the location
+    lock: str  # the local lock file, in the folder
+    folder_is: str  # the folder itself, in words
+    subfolder_is: str  # a folder in it
+    object_is: str  # an object in it, unless ``named`` has a word for its key
+    named: Mapping[str, str] = field(default_factory=dict)
+    then: Mapping[str, str] = field(default_factory=dict)  # by name: what removing it leads to
 
 
 class LockHeld(SpillError):
@@ -64,16 +60,16 @@ class Unsupported(StoreError):
     """A location whose transitions cannot be made safe (file system or object store)."""
 
 
-class _Conflict(Exception):
+class Conflict(Exception):
     """A conditional write lost: the object changed since it was read (412)."""
 
 
-class _Uncertain(Exception):
+class Uncertain(Exception):
     """A conditional write whose outcome is unknown (timeout, dropped connection, 5xx)."""
 
 
 class Store:
-    """Read and conditionally write the control keys of one state location."""
+    """Read and conditionally write the objects under ``layout.folder`` of the location ``state``."""
 
     def put(self, key: str, doc: dict[str, Any], schema: str, tag: str | None) -> str:
         """Validate ``doc`` against ``schema`` and ``write`` it; returns the new object's tag.
@@ -89,11 +85,11 @@ class Store:
         """The tag ``read`` reports for an object holding ``data``."""
         return hashlib.sha256(data).hexdigest()
 
-    def __init__(self, state: str):
-        self.state = state
+    def __init__(self, state: str, layout: Layout):
+        self.state, self.layout = state, layout
 
     def uri(self, key: str) -> str:
-        return join(self.state, RUNS, key)
+        return join(self.state, self.layout.folder, key)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -107,15 +103,8 @@ class Store:
         raise NotImplementedError
 
 
-_THEN = {  # what removing a fixed name that holds something else leads to
-    LOCK: "; the next command makes it again",
-    CURRENT: "; the next command rebuilds it from the runs' control objects",
-    CONTROL: ", then put the run's control object back from a copy (else the run is lost)",
-}
-
-
-def _foreign(path: str, wants: str) -> StoreError:
-    """One line for a fixed name under ``runs/`` that holds what spill did not put there."""
+def _foreign(path: str, wants: str, layout: Layout) -> StoreError:
+    """One line for a fixed name in a store's folder that holds what spill did not put there."""
     try:
         mode = os.lstat(path).st_mode
     except OSError:
@@ -123,14 +112,14 @@ def _foreign(path: str, wants: str) -> StoreError:
     kinds = {stat.S_ISDIR: "a folder", stat.S_ISLNK: "a link", stat.S_ISFIFO: "a named pipe"}
     kind = next((k for test, k in kinds.items() if test(mode)), "a special file")
     kind = "a file" if stat.S_ISREG(mode) else kind
-    then = _THEN.get(os.path.basename(path), " if nothing of yours is in it")
+    then = layout.then.get(os.path.basename(path), " if nothing of yours is in it")
     return StoreError(f"{path} is {kind}, not {wants}; remove it (rm -r {path}){then}")
 
 
 class _LocalStore(Store):
-    def __init__(self, state: str):
-        super().__init__(state)
-        self.dir = _local(join(state, RUNS))
+    def __init__(self, state: str, layout: Layout):
+        super().__init__(state, layout)
+        self.dir = _local(join(state, layout.folder))
 
     def check(self) -> None:
         probe = self.dir
@@ -148,20 +137,20 @@ class _LocalStore(Store):
     def exclusive(self) -> Iterator[None]:
         import fcntl
 
-        lock = os.path.join(self.dir, LOCK)
+        lock, layout = os.path.join(self.dir, self.layout.lock), self.layout
         try:
             os.makedirs(self.dir, exist_ok=True)
             # never through a link, never blocking on a named pipe: only the file spill made
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except (FileExistsError, NotADirectoryError):  # runs/ (or a folder above) is a file
-            raise _foreign(self.dir, "the folder of the runs") from None
+            raise _foreign(self.dir, layout.folder_is, layout) from None
         except OSError as e:
             if os.path.islink(lock) or os.path.lexists(lock) and not os.path.isfile(lock):
-                raise _foreign(lock, "the lock file spill keeps") from None
+                raise _foreign(lock, "the lock file spill keeps", layout) from None
             raise StoreError(f"{lock}: cannot open ({e.strerror}); check its permissions") from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):  # a device or a fifo opens, but is no file
-                raise _foreign(lock, "the lock file spill keeps")
+                raise _foreign(lock, "the lock file spill keeps", layout)
             # A transition holds the lock for milliseconds; one held for LOCK_WAIT belongs to a
             # process that was stopped (SIGSTOP, Ctrl-Z, a paused VM) in the middle of one.
             give_up, pause = time.monotonic() + LOCK_WAIT, 0.002
@@ -183,28 +172,28 @@ class _LocalStore(Store):
 
     def read(self, key: str) -> tuple[bytes | None, str | None]:
         path = os.path.join(self.dir, key)
-        wants = "the run list" if key == CURRENT else "a control object"
+        layout = self.layout
+        wants = layout.named.get(key, layout.object_is)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None, None
         except NotADirectoryError:  # runs/<id> (or runs/) is a file
             up = os.path.dirname(path)
-            raise _foreign(
-                up, "the folder of the runs" if up == self.dir else "a run's folder"
-            ) from None
+            what = layout.folder_is if up == self.dir else layout.subfolder_is
+            raise _foreign(up, what, layout) from None
         except OSError as e:
             raise StoreError(f"{path}: cannot read ({e.strerror}); check its permissions") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise _foreign(path, wants)
+            raise _foreign(path, wants, layout)
         with os.fdopen(fd, "rb") as f:
             data = f.read()
         return data, hashlib.sha256(data).hexdigest()
 
     def write(self, key: str, data: bytes, tag: str | None) -> None:
         if self.read(key)[1] != tag:  # under the lock: changed since our last write of it
-            raise _Conflict()
+            raise Conflict()
         # Every write of this key holds the lock, so a temporary file of it found now is one a
         # killed writer left: remove it, or it outlives every later write of the object.
         folder, name = os.path.split(os.path.join(self.dir, key))
@@ -235,67 +224,29 @@ class _MemoryStore(Store):
 
     def write(self, key: str, data: bytes, tag: str | None) -> None:
         if self.read(key)[1] != tag:
-            raise _Conflict()
+            raise Conflict()
         put_bytes(self.uri(key), data)
 
 
-def _store(state: str) -> Store:
+def open_store(state: str, layout: Layout) -> Store:
+    """The store of ``layout`` at ``state``, unchecked: enough to read (reads take no lock)."""
     if is_local(state):
-        return _LocalStore(state)
+        return _LocalStore(state, layout)
     if state.startswith("memory://"):
-        return _MemoryStore(state)
-    from spill.control.objstore import ObjectStore
+        return _MemoryStore(state, layout)
+    from spill.store.objstore import ObjectStore
 
-    return ObjectStore(state)
+    return ObjectStore(state, layout)
 
 
-def store_for(state: str) -> Store:
-    """The store of ``state``, checked (a local one honours flock, an object store 412s)."""
-    s = _store(state)
+def store_for(state: str, layout: Layout) -> Store:
+    """The store of ``layout`` at ``state``, checked (a local one honours flock, an object store
+    refuses stale writes)."""
+    s = open_store(state, layout)
     if isinstance(s, _LocalStore):
         s.check()
     elif not isinstance(s, _MemoryStore):
-        from spill.control.objstore import probe
+        from spill.store.objstore import probe
 
         probe(s)
     return s
-
-
-def parse(raw: bytes, schema: str, where: str) -> dict[str, Any]:
-    try:
-        doc = parse_json(raw)
-    except ValueError as e:
-        raise StoreError(f"{where} is not JSON ({e}); it was damaged") from None
-    validate_once(raw, doc, schema, where)
-    return doc
-
-
-def run_list(runs: list[str]) -> dict[str, Any]:
-    """A ``runs/current.json`` document: the last of ``runs`` is current."""
-    return {"schema_version": 1, "kind": "spill-runs", "current": runs[-1], "runs": runs}
-
-
-def read_runs(store: Store) -> tuple[dict[str, Any] | None, str | None]:
-    raw, tag = store.read(CURRENT)
-    return (None, None) if raw is None else (parse(raw, "runs", store.uri(CURRENT)), tag)
-
-
-def read_control(store: Store, run: str) -> tuple[dict[str, Any] | None, str | None]:
-    key = f"{run}/{CONTROL}"
-    raw, tag = store.read(key)
-    return (None, None) if raw is None else (parse(raw, "control", store.uri(key)), tag)
-
-
-def run_ids(store: Store) -> list[str]:
-    """The ids of the runs under ``runs/`` (folders named like a run), sorted."""
-    return [n for n in listdir(join(store.state, RUNS)) if RUN_ID.fullmatch(n)]
-
-
-def current(state: str) -> dict[str, Any] | None:
-    """The current run's control object at ``state`` (validated), or None when it has none.
-
-    A reader's view: no lock is taken (every write is an atomic replace) and nothing is written
-    (``spill.control.runlist.current``)."""
-    from spill.control.runlist import current as view
-
-    return view(state)

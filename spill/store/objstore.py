@@ -1,8 +1,8 @@
 """Conditional writes on an object store (s3://, and gs://, az:// if the probe accepts them).
 
 Create with ``If-None-Match: *`` (fsspec's ``mode="create"``), replace with ``If-Match: <etag>``,
-never delete. A 412 (or 409 for a racing one) is a ``_Conflict``, told by the store's answer,
-never by "412" in an error's text; any other failure of a write is ``_Uncertain`` (it may have
+never delete. A 412 (or 409 for a racing one) is a ``Conflict``, told by the store's answer,
+never by "412" in an error's text; any other failure of a write is ``Uncertain`` (it may have
 landed): the caller reads again either way. On S3 a read gets the body and its ETag in one
 GET; elsewhere the ETag before and after the body must agree.
 
@@ -20,8 +20,8 @@ import hashlib
 import logging
 import secrets
 
-from spill.control.cas import ATTEMPTS, Store, Unsupported, _Conflict, _Uncertain
 from spill.errors import StoreError
+from spill.store.cas import ATTEMPTS, Conflict, Layout, Store, Uncertain, Unsupported
 from spill.store.fs import filesystem
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ def _precondition_failed(e: BaseException | None) -> bool:
 class ObjectStore(Store):
     """An fsspec object store (s3://, and gs://, az:// if ``probe`` accepts them)."""
 
-    def __init__(self, state: str):
-        super().__init__(state)
+    def __init__(self, state: str, layout: Layout):
+        super().__init__(state, layout)
         self.fs, _ = filesystem(state)
 
     def _path(self, key: str) -> str:
@@ -115,12 +115,12 @@ class ObjectStore(Store):
             else:
                 self.fs.pipe_file(path, data, IfMatch=f'"{tag}"')
         except (FileExistsError, FileNotFoundError):  # the key is there / not (If-Match)
-            raise _Conflict() from None
+            raise Conflict() from None
         except Exception as e:
             if _precondition_failed(e):  # s3fs: OSError(EINVAL) from a 412 ClientError
-                raise _Conflict() from None
+                raise Conflict() from None
             log.info("uncertain write of %s (%s: %s); reading it back", path, type(e).__name__, e)
-            raise _Uncertain() from None
+            raise Uncertain() from None
         finally:
             self.fs.invalidate_cache(path)
 
@@ -155,15 +155,15 @@ def probe(store: ObjectStore) -> None:
         try:
             store.write(key, b"2", None)
             why = "a second create of one key succeeded"
-        except _Conflict:
+        except Conflict:
             store.write(key, b"3", tag)
             try:
                 store.write(key, b"4", tag)
                 why = "a replace with a stale ETag succeeded"
-            except _Conflict:
+            except Conflict:
                 pass
-    except (_Conflict, _Uncertain) as e:
-        why = f"a conditional write failed ({type(e).__name__.strip('_').lower()})"
+    except (Conflict, Uncertain) as e:
+        why = f"a conditional write failed ({type(e).__name__.lower()})"
     except (TypeError, ValueError, NotImplementedError) as e:
         why = f"its backend takes no preconditions ({type(e).__name__}: {e})"
     except Unsupported:

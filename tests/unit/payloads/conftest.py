@@ -1,4 +1,4 @@
-"""Store fixtures: a state root on each backend, the worker's test data, and a worker runner."""
+"""Payload fixtures: a state root on each backend, the worker's test data, and a worker runner."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("store_worker.py")
+WORKER = Path(__file__).with_name("payload_worker.py")
 _worker = runpy.run_path(str(WORKER))
 
 

@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from spill.store import schemas
-from spill.store.schemas import (
+from spill import validate as validation
+from spill.validate import (
     SchemaInvalid,
     load_schema,
     parse_json,
@@ -17,8 +17,20 @@ from spill.store.schemas import (
     validate,
     validate_once,
 )
+from tests.unit.payloads.payload_worker import IDENTITY, tensors
 
 NAMES = ["checkpoint-state", "commit", "segment-commit", "row-identity", "machine"]
+
+
+@pytest.fixture
+def data():
+    """``data(step) -> (params, opt, state)``, the checkpoint content the payload tests save."""
+    return tensors
+
+
+@pytest.fixture
+def identity() -> dict:
+    return IDENTITY
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -94,7 +106,7 @@ def test_validate_once_still_validates_where_home_is_read_only(spill_home, ident
 
 
 def test_validate_once_keeps_a_bounded_number_of_markers(spill_home, identity, monkeypatch):
-    monkeypatch.setattr(schemas, "KEEP_MARKERS", 4)
+    monkeypatch.setattr(validation, "KEEP_MARKERS", 4)
     doc = {"schema_version": 1, **identity}
     for i in range(9):
         validate_once(json.dumps(doc).encode() + b" " * i, doc, "row-identity", "x")

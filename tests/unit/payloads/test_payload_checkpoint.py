@@ -14,8 +14,7 @@ from spill.control.control import Superseded
 from spill.control.place import Place, payload_seq
 from spill.control.runs import acquire
 from spill.errors import StoreError
-from spill.store import fs
-from spill.store.checkpoint import (
+from spill.payloads.checkpoint import (
     CheckpointInvalid,
     latest_checkpoint,
     load_checkpoint,
@@ -23,7 +22,8 @@ from spill.store.checkpoint import (
     save_checkpoint,
     settle,
 )
-from spill.store.schemas import SchemaInvalid
+from spill.store import fs
+from spill.validate import SchemaInvalid
 
 
 def writer(root: str) -> Place:
@@ -156,7 +156,7 @@ def test_an_unpublished_save_is_ignored_then_removed_by_the_next_save(tmp_path, 
     save_checkpoint(place, 3, *data(3), keep=3)  # keep=3: nothing removed yet
     run.publish({"ckpt": pointer})  # as if step 3's publication never happened
     fs.put_bytes(fs.join(root, "payloads", "ckpt-g1-s3-0", "state.json"), b"{}")  # never read
-    with caplog.at_level(logging.WARNING, logger="spill.store.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="spill.payloads.checkpoint"):
         assert latest(root).step == 2
     assert caplog.records == []  # nothing pointed failed, so nothing to say
     save_checkpoint(place, 3, *data(3))  # the continuing job saves step 3 anew
@@ -186,7 +186,7 @@ def test_a_damaged_pointed_checkpoint_is_skipped_with_a_message_then_dropped(
         else:
             blob[-1] ^= 0xFF
         fs.put_bytes(victim, bytes(blob))
-    with caplog.at_level(logging.WARNING, logger="spill.store.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="spill.payloads.checkpoint"):
         assert latest(root).step == 1
     [line] = [r.getMessage() for r in caplog.records]
     assert "ckpt-g1-s2-0" in line
