@@ -12,27 +12,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from spill.cli.options import authority_options, engine_options
+from spill.cli.options import authority_options, engine_options, setting_flags
 from spill.errors import SpillError
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
-    from spill.conf import defaults
+    from spill.settings import TeacherSettings
 
-    t = defaults("teacher")  # run shares distill's generation defaults
-    p.add_argument("--max-new-tokens", type=int, default=t["max_new_tokens"])
-    p.add_argument(
-        "--batch",
-        type=int,
-        default=t["batch"],
-        help="rows generated together (default: as many as the memory budget fits, at most 64)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=t["temperature"],
-        help="0 is greedy (default %(default)s)",
-    )
+    setting_flags(p, TeacherSettings, "teacher")  # run shares distill's generation defaults
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument(
         "--seed",
@@ -55,12 +42,14 @@ def _state_option(p: argparse.ArgumentParser) -> None:
     authority_options(p)
 
 
-def _load_options(args):
-    from spill.engines.base import LoadOptions
+def _engine(args):
+    """The engine group as the flags give it (``--memory`` parsed to bytes)."""
+    from spill.settings import EngineSettings
 
     if args.ring is not None and args.ring < 1:
         raise SpillError("--ring must be at least 1")
-    return LoadOptions(
+    return EngineSettings(
+        name=args.engine,
         ring=args.ring,
         resident=args.resident,
         memory=args.memory,
@@ -69,18 +58,17 @@ def _load_options(args):
     )
 
 
+def _writer(args):
+    from spill.jobs.authority import Writer
+
+    return Writer(args.state, args.lease, args.wait, tuple(getattr(args, "argv", ())))
+
+
 def _row_options(args):
     from spill.jobs.rows_job import RowOptions
 
     return RowOptions(
-        batch=args.batch,
-        engine=args.engine,
-        weights=args.weights,
-        load=_load_options(args),
-        state=args.state,
-        lease=args.lease,
-        wait=args.wait,
-        command=tuple(getattr(args, "argv", ())),
+        batch=args.batch, engine=_engine(args), weights=args.weights, writer=_writer(args)
     )
 
 
@@ -132,86 +120,33 @@ def cmd_eval(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from spill.conf import defaults
+    import dataclasses
+
     from spill.console import emit
     from spill.jobs.tune import TuneOptions, tune
+    from spill.settings import TuneSettings
 
+    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneSettings)}
     opts = TuneOptions(
-        **{key: getattr(args, key) for key in defaults("tune")},
+        tune=TuneSettings(**settings),
         seed=args.seed,
+        engine=_engine(args),
         stop_after=args.stop_after,
-        state=args.state,
-        engine=args.engine,
         weights=args.weights,
-        load=_load_options(args),
-        lease=args.lease,
-        wait=args.wait,
-        command=tuple(getattr(args, "argv", ())),
+        writer=_writer(args),
     )
     emit(tune(args.model, Path(args.train), args.name, opts), args.json)
     return 0
 
 
 def _tune_options(p: argparse.ArgumentParser) -> None:
-    """One flag per setting of the tune conf group, its default read from there."""
-    from spill.conf import defaults
-    from spill.engines.base import ACTIVATIONS
+    """One flag per setting of the tune group (``spill.settings.TuneSettings``)."""
+    from spill.settings import TuneSettings
 
-    t = defaults("tune")
     g = p.add_argument_group("settings (defaults: conf/tune/default.yaml, as in a build)")
-    g.add_argument(
-        "--steps", type=int, default=t["steps"], help="total optimizer steps (default %(default)s)"
-    )
+    setting_flags(g, TuneSettings, "tune")
     p.add_argument(
         "--stop-after", type=int, metavar="N", help="stop after step N with a committed checkpoint"
-    )
-    g.add_argument("--rank", type=int, default=t["rank"], help="LoRA rank (default %(default)s)")
-    g.add_argument("--alpha", type=float, default=t["alpha"], help="LoRA alpha (default: 2 x rank)")
-    g.add_argument(
-        "--dropout", type=float, default=t["dropout"], help="LoRA dropout (default %(default)s)"
-    )
-    g.add_argument(
-        "--targets",
-        default=t["targets"],
-        help="modules to adapt, comma-separated, or 'all' (default %(default)s)",
-    )
-    g.add_argument(
-        "--lr", type=float, default=t["lr"], help="peak learning rate (default %(default)s)"
-    )
-    g.add_argument(
-        "--warmup", type=int, default=t["warmup"], help="warmup steps before the cosine decay"
-    )
-    g.add_argument("--weight-decay", type=float, default=t["weight_decay"])
-    g.add_argument(
-        "--batch",
-        type=int,
-        default=t["batch"],
-        help="samples per optimizer step (default %(default)s)",
-    )
-    g.add_argument(
-        "--micro-batch",
-        type=int,
-        default=t["micro_batch"],
-        help="samples per forward pass; --batch must be a multiple (default %(default)s)",
-    )
-    g.add_argument(
-        "--seq-len",
-        type=int,
-        default=t["seq_len"],
-        help="tokens per sample, longer rows are cut (default %(default)s)",
-    )
-    g.add_argument(
-        "--ckpt-every",
-        type=int,
-        default=t["ckpt_every"],
-        help="steps between checkpoints (default %(default)s)",
-    )
-    g.add_argument(
-        "--activations",
-        choices=ACTIVATIONS,
-        default=t["activations"],
-        help="keep a step's activations or recompute them in backward; auto keeps them when "
-        "they fit the memory budget; the same result either way (default %(default)s)",
     )
 
 
@@ -231,7 +166,7 @@ def add_parsers(sub, full: bool = True) -> None:
         for verb, text in HELP.items():
             sub.add_parser(verb, help=text, aliases=["train"] if verb == "tune" else [])
         return
-    from spill.conf import defaults
+    from spill.settings import EvalSettings
 
     p = sub.add_parser("run", help=HELP["run"])
     p.add_argument("model", help="alias (smollm2:135m), hub id (org/name) or local model folder")
@@ -253,19 +188,7 @@ def add_parsers(sub, full: bool = True) -> None:
     )
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (spill or PEFT layout)")
     p.add_argument("--out", help="per-row results JSONL (written whole at the end)")
-    ev = defaults("eval")
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=ev["max_new_tokens"],
-        help="generation limit (default: the longest answer's tokens + 16)",
-    )
-    p.add_argument(
-        "--batch",
-        type=int,
-        default=ev["batch"],
-        help="rows graded together (default: as many as the memory budget fits, at most 64)",
-    )
+    setting_flags(p, EvalSettings, "eval")
     p.add_argument(
         "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
     )

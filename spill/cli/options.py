@@ -128,3 +128,26 @@ def authority_options(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long the run stays ours without a heartbeat (default $SPILL_LEASE or 120)",
     )
+
+
+def setting_flags(p, cls, group: str, only: tuple[str, ...] | None = None) -> None:
+    """One flag per setting of ``cls`` (a ``spill.settings`` group) that the job verbs take
+    (``--micro-batch`` for ``micro_batch``), its type from the field, its choices from the
+    schema, its help from the field and its default from the group's base option in conf/."""
+    import dataclasses
+
+    from spill.conf import defaults
+
+    given = defaults(group)
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        if not m.get("flag") or only is not None and f.name not in only:
+            continue
+        kind = next(t for t in (int, float, str) if t.__name__ in str(f.type).split(" | "))
+        options = {"type": kind, "default": given[f.name]}
+        if m["help"]:
+            options["help"] = m["help"]
+        if "enum" in m["schema"]:
+            options = {"choices": tuple(c for c in m["schema"]["enum"] if c is not None), **options}
+            options.pop("type")
+        p.add_argument("--" + f.name.replace("_", "-"), **options)

@@ -87,18 +87,21 @@ def _at_uri(args) -> None:
     args.dir, args.state = locate(args.dir, args.state, build=args.command == "build")
 
 
+def _writer(args):
+    from spill.jobs.authority import Writer
+
+    return Writer(args.state, args.lease, args.wait, tuple(getattr(args, "argv", ())))
+
+
 def _build(args) -> int:
     from spill.project.build import BuildOptions, build
 
     _at_uri(args)
     opts = BuildOptions(
-        state=args.state,
+        writer=_writer(args),
         stop_after=args.stop_after,
         dry_run=args.dry_run,
         overrides=tuple(_overrides(args)),
-        lease=args.lease,
-        wait=args.wait,
-        command=tuple(getattr(args, "argv", ())),
         new_run=args.new_run,
     )
     if args.multirun:
@@ -130,14 +133,11 @@ def cmd_resume(args) -> int:
             "resume continues the recorded build as it was; use `spill build` to change values"
         )
     opts = BuildOptions(
-        state=args.state,
+        writer=_writer(args),
         stop_after=args.stop_after,
         dry_run=args.dry_run,
         resume=True,
         engine=tuple(engine_overrides(args)),
-        lease=args.lease,
-        wait=args.wait,
-        command=tuple(getattr(args, "argv", ())),
     )
     return _preemptible(lambda: _emit_build(build(args.dir, opts), args.json) or 0)
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from spill.models.config import ModelConfig
 from spill.models.lora import LoraConfig
+from spill.settings import ACTIVATIONS, LoadOptions  # noqa: F401  (the seam's option types)
 
 
 @dataclass(frozen=True)
@@ -26,15 +27,6 @@ class ModelSpec:
 
     folder: Path
     config: ModelConfig
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    ring: int | None = None  # force this many layer slots (2 = the streaming test case)
-    resident: bool = False  # load every layer once and keep it
-    memory: int | None = None  # byte budget for the ring; None: derived from available RAM
-    device: str | None = None  # "cpu", "cuda", "cuda:1"; None: the engine's best
-    dtype: str | None = None  # "float32" or "bfloat16" for base weights; None: measured choice
 
 
 @dataclass(frozen=True)
@@ -109,9 +101,6 @@ class BatchPlan:
 
     def line(self) -> str:
         return f"batch {self.rows} {self.why}"
-
-
-ACTIVATIONS = ("auto", "keep", "recompute")  # how a trainer treats a step's activations
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spill.control.control import Run, RunComplete, Superseded
 from spill.control.place import Place
+
+
+@dataclass(frozen=True)
+class Writer:
+    """Where a job commits and how it holds the run there: what every verb that writes a state
+    (the jobs, a build) is given."""
+
+    state: str | None = None  # commit here and continue from what is committed there
+    lease: float | None = None  # seconds; None: ``control.owner.lease_seconds`` decides
+    wait: bool = False  # wait for another owner's lease instead of exiting 75
+    command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
+    place: Place | None = field(default=None, compare=False)  # inside a build: the stage's
 
 
 @dataclass
@@ -140,18 +152,13 @@ def own(
 
 
 @contextlib.contextmanager
-def hold(
-    state: str,
-    place: Place | None,
-    *,
-    lease: float | None = None,
-    wait: bool = False,
-    command: Sequence[str] = (),
-) -> Iterator[Held]:
-    """The job's ``Held``: ``place`` as given (a build's stage), else this process's own run."""
-    if place is not None:
-        yield Held(place)
+def hold(state: str, writer: Writer) -> Iterator[Held]:
+    """The job's ``Held`` at ``state``: the writer's place as given (a build's stage), else this
+    process's own run."""
+    if writer.place is not None:
+        yield Held(writer.place)
         return
+    lease, wait, command = writer.lease, writer.wait, writer.command
     with contextlib.ExitStack() as stack:
 
         def take(new_run: bool) -> Run:

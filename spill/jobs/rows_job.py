@@ -36,19 +36,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from spill.console import note, progress
 from spill.control.place import Place
-from spill.engines.base import BatchPlan, EngineInfo, LoadOptions
+from spill.engines.base import BatchPlan, EngineInfo
 from spill.errors import DataError, StoreError, UsageError
 from spill.hashing import file_sha256
-from spill.jobs.authority import Held, hold
+from spill.jobs.authority import Held, Writer, hold
 from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
+from spill.settings import EngineSettings
 
 Record = dict[str, Any]
 Compute = Callable[[list[Any]], list[Record]]
@@ -64,16 +65,15 @@ class RowOptions:
     pinned. ``batch`` comes from the verb's conf group (``eval.batch``, ``teacher.batch``)."""
 
     batch: int | None  # rows computed together (speed only); None: from the memory budget
-    engine: str
+    engine: EngineSettings = EngineSettings()
     weights: str | None = None
-    load: LoadOptions = LoadOptions()
-    state: str | None = None  # commit results in segments here and continue from them
     stop_after: int | None = None  # stop when this many rows are done in all
-    lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
-    wait: bool = False  # wait for another owner's lease instead of exiting 75
-    place: Place | None = field(default=None, compare=False)  # a build's stage: its place
-    command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
+    writer: Writer = Writer()  # without a state: nothing is committed, nothing continues
     batch_from: str = "--batch"  # where an explicit batch came from, for the pre-run line
+
+    @property
+    def state(self) -> str | None:
+        return self.writer.state
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,9 @@ def refuse_overlap(inputs: list[tuple[Path, str]], out: Path | None, state: str 
 
 
 def _open(job: RowJob, resolved, fp: str) -> LoadedModel:
-    return open_model(job.model, resolved, fp, job.options.engine, job.options.load, job.verb)
+    return open_model(
+        job.model, resolved, fp, job.options.engine.name, job.options.engine, job.verb
+    )
 
 
 def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
@@ -211,9 +213,7 @@ def execute(
     from spill.store.probe import probe_writable
 
     probe_writable(opts.state)
-    with hold(
-        opts.state, opts.place, lease=opts.lease, wait=opts.wait, command=opts.command
-    ) as held:
+    with hold(opts.state, opts.writer) as held:
         outcome = _execute(job, held, prepare, finish)
         if outcome.complete:
             held.finish()

@@ -117,7 +117,7 @@ def _order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
     return tuple(int(i) for i in np.random.default_rng(key).permutation(n))
 
 
-def micro_batch(
+def micro_batch_at(
     examples: list[Example], seed: int, index: int, size: int, pad_id: int
 ) -> MicroBatch:
     """Micro-batch ``index`` of ``size`` samples: a pure function of its arguments."""

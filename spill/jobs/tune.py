@@ -18,21 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spill.console import note, progress
-from spill.control.place import Place
-from spill.engines.base import ACTIVATIONS, AdamW, LoadOptions, TrainBatch
+from spill.engines.base import ACTIVATIONS, AdamW, TrainBatch
 from spill.errors import SpillError, UsageError
 from spill.jobs import producer
-from spill.jobs.authority import Held, hold
+from spill.jobs.authority import Held, Writer, hold
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
 from spill.jobs.schedule import cosine_lr
-from spill.jobs.train_data import data_fingerprint, load_examples, micro_batch
+from spill.jobs.train_data import data_fingerprint, load_examples, micro_batch_at
 from spill.models.config import load_config
 from spill.models.integrity import explain
 from spill.models.lora import LoraConfig, init_params
 from spill.models.tokenizer import Tokenizer
 from spill.paths import spill_home
 from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
+from spill.settings import EngineSettings, TuneSettings
 from spill.store import drill
 from spill.store.fs import exists, is_local, join, same_file
 from spill.store.probe import probe_writable
@@ -44,54 +44,37 @@ class CheckpointMismatch(SpillError):
 
 @dataclass(frozen=True, kw_only=True)
 class TuneOptions:
-    """A tune job: the ``tune`` conf group's settings, named as there (``conf/tune/
-    default.yaml`` holds every default; the CLI and a build both pass all of them), then the
-    project seed and where the job runs."""
+    """A tune job: the ``tune`` group's settings (``spill.settings.TuneSettings``; every default
+    in ``conf/tune/default.yaml``), the project seed, the engine group, and where it writes."""
 
-    steps: int
-    lr: float
-    warmup: int
-    weight_decay: float
-    rank: int
-    alpha: float | None  # None: 2 x rank (``LoraConfig``)
-    dropout: float
-    targets: str  # comma-separated modules, or "all"
-    batch: int  # samples per optimizer step
-    micro_batch: int  # samples per forward/backward; batch // micro_batch are accumulated
-    seq_len: int
-    ckpt_every: int
+    tune: TuneSettings
     seed: int
-    activations: str  # keep, recompute, or auto: kept when they fit the budget
-    engine: str
+    engine: EngineSettings = field(default_factory=EngineSettings)
     stop_after: int | None = None
-    state: str | None = None
     weights: str | None = None
-    load: LoadOptions = field(default_factory=LoadOptions)
-    lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
-    wait: bool = False  # wait for another owner's lease instead of exiting 75
-    place: Place | None = field(default=None, compare=False)  # a build's stage: its place
-    command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
+    writer: Writer = field(default_factory=Writer)
 
     @property
     def lora(self) -> LoraConfig:
-        targets = LoraConfig.parse_targets(self.targets)
-        return LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=targets)
+        t = self.tune
+        return LoraConfig(t.rank, t.alpha, t.dropout, LoraConfig.parse_targets(t.targets))
 
     def check(self) -> None:
-        if self.steps < 1 or self.ckpt_every < 1 or self.seq_len < 2:
+        t = self.tune
+        if t.steps < 1 or t.ckpt_every < 1 or t.seq_len < 2:
             raise SpillError("--steps and --ckpt-every must be at least 1, --seq-len at least 2")
-        if self.micro_batch < 1 or self.batch < 1 or self.batch % self.micro_batch:
-            raise SpillError(
-                f"--batch {self.batch} must be a positive multiple of --micro-batch {self.micro_batch}"
-            )
-        if self.rank < 1 or not 0 <= self.dropout < 1:
+        if t.micro_batch < 1 or t.batch < 1:
+            raise SpillError("--batch and --micro-batch must be at least 1")
+        if why := t.problem(lambda key: "--" + key.replace("_", "-")):
+            raise SpillError(why)
+        if t.rank < 1 or not 0 <= t.dropout < 1:
             raise SpillError("--rank must be at least 1 and --dropout in [0, 1)")
-        LoraConfig.parse_targets(self.targets)  # an unknown module fails here, in one line
-        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
-            raise SpillError(f"--stop-after must be between 1 and --steps ({self.steps})")
-        if self.activations not in ACTIVATIONS:
-            raise SpillError(f"--activations {self.activations!r}: use {', '.join(ACTIVATIONS)}")
-        if self.lr <= 0 or self.warmup < 0:
+        LoraConfig.parse_targets(t.targets)  # an unknown module fails here, in one line
+        if self.stop_after is not None and not 1 <= self.stop_after <= t.steps:
+            raise SpillError(f"--stop-after must be between 1 and --steps ({t.steps})")
+        if t.activations not in ACTIVATIONS:
+            raise SpillError(f"--activations {t.activations!r}: use {', '.join(ACTIVATIONS)}")
+        if t.lr <= 0 or t.warmup < 0:
             raise SpillError("--lr must be positive and --warmup zero or more")
 
 
@@ -99,22 +82,22 @@ def state_root(name: str, state: str | None) -> str:
     return state or str(spill_home() / "jobs" / name)
 
 
+# what _identity pins of the tune group: every setting that decides the result (a test checks)
+IDENTITY = ("lr", "warmup", "steps", "batch", "micro_batch", "seq_len", "weight_decay")
+IDENTITY_LORA = ("rank", "alpha", "dropout", "targets")
+
+
 def _identity(model: str, fingerprint: str, data: str, opts: TuneOptions) -> dict:
     """The values a checkpoint must share to be continued (``stop_after``/``ckpt_every`` not)."""
+    t = opts.tune
     return {
         "model": {"id": model, "fingerprint": fingerprint},
         "seed": opts.seed,
         "adapter": opts.lora.to_dict(),
         "hyperparameters": {
             "data": data,
-            "lr": opts.lr,
             "schedule": "cosine",
-            "warmup": opts.warmup,
-            "steps": opts.steps,
-            "batch": opts.batch,
-            "micro_batch": opts.micro_batch,
-            "seq_len": opts.seq_len,
-            "weight_decay": opts.weight_decay,
+            **{k: getattr(t, k) for k in IDENTITY},
         },
     }
 
@@ -188,16 +171,17 @@ def _finite(x: float) -> float | None:
 def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     """Run (or continue) the job; SIGTERM/SIGINT anywhere in it saves what is done and exits 75."""
     opts.check()
-    if opts.state is not None and is_local(opts.state) and same_file(opts.state, train_path):
+    t, w = opts.tune, opts.writer
+    if w.state is not None and is_local(w.state) and same_file(w.state, train_path):
         raise UsageError(
-            f"--state {opts.state} is the training file; give the state a folder of its own"
+            f"--state {w.state} is the training file; give the state a folder of its own"
         )
-    root = state_root(name, opts.state)
+    root = state_root(name, w.state)
     probe_writable(root)  # a read-only state fails before any step
-    with hold(root, opts.place, lease=opts.lease, wait=opts.wait, command=opts.command) as held:
+    with hold(root, w) as held:
         with Guard(unit="step") as guard:
             summary = _tune(guard, held, model, Path(train_path), name, opts)
-        if summary["step"] == opts.steps:
+        if summary["step"] == t.steps:
             held.finish()
     return summary
 
@@ -205,23 +189,23 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
 def _tune(
     guard: Guard, held: Held, model: str, train_path: Path, name: str, opts: TuneOptions
 ) -> dict:
-    place = held.place
+    place, t = held.place, opts.tune
     root = place.uri
     # Everything that can refuse the run is checked before an engine opens.
     resolved, fingerprint = find_model(model, opts.weights)
     folder = Path(resolved.folder)
     cfg, tok = load_config(folder), Tokenizer(folder)
-    examples = load_examples(Path(train_path), tok, opts.seq_len)
+    examples = load_examples(Path(train_path), tok, t.seq_len)
     want = _identity(model, fingerprint, data_fingerprint(train_path), opts)
     if resolved.files:  # per-file sha256, so a later refusal can name the file that changed
         want["model"]["files"] = resolved.files
     ckpt = latest_checkpoint(place)
     if ckpt is not None:
         refuse_mismatch(ckpt.state, want, ckpt.uri)
-    if (ckpt.step if ckpt else 0) < (opts.stop_after or opts.steps):  # steps to commit
+    if (ckpt.step if ckpt else 0) < (opts.stop_after or t.steps):  # steps to commit
         place = held.writable(f"its newest good checkpoint is step {ckpt.step if ckpt else 0}")
     guard.boundary()  # a stop before anything ran saves nothing and exits 75
-    loaded = open_model(model, resolved, fingerprint, opts.engine, opts.load, "tune")
+    loaded = open_model(model, resolved, fingerprint, opts.engine.name, opts.engine, "tune")
     runner = loaded.runner
     me = producer.describe(runner.info)
     if ckpt is not None:
@@ -230,16 +214,16 @@ def _tune(
         v = {k[3:]: x for k, x in opt.items() if k.startswith("v::")}
         step, losses, producers = state["step"], list(state["losses"]), list(state["producers"])
         note(
-            f"continuing {name} from {ckpt.uri}: step {step} of {opts.steps}, cursor {state['cursor']}"
+            f"continuing {name} from {ckpt.uri}: step {step} of {t.steps}, cursor {state['cursor']}"
         )
     else:
         params, m, v = init_params(cfg, opts.lora, opts.seed), {}, {}
         step, losses, producers = 0, [], []
-    accum = opts.batch // opts.micro_batch
+    accum = t.batch // t.micro_batch
     trainer = runner.trainer(opts.lora)
     trainer.set_state(params, m, v)
     # the longest micro-batch this run can make; the choice never changes the results
-    plan = trainer.plan(opts.micro_batch, opts.seq_len, opts.activations)
+    plan = trainer.plan(t.micro_batch, t.seq_len, t.activations)
     note(f"spill tune · {plan.line()}")
     started, saved_at = step, step if ckpt is not None else None
     tokens = 0
@@ -264,13 +248,13 @@ def _tune(
         return f"step {step} (committed)"
 
     guard.save = save
-    stop = opts.stop_after or opts.steps
+    stop = opts.stop_after or t.steps
     with progress(stop, "tune", unit="step", initial=step) as bar:
         while step < stop:
             guard.boundary()
             drill.at(drill.TUNE_BEFORE_FORWARD)
             batches = [
-                micro_batch(examples, opts.seed, step * accum + j, opts.micro_batch, tok.pad_id)
+                micro_batch_at(examples, opts.seed, step * accum + j, t.micro_batch, tok.pad_id)
                 for j in range(accum)
             ]
             total = sum(b.n_targets for b in batches)
@@ -287,14 +271,14 @@ def _tune(
                 tokens += int(b.attention.sum())
             drill.at(drill.TUNE_AFTER_BACKWARD)
             with guard.mutating():
-                lr = cosine_lr(step, opts.lr, opts.warmup, opts.steps)
-                trainer.apply(AdamW(lr=lr, step=step + 1, weight_decay=opts.weight_decay))
+                lr = cosine_lr(step, t.lr, t.warmup, t.steps)
+                trainer.apply(AdamW(lr=lr, step=step + 1, weight_decay=t.weight_decay))
                 losses.append(loss)
                 step += 1
                 drill.at(drill.TUNE_AFTER_OPTIMIZER)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             bar.update(1)
-            if step % opts.ckpt_every == 0 or step == stop:
+            if step % t.ckpt_every == 0 or step == stop:
                 with guard.mutating():
                     save()
                     bar.checkpoint("checkpoint committed")
@@ -303,7 +287,7 @@ def _tune(
     summary = {
         "name": name,
         "step": step,
-        "steps": opts.steps,
+        "steps": t.steps,
         "loss": round(losses[-1], 6) if losses else None,
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         "seconds": round(seconds, 2),
@@ -320,10 +304,10 @@ def _tune(
         note(f"this run moved: {moved}")
         summary["moved"] = moved
     guard.boundary()
-    if step == opts.steps and place.run is None and exists(join(root, "adapter", "adapter.json")):
+    if step == t.steps and place.run is None and exists(join(root, "adapter", "adapter.json")):
         summary["adapter"] = join(root, "adapter")  # a completed run, read only: already there
         note(f"run complete; its adapter is {summary['adapter']}")
-    elif step == opts.steps:
+    elif step == t.steps:
         from spill.jobs.adapter_files import publish_adapter
 
         p, _, _ = trainer.state()
@@ -333,7 +317,7 @@ def _tune(
         note(f"adapter written to {summary['adapter']} (spill, PEFT and MLX-LM layouts, loss.png)")
     else:
         note(
-            f"stopped after step {step} of {opts.steps} (--stop-after) with a committed "
+            f"stopped after step {step} of {t.steps} (--stop-after) with a committed "
             "checkpoint; to continue, run it again without --stop-after or with a later one"
         )
     runner.close()

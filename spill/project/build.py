@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from spill.errors import StoreError
+from spill.jobs.authority import Writer
 from spill.paths import STATE_DIR
 from spill.project import state, uptodate
 from spill.project.stages import STAGES, get
@@ -28,15 +29,12 @@ KNOWN = {"runs", "payloads", "command.json", "stages", "files", "adapters", "swe
 
 
 class BuildOptions(NamedTuple):
-    state: str | None = None
+    writer: Writer = Writer()  # the state (None: DIR/.spill), lease, --wait, the command line
     stop_after: str | None = None
     dry_run: bool = False
     overrides: tuple[str, ...] = ()
     resume: bool = False
     engine: tuple[str, ...] = ()  # resume: engine.* overrides on top of the recorded config
-    lease: float | None = None  # seconds; None: $SPILL_LEASE or 120 s
-    wait: bool = False  # wait for another owner's lease instead of exiting 75
-    command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
     new_run: bool = False  # fork a new run from an installed copy (or a completed run)
 
 
@@ -59,7 +57,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         from spill.project.config import compose
 
         compose(root)  # raises the one-line "no spill.yaml here" error
-    state_root = opts.state or str(root / STATE_DIR)
+    state_root = opts.writer.state or str(root / STATE_DIR)
     doc = state.read(state_root)
     if opts.resume:
         if doc is None:
@@ -105,9 +103,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         doc,
         stop,
         opts.dry_run,
-        lease=opts.lease,
-        wait=opts.wait,
-        command=opts.command,
+        writer=opts.writer,
         new_run=opts.new_run,
     )
 
@@ -173,9 +169,7 @@ def run(
     stop=None,
     dry_run=False,
     *,
-    lease: float | None = None,
-    wait: bool = False,
-    command: tuple[str, ...] = (),
+    writer: Writer | None = None,
     new_run: bool = False,
 ) -> dict:
     """Plan ``project`` against the state at ``state_root`` and execute (builds and sweeps).
@@ -196,7 +190,7 @@ def run(
     summary = {"project": project.name, "state": state_root, "dry_run": dry_run}
     if dry_run:
         return {**summary, "plan": [d.to_dict() for d in decisions], "doc": doc}
-    owner = Owner(lease, wait, command, new_run)
+    owner = Owner(writer or Writer(), new_run)
     with contextlib.ExitStack() as stack:
         ctx.run = _own(stack, ctx, specs, stop, owner)
         if ctx.run is None:  # a completed run that already says all this: nothing to write
@@ -220,9 +214,7 @@ def run(
 class Owner(NamedTuple):
     """How a build takes its run (``spill.jobs.authority.own``)."""
 
-    lease: float | None
-    wait: bool
-    command: tuple[str, ...]
+    writer: Writer
     new_run: bool
 
 
@@ -233,7 +225,8 @@ def _own(stack, ctx, specs, stop, owner: Owner):
     from spill.control.control import RunComplete
     from spill.jobs.authority import own
 
-    how = {"lease": owner.lease, "wait": owner.wait, "command": owner.command}
+    w = owner.writer
+    how = {"lease": w.lease, "wait": w.wait, "command": w.command}
     if owner.new_run:  # an installed copy's run (or a completed one) forks; any other continues
         return stack.enter_context(own(ctx.root, new_run=True, **how))
     try:

@@ -29,6 +29,16 @@ from spill.errors import BadOverride, ConfigError, HydraRefused
 from spill.project import hydra_safety
 from spill.project.hydra_safety import SEARCH_PATH  # noqa: F401  (init writes it into projects)
 from spill.project.uptodate import compose_key  # noqa: F401  (part of this boundary's API)
+from spill.settings import (
+    GROUPS,
+    DataSettings,
+    EngineSettings,
+    EvalSettings,
+    ModelSettings,
+    PromptSettings,
+    TeacherSettings,
+    TuneSettings,
+)
 from spill.validate import short
 
 FILE = "spill.yaml"
@@ -41,85 +51,19 @@ SILENT = ("hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_su
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    file: str
-    input: str
-    output: str
-    task: str  # "auto", "classification" or "generation"
-    test_fraction: float
-
-
-@dataclass(frozen=True)
-class StudentConfig:
-    """``model:``, the student the project tunes (a model's architecture is
-    ``spill.models.config.ModelConfig``)."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class TeacherConfig:
-    name: str | None
-    max_new_tokens: int
-    temperature: float
-    batch: int | None  # None: from the memory budget
-
-
-@dataclass(frozen=True)
-class TuneConfig:
-    """``tune:``; the same names as ``spill.jobs.tune.TuneOptions``, which a build fills from it."""
-
-    steps: int
-    lr: float
-    warmup: int
-    weight_decay: float
-    rank: int
-    alpha: float | None  # None: 2 x rank
-    dropout: float
-    targets: str
-    batch: int
-    micro_batch: int
-    seq_len: int
-    ckpt_every: int
-    activations: str  # auto, keep or recompute (the same bits either way)
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    max_new_tokens: int | None
-    batch: int | None  # None: from the memory budget
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    name: str
-    device: str | None
-    dtype: str | None
-    ring: int | None
-    resident: bool
-    memory: str | int | None
-
-
-@dataclass(frozen=True)
-class PromptConfig:
-    template: str
-    chat: bool
-
-
-@dataclass(frozen=True)
 class Project:
     root: Path  # the project folder (absolute)
     schema_version: int
     name: str
     id: str | None
     seed: int
-    data: DataConfig
-    model: StudentConfig
-    teacher: TeacherConfig
-    tune: TuneConfig
-    eval: EvalConfig
-    engine: EngineConfig
-    prompt: PromptConfig
+    data: DataSettings
+    model: ModelSettings
+    teacher: TeacherSettings
+    tune: TuneSettings
+    eval: EvalSettings
+    engine: EngineSettings
+    prompt: PromptSettings
     overrides: tuple[str, ...] = field(default=())
 
     @property
@@ -136,20 +80,9 @@ class Project:
         return doc
 
 
-_TYPES = {
-    "data": DataConfig,
-    "model": StudentConfig,
-    "teacher": TeacherConfig,
-    "tune": TuneConfig,
-    "eval": EvalConfig,
-    "engine": EngineConfig,
-    "prompt": PromptConfig,
-}
-
-
 def from_record(doc: dict[str, Any], root: Path, overrides: Sequence[str] = ()) -> Project:
     """A ``Project`` from a composed config this module validated before (a build's record)."""
-    sections = {k: _TYPES[k](**doc[k]) for k in SECTIONS}
+    sections = {k: GROUPS[k](**doc[k]) for k in SECTIONS}
     return Project(
         Path(root).resolve(),
         doc["schema_version"],
@@ -219,12 +152,8 @@ def validate(doc: Any, where: str, strict: bool = True) -> None:
         raise ConfigError(f"{where}: {_message(error, checked)}")
     if not strict:
         return
-    tune = doc["tune"]
-    if tune["batch"] % tune["micro_batch"]:
-        raise ConfigError(
-            f"{where}: tune.batch {tune['batch']} must be a multiple of tune.micro_batch "
-            f"{tune['micro_batch']}"
-        )
+    if why := TuneSettings(**doc["tune"]).problem(lambda key: f"tune.{key}"):
+        raise ConfigError(f"{where}: {why}")
     try:
         fields = {f for _, f, _, _ in string.Formatter().parse(doc["prompt"]["template"]) if f}
     except ValueError as e:

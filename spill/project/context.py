@@ -48,28 +48,17 @@ class BuildContext:
         """A job's ``RowOptions``: the engine settings, the group's batch (``setting`` names it
         for the pre-run line; None: from the memory budget), the model folder a bundle install
         gave this project (None: the name's own), where it commits."""
-        from spill.engines.base import LoadOptions
+        from spill.jobs.authority import Writer
         from spill.jobs.rows_job import RowOptions
         from spill.project.installed import model_folder
-        from spill.sizes import parse_size
 
-        e = self.project.engine  # its memory passed the schema: a size parse_size reads
-        load = LoadOptions(
-            ring=e.ring,
-            resident=e.resident,
-            memory=parse_size(e.memory),
-            device=e.device,
-            dtype=e.dtype,
-        )
         return RowOptions(
             batch=batch,
             batch_from=setting or "--batch",
-            engine=e.name,
-            load=load,
+            engine=self.project.engine,
             weights=model_folder(self.project.root, stage.model(self.project)),
-            state=stage.uri(self.root),
             stop_after=stop,
-            place=stage.place(self.root, self.run),
+            writer=Writer(state=stage.uri(self.root), place=stage.place(self.root, self.run)),
         )
 
     def local_folder(self, rel: str, names: tuple[str, ...]) -> Path:

@@ -125,7 +125,7 @@ def choose_teacher(teacher: str | None, memory: int) -> tuple[str | None, str]:
     return None, "no larger model is cached here; `spill init --teacher M` sets one"
 
 
-def micro_batch(memory: int) -> int:
+def micro_batch_for(memory: int) -> int:
     gb = memory / 2**30
     return 8 if gb >= 32 else 4 if gb >= 8 else 2
 
@@ -216,7 +216,7 @@ def init(
         values["model"] = {"name": (student, "")}
     if chosen_teacher and picks["teacher"][0] == "custom":
         values["teacher"] = {"name": (chosen_teacher, "")}
-    mb = micro_batch(memory)
+    mb = micro_batch_for(memory)
     values["tune"] = {
         "batch": (8, ""),
         "micro_batch": (mb, f"from {memory / 2**30:.0f} GB of free memory at init"),

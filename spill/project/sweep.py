@@ -45,6 +45,7 @@ from typing import Any
 
 from spill.control.control import Busy
 from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
+from spill.jobs.authority import Writer
 from spill.jobs.preempt import Preempted
 from spill.paths import STATE_DIR
 from spill.project import build, config, hydra_safety, stages, state
@@ -73,8 +74,7 @@ def job(
     stop_after: str | None,
     dry_run: bool,
     token: str = "",
-    lease: float | None = None,
-    wait: bool = False,
+    writer: Writer | None = None,
 ) -> dict:
     """Hydra's task function: one build; errors come back as a status, never raised."""
     from hydra.core.hydra_config import HydraConfig
@@ -93,7 +93,7 @@ def job(
         stop = StopAfter.parse(stop_after) if stop_after else None
         key = config.compose_key(root, overrides)
         doc = state.read(where)
-        summary = build.run(project, where, key, doc, stop, dry_run, lease=lease, wait=wait)
+        summary = build.run(project, where, key, doc, stop, dry_run, writer=writer or Writer())
     except Preempted as e:
         result = {**out, "status": "preempted", "error": str(e), **_committed(where)}
     except Busy as e:  # another process holds this combination's run (a requeued job's elder)
@@ -198,7 +198,7 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
         config.compose(root)  # the one-line "no spill.yaml here" error
     if opts.stop_after:
         StopAfter.parse(opts.stop_after)  # fail before any job starts
-    base = opts.state or str(root / STATE_DIR)
+    base = opts.writer.state or str(root / STATE_DIR)
     logs = join(base, "hydra") if is_local(base) else str(root / STATE_DIR / "hydra")
     overrides = [*config.SILENT, f"hydra.sweep.dir='{logs}'", *opts.overrides]  # later ones win
     token = uuid.uuid4().hex
@@ -209,8 +209,7 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
         stop_after=opts.stop_after,
         dry_run=opts.dry_run,
         token=token,
-        lease=opts.lease,
-        wait=opts.wait,
+        writer=Writer(lease=opts.writer.lease, wait=opts.writer.wait),
     )
     # Ray relays its workers' and raylet's lines to this process's stdout: keep them off the
     # table and the --json document, and leave Ray before printing (its relay is a thread)

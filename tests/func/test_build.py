@@ -271,6 +271,7 @@ def test_bad_input_is_one_line_and_loses_nothing(reference, home, tmp_path):
 def test_data_edited_during_a_build(home, tmp_path, monkeypatch):
     """In-process, a memory:// state: the data file changes while tune runs."""
     from spill.errors import DataError
+    from spill.jobs.authority import Writer
     from spill.project.build import BuildOptions, build
     from spill.project.state import read
     from spill.store import drill
@@ -278,8 +279,11 @@ def test_data_edited_during_a_build(home, tmp_path, monkeypatch):
     monkeypatch.setenv("SPILL_HOME", str(home))
     project = copy_toy(tmp_path / "toy")
     state = "memory://spill-test/edited"
-    opts = BuildOptions(state=state, overrides=("tune.steps=6",), stop_after="tune")
-    build(project, BuildOptions(state=state, overrides=opts.overrides, stop_after="eval:base"))
+    opts = BuildOptions(writer=Writer(state), overrides=("tune.steps=6",), stop_after="tune")
+    build(
+        project,
+        BuildOptions(writer=Writer(state), overrides=opts.overrides, stop_after="eval:base"),
+    )
 
     def edit(boundary):
         if boundary == drill.TUNE_BEFORE_FORWARD:
@@ -291,7 +295,9 @@ def test_data_edited_during_a_build(home, tmp_path, monkeypatch):
     doc = read(state)
     assert doc["stages"]["tune"]["status"] == "done"  # made from the data read at the start
     assert doc["stages"]["eval:base"]["status"] == "done"
-    plan = build(project, BuildOptions(state=state, overrides=opts.overrides, dry_run=True))["plan"]
+    plan = build(
+        project, BuildOptions(writer=Writer(state), overrides=opts.overrides, dry_run=True)
+    )["plan"]
     assert [d["action"] for d in plan[2:]] == ["run", "run"]
     assert "the data changed" in plan[2]["reason"]
 

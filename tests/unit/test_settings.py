@@ -16,23 +16,18 @@ import pytest
 import spill.conf
 import yaml
 
+from spill import settings
 from spill.cli import build_parser
 from spill.jobs.eval import EvalOptions
 from spill.jobs.rows_job import RowOptions
 from spill.jobs.run import RunOptions
 from spill.jobs.tune import TuneOptions
 from spill.models.lora import LoraConfig
-from spill.project import config as project_config
 
 CONF = Path(spill.conf.__file__).parent
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS = {"tune": "default", "eval": "default", "teacher": "none", "engine": "auto"}
-SECTIONS = {
-    "tune": project_config.TuneConfig,
-    "eval": project_config.EvalConfig,
-    "teacher": project_config.TeacherConfig,
-    "engine": project_config.EngineConfig,
-}
+SECTIONS = {g: settings.GROUPS[g] for g in GROUPS}
 ENGINE_FLAGS = {"engine": "name", "device": "device", "dtype": "dtype", "ring": "ring"}
 ENGINE_FLAGS |= {"resident": "resident", "memory": "memory"}
 
@@ -78,10 +73,32 @@ def test_the_reader_is_the_files(group):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_schema_and_project_dataclass_name_every_setting_with_the_conf_default(group):
-    settings, schema = base(group), schema_section(group)
-    assert list(schema) == list(settings), "the schema's keys are the conf's, in order"
-    assert [f.name for f in dataclasses.fields(SECTIONS[group])] == list(settings)
-    assert {k: v.get("default", "<none>") for k, v in schema.items()} == settings
+    conf, schema = base(group), schema_section(group)
+    assert list(schema) == list(conf), "the schema's keys are the conf's, in order"
+    assert sorted(f.name for f in dataclasses.fields(SECTIONS[group])) == sorted(conf)
+    assert [name for name, _ in settings.fields(group)] == list(conf)
+    assert {k: v.get("default", "<none>") for k, v in schema.items()} == conf
+
+
+def test_the_shipped_schema_is_what_the_settings_make():
+    """The group sections of spill-yaml.schema.json are generated from spill.settings (types,
+    bounds, descriptions) and conf/ (defaults): `python -m spill.settings` writes them."""
+    from spill.validate import load_schema
+
+    shipped = load_schema("spill-yaml")["properties"]
+    made = settings.schema_sections()
+    assert {g: shipped[g] for g in made} == made, "run `python -m spill.settings`"
+
+
+def test_the_checkpoint_identity_pins_every_tune_setting_that_decides_the_result():
+    """A stage's inputs and a checkpoint's identity both name the deciding tune settings."""
+    from spill.jobs.tune import IDENTITY, IDENTITY_LORA
+
+    decides = set(settings.deciding(settings.TuneSettings))
+    assert set(IDENTITY) | set(IDENTITY_LORA) == decides
+    assert {"ckpt_every", "activations"} == {
+        f.name for f in dataclasses.fields(settings.TuneSettings)
+    } - decides
 
 
 @pytest.mark.parametrize("group", ["teacher", "engine"])
@@ -94,11 +111,11 @@ def test_other_options_only_rename(group):
 
 
 def test_tune_job_and_cli_read_the_tune_group():
-    settings = base("tune")
-    fields = {f.name: f for f in dataclasses.fields(TuneOptions)}
-    assert all(unset(fields[k]) for k in settings), "TuneOptions keeps no default of its own"
+    conf = base("tune")
+    fields = {f.name: f for f in dataclasses.fields(settings.TuneSettings)}
+    assert all(unset(fields[k]) for k in conf), "TuneSettings keeps no default of its own"
     cli = cli_defaults("tune")
-    assert {k: cli[k] for k in settings} == settings
+    assert {k: cli[k] for k in conf} == conf
     assert cli["engine"] == base("engine")["name"]
 
 
@@ -116,12 +133,12 @@ def test_a_cli_tune_and_a_build_tune_are_the_same_run():
     from spill.jobs.tune import _identity
 
     args = build_parser().parse_args(["tune", "m", "t.jsonl", "--name", "x"])
-    cli = TuneOptions(**{k: getattr(args, k) for k in base("tune")}, seed=0, engine=args.engine)
-    section = project_config.TuneConfig(**base("tune"))
-    built = TuneOptions(**dataclasses.asdict(section), seed=0, engine="auto")
+    flags = settings.TuneSettings(**{k: getattr(args, k) for k in base("tune")})
+    cli = TuneOptions(tune=flags, seed=0)
+    built = TuneOptions(tune=settings.TuneSettings(**base("tune")), seed=0)
     assert _identity("m", "fp", "data", cli) == _identity("m", "fp", "data", built)
     readme = (ROOT / "README.md").read_text()
-    assert f"micro-batches of {cli.micro_batch} samples by default" in readme
+    assert f"micro-batches of {cli.tune.micro_batch} samples by default" in readme
 
 
 def test_row_verbs_read_the_teacher_eval_and_engine_groups():
@@ -145,10 +162,32 @@ def test_row_verbs_read_the_teacher_eval_and_engine_groups():
 def test_job_options_keep_no_copy_of_a_group_default():
     """A field named like a setting has no default, or the conf's."""
     known = {k: v for g in GROUPS for k, v in base(g).items()}
-    for cls in (RowOptions, RunOptions, EvalOptions, TuneOptions):
+    for cls in (RowOptions, RunOptions, EvalOptions, TuneOptions, *SECTIONS.values()):
         for f in dataclasses.fields(cls):
-            if f.name in known and not unset(f):
+            if f.name in known and not unset(f) and f.default != known[f.name]:
                 pytest.fail(f"{cls.__name__}.{f.name} has a default of its own: {f.default!r}")
+
+
+def test_a_setting_is_one_field_and_one_conf_line(monkeypatch):
+    """Adding a setting to a group: its field in spill.settings (type, schema fragment, help),
+    its line in the group's base option in conf/, and `python -m spill.settings` for the
+    schema file. Everything else reads the shape: here a group grown by one field makes its
+    flag, its schema entry and its stage input without another edit."""
+    import argparse as ap
+
+    from spill.cli.options import setting_flags
+
+    @dataclasses.dataclass(frozen=True)
+    class Grown(settings.TuneSettings):
+        label_smoothing: float = settings.setting({"type": "number", "minimum": 0}, "smoothing")
+
+    flags = ap.ArgumentParser()
+    grown, original = dict(base("tune"), label_smoothing=0.1), spill.conf.defaults
+    monkeypatch.setattr(spill.conf, "defaults", lambda g: grown if g == "tune" else original(g))
+    setting_flags(flags, Grown, "tune")
+    assert flags.parse_args([]).label_smoothing == 0.1
+    assert flags.parse_args(["--label-smoothing", "0.3"]).label_smoothing == 0.3
+    assert "label_smoothing" in settings.deciding(Grown)
 
 
 @pytest.mark.parametrize(

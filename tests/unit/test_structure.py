@@ -34,7 +34,17 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "cli": ("examples",),  # argument parsing and printing: nothing imports it
 }
 GROUND = {  # spill/<name>.py, and the data packages installed beside them
-    *("__init__", "errors", "paths", "hashing", "sizes", "console", "machine", "validate"),
+    *(
+        "__init__",
+        "errors",
+        "paths",
+        "hashing",
+        "sizes",
+        "console",
+        "machine",
+        "validate",
+        "settings",
+    ),
     *("conf", "schemas", "projects", "reports"),
 }
 CLI = {"cli", "__main__"}

@@ -49,7 +49,7 @@ def plan_model_ring(
     # Resident parts come out of the default budget; an explicit one is the ring's own.
     head_bytes = cfg.vocab_size * cfg.hidden_size * itemsize
     head_bytes *= 1 if cfg.tie_word_embeddings else 2
-    budget = options.memory
+    budget = options.budget
     if budget is None:
         budget = max(0, available() - head_bytes)
     return plan_ring(cfg.num_hidden_layers, layer_bytes, options.ring, options.resident, budget)

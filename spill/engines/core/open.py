@@ -82,4 +82,4 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         layers=layers,
         resident=resident,
     )
-    return StreamRunner(Model(engine.kernel(cfg, place), ring), info, stats, options.memory)
+    return StreamRunner(Model(engine.kernel(cfg, place), ring), info, stats, options.budget)

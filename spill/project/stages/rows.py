@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from spill.project import outputs
 from spill.project.stages.base import Stage, common_inputs, distinct
+from spill.settings import EvalSettings, TeacherSettings, deciding
 from spill.store.fs import join
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class EvalStage(RowStage):
 
         out = {
             **common_inputs(project, prepared),
-            "eval.max_new_tokens": project.eval.max_new_tokens,
+            **{f"eval.{k}": getattr(project.eval, k) for k in deciding(EvalSettings)},
             "data:test.jsonl": sha256(prepared.test),
         }
         for name in self.needs:  # the tuned adapter it grades
@@ -132,9 +133,7 @@ class DistillStage(RowStage):
 
         t = project.teacher
         return {
-            "teacher.name": t.name,
-            "teacher.max_new_tokens": t.max_new_tokens,
-            "teacher.temperature": t.temperature,
+            **{f"teacher.{k}": getattr(t, k) for k in deciding(TeacherSettings)},
             "seed": project.seed,
             "data:prompts.jsonl": sha256(prepared.prompts),
         }

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from spill.project import outputs
 from spill.project.stages.base import Stage, common_inputs, distinct
+from spill.settings import TuneSettings, deciding
 from spill.store.fs import join
 
 if TYPE_CHECKING:
@@ -17,8 +17,6 @@ if TYPE_CHECKING:
     from spill.project.data import Prepared
     from spill.project.plan import Decision
     from spill.project.stages.spec import StageSpec
-
-SAME_BITS = ("ckpt_every", "activations")  # tune settings that change no bit of the result
 
 
 class TuneStage(Stage):
@@ -35,7 +33,7 @@ class TuneStage(Stage):
     ) -> dict[str, Any]:
         from spill.project.data import sha256
 
-        tune = {f"tune.{k}": v for k, v in asdict(project.tune).items() if k not in SAME_BITS}
+        tune = {f"tune.{k}": getattr(project.tune, k) for k in deciding(TuneSettings)}
         out = {**common_inputs(project, prepared), **tune}
         teacher = earlier.get(self.needs[0])
         if teacher is not None and teacher.enabled:  # it trains on the teacher's answers
@@ -53,14 +51,12 @@ class TuneStage(Stage):
         p, t = ctx.project, ctx.project.tune
         job = ctx.job_options(t.batch, d.stop, self)
         opts = TuneOptions(
-            **asdict(t),  # the tune group's settings, under the names TuneOptions shares
+            tune=t,
             seed=p.seed,
-            stop_after=job.stop_after,
-            state=job.state,
             engine=job.engine,
-            load=job.load,
+            stop_after=job.stop_after,
             weights=job.weights,
-            place=job.place,
+            writer=job.writer,
         )
         s = tune(p.model.name, self.train_file(ctx), p.name, opts)
         return {"step": s["step"], "steps": t.steps, "loss": s["loss"]}, s["step"] == t.steps

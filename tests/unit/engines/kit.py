@@ -13,7 +13,7 @@ import pytest
 
 from spill.engines.base import AdamW, GenerateParams, LoadOptions, ModelSpec, TrainBatch
 from spill.jobs.schedule import cosine_lr
-from spill.jobs.train_data import Example, micro_batch
+from spill.jobs.train_data import Example, micro_batch_at
 from spill.models.config import load_config
 from spill.models.lora import init_params
 
@@ -92,7 +92,7 @@ def examples(n=6, seed=0) -> list[Example]:
 
 def batches(step: int, accum=2, size=3, seed=0) -> list[TrainBatch]:
     """The micro-batches of optimizer step ``step``; scale = 1 / target tokens of the step."""
-    mbs = [micro_batch(examples(), seed, step * accum + k, size, 0) for k in range(accum)]
+    mbs = [micro_batch_at(examples(), seed, step * accum + k, size, 0) for k in range(accum)]
     total = sum(mb.n_targets for mb in mbs)
     return [
         TrainBatch(mb.tokens, mb.attention, mb.targets, 1.0 / total, step * accum + k)

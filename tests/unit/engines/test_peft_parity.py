@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from spill.engines.base import AdamW, LoadOptions, ModelSpec, TrainBatch
 from spill.engines.torch import ENGINE
 from spill.jobs.schedule import cosine_lr
-from spill.jobs.train_data import Example, micro_batch
+from spill.jobs.train_data import Example, micro_batch_at
 from spill.models.config import load_config
 from spill.models.lora import ALL_LINEAR, LoraConfig, export_peft, init_params
 
@@ -48,7 +48,7 @@ def examples(n=10) -> list[Example]:
 
 
 def step_batches(data, step: int) -> list[TrainBatch]:
-    mbs = [micro_batch(data, SEED, step * ACCUM + k, SIZE, 0) for k in range(ACCUM)]
+    mbs = [micro_batch_at(data, SEED, step * ACCUM + k, SIZE, 0) for k in range(ACCUM)]
     total = sum(mb.n_targets for mb in mbs)
     return [TrainBatch(mb.tokens, mb.attention, mb.targets, 1.0 / total, 0) for mb in mbs]
 

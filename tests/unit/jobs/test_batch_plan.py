@@ -15,10 +15,10 @@ import json
 import numpy as np
 import pytest
 
-from spill.engines.base import LoadOptions
 from spill.jobs.eval import EvalOptions, evaluate
 from spill.jobs.rows_job import RowOptions
 from spill.jobs.run import RunOptions, run
+from spill.settings import EngineSettings
 
 RTOL, ATOL = 1e-6, 1e-5  # on a row's summed gold log-prob (see the module doc)
 ROWS = 20
@@ -37,7 +37,7 @@ def _eval_rows(path):
 
 def _graded(folder, src, tmp_path, batch, load):
     out = tmp_path / f"graded-{batch}.jsonl"
-    job = RowOptions(batch=batch, engine="torch", load=load)
+    job = RowOptions(batch=batch, engine=load)
     evaluate(str(folder), src, out, EvalOptions(max_new_tokens=6), job)
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -45,7 +45,7 @@ def _graded(folder, src, tmp_path, batch, load):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_results_do_not_depend_on_the_batch(family, tiny_models, tmp_path, capsys):
     folder, src = tiny_models[family], _eval_rows(tmp_path / "in.jsonl")
-    load = LoadOptions(ring=2, dtype="float32")
+    load = EngineSettings(name="torch", ring=2, dtype="float32")
     auto = _graded(folder, src, tmp_path, None, load)
     err = capsys.readouterr().err
     assert f"batch {ROWS} from the memory budget" in err and "all the rows" in err
@@ -61,7 +61,9 @@ def test_results_do_not_depend_on_the_batch(family, tiny_models, tmp_path, capsy
 def test_a_resident_model_batches_from_the_budget_too(tiny_models, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"row {i}"}) + "\n" for i in range(9)))
-    job = RowOptions(batch=None, engine="torch", load=LoadOptions(resident=True, dtype="float32"))
+    job = RowOptions(
+        batch=None, engine=EngineSettings(name="torch", resident=True, dtype="float32")
+    )
     gen = RunOptions(max_new_tokens=2, temperature=0.0, seed=0)
     s = run(str(tiny_models["llama"]), src, tmp_path / "out.jsonl", gen, job)
     assert s["rows"] == 9
@@ -71,8 +73,8 @@ def test_a_resident_model_batches_from_the_budget_too(tiny_models, tmp_path, cap
 def test_an_explicit_batch_names_where_it_came_from(tiny_models, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"row {i}"}) + "\n" for i in range(3)))
-    load = LoadOptions(ring=2, dtype="float32")
-    job = RowOptions(batch=2, engine="torch", load=load, batch_from="teacher.batch")
+    load = EngineSettings(name="torch", ring=2, dtype="float32")
+    job = RowOptions(batch=2, engine=load, batch_from="teacher.batch")
     gen = RunOptions(max_new_tokens=2, temperature=0.0, seed=0)
     run(str(tiny_models["llama"]), src, tmp_path / "out.jsonl", gen, job)
     assert "batch 2 (teacher.batch)" in capsys.readouterr().err

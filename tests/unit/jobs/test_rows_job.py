@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from spill.engines.base import LoadOptions
+from spill.jobs.authority import Writer
 from spill.jobs.distill import distill
 from spill.jobs.rows_job import RowOptions
 from spill.jobs.run import RunOptions, run
+from spill.settings import EngineSettings
 
 GEN = RunOptions(max_new_tokens=3, temperature=0.0, seed=0)
 
@@ -18,9 +19,9 @@ def _rows(path, n=5):
 
 
 def _job(tmp_path, stop_after=None) -> RowOptions:
-    load = LoadOptions(dtype="float32")
-    state = str(tmp_path / "state")
-    return RowOptions(batch=2, engine="torch", load=load, state=state, stop_after=stop_after)
+    engine = EngineSettings(name="torch", dtype="float32")
+    writer = Writer(str(tmp_path / "state"))
+    return RowOptions(batch=2, engine=engine, writer=writer, stop_after=stop_after)
 
 
 def test_a_run_stopped_early_reports_what_it_did_and_writes_nothing(tmp_path, tiny_models, capsys):
@@ -40,7 +41,7 @@ def test_a_run_stopped_early_reports_what_it_did_and_writes_nothing(tmp_path, ti
 
 def test_run_and_distill_summaries_share_the_common_keys(tmp_path, tiny_models):
     src = _rows(tmp_path / "in.jsonl", 2)
-    job = RowOptions(batch=2, engine="torch", load=LoadOptions(dtype="float32"))
+    job = RowOptions(batch=2, engine=EngineSettings(name="torch", dtype="float32"))
     r = run(str(tiny_models["qwen2"]), src, tmp_path / "r.jsonl", GEN, job)
     d = distill(str(tiny_models["qwen2"]), src, tmp_path / "d.jsonl", GEN, job)
     common = {"rows", "seconds", "engine", "numerics", "out", "generated_tokens"}

@@ -6,7 +6,7 @@ import pytest
 
 from spill.errors import DataError
 from spill.jobs.schedule import cosine_lr
-from spill.jobs.train_data import load_examples, micro_batch
+from spill.jobs.train_data import load_examples, micro_batch_at
 from spill.models.tokenizer import Tokenizer
 
 
@@ -56,8 +56,8 @@ def test_micro_batches_are_a_pure_function_and_cover_each_epoch(tmp_path, tiny_m
     tok = Tokenizer(tiny_models["llama"])
     rows = [{"prompt": "p" * (i % 5 + 1), "completion": str(i)} for i in range(10)]
     exs = load_examples(_write(tmp_path / "d.jsonl", rows), tok, 64)
-    a = [micro_batch(exs, 3, i, 2, tok.pad_id) for i in range(10)]
-    b = [micro_batch(exs, 3, i, 2, tok.pad_id) for i in reversed(range(10))][::-1]
+    a = [micro_batch_at(exs, 3, i, 2, tok.pad_id) for i in range(10)]
+    b = [micro_batch_at(exs, 3, i, 2, tok.pad_id) for i in reversed(range(10))][::-1]
     for x, y in zip(a, b, strict=True):
         assert (
             x.rows == y.rows
@@ -68,8 +68,8 @@ def test_micro_batches_are_a_pure_function_and_cover_each_epoch(tmp_path, tiny_m
     assert epoch0 == list(range(10))
     assert [mb.rows for mb in a[:5]] != [mb.rows for mb in a[5:]]  # each epoch reshuffles
     assert (
-        a[0].rows != micro_batch(exs, 4, 0, 2, tok.pad_id).rows
-        or a[1].rows != micro_batch(exs, 4, 1, 2, tok.pad_id).rows
+        a[0].rows != micro_batch_at(exs, 4, 0, 2, tok.pad_id).rows
+        or a[1].rows != micro_batch_at(exs, 4, 1, 2, tok.pad_id).rows
     )
     mb = a[0]
     assert not mb.targets[:, 0].any() and not (mb.targets & ~mb.attention).any()

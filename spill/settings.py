@@ -1,0 +1,308 @@
+"""One shape per settings group: the frozen dataclasses a project holds, a job embeds and the
+command line's flags are made from, each field carrying what the other readers need.
+
+A setting is one field here (its type, its JSON Schema fragment, whether it decides a result,
+its flag's help) plus one line in the group's base option in ``conf/`` (its default, the only
+place a default lives). From these:
+
+* ``spill.project.config`` freezes a composed spill.yaml into these classes;
+* the jobs embed them (``TuneOptions.tune``; ``LoadOptions`` is the engine group less the
+  engine's name, so an ``EngineSettings`` is what an engine opens a model with);
+* the flags of ``spill tune``, ``eval``, ``run`` and ``distill`` are made from the fields
+  (``spill.cli.options.setting_flags``), their defaults read from ``conf/``;
+* the group sections of ``schemas/spill-yaml.schema.json`` are what ``schema_sections`` makes
+  (``python -m spill.settings`` writes them; a test compares the shipped file);
+* the stages' inputs (``spill.project.stages``) take the fields that decide a result.
+
+Engine-free and light: dataclasses only, no YAML, no jsonschema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ACTIVATIONS = ("auto", "keep", "recompute")
+_PATH = "^/?[^/\\u0000]{1,255}(/[^/\\u0000]{1,255})*"  # no name over 255 bytes, no NUL
+_TARGETS = "(q|k|v|o|gate|up|down)_proj"
+
+
+def setting(schema: dict, help: str | None = None, *, decides: bool = True, flag: bool = True):
+    """A field: ``schema`` its JSON Schema fragment (a ``description`` is the file's text),
+    ``help`` its flag's help (None: none), ``decides``: a different value gives a different
+    result (a stage input), ``flag``: the job verbs take it as ``--<name>``."""
+    return field(metadata={"schema": schema, "help": help, "decides": decides, "flag": flag})
+
+
+def meta(f: dataclasses.Field) -> dict[str, Any]:
+    return dict(f.metadata)
+
+
+def deciding(cls) -> tuple[str, ...]:
+    """The settings of a group whose value decides a stage's result."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("decides", True))
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    file: str = setting(
+        {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 4096,
+            "pattern": _PATH + "$",
+            "description": "CSV or JSONL file, relative to the project folder (a path: no name "
+            "over 255 bytes, no NUL)",
+        }
+    )
+    input: str = setting(
+        {"type": "string", "minLength": 1, "description": "the column or key the model reads"}
+    )
+    output: str = setting(
+        {"type": "string", "minLength": 1, "description": "the column or key it answers with"}
+    )
+    task: str = setting(  # "auto", "classification" or "generation"
+        {
+            "enum": ["auto", "classification", "generation"],
+            "description": "classification: a closed label set; generation: free text",
+        }
+    )
+    test_fraction: float = setting(
+        {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "exclusiveMaximum": 1,
+            "description": "share of rows held out for grading",
+        }
+    )
+
+
+_MODEL = {"minLength": 1, "maxLength": 4096, "pattern": _PATH + "/?$"}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """``model:``, the student the project tunes (a model's architecture is
+    ``spill.models.config.ModelConfig``)."""
+
+    name: str = setting(
+        {
+            "type": "string",
+            **_MODEL,
+            "description": "alias (smollm2:135m), hub id, local folder or tiny:<family>:<seed> "
+            "(a folder: no name over 255, no NUL)",
+        }
+    )
+
+
+@dataclass(frozen=True)
+class TeacherSettings:
+    name: str | None = setting(
+        {
+            "type": ["string", "null"],
+            **_MODEL,
+            "description": "null: no teacher, the distill stage is skipped",
+        },
+        flag=False,
+    )
+    max_new_tokens: int = setting({"type": "integer", "minimum": 1})
+    temperature: float = setting(
+        {"type": "number", "minimum": 0}, "0 is greedy (default %(default)s)"
+    )
+    batch: int | None = setting(  # None: from the memory budget
+        {"type": ["integer", "null"], "minimum": 1},
+        "rows generated together (default: as many as the memory budget fits, at most 64)",
+        decides=False,
+    )
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """``tune:``, the LoRA training of the student; ``spill tune`` takes each as a flag."""
+
+    steps: int = setting(
+        {"type": "integer", "minimum": 1}, "total optimizer steps (default %(default)s)"
+    )
+    lr: float = setting(
+        {"type": "number", "exclusiveMinimum": 0}, "peak learning rate (default %(default)s)"
+    )
+    warmup: int = setting({"type": "integer", "minimum": 0}, "warmup steps before the cosine decay")
+    weight_decay: float = setting({"type": "number", "minimum": 0})
+    rank: int = setting({"type": "integer", "minimum": 1}, "LoRA rank (default %(default)s)")
+    alpha: float | None = setting(  # None: 2 x rank (``LoraConfig``)
+        {"type": ["number", "null"], "exclusiveMinimum": 0, "description": "null: 2 x rank"},
+        "LoRA alpha (default: 2 x rank)",
+    )
+    dropout: float = setting(
+        {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+        "LoRA dropout (default %(default)s)",
+    )
+    targets: str = setting(  # comma-separated modules, or "all"
+        {
+            "type": "string",
+            "pattern": f"^(all|all-linear|({_TARGETS})(\\s*,\\s*{_TARGETS})*)$",
+            "description": "comma-separated q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+            "down_proj, or all",
+        },
+        "modules to adapt, comma-separated, or 'all' (default %(default)s)",
+    )
+    batch: int = setting(
+        {"type": "integer", "minimum": 1}, "samples per optimizer step (default %(default)s)"
+    )
+    micro_batch: int = setting(  # batch // micro_batch micro-batches are accumulated
+        {"type": "integer", "minimum": 1},
+        "samples per forward pass; --batch must be a multiple (default %(default)s)",
+    )
+    seq_len: int = setting(
+        {"type": "integer", "minimum": 2},
+        "tokens per sample, longer rows are cut (default %(default)s)",
+    )
+    ckpt_every: int = setting(
+        {"type": "integer", "minimum": 1},
+        "steps between checkpoints (default %(default)s)",
+        decides=False,
+    )
+    activations: str = setting(
+        {
+            "enum": list(ACTIVATIONS),
+            "description": "keep a step's activations (no recompute) or recompute them in "
+            "backward; auto: kept when the layers are resident and they fit the memory budget. "
+            "The result is the same bits either way",
+        },
+        "keep a step's activations or recompute them in backward; auto keeps them when they "
+        "fit the memory budget; the same result either way (default %(default)s)",
+        decides=False,
+    )
+
+    def problem(self, name=lambda key: key) -> str:
+        """What makes these settings unusable together (``""``: nothing), each setting called
+        ``name(key)`` (``tune.batch``, ``--batch``): the one check of what a schema cannot say."""
+        if self.micro_batch >= 1 and self.batch % self.micro_batch:
+            return (
+                f"{name('batch')} {self.batch} must be a multiple of {name('micro_batch')} "
+                f"{self.micro_batch}"
+            )
+        return ""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    max_new_tokens: int | None = setting(  # None: the longest answer + 16
+        {"type": ["integer", "null"], "minimum": 1},
+        "generation limit (default: the longest answer's tokens + 16)",
+    )
+    batch: int | None = setting(  # None: from the memory budget
+        {"type": ["integer", "null"], "minimum": 1},
+        "rows graded together (default: as many as the memory budget fits, at most 64)",
+        decides=False,
+    )
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How an engine holds a model: the engine group less the engine's name."""
+
+    ring: int | None = None  # force this many layer slots (2 = the streaming test case)
+    resident: bool = False  # load every layer once and keep it
+    memory: int | str | None = None  # budget for the ring (bytes, or "8G"); None: from free RAM
+    device: str | None = None  # "cpu", "cuda", "cuda:1"; None: the engine's best
+    dtype: str | None = None  # "float32" or "bfloat16" for base weights; None: measured choice
+
+    @property
+    def budget(self) -> int | None:
+        """``memory`` in bytes."""
+        from spill.sizes import parse_size
+
+        return parse_size(self.memory) if isinstance(self.memory, str) else self.memory
+
+
+_LOAD_SCHEMA = {
+    "device": {"type": ["string", "null"]},
+    "dtype": {"enum": ["float32", "bfloat16", None]},
+    "ring": {"type": ["integer", "null"], "minimum": 1},
+    "resident": {"type": "boolean"},
+    "memory": {
+        "type": ["string", "integer", "null"],
+        "pattern": "^\\s*\\d+(\\.\\d+)?\\s*[kKmMgGtT]?[iI]?[bB]?\\s*$",
+        "minimum": 1,
+        "description": "e.g. 8G or 512M; null: from free RAM",
+    },
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings(LoadOptions):
+    """``engine:``, where the stages compute: nothing here changes what a stage means."""
+
+    name: str = "auto"  # auto, torch or mlx
+
+    def load(self) -> LoadOptions:
+        return LoadOptions(self.ring, self.resident, self.memory, self.device, self.dtype)
+
+
+ENGINE_FIELDS = ("name", "device", "dtype", "ring", "resident", "memory")  # spill.yaml's order
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    template: str = setting(
+        {
+            "type": "string",
+            "pattern": "\\{input\\}",
+            "description": "must contain {input}; {labels} is the label set",
+        }
+    )
+    chat: bool = setting({"type": "boolean"})
+
+
+GROUPS: dict[str, type] = {
+    "data": DataSettings,
+    "model": ModelSettings,
+    "teacher": TeacherSettings,
+    "tune": TuneSettings,
+    "eval": EvalSettings,
+    "engine": EngineSettings,
+    "prompt": PromptSettings,
+}
+BASE = {"tune": "default", "eval": "default", "teacher": "none", "engine": "auto"}  # conf/
+
+
+def fields(group: str) -> list[tuple[str, dict]]:
+    """(name, JSON Schema fragment) of each setting of ``group``, in spill.yaml's order."""
+    if group == "engine":
+        return [("name", {"enum": ["auto", "torch", "mlx"]})] + [
+            (n, _LOAD_SCHEMA[n]) for n in ENGINE_FIELDS[1:]
+        ]
+    return [(f.name, dict(f.metadata["schema"])) for f in dataclasses.fields(GROUPS[group])]
+
+
+def schema_sections() -> dict[str, dict]:
+    """The group sections of spill.yaml's JSON Schema: each setting's fragment, and for the
+    groups with a base option (``BASE``) its ``default`` read from ``conf/``."""
+    from spill.conf import defaults
+
+    out = {}
+    for group in GROUPS:
+        given = defaults(group) if group in BASE else {}
+        props = {}
+        for name, fragment in fields(group):
+            props[name] = {**fragment, **({"default": given[name]} if group in BASE else {})}
+        out[group] = {"type": "object", "additionalProperties": False, "properties": props}
+    return out
+
+
+def _write_schema() -> None:
+    """``python -m spill.settings``: write the group sections into the shipped schema file."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "schemas" / "spill-yaml.schema.json"
+    doc = json.loads(path.read_text())
+    doc["properties"].update(schema_sections())
+    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    print(f"wrote the group sections of {path}")
+
+
+if __name__ == "__main__":
+    _write_schema()
