@@ -43,7 +43,8 @@ from spill.control.transfer import _read, _record, _write, pending
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
-from spill.store.fs import _local, files_under, get_bytes, is_local, join, listdir, remove
+from spill.store.fs import files_under, get_bytes, join, listdir, remove
+from spill.store.location import location
 from spill.validate import parse_json, validate
 
 _ELSEWHERE = "move to a new or empty location"
@@ -271,7 +272,7 @@ def remove_claim(dst: Store, root: str, rid: str, tid: str) -> bool:
             rels = _claimed_paths(dst, rid, tid)
             for rel in rels:
                 remove(join(root, rel))
-            if is_local(root):  # a mover killed mid-file left `.move-<pid>-<name>` beside it
+            if location(root).local:  # a mover killed mid-file left `.move-<pid>-<name>` beside it
                 for folder in {os.path.dirname(r) for r in rels}:
                     for n in listdir(join(root, folder)):
                         if n.startswith(".move-"):
@@ -281,8 +282,8 @@ def remove_claim(dst: Store, root: str, rid: str, tid: str) -> bool:
             return False
         if runs is not None and runs["runs"] == [rid]:
             remove(dst.uri(CURRENT))
-    if is_local(root):
-        base = _local(root)
+    if location(root).local:
+        base = location(root).path
         for d, _, _ in os.walk(base, topdown=False):
             if d != base:
                 try:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from spill.errors import StoreError
+from spill.store.location import location
 
 LEASE = 120.0
 LEASE_ENV = "SPILL_LEASE"
@@ -125,8 +126,7 @@ def describe(doc: dict[str, Any], now: float | None = None) -> str:
 
 def home_of(state: str) -> str:
     """Where a state location is, as recorded in its runs: ``host:/real/path`` or the URI."""
-    from spill.store.fs import _local, is_local
 
-    if is_local(state):
-        return f"{host()}:{os.path.realpath(_local(state))}"
+    if location(state).local:
+        return f"{host()}:{os.path.realpath(location(state).path)}"
     return state.rstrip("/")

@@ -24,6 +24,7 @@ from spill.control.keys import CONTROL, current, read_control, run_ids
 from spill.errors import StoreError
 from spill.store.cas import Store
 from spill.store.fs import join, listdir, remove
+from spill.store.location import location
 
 if TYPE_CHECKING:
     from spill.control.control import Run
@@ -44,7 +45,7 @@ class Place:
     control object (status, probes)."""
 
     def __init__(self, state: str, prefix: str = "", run: Run | None = None):
-        self.state, self.prefix, self.run = state, prefix.strip("/"), run
+        self.state, self.prefix, self.run = location(state), prefix.strip("/"), run
         self._doc: dict[str, Any] | None = None
 
     @property

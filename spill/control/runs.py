@@ -41,7 +41,7 @@ from spill.control.runlist import has_runs, next_generation, restore
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, LockHeld, Store, Uncertain
-from spill.store.fs import _local, is_local
+from spill.store.location import location
 
 
 def _new_run_id() -> str:
@@ -208,8 +208,8 @@ def _refuse_nested(state: str) -> None:
 def outer_state(state: str, every: bool = False) -> str | None:
     """The location holding runs whose own folders (``stages``, ``payloads``, ``runs``; with
     ``every`` any folder, as ``spill move`` asks of a destination) hold ``state``, if any."""
-    if is_local(state):
-        full = os.path.realpath(_local(state))
+    if location(state).local:
+        full = os.path.realpath(location(state).path)
         above = [str(p) for p in PurePosixPath(full).parents]
     else:
         full = state.rstrip("/")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from spill.control.control import Run, RunComplete, Superseded
 from spill.control.place import Place
+from spill.store.location import location
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class Writer:
     wait: bool = False  # wait for another owner's lease instead of exiting 75
     command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
     place: Place | None = field(default=None, compare=False)  # inside a build: the stage's
+
+    def __post_init__(self) -> None:
+        if self.state is not None:  # parsed once, here: every layer below takes the Location
+            object.__setattr__(self, "state", location(self.state))
 
 
 @dataclass

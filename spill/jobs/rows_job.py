@@ -50,6 +50,7 @@ from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
 from spill.settings import EngineSettings
+from spill.store.location import location
 
 Record = dict[str, Any]
 Compute = Callable[[list[Any]], list[Record]]
@@ -144,9 +145,9 @@ def job_inputs(input_path: Path, model: str, adapter: Path | None = None) -> lis
 
 def refuse_overlap(inputs: list[tuple[Path, str]], out: Path | None, state: str | None) -> None:
     """A usage error when ``--out`` or a local ``--state`` is one of ``inputs`` or each other."""
-    from spill.store.fs import is_local, same_file
+    from spill.store.fs import same_file
 
-    local_state = state if state is not None and is_local(state) else None
+    local_state = state if state is not None and location(state).local else None
     for path, what in inputs:
         if out is not None and same_file(out, path):
             raise UsageError(f"--out {out} is {what}; write the results elsewhere")

@@ -7,14 +7,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from spill.store.fs import is_local
+from spill.store.location import location
 
 
 def is_state(where: str) -> bool:
     """Whether ``where`` is a state location (it holds runs), not a project folder."""
     from spill.control.runlist import has_runs
 
-    if is_local(where) and os.path.isfile(os.path.join(where, "spill.yaml")):
+    if location(where).local and os.path.isfile(os.path.join(where, "spill.yaml")):
         return False
     return has_runs(where)
 

@@ -34,7 +34,8 @@ from spill.paths import spill_home
 from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.settings import EngineSettings, TuneSettings
 from spill.store import drill
-from spill.store.fs import exists, is_local, join, same_file
+from spill.store.fs import exists, join, same_file
+from spill.store.location import Location, location
 from spill.store.probe import probe_writable
 
 
@@ -78,8 +79,8 @@ class TuneOptions:
             raise SpillError("--lr must be positive and --warmup zero or more")
 
 
-def state_root(name: str, state: str | None) -> str:
-    return state or str(spill_home() / "jobs" / name)
+def state_root(name: str, state: str | None) -> Location:
+    return location(state or str(spill_home() / "jobs" / name))
 
 
 # what _identity pins of the tune group: every setting that decides the result (a test checks)
@@ -172,7 +173,7 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     """Run (or continue) the job; SIGTERM/SIGINT anywhere in it saves what is done and exits 75."""
     opts.check()
     t, w = opts.tune, opts.writer
-    if w.state is not None and is_local(w.state) and same_file(w.state, train_path):
+    if w.state is not None and location(w.state).local and same_file(w.state, train_path):
         raise UsageError(
             f"--state {w.state} is the training file; give the state a folder of its own"
         )

@@ -24,6 +24,7 @@ from spill.paths import STATE_DIR
 from spill.project import state, uptodate
 from spill.project.stages import STAGES, get
 from spill.store.fs import listdir
+from spill.store.location import location
 
 KNOWN = {"runs", "payloads", "command.json", "stages", "files", "adapters", "sweep", "hydra"}
 
@@ -57,7 +58,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         from spill.project.config import compose
 
         compose(root)  # raises the one-line "no spill.yaml here" error
-    state_root = opts.writer.state or str(root / STATE_DIR)
+    state_root = location(opts.writer.state or str(root / STATE_DIR))
     doc = state.read(state_root)
     if opts.resume:
         if doc is None:

@@ -24,6 +24,7 @@ from spill.errors import UsageError
 from spill.paths import STATE_DIR
 from spill.project.bundle_format import BundleError
 from spill.store.fs import absolute
+from spill.store.location import location
 
 
 def _rate(nbytes: int, seconds: float) -> str:
@@ -33,9 +34,8 @@ def _rate(nbytes: int, seconds: float) -> str:
 def _project(where: str, state: str | None) -> tuple[Path, str]:
     """(the project folder to read, its state): a local folder, or a project at a URI read from
     its working copy (``spill.project.remote``) with its state at the URI."""
-    from spill.store.fs import is_local
 
-    if not is_local(where):
+    if not location(where).local:
         from spill.project.remote import checkout
 
         root, there = checkout(where)

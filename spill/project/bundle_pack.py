@@ -41,7 +41,8 @@ from spill.project.bundle_format import (
     trailer,
 )
 from spill.store import snapshot
-from spill.store.fs import _local, is_local, join
+from spill.store.fs import join
+from spill.store.location import location
 
 SKIP_STATE = ("command.json",)  # a build's record of its command line names this machine's cwd
 
@@ -123,8 +124,8 @@ def run_items(state: str, wait: bool) -> tuple[list[Item], dict[str, Any]]:
         if rel in SKIP_STATE or bad_path(rel):
             continue  # hidden names are a writer's leftovers, never part of a run
         src = join(state, rel)
-        if is_local(state):
-            out.append(_local_item(_local(src), "state/" + rel, "state"))
+        if location(state).local:
+            out.append(_local_item(location(src).path, "state/" + rel, "state"))
         else:
             size, sha = snapshot.digest(src)
             out.append(Item(src, "state/" + rel, "state", size, sha))

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spill.store.fs import _local, get_bytes, is_local, join, put_bytes
+from spill.store.fs import get_bytes, join, put_bytes
+from spill.store.location import location
 
 if TYPE_CHECKING:
     from spill.control.control import Run
@@ -30,11 +31,11 @@ class BuildContext:
     def output(self, name: str) -> Path:
         """Where a job writes a file of ``files/``: there directly on a local state."""
         where = join(self.root, "files")
-        return Path(_local(where)) / name if is_local(where) else self.work / name
+        return Path(location(where).path) / name if location(where).local else self.work / name
 
     def publish(self, path: Path) -> None:
         """A file a job wrote with ``output``, under ``files/`` (a no-op on a local state)."""
-        if not is_local(self.root):
+        if not location(self.root).local:
             put_bytes(join(self.root, "files", path.name), path.read_bytes())
 
     def fetch(self, rel: str) -> Path:
@@ -64,8 +65,8 @@ class BuildContext:
     def local_folder(self, rel: str, names: tuple[str, ...]) -> Path:
         """The state's folder ``rel`` (the tuned adapter) as a local folder holding ``names``."""
         uri = join(self.root, rel)
-        if is_local(uri):
-            return Path(_local(uri))
+        if location(uri).local:
+            return Path(location(uri).path)
         local = self.work / rel.rsplit("/", 1)[-1]
         local.mkdir(exist_ok=True)
         for name in names:

@@ -41,11 +41,12 @@ from typing import Any
 from spill.errors import StoreError, UsageError
 from spill.paths import STATE_DIR
 from spill.store import snapshot
-from spill.store.fs import _local, absolute, exists, filesystem, is_local, join, stat
+from spill.store.fs import absolute, exists, filesystem, join, stat
+from spill.store.location import location
 
 
 def _real(where: str) -> str:
-    return os.path.realpath(_local(where)) if is_local(where) else where.rstrip("/")
+    return os.path.realpath(location(where).path) if location(where).local else where.rstrip("/")
 
 
 def _inside(a: str, b: str) -> bool:
@@ -72,7 +73,7 @@ def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, st
         raise UsageError(
             f"{to}: memory:// lives only inside one process; move to a folder or an object store"
         )
-    if not is_local(to):
+    if not location(to).local:
         filesystem(to)  # a scheme that is no place for runs: one line, nothing connected
     root, src_state = source(src, state)
     real = _real(to)
@@ -171,7 +172,7 @@ def check_room(
     from spill.store.probe import probe_names
 
     names = [rel for _, rel in files] + (
-        written(files, state_rel, run) if is_local(dst_root) else []
+        written(files, state_rel, run) if location(dst_root).local else []
     )
     probe_names(dst_root, names)
     room = room_needed(dst_root, still_to_copy(dst_root, files))

@@ -30,7 +30,8 @@ from spill.errors import StoreError
 from spill.hashing import CHUNK
 from spill.project import move_checks as checks
 from spill.store import snapshot
-from spill.store.fs import exists, is_local, join, open_read, put_bytes, stat
+from spill.store.fs import exists, join, open_read, put_bytes, stat
+from spill.store.location import location
 from spill.store.probe import _reason
 
 
@@ -38,7 +39,7 @@ from spill.store.probe import _reason
 def _writer(dst: str) -> Iterator[BinaryIO]:
     """A file to write ``dst`` through; locally it lands whole (a temporary name, fsynced,
     renamed), on an object store the upload completes when the block ends."""
-    if not is_local(dst):
+    if not location(dst).local:
         from spill.store.fs import filesystem
 
         fs_, path = filesystem(dst)
@@ -129,7 +130,7 @@ def copy_snapshot(
         except StoreError:
             raise
         except Exception as e:  # noqa: BLE001 - a remote backend's error, or the disk's
-            if is_local(dst) and not isinstance(e, OSError):
+            if location(dst).local and not isinstance(e, OSError):
                 raise
             raise StoreError(f"{dst}: cannot write ({_reason(e)})") from e
         done.add(rel)
@@ -175,7 +176,7 @@ def verify(dst_root: str, manifest: dict[str, Any]) -> None:
 def _workers(src: str, dst: str) -> int:
     """Files copied (or read back) at once: one on local disks, where one stream is as fast as
     the disk; several when an object store is a side, whose requests wait on the network."""
-    return 1 if is_local(src) and is_local(dst) else 4
+    return 1 if location(src).local and location(dst).local else 4
 
 
 def _each(fn, items: list, workers: int) -> list:

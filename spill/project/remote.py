@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 
 from spill.paths import STATE_DIR, spill_home
-from spill.store.fs import absolute, exists, get_bytes, is_local, join
+from spill.store.fs import absolute, exists, get_bytes, join
+from spill.store.location import location
 from spill.store.snapshot import project_files
 
 
@@ -27,7 +28,9 @@ def locate(where: str, state: str | None, *, build: bool) -> tuple[str, str | No
     from spill.errors import UsageError
     from spill.jobs.states import is_state
 
-    where, state = (absolute(w) if w and "://" in w and is_local(w) else w for w in (where, state))
+    where, state = (
+        absolute(w) if w and "://" in w and location(w).local else w for w in (where, state)
+    )
     if "://" not in where or not build and is_state(where):
         return where, state  # a local folder, or a state location
     if not is_remote_project(where):
@@ -37,7 +40,7 @@ def locate(where: str, state: str | None, *, build: bool) -> tuple[str, str | No
 
 
 def is_remote_project(where: str) -> bool:
-    return not is_local(where) and exists(join(where, "spill.yaml"))
+    return not location(where).local and exists(join(where, "spill.yaml"))
 
 
 def checkout(uri: str) -> tuple[Path, str]:

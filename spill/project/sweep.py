@@ -51,7 +51,8 @@ from spill.paths import STATE_DIR
 from spill.project import build, config, hydra_safety, stages, state
 from spill.project.plan import StopAfter
 from spill.project.status import score
-from spill.store.fs import get_bytes, is_local, join, listdir, put_bytes
+from spill.store.fs import get_bytes, join, listdir, put_bytes
+from spill.store.location import location
 
 RECORD = "spill-job.json"  # a job's result, in its Hydra output folder
 
@@ -164,7 +165,7 @@ def _recover(logs: str, token: str, error: BaseException) -> list[dict]:
 
 def _records(logs: str, token: str) -> list[dict]:
     found = []
-    for sub in listdir(logs) if is_local(logs) and os.path.isdir(logs) else []:
+    for sub in listdir(logs) if location(logs).local and os.path.isdir(logs) else []:
         try:
             doc = json.loads(get_bytes(join(logs, sub, RECORD)))
         except (OSError, ValueError, SpillError):
@@ -199,7 +200,7 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
     if opts.stop_after:
         StopAfter.parse(opts.stop_after)  # fail before any job starts
     base = opts.writer.state or str(root / STATE_DIR)
-    logs = join(base, "hydra") if is_local(base) else str(root / STATE_DIR / "hydra")
+    logs = join(base, "hydra") if location(base).local else str(root / STATE_DIR / "hydra")
     overrides = [*config.SILENT, f"hydra.sweep.dir='{logs}'", *opts.overrides]  # later ones win
     token = uuid.uuid4().hex
     task = functools.partial(

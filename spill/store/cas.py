@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
-from spill.store.fs import _local, get_bytes, is_local, is_temp, join, mount_type, put_bytes
+from spill.store.fs import get_bytes, is_temp, join, mount_type, put_bytes
+from spill.store.location import Location, location
 from spill.validate import remember, validate
 
 LOCK_WAIT = 10.0  # seconds a transition waits for the local lock before saying so
@@ -86,7 +87,8 @@ class Store:
         return hashlib.sha256(data).hexdigest()
 
     def __init__(self, state: str, layout: Layout):
-        self.state, self.layout = state, layout
+        self.state: Location = location(state)
+        self.layout = layout
 
     def uri(self, key: str) -> str:
         return join(self.state, self.layout.folder, key)
@@ -119,7 +121,7 @@ def _foreign(path: str, wants: str, layout: Layout) -> StoreError:
 class _LocalStore(Store):
     def __init__(self, state: str, layout: Layout):
         super().__init__(state, layout)
-        self.dir = _local(join(state, layout.folder))
+        self.dir = self.state.join(layout.folder).path
 
     def check(self) -> None:
         probe = self.dir
@@ -229,10 +231,12 @@ class _MemoryStore(Store):
 
 
 def open_store(state: str, layout: Layout) -> Store:
-    """The store of ``layout`` at ``state``, unchecked: enough to read (reads take no lock)."""
-    if is_local(state):
+    """The store of ``layout`` at ``state``, unchecked: enough to read (reads take no lock); the
+    kind is the location's (``Location.writes``)."""
+    state = location(state)
+    if state.writes == "flock":
         return _LocalStore(state, layout)
-    if state.startswith("memory://"):
+    if state.writes == "process":
         return _MemoryStore(state, layout)
     from spill.store.objstore import ObjectStore
 

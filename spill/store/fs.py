@@ -11,9 +11,9 @@ fsyncs it, renames it over the target and fsyncs the directory; on an object sto
 the store's next write can remove those a killed writer left. Listings are never served from
 fsspec's cache, because another process may have written since.
 
-A location's scheme is checked before any backend is made (``SCHEMES``): fsspec knows many
-more (``ftp://``, ``http://``), whose transitions spill cannot make safe, and some of which
-connect as they are made. ``file:///abs/path`` is the local path it names (``_local``).
+Every function takes a location's text or a ``Location`` (``spill.store.location``), which it
+parses once: its scheme is checked before any backend is made, ``file:///abs/path`` is the
+local path it names, a remote one's filesystem is made once.
 """
 
 from __future__ import annotations
@@ -29,44 +29,28 @@ from pathlib import PurePosixPath
 
 from spill.errors import StoreError
 from spill.store import drill
+from spill.store.location import (  # noqa: F401  (BackendMissing, SCHEMES: this module's API too)
+    SCHEMES,
+    BackendMissing,
+    Location,
+    local_path,
+    location,
+    scheme_of,
+)
 
-CLOUD_HINT = 'pip install "streamweights[cloud]"'
 _TMP = ".tmp-"
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
 
 
-# fsspec's names of the stores spill keeps runs on (the cloud ones through the cloud extra)
-SCHEMES = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-_WHERE = "use a local path, s3://, gs://, az:// or memory://"
-
-
-class BackendMissing(StoreError):
-    """A URI scheme whose fsspec backend is not installed."""
-
-
-def _scheme(uri: str) -> str:
-    head, sep, _ = uri.partition("://")
-    return head.lower() if sep and "/" not in head else ""
-
-
 def is_local(uri: str | os.PathLike) -> bool:
-    return _scheme(os.fspath(uri)) in ("", "file")
+    if isinstance(uri, Location):
+        return uri.local
+    return scheme_of(os.fspath(uri)) in ("", "file")
 
 
 def _local(uri: str) -> str:
-    """The local path a local location names: ``file:///p`` and ``file://localhost/p`` are
-    ``/p``; a ``file://`` URI naming another host is refused in one line."""
-    if uri[:7].lower() == "file://":
-        rest = uri[7:]
-        if rest.lower().startswith("localhost/"):
-            rest = rest[len("localhost") :]
-        if not rest.startswith("/"):
-            raise StoreError(
-                f"{uri}: a file:// URI names an absolute local path (file:///path); give the "
-                "path itself"
-            )
-        return rest
-    return os.path.expanduser(uri)
+    """The local path a local location names (``spill.store.location.local_path``)."""
+    return uri.path if isinstance(uri, Location) else local_path(uri)
 
 
 def absolute(where: str) -> str:
@@ -76,7 +60,10 @@ def absolute(where: str) -> str:
 
 
 def join(uri: str | os.PathLike, *parts: str) -> str:
-    """``uri`` with ``parts`` appended, ``/``-separated whatever the scheme."""
+    """``uri`` with ``parts`` appended, ``/``-separated whatever the scheme (a ``Location`` gives
+    a ``Location``, not parsed again)."""
+    if isinstance(uri, Location):
+        return uri.join(*parts)
     out = os.fspath(uri).rstrip("/") or "/"
     for p in parts:
         out = out.rstrip("/") + "/" + p.strip("/")
@@ -95,21 +82,7 @@ def is_temp(name: str) -> bool:
 def filesystem(uri: str):
     """``(fsspec filesystem, path)`` for a non-local URI; a missing backend or a scheme that is
     not a place for runs fails in one line, before any backend is made (or connects)."""
-    import fsspec
-
-    if _scheme(uri) not in SCHEMES:
-        raise StoreError(
-            f"{uri}: unsupported location ({_scheme(uri)}:// is not a store spill keeps runs "
-            f"on); {_WHERE}"
-        )
-    try:
-        return fsspec.core.url_to_fs(uri)
-    except ImportError:
-        raise BackendMissing(
-            f"{uri}: the {_scheme(uri)}:// backend is not installed; {CLOUD_HINT}"
-        ) from None
-    except ValueError as e:
-        raise StoreError(f"{uri}: unsupported location ({e}); {_WHERE}") from None
+    return location(uri).remote
 
 
 @contextmanager
@@ -175,12 +148,12 @@ def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> N
 
     ``drilled=False`` skips the ``put-before-rename`` drill point (control transitions have
     drill points of their own, and must not shift the counts of the store's drills)."""
-    uri = os.fspath(uri)
-    if is_local(uri):
+    uri = location(uri)
+    if uri.local:
         with _errors(uri, "write"):
-            _put_local(_local(uri), data, drilled)
+            _put_local(uri.path, data, drilled)
         return
-    fs, path = filesystem(uri)
+    fs, path = uri.remote
     with _errors(uri, "write"):
         fs.pipe_file(path, data)
         fs.invalidate_cache(path)
@@ -190,9 +163,9 @@ def put_fresh(uri: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> No
     """Write a new file that nobody trusts before a marker written after it (a checkpoint's
     files before COMMIT): no temporary name, no fsync (``sync_fresh``, before the marker). The
     local name must be new (payload names are unique to their writer); remotely one put."""
-    uri = os.fspath(uri)
-    if is_local(uri):
-        path = _local(uri)
+    uri = location(uri)
+    if uri.local:
+        path = uri.path
         with _errors(uri, "write"):
             _makedirs_durable(os.path.dirname(os.path.abspath(path)))
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -203,7 +176,7 @@ def put_fresh(uri: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> No
             finally:
                 os.close(fd)
         return
-    fs, path = filesystem(uri)
+    fs, path = uri.remote
     with _errors(uri, "write"):
         fs.pipe_file(path, b"".join(parts))
         fs.invalidate_cache(path)
@@ -233,11 +206,11 @@ def sync_fresh(uris: Sequence[str]) -> None:
 
 def get_bytes(uri: str | os.PathLike) -> bytes:
     """The whole object at ``uri``; ``FileNotFoundError`` when there is none."""
-    uri = os.fspath(uri)
-    if is_local(uri):
-        with _errors(uri, "read"), open(_local(uri), "rb") as f:
+    uri = location(uri)
+    if uri.local:
+        with _errors(uri, "read"), open(uri.path, "rb") as f:
             return f.read()
-    fs, path = filesystem(uri)
+    fs, path = uri.remote
     with _errors(uri, "read"):
         # s3fs may size the object from a cached listing of its folder first, which would call
         # an object another process wrote since that listing missing
@@ -247,19 +220,19 @@ def get_bytes(uri: str | os.PathLike) -> bytes:
 
 def open_read(uri: str | os.PathLike):
     """The file at ``uri`` opened for reading, streamed (``FileNotFoundError`` when none)."""
-    uri = os.fspath(uri)
-    if is_local(uri):
-        return open(_local(uri), "rb")
-    fs, path = filesystem(uri)
+    uri = location(uri)
+    if uri.local:
+        return open(uri.path, "rb")
+    fs, path = uri.remote
     return fs.open(path, "rb")
 
 
 def exists(uri: str | os.PathLike) -> bool:
     """Whether an object or a non-empty prefix (directory) exists at ``uri``."""
-    uri = os.fspath(uri)
-    if is_local(uri):
-        return os.path.exists(_local(uri))
-    fs, path = filesystem(uri)
+    uri = location(uri)
+    if uri.local:
+        return os.path.exists(uri.path)
+    fs, path = uri.remote
     with _errors(uri, "check"):
         fs.invalidate_cache(path)
         return fs.exists(path)
@@ -267,13 +240,13 @@ def exists(uri: str | os.PathLike) -> bool:
 
 def listdir(uri: str | os.PathLike) -> list[str]:
     """Sorted names directly under ``uri`` (files and subdirectories); ``[]`` when missing."""
-    uri = os.fspath(uri)
-    if is_local(uri):
+    uri = location(uri)
+    if uri.local:
         try:
-            return sorted(os.listdir(_local(uri)))
+            return sorted(os.listdir(uri.path))
         except (FileNotFoundError, NotADirectoryError):
             return []
-    fs, path = filesystem(uri)
+    fs, path = uri.remote
     with _errors(uri, "list"):
         fs.invalidate_cache(path)
         try:
@@ -288,14 +261,14 @@ def listdir(uri: str | os.PathLike) -> list[str]:
 def stat(uri: str | os.PathLike) -> tuple[int, int | None] | None:
     """(size, mtime_ns, or None on an object store) of the file at ``uri``; None when there is
     no file there."""
-    uri = os.fspath(uri)
-    if is_local(uri):
+    uri = location(uri)
+    if uri.local:
         try:
-            st = os.stat(_local(uri))
+            st = os.stat(uri.path)
         except (OSError, ValueError):  # missing, or a name no file system accepts
             return None
         return st.st_size, st.st_mtime_ns
-    fs, path = filesystem(uri)
+    fs, path = uri.remote
     with _errors(uri, "check"):
         fs.invalidate_cache(path)
         try:
@@ -308,9 +281,9 @@ def stat(uri: str | os.PathLike) -> tuple[int, int | None] | None:
 def files_under(uri: str | os.PathLike) -> list[str]:
     """Every file below ``uri``, ``/``-separated and relative to it, sorted; ``[""]`` when
     ``uri`` is itself a file, ``[]`` when nothing is there."""
-    uri = os.fspath(uri)
-    if is_local(uri):
-        base = _local(uri)
+    uri = location(uri)
+    if uri.local:
+        base = uri.path
         if os.path.isfile(base):
             return [""]
         found = [
@@ -319,7 +292,7 @@ def files_under(uri: str | os.PathLike) -> list[str]:
             for f in names
         ]
     else:
-        fs, path = filesystem(uri)
+        fs, path = uri.remote
         with _errors(uri, "list"):
             fs.invalidate_cache(path)
             if fs.isfile(path):
@@ -331,9 +304,9 @@ def files_under(uri: str | os.PathLike) -> list[str]:
 
 def remove(uri: str | os.PathLike) -> None:
     """Remove the object or the whole directory/prefix at ``uri``; nothing there is fine."""
-    uri = os.fspath(uri)
-    if is_local(uri):
-        path = _local(uri)
+    uri = location(uri)
+    if uri.local:
+        path = uri.path
         with _errors(uri, "remove"):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=False)
@@ -341,7 +314,7 @@ def remove(uri: str | os.PathLike) -> None:
             elif os.path.lexists(path):
                 os.remove(path)
         return
-    fs, path = filesystem(uri)
+    fs, path = uri.remote
     with _errors(uri, "remove"):
         fs.invalidate_cache(path)
         try:

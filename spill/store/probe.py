@@ -26,13 +26,12 @@ from spill.errors import StoreError
 from spill.store.fs import (
     _TMP,
     _errors,
-    _local,
     _makedirs_durable,
     filesystem,
-    is_local,
     join,
     remove,
 )
+from spill.store.location import location
 
 KEY_MAX = 1024  # bytes in an object key: S3's limit (GCS and Azure blob names allow as many)
 
@@ -51,10 +50,10 @@ def probe_writable(uri: str | os.PathLike) -> None:
     uri = os.fspath(uri)
     probe = join(uri, f".write-probe{_TMP}{uuid.uuid4().hex[:12]}")
     try:  # a plain write, not put_bytes: no fsync, and no drill point to shift the drills' counts
-        if is_local(uri):
+        if location(uri).local:
             with _errors(probe, "write"):
-                _makedirs_durable(_local(uri))
-                with open(_local(probe), "wb") as f:
+                _makedirs_durable(location(uri).path)
+                with open(location(probe).path, "wb") as f:
                     f.write(b"spill write probe\n")
         else:
             fs, path = filesystem(probe)
@@ -77,8 +76,8 @@ def _existing(path: str) -> str:
 
 def not_a_file(uri: str) -> None:
     """Refuse, in one line, a destination that is a file (or lies under one)."""
-    if is_local(uri):
-        path = os.path.abspath(_local(uri))
+    if location(uri).local:
+        path = os.path.abspath(location(uri).path)
         there = _existing(path)
         if os.path.isdir(there):
             return
@@ -114,7 +113,7 @@ def check_names(root: str, rels: Sequence[str] = ()) -> None:
     """Refuse, in one line, a path segment of ``root`` (the part not there yet) or of ``rels``
     longer than the file system takes, or a ``root`` past ``PATH_MAX``, so that reading and
     writing there fail on nothing but the disk (no write: see ``probe_names``)."""
-    if not is_local(root):
+    if not location(root).local:
         _, path = filesystem(root)
         prefix = path.split("/", 1)[1] if "/" in path.strip("/") else ""
         for rel in rels or ("",):
@@ -122,7 +121,7 @@ def check_names(root: str, rels: Sequence[str] = ()) -> None:
             if len(key.encode()) > KEY_MAX:
                 raise _too_long(root, key, KEY_MAX, "an object store key")
         return
-    full = os.path.abspath(_local(root))
+    full = os.path.abspath(location(root).path)
     base = _existing(full)
     name_max, path_max = _limits(base)
     made = os.path.relpath(full, base).split(os.sep) if full != base else []
@@ -140,9 +139,9 @@ def probe_names(root: str, rels: Sequence[str]) -> None:
     """Refuse, in one line, a destination ``root`` (absolute) that cannot hold every one of
     ``rels`` (``/``-separated, relative to it); see the module doc."""
     check_names(root, rels)
-    if not is_local(root) or not rels:
+    if not location(root).local or not rels:
         return
-    full = os.path.abspath(_local(root))
+    full = os.path.abspath(location(root).path)
     longest = max(rels, key=lambda r: len(os.path.join(full, r).encode()))
     folder, name = os.path.split(os.path.join(full, longest))
     width = max(len(name.encode()), len(_TMP) + 1)
@@ -178,10 +177,10 @@ def probe_names(root: str, rels: Sequence[str]) -> None:
 def space(uri: str) -> tuple[int, int] | None:
     """(bytes free to this user, block size) of the file system a local ``uri`` would be on;
     None for an object store, which cannot say."""
-    if not is_local(uri):
+    if not location(uri).local:
         return None
     try:
-        st = os.statvfs(_existing(os.path.abspath(_local(uri))))
+        st = os.statvfs(_existing(os.path.abspath(location(uri).path)))
     except OSError:
         return None
     return st.f_bavail * st.f_frsize, st.f_frsize or 4096

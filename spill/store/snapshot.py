@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from spill.hashing import stream_sha256
-from spill.store.fs import _local, files_under, is_local, is_temp, open_read
+from spill.store.fs import files_under, is_temp, open_read
+from spill.store.location import location
 
 _PAYLOAD_DIR = re.compile(r"(?:(.*)/)?payloads/([a-z]+-g\d+-s\d+-\d+)(?:/.*)?")
 SKIP_TOP = ("runs",)  # the place's own control objects: a copy writes its own
@@ -48,10 +49,10 @@ def state_files(state: str, doc: dict[str, Any]) -> list[str]:
 def project_files(root: str | Path, state: str | None = None) -> list[str]:
     """A project folder's files (a local folder or a URI), ``/``-separated and relative to it:
     everything but hidden entries and, when it lies inside, the state location."""
-    if not is_local(root):  # its state is ``<root>/.spill``: hidden too
+    if not location(root).local:  # its state is ``<root>/.spill``: hidden too
         return [r for r in files_under(root) if r and not any(p[0] == "." for p in r.split("/"))]
-    root = Path(_local(str(root))).resolve()
-    skip = Path(_local(state)).resolve() if state and is_local(state) else None
+    root = Path(location(str(root)).path).resolve()
+    skip = Path(location(state).path).resolve() if state and location(state).local else None
     out = []
     for d, dirs, names in os.walk(root):
         here = Path(d)

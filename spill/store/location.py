@@ -1,0 +1,114 @@
+"""A state location parsed once: ``location(text)`` -> ``Location``, which every layer takes.
+
+A ``Location`` is the text a user gave (a ``str``, so messages, ``join`` and comparisons read it
+as before) plus what parsing found: its scheme (``""`` for a local path), the local path it
+names (``file:///p`` and ``~`` resolved), the fsspec filesystem of a remote one (made once, on
+first use) and how its control keys are written conditionally (``writes``). ``location`` of a
+``Location`` is the same object, and ``join`` of a ``Location`` is one without parsing again, so
+a state walks down the layers parsed once. A scheme that is no place for runs (``ftp://``,
+``http://``) is refused when parsed, before any backend is made or connects.
+
+The next stores (gs://, az://) and ranks change this module: their scheme, their conditional
+writes (``WRITES``).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+from spill.errors import StoreError
+
+# fsspec's names of the stores spill keeps runs on (the cloud ones through the cloud extra)
+SCHEMES = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+WHERE = "use a local path, s3://, gs://, az:// or memory://"
+CLOUD_HINT = 'pip install "streamweights[cloud]"'
+# how a location's control keys are written conditionally (``spill.store.cas``)
+WRITES = {"": "flock", "memory": "process"}  # every other scheme: "object" (If-Match, probed)
+
+
+class BackendMissing(StoreError):
+    """A URI scheme whose fsspec backend is not installed."""
+
+
+def scheme_of(text: str) -> str:
+    head, sep, _ = text.partition("://")
+    return head.lower() if sep and "/" not in head else ""
+
+
+def local_path(text: str) -> str:
+    """The local path a local location's text names: ``file:///p`` and ``file://localhost/p``
+    are ``/p``; a ``file://`` URI naming another host is refused in one line."""
+    if text[:7].lower() == "file://":
+        rest = text[7:]
+        if rest.lower().startswith("localhost/"):
+            rest = rest[len("localhost") :]
+        if not rest.startswith("/"):
+            raise StoreError(
+                f"{text}: a file:// URI names an absolute local path (file:///path); give the "
+                "path itself"
+            )
+        return rest
+    return os.path.expanduser(text)
+
+
+class Location(str):
+    """The text of a location, and what it is (see the module doc)."""
+
+    scheme: str
+    path: str  # the local path (local) or the text itself (a URI)
+
+    def __new__(cls, text: str, scheme: str, path: str) -> Location:
+        self = super().__new__(cls, text)
+        self.scheme, self.path = scheme, path
+        return self
+
+    @property
+    def local(self) -> bool:
+        return self.scheme == ""
+
+    @property
+    def writes(self) -> str:
+        """How its control keys are written conditionally: ``flock`` (a local file system),
+        ``process`` (``memory://``: one store per process), ``object`` (If-None-Match/If-Match)."""
+        return WRITES.get(self.scheme, "object")
+
+    @cached_property
+    def remote(self):
+        """``(fsspec filesystem, path)`` of a remote location; a missing backend is one line."""
+        assert not self.local, "a local location is read with os"
+        import fsspec
+
+        try:
+            return fsspec.core.url_to_fs(str(self))
+        except ImportError:
+            raise BackendMissing(
+                f"{self}: the {self.scheme}:// backend is not installed; {CLOUD_HINT}"
+            ) from None
+        except ValueError as e:
+            raise StoreError(f"{self}: unsupported location ({e}); {WHERE}") from None
+
+    def join(self, *parts: str) -> Location:
+        """This location with ``parts`` appended, ``/``-separated whatever the scheme."""
+        text = self.rstrip("/") or "/"
+        path = self.path.rstrip("/") or "/"
+        for p in parts:
+            text = text.rstrip("/") + "/" + p.strip("/")
+            path = path.rstrip("/") + "/" + p.strip("/")
+        return Location(text, self.scheme, path if self.local else text)
+
+
+def location(where: str | os.PathLike) -> Location:
+    """``where`` parsed (a ``Location`` is returned as it is)."""
+    if isinstance(where, Location):
+        return where
+    text = os.fspath(where)
+    scheme = scheme_of(text)
+    if scheme in ("", "file"):
+        return Location(text, "", local_path(text))
+    if scheme not in SCHEMES:
+        raise StoreError(
+            f"{text}: unsupported location ({scheme}:// is not a store spill keeps runs on); "
+            f"{WHERE}"
+        )
+    return Location(text, scheme, text)

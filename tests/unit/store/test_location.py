@@ -1,0 +1,100 @@
+"""A location is parsed once: what parsing finds, and how often a tune job parses its state."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from spill.errors import StoreError
+from spill.store.location import Location, location
+from tests.func.tune_kit import spill_env, tune_argv, write_train
+
+
+@pytest.mark.parametrize(
+    "text, scheme, path, writes",
+    [
+        ("/srv/state", "", "/srv/state", "flock"),
+        ("file:///srv/state", "", "/srv/state", "flock"),
+        ("file://localhost/srv/state", "", "/srv/state", "flock"),
+        ("memory://runs/a", "memory", "memory://runs/a", "process"),
+        ("s3://bucket/runs", "s3", "s3://bucket/runs", "object"),
+        ("S3://bucket/runs", "s3", "S3://bucket/runs", "object"),
+        ("gs://bucket/runs", "gs", "gs://bucket/runs", "object"),
+    ],
+)
+def test_parse(text, scheme, path, writes):
+    where = location(text)
+    assert isinstance(where, Location) and where == text
+    assert (where.scheme, where.path, where.writes, where.local) == (
+        scheme,
+        path,
+        writes,
+        scheme == "",
+    )
+    assert location(where) is where  # parsing a location again is no parse
+
+
+def test_home_is_expanded():
+    assert location("~/state").path == os.path.expanduser("~/state")
+
+
+def test_join_keeps_what_was_parsed():
+    local = location("file:///srv/state/").join("runs", "/a/")
+    assert (local, local.path, local.local) == (
+        "file:///srv/state/runs/a",
+        "/srv/state/runs/a",
+        True,
+    )
+    remote = location("s3://b/state").join("control/current.json")
+    assert (remote, remote.path, remote.scheme) == (
+        "s3://b/state/control/current.json",
+        "s3://b/state/control/current.json",
+        "s3",
+    )
+
+
+@pytest.mark.parametrize("text", ["ftp://host/state", "http://example.com/state"])
+def test_refused_when_parsed(text):
+    with pytest.raises(StoreError, match=r"unsupported location .* use a local path, s3://"):
+        location(text)
+
+
+def test_file_uri_of_another_host_is_refused():
+    with pytest.raises(StoreError, match="names an absolute local path"):
+        location("file://otherhost/state")
+
+
+PROBE = """
+import sys
+import spill.store.location as where
+texts = []
+parse = where.location
+def counting(place):
+    if not isinstance(place, where.Location):
+        texts.append(str(place))
+    return parse(place)
+where.location = counting  # before spill.cli imports it anywhere
+from spill.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "texts": texts}))
+"""
+
+
+def test_a_tune_job_parses_its_state_once(tmp_path, tiny_models):
+    """Every layer a tune job walks (CLI, writer, control, checkpoints, adapter export) takes the
+    location the CLI parsed: the state's text, or any key under it, is parsed exactly once."""
+    state = str(tmp_path / "state")
+    argv = tune_argv(tiny_models["llama"], write_train(tmp_path / "train.jsonl"), state, steps=2)
+    out = subprocess.run(
+        [sys.executable, "-c", "import json\n" + PROBE, *argv],
+        capture_output=True,
+        text=True,
+        env=spill_env(tmp_path / "home"),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["rc"] == 0
+    assert [t for t in seen["texts"] if t.startswith(state)] == [state]
