@@ -1,0 +1,136 @@
+"""mlx-lm's affine quantized layout: pack, unpack, dequantize and quantize, in numpy.
+
+Per group of ``G`` consecutive values along a row (the input dimension) one scale and one
+bias: ``w = scale * q + bias`` with ``q`` in ``[0, 2**bits - 1]``. A matrix ``(out, in)`` is
+stored as mlx stores it: ``weight`` uint32 ``(out, in * bits / 32)``, element ``j`` of a word
+in bits ``j * bits`` upward (little-endian within the word), ``scales`` and ``biases``
+``(out, in / G)``. ``config.json`` says ``"quantization": {"group_size": G, "bits": B}``, plus
+an entry per module path (``"model.layers.0.mlp.down_proj": {...}``) where one differs, as
+mlx-lm writes mixed quantizations. A tensor is quantized when its ``.scales`` exist.
+
+``quantize`` is mlx's affine quantizer (``mx.quantize``), step for step in float32, so it gives
+the same bits with or without MLX: the scale snaps so that the group's larger-magnitude edge is
+hit exactly; scales and biases come back in the input's dtype. ``dequantize`` computes
+``scale * q + bias`` in float32, which is how every source's exactness is proven.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from spill.errors import ModelError
+
+BITS = (4, 8)  # bit widths spill writes and reads (whole words of 8 or 4 values)
+GROUP_SIZES = (32, 64, 128)  # what mlx's kernels take; 16 is read too (GGUF Q6_K, see gguf_quant)
+READ_GROUP_SIZES = (16, *GROUP_SIZES)
+_EPS = np.float32(1e-7)  # mlx's floor on a group's scale (a constant group)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One tensor's quantization."""
+
+    bits: int
+    group_size: int
+
+    def check(self, where: str) -> None:
+        if self.bits not in BITS or self.group_size not in READ_GROUP_SIZES:
+            raise ModelError(
+                f"{where}: {self.bits}-bit affine with group size {self.group_size} is not "
+                f"supported; spill reads bits {'/'.join(map(str, BITS))} with groups "
+                f"{'/'.join(map(str, READ_GROUP_SIZES))}"
+            )
+
+    def packed_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        return shape[0], shape[1] * self.bits // 32
+
+    def group_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        return shape[0], shape[1] // self.group_size
+
+
+def pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """(out, in) integers in ``[0, 2**bits)`` -> uint32 (out, in * bits / 32), low bits first."""
+    per = 32 // bits
+    rows, cols = q.shape
+    words = q.astype(np.uint32).reshape(rows, cols // per, per)
+    shifts = np.arange(per, dtype=np.uint32) * np.uint32(bits)  # (per,)
+    return np.bitwise_or.reduce(words << shifts, axis=-1)
+
+
+def unpack(weight: np.ndarray, bits: int) -> np.ndarray:
+    """uint32 (out, words) -> uint8 (out, words * 32 / bits)."""
+    per = 32 // bits
+    shifts = np.arange(per, dtype=np.uint32) * np.uint32(bits)
+    q = (weight[..., None] >> shifts) & np.uint32((1 << bits) - 1)  # (out, words, per)
+    return q.astype(np.uint8).reshape(weight.shape[0], -1)
+
+
+def dequantize(
+    weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int
+) -> np.ndarray:
+    """float32 (out, in): ``scale * q + bias`` in float32, one scale and bias per group."""
+    q = unpack(weight, bits).astype(np.float32)
+    rows, cols = q.shape
+    if cols != scales.shape[1] * group_size or scales.shape != biases.shape:
+        raise ModelError(
+            f"packed weight of {cols} columns does not match {scales.shape[1]} groups of "
+            f"{group_size}; the quantized tensor is damaged, import or quantize it again"
+        )
+    q = q.reshape(rows, -1, group_size)  # (out, groups, G)
+    s = scales.astype(np.float32)[..., None]
+    b = biases.astype(np.float32)[..., None]
+    return (s * q + b).reshape(rows, cols)
+
+
+def _to_float32(w: np.ndarray) -> np.ndarray:
+    if w.dtype == np.uint16:  # bf16 bits, as spill's safetensors reader gives them
+        return (w.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(w, dtype=np.float32)
+
+
+def _like(x: np.ndarray, dtype) -> np.ndarray:
+    """float32 -> the input's dtype, rounding to nearest even (bf16 kept as uint16 bits)."""
+    if dtype == np.uint16:
+        bits = x.astype(np.float32).view(np.uint32)
+        rounded = bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))
+        return (rounded >> 16).astype(np.uint16)
+    return x.astype(dtype)
+
+
+def quantize(
+    w: np.ndarray, bits: int, group_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(weight uint32, scales, biases) of ``w`` (out, in), the same bits as ``mx.quantize``.
+
+    ``w`` is float32, float16, or bfloat16 given as its uint16 bits; scales and biases come
+    back in that dtype (bf16 again as uint16 bits)."""
+    Spec(bits, group_size).check("quantize")
+    if group_size not in GROUP_SIZES:
+        raise ModelError(
+            f"group size {group_size} is not one mlx takes; use {'/'.join(map(str, GROUP_SIZES))}"
+        )
+    if w.ndim != 2 or w.shape[1] % group_size:
+        raise ModelError(
+            f"a tensor of shape {w.shape} cannot be quantized in groups of {group_size}; "
+            "its rows must split into whole groups"
+        )
+    rows, cols = w.shape
+    x = _to_float32(w).reshape(rows, cols // group_size, group_size)  # (out, groups, G)
+    if not np.isfinite(x).all():
+        raise ModelError("the tensor holds inf or nan; fix the float model before quantizing it")
+    n_bins = np.float32((1 << bits) - 1)
+    w_max, w_min = x.max(axis=-1), x.min(axis=-1)  # (out, groups)
+    low = np.abs(w_min) > np.abs(w_max)  # the negative edge is the larger one
+    scale = np.maximum((w_max - w_min) / n_bins, _EPS)
+    scale = np.where(low, scale, -scale)
+    edge = np.where(low, w_min, w_max)
+    q0 = np.rint(edge / scale)
+    snap = q0 != 0  # the edge lands on a whole step: scale it so the edge is exact
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(snap, edge / q0, scale).astype(np.float32)
+    bias = np.where(snap, edge, np.float32(0)).astype(np.float32)
+    q = np.rint((x - bias[..., None]) / scale[..., None])
+    q = np.clip(q, 0, n_bins).astype(np.uint32).reshape(rows, cols)
+    return pack(q, bits), _like(scale, w.dtype), _like(bias, w.dtype)
