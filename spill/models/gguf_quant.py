@@ -26,12 +26,20 @@ importer narrows them to float16 where every value survives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from spill.models.quant import Spec
+from spill.models.gguf_reader import GGUFFile, TensorInfo
+from spill.models.quant import Spec, exact_float16, pack, safetensors_entries
 
 T = GGMLQuantizationType
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+DTYPE_RULE = (
+    "quantized tensors packed as stored (U32 weight, scales and biases F16 where exact, else F32); "
+    "per other tensor: BF16 if every value round-trips exactly, else F16 if exact, else F32"
+)
 SPECS = {
     T.Q4_0: Spec(4, 32),
     T.Q4_1: Spec(4, 32),
@@ -126,3 +134,46 @@ def to_affine(
         bias.reshape(rows, groups).astype(np.float32),
         spec,
     )
+
+
+def kept_tensors(
+    gguf: GGUFFile,
+    info: TensorInfo,
+    hf_name: str,
+    heads: int,
+    unpermute: Callable[[np.ndarray, int], np.ndarray],
+    say: Callable[[str], None],
+) -> tuple[dict, Spec, dict] | None:
+    """One GGUF matrix as packed safetensors entries, its spec and its import record; None for a
+    float tensor, or (said in one line) a type without an exact affine form: dequantize it."""
+    if info.qtype in FLOAT_TYPES:
+        return None
+    gguf.check_supported(info)
+    mapped = to_affine(gguf.raw(info), info.qtype, info.shape)
+    if mapped is None:
+        say(f"{info.name}: {info.qtype.name} has no exact affine form; stored dequantized (exact)")
+        return None
+    q, scales, biases, spec = mapped
+    arrays = [pack(q, spec.bits), scales, biases]
+    if heads:  # llama.cpp's row interleave: whole rows of all three move together
+        arrays = [np.ascontiguousarray(unpermute(a, heads)) for a in arrays]
+    dtype = "F16" if exact_float16(arrays[1], arrays[2]) else "F32"
+    module = hf_name.removesuffix(".weight")
+    entries = safetensors_entries(module, arrays[0], *arrays[1:], dtype)
+    record = {
+        "gguf": info.name,
+        "ggml_type": info.qtype.name,
+        "dtype": "U32",
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "scales": dtype,
+    }
+    return entries, spec, record
+
+
+def file_tag(gguf: GGUFFile) -> str:
+    """The file's quantization as a name tag: its most common mapped type (``q4_1``)."""
+    kinds = [t.qtype for t in gguf.tensors if t.qtype in SPECS and len(t.shape) == 2]
+    if not kinds:
+        return "f"
+    return max(set(kinds), key=lambda k: (kinds.count(k), k.name)).name.lower()

@@ -66,9 +66,8 @@ class GGUFFile:
                 f"{'/'.join(t.name for t in SUPPORTED)} GGUFs, so pick another quantization of the model"
             )
 
-    def read(self, info: TensorInfo) -> np.ndarray:
-        """The tensor dequantized to float32, in numpy shape order."""
-        self.check_supported(info)
+    def raw(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's stored bytes, uint8 (*shape[:-1], bytes per row)."""
         fd = os.open(self.path, os.O_RDONLY)
         try:
             raw = os.pread(fd, info.nbytes, info.offset)
@@ -79,9 +78,14 @@ class GGUFFile:
                 f"{self.path}: truncated GGUF (tensor {info.name} is cut short); fetch it again"
             )
         block, size = GGML_QUANT_SIZES[info.qtype]
-        rows = np.frombuffer(raw, dtype=np.uint8).reshape(
+        return np.frombuffer(raw, dtype=np.uint8).reshape(
             *info.shape[:-1], info.shape[-1] // block * size
         )
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        """The tensor dequantized to float32, in numpy shape order."""
+        self.check_supported(info)
+        rows = self.raw(info)
         if (
             info.qtype == GGMLQuantizationType.BF16
         ):  # gguf.quants reads BF16 as int16: widen the bits

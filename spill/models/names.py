@@ -93,6 +93,18 @@ def parse_tiny(name: str) -> TinyName | None:
     return TinyName(m[1], int(m[2]), layers, hidden)
 
 
+# a quantized copy's tag after "@": a GGUF's own type kept (q4_1, q8_0, q4_k) or spill's (q4g64)
+_QUANT_TAG = re.compile(r"^(q[4568]_[01k]|q[456]_k|q[48]g(32|64|128))$")
+
+
+def split_quant(name: str) -> tuple[str, str | None]:
+    """``smollm2:135m@q4_1`` -> ``("smollm2:135m", "q4_1")``; a name without a tag -> (name, None)."""
+    base, at, tag = name.strip().rpartition("@")
+    if at and base and _QUANT_TAG.match(tag.lower()):
+        return base, tag.lower()
+    return name, None
+
+
 def looks_like_alias(name: str) -> bool:
     """``family:size``: one colon, no path separator, no URI scheme."""
     return name.count(":") == 1 and "/" not in name and "\\" not in name

@@ -16,6 +16,8 @@ hit exactly; scales and biases come back in the input's dtype. ``dequantize`` co
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,3 +136,48 @@ def quantize(
     q = np.rint((x - bias[..., None]) / scale[..., None])
     q = np.clip(q, 0, n_bins).astype(np.uint32).reshape(rows, cols)
     return pack(q, bits), _like(scale, w.dtype), _like(bias, w.dtype)
+
+
+def config_entry(specs: Mapping[str, Spec]) -> dict:
+    """config.json's ``quantization`` for ``{module path: spec}``: the most common spec as the
+    default, and an entry for each module that differs (mlx-lm's mixed layout)."""
+    counts = Counter(specs.values())
+    default = max(counts, key=lambda s: (counts[s], s.bits, s.group_size))
+    entry: dict = {"group_size": default.group_size, "bits": default.bits}
+    for module, spec in sorted(specs.items()):
+        if spec != default:
+            entry[module] = {"group_size": spec.group_size, "bits": spec.bits}
+    return entry
+
+
+def module_spec(quantization: Mapping, module: str, where: str) -> Spec:
+    """The spec config.json's ``quantization`` gives ``module`` (its own entry, else the default)."""
+    entry = quantization.get(module, quantization)
+    try:
+        spec = Spec(int(entry["bits"]), int(entry["group_size"]))
+    except (KeyError, TypeError, ValueError):
+        raise ModelError(
+            f"{where}: quantization of {module} needs integer bits and group_size; "
+            "re-import or re-quantize the model"
+        ) from None
+    spec.check(where)
+    return spec
+
+
+def exact_float16(*arrays: np.ndarray) -> bool:
+    """Whether every value of ``arrays`` (float32) survives a float16 round trip bit for bit."""
+    return all(
+        np.array_equal(a.astype(np.float16).astype(np.float32).view(np.uint32), a.view(np.uint32))
+        for a in arrays
+    )
+
+
+def safetensors_entries(
+    module: str, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, dtype: str
+) -> dict[str, tuple[str, np.ndarray]]:
+    """``{name: (dtype code, array)}`` of one quantized module for ``safetensors_io.write_file``."""
+    return {
+        f"{module}.weight": ("U32", weight),
+        f"{module}.scales": (dtype, scales),
+        f"{module}.biases": (dtype, biases),
+    }

@@ -32,6 +32,7 @@ from spill.models.names import (
     parse_tiny,
     resolve_alias,
     safe_name,
+    split_quant,
 )
 from spill.models.weights import check_shapes, weight_files
 from spill.paths import models_dir
@@ -81,24 +82,51 @@ def _staged(name: str, uri: str, progress: Progress) -> ResolvedModel:
     return _checked(ResolvedModel(name or label, model_id, None, dest, "staged"))
 
 
-def import_offline(alias: Alias, dest: Path, progress: Progress) -> Path:
+def import_offline(alias: Alias, dest: Path, progress: Progress, keep: bool = False) -> Path:
     """Import the packaged GGUF into ``dest`` once (the importer writes a temp folder and renames
-    it, so a killed import leaves nothing that looks finished)."""
+    it, so a killed import leaves nothing that looks finished); ``keep``: its quantization too."""
     from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 
     source = find_smollm2_gguf()
     progress(f"importing {alias.name} from {source} into {dest} (first use only)")
     try:
-        import_gguf(source, dest, progress=progress)
+        import_gguf(source, dest, progress=progress, keep_quantization=keep)
     except (ModelError, OSError):
         if not (dest / "config.json").is_file():
             raise
         # another process finished the same import first; use theirs
-    fields = {"name": alias.name, "model_id": alias.model_id}
+    fields = {
+        "name": alias.name + (f"@{gguf_tag(source)}" if keep else ""),
+        "model_id": alias.model_id,
+    }
     if "source" not in read_marker(dest):
         fields.update(source="gguf", gguf=str(source))
     write_marker(dest, **fields)
     return dest
+
+
+def gguf_tag(path: Path) -> str:
+    """The quantization tag of a GGUF file's kept copy (``q4_1``), from its header."""
+    from spill.models.gguf_quant import file_tag
+    from spill.models.gguf_reader import read_gguf
+
+    return file_tag(read_gguf(path))
+
+
+def _quantized_alias(alias: Alias, name: str, tag: str, progress: Progress) -> ResolvedModel:
+    """``<alias>@<tag>``: the alias's quantized copy in the cache, else its GGUF imported with
+    its quantization kept when the tag names the GGUF's own type."""
+    folder = models_dir() / safe_name(f"{alias.name}@{tag}")
+    if not (folder / "config.json").is_file():
+        from spill.models.gguf_import import find_smollm2_gguf
+
+        own = gguf_tag(find_smollm2_gguf()) if alias.offline == "smollm2-gguf" else None
+        if tag != own:
+            hint = f"{alias.name}@{own} (its GGUF's own)" if own else alias.name
+            raise ModelNotFound(f"no quantized copy {name} is cached; use {hint}")
+        import_offline(alias, folder, progress, keep=True)
+    marker = read_marker(folder)
+    return _checked(ResolvedModel(name, alias.model_id, None, folder, marker.get("source", "gguf")))
 
 
 def tiny_folder(spec: TinyName) -> Path:
@@ -212,6 +240,9 @@ def resolve_model(
         raise ModelNotFound(
             f"{name}: no such folder; give an HF-layout model folder, an alias or a hub id"
         )
+    base, tag = split_quant(name)
+    if tag and looks_like_alias(base):
+        return _quantized_alias(resolve_alias(base), name, tag, progress)
     if looks_like_alias(name):
         return _from_alias(resolve_alias(name), progress)
     if looks_like_hub_id(name):
@@ -226,14 +257,22 @@ def resolve_model(
     )
 
 
-def import_model(source: str, name: str | None = None, *, progress: Progress = print) -> Path:
-    """``spill models import``: a .gguf file or ``smollm2:135m`` into ``models/<name>``."""
+def import_model(
+    source: str, name: str | None = None, *, progress: Progress = print, keep: bool = False
+) -> Path:
+    """``spill models import``: a .gguf file or ``smollm2:135m`` into ``models/<name>``;
+    ``keep`` keeps the file's quantization, named ``<name>@<type>`` (``smollm2:135m@q4_1``)."""
     alias = lookup(source)
     if alias is not None:
         if alias.offline != "smollm2-gguf":
             raise ModelError(
                 f"{source} has no offline GGUF here; `spill run {source} ...` fetches it from the hub"
             )
+        if name is None and keep:
+            from spill.models.gguf_import import find_smollm2_gguf
+
+            tagged = f"{alias.name}@{gguf_tag(find_smollm2_gguf())}"
+            return _quantized_alias(alias, tagged, split_quant(tagged)[1], progress).folder
         if name is None:
             dest = models_dir() / safe_name(alias.name)
             return (
@@ -244,11 +283,12 @@ def import_model(source: str, name: str | None = None, *, progress: Progress = p
     path = find_smollm2_gguf() if alias is not None else Path(source).expanduser()
     if not path.is_file():
         raise ModelNotFound(f"{source}: no such GGUF file; give a .gguf path or smollm2:135m")
-    dest = models_dir() / safe_name(name or path.stem)
+    label = name or (f"{path.stem}@{gguf_tag(path)}" if keep else path.stem)
+    dest = models_dir() / safe_name(label)
     if (dest / "config.json").is_file():
         progress(f"{dest} already exists; delete it to import again")
         return dest
     progress(f"importing {path} into {dest}")
-    import_gguf(path, dest, progress=progress)
-    write_marker(dest, name=name or path.stem, source="gguf", gguf=str(path))
+    import_gguf(path, dest, progress=progress, keep_quantization=keep)
+    write_marker(dest, name=label, source="gguf", gguf=str(path))
     return dest

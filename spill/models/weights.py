@@ -102,12 +102,53 @@ def check_shapes(config, files: WeightFiles) -> None:
             raise ModelError(
                 f"{files.folder}: no tensor {name}; not an HF-layout Llama/Qwen2 model"
             )
+        module = name.removesuffix(".weight")
+        if f"{module}.scales" in files.tensor_shard:
+            shape = quantized_shape(config, files, module, shape)
         actual = files.tensor_info(name).get("shape")
         if actual != shape:
             raise ModelError(
                 f"{where}: says {name} is {shape} but the weights hold {actual}; the config and "
                 "the safetensors do not belong together: fetch or import the model again"
             )
+
+
+def quantized_shape(config, files: WeightFiles, module: str, shape: list[int]) -> list[int]:
+    """The packed weight shape of a quantized ``module`` whose float shape is ``shape``, after
+    checking that config.json declares its quantization and its scales and biases fit it."""
+    where = files.folder / "config.json"
+    if not config.quantization:
+        raise ModelError(
+            f"{where}: {module} is quantized but config.json has no quantization; "
+            "re-import or re-quantize the model"
+        )
+    bits, group = config.quant_spec(module)
+    groups = [shape[0], shape[1] // group]
+    for part in ("scales", "biases"):
+        name = f"{module}.{part}"
+        got = files.tensor_info(name).get("shape") if name in files.tensor_shard else None
+        if got != groups:
+            raise ModelError(
+                f"{where}: {bits}-bit groups of {group} give {name} the shape {groups}, the weights "
+                f"hold {got}; the config and the safetensors do not belong together"
+            )
+    return [shape[0], shape[1] * bits // 32]
+
+
+def quantized_weights(config, files: WeightFiles) -> dict[str, tuple[int, int]]:
+    """``{"<module>.weight": (bits, group_size)}`` for every packed weight of the folder (those
+    whose ``<module>.scales`` exist, as mlx-lm decides)."""
+    out = {}
+    for name in files.tensor_shard:
+        module = name.removesuffix(".weight")
+        if module != name and f"{module}.scales" in files.tensor_shard:
+            if not config.quantization:
+                raise ModelError(
+                    f"{files.folder / 'config.json'}: {module} is quantized but config.json has "
+                    "no quantization; re-import or re-quantize the model"
+                )
+            out[name] = config.quant_spec(module)
+    return out
 
 
 SAMPLE = 64 * 1024

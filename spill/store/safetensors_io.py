@@ -22,6 +22,7 @@ _DTYPES = {
     "BF16": np.uint16,
     "I64": np.int64,
     "I32": np.int32,
+    "U32": np.uint32,  # packed quantized weights (spill.models.quant)
     "U8": np.uint8,
 }
 

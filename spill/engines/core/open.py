@@ -65,6 +65,12 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
             f"the {engine.name} engine has no {cfg.family!r} family; "
             f"use {' or '.join(sorted(engine.families))}"
         )
+    if cfg.quantization and not getattr(engine, "quantized", False):
+        raise UnsupportedModel(
+            f"{model.folder}: quantized weights; the {engine.name} engine cannot compute on them "
+            "yet: use --engine torch, or the float copy (`spill models import` without "
+            "--keep-quantization)"
+        )
     place = engine.place(cfg, model.folder, options)
     layers = cfg.num_hidden_layers
     slots, resident = plan_model_ring(cfg, place.itemsize, options, place.budget)

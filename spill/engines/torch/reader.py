@@ -23,6 +23,7 @@ import torch
 
 from spill.engines.core.reader import ShardFiles
 from spill.engines.core.ring import Hooks
+from spill.engines.torch.quant import dequantize_into
 from spill.models.weights import WeightFiles
 
 MAPPED = "_spill_mapped"  # set on a tensor that views a mapped file: read-only, never pooled
@@ -58,11 +59,22 @@ def _as(raw: torch.Tensor, info: dict) -> torch.Tensor:
     return raw.view(dtype).reshape(info["shape"])
 
 
-class WeightReader:
-    """Tensors by HF name from a folder's shards, on ``device`` in the compute dtype."""
+_PACKED = {**_DTYPES, "U32": torch.int32}  # a packed weight's words, read as int32 (same bits)
 
-    def __init__(self, files: WeightFiles, device: torch.device, dtype: torch.dtype):
+
+class WeightReader:
+    """Tensors by HF name from a folder's shards, on ``device`` in the compute dtype; a packed
+    weight (``quantized``: name -> (bits, group_size)) comes back dequantized."""
+
+    def __init__(
+        self,
+        files: WeightFiles,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantized: dict[str, tuple[int, int]] | None = None,
+    ):
         self.files, self.device, self.dtype = files, device, dtype
+        self.quantized = dict(quantized or {})
         self._shards = ShardFiles(files)
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
@@ -106,7 +118,46 @@ class WeightReader:
 
     def tensors(self, names) -> dict[str, torch.Tensor]:
         """Several tensors, one ``pread`` per contiguous byte range."""
+        names = list(names)
+        packed = [n for n in names if n in self.quantized]
+        out = self._floats([n for n in names if n not in self.quantized])
+        if packed:
+            out.update(self._dequantized(packed))
+        return out
+
+    def _dequantized(self, names) -> dict[str, torch.Tensor]:
+        """Packed weights with their scales and biases, read as stored, then dequantized on
+        ``device`` into the compute dtype (``engines.torch.quant``)."""
+        modules = [n.removesuffix(".weight") for n in names]
+        parts = [f"{m}.{p}" for m in modules for p in ("weight", "scales", "biases")]
+        raw: dict[str, torch.Tensor] = {}
+        for r in self._shards.ranges(parts, _PACKED):
+            buf = torch.empty(r.nbytes, dtype=torch.uint8)
+            self._shards.pread(r.fd, [buf.numpy()], r.start, r.shard)
+            for lo, hi, name, info in r.tensors:
+                t = buf[lo:hi]
+                if t.storage_offset() % 4:
+                    t = t.clone()
+                raw[name] = t.view(_PACKED[info["dtype"]]).reshape(info["shape"]).to(self.device)
+        out = {}
+        for name, m in zip(names, modules, strict=True):
+            bits, group = self.quantized[name]
+            w = raw[f"{m}.weight"]
+            shape = (w.shape[0], w.shape[1] * 32 // bits)
+            target = (
+                self._output(shape)
+                if self._pooling
+                else torch.empty(shape, dtype=self.dtype, device=self.device)
+            )
+            out[name] = dequantize_into(
+                target, w, raw[f"{m}.scales"], raw[f"{m}.biases"], bits, group
+            )
+        return out
+
+    def _floats(self, names) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
+        if not names:
+            return out
         pread = self._shards.pread
         mapping = getattr(self._local, "mapping", False)
         for r in self._shards.ranges(names, _DTYPES):

@@ -22,7 +22,7 @@ def fake_gguf(monkeypatch, tmp_path):
     gguf = tmp_path / "smollm2-135m-instruct.gguf"
     gguf.write_bytes(b"GGUF")
 
-    def import_gguf(source, dest, *, progress=None):
+    def import_gguf(source, dest, *, progress=None, keep_quantization=False):
         calls.append((Path(source), Path(dest)))
         write_tiny(Path(dest), family="llama", seed=5)
         write_marker(Path(dest), source="gguf", gguf=str(source))
