@@ -1,5 +1,6 @@
-"""``spill models import|tiny|list|verify`` on the command line: one call of ``spill.models``
-each (``resolve``, ``tiny``, ``cache``, ``integrity``), and the path, table or JSON it prints."""
+"""``spill models import|quantize|tiny|list|verify`` on the command line: one call of
+``spill.models`` each (``resolve``, ``quantize``, ``tiny``, ``cache``, ``integrity``), and the
+path, table or JSON it prints."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ def cmd_models_import(args) -> int:
 
     folder = import_model(args.source, args.name, progress=note, keep=args.keep_quantization)
     print(folder)
+    return 0
+
+
+def cmd_models_quantize(args) -> int:
+    from spill.console import note
+    from spill.models.quantize import quantize_model
+
+    print(quantize_model(args.name, args.bits, args.group_size, progress=note))
     return 0
 
 
@@ -118,6 +127,14 @@ def add_parser(sub) -> None:
         "<name>@<type> such as smollm2:135m@q4_1; default: dequantize to floats",
     )
     p.set_defaults(func=cmd_models_import)
+    p = models.add_parser(
+        "quantize",
+        help="write the affine quantized copy (mlx-lm's layout) of a float model into the cache",
+    )
+    p.add_argument("name", help="alias, tiny:..., hub id or folder of a float model")
+    p.add_argument("--bits", type=int, choices=[4, 8], required=True)
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
+    p.set_defaults(func=cmd_models_quantize)
     p = models.add_parser("tiny", help="write a deterministic tiny random model (tests, examples)")
     p.add_argument("out", help="output folder")
     p.add_argument("--family", choices=["llama", "qwen2"], default="llama")

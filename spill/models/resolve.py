@@ -129,6 +129,24 @@ def _quantized_alias(alias: Alias, name: str, tag: str, progress: Progress) -> R
     return _checked(ResolvedModel(name, alias.model_id, None, folder, marker.get("source", "gguf")))
 
 
+def _spill_quantized(base: str, tag: str, name: str) -> ResolvedModel:
+    """``<name>@q<bits>g<group>``: the copy ``spill models quantize`` made, never made here."""
+    from spill.models.quantize import quantized_folder
+
+    spec, alias = parse_tiny(base), lookup(base)
+    canonical = spec.name if spec else alias.name if alias else base.strip()
+    bits, group = (int(x) for x in tag[1:].split("g"))
+    folder = quantized_folder(canonical, bits, group)
+    if not (folder / "config.json").is_file():
+        raise ModelNotFound(
+            f"{name} is not in the cache; run `spill models quantize {base} --bits {bits} "
+            f"--group-size {group}` first"
+        )
+    marker = read_marker(folder)
+    model_id = marker.get("model_id")
+    return _checked(ResolvedModel(name, model_id, None, folder, marker.get("source", "quantized")))
+
+
 def tiny_folder(spec: TinyName) -> Path:
     """Where the tiny model ``spec`` lives in the cache."""
     return models_dir() / "tiny" / safe_name(spec.name)
@@ -223,6 +241,9 @@ def resolve_model(
         raise ModelNotFound(
             "no model given; name an alias, a hub id, a local folder or --weights <uri>"
         )
+    base, tag = split_quant(name)
+    if tag and tag[2:3] == "g":  # q4g64: spill's own quantized copy of a float model
+        return _spill_quantized(base, tag, name)
     if (tiny := _tiny(name, progress)) is not None:
         return tiny
     path = Path(name).expanduser()
