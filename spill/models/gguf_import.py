@@ -6,6 +6,10 @@ BF16 where every value survives the round trip, else F16 if that is exact, else 
 weight (fp16 scale * nibble + fp16 min) almost never fits in bf16, so quantized weights usually
 land as F32; the norms, stored as F32 that came from bf16, land as BF16.
 
+With ``keep_quantization`` the quantized matrices are stored packed instead, in mlx-lm's affine
+layout (``gguf_quant``: the same float32 values, rows unpermuted the same way); a type without
+an exact affine form is dequantized as above, and the line says so.
+
 The tokenizer is rebuilt from the GGUF vocabulary without transformers: byte-level BPE from
 tokens and merges, control tokens added as special; for SmolLM2 the JSON equals transformers'
 own conversion. The folder is written next to ``dest`` and renamed into place at the end, so a

@@ -9,7 +9,9 @@ its range (``ShardFiles.map``) and the slot's tensors are views of the page cach
 when the ring drops the slot (they are never written: weights are frozen). spill replaces model
 files by rename, which leaves a mapping intact; a file truncated in place under a running job
 would end it with SIGBUS where a read would fail in one line. ``TorchHooks``
-gives CUDA a side stream, so layer copies overlap compute on the default stream.
+gives CUDA a side stream, so layer copies overlap compute on the default stream. A packed
+(quantized) weight is read as stored, moved to the device, and dequantized there into the
+compute dtype (``engines.torch.quant``); the ring holds it dequantized.
 """
 
 from __future__ import annotations
