@@ -139,3 +139,70 @@ def test_bad_quantization_config_is_refused_in_one_line(tiny_pair, tmp_path):
     with pytest.raises(ModelError, match="3-bit affine") as e:
         load_config(tmp_path)
     assert "\n" not in str(e.value)
+
+
+K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def _k_blocks(data: np.ndarray, qtype) -> np.ndarray:
+    """Random K-quant bytes for ``data``'s rows (gguf cannot quantize these types), each row
+    seeded by its own bytes so a row permutation permutes the blocks too; d and dmin sane fp16."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows = []
+    for row in np.asarray(data, np.float32).reshape(-1, data.shape[-1]):
+        rng = np.random.default_rng(int.from_bytes(row.tobytes()[:8], "little"))
+        raw = rng.integers(0, 256, (row.size // block, size), dtype=np.uint8)
+        lo, hi = (208, 210) if qtype == Q.Q6_K else (0, 4)
+        d = rng.standard_normal((len(raw), (hi - lo) // 2)) * 0.01
+        raw[:, lo:hi] = d.astype(np.float16).view(np.uint8)
+        rows.append(raw.reshape(-1))
+    return np.stack(rows).reshape(*data.shape[:-1], -1)
+
+
+def test_k_quant_gguf_keeps_exactly_and_computes_the_same(tmp_path, monkeypatch):
+    """A tiny llama of hidden 256 whose matrices are Q4_K, Q5_K and Q6_K (q/k permuted): the kept
+    copy dequantizes to the float import, and torch computes the same log-probs on both."""
+    from spill.engines import resolve
+    from spill.engines.base import GenerateParams, LoadOptions, ModelSpec
+    from tests.unit.models import test_gguf_import as kit
+
+    for name, value in dict(H=256, HEADS=4, KV=2, D=64, INTER=512).items():
+        monkeypatch.setattr(kit, name, value)
+    kinds = {"attn_q": Q.Q4_K, "attn_k": Q.Q6_K, "attn_v": Q.Q5_K, "attn_output": Q.Q4_K}
+    kinds |= {"ffn_gate": Q.Q6_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q5_K}
+    for hf, (gname, _) in list(kit._STORE.items()):
+        if gname.split(".")[0] in kinds:
+            monkeypatch.setitem(kit._STORE, hf, (gname, kinds[gname.split(".")[0]]))
+    monkeypatch.setitem(kit._GLOBAL_STORE, "lm_head.weight", ("output.weight", Q.Q6_K))
+    real = gguf.quants.quantize
+    monkeypatch.setattr(
+        gguf.quants, "quantize", lambda d, t: _k_blocks(d, t) if t in K_TYPES else real(d, t)
+    )
+    kit._write_tiny_gguf(tmp_path / "k.gguf")
+    floats = import_gguf(tmp_path / "k.gguf", tmp_path / "float")
+    kept = import_gguf(tmp_path / "k.gguf", tmp_path / "kept", keep_quantization=True)
+    want, got = _dequantized(floats), _dequantized(kept)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    cfg = load_config(kept)
+    assert cfg.quant_spec("model.layers.0.self_attn.k_proj") == (8, 16)  # Q6_K
+    assert cfg.quant_spec("model.layers.0.self_attn.v_proj") == (8, 32)  # Q5_K
+    assert cfg.quant_spec("model.layers.0.self_attn.q_proj") == (4, 32)  # Q4_K
+    prompts, completions = [np.arange(5, 30, dtype=np.int64)], [np.arange(40, 46, dtype=np.int64)]
+    seen = []
+    for folder, opts in (
+        (floats, {"resident": True}),
+        (kept, {"ring": 1}),
+        (kept, {"resident": True}),
+    ):
+        runner = resolve("torch").open(
+            ModelSpec(folder, load_config(folder)), LoadOptions(dtype="float32", **opts)
+        )
+        try:
+            (scores,) = runner.score(prompts, completions)
+            (gen,) = runner.generate(prompts, GenerateParams(4), [0])
+        finally:
+            runner.close()
+        assert np.isfinite(scores).all() and (scores < 0).all()
+        seen.append((scores.view(np.uint32).tolist(), gen.tokens.tolist()))
+    assert seen[1] == seen[0] and seen[2] == seen[0]
