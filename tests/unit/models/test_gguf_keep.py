@@ -206,3 +206,17 @@ def test_k_quant_gguf_keeps_exactly_and_computes_the_same(tmp_path, monkeypatch)
         assert np.isfinite(scores).all() and (scores < 0).all()
         seen.append((scores.view(np.uint32).tolist(), gen.tokens.tolist()))
     assert seen[1] == seen[0] and seen[2] == seen[0]
+
+
+def test_import_model_names_a_kept_file_by_its_type(tiny_pair, spill_home):
+    from spill.models.resolve import import_model
+
+    _, kept = tiny_pair
+    said = []
+    folder = import_model(str(kept.parent / "tiny.gguf"), keep=True, progress=said.append)
+    assert folder == spill_home / "models" / "tiny-q8_0"  # Q8_0 is the file's commonest type
+    marker = json.loads((folder / "spill-source.json").read_text())
+    assert marker["name"] == "tiny@q8_0" and marker["source"] == "gguf"
+    assert file_sha256(folder / "model.safetensors") == file_sha256(kept / "model.safetensors")
+    assert import_model(str(kept.parent / "tiny.gguf"), keep=True, progress=said.append) == folder
+    assert "already exists" in said[-1]
