@@ -38,12 +38,14 @@ class EngineInfo:
     ring: int  # layer slots
     layers: int
     resident: bool
+    weights: str = ""  # a quantized base's format ("4-bit affine g32 from Q4_1"); "" for floats
 
     def line(self) -> str:
         mode = (
             "resident" if self.resident else f"streaming, ring {self.ring} of {self.layers} layers"
         )
-        return f"engine {self.engine} · device {self.device} · numerics {self.numerics} ({self.why}) · {mode}"
+        weights = f" · weights {self.weights}" if self.weights else ""
+        return f"engine {self.engine} · device {self.device} · numerics {self.numerics} ({self.why}) · {mode}{weights}"
 
 
 @dataclass(frozen=True)

@@ -181,3 +181,16 @@ def safetensors_entries(
         f"{module}.scales": (dtype, scales),
         f"{module}.biases": (dtype, biases),
     }
+
+
+def describe(quantization, sources=()) -> str:
+    """``4-bit affine g32 from Q4_1/Q8_0, 1 module 8-bit g32`` for ``ModelConfig.quantization``
+    (and the GGUF types a kept import came from)."""
+    bits, group = next((b, g) for m, b, g in quantization if m == "")
+    text = f"{bits}-bit affine g{group}"
+    if sources:
+        text += " from " + "/".join(sorted(set(sources)))
+    others = Counter((b, g) for m, b, g in quantization if m and (b, g) != (bits, group))
+    for (b, g), n in sorted(others.items()):
+        text += f", {n} module{'s' if n > 1 else ''} {b}-bit g{g}"
+    return text

@@ -22,6 +22,7 @@ def test_quantize_then_run_by_name(tmp_path, spill_home):
         "run", "tiny:llama:1@q4g32", str(rows), "--out", str(out), "--max-new-tokens", "4"
     )
     assert ran.returncode == 0, ran.stderr
+    assert "· weights 4-bit affine g32\n" in ran.stderr
     assert json.loads(out.read_text())["id"] == "a"
     missing = run_spill("run", "tiny:llama:1@q8g64", str(rows), "--out", str(out))
     assert missing.returncode != 0

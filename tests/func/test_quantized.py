@@ -64,6 +64,8 @@ def test_cli_eval_equals_the_float_import(cache, tmp_path):
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         outputs[model] = out.read_bytes()
+        quantized = "weights 4-bit affine g32 from Q4_1/Q8_0, 1 module 8-bit g32" in done.stderr
+        assert quantized == (model == QUANT)  # the pre-run line names the format
     assert outputs[QUANT] == outputs["smollm2:135m"]
     first = json.loads(outputs[QUANT].splitlines()[0])
     assert "Paris" in first["output"] and first["gold_logprob"] < 0

@@ -58,6 +58,18 @@ def layer_loader(reader, keys: Sequence[str]) -> Callable[[int], Weights]:
     return load
 
 
+def _weights(model: ModelSpec) -> str:
+    """The pre-run line's words for a quantized base (its format and the GGUF types it kept)."""
+    if not model.config.quantization:
+        return ""
+    from spill.models.cache import read_marker
+    from spill.models.quant import describe
+
+    tensors = read_marker(model.folder).get("tensors") or {}
+    kept = [t["ggml_type"] for t in tensors.values() if isinstance(t, dict) and "bits" in t]
+    return describe(model.config.quantization, kept)
+
+
 def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> StreamRunner:
     cfg = model.config
     if cfg.family not in engine.families:
@@ -87,5 +99,6 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         ring=slots,
         layers=layers,
         resident=resident,
+        weights=_weights(model),
     )
     return StreamRunner(Model(engine.kernel(cfg, place), ring), info, stats, options.budget)
