@@ -115,6 +115,11 @@ def _quantization(entry, where: str) -> tuple[tuple[str, int, int], ...]:
 
     if not isinstance(entry, dict):
         raise ModelError(f"{where}: quantization must be an object; re-import or re-quantize")
+    if entry.get("mode", "affine") != "affine":
+        raise UnsupportedModel(
+            f"{where}: {entry['mode']} quantization is not supported; spill reads affine "
+            "(mlx-lm's default) quantized models"
+        )
     modules = [""] + sorted(k for k, v in entry.items() if isinstance(v, dict))
     specs = [(m, module_spec(entry, m, where)) for m in modules]  # "" reads the default
     return tuple((m, s.bits, s.group_size) for m, s in specs)

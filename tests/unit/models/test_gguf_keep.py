@@ -139,6 +139,13 @@ def test_bad_quantization_config_is_refused_in_one_line(tiny_pair, tmp_path):
     with pytest.raises(ModelError, match="3-bit affine") as e:
         load_config(tmp_path)
     assert "\n" not in str(e.value)
+    raw["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelError, match="mxfp4 quantization is not supported"):
+        load_config(tmp_path)
+    raw["quantization"] = {"group_size": 64, "bits": 4, "mode": "affine", "lm_head": False}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_config(tmp_path).quantization == (("", 4, 64),)  # mlx-lm's own keys
 
 
 K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
