@@ -13,7 +13,7 @@ sides alternating; nothing here asserts a time.
 2. SIGKILL takeover, same host: a tune stopped by the drill ``tune-before-forward@3:stop`` is
    SIGKILLed; timed from the kill to ``acquire(state, wait=True)`` returning in (a) a process
    already running with its store opened (s3fs imported, bucket probed), (b) one already
-   running with only ``spill.control.runs`` imported, (c) one started after the kill; (d) to a
+   running with only ``spill.control.ownership`` imported, (c) one started after the kill; (d) to a
    rerun of the same ``spill tune`` printing ``continuing ...``; and, as the baseline of (d),
    a rerun after a clean ``--stop-after`` printing that line, timed from its start. Each
    successor records when it attempted (a busy run is polled again after ``poll``).
@@ -47,7 +47,7 @@ SETTINGS = ["--batch", "4", "--micro-batch", "2", "--seq-len", "64", "--dtype", 
 SETTINGS += ["--ckpt-every", "1"]
 SUCCESSOR = """
 import json, sys, time
-import spill.control.runs as runs
+import spill.control.ownership as runs
 tries = []  # the monotonic time of each attempt (a busy run is polled again)
 attempt = runs._try_acquire
 def counted(*args):
@@ -180,7 +180,7 @@ def finish(p: subprocess.Popen) -> tuple[int, str]:
 
 def transitions(root: str, n: int) -> dict:
     """One transition timed directly: renew and publish ``n`` times, acquire after a release."""
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
 
     state = f"{root}/direct-{uuid.uuid4().hex[:6]}"
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ from typing import Any
 
 from spill.control.keys import CURRENT, LOCK, RUNS, current, read_control, read_runs, run_list
 from spill.control.owner import home_of, host, me
-from spill.control.runs import _holder
+from spill.control.ownership import _holder
 from spill.control.transfer import _read, _record, _write, pending
 from spill.errors import StoreError
 from spill.store import drill

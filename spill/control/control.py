@@ -68,7 +68,7 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-class Run:
+class Ownership:
     """This process's ownership of a run: transitions, heartbeat, and its places."""
 
     def __init__(self, store: Store, doc: dict[str, Any], lease: float):

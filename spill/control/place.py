@@ -3,7 +3,7 @@
 Payloads are folders written once, ``<job>/payloads/<kind>-g<generation>-s<seq>-<attempt>/``,
 so two writers never write one name (the attempt is one above any taken, and a new run's
 generation is above every one in use: ``spill.control.runlist``); a payload is current only
-while a pointer of the control object names it. A ``Place`` with a run (``Run.place``)
+while a pointer of the control object names it. A ``Place`` with a run (``Ownership.place``)
 allocates payloads and publishes; one without (``Place(state, prefix)``) reads the current
 control object only.
 
@@ -27,7 +27,7 @@ from spill.store.fs import join, listdir, remove
 from spill.store.location import location
 
 if TYPE_CHECKING:
-    from spill.control.control import Run
+    from spill.control.control import Ownership
 
 PAYLOADS = "payloads"
 STAGES = "stages"  # a build's job places, stages/<stage>/, each with payloads of its own
@@ -44,7 +44,7 @@ class Place:
     With a ``run`` it can allocate payloads and publish; without one it only reads the current
     control object (status, probes)."""
 
-    def __init__(self, state: str, prefix: str = "", run: Run | None = None):
+    def __init__(self, state: str, prefix: str = "", run: Ownership | None = None):
         self.state, self.prefix, self.run = location(state), prefix.strip("/"), run
         self._doc: dict[str, Any] | None = None
 

@@ -19,7 +19,7 @@ generation 1 would rewrite the old run's payloads under their own names):
   so in one line, naming them, and nothing is written.
 
 Readers (``current``: ``spill status``, probes, a build's plan) see the rebuilt list and write
-nothing; a writer (``restore``, from ``spill.control.runs`` under the location's lock) creates
+nothing; a writer (``restore``, from ``spill.control.ownership`` under the location's lock) creates
 it with a conditional create (If-None-Match on an object store: of two rebuilders one wins,
 the other reads what it wrote) and logs one line. Crash point: ``control-rebuild``, right after
 that create.

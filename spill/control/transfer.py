@@ -41,11 +41,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spill.control.control import Run, _iso
+from spill.control.control import Ownership, _iso
 from spill.control.keys import CONTROL, CURRENT, read_control
 from spill.control.owner import home_of, lease_seconds, me
+from spill.control.ownership import CopiedRun, _busy, _holder
 from spill.control.runlist import restore
-from spill.control.runs import CopiedRun, _busy, _holder
 from spill.errors import StoreError, UsageError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
@@ -162,7 +162,7 @@ def begin(
     raise StoreError(f"{src.state}: could not start the move; try again")
 
 
-def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Run:
+def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Ownership:
     """Step 2: own the quiescing source run as the mover, at the next generation, once its
     writer stopped (released, gone, or its lease ran out)."""
     lease = lease_seconds(lease)
@@ -188,7 +188,7 @@ def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Run
                 except (Conflict, Uncertain):
                     tries += 1
                     continue
-                run = Run(src, new, lease)
+                run = Ownership(src, new, lease)
                 run._tag = tag
                 break
         time.sleep(min(poll, 0.02 * 2**tries))  # the writer is finishing its step
@@ -197,7 +197,9 @@ def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Run
     return run
 
 
-def step(run: Run, name: str, *, done: Callable[[dict[str, Any]], None] | None = None) -> None:
+def step(
+    run: Ownership, name: str, *, done: Callable[[dict[str, Any]], None] | None = None
+) -> None:
     """Record that step ``name`` is done, fenced by the mover's generation."""
 
     def change(d: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +212,7 @@ def step(run: Run, name: str, *, done: Callable[[dict[str, Any]], None] | None =
     drill.at(f"move-{name}")
 
 
-def fence(run: Run) -> None:
+def fence(run: Ownership) -> None:
     """Step 6: the source is ``transferred`` (read-only, pointing at the destination)."""
     run.stop_heartbeat()
 

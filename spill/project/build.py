@@ -97,7 +97,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         project = config.from_record(doc["config"], root, overrides)
     else:
         project = config.compose(root, overrides)
-    return run(
+    return reconcile(
         project,
         state_root,
         key,
@@ -162,7 +162,7 @@ def prepare(project):
     )
 
 
-def run(
+def reconcile(
     project,
     state_root: str,
     key: str,

@@ -14,7 +14,7 @@ refused, named, whatever the cache holds. Only when every hash matched are the n
 renamed into the cache and the project folder renamed to ``DIR``, so ``DIR`` is either as it was
 or whole. The project gets its install record (``spill.project.installed``).
 
-A bundled run installs as a copy (``spill.control.runs.as_copy``): its control object and run
+A bundled run installs as a copy (``spill.control.ownership.as_copy``): its control object and run
 list are written beside its files, so ``spill build DIR`` refuses to continue it and ``spill
 build DIR --new-run`` forks it.
 """
@@ -94,7 +94,7 @@ def _check_lengths(b: Bundle, dest: Path) -> None:
 def _refuse_live(dest: Path) -> None:
     """A previous install whose run a live process owns is not replaced under it."""
     from spill.control.keys import current
-    from spill.control.runs import _busy, is_held
+    from spill.control.ownership import _busy, is_held
 
     state = str(dest / STATE_DIR)
     try:
@@ -186,7 +186,7 @@ def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
 
 
 def _install_run(b: Bundle, dest: Path, dest_tmp: Path) -> None:
-    from spill.control.runs import as_copy
+    from spill.control.ownership import as_copy
 
     run = b.manifest["run"]
     control, runs = as_copy(run["control"], str(dest / STATE_DIR))

@@ -103,7 +103,7 @@ def project_items(root: Path, state: str) -> list[Item]:
 def run_items(state: str, wait: bool) -> tuple[list[Item], dict[str, Any]]:
     """The run's files and its control object, once no live owner holds it."""
     from spill.control.keys import current
-    from spill.control.runs import _busy, is_held, refuse_moving
+    from spill.control.ownership import _busy, is_held, refuse_moving
 
     doc = current(state)
     if doc is None:

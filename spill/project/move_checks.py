@@ -89,7 +89,7 @@ def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, st
 
 def check_place(to: str) -> None:
     """Check 4 of the module doc, once the destination's store is known to be usable."""
-    from spill.control.runs import outer_state
+    from spill.control.ownership import outer_state
     from spill.store.probe import check_names, not_a_file
 
     check_names(to)  # a name too long there would fail every read of it, not in one line

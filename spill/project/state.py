@@ -32,7 +32,7 @@ from spill.project import stages
 from spill.store.fs import exists, get_bytes, join, put_bytes
 
 if TYPE_CHECKING:
-    from spill.control.control import Run
+    from spill.control.control import Ownership
 
 STATE = "state.json"
 KIND_POINTER = "state"  # the run's pointer to the current state.json payload
@@ -95,7 +95,7 @@ def _check_more(doc: dict[str, Any], uri: str) -> None:
             ) from None
 
 
-def write(run: Run, doc: dict[str, Any]) -> None:
+def write(run: Ownership, doc: dict[str, Any]) -> None:
     """Write ``doc`` as a new payload and make it current (fenced: only the run's owner can)."""
     from spill.validate import remember, validate
 

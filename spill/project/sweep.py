@@ -94,7 +94,9 @@ def job(
         stop = StopAfter.parse(stop_after) if stop_after else None
         key = config.compose_key(root, overrides)
         doc = state.read(where)
-        summary = build.run(project, where, key, doc, stop, dry_run, writer=writer or Writer())
+        summary = build.reconcile(
+            project, where, key, doc, stop, dry_run, writer=writer or Writer()
+        )
     except Preempted as e:
         result = {**out, "status": "preempted", "error": str(e), **_committed(where)}
     except Busy as e:  # another process holds this combination's run (a requeued job's elder)

@@ -69,7 +69,7 @@ def test_rows_and_a_stage_that_moved():
 def test_probes_read_commits_only(tmp_path):
     """Probes read what the run points at: a committed payload's state.json or a segment's
     COMMIT, never a folder nobody points at, nor a pointed folder removed by hand."""
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
 
     root = str(tmp_path)
     run = acquire(root)
@@ -99,7 +99,7 @@ def test_probes_read_commits_only(tmp_path):
 
 
 def test_state_file_kind_and_version(tmp_path):
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
 
     assert state.read(str(tmp_path)) is None
     run = acquire(str(tmp_path))

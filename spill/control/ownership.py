@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
-from spill.control.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
+from spill.control.control import SCHEMA_VERSION, Busy, Ownership, RunComplete, Superseded, _iso
 from spill.control.keys import (
     CONTROL,
     CURRENT,
@@ -100,7 +100,7 @@ def acquire(
     wait: bool = False,
     new_run: bool = False,
     poll: float = 0.5,
-) -> Run:
+) -> Ownership:
     """Own the current run at ``state`` (creating the first one), at its next generation.
 
     ``new_run``: when the current run is complete (a build whose inputs changed after
@@ -127,7 +127,7 @@ def acquire(
         return run
 
 
-def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
+def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Ownership:
     home = home_of(store.state)
     for _ in range(ATTEMPTS):
         with store.exclusive():
@@ -153,9 +153,9 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                 except (Conflict, Uncertain):
                     got, _ = read_runs(store)
                     if got is not None and got["current"] == rid:
-                        return Run(store, doc, lease)
+                        return Ownership(store, doc, lease)
                     continue  # someone else started a run here first: compete for theirs
-                return Run(store, doc, lease)
+                return Ownership(store, doc, lease)
             rid = runs["current"]
             doc, tag = read_control(store, rid)
             if doc is None:
@@ -184,9 +184,9 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
             except (Conflict, Uncertain):
                 got, _ = read_control(store, rid)
                 if got is not None and got["last"]["op"] == f"{nonce}:0":
-                    return Run(store, got, lease)
+                    return Ownership(store, got, lease)
                 continue
-            return Run(store, new, lease)
+            return Ownership(store, new, lease)
     raise StoreError(f"{store.state}: could not acquire its run; try again")
 
 
@@ -287,7 +287,7 @@ def held(
     lease: float | None = None,
     wait: bool = False,
     on_lost: Callable[[Superseded], None] | None = None,
-) -> Iterator[Run]:
+) -> Iterator[Ownership]:
     """Own the run at ``state`` for the block, heartbeat included; released when it ends,
     however it ends (a completed run stays complete)."""
     run = acquire(state, lease=lease, wait=wait)
