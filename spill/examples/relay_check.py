@@ -31,7 +31,7 @@ from typing import Any
 from spill.errors import UsageError
 from spill.jobs.producer import os_name
 from spill.paths import STATE_DIR
-from spill.project import state
+from spill.project import record
 from spill.project.stages import EVAL, EVAL_BASE, TUNE, RowStage
 from spill.store.fs import exists, get_bytes, join
 
@@ -155,7 +155,7 @@ def check(
     ``reference``: the reference build's ``spill status --json``; ``legs``: what ran legs ``a``
     and ``b``; ``floor``: the noise-floor JSON; ``stop``: the step leg ``a`` stopped at."""
     where = join(relay_root, STATE_DIR)
-    doc = state.read(where) if exists(where) else None
+    doc = record.read(where) if exists(where) else None
     ref, got = reference.get("stages") or {}, (doc or {}).get("stages") or {}
     from spill.project.status import run_view
 

@@ -278,12 +278,11 @@ def project_config(root: Path, state: str):
     """The project as ``compose(root)`` makes it: from the build's record when its compose key
     says nothing composition reads has changed (no Hydra, as a finished build), else composed."""
     from spill.errors import StoreError
-    from spill.project import config
-    from spill.project import state as build_state
+    from spill.project import config, record
     from spill.project.uptodate import compose_key
 
     try:
-        doc = build_state.read(state)
+        doc = record.read(state)
     except StoreError:
         doc = None  # a damaged or foreign state says nothing; composing says it all
     if doc is not None and doc.get("compose_key") == compose_key(root):

@@ -42,7 +42,7 @@ from spill.jobs.preempt import (
     stop_requested,
     stops_at_once,
 )
-from spill.project import state
+from spill.project import record
 from spill.project.config import Project
 from spill.project.context import BuildContext
 from spill.project.plan import Decision
@@ -74,7 +74,11 @@ class Executor:
         self.run = ctx.run  # this build's ownership of its run: every publication goes through it
         self.data_sha = ctx.data_sha
         self.specs = {s.name: s for s in specs}
-        self.doc = doc or {"schema_version": state.SCHEMA_VERSION, "kind": state.KIND, "stages": {}}
+        self.doc = doc or {
+            "schema_version": record.SCHEMA_VERSION,
+            "kind": record.KIND,
+            "stages": {},
+        }
         self.doc.update(
             project={
                 "name": ctx.project.name,
@@ -92,7 +96,7 @@ class Executor:
     def save(self) -> None:
         self.doc["updated"] = now()
         with critical():
-            state.write(self.run, self.doc)
+            record.write(self.run, self.doc)
 
     def _record(self, name: str, status: str, **fields: Any) -> dict:
         spec, stage = self.specs[name], get(name)
@@ -164,7 +168,7 @@ class Executor:
             rec = self._record(stage, "stopped", **self._probe(stage))
             what = f"{stage} at {rec['unit']} {rec['progress']} of {rec['total']}"
         self.doc["updated"] = now()
-        state.write(self.run, self.doc)
+        record.write(self.run, self.doc)
         raise preempted(why, what, who="build") from None
 
     def _stage(self, d: Decision) -> None:
@@ -234,7 +238,7 @@ class Executor:
                     gone |= {later.name} if gone & set(later.needs) else set()
                 for name in gone:
                     self.doc["stages"].pop(name, None)
-                state.write(self.run, self.doc)
+                record.write(self.run, self.doc)
                 raise StoreError(
                     f"{d.stage}: its outputs cannot be restored ({e}); run spill build again "
                     "to compute them afresh"

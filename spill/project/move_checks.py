@@ -58,7 +58,7 @@ def source(src: str, state: str | None) -> tuple[str | None, str]:
     src = absolute(src)
     if exists(join(src, "spill.yaml")):
         return src, absolute(state) if state else join(src, STATE_DIR)
-    from spill.jobs.states import is_state
+    from spill.project.status import is_state
 
     if not is_state(src):
         raise UsageError(f"{src} is neither a project folder nor a state location")

@@ -48,7 +48,7 @@ from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 from spill.jobs.authority import Writer
 from spill.jobs.preempt import Preempted
 from spill.paths import STATE_DIR
-from spill.project import build, config, hydra_safety, stages, state
+from spill.project import build, config, hydra_safety, record, stages
 from spill.project.plan import StopAfter
 from spill.project.status import score
 from spill.store.fs import get_bytes, join, listdir, put_bytes
@@ -87,13 +87,13 @@ def job(
     out: dict[str, Any] = {"run": name, "overrides": list(overrides), "state": where}
     out.update(machine=platform.node(), pid=os.getpid())  # where the launcher ran it
     out["started"] = round(time.time(), 3)  # epoch s: with "seconds", where a launcher's time went
-    record = join(hydra.runtime.output_dir, RECORD) if token else None
-    _record(record, {**out, "num": hydra.job.num, "token": token, "status": "running"})
+    record_at = join(hydra.runtime.output_dir, RECORD) if token else None
+    _record(record_at, {**out, "num": hydra.job.num, "token": token, "status": "running"})
     try:
         project = config.from_composed(cfg, root, overrides)
         stop = StopAfter.parse(stop_after) if stop_after else None
         key = config.compose_key(root, overrides)
-        doc = state.read(where)
+        doc = record.read(where)
         summary = build.reconcile(
             project, where, key, doc, stop, dry_run, writer=writer or Writer()
         )
@@ -112,7 +112,7 @@ def job(
         result = {**out, "status": "planned" if dry_run else status, **_scores(recs)}
         result["plan"] = summary["plan"]
     result["seconds"] = round(time.time() - out["started"], 3)
-    _record(record, {**result, "num": hydra.job.num, "token": token})
+    _record(record_at, {**result, "num": hydra.job.num, "token": token})
     return result
 
 
@@ -124,7 +124,7 @@ def _scores(recs: dict) -> dict[str, Any]:
 def _committed(where: str) -> dict[str, Any]:
     """The scores and tune progress a stopped job's state has committed (best effort)."""
     try:
-        recs = (state.read(where) or {}).get("stages") or {}
+        recs = (record.read(where) or {}).get("stages") or {}
         for name, rec in recs.items():
             if rec["status"] in ("running", "stopped"):
                 rec["progress"] = stages.get(name).probe(where)[0]
