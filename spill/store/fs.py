@@ -100,7 +100,7 @@ def _errors(uri: str, verb: str) -> Iterator[None]:
         ) from e
 
 
-def _fsync(path: str) -> None:  # a file or a folder, by its path
+def fsync(path: str | os.PathLike) -> None:  # a file or a folder, by its path
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -120,7 +120,7 @@ def _makedirs_durable(path: str) -> None:
             os.mkdir(d)
         except FileExistsError:
             pass
-        _fsync(os.path.dirname(d))
+        fsync(os.path.dirname(d))
 
 
 def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
@@ -140,7 +140,7 @@ def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    _fsync(parent)
+    fsync(parent)
 
 
 def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> None:
@@ -201,7 +201,7 @@ def sync_fresh(uris: Sequence[str]) -> None:
     local = [_local(u) for u in uris if is_local(u)]
     with _errors(", ".join(uris), "sync"):
         for path in [*local, *sorted({os.path.dirname(os.path.abspath(p)) for p in local})]:
-            _fsync(path)
+            fsync(path)
 
 
 def get_bytes(uri: str | os.PathLike) -> bytes:
@@ -310,7 +310,7 @@ def remove(uri: str | os.PathLike) -> None:
         with _errors(uri, "remove"):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=False)
-                _fsync(os.path.dirname(os.path.abspath(path)))
+                fsync(os.path.dirname(os.path.abspath(path)))
             elif os.path.lexists(path):
                 os.remove(path)
         return
