@@ -47,7 +47,7 @@ from pathlib import Path
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.servers
-from tests.servers import s3_env, start_moto  # noqa: E402
+from tests.servers import moto_bucket  # noqa: E402
 
 UPLOAD = """
 import sys, time, pathlib
@@ -97,12 +97,7 @@ print(json.dumps({"times": acc, "bytes": out["bytes"], "files": out["files"]}))
 def moto(work: Path) -> tuple[subprocess.Popen, str]:
     """moto's S3 server on a free loopback port, a fresh bucket, and AWS_* pointing at it."""
     log = open(work / "moto.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc, endpoint = start_moto(log, PY)
-    os.environ.update(s3_env(endpoint))
-    import s3fs
-
-    bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    s3fs.S3FileSystem().mkdir(bucket)
+    proc, bucket = moto_bucket(log, PY)
     return proc, bucket
 
 

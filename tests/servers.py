@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from typing import IO
 
 S3_CREDENTIALS = {
@@ -46,3 +47,17 @@ def start_moto(log: IO[bytes] | int = subprocess.DEVNULL, python: str = sys.exec
 def s3_env(endpoint: str) -> dict[str, str]:
     """The AWS_* variables that point s3fs and boto3 at ``endpoint``."""
     return {"AWS_ENDPOINT_URL": endpoint, **S3_CREDENTIALS}
+
+
+def moto_bucket(log: IO[bytes], python: str = sys.executable, prefix: str = "bench"):
+    """For a benchmark outside pytest: a moto server, this process's AWS_* pointing at it, and
+    a fresh bucket there: ``(process, bucket name)``."""
+    import os
+
+    import s3fs
+
+    proc, endpoint = start_moto(log, python)
+    os.environ.update(s3_env(endpoint))
+    bucket = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem().mkdir(bucket)
+    return proc, bucket
