@@ -1,36 +1,14 @@
-"""The control transitions of a move at its source: a run handed from one state location to
-another. The destination's side (its claim, ``incoming``, ``activate``) is
-``spill.control.arrival``.
+"""The control transitions of a move at its source; the destination's side (its claim,
+``incoming``, ``activate``) is ``spill.control.arrival``.
 
-A move is seven steps, each a conditional transition of a control object (``spill.store.cas``)
-recorded in its ``transfer`` field (id, from, to, step, times), so that running the move again
-after an interruption anywhere continues it. Before step 1 the destination is claimed
-(``arrival.claim``, under the transfer id the quiesce then records), so that a move that would
-lose its destination to another loses before its source changes:
-
-1. ``quiesce``  the source's status becomes ``quiescing`` (a live writer notices within
-                ``control.WATCH`` seconds, or at its next transition, and stops at a
-                committed boundary, exit 75);
-2. ``take``     the mover owns the source run at the next generation (still ``quiescing``);
-3. ``copy``     the snapshot is copied (``spill.project.move``), recorded as done;
-4. ``verify``   the destination was read back and every checksum matched;
-5. ``incoming`` the destination's control object is created as ``incoming``;
-6. ``fence``    the source becomes ``transferred``, naming the destination (from now on it only
-                says ``moved to <uri> at <time>; continue there``);
-7. ``activate`` the destination becomes ``active`` and released: any machine may acquire it.
-
-Nobody but a mover of the same transfer acquires a ``quiescing`` (with a transfer) or
-``incoming`` run (``runs.refuse_moving``), and the source is fenced before the destination is
-activated, so at no moment may two places be acquired. Crash points for kill drills
-(``spill.store.drill``), each right after its step's write: ``move-<step>``, ``move-abort``.
-
-``abort`` (``spill move --abort``) calls off a move that has not reached ``fence``: once nobody
-holds the source (its mover stopped or died, its writer stopped), the source returns to the
-status it had before the quiesce (``transfer.before``, recorded then; ``active`` for a control
-object written before that field existed), released, at the next generation, so that a stale
-mover's next transition fails (fencing); ``transfer.aborted`` records when. After ``fence`` the
-destination may be active already, so an abort is refused. A run whose move was aborted is an
-ordinary run again: built, resumed, or moved anywhere (a new transfer).
+Each of a move's seven steps is a conditional transition of a control object
+(``spill.store.cas``) recorded in its ``transfer`` field, so a rerun continues where the move
+stopped: ``begin`` (quiesce), ``take``, ``step`` (copy, verify, incoming), ``fence``; the
+destination's ``activate`` is the seventh. The invariant: the source is fenced before the
+destination is activated, and nobody but a mover of the same transfer acquires a ``quiescing``
+or ``incoming`` run (``ownership.refuse_moving``), so two places are never both acquirable.
+``abort`` returns a source that has not reached ``fence`` to its status before the quiesce, at
+the next generation. The steps, the abort and the drill points: docs/move.md.
 """
 
 from __future__ import annotations
@@ -225,8 +203,8 @@ def fence(run: Ownership) -> None:
 
 
 def abort(src: Store, *, wait: bool = False, poll: float = 0.5) -> dict[str, Any]:
-    """``spill move --abort``: return the source of a move that has not reached ``fence`` (see
-    the module doc); the control document after it. A move aborted already is returned as it
+    """``spill move --abort``: return the source of a move that has not reached ``fence``; the
+    control document after it. A move aborted already is returned as it
     is (a rerun of an abort that was interrupted cleans the destination it left)."""
     tries = 0
     while True:

@@ -1,32 +1,13 @@
 """``spill build DIR -m a=1,2 b=x,y``: a Hydra multirun, each combination its own build.
 
-The sweep is Hydra's own: ``GlobalHydra.instance().hydra.multirun`` with spill's task function,
-so the configured sweeper and launcher run the jobs unchanged (basic: one after the other in
-this process; ``hydra/launcher=joblib``: parallel processes on this machine; the Ray and
-submitit launchers: other machines, see docs/sweeps.md). A job composes nothing itself: it
-gets its config from Hydra, validates and freezes it (``config.from_composed``), and builds it
-with the state ``<state>/sweep/<its overrides>/``, so running the same sweep again continues
-or skips each combination like a plain build does.
-
-A job never raises (Hydra would drop every other job's result): it returns a small dict with
-its status, scores and state location, from which the comparison table is made.
-
-A launcher can still lose a job: a Ray worker or a submitit process killed mid-build makes the
-launcher raise out of Hydra (``ray.get`` or ``job.result()``), and every result goes with it.
-So each job also writes its dict to its Hydra output folder (``<sweep dir>/<num>/spill-job.json``,
-``running`` when it starts, the result when it ends), tagged with the sweep's token; when the
-launcher raises, the sweep reads those back: finished jobs keep their results, a job that
-started and never ended is ``lost`` (with its state's progress), and the same command continues
-it. Where no job wrote a record (the launcher failed before any started) the sweep fails.
-
-Before ``multirun`` instantiates anything, ``hydra_safety`` composes the sweep and each job as
-Hydra will and refuses a ``hydra:`` tree that could run code or write files (callbacks, a
-``_target_`` not Hydra's own launcher, a logging FileHandler...), with one line naming the key.
-
-Jobs get the sweep's ``--lease`` and ``--wait``: a requeued job whose elder still holds the run
-comes back ``busy`` (exit 75, like preempted and lost) or, with ``--wait``, waits for it. Ray
-relays its workers' output to this process's stdout; the sweep sends it to stderr and leaves
-Ray (``ray.shutdown()``) before returning, so the table and ``--json`` are all stdout holds.
+``sweep`` runs Hydra's own ``multirun`` with ``job`` as the task function, so the configured
+sweeper and launcher run the jobs unchanged; each job validates the config Hydra gives it and
+builds it with the state ``<state>/sweep/<run_name(overrides)>/``. A job never raises (Hydra
+would drop every other result): it returns a small dict, and writes it to
+``<sweep dir>/<num>/spill-job.json`` too, so that when a launcher loses a job and raises, the
+finished jobs' results are read back and the unfinished one is ``lost``. ``hydra_safety``
+checks the sweep before anything is instantiated. ``render`` and ``exit_code`` make the table
+and the exit code; docs/sweeps.md says what each launcher does.
 """
 
 from __future__ import annotations
