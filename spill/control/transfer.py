@@ -204,8 +204,8 @@ def fence(run: Ownership) -> None:
 
 def abort(src: Store, *, wait: bool = False, poll: float = 0.5) -> dict[str, Any]:
     """``spill move --abort``: return the source of a move that has not reached ``fence``; the
-    control document after it. A move aborted already is returned as it
-    is (a rerun of an abort that was interrupted cleans the destination it left)."""
+    control document after it. A move aborted already is returned as it is (a rerun of an
+    abort that was interrupted cleans the destination it left)."""
     tries = 0
     while True:
         with src.exclusive():

@@ -1,27 +1,14 @@
 """The thin executor of a build plan: each working decision becomes one job call.
 
-For a decision that works it clears the stage's state when the plan says fresh, records the
-stage as running, calls the job (``evaluate``, ``distill``, ``tune``) with ``--state
-<state>/stages/<stage>`` and the stop count, and records the result. Stopping and continuing
-are the jobs' own: a tune continues from its newest checkpoint, a row job from its committed
-segments. ``state.json`` is written after what it names (the adapter copy, the graded rows,
-their hashes under ``outputs``), so a reader never sees a result whose files are missing. A
-``restore`` publishes a done stage's outputs again (``spill.project.outputs``); a decision
-that drops an out-of-date record removes its job state and outputs even when the stage waits.
-Clearing a stage never removes a payload another run's control object points at (a completed
-parent's checkpoints and rows stay where its control object says they are).
-
-The stages are the objects of ``spill.project.stages``: the executor asks each one for its
-folder, unit and outputs and has it run its job (``Stage.execute``) with the build's
-``BuildContext``; it branches on no stage name.
-
-Ctrl-C or SIGTERM anywhere behaves like preemption (``spill.jobs.preempt``, one mechanism for
-the process): inside a job the job's ``Guard`` saves and stops; between jobs the build stops at
-once (its own writes are ``critical`` sections that finish first). The stage is recorded as
-stopped and the build says so in one ``preempted`` line; the process exits 75.
-
-Derived inputs (the split, teacher answers) are written to a local temporary folder for the
-jobs and published under ``files/``; a remote state location works the same way.
+``Executor.execute`` walks the decisions: for each that works it clears the stage's state when
+the plan says fresh, records the stage as running, has the stage object run its job
+(``Stage.execute``, with ``--state <state>/stages/<stage>`` and the stop count, through the
+build's ``BuildContext``) and records the result; it branches on no stage name. Stopping and
+continuing are the jobs' own. The invariant: ``state.json`` is written after what it names (the
+adapter copy, the graded rows, their hashes), so a reader never sees a result whose files are
+missing; and clearing a stage never removes a payload another run's control object points at.
+A signal between jobs stops the build at once (``preempt.stops_at_once``). docs/projects.md,
+"``spill build``".
 """
 
 from __future__ import annotations

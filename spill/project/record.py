@@ -9,17 +9,10 @@ Layout under ``--state`` (default ``<project>/.spill``)::
     files/                the split, the teacher's answers, graded rows
     adapters/<name>/      the tuned adapter (spill, PEFT and MLX-LM layouts)
 
-``state.json`` (schema ``build-state``) is one object written once, as a payload, after
-everything it names, and made current by the run's fenced transition (``write``, by the owner
-of the run only); a reader follows the pointer, and one that finds none starts fresh. Writing
-validates it, and so does reading (its ``config`` too, against the strict spill.yaml schema,
-and each stage's result), through ``schemas.validate_once``: bytes already validated on this
-machine (by a read, or by the write that made them) cost one hash, so ``spill status`` and a
-build of a finished project still start without importing jsonschema.
-
-``recorded`` is the planner's view of a state: what each stage's record says, with the probes
-of unfinished stages and the check of finished stages' outputs, both asked of the stage objects
-(``spill.project.stages``).
+``write`` (the run's owner only) publishes ``state.json`` (schema ``build-state``) as a payload
+by a fenced transition, after everything it names; ``read`` follows the pointer and validates
+through ``schemas.validate_once`` (bytes validated here before cost one hash, so ``spill
+status`` needs no jsonschema). ``recorded`` is the planner's view of a state.
 """
 
 from __future__ import annotations
