@@ -1,18 +1,12 @@
 """Starting and acquiring a state location's run: ``acquire`` and ``held``.
 
 ``acquire`` makes this process the owner of the current run at the next generation when the run
-is free: no owner, an owner that released it, a lease that expired, or (same host, same boot) an
-owner process that is gone, so a SIGKILLed local job is taken over at once. Otherwise it raises
-``Busy`` (exit 75, the owner named) or, with ``wait``, polls until the run is free. The first
-run of a location, and a new run after a completed one (``new_run``), are created by a
-conditional write of ``runs/current.json``, so two processes never start two runs in one place;
-a new run's generation is above every generation in use there (``runlist.next_generation``),
-so it never writes a payload name that exists or existed. A missing ``runs/current.json`` is
-rebuilt from the control objects there (``runlist.restore``), never started afresh.
-
-A state copied from elsewhere (its control object's ``home`` is another place) may not continue
-while the original's owner holds the original: checked where the original can be read (the same
-host, or an object store URI); elsewhere the copied lease decides.
+is free (no owner, released, lease expired, or a gone process on this host and boot), else
+raises ``Busy`` (exit 75) or, with ``wait``, polls. The first run of a location and a new run
+after a completed one (``acquire(new_run=True)``) are created by a conditional write of ``runs/current.json``,
+so two processes never start two runs in one place; a missing list is rebuilt
+(``runlist.restore``), never started afresh. A state copied from elsewhere may not continue while
+the original's owner holds it, where the original can be read. docs/authority.md.
 """
 
 from __future__ import annotations

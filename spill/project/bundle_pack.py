@@ -1,21 +1,13 @@
 """Writing a bundle: what goes in (project files, the run's files, model files) and the file.
 
-* project: ``snapshot.project_files`` (everything but hidden entries and the state folder);
-* state (``--with-state``): ``snapshot.state_files`` of the current run, without
-  ``command.json`` (it names this machine's working folder); refused while a live owner holds
-  the run (exit 75, or ``--wait``), and refused at the end if its control object changed
-  meanwhile. The control object travels in the manifest with its ``home`` reduced to
-  ``a bundle from <host>``, so no path of this machine is in the bundle;
-* models: each model a stage loads, resolved as a build resolves it (``resolve_model``: a tiny
-  model is generated, the packaged GGUF imported, on first use), checked against its cache
-  record (``integrity.check``) and pinned. Only folders of the model cache can be installed
-  where the same name finds them again, so a model named by a URI or by a folder outside the
-  cache is refused in one line.
-
-Every file is hashed before the file is written (the manifest comes first, see
-``bundle_format``); each file's stat key is taken then and compared after its bytes are copied,
-so a file that changes while bundling is refused, never recorded with a stale hash. The bundle
-is written to a temporary name beside ``PATH`` and renamed at the end.
+The project is ``snapshot.project_files``; the state (``--with-state``) is
+``snapshot.state_files`` of the current run without ``command.json``, its control object's
+``home`` reduced to ``a bundle from <host>``; the models are each one a stage loads, resolved as
+a build resolves them and checked against their cache records (a model outside the cache is
+refused). Every file is hashed before the file is written (the manifest comes first), and its
+stat key is compared again after its bytes are copied, so a file that changes while bundling is
+refused rather than recorded with a stale hash. The bundle is written beside ``PATH`` under a
+temporary name and renamed at the end.
 """
 
 from __future__ import annotations

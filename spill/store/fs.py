@@ -1,19 +1,12 @@
 """Byte-level access to a state location: a local path, ``file://``, ``memory://``, ``s3://``,
 ``gs://`` or ``az://``.
 
-Local paths are handled with ``os`` directly (no fsspec), everything else through fsspec, which
-is imported lazily. Endpoints and credentials come the standard way of each backend
-(``AWS_ENDPOINT_URL``, ``AWS_*`` variables, profiles); nothing here is S3-specific.
-
-``put_bytes`` is atomic: locally it writes ``.<name>.tmp-<random>`` in the same directory,
-fsyncs it, renames it over the target and fsyncs the directory; on an object store it is one put
-(an object appears whole or not at all). Temporary names are recognisable (``is_temp``) so that
-the store's next write can remove those a killed writer left. Listings are never served from
-fsspec's cache, because another process may have written since.
-
-Every function takes a location's text or a ``Location`` (``spill.store.location``), which it
-parses once: its scheme is checked before any backend is made, ``file:///abs/path`` is the
-local path it names, a remote one's filesystem is made once.
+Every function takes a location's text or a ``Location`` (``spill.store.location``). Local paths
+go through ``os`` (no fsspec), the rest through fsspec, imported lazily, with each backend's own
+endpoints and credentials. ``put_bytes`` is atomic: locally a ``.<name>.tmp-<random>`` beside
+the target, fsynced, renamed over it, the folder fsynced; on an object store one put. Temporary
+names are recognisable (``is_temp``), so the next write removes those a killed writer left.
+Listings are never served from fsspec's cache: another process may have written since.
 """
 
 from __future__ import annotations
