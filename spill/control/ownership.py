@@ -3,8 +3,8 @@
 ``acquire`` makes this process the owner of the current run at the next generation when the run
 is free (no owner, released, lease expired, or a gone process on this host and boot), else
 raises ``Busy`` (exit 75) or, with ``wait``, polls. The first run of a location and a new run
-after a completed one (``acquire(new_run=True)``) are created by a conditional write of ``runs/current.json``,
-so two processes never start two runs in one place; a missing list is rebuilt
+after a completed one (``acquire(new_run=True)``) are created by a conditional write of
+``runs/current.json``, so two processes never start two runs in one place; a missing list is rebuilt
 (``runlist.restore``), never started afresh. A state copied from elsewhere may not continue while
 the original's owner holds it, where the original can be read. docs/authority.md.
 """

@@ -1,7 +1,7 @@
 """Preemption, once for the whole process: stop at a boundary, save, say ``preempted``, exit 75.
 
-SIGTERM, SIGINT and ``request_stop()`` (``spill move``'s quiesce) go to the innermost scope
-running: a job's ``Guard`` finishes the quantum in progress and saves::
+SIGTERM, SIGINT and ``request_stop()`` go to the innermost scope running: a job's ``Guard``
+finishes the quantum in progress and saves::
 
     with Guard(save=save, unit="step") as guard:
         for ...:
@@ -10,10 +10,8 @@ running: a job's ``Guard`` finishes the quantum in progress and saves::
             with guard.mutating():
                 apply(result)           # committed state changes only under this lock
 
-while ``stops_at_once()`` (a build between its jobs) raises ``Interrupted`` at once, except
-inside ``critical()``. ``save`` reads only what ``mutating()`` protects and returns what it
-committed (``"step 120"``); the line is worded by ``preempted()``. The grace and deadline
-timeline, and who saves: docs/design.md, "Preemption".
+``stops_at_once()`` (a build between its jobs) raises ``Interrupted`` at once, except inside
+``critical()``. The grace, the deadline and who saves: docs/design.md, "Preemption".
 """
 
 from __future__ import annotations

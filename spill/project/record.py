@@ -9,10 +9,8 @@ Layout under ``--state`` (default ``<project>/.spill``)::
     files/                the split, the teacher's answers, graded rows
     adapters/<name>/      the tuned adapter (spill, PEFT and MLX-LM layouts)
 
-``write`` (the run's owner only) publishes ``state.json`` (schema ``build-state``) as a payload
-by a fenced transition, after everything it names; ``read`` follows the pointer and validates
-through ``schemas.validate_once`` (bytes validated here before cost one hash, so ``spill
-status`` needs no jsonschema). ``recorded`` is the planner's view of a state.
+``write`` (the owner only) publishes ``state.json`` (schema ``build-state``) after everything it
+names; ``read`` follows the pointer and validates once per bytes (``spill.validate.validate_once``).
 """
 
 from __future__ import annotations
