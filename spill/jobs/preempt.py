@@ -160,12 +160,8 @@ _switch = _Switch()
 
 
 def request_stop(reason: str = "a stop request") -> None:
-    """What SIGTERM and SIGINT do, callable from any thread (``spill move``'s quiesce, tests).
-
-    A running job stops at its next boundary; code outside a job stops at the end of its
-    critical section or when it next checks ``stop_requested()`` (a request from another thread
-    cannot interrupt the main thread anywhere else).
-    """
+    """What SIGTERM and SIGINT do, from any thread: a job stops at its next boundary; other code
+    at the end of its ``critical()`` section or when it next checks ``stop_requested()``."""
     _switch.request(reason)
 
 
