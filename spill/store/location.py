@@ -8,8 +8,9 @@ first use) and how its control keys are written conditionally (``writes``). ``lo
 a state walks down the layers parsed once. A scheme that is no place for runs (``ftp://``,
 ``http://``) is refused when parsed, before any backend is made or connects.
 
-The next stores (gs://, az://) and ranks change this module: their scheme, their conditional
-writes (``WRITES``).
+A new store changes this module (its scheme in ``SCHEMES``; how its control keys are written,
+``WRITES``), ``spill.store.cas`` and the probe; gs:// and az:// are parsed already and
+refused by the probe until their conditional writes are proven.
 """
 
 from __future__ import annotations
