@@ -292,8 +292,9 @@ class _Check:
 
 
 def check(doc: dict, where: str, overrides: Sequence[str] = ()) -> None:
-    """Refuse, in one ``HydraRefused`` line (a ``ConfigError``) naming the key, a composed config (plain data, its
-    ``hydra`` tree included) that can run code or write files; ``overrides``: the command line."""
+    """Refuse, in one ``HydraRefused`` line (a ``ConfigError``) naming the key, a composed
+    config (plain data, its ``hydra`` tree included) that can run code or write files;
+    ``overrides``: the command line."""
     _Check(where, overrides).run(doc)
 
 

@@ -9,8 +9,8 @@ a state walks down the layers parsed once. A scheme that is no place for runs (`
 ``http://``) is refused when parsed, before any backend is made or connects.
 
 A new store changes this module (its scheme in ``SCHEMES``; how its control keys are written,
-``WRITES``), ``spill.store.cas`` and the probe; gs:// and az:// are parsed already and
-refused by the probe until their conditional writes are proven.
+``WRITES``) and ``spill.store.objstore`` (its answers; its probe, run once per bucket, refuses a
+store whose conditional writes do not hold).
 """
 
 from __future__ import annotations
