@@ -13,7 +13,7 @@ sides alternating; nothing here asserts a time.
 2. SIGKILL takeover, same host: a tune stopped by the drill ``tune-before-forward@3:stop`` is
    SIGKILLed; timed from the kill to ``acquire(state, wait=True)`` returning in (a) a process
    already running with its store opened (s3fs imported, bucket probed), (b) one already
-   running with only ``spill.control.runs`` imported, (c) one started after the kill; (d) to a
+   running with only ``spill.control.ownership`` imported, (c) one started after the kill; (d) to a
    rerun of the same ``spill tune`` printing ``continuing ...``; and, as the baseline of (d),
    a rerun after a clean ``--stop-after`` printing that line, timed from its start. Each
    successor records when it attempted (a busy run is polled again after ``poll``).
@@ -33,7 +33,6 @@ import os
 import platform
 import pstats
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,11 +42,14 @@ import uuid
 from pathlib import Path
 
 PY = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.servers
+from tests.servers import moto_bucket  # noqa: E402
+
 SETTINGS = ["--batch", "4", "--micro-batch", "2", "--seq-len", "64", "--dtype", "float32"]
 SETTINGS += ["--ckpt-every", "1"]
 SUCCESSOR = """
 import json, sys, time
-import spill.control.runs as runs
+import spill.control.ownership as runs
 tries = []  # the monotonic time of each attempt (a busy run is polled again)
 attempt = runs._try_acquire
 def counted(*args):
@@ -69,29 +71,8 @@ print(json.dumps({"start": t, "done": time.monotonic(), "wall": time.time(), "tr
 
 def moto(work: Path) -> tuple[subprocess.Popen, str]:
     """moto's S3 server on a free loopback port, a fresh bucket, and AWS_* pointing at it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = open(work / "moto.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        [PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
-    )
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    os.environ.update(
-        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    import s3fs
-
-    bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    s3fs.S3FileSystem().mkdir(bucket)
+    proc, bucket = moto_bucket(log, PY)
     return proc, f"s3://{bucket}"
 
 
@@ -180,7 +161,7 @@ def finish(p: subprocess.Popen) -> tuple[int, str]:
 
 def transitions(root: str, n: int) -> dict:
     """One transition timed directly: renew and publish ``n`` times, acquire after a release."""
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
 
     state = f"{root}/direct-{uuid.uuid4().hex[:6]}"
     t0 = time.perf_counter()

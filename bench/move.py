@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,9 @@ from pathlib import Path
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.servers
+from tests.servers import moto_bucket  # noqa: E402
+
 UPLOAD = """
 import sys, time, pathlib
 t = time.perf_counter()
@@ -94,29 +96,8 @@ print(json.dumps({"times": acc, "bytes": out["bytes"], "files": out["files"]}))
 
 def moto(work: Path) -> tuple[subprocess.Popen, str]:
     """moto's S3 server on a free loopback port, a fresh bucket, and AWS_* pointing at it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = open(work / "moto.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(
-        [PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
-    )
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    os.environ.update(
-        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    import s3fs
-
-    bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    s3fs.S3FileSystem().mkdir(bucket)
+    proc, bucket = moto_bucket(log, PY)
     return proc, bucket
 
 

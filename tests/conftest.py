@@ -7,10 +7,8 @@ store (``AWS_ENDPOINT_URL``); nothing in-process is mocked.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from spill.models.tiny import write_tiny
+from tests.servers import s3_env, start_moto
 
 
 @pytest.fixture(autouse=True)
@@ -41,34 +40,15 @@ def tiny_model(request, tiny_models) -> Path:
     return tiny_models[request.param]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server on loopback for the session; yields its endpoint URL."""
     pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
     pytest.importorskip("s3fs", reason="s3fs is in the test extra")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("moto server did not start")
+    try:
+        proc, url = start_moto()
+    except RuntimeError as e:
+        pytest.fail(str(e))
     yield url
     proc.terminate()
     proc.wait(timeout=10)
@@ -77,10 +57,8 @@ def s3_endpoint():
 @pytest.fixture
 def s3_bucket(s3_endpoint, monkeypatch) -> str:
     """A fresh bucket on the test server, with the standard AWS variables pointing at it."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for key, value in s3_env(s3_endpoint).items():
+        monkeypatch.setenv(key, value)
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
@@ -91,10 +69,15 @@ def s3_bucket(s3_endpoint, monkeypatch) -> str:
 
 
 def run_spill(
-    *args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600
+    *args: str,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    timeout: float = 600,
+    base: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess."""
-    full_env = dict(os.environ)
+    """Run the real CLI in a subprocess, in ``base`` (default: this process's environment) with
+    ``env`` on top."""
+    full_env = dict(os.environ if base is None else base)
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "spill", *args],
@@ -143,7 +126,7 @@ def assert_not_imported(
 
 def build_state_file(where: Path) -> Path:
     """The current ``state.json`` of the build state folder ``where``: the payload the run's
-    ``state`` pointer names (``spill.project.state``)."""
+    ``state`` pointer names (``spill.project.record``)."""
     from spill.control.place import Place
 
     pointed = Place(str(where)).pointer("state")

@@ -1,6 +1,6 @@
 """The job verbs on the command line: ``run``, ``eval``, ``distill``, ``tune`` (alias ``train``).
 
-Each command turns its arguments into the options of its job module (``spill.jobs.run``,
+Each command turns its arguments into the options of its job module (``spill.jobs.generate``,
 ``eval``, ``distill``, ``tune``), makes one call and prints the summary. Every flag that is a
 setting of a conf group (``tune``, ``eval``, ``teacher``, ``engine``) takes its default from
 ``spill.conf.defaults``, so ``spill tune`` and a build with the same values are the same run.
@@ -73,9 +73,9 @@ def _row_options(args):
 
 
 def _run_options(args, adapter: str | None = None):
-    from spill.jobs.run import RunOptions
+    from spill.jobs.generate import GenerateOptions
 
-    return RunOptions(
+    return GenerateOptions(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -87,10 +87,12 @@ def _run_options(args, adapter: str | None = None):
 
 def cmd_run(args) -> int:
     from spill.console import emit
-    from spill.jobs.run import run
+    from spill.jobs.generate import generate
 
     opts = _run_options(args, args.adapter)
-    emit(run(args.model, Path(args.input), Path(args.out), opts, _row_options(args)), args.json)
+    emit(
+        generate(args.model, Path(args.input), Path(args.out), opts, _row_options(args)), args.json
+    )
     return 0
 
 

@@ -118,8 +118,8 @@ def _build(args) -> int:
 
 def cmd_resume(args) -> int:
     from spill.cli.resume import resume_state
-    from spill.jobs.states import is_state
     from spill.project.build import BuildOptions, build
+    from spill.project.status import is_state
 
     _at_uri(args)
     if args.state is None and not args.overrides and is_state(args.dir):
@@ -143,8 +143,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from spill.jobs.states import is_state
-    from spill.project.status import status
+    from spill.project.status import is_state, status
 
     _at_uri(args)
     if args.state is None and is_state(args.dir):  # a job's (or a build's) state location

@@ -1,32 +1,13 @@
 """The destination's side of a move: its claim, ``incoming``, ``activate``, and the claim's
 removal when the move is aborted. The source's side is ``spill.control.transfer``.
 
-* ``check_destination`` (before anything is written anywhere): the destination is empty (but
-  for the lock file a removed claim leaves), or it holds this run under a move to the same
-  place, which continues. A claim nobody will finish (``abandoned``) is removed first; anything
-  else there is ``Taken``, refused in one line before the source changes.
-* ``claim`` (before step 1): the destination's control object and run list are created
-  ``incoming`` under the transfer (step ``claim``), naming the mover as owner with a lease,
-  conditionally like every transition: of two moves to one empty place the second is refused
-  (``Taken``) before its source changes, and so is a move to a place where anyone created a run
-  meanwhile. A claim of the same run from the same source to the same place that the source
-  never stood under (its mover stopped between claim and quiesce) is adopted, its id reused.
-  The quiesce must land within half the claim's lease (``transfer.begin``'s deadline), so that
-  ``abandoned`` may judge a claim that its source does not name by its lease.
-* ``incoming``: the claim confirmed after the take (the mover's generation; a claim lost
-  meanwhile is ``Taken``), and as step 5 once the copy is verified. ``activate``: step 7.
-* ``abandoned``: a claim whose mover no longer holds it (gone, or its lease out) and whose source
-  (read where it can be: a path on this host, or a URI) does not stand under its transfer:
-  aborted, moved on, or never quiesced. A claim whose source cannot be read is never abandoned.
-* ``remove_claim``: only a claim of the given transfer (``incoming``, its id) is removed: the
-  files its manifest lists (``paths``) and the mover's temporary files beside them, then its
-  control object and manifest, then its run list; never a file of another run. The lock file
-  ``runs/control.lock`` stays (another process may have it open), and emptied folders go. On
-  an object store this is the one place a control object is deleted, not replaced: a claim
-  never activated, which only a mover of its transfer writes, and no such mover can make it
-  count again (the source's new generation fences it, or the quiesce's deadline has passed;
-  ``incoming`` and ``activate`` need the claim). A mover stopped past its lease may still drop
-  files there when it wakes: litter, never an acquirable run.
+``check_destination`` runs before anything is written: the destination is empty, or holds this
+run under a move to the same place; a claim nobody will finish (``abandoned``) is removed
+first, and anything else is ``Taken``. ``claim`` creates the destination's control object
+``incoming`` before the source is quiesced, so of two moves to one place the second loses
+before its source changes. ``incoming`` confirms it (after the take, and as step 5);
+``activate`` is step 7. ``remove_claim`` removes only the given transfer's claim, never a file
+of another run. The protocol and its reasons: docs/move.md.
 """
 
 from __future__ import annotations
@@ -38,7 +19,7 @@ from typing import Any
 
 from spill.control.keys import CURRENT, LOCK, RUNS, current, read_control, read_runs, run_list
 from spill.control.owner import home_of, host, me
-from spill.control.runs import _holder
+from spill.control.ownership import _holder
 from spill.control.transfer import _read, _record, _write, pending
 from spill.errors import StoreError
 from spill.store import drill
@@ -77,7 +58,7 @@ def _source(home: str) -> str | None:
 
 
 def abandoned(doc: dict[str, Any]) -> bool:
-    """Whether the destination's claim ``doc`` is one nobody will finish (module doc)."""
+    """Whether the destination's claim ``doc`` is one nobody will finish (docs/move.md)."""
     if doc["status"] != "incoming" or _holder(doc, "", time.time()):
         return False
     t = doc.get("transfer") or {}
@@ -150,7 +131,7 @@ def claim(
     nonce: str,
 ) -> tuple[str, float]:
     """Claim the destination for run ``src`` (the source's control document) under transfer
-    ``tid`` (module doc): (the transfer id the claim stands under, when its lease ends)."""
+    ``tid``: (the transfer id the claim stands under, when its lease ends)."""
     rid, src_tid = src["run"], (src.get("transfer") or {}).get("id")
     for _ in range(ATTEMPTS):
         with dst.exclusive():
@@ -260,7 +241,7 @@ def _claimed_paths(dst: Store, rid: str, tid: str) -> list[str]:
 
 
 def remove_claim(dst: Store, root: str, rid: str, tid: str) -> bool:
-    """Remove transfer ``tid``'s claim of run ``rid`` at ``root`` (module doc); False when
+    """Remove transfer ``tid``'s claim of run ``rid`` at ``root``; False when
     there is none (removed already, or never made) or it is not that transfer's."""
     with dst.exclusive():
         runs, _ = read_runs(dst)

@@ -1,28 +1,14 @@
 """One writer per run: control objects, leases and fencing.
 
-A state location (a build's ``.spill/``, a job's ``--state``) holds its runs under ``runs/``::
-
-    runs/current.json        which run is current, and the runs before it (schema ``runs``)
-    runs/control.lock        local locations only: the flock every transition holds
-    runs/<id>/control.json   the run's authority (schema ``control``)
-
-A control object names the owner, the generation, the lease, the status (``active``,
-``quiescing``, ``transferred``, ``incoming``, ``complete``, ``copy``), the current payloads
-(``Place``), the lineage and a move's ``transfer`` (``spill.control.transfer``). It changes only by *transitions* (``spill.store.cas``): read the newest document,
-check the change (owner, generation, status), write the next one conditionally; a lost or
-uncertain write reads again, and finds either its own transition there or someone else's.
-
-``acquire`` makes this process the owner at the next generation when the run is free: no owner,
-an owner that released it, a lease that expired, or (same host, same boot) an owner process that
-is gone, so a SIGKILLed local job is taken over at once. Otherwise it raises ``Busy`` (exit 75,
-the owner named) or, with ``wait``, polls until the run is free. The owner's heartbeat renews
-the lease at a third of its length and, between renewals, reads the control object every
-``WATCH`` seconds, so that a move's quiesce stops the owner soon (``on_quiesce``). Every
-publication (``Place.publish``) is a fenced transition: a process whose generation is no longer
-the run's fails with ``Superseded`` and what it wrote is never pointed at.
-
-Crash points for kill drills (``spill.store.drill``), each right after the transition's write:
-``control-acquire``, ``control-renew``, ``control-publish``, ``control-complete``.
+A state location holds its runs under ``runs/``: ``current.json`` (which run is current, schema
+``runs``), ``control.lock`` (local locations only: the flock every transition holds) and
+``<id>/control.json`` (the run's authority, schema ``control``). A control object changes only
+by conditional transitions (``spill.store.cas``). ``spill.control.ownership.acquire`` makes this
+process the owner at the next generation when the run is free, else raises ``Busy`` (exit 75)
+or waits. The ``Ownership`` it returns renews its lease on a heartbeat, reads the control object
+every ``WATCH`` seconds so that a move's quiesce stops it soon, and publishes through fenced
+transitions: a writer whose generation is no longer the run's gets ``Superseded``, and what it
+wrote is never pointed at. The protocol: docs/authority.md.
 """
 
 from __future__ import annotations
@@ -68,7 +54,7 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-class Run:
+class Ownership:
     """This process's ownership of a run: transitions, heartbeat, and its places."""
 
     def __init__(self, store: Store, doc: dict[str, Any], lease: float):

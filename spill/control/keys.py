@@ -79,10 +79,8 @@ def run_ids(store: Store) -> list[str]:
 
 
 def current(state: str) -> dict[str, Any] | None:
-    """The current run's control object at ``state`` (validated), or None when it has none.
-
-    A reader's view: no lock is taken (every write is an atomic replace) and nothing is written
-    (``spill.control.runlist.current``)."""
+    """The current run's control object at ``state`` (validated), or None; a reader's view: no
+    lock taken, nothing written (``spill.control.runlist.current``)."""
     from spill.control.runlist import current as view
 
     return view(state)

@@ -1,17 +1,11 @@
 """A job's view of its run: its folder under the state location, its pointers, its payloads.
 
 Payloads are folders written once, ``<job>/payloads/<kind>-g<generation>-s<seq>-<attempt>/``,
-so two writers never write one name (the attempt is one above any taken, and a new run's
-generation is above every one in use: ``spill.control.runlist``); a payload is current only
-while a pointer of the control object names it. A ``Place`` with a run (``Run.place``)
-allocates payloads and publishes; one without (``Place(state, prefix)``) reads the current
-control object only.
-
-Nothing removes a payload that any control object at the location points at: ``collect`` and
-``clear`` spare what the other runs' control objects name (a completed parent's checkpoints, an
-older run's), besides what the caller keeps. The pointers of runs that never change again
-(complete, transferred, copy) are read once per process, so a save on an object store lists
-``runs/`` and reads only the control objects that may still change.
+current only while a pointer of the control object names it. A ``Place`` with a run
+(``Ownership.place``) allocates payloads and publishes; one without (``Place(state, prefix)``)
+only reads. ``collect`` and ``clear`` never remove a payload any control object at the location
+points at. The pointers of runs that never change again (complete, transferred, copy) are read
+once per process, so a save on an object store reads only the control objects that may change.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from spill.store.fs import join, listdir, remove
 from spill.store.location import location
 
 if TYPE_CHECKING:
-    from spill.control.control import Run
+    from spill.control.control import Ownership
 
 PAYLOADS = "payloads"
 STAGES = "stages"  # a build's job places, stages/<stage>/, each with payloads of its own
@@ -44,7 +38,7 @@ class Place:
     With a ``run`` it can allocate payloads and publish; without one it only reads the current
     control object (status, probes)."""
 
-    def __init__(self, state: str, prefix: str = "", run: Run | None = None):
+    def __init__(self, state: str, prefix: str = "", run: Ownership | None = None):
         self.state, self.prefix, self.run = location(state), prefix.strip("/"), run
         self._doc: dict[str, Any] | None = None
 

@@ -1,32 +1,13 @@
 """A state location's runs as a whole: the run list rebuilt from the control objects when
 ``runs/current.json`` is missing, and the generation a new run takes.
 
-``runs/current.json`` says which run is current and which came before; each run's control
-object is the authority. When the list is gone (deleted by hand, left out of a copy) but
-control objects are there, the list is rebuilt from them, never started afresh (a fresh run at
-generation 1 would rewrite the old run's payloads under their own names):
-
-* the runs are ordered by lineage (a parent before the runs made from it), then by ``created``
-  and id;
-* an *open* run (``active``, ``quiescing``, ``incoming``: one that can still change) is
-  current. An open run that was created and never used (its only transition its create: the
-  loser of two first builds racing on an object store, a fork killed before it was listed)
-  wrote nothing of its own and gives way to any other run;
-* with no open run that was used, the newest finished run (complete, transferred, copy) that no
-  finished run names as its parent is current (a completed run: the next build forks from it);
-* otherwise (two used open runs, two never used and nothing else, or two newest finished runs
-  created in the same second) which one is current cannot be told safely: ``UnclearRuns`` says
-  so in one line, naming them, and nothing is written.
-
-Readers (``current``: ``spill status``, probes, a build's plan) see the rebuilt list and write
-nothing; a writer (``restore``, from ``spill.control.runs`` under the location's lock) creates
-it with a conditional create (If-None-Match on an object store: of two rebuilders one wins,
-the other reads what it wrote) and logs one line. Crash point: ``control-rebuild``, right after
-that create.
-
-``next_generation``: a new run's generation is one above every generation a control object
-here has had and every generation in a payload folder's name, so no payload name is reused
-even where control objects were deleted and their payloads stayed.
+Each run's control object is the authority; the list only says which run is current. ``view``
+and ``current`` (readers: ``spill status``, probes, a build's plan) see the rebuilt list and
+write nothing; ``restore`` (a writer, under the location's lock) creates it conditionally, so of
+two rebuilders one wins, and raises ``UnclearRuns`` where which run is current cannot be told
+safely. ``next_generation`` is one above every generation a control object or payload name
+here has had, so no payload name is reused. The rules ``decide`` follows: docs/authority.md,
+"A lost run list, and what is never removed".
 """
 
 from __future__ import annotations
@@ -88,7 +69,7 @@ def _said(doc: dict[str, Any]) -> str:
 
 
 def decide(store: Store, docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The run list that ``docs`` (every control object at ``store``) imply; see the module doc."""
+    """The run list that ``docs`` (every control object at ``store``) imply (docs/authority.md)."""
     order = _ordered(docs)
     where, runs = store.uri(CURRENT), join(store.state, RUNS)
     live = [d for d in order if d["status"] not in FROZEN]

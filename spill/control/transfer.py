@@ -1,36 +1,14 @@
-"""The control transitions of a move at its source: a run handed from one state location to
-another. The destination's side (its claim, ``incoming``, ``activate``) is
-``spill.control.arrival``.
+"""The control transitions of a move at its source; the destination's side (its claim,
+``incoming``, ``activate``) is ``spill.control.arrival``.
 
-A move is seven steps, each a conditional transition of a control object (``spill.store.cas``)
-recorded in its ``transfer`` field (id, from, to, step, times), so that running the move again
-after an interruption anywhere continues it. Before step 1 the destination is claimed
-(``arrival.claim``, under the transfer id the quiesce then records), so that a move that would
-lose its destination to another loses before its source changes:
-
-1. ``quiesce``  the source's status becomes ``quiescing`` (a live writer notices within
-                ``control.WATCH`` seconds, or at its next transition, and stops at a
-                committed boundary, exit 75);
-2. ``take``     the mover owns the source run at the next generation (still ``quiescing``);
-3. ``copy``     the snapshot is copied (``spill.project.move``), recorded as done;
-4. ``verify``   the destination was read back and every checksum matched;
-5. ``incoming`` the destination's control object is created as ``incoming``;
-6. ``fence``    the source becomes ``transferred``, naming the destination (from now on it only
-                says ``moved to <uri> at <time>; continue there``);
-7. ``activate`` the destination becomes ``active`` and released: any machine may acquire it.
-
-Nobody but a mover of the same transfer acquires a ``quiescing`` (with a transfer) or
-``incoming`` run (``runs.refuse_moving``), and the source is fenced before the destination is
-activated, so at no moment may two places be acquired. Crash points for kill drills
-(``spill.store.drill``), each right after its step's write: ``move-<step>``, ``move-abort``.
-
-``abort`` (``spill move --abort``) calls off a move that has not reached ``fence``: once nobody
-holds the source (its mover stopped or died, its writer stopped), the source returns to the
-status it had before the quiesce (``transfer.before``, recorded then; ``active`` for a control
-object written before that field existed), released, at the next generation, so that a stale
-mover's next transition fails (fencing); ``transfer.aborted`` records when. After ``fence`` the
-destination may be active already, so an abort is refused. A run whose move was aborted is an
-ordinary run again: built, resumed, or moved anywhere (a new transfer).
+Each of a move's seven steps is a conditional transition of a control object
+(``spill.store.cas``) recorded in its ``transfer`` field, so a rerun continues where the move
+stopped: ``begin`` (quiesce), ``take``, ``step`` (copy, verify, incoming), ``fence``; the
+destination's ``activate`` is the seventh. The invariant: the source is fenced before the
+destination is activated, and nobody but a mover of the same transfer acquires a ``quiescing``
+or ``incoming`` run (``ownership.refuse_moving``), so two places are never both acquirable.
+``abort`` returns a source that has not reached ``fence`` to its status before the quiesce, at
+the next generation. The steps, the abort and the drill points: docs/move.md.
 """
 
 from __future__ import annotations
@@ -41,11 +19,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spill.control.control import Run, _iso
+from spill.control.control import Ownership, _iso
 from spill.control.keys import CONTROL, CURRENT, read_control
 from spill.control.owner import home_of, lease_seconds, me
+from spill.control.ownership import CopiedRun, _busy, _holder
 from spill.control.runlist import restore
-from spill.control.runs import CopiedRun, _busy, _holder
 from spill.errors import StoreError, UsageError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
@@ -162,7 +140,7 @@ def begin(
     raise StoreError(f"{src.state}: could not start the move; try again")
 
 
-def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Run:
+def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Ownership:
     """Step 2: own the quiescing source run as the mover, at the next generation, once its
     writer stopped (released, gone, or its lease ran out)."""
     lease = lease_seconds(lease)
@@ -188,7 +166,7 @@ def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Run
                 except (Conflict, Uncertain):
                     tries += 1
                     continue
-                run = Run(src, new, lease)
+                run = Ownership(src, new, lease)
                 run._tag = tag
                 break
         time.sleep(min(poll, 0.02 * 2**tries))  # the writer is finishing its step
@@ -197,7 +175,9 @@ def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Run
     return run
 
 
-def step(run: Run, name: str, *, done: Callable[[dict[str, Any]], None] | None = None) -> None:
+def step(
+    run: Ownership, name: str, *, done: Callable[[dict[str, Any]], None] | None = None
+) -> None:
     """Record that step ``name`` is done, fenced by the mover's generation."""
 
     def change(d: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +190,7 @@ def step(run: Run, name: str, *, done: Callable[[dict[str, Any]], None] | None =
     drill.at(f"move-{name}")
 
 
-def fence(run: Run) -> None:
+def fence(run: Ownership) -> None:
     """Step 6: the source is ``transferred`` (read-only, pointing at the destination)."""
     run.stop_heartbeat()
 
@@ -223,9 +203,9 @@ def fence(run: Run) -> None:
 
 
 def abort(src: Store, *, wait: bool = False, poll: float = 0.5) -> dict[str, Any]:
-    """``spill move --abort``: return the source of a move that has not reached ``fence`` (see
-    the module doc); the control document after it. A move aborted already is returned as it
-    is (a rerun of an abort that was interrupted cleans the destination it left)."""
+    """``spill move --abort``: return the source of a move that has not reached ``fence``; the
+    control document after it. A move aborted already is returned as it is (a rerun of an
+    abort that was interrupted cleans the destination it left)."""
     tries = 0
     while True:
         with src.exclusive():

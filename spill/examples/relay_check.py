@@ -1,24 +1,14 @@
 """The relay's checks: a build handed from one place to another, judged against an uninterrupted
 reference build of the same project and the measured noise floor.
 
-What is checked, each one row of the final table:
-
-* both builds complete (every stage done or skipped; the relay's run ``complete``);
-* each eval stage's accuracy within the measured tolerance of the reference's (the tolerance of
-  the project in ``noise-floor.json``: the spread of six honest builds plus one row, measured by
-  ``bench/noise_floor.py``; a project without a measured tolerance fails);
-* the tuned model beats the base model;
-* no step or row missing or repeated, read from the committed state, not from logs: the tune
-  checkpoint's producer ranges cover ``0..steps`` end to end without a gap or an overlap and it
-  holds one loss per step; each row stage's committed segments hold every held-out row id once;
-* the relay's run arrived at its place by a finished ``spill move`` from another place;
-* each stage's recorded producers (engine, machine, OS) match the leg that ran it: ``eval:base``
-  and the steps before the stop on leg ``a``, the steps after it and ``eval`` on leg ``b``. What
-  each leg is comes from ``legs.json``, written on its machine at the time (``record_leg``).
-  When both legs are one producer (one engine on one machine: no MLX here), a checkpoint keeps
-  their steps as one range, and that range must be theirs.
-
-Everything here reads state; nothing loads a model or imports an engine.
+Each check is one row of the final table: both builds complete; each eval stage's accuracy
+within the project's tolerance in ``noise-floor.json`` (six honest builds' spread plus one row,
+``bench/noise_floor.py``; no tolerance, no pass); tuned beats base; no step or row missing or
+repeated, read from the committed state (the checkpoint's producer ranges cover ``0..steps``
+with one loss per step, each row stage holds every held-out id once); the run arrived by a
+finished ``spill move``; and each stage's recorded producers match the leg that ran it, as
+``legs.json`` (``record_leg``) wrote it on that leg's machine. One producer on both legs leaves
+one checkpoint range, which must be theirs. Everything here reads state; nothing loads a model.
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ from typing import Any
 from spill.errors import UsageError
 from spill.jobs.producer import os_name
 from spill.paths import STATE_DIR
-from spill.project import state
+from spill.project import record
 from spill.project.stages import EVAL, EVAL_BASE, TUNE, RowStage
 from spill.store.fs import exists, get_bytes, join
 
@@ -155,7 +145,7 @@ def check(
     ``reference``: the reference build's ``spill status --json``; ``legs``: what ran legs ``a``
     and ``b``; ``floor``: the noise-floor JSON; ``stop``: the step leg ``a`` stopped at."""
     where = join(relay_root, STATE_DIR)
-    doc = state.read(where) if exists(where) else None
+    doc = record.read(where) if exists(where) else None
     ref, got = reference.get("stages") or {}, (doc or {}).get("stages") or {}
     from spill.project.status import run_view
 

@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from spill.control.control import Run, RunComplete, Superseded
+from spill.control.control import Ownership, RunComplete, Superseded
 from spill.control.place import Place
 from spill.store.location import location
 
@@ -44,8 +44,8 @@ class Held:
     """A job's place in its run, and whether the job owns the run (and so completes it)."""
 
     place: Place
-    run: Run | None = None
-    reopen: Callable[[], Run] | None = None  # a completed run: start the next one
+    run: Ownership | None = None
+    reopen: Callable[[], Ownership] | None = None  # a completed run: start the next one
 
     @property
     def read_only(self) -> bool:
@@ -139,11 +139,11 @@ def own(
     wait: bool = False,
     new_run: bool = False,
     command: Sequence[str] = (),
-) -> Iterator[Run]:
+) -> Iterator[Ownership]:
     """This process's ownership of the run at ``state`` (a build's, or a job's), heartbeat
     included, released however the block ends; ``new_run``: after a completed run, start the
     next one (its lineage names the completed one); ``command``: the command line to record."""
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
 
     run = acquire(state, lease=lease, wait=wait, new_run=new_run)
     if command:
@@ -166,7 +166,7 @@ def hold(state: str, writer: Writer) -> Iterator[Held]:
     lease, wait, command = writer.lease, writer.wait, writer.command
     with contextlib.ExitStack() as stack:
 
-        def take(new_run: bool) -> Run:
+        def take(new_run: bool) -> Ownership:
             return stack.enter_context(
                 own(state, lease=lease, wait=wait, new_run=new_run, command=command)
             )

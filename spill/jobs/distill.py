@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spill.console import note
+from spill.jobs.generate import GenerateOptions, check_options, generator
 from spill.jobs.inputs import PromptRow, read_prompt_rows
 from spill.jobs.rows_job import (
     RowJob,
@@ -25,7 +26,6 @@ from spill.jobs.rows_job import (
     refuse_overlap,
     write_jsonl,
 )
-from spill.jobs.run import RunOptions, check_options, generator
 
 
 def training_row(row: PromptRow, answer: str, chat: bool) -> dict:
@@ -38,7 +38,7 @@ def training_row(row: PromptRow, answer: str, chat: bool) -> dict:
 
 
 def distill(
-    teacher: str, input_path: Path, out_path: Path, opts: RunOptions, job: RowOptions
+    teacher: str, input_path: Path, out_path: Path, opts: GenerateOptions, job: RowOptions
 ) -> dict:
     check_options(opts, job)
     input_path, out_path = Path(input_path), Path(out_path)

@@ -25,6 +25,7 @@ from spill.console import note
 from spill.engines.base import GenerateParams
 from spill.errors import DataError
 from spill.jobs.adapter_files import Adapter, apply_adapter, load_adapter
+from spill.jobs.generate import encode_rows
 from spill.jobs.inputs import PromptRow, read_jsonl, read_prompt_rows
 from spill.jobs.loading import LoadedModel
 from spill.jobs.rows_job import (
@@ -36,7 +37,6 @@ from spill.jobs.rows_job import (
     refuse_overlap,
     write_jsonl,
 )
-from spill.jobs.run import encode_rows
 
 ANSWER_MARGIN = 16  # extra tokens past the longest answer, so a model that keeps going is wrong
 

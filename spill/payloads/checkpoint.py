@@ -2,23 +2,12 @@
 ``params.safetensors``, ``opt.safetensors``, ``state.json`` (schema ``checkpoint-state``) and,
 written last, ``COMMIT`` (schema ``commit``: size and sha256 of the three).
 
-A folder counts only while the run's control object points at it (pointer ``ckpt``, the
-``keep`` newest: ``spill.control.place``) and its files match its COMMIT; recovery follows the
-pointer, never "the highest step folder", and a reader skips a pointed folder that fails
-verification with one warning and takes the next. A save writes a new folder, publishes it by
-the run's fenced transition, then removes, on a thread of its own, the folders no pointer names
-(never a later generation's, nor one another run's control object names); the next save,
-``settle`` and the end of the process wait for that removal.
-
-Tensors are float32, laid out as ``safetensors.numpy.save`` lays them out
-(``spill.store.safetensors_io.encode``), so equal inputs give equal bytes and an equal COMMIT;
-optimizer tensors are ``m::<name>`` and ``v::<name>``. A save writes the arrays' own memory,
-hashing as it goes (``bench/checkpoint.py``, docs/reports/012-speed.md); it hashes each existing
-folder at most once per process, readers always hash what they return, and
-``latest_checkpoint`` keeps the verified bytes for the ``load_checkpoint`` that follows.
-
-Crash points (``spill.store.drill``): ``ckpt-between-files``, ``ckpt-before-commit``,
-``ckpt-after-commit`` (published, older folders not yet removed).
+Tensors are float32 in ``safetensors.numpy.save``'s layout (``safetensors_io.encode``), so equal
+inputs give equal bytes; optimizer tensors are ``m::<name>`` and ``v::<name>``.
+``save_checkpoint`` writes a new folder and publishes it on the run's ``ckpt`` pointer;
+``latest_checkpoint`` follows the pointer (never "the highest step folder") and skips a folder
+that fails verification; ``load_checkpoint`` reads it; ``settle`` waits for the removal of old
+folders. Recovery and removal: docs/design.md, "Payloads".
 """
 
 from __future__ import annotations

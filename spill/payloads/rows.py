@@ -1,24 +1,13 @@
 """Row-job results as committed segments: payload folders
 ``<job>/payloads/rows-g<gen>-s<n>-<attempt>/`` with ``rows.jsonl`` and, written second,
-``COMMIT``.
+``COMMIT`` (schema ``segment-commit``).
 
-A row job (run, distill, eval) hands each finished row to a ``SegmentWriter``, which pushes the
-buffered rows every 25 rows or 60 seconds (checked whenever a row is added, or on ``tick()``)
-and on ``flush()``/``close()``. A push writes the JSONL first and the commit marker (schema
-``segment-commit``: row ids, count, size, sha256, producer) second, then adds the folder to the
-run's ``rows`` pointer by a fenced transition (``spill.control.place``): a segment counts only when
-the pointer names it and both files agree. ``restore`` returns the rows of the pointed segments
-in order, so a job that continues runs only the rows left: a row is never lost (it is either
-committed or redone) nor repeated (a committed id is refused, and restore keeps the first of any
-duplicate).
-
-``rows/identity.json`` (schema ``row-identity``) pins the model (id + fingerprint) and the input
-(sha256); continuing with any other value is refused in one line naming the difference.
-
-Pointed segments that fail verification are ignored with a logged line and dropped from the
-pointer by the writer's first push, which also removes folders no pointer names (never one of a
-later generation, nor one another run's control object points at). Crash point for kill drills:
-``seg-before-commit``.
+A row job hands each finished row to a ``SegmentWriter``, which pushes every 25 rows or 60
+seconds and on ``flush()``/``close()``, adding each segment to the run's ``rows`` pointer by a
+fenced transition. ``restore`` returns the rows of the pointed, verified segments in order, so a
+continued job runs only the rows left: none lost, none repeated. ``pin_identity`` pins the model
+and input in ``rows/identity.json`` (schema ``row-identity``). What a push writes, and what it
+removes: docs/design.md, "Payloads".
 """
 
 from __future__ import annotations

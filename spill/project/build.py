@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from spill.errors import StoreError
 from spill.jobs.authority import Writer
 from spill.paths import STATE_DIR
-from spill.project import state, uptodate
+from spill.project import record, uptodate
 from spill.project.stages import STAGES, get
 from spill.store.fs import listdir
 from spill.store.location import location
@@ -59,7 +59,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
 
         compose(root)  # raises the one-line "no spill.yaml here" error
     state_root = location(opts.writer.state or str(root / STATE_DIR))
-    doc = state.read(state_root)
+    doc = record.read(state_root)
     if opts.resume:
         if doc is None:
             raise StoreError(
@@ -97,7 +97,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         project = config.from_record(doc["config"], root, overrides)
     else:
         project = config.compose(root, overrides)
-    return run(
+    return reconcile(
         project,
         state_root,
         key,
@@ -162,7 +162,7 @@ def prepare(project):
     )
 
 
-def run(
+def reconcile(
     project,
     state_root: str,
     key: str,
@@ -195,10 +195,10 @@ def run(
     with contextlib.ExitStack() as stack:
         ctx.run = _own(stack, ctx, specs, stop, owner)
         if ctx.run is None:  # a completed run that already says all this: nothing to write
-            doc = state.read(state_root)
+            doc = record.read(state_root)
             decisions = _plan(project, specs, state_root, doc, stop)
             return {**summary, "plan": [d.to_dict() for d in decisions], "doc": doc}
-        now_doc = state.read(state_root)  # as the run holds it now that it is ours
+        now_doc = record.read(state_root)  # as the run holds it now that it is ours
         if now_doc != doc:
             check_location(project, now_doc, state_root)
             doc, decisions = now_doc, _plan(project, specs, state_root, now_doc, stop)
@@ -233,7 +233,7 @@ def _own(stack, ctx, specs, stop, owner: Owner):
     try:
         return stack.enter_context(own(ctx.root, **how))
     except RunComplete:
-        doc = state.read(ctx.root)
+        doc = record.read(ctx.root)
         decisions = _plan(ctx.project, specs, ctx.root, doc, stop)
         if not _changes(ctx, doc, decisions):
             return None
@@ -263,7 +263,7 @@ def _plan(project, specs, state_root: str, doc: dict | None, stop) -> list:
     from spill.project.plan import plan
     from spill.project.specs import check_model_name
 
-    decisions = plan(specs, state.recorded(state_root, doc), stop)
+    decisions = plan(specs, record.recorded(state_root, doc), stop)
     for d in decisions:  # a name that can name nothing fails now, not when its stage starts
         stage = get(d.stage)
         if d.action not in ("done", "skip") and (name := stage.model(project)) is not None:
@@ -280,7 +280,7 @@ def _execute(ctx, doc, decisions, specs):
             # nothing to run, but what the build was made from changed (a comment, a value that
             # decides nothing): record it, so that the next build takes the fast path
             doc.update(_record(ctx), updated=now(), plan=[d.to_dict() for d in decisions])
-            state.write(ctx.run, doc)
+            record.write(ctx.run, doc)
         return doc
     executor = Executor(ctx, doc, specs)
     executor.execute(decisions)

@@ -7,23 +7,9 @@ Layout (every name ``/``-separated, relative)::
     state/<path>                   with --with-state: the run's files, relative to its state
     models/<folder>/<file>         model files, ``<folder>`` relative to SPILL_HOME/models
 
-The manifest comes first so that a truncated bundle still says which files it should hold (the
-cut one is named), and so that ``--verify`` and ``--install`` check it before reading any data.
-That costs the writer a hashing pass before it writes; model files whose stat key matches the
-one their cache record last verified are not hashed again (``spill.models.integrity``'s rule).
-
-Entries are written here, not by ``tarfile`` (headers from ``TarInfo.tobuf``, data copied by the
-kernel where it can), and never extracted by ``tarfile``: the reader takes only the member list
-from it and writes regular files to paths it computed and checked itself.
-
-Speed (docs/reports/007-bundle.md): both sides copy with ``copy_file_range`` in 4 MB pieces and
-start each piece's writeback at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through libc:
-Python has no wrapper), so the disk writes while the next piece copies and the final fsync finds
-little left to do. ``Hasher.copy_into`` (install) hashes the bytes *written*, read back from the
-new file on a second thread while the kernel copies the next piece (hashlib and pread let go of
-the GIL): install costs about max(sha256, copy) rather than their sum, and what is verified is
-exactly what was installed. Where the kernel cannot copy (another file system on an old kernel),
-``Hasher.copy`` reads into a buffer, writes it and hashes that buffer.
+Entries are written here, not by ``tarfile``, and never extracted by it: the reader takes only
+the member list and writes regular files to paths it checked itself. Why the manifest comes
+first, and how the copy and hash overlap: docs/bundle.md.
 """
 
 from __future__ import annotations

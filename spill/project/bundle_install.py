@@ -1,22 +1,12 @@
 """``spill bundle --install PATH DIR``: a checked bundle into a project folder and the model cache.
 
-Nothing is written until ``open_bundle`` accepted the bundle's structure and every file is
-whole (``spill.project.bundle_read``) and ``DIR`` passed its checks: a new or empty folder
-outside ``SPILL_HOME`` and outside every run's state (``--force`` replaces only a folder that a
-previous install made, whose run nobody holds). Where each model goes is decided next
-(``spill.project.bundle_models``: a cache folder of its own name only on proof that these are
-its bytes). Then every entry is copied by the kernel and the bytes written are hashed as they
-land (``bundle_format.Hasher.copy_into``) into two temporary folders, ``.<DIR name>.install-
-<random>`` beside ``DIR`` (the project, its state under ``.spill/``) and
-``SPILL_HOME/models/.bundle-install-<random>`` (new model folders); model files that are not
-written (kept or made from their source) are hashed all the same, so a damaged bundle is
-refused, named, whatever the cache holds. Only when every hash matched are the new model folders
-renamed into the cache and the project folder renamed to ``DIR``, so ``DIR`` is either as it was
-or whole. The project gets its install record (``spill.project.installed``).
-
-A bundled run installs as a copy (``spill.control.runs.as_copy``): its control object and run
-list are written beside its files, so ``spill build DIR`` refuses to continue it and ``spill
-build DIR --new-run`` forks it.
+Nothing is written until ``open_bundle`` accepted the bundle (``spill.project.bundle_read``) and
+``DIR`` passed its checks; ``bundle_models`` then decides where each model goes. Every entry is
+copied and hashed as it lands (``bundle_format.Hasher.copy_into``) into two temporary folders,
+``.<DIR name>.install-<random>`` beside ``DIR`` and ``SPILL_HOME/models/.bundle-install-<random>``;
+files not written are hashed all the same. Only when every hash matched are they renamed into
+place, so ``DIR`` is either as it was or whole. A bundled run installs as a copy
+(``ownership.as_copy``). What a user sees: docs/bundle.md.
 """
 
 from __future__ import annotations
@@ -94,7 +84,7 @@ def _check_lengths(b: Bundle, dest: Path) -> None:
 def _refuse_live(dest: Path) -> None:
     """A previous install whose run a live process owns is not replaced under it."""
     from spill.control.keys import current
-    from spill.control.runs import _busy, is_held
+    from spill.control.ownership import _busy, is_held
 
     state = str(dest / STATE_DIR)
     try:
@@ -186,7 +176,7 @@ def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
 
 
 def _install_run(b: Bundle, dest: Path, dest_tmp: Path) -> None:
-    from spill.control.runs import as_copy
+    from spill.control.ownership import as_copy
 
     run = b.manifest["run"]
     control, runs = as_copy(run["control"], str(dest / STATE_DIR))

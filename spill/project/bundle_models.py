@@ -1,22 +1,13 @@
 """Where a bundle's models go in the model cache, decided before anything is written.
 
-The cache is shared by every project on the machine and a bundle is untrusted, so a bundled
-model takes the folder its name resolves to here (``provenance.home``) only on proof:
-
-* ``keep``: that folder already holds exactly these files (by its own records, which a job's
-  start checks, or hashed now): nothing is written;
-* ``genuine``: that folder does not exist and the name's own source (a tiny model's seed, the
-  GGUF installed here) gives exactly these files: the folder made from the source is renamed
-  into place, and the bundle's copy is only verified;
-* ``verified``: that folder does not exist, it is a hub snapshot, and the hub reports exactly
-  these files for its commit: the bundle's files are written there;
-* ``own``: anything else (bytes unlike the source's, a source that cannot be asked here, a
-  folder already there with other files): the files go to ``bundled/<key>`` (the sha256 of
-  their names and hashes), which no model name resolves to; the installed project's record
-  (``spill.project.installed``) points the name there for that project alone.
-
-No file is ever added to or replaced in an existing folder: a new folder appears whole, by one
-rename, with its cache record inside.
+A bundled model takes the folder its name resolves to (``provenance.home``) only on proof that
+these are its bytes: ``keep`` (the folder already holds exactly these files), ``genuine`` (no
+folder yet, and the name's own source, a tiny seed or the GGUF installed here, gives exactly
+these files), ``verified`` (no folder yet, a hub snapshot, and the hub reports these files for
+its commit); anything else is ``own``: ``bundled/<key>``, which only the installed project's
+record (``spill.project.installed``) points at. No file is ever added to or replaced in an
+existing folder; a new folder appears whole, by one rename. docs/bundle.md, "Models are
+untrusted too".
 """
 
 from __future__ import annotations

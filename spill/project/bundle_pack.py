@@ -1,21 +1,13 @@
 """Writing a bundle: what goes in (project files, the run's files, model files) and the file.
 
-* project: ``snapshot.project_files`` (everything but hidden entries and the state folder);
-* state (``--with-state``): ``snapshot.state_files`` of the current run, without
-  ``command.json`` (it names this machine's working folder); refused while a live owner holds
-  the run (exit 75, or ``--wait``), and refused at the end if its control object changed
-  meanwhile. The control object travels in the manifest with its ``home`` reduced to
-  ``a bundle from <host>``, so no path of this machine is in the bundle;
-* models: each model a stage loads, resolved as a build resolves it (``resolve_model``: a tiny
-  model is generated, the packaged GGUF imported, on first use), checked against its cache
-  record (``integrity.check``) and pinned. Only folders of the model cache can be installed
-  where the same name finds them again, so a model named by a URI or by a folder outside the
-  cache is refused in one line.
-
-Every file is hashed before the file is written (the manifest comes first, see
-``bundle_format``); each file's stat key is taken then and compared after its bytes are copied,
-so a file that changes while bundling is refused, never recorded with a stale hash. The bundle
-is written to a temporary name beside ``PATH`` and renamed at the end.
+The project is ``snapshot.project_files``; the state (``--with-state``) is
+``snapshot.state_files`` of the current run without ``command.json``, its control object's
+``home`` reduced to ``a bundle from <host>``; the models are each one a stage loads, resolved as
+a build resolves them and checked against their cache records (a model outside the cache is
+refused). Every file is hashed before the file is written (the manifest comes first), and its
+stat key is compared again after its bytes are copied, so a file that changes while bundling is
+refused rather than recorded with a stale hash. The bundle is written beside ``PATH`` under a
+temporary name and renamed at the end.
 """
 
 from __future__ import annotations
@@ -103,7 +95,7 @@ def project_items(root: Path, state: str) -> list[Item]:
 def run_items(state: str, wait: bool) -> tuple[list[Item], dict[str, Any]]:
     """The run's files and its control object, once no live owner holds it."""
     from spill.control.keys import current
-    from spill.control.runs import _busy, is_held, refuse_moving
+    from spill.control.ownership import _busy, is_held, refuse_moving
 
     doc = current(state)
     if doc is None:
@@ -278,12 +270,11 @@ def project_config(root: Path, state: str):
     """The project as ``compose(root)`` makes it: from the build's record when its compose key
     says nothing composition reads has changed (no Hydra, as a finished build), else composed."""
     from spill.errors import StoreError
-    from spill.project import config
-    from spill.project import state as build_state
+    from spill.project import config, record
     from spill.project.uptodate import compose_key
 
     try:
-        doc = build_state.read(state)
+        doc = record.read(state)
     except StoreError:
         doc = None  # a damaged or foreign state says nothing; composing says it all
     if doc is not None and doc.get("compose_key") == compose_key(root):

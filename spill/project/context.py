@@ -12,7 +12,7 @@ from spill.store.fs import get_bytes, join, put_bytes
 from spill.store.location import location
 
 if TYPE_CHECKING:
-    from spill.control.control import Run
+    from spill.control.control import Ownership
     from spill.project.config import Project
     from spill.project.data import Prepared
     from spill.project.stages.base import Stage
@@ -25,7 +25,9 @@ class BuildContext:
     prepared: Prepared
     data_sha: str  # the data file's sha256 when the build read it
     key: str  # the compose key of the config being built
-    run: Run | None = None  # the build's ownership of its run: every publication goes through it
+    run: Ownership | None = (
+        None  # the build's ownership of its run: every publication goes through it
+    )
     work: Path = field(default_factory=Path)  # the derived input files, local
 
     def output(self, name: str) -> Path:

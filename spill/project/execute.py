@@ -1,27 +1,14 @@
 """The thin executor of a build plan: each working decision becomes one job call.
 
-For a decision that works it clears the stage's state when the plan says fresh, records the
-stage as running, calls the job (``evaluate``, ``distill``, ``tune``) with ``--state
-<state>/stages/<stage>`` and the stop count, and records the result. Stopping and continuing
-are the jobs' own: a tune continues from its newest checkpoint, a row job from its committed
-segments. ``state.json`` is written after what it names (the adapter copy, the graded rows,
-their hashes under ``outputs``), so a reader never sees a result whose files are missing. A
-``restore`` publishes a done stage's outputs again (``spill.project.outputs``); a decision
-that drops an out-of-date record removes its job state and outputs even when the stage waits.
-Clearing a stage never removes a payload another run's control object points at (a completed
-parent's checkpoints and rows stay where its control object says they are).
-
-The stages are the objects of ``spill.project.stages``: the executor asks each one for its
-folder, unit and outputs and has it run its job (``Stage.execute``) with the build's
-``BuildContext``; it branches on no stage name.
-
-Ctrl-C or SIGTERM anywhere behaves like preemption (``spill.jobs.preempt``, one mechanism for
-the process): inside a job the job's ``Guard`` saves and stops; between jobs the build stops at
-once (its own writes are ``critical`` sections that finish first). The stage is recorded as
-stopped and the build says so in one ``preempted`` line; the process exits 75.
-
-Derived inputs (the split, teacher answers) are written to a local temporary folder for the
-jobs and published under ``files/``; a remote state location works the same way.
+``Executor.execute`` walks the decisions: for each that works it clears the stage's state when
+the plan says fresh, records the stage as running, has the stage object run its job
+(``Stage.execute``, with ``--state <state>/stages/<stage>`` and the stop count, through the
+build's ``BuildContext``) and records the result; it branches on no stage name. Stopping and
+continuing are the jobs' own. The invariant: ``state.json`` is written after what it names (the
+adapter copy, the graded rows, their hashes), so a reader never sees a result whose files are
+missing; and clearing a stage never removes a payload another run's control object points at.
+A signal between jobs stops the build at once (``preempt.stops_at_once``). docs/projects.md,
+"``spill build``".
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ from spill.jobs.preempt import (
     stop_requested,
     stops_at_once,
 )
-from spill.project import state
+from spill.project import record
 from spill.project.config import Project
 from spill.project.context import BuildContext
 from spill.project.plan import Decision
@@ -74,7 +61,11 @@ class Executor:
         self.run = ctx.run  # this build's ownership of its run: every publication goes through it
         self.data_sha = ctx.data_sha
         self.specs = {s.name: s for s in specs}
-        self.doc = doc or {"schema_version": state.SCHEMA_VERSION, "kind": state.KIND, "stages": {}}
+        self.doc = doc or {
+            "schema_version": record.SCHEMA_VERSION,
+            "kind": record.KIND,
+            "stages": {},
+        }
         self.doc.update(
             project={
                 "name": ctx.project.name,
@@ -92,7 +83,7 @@ class Executor:
     def save(self) -> None:
         self.doc["updated"] = now()
         with critical():
-            state.write(self.run, self.doc)
+            record.write(self.run, self.doc)
 
     def _record(self, name: str, status: str, **fields: Any) -> dict:
         spec, stage = self.specs[name], get(name)
@@ -164,7 +155,7 @@ class Executor:
             rec = self._record(stage, "stopped", **self._probe(stage))
             what = f"{stage} at {rec['unit']} {rec['progress']} of {rec['total']}"
         self.doc["updated"] = now()
-        state.write(self.run, self.doc)
+        record.write(self.run, self.doc)
         raise preempted(why, what, who="build") from None
 
     def _stage(self, d: Decision) -> None:
@@ -234,7 +225,7 @@ class Executor:
                     gone |= {later.name} if gone & set(later.needs) else set()
                 for name in gone:
                     self.doc["stages"].pop(name, None)
-                state.write(self.run, self.doc)
+                record.write(self.run, self.doc)
                 raise StoreError(
                     f"{d.stage}: its outputs cannot be restored ({e}); run spill build again "
                     "to compute them afresh"

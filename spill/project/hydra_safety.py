@@ -1,46 +1,12 @@
 """What a ``hydra:`` tree may do in spill: pick Hydra's own launchers and sweeper and give them
 settings that are data; nothing in it may run code or write files of its choosing.
 
-spill.yaml is data (a bundle brings one from elsewhere), yet Hydra finds code in ``hydra:``: it
-instantiates each ``callbacks`` entry and any ``_target_`` nested in a launcher's settings
-(``builtins.open`` with ``[victim, w]`` truncates a file), hands ``job_logging`` to logging's
-``dictConfig`` (``()`` factories, handler classes, ``ext://`` imports), sets ``job.env_set`` in
-each job's environment, imports a ``pkg://`` search path, and writes where ``output_subdir`` and
-``sweep.subdir`` point. So every composition (built or swept, bundled or not, with the command
-line's overrides) is checked before any of it runs; a refusal is one ``ConfigError`` naming the
-key. The choices:
-
-- ``callbacks``: refused. ``_target_`` (``_args_``, ``_partial_``, ...): only a launcher's or the
-  sweeper's own, naming Hydra's basic, joblib, ray, submitit_local or submitit_slurm launcher or
-  basic sweeper (not ``ray_aws``: it runs setup commands and rsyncs). Outside ``hydra:`` nothing
-  instantiates it, but it is refused by name all the same.
-- A launcher: the fields of its config dataclass and no ``+`` extras (submitit passes
-  ``srun_args`` on), strings on one line (submitit writes them into an sbatch script); submitit's
-  ``setup`` (shell lines) refused, ``additional_parameters`` only sbatch options about resources
-  and scheduling (not ``output``, ``chdir``, ``export``, ``wrap``), ``submitit_folder`` inside
-  the sweep folder; joblib's ``temp_folder`` null, ``backend`` one of its own; Ray's ``init`` and
-  ``remote`` resource and scheduling options only, ``runtime_env`` only ``env_vars``, and
-  ``address`` null, auto or local: the launcher unpickles what the cluster sends back, so the
-  machine names the cluster (``RAY_ADDRESS``), not a file.
-- Environment (``job.env_set``, Ray's ``env_vars``): only the names in ``ENV``. A variable can
-  load code (``LD_PRELOAD``, ``PYTHONPATH``, ``SPILL_MLX_BLAS``, ``AWS_CONFIG_FILE``'s
-  ``credential_process``). ``job.env_copy`` is allowed: it copies the launching shell's values.
-- Logging: no ``()`` factory, no formatter class, no ``ext://``/``cfg://`` but a handler's stream
-  to stdout or stderr, no handler but ``logging.StreamHandler``. Hydra's none, disabled and
-  stdout options pass; a FileHandler (its default job_logging) does not.
-- ``searchpath``: absent, empty or ``[pkg://spill.conf]``, checked in spill.yaml and the
-  overrides before Hydra loads anything (it imports a ``pkg://`` module while loading; any other
-  folder holds config the project does not).
-- ``output_subdir``: null or one folder name. ``sweep.subdir``: ``${hydra.job.num}``, where
-  spill reads job records back. ``sweep.dir``: any (spill sets it; the command line moves it to
-  a shared filesystem). ``run.dir``, ``help``, ``mode``, ``verbose``, ``env``, ``runtime``,
-  ``job.name``/``chdir``: data spill's Hydra calls never run or write with. ``overrides``: only
-  Hydra's record of this command line (each job is composed again with ``overrides.hydra``).
-  A key Hydra's schema lacks (in ``hydra``, ``job``, ``run``, ``sweep``, a launcher, logging) is
-  refused: ``+hydra.sweep.mode`` makes submitit chmod the sweep folder.
-- A sweep: each job's config is checked as its launcher will compose it (a swept group option
-  can write into ``hydra:`` through a package header); ``sweeper.params`` names no hydra key.
-  A build without ``-m`` is checked as its sweep would be (spill's own ``SILENT`` first).
+spill.yaml is data (a bundle brings one from elsewhere), yet Hydra runs code from ``hydra:``
+(callbacks, ``_target_``, logging's ``dictConfig``, ``job.env_set``, a ``pkg://`` search path).
+``check`` (a composed config), ``check_sources`` (spill.yaml and the overrides, before Hydra
+loads anything) and ``check_sweep`` (each job of a sweep) run before any of it does, and refuse
+in one ``HydraRefused`` naming the key. Each rule and its reason: docs/sweeps.md, "What spill
+refuses in ``hydra:``".
 """
 
 from __future__ import annotations
@@ -326,8 +292,9 @@ class _Check:
 
 
 def check(doc: dict, where: str, overrides: Sequence[str] = ()) -> None:
-    """Refuse, in one ``ConfigError`` line naming the key, a composed config (plain data, its
-    ``hydra`` tree included) that can run code or write files; ``overrides``: the command line."""
+    """Refuse, in one ``HydraRefused`` line (a ``ConfigError``) naming the key, a composed
+    config (plain data, its ``hydra`` tree included) that can run code or write files;
+    ``overrides``: the command line."""
     _Check(where, overrides).run(doc)
 
 

@@ -1,32 +1,12 @@
 """``spill move [DIR] URI``: hand a project's run (its state and its files) to another place;
 ``spill move --abort [DIR]``: call off a move that cannot (or should not) finish.
 
-The source is a project folder (its state at ``DIR/.spill`` or ``--state``), a project at a URI,
-or a bare state location (a job's ``--state``). The destination ``URI`` becomes a project
-folder (the project's files, its state at ``URI/.spill``), or for a bare state location a state
-location. The control steps and why two places are never both acquirable are in
-``spill.control.transfer`` (the source) and ``spill.control.arrival`` (the destination); this
-module checks, copies and verifies what the steps name:
-
-* everything about the destination that can be checked is, before the source changes
-  (``spill.project.move_checks``: scheme, resolved overlap, not a file, not inside another
-  run's state, empty or this move's, names, space), and then the destination is claimed
-  (``arrival.claim``): a move that loses its destination to another loses before its source
-  changes;
-* the snapshot is the run as its control object says it is (``snapshot.state_files``: pointed
-  payloads, stage files, adapters; no unpointed payload, no temporary file) plus the project's
-  files, taken while the mover owns the run, so nobody changes it meanwhile; it is copied under
-  a manifest and read back (``spill.project.move_copy``) before the destination's control
-  object is confirmed ``incoming``.
-
-A rerun whose source stands under a move to a destination that now holds another run (or
-another move's claim, or other files) aborts the move itself (``transfer.abort``), in one line.
-``--abort`` returns the source (``transfer.abort``), then removes this transfer's claim and
-partial copy at the destination (``arrival.remove_claim``), never anything else there.
-
-A complete run is read-only: it is copied (checked, claimed and verified the same way) and
-created at the destination as complete, naming the source in its lineage; the source stays as
-it was. The command line (``spill.cli.move``) calls ``move`` or ``abort``.
+``move`` checks the destination (``spill.project.move_checks``), claims it
+(``arrival.claim``), then walks the control steps (``spill.control.transfer``), copying the
+snapshot under a manifest and reading it back (``spill.project.move_copy``) while the mover
+owns the run. ``abort`` returns the source (``transfer.abort``) and removes this transfer's
+claim and partial copy at the destination (``arrival.remove_claim``), never anything else
+there. A complete run is copied, not moved. What a user sees, step by step: docs/move.md.
 """
 
 from __future__ import annotations
@@ -99,7 +79,7 @@ def _gave_back(src_store, why: Exception, name: str) -> StoreError:
 def move(
     src: str, to: str, *, state: str | None = None, wait: bool = False, lease: float | None = None
 ) -> dict[str, Any]:
-    """Move the run of project (or state location) ``src`` to ``to``; see the module doc."""
+    """Move the run of project (or state location) ``src`` to ``to`` (docs/move.md)."""
     from spill.console import note
     from spill.control import arrival, transfer
     from spill.control.keys import current
@@ -180,7 +160,7 @@ def abort(
     src: str, to: str | None = None, *, state: str | None = None, wait: bool = False
 ) -> dict[str, Any]:
     """``spill move --abort``: return the source of an unfinished move and remove what the
-    move left at its destination; see the module doc."""
+    move left at its destination."""
     from spill.console import note
     from spill.control import arrival, transfer
     from spill.control.keys import current, store_for

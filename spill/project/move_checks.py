@@ -1,36 +1,12 @@
 """Where a move goes, and whether it can go there, checked before the source changes.
 
-``locations``, ``check_place`` and ``check_room`` are the checks of ``spill move`` that need no
-control object; with the stores', the source's and ``arrival.check_destination`` between them
-(``move.move``), the order is, each refused in one line with nothing written at either place:
-
-1. the scheme: a local path (``file:///abs/path`` is that path), ``s3://``, ``gs://``, ``az://``;
-   ``memory://`` lives in one process, and every other scheme fsspec knows (``ftp://``,
-   ``http://``) is refused before its backend is made, so before any connection;
-2. overlap: the destination against the project folder and the source's state, compared as
-   resolved paths (symlinks followed, ``..`` folded): ``alias/inner`` with ``alias`` a link to
-   the project is inside the project;
-3. the stores: a file system that honours flock, an object store that refuses stale writes
-   (``cas.store_for``);
-4. the destination's own name fits the file system (each segment within ``NAME_MAX``, the path
-   within ``PATH_MAX``; a key within 1024 bytes), it is a folder or prefix, not a file nor
-   below one, and it lies inside no
-   location that holds runs (``runs.outer_state`` over every folder: another build's
-   ``.spill/stages/x``, a job's ``--state``), whose snapshot would carry it;
-5. the source's run can be moved there (``transfer.check_source``): not a copy, not arriving,
-   not in a move elsewhere, not held by a live writer (unless ``--wait``);
-6. the destination is empty, or holds this run under a move to the same place; an abandoned
-   claim there is removed first (``arrival.check_destination``);
-7. names: every path segment within the file system's ``NAME_MAX``, and a write probe of the
-   longest path the snapshot holds (``probe.probe_names``); on an object store every key within
-   1024 bytes;
-8. space: locally, what the copy still writes (each file rounded up to the block size, a block
-   per folder and 16 for the manifest and control objects) against the free bytes ``statvfs``
-   reports; an object store cannot say, and a full one fails the copy in one line.
-
-The snapshot's names and sizes are read before the quiesce, so a live writer that commits more
-before it stops may make the copy a little longer; the copy's own errors (a full disk, a name
-refused after all) are single lines too, the source left quiescing for a rerun or an abort.
+``locations`` (the scheme, the overlap with the project and its state), ``check_place`` (the
+destination's name, and no run-holding location around it) and ``check_room`` (names probed,
+free space) are the checks of ``spill move`` that need no control object; ``move.move`` runs them
+with the stores' check, ``transfer.check_source`` and ``arrival.check_destination`` in the order
+docs/move.md gives ("Before the source changes"). Each refusal is one line, with nothing written
+at either place. The snapshot's names and sizes are read before the quiesce, so a writer that
+commits more before it stops may make the copy a little longer.
 """
 
 from __future__ import annotations
@@ -58,7 +34,7 @@ def source(src: str, state: str | None) -> tuple[str | None, str]:
     src = absolute(src)
     if exists(join(src, "spill.yaml")):
         return src, absolute(state) if state else join(src, STATE_DIR)
-    from spill.jobs.states import is_state
+    from spill.project.status import is_state
 
     if not is_state(src):
         raise UsageError(f"{src} is neither a project folder nor a state location")
@@ -67,7 +43,7 @@ def source(src: str, state: str | None) -> tuple[str | None, str]:
 
 def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, str, str]:
     """(project root or None, source state, destination root, destination state), after
-    checks 1 and 2 of the module doc (no store is asked anything of the destination)."""
+    checks 1 and 2 of docs/move.md's list (no store is asked anything of the destination)."""
     to = absolute(to)
     if to.startswith("memory://"):
         raise UsageError(
@@ -88,8 +64,8 @@ def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, st
 
 
 def check_place(to: str) -> None:
-    """Check 4 of the module doc, once the destination's store is known to be usable."""
-    from spill.control.runs import outer_state
+    """Check 4 of docs/move.md's list, once the destination's store is known to be usable."""
+    from spill.control.ownership import outer_state
     from spill.store.probe import check_names, not_a_file
 
     check_names(to)  # a name too long there would fail every read of it, not in one line
@@ -168,7 +144,7 @@ AGAIN = "then run the same `spill move` again (or `spill move --abort` to call i
 def check_room(
     dst_root: str, files: list[tuple[str, str]], state_rel: str, run: str, moving: bool
 ) -> None:
-    """Checks 7 and 8 of the module doc (``moving``: the source is in this move already)."""
+    """Checks 7 and 8 of docs/move.md's list (``moving``: the source is in this move already)."""
     from spill.store.probe import probe_names
 
     names = [rel for _, rel in files] + (

@@ -1,19 +1,12 @@
-"""Step 3 and 4 of ``spill move``: the snapshot copied to the destination under a manifest, and
+"""Steps 3 and 4 of ``spill move``: the snapshot copied to the destination under a manifest, and
 read back.
 
-* The manifest (schema ``move-manifest``) is written unsealed first, as
-  ``runs/<run>/move-<transfer>.json`` at the destination, naming every path the copy will write
-  (``paths``: what ``spill move --abort`` removes there), so that a rerun recognises its own
-  partial copy; it is sealed with every file's size and sha256 (hashed as the file is copied)
-  at the end. A rerun of the same transfer hashes both sides of a file that is there and
-  copies only what differs.
-* A local file lands whole: a temporary name ``.move-<pid>-<name>`` beside it, fsynced, renamed.
-* A failed write ends the copy in one line naming the file; a full destination (``ENOSPC``,
-  ``EDQUOT``) names the destination, the bytes the copy still needs there and the bytes free.
-  The source stays quiescing under the move, so the same ``spill move`` finishes once there is
-  room, or ``--abort`` returns it. A full object store (a quota) is whatever its backend raises,
-  in the same one line; none could be made to fill here, so that path is untested.
-* Verify reads every destination file back; a mismatch or a missing file names it.
+The manifest (schema ``move-manifest``, ``runs/<run>/move-<transfer>.json`` at the destination)
+is written unsealed first, naming every path the copy will write (what ``--abort`` removes), and
+sealed with each file's size and sha256 at the end; a rerun of the same transfer copies only what
+differs. A local file lands whole (``.move-<pid>-<name>``, fsynced, renamed). A failed write ends
+the copy in one line naming the file, a full destination with the bytes needed and free; the
+source stays quiescing. Verify reads every file back. docs/move.md, "The seven steps".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Stage outputs: files published under the state location, what ``state.json`` records about
 them, the check that they are still what was recorded, and their restoration.
 
-Which stage publishes what is the stage objects' business (``spill.project.stages``: a rows file
-under ``files/``, or ``adapters/<name>/``, every file under it); here the functions take the
-output's path relative to the state location. A finished stage's record keeps ``outputs``:
-relative path -> sha256, size and (local states) mtime.
-
-The check is make's, made cheap enough for the finished-build fast path: a file that is missing
-or has another size has changed; one with the recorded size and mtime has not; only a file whose
-mtime moved is hashed (a ``touch`` costs one hash, a same-size byte flip is found). Remote states
-have no trustworthy mtime, so there the check is existence and size. A record written before
-outputs were recorded (no ``outputs`` key) is checked by existence only.
-
-Restoring uses the stage's own committed state, never an engine: the adapter is exported again
-from the final tune checkpoint exactly as the tune job exports it (``publish_adapter``), or copied
-from ``stages/tune/adapter`` when that still holds the recorded bytes; a graded or answered rows
-file is written again from the committed row segments, in input order, as the job writes it.
+The stage objects say which files a stage publishes; the functions here take each output's path
+relative to the state location, and a finished stage's record keeps ``outputs``: relative path
+-> sha256, size and (local states only) mtime. The check is make's: a missing file or another
+size has changed, the recorded size and mtime has not, and only a file whose mtime moved is
+hashed. Remote states have no trustworthy mtime, so there it is existence and size; a record
+without ``outputs`` is checked by existence. Restoring uses the stage's committed state, never
+an engine (docs/projects.md, "``spill build``").
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """The pure planner: (stage specs, recorded state, --stop-after) -> one decision per stage.
 
-Like make (or DVC's ``plan_repro``), it only compares: each stage's inputs (the config values
-and data hashes that decide its result, and the fingerprints of the stages it reads) against
-what the state recorded for it. No files, no engines, no clock; ``build`` executes the plan.
-
-* no record, or a record made from other inputs  -> ``run`` (fresh), naming what changed;
-* recorded done with the same inputs             -> ``done`` (skipped);
-* done, but its outputs are missing or changed   -> ``restore`` from its committed state, or
-                                                    ``run`` fresh when that cannot restore them;
-* recorded running or stopped, same inputs       -> ``continue`` at its step or row;
-* a stage that is switched off (no teacher)      -> ``skip``;
-* past ``--stop-after``                          -> ``wait``.
-
-make's rule: a stage downstream of one that is not done (runs, continues or waits) is never
-``done``; it runs fresh, or waits (``waits for tune (runs first)``). A decision with ``drop`` says
-the recorded result no longer belongs to the current inputs: the executor forgets it and removes
-its outputs even when the stage only waits, so no old result is shown next to new inputs.
-
-A value that cannot change a result (``tune.ckpt_every``, batch sizes of grading, the engine)
-is simply not among a stage's inputs, so editing it reruns nothing. What the state holds
-(``Recorded``: its output ``problem`` and restore ``source`` included) is probed by
-``state.recorded``, so this module stays free of I/O.
+Like make (or DVC's ``plan_repro``), ``plan`` only compares each stage's inputs (the config
+values and data hashes that decide its result, and the fingerprints of the stages it reads)
+with what the state recorded (``Recorded``, probed by ``record.recorded``): no files, no engines,
+no clock; ``build`` executes the plan. A ``Decision`` is ``run`` (fresh), ``done``, ``restore``,
+``continue``, ``skip`` or ``wait``. make's rule: a stage downstream of one that is not done is
+never ``done``. ``drop`` says the recorded result no longer belongs to the current inputs, so
+the executor removes it even when the stage only waits. A value that cannot change a result is
+not among a stage's inputs. The table of findings and actions: docs/projects.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """``spill status``, and the tables a build prints: each stage, its result, where it ran; and
-``spill status <state>``, a state location's current run and what it has committed.
+``spill status <state>``, a state location's current run and what it has committed (a job's
+steps or rows, a build's stages); and whether a path is a state location at all.
 
 Everything here reads ``state.json`` (and, for an unfinished stage, the small probe files of
 its job state; for a finished one, the stats of its outputs); nothing loads a model or imports
@@ -9,6 +10,7 @@ an engine, Hydra or jsonschema. A finished stage whose outputs are gone or chang
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,9 @@ from typing import Any
 from spill.console import table
 from spill.errors import StoreError
 from spill.paths import STATE_DIR
-from spill.project import state, uptodate
+from spill.project import record, uptodate
 from spill.project.stages import STAGES, get
+from spill.store.location import location
 
 
 def _where(producers: list[dict]) -> str:
@@ -101,15 +104,31 @@ def run_view(where: str) -> dict[str, Any] | None:
     }
 
 
-def progress(where: str, doc: dict[str, Any]) -> str:
-    """What the run at ``where`` has committed: a job's last step or rows
-    (``spill.jobs.states.progress``), else each stage of a build's state."""
-    from spill.jobs.states import progress as job_progress
+def is_state(where: str) -> bool:
+    """Whether ``where`` is a state location (it holds runs), not a project folder."""
+    from spill.control.runlist import has_runs
 
-    if (found := job_progress(where, doc)) is not None:
-        return found
+    if location(where).local and os.path.isfile(os.path.join(where, "spill.yaml")):
+        return False
+    return has_runs(where)
+
+
+def progress(where: str, doc: dict[str, Any]) -> str:
+    """What the run at ``where`` has committed: a job's last step (and cursor) or rows, else
+    each stage of a build's state."""
+    from spill.control.place import Place
+    from spill.payloads.checkpoint import newest_commit
+    from spill.payloads.rows import commit_markers
+
+    place = Place(where)
+    if (found := newest_commit(place)) is not None:
+        step, state = found
+        total = (state.get("hyperparameters") or {}).get("steps", "?")
+        return f"step {step} of {total} committed, cursor {state.get('cursor', '?')}"
+    if "rows" in doc["pointers"]:
+        return f"{sum(int(m.get('count', 0)) for m in commit_markers(place))} rows committed"
     if "state" in doc["pointers"]:
-        recs = (state.read(where) or {}).get("stages") or {}
+        recs = (record.read(where) or {}).get("stages") or {}
         done = [f"{n} {r['status']} ({r['progress']} of {r['total']})" for n, r in recs.items()]
         return "; ".join(done) or "nothing committed yet"
     return "nothing committed yet"
@@ -154,7 +173,7 @@ def sweep_runs(where: str) -> list[dict[str, Any]]:
 
     out = []
     for name in listdir(join(where, "sweep")):
-        doc = state.read(join(where, "sweep", name)) or {}
+        doc = record.read(join(where, "sweep", name)) or {}
         recs = doc.get("stages") or {}
         finished = len(recs) == len(STAGES) and all(
             r["status"] in ("done", "skipped") for r in recs.values()
@@ -204,7 +223,7 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     """Read a project's build state; refresh the progress of unfinished stages from their probes."""
     root = Path(root).resolve()
     where = state_root or str(root / STATE_DIR)
-    doc = state.read(where)
+    doc = record.read(where)
     if doc is None:
         runs = sweep_runs(where)
         if runs:

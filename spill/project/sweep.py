@@ -1,32 +1,13 @@
 """``spill build DIR -m a=1,2 b=x,y``: a Hydra multirun, each combination its own build.
 
-The sweep is Hydra's own: ``GlobalHydra.instance().hydra.multirun`` with spill's task function,
-so the configured sweeper and launcher run the jobs unchanged (basic: one after the other in
-this process; ``hydra/launcher=joblib``: parallel processes on this machine; the Ray and
-submitit launchers: other machines, see docs/sweeps.md). A job composes nothing itself: it
-gets its config from Hydra, validates and freezes it (``config.from_composed``), and builds it
-with the state ``<state>/sweep/<its overrides>/``, so running the same sweep again continues
-or skips each combination like a plain build does.
-
-A job never raises (Hydra would drop every other job's result): it returns a small dict with
-its status, scores and state location, from which the comparison table is made.
-
-A launcher can still lose a job: a Ray worker or a submitit process killed mid-build makes the
-launcher raise out of Hydra (``ray.get`` or ``job.result()``), and every result goes with it.
-So each job also writes its dict to its Hydra output folder (``<sweep dir>/<num>/spill-job.json``,
-``running`` when it starts, the result when it ends), tagged with the sweep's token; when the
-launcher raises, the sweep reads those back: finished jobs keep their results, a job that
-started and never ended is ``lost`` (with its state's progress), and the same command continues
-it. Where no job wrote a record (the launcher failed before any started) the sweep fails.
-
-Before ``multirun`` instantiates anything, ``hydra_safety`` composes the sweep and each job as
-Hydra will and refuses a ``hydra:`` tree that could run code or write files (callbacks, a
-``_target_`` not Hydra's own launcher, a logging FileHandler...), with one line naming the key.
-
-Jobs get the sweep's ``--lease`` and ``--wait``: a requeued job whose elder still holds the run
-comes back ``busy`` (exit 75, like preempted and lost) or, with ``--wait``, waits for it. Ray
-relays its workers' output to this process's stdout; the sweep sends it to stderr and leaves
-Ray (``ray.shutdown()``) before returning, so the table and ``--json`` are all stdout holds.
+``sweep`` runs Hydra's own ``multirun`` with ``job`` as the task function, so the configured
+sweeper and launcher run the jobs unchanged; each job validates the config Hydra gives it and
+builds it with the state ``<state>/sweep/<run_name(overrides)>/``. A job never raises (Hydra
+would drop every other result): it returns a small dict, and writes it to
+``<sweep dir>/<num>/spill-job.json`` too, so that when a launcher loses a job and raises, the
+finished jobs' results are read back and the unfinished one is ``lost``. ``hydra_safety``
+checks the sweep before anything is instantiated. ``render`` and ``exit_code`` make the table
+and the exit code; docs/sweeps.md says what each launcher does.
 """
 
 from __future__ import annotations
@@ -48,7 +29,7 @@ from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 from spill.jobs.authority import Writer
 from spill.jobs.preempt import Preempted
 from spill.paths import STATE_DIR
-from spill.project import build, config, hydra_safety, stages, state
+from spill.project import build, config, hydra_safety, record, stages
 from spill.project.plan import StopAfter
 from spill.project.status import score
 from spill.store.fs import get_bytes, join, listdir, put_bytes
@@ -87,14 +68,16 @@ def job(
     out: dict[str, Any] = {"run": name, "overrides": list(overrides), "state": where}
     out.update(machine=platform.node(), pid=os.getpid())  # where the launcher ran it
     out["started"] = round(time.time(), 3)  # epoch s: with "seconds", where a launcher's time went
-    record = join(hydra.runtime.output_dir, RECORD) if token else None
-    _record(record, {**out, "num": hydra.job.num, "token": token, "status": "running"})
+    record_at = join(hydra.runtime.output_dir, RECORD) if token else None
+    _record(record_at, {**out, "num": hydra.job.num, "token": token, "status": "running"})
     try:
         project = config.from_composed(cfg, root, overrides)
         stop = StopAfter.parse(stop_after) if stop_after else None
         key = config.compose_key(root, overrides)
-        doc = state.read(where)
-        summary = build.run(project, where, key, doc, stop, dry_run, writer=writer or Writer())
+        doc = record.read(where)
+        summary = build.reconcile(
+            project, where, key, doc, stop, dry_run, writer=writer or Writer()
+        )
     except Preempted as e:
         result = {**out, "status": "preempted", "error": str(e), **_committed(where)}
     except Busy as e:  # another process holds this combination's run (a requeued job's elder)
@@ -110,7 +93,7 @@ def job(
         result = {**out, "status": "planned" if dry_run else status, **_scores(recs)}
         result["plan"] = summary["plan"]
     result["seconds"] = round(time.time() - out["started"], 3)
-    _record(record, {**result, "num": hydra.job.num, "token": token})
+    _record(record_at, {**result, "num": hydra.job.num, "token": token})
     return result
 
 
@@ -122,7 +105,7 @@ def _scores(recs: dict) -> dict[str, Any]:
 def _committed(where: str) -> dict[str, Any]:
     """The scores and tune progress a stopped job's state has committed (best effort)."""
     try:
-        recs = (state.read(where) or {}).get("stages") or {}
+        recs = (record.read(where) or {}).get("stages") or {}
         for name, rec in recs.items():
             if rec["status"] in ("running", "stopped"):
                 rec["progress"] = stages.get(name).probe(where)[0]

@@ -1,44 +1,13 @@
 """Named crash points in the store's publication protocol, for kill drills.
 
-The store (and the tune loop) calls ``at(<boundary>)`` at each point where a dying writer would leave a distinct
-state behind:
+The store, the tune loop, the control objects and ``spill move`` call ``at(boundary)`` wherever
+a dying writer would leave a distinct state behind; ``BOUNDARIES`` names them all, and
+docs/design.md ("Kill drills") says what each leaves. Both ways to act there are off unless asked:
 
-=====================  ===================================================================
-``ckpt-between-files``  ``params.safetensors`` written, ``opt.safetensors`` not yet
-``ckpt-before-commit``  all three checkpoint files written, ``COMMIT`` not yet
-``ckpt-after-commit``   ``COMMIT`` written and the pointer moved to it, older folders not yet removed
-``seg-before-commit``   a segment payload's ``rows.jsonl`` written, its ``COMMIT`` not yet
-``put-before-rename``   a local temporary file written and fsynced, not yet renamed
-``tune-before-forward`` a tune step about to run its first forward pass
-``tune-after-backward`` a tune step's gradients accumulated, the optimizer not yet applied
-``tune-after-optimizer`` a tune step applied in memory, nothing of it committed yet
-``control-acquire``     a run's control object names this process its owner; nothing else done
-``control-renew``       the lease renewed by the heartbeat
-``control-publish``     a pointer of the control object moved to a new payload (fenced)
-``control-complete``    the run marked complete (read-only from now on)
-``control-rebuild``     a missing ``runs/current.json`` rebuilt from the control objects, no
-                        run acquired yet
-``move-<step>``         a move's step done (quiesce, take, copy, verify, incoming, fence,
-                        activate; ``spill.control.transfer``)
-``move-checked``        a move's destination checked (empty, names, space), nothing written
-``move-claim``          the destination claimed (``incoming``), the source not changed yet
-``move-abort``          an aborted move's source returned (a new generation), its
-                        destination claim not yet removed
-=====================  ===================================================================
-
-Two ways to act there, both off unless asked for:
-
-* ``SPILL_DRILL=<boundary>[@<k>][:<action>]`` in the environment of a real process (a CLI job,
-  a test's subprocess). At the ``k``-th time (default the first) the process reaches that
-  boundary it sends itself ``SIGKILL`` (action ``kill``, the default) or ``SIGSTOP`` (action
-  ``stop``: the driver inspects the paused writer, then continues or kills it). Several
-  drills may be given separated by commas. An unknown boundary name is an error, so a drill
-  with a typo cannot pass by never firing.
-* ``with drill.hooked(fn):`` calls ``fn(boundary)`` at every boundary in this process, for
-  in-process tests that need to raise, count or block there.
-
-The environment is read at each boundary, so a driver may also set ``SPILL_DRILL`` in
-``os.environ`` between two saves. Nothing is mocked: the kill is a real signal to a real process.
+* ``SPILL_DRILL=<boundary>[@<k>][:kill|stop][,...]`` in a real process's environment: at the
+  ``k``-th arrival (default the first) it sends itself ``SIGKILL`` (default) or ``SIGSTOP``. The
+  variable is read at each boundary; an unknown boundary is an error, so a typo cannot pass.
+* ``with hooked(fn):`` calls ``fn(boundary)`` at every boundary, for in-process tests.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Byte-level access to a state location: a local path, ``file://``, ``memory://``, ``s3://``,
 ``gs://`` or ``az://``.
 
-Local paths are handled with ``os`` directly (no fsspec), everything else through fsspec, which
-is imported lazily. Endpoints and credentials come the standard way of each backend
-(``AWS_ENDPOINT_URL``, ``AWS_*`` variables, profiles); nothing here is S3-specific.
-
-``put_bytes`` is atomic: locally it writes ``.<name>.tmp-<random>`` in the same directory,
-fsyncs it, renames it over the target and fsyncs the directory; on an object store it is one put
-(an object appears whole or not at all). Temporary names are recognisable (``is_temp``) so that
-the store's next write can remove those a killed writer left. Listings are never served from
-fsspec's cache, because another process may have written since.
-
-Every function takes a location's text or a ``Location`` (``spill.store.location``), which it
-parses once: its scheme is checked before any backend is made, ``file:///abs/path`` is the
-local path it names, a remote one's filesystem is made once.
+Every function takes a location's text or a ``Location`` (``spill.store.location``). Local paths
+go through ``os`` (no fsspec), the rest through fsspec, imported lazily, with each backend's own
+endpoints and credentials. ``put_bytes`` is atomic: locally a ``.<name>.tmp-<random>`` beside
+the target, fsynced, renamed over it, the folder fsynced; on an object store one put. Temporary
+names are recognisable (``is_temp``), so the next write removes those a killed writer left.
+Listings are never served from fsspec's cache: another process may have written since.
 """
 
 from __future__ import annotations
@@ -100,7 +93,7 @@ def _errors(uri: str, verb: str) -> Iterator[None]:
         ) from e
 
 
-def _fsync(path: str) -> None:  # a file or a folder, by its path
+def fsync(path: str | os.PathLike) -> None:  # a file or a folder, by its path
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -120,7 +113,7 @@ def _makedirs_durable(path: str) -> None:
             os.mkdir(d)
         except FileExistsError:
             pass
-        _fsync(os.path.dirname(d))
+        fsync(os.path.dirname(d))
 
 
 def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
@@ -140,7 +133,7 @@ def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    _fsync(parent)
+    fsync(parent)
 
 
 def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> None:
@@ -201,7 +194,7 @@ def sync_fresh(uris: Sequence[str]) -> None:
     local = [_local(u) for u in uris if is_local(u)]
     with _errors(", ".join(uris), "sync"):
         for path in [*local, *sorted({os.path.dirname(os.path.abspath(p)) for p in local})]:
-            _fsync(path)
+            fsync(path)
 
 
 def get_bytes(uri: str | os.PathLike) -> bytes:
@@ -310,7 +303,7 @@ def remove(uri: str | os.PathLike) -> None:
         with _errors(uri, "remove"):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=False)
-                _fsync(os.path.dirname(os.path.abspath(path)))
+                fsync(os.path.dirname(os.path.abspath(path)))
             elif os.path.lexists(path):
                 os.remove(path)
         return

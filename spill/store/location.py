@@ -8,8 +8,9 @@ first use) and how its control keys are written conditionally (``writes``). ``lo
 a state walks down the layers parsed once. A scheme that is no place for runs (``ftp://``,
 ``http://``) is refused when parsed, before any backend is made or connects.
 
-The next stores (gs://, az://) and ranks change this module: their scheme, their conditional
-writes (``WRITES``).
+A new store changes this module (its scheme in ``SCHEMES``; how its control keys are written,
+``WRITES``) and ``spill.store.objstore`` (its answers; its probe, run once per bucket, refuses a
+store whose conditional writes do not hold).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Conditional writes on an object store (s3://, and gs://, az:// if the probe accepts them).
 
-Create with ``If-None-Match: *`` (fsspec's ``mode="create"``), replace with ``If-Match: <etag>``,
-never delete. A 412 (or 409 for a racing one) is a ``Conflict``, told by the store's answer,
+Create with ``If-None-Match: *`` (fsspec's ``mode="create"``), replace with ``If-Match: <etag>``;
+this module never deletes (an aborted move's claim is the one control object removed:
+``spill.control.arrival``). A 412 (or 409 for a racing one) is a ``Conflict``, told by the store's answer,
 never by "412" in an error's text; any other failure of a write is ``Uncertain`` (it may have
 landed): the caller reads again either way. On S3 a read gets the body and its ETag in one
 GET; elsewhere the ETag before and after the body must agree.

@@ -1,18 +1,12 @@
 """Probes of a location before anything is written there.
 
-* ``probe_writable``: a job's state can be written at all, found before it loads a model or
-  computes anything, not at its first commit.
-* ``not_a_file``, ``probe_names`` and ``space``: a copy's destination (``spill move``) is a
-  folder or prefix, can hold every name the copy will write, and has room for its bytes, all
-  found before the source changes. Locally the names are probed by writing: a temporary file
-  at the deepest folder the copy will make, its name as long as the longest name there, so that
-  ``ENAMETOOLONG`` (a path past ``PATH_MAX``), a read-only mount or a folder nobody may write
-  says so now; every segment is also checked against the file system's ``NAME_MAX``. An object
-  store has no folders to probe: its keys are checked against the 1024 bytes S3, GCS and Azure
-  all allow.
-
-Probe files are temporary names (``is_temp``), so one a killed process left is litter the store
-already knows how to ignore; the folders a probe made are removed with it.
+``probe_writable``: a job's state can be written at all, found before it loads a model.
+``not_a_file``, ``check_names``, ``probe_names`` and ``space``: a move's destination is a folder
+or prefix, holds every name the copy will write, and has room, all found before the source
+changes. Locally the names are probed by writing a temporary file at the deepest folder the copy
+will make, its name as long as the longest there; on an object store each key is checked
+against 1024 bytes. Probe files are temporary names (``is_temp``): one a killed process left is
+litter the store already ignores, and the folders a probe made go with it.
 """
 
 from __future__ import annotations

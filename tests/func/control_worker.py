@@ -9,7 +9,7 @@
 A failure is reported as spill's CLI does: ``spill: error: <message>`` on stderr and the
 error's own exit code (``Busy.exit_code`` is 75).
 
-``race`` imports ``spill.control.runs`` (and s3fs) once, then forks its racers, so a round costs
+``race`` imports ``spill.control.ownership`` (and s3fs) once, then forks its racers, so a round costs
 forks rather than fresh interpreters. It creates no filesystem and no event loop before forking
 (fsspec's loop thread does not survive a fork), and asserts so. From round ``<warm from>`` on it
 reads the state itself before each round, so the racers are forked from a process whose fsspec
@@ -46,7 +46,7 @@ def _fail(e: BaseException) -> int:
 
 
 def hold(argv: list[str]) -> int:
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
 
     state, opts = argv[0], argv[1:]
 
@@ -72,7 +72,7 @@ def hold(argv: list[str]) -> int:
 def _racer(state: str, go: int, done: int, out: str, keep: bool) -> int:
     """One forked racer: wait for the start, acquire, and (the winner) hold until told."""
     from spill.control.keys import current
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
 
     for fd, suffix in ((1, ".out"), (2, ".err")):
         f = os.open(out + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -143,7 +143,7 @@ def _round(state: str, n: int, scratch: str, keep: bool) -> dict:
 def race(argv: list[str]) -> int:
     import fsspec.asyn
 
-    import spill.control.runs  # noqa: F401  (imported once, before the forks)
+    import spill.control.ownership  # noqa: F401  (imported once, before the forks)
     from spill.control.keys import current
     from spill.store.fs import is_local, join
 

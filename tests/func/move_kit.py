@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from spill.control.keys import current
 from spill.control.place import payload_seq
 from spill.payloads.checkpoint import COMMIT, FILES
 from spill.store import fs
+from tests.conftest import run_spill
 from tests.func.tune_kit import spill_env as env_for  # the child's environment, no drills
 
 TOY = Path(__file__).resolve().parents[2] / "projects" / "toy"
@@ -55,14 +55,8 @@ def project(dst: Path, steps: int = STEPS, every: int = EVERY) -> Path:
 
 def spill(*args: str, env: dict[str, str], cwd: Path, drill: str | None = None):
     """``python -m spill ARGS`` in ``cwd`` (where an unknown URI would land as a relative path)."""
-    full = {**env, "SPILL_DRILL": drill} if drill else env
-    return subprocess.run(
-        [sys.executable, "-m", "spill", *args],
-        capture_output=True,
-        text=True,
-        env=full,
-        cwd=cwd,
-        timeout=TIMEOUT,
+    return run_spill(
+        *args, base={**env, "SPILL_DRILL": drill} if drill else env, cwd=cwd, timeout=TIMEOUT
     )
 
 

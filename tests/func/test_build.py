@@ -273,7 +273,7 @@ def test_data_edited_during_a_build(home, tmp_path, monkeypatch):
     from spill.errors import DataError
     from spill.jobs.authority import Writer
     from spill.project.build import BuildOptions, build
-    from spill.project.state import read
+    from spill.project.record import read
     from spill.store import drill
 
     monkeypatch.setenv("SPILL_HOME", str(home))

@@ -27,7 +27,7 @@ import uuid
 import pytest
 
 from spill.control import keys
-from spill.control.runs import acquire
+from spill.control.ownership import acquire
 from spill.store.fs import filesystem, get_bytes, join
 from tests.func import s3_fault_proxy
 from tests.func import tune_kit as kit

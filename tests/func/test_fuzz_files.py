@@ -98,7 +98,7 @@ def warm() -> None:
         "spill.project.execute",
         "spill.project.status",
         "spill.jobs.tune",
-        "spill.jobs.run",
+        "spill.jobs.generate",
         "spill.jobs.eval",
         "spill.engines.torch",
         "spill.models.resolve",

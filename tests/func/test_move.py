@@ -357,7 +357,7 @@ def test_a_project_without_a_run_is_refused(tmp_path):
 
 def test_an_installed_copy_is_refused(tmp_path, tmp_path_factory):
     from spill.control.keys import CURRENT, RUNS
-    from spill.control.runs import as_copy
+    from spill.control.ownership import as_copy
 
     src = mk.copy_of_stopped(tmp_path_factory, tmp_path / "src")
     state = str(src / ".spill")

@@ -46,7 +46,7 @@ def test_an_edit_after_completion_starts_the_next_run(tmp_path):
 def test_a_location_inside_what_a_run_writes_is_refused_a_sweeps_is_not(tmp_path):
     import pytest
 
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
     from spill.errors import StoreError
 
     acquire(str(tmp_path)).release()  # a build's state: its own runs

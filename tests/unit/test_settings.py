@@ -19,8 +19,8 @@ import yaml
 from spill import settings
 from spill.cli import build_parser
 from spill.jobs.eval import EvalOptions
+from spill.jobs.generate import GenerateOptions
 from spill.jobs.rows_job import RowOptions
-from spill.jobs.run import RunOptions
 from spill.jobs.tune import TuneOptions
 from spill.models.lora import LoraConfig
 
@@ -148,8 +148,8 @@ def test_row_verbs_read_the_teacher_eval_and_engine_groups():
         assert {k: cli[k] for k in ("max_new_tokens", "temperature", "batch")} == {
             k: teacher[k] for k in ("max_new_tokens", "temperature", "batch")
         }
-        top_p = next(f for f in dataclasses.fields(RunOptions) if f.name == "top_p")
-        assert cli["top_p"] == top_p.default  # in no group: RunOptions holds its one default
+        top_p = next(f for f in dataclasses.fields(GenerateOptions) if f.name == "top_p")
+        assert cli["top_p"] == top_p.default  # in no group: GenerateOptions holds its one default
     cli = cli_defaults("eval")
     assert (cli["max_new_tokens"], cli["batch"]) == (ev["max_new_tokens"], ev["batch"])
     for verb in ("run", "distill", "eval", "tune"):
@@ -162,7 +162,7 @@ def test_row_verbs_read_the_teacher_eval_and_engine_groups():
 def test_job_options_keep_no_copy_of_a_group_default():
     """A field named like a setting has no default, or the conf's."""
     known = {k: v for g in GROUPS for k, v in base(g).items()}
-    for cls in (RowOptions, RunOptions, EvalOptions, TuneOptions, *SECTIONS.values()):
+    for cls in (RowOptions, GenerateOptions, EvalOptions, TuneOptions, *SECTIONS.values()):
         for f in dataclasses.fields(cls):
             if f.name in known and not unset(f) and f.default != known[f.name]:
                 pytest.fail(f"{cls.__name__}.{f.name} has a default of its own: {f.default!r}")

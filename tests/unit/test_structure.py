@@ -197,7 +197,29 @@ def test_schemas_are_valid(schema):
 
 def test_engine_free_modules_import_without_torch():
     code = (
-        "import spill.cli, spill.jobs.tune, spill.jobs.run, spill.models.resolve, spill.payloads.checkpoint\n"
+        "import spill.cli, spill.jobs.tune, spill.jobs.generate, spill.models.resolve, spill.payloads.checkpoint\n"
         "import spill.engines, spill.engines.base\n"
     )
     assert_not_imported(code, (*ENGINES, "transformers"))
+
+
+def test_a_written_usage_line_names_every_option():
+    """A verb whose usage line is written by hand (``spill move``, ``spill bundle``) names each of
+    its options there, unless the line says ``[options]``."""
+    import argparse
+
+    from spill.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = {
+        name: [
+            flag
+            for action in parser._actions
+            for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help" and flag not in parser.usage
+        ]
+        for name, parser in sub.choices.items()
+        if parser.usage and "[options]" not in parser.usage
+    }
+    assert {"move", "bundle"} <= missing.keys()
+    assert not any(missing.values()), missing

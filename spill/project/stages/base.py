@@ -16,7 +16,7 @@ from spill.project import outputs
 from spill.store.fs import join
 
 if TYPE_CHECKING:
-    from spill.control.control import Run
+    from spill.control.control import Ownership
     from spill.control.place import Place
     from spill.project.config import Project
     from spill.project.context import BuildContext
@@ -112,7 +112,7 @@ class Stage:
     def uri(self, root: str) -> str:
         return join(root, "stages", self.folder)
 
-    def place(self, root: str, run: Run | None = None) -> Place:
+    def place(self, root: str, run: Ownership | None = None) -> Place:
         """Its job's part of the build's run (read-only without ``run``)."""
         from spill.control.place import Place
 

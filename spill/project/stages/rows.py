@@ -143,11 +143,11 @@ class DistillStage(RowStage):
 
     def execute(self, ctx: BuildContext, d: Decision) -> tuple[dict[str, Any], bool]:
         from spill.jobs.distill import distill
-        from spill.jobs.run import RunOptions
+        from spill.jobs.generate import GenerateOptions
 
         p, t = ctx.project, ctx.project.teacher
         out = ctx.output(self.file)
-        opts = RunOptions(
+        opts = GenerateOptions(
             max_new_tokens=t.max_new_tokens,
             temperature=t.temperature,
             seed=p.seed,

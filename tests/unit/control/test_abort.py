@@ -26,7 +26,7 @@ from spill.control import arrival, transfer
 from spill.control.control import Busy, Superseded
 from spill.control.keys import current, store_for
 from spill.control.owner import home_of
-from spill.control.runs import acquire
+from spill.control.ownership import acquire
 from spill.errors import StoreError, UsageError
 from spill.store import drill
 from spill.store.fs import files_under, join, put_bytes

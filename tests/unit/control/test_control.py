@@ -25,7 +25,7 @@ import pytest
 from spill.control.control import Busy, RunComplete, Superseded
 from spill.control.keys import current
 from spill.control.owner import _pid_state
-from spill.control.runs import acquire
+from spill.control.ownership import acquire
 from spill.errors import EXIT_PREEMPTED
 from spill.store import cas
 from spill.store.cas import Unsupported

@@ -13,11 +13,11 @@ import logging
 import pytest
 
 from spill.control import place as place_mod
-from spill.control.control import Run, RunComplete
+from spill.control.control import Ownership, RunComplete
 from spill.control.keys import CURRENT, current, store_for
 from spill.control.owner import home_of, me
+from spill.control.ownership import _fresh, acquire
 from spill.control.runlist import UnclearRuns, restore
-from spill.control.runs import _fresh, acquire
 from spill.store.fs import exists, get_bytes, join, listdir, put_bytes, remove
 
 REBUILT = "spill.control.runlist"
@@ -47,7 +47,7 @@ def _other_run(state: str, rid: str, *, used: bool, created: str | None = None) 
     with store.exclusive():
         store.put(f"{rid}/control.json", doc, "control", None)
     if used:
-        Run(store, doc, 60.0).release()
+        Ownership(store, doc, 60.0).release()
     return _raw(state, f"{rid}/control.json")
 
 

@@ -25,7 +25,7 @@ from spill.control import arrival, transfer
 from spill.control.control import Busy
 from spill.control.keys import CURRENT, RUNS, current, store_for
 from spill.control.owner import home_of, lease_seconds
-from spill.control.runs import CopiedRun, acquire, as_copy
+from spill.control.ownership import CopiedRun, acquire, as_copy
 from spill.errors import EXIT_PREEMPTED, StoreError
 from spill.store import drill
 from spill.store.fs import join, put_bytes

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from spill.jobs.eval import EvalOptions, evaluate
+from spill.jobs.generate import GenerateOptions, generate
 from spill.jobs.rows_job import RowOptions
-from spill.jobs.run import RunOptions, run
 from spill.settings import EngineSettings
 
 RTOL, ATOL = 1e-6, 1e-5  # on a row's summed gold log-prob (see the module doc)
@@ -64,8 +64,8 @@ def test_a_resident_model_batches_from_the_budget_too(tiny_models, tmp_path, cap
     job = RowOptions(
         batch=None, engine=EngineSettings(name="torch", resident=True, dtype="float32")
     )
-    gen = RunOptions(max_new_tokens=2, temperature=0.0, seed=0)
-    s = run(str(tiny_models["llama"]), src, tmp_path / "out.jsonl", gen, job)
+    gen = GenerateOptions(max_new_tokens=2, temperature=0.0, seed=0)
+    s = generate(str(tiny_models["llama"]), src, tmp_path / "out.jsonl", gen, job)
     assert s["rows"] == 9
     assert "batch 9 from the memory budget" in capsys.readouterr().err
 
@@ -75,6 +75,6 @@ def test_an_explicit_batch_names_where_it_came_from(tiny_models, tmp_path, capsy
     src.write_text("".join(json.dumps({"id": i, "prompt": f"row {i}"}) + "\n" for i in range(3)))
     load = EngineSettings(name="torch", ring=2, dtype="float32")
     job = RowOptions(batch=2, engine=load, batch_from="teacher.batch")
-    gen = RunOptions(max_new_tokens=2, temperature=0.0, seed=0)
-    run(str(tiny_models["llama"]), src, tmp_path / "out.jsonl", gen, job)
+    gen = GenerateOptions(max_new_tokens=2, temperature=0.0, seed=0)
+    generate(str(tiny_models["llama"]), src, tmp_path / "out.jsonl", gen, job)
     assert "batch 2 (teacher.batch)" in capsys.readouterr().err

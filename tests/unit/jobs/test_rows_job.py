@@ -6,11 +6,11 @@ import json
 
 from spill.jobs.authority import Writer
 from spill.jobs.distill import distill
+from spill.jobs.generate import GenerateOptions, generate
 from spill.jobs.rows_job import RowOptions
-from spill.jobs.run import RunOptions, run
 from spill.settings import EngineSettings
 
-GEN = RunOptions(max_new_tokens=3, temperature=0.0, seed=0)
+GEN = GenerateOptions(max_new_tokens=3, temperature=0.0, seed=0)
 
 
 def _rows(path, n=5):
@@ -26,13 +26,13 @@ def _job(tmp_path, stop_after=None) -> RowOptions:
 
 def test_a_run_stopped_early_reports_what_it_did_and_writes_nothing(tmp_path, tiny_models, capsys):
     src, out = _rows(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
-    s = run(str(tiny_models["llama"]), src, out, GEN, _job(tmp_path, stop_after=3))
+    s = generate(str(tiny_models["llama"]), src, out, GEN, _job(tmp_path, stop_after=3))
     err = capsys.readouterr().err
     assert "stopped after 3 of 5 rows" in err and "wrote" not in err
     assert not out.exists() and "out" not in s
     assert (s["rows"], s["total"], s["complete"], s["ran"], s["restored"]) == (3, 5, False, 3, 0)
 
-    s = run(str(tiny_models["llama"]), src, out, GEN, _job(tmp_path))
+    s = generate(str(tiny_models["llama"]), src, out, GEN, _job(tmp_path))
     assert f"wrote 5 rows to {out}" in capsys.readouterr().err
     assert (s["rows"], s["ran"], s["restored"], s["out"]) == (5, 2, 3, str(out))
     assert "complete" not in s and "total" not in s
@@ -42,7 +42,7 @@ def test_a_run_stopped_early_reports_what_it_did_and_writes_nothing(tmp_path, ti
 def test_run_and_distill_summaries_share_the_common_keys(tmp_path, tiny_models):
     src = _rows(tmp_path / "in.jsonl", 2)
     job = RowOptions(batch=2, engine=EngineSettings(name="torch", dtype="float32"))
-    r = run(str(tiny_models["qwen2"]), src, tmp_path / "r.jsonl", GEN, job)
+    r = generate(str(tiny_models["qwen2"]), src, tmp_path / "r.jsonl", GEN, job)
     d = distill(str(tiny_models["qwen2"]), src, tmp_path / "d.jsonl", GEN, job)
     common = {"rows", "seconds", "engine", "numerics", "out", "generated_tokens"}
     assert common <= r.keys() and common <= d.keys()

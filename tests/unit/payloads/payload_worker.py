@@ -61,7 +61,7 @@ def main(argv: list[str]) -> None:
     mode, root, *nums = argv
     if mode not in ("ckpt", "rows"):
         raise SystemExit(f"unknown mode {mode}")
-    from spill.control.runs import held
+    from spill.control.ownership import held
 
     with held(root) as run:
         place = run.place()

@@ -11,8 +11,8 @@ import pytest
 from safetensors.numpy import save as safetensors_save
 
 from spill.control.control import Superseded
+from spill.control.ownership import acquire
 from spill.control.place import Place, payload_seq
-from spill.control.runs import acquire
 from spill.errors import StoreError
 from spill.payloads.checkpoint import (
     CheckpointInvalid,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from spill.control.control import Busy
+from spill.control.ownership import acquire
 from spill.control.place import Place
-from spill.control.runs import acquire
 from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.payloads.rows import restore
 from spill.store import fs

@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from spill.control.control import Superseded
+from spill.control.ownership import acquire
 from spill.control.place import Place
-from spill.control.runs import acquire
 from spill.payloads.rows import (
     IdentityMismatch,
     SegmentWriter,

@@ -344,8 +344,7 @@ def test_install_into_a_non_empty_folder_needs_force(tmp_path, spill_home):
 
 def test_pack_takes_the_config_from_a_matching_build_record(tmp_path, monkeypatch):
     """A record whose compose key matches is used as is (no Hydra); any other is not."""
-    from spill.project import bundle_pack, config
-    from spill.project import state as build_state
+    from spill.project import bundle_pack, config, record
     from spill.project.uptodate import compose_key
 
     root = tmp_path / "toy"
@@ -353,7 +352,7 @@ def test_pack_takes_the_config_from_a_matching_build_record(tmp_path, monkeypatc
     recorded = config.compose(root).to_dict()
     recorded["model"] = {"name": "tiny:llama:77"}  # tells the record from a fresh compose
     doc = {"compose_key": compose_key(root), "config": recorded}
-    monkeypatch.setattr(build_state, "read", lambda state: doc)
+    monkeypatch.setattr(record, "read", lambda state: doc)
     composed = []
     real = config.compose
     monkeypatch.setattr(config, "compose", lambda r: composed.append(r) or real(r))

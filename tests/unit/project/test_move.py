@@ -17,7 +17,7 @@ import pytest
 
 from spill.control.keys import current
 from spill.control.owner import home_of
-from spill.control.runs import acquire
+from spill.control.ownership import acquire
 from spill.errors import StoreError, UsageError
 from spill.project import move as mv
 from spill.store import drill

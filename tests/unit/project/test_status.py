@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from spill.errors import StoreError
-from spill.project import stages, state
+from spill.project import record, stages
 from spill.project.status import as_json, render, rows
 
 LINUX = {
@@ -69,7 +69,7 @@ def test_rows_and_a_stage_that_moved():
 def test_probes_read_commits_only(tmp_path):
     """Probes read what the run points at: a committed payload's state.json or a segment's
     COMMIT, never a folder nobody points at, nor a pointed folder removed by hand."""
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
 
     root = str(tmp_path)
     run = acquire(root)
@@ -99,9 +99,9 @@ def test_probes_read_commits_only(tmp_path):
 
 
 def test_state_file_kind_and_version(tmp_path):
-    from spill.control.runs import acquire
+    from spill.control.ownership import acquire
 
-    assert state.read(str(tmp_path)) is None
+    assert record.read(str(tmp_path)) is None
     run = acquire(str(tmp_path))
     place = run.place()
     d = Path(place.payload("state", 1))
@@ -109,22 +109,22 @@ def test_state_file_kind_and_version(tmp_path):
     place.publish("state", [str(d)])
     (d / "state.json").write_text(json.dumps({"kind": "other"}))
     with pytest.raises(StoreError, match="not a spill build state"):
-        state.read(str(tmp_path))
+        record.read(str(tmp_path))
     (d / "state.json").write_text(json.dumps({"kind": "spill-build", "schema_version": 9}))
     with pytest.raises(StoreError, match="version 9"):
-        state.read(str(tmp_path))
+        record.read(str(tmp_path))
     (d / "state.json").write_text("{")
     with pytest.raises(StoreError, match="not JSON"):
-        state.read(str(tmp_path))
+        record.read(str(tmp_path))
     (d / "state.json").unlink()
     with pytest.raises(StoreError, match="is missing"):
-        state.read(str(tmp_path))
+        record.read(str(tmp_path))
 
 
 def test_a_state_of_an_older_spill_is_refused_in_one_line(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps({"kind": "spill-build"}))
     with pytest.raises(StoreError, match="written by an older spill"):
-        state.read(str(tmp_path))
+        record.read(str(tmp_path))
 
 
 def test_outputs_recorded_checked_cheaply_and_shown_out_of_date(tmp_path):

@@ -9,17 +9,8 @@ Layout under ``--state`` (default ``<project>/.spill``)::
     files/                the split, the teacher's answers, graded rows
     adapters/<name>/      the tuned adapter (spill, PEFT and MLX-LM layouts)
 
-``state.json`` (schema ``build-state``) is one object written once, as a payload, after
-everything it names, and made current by the run's fenced transition (``write``, by the owner
-of the run only); a reader follows the pointer, and one that finds none starts fresh. Writing
-validates it, and so does reading (its ``config`` too, against the strict spill.yaml schema,
-and each stage's result), through ``schemas.validate_once``: bytes already validated on this
-machine (by a read, or by the write that made them) cost one hash, so ``spill status`` and a
-build of a finished project still start without importing jsonschema.
-
-``recorded`` is the planner's view of a state: what each stage's record says, with the probes
-of unfinished stages and the check of finished stages' outputs, both asked of the stage objects
-(``spill.project.stages``).
+``write`` (the owner only) publishes ``state.json`` (schema ``build-state``) after everything it
+names; ``read`` follows the pointer and validates once per bytes (``spill.validate.validate_once``).
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from spill.project import stages
 from spill.store.fs import exists, get_bytes, join, put_bytes
 
 if TYPE_CHECKING:
-    from spill.control.control import Run
+    from spill.control.control import Ownership
 
 STATE = "state.json"
 KIND_POINTER = "state"  # the run's pointer to the current state.json payload
@@ -95,7 +86,7 @@ def _check_more(doc: dict[str, Any], uri: str) -> None:
             ) from None
 
 
-def write(run: Run, doc: dict[str, Any]) -> None:
+def write(run: Ownership, doc: dict[str, Any]) -> None:
     """Write ``doc`` as a new payload and make it current (fenced: only the run's owner can)."""
     from spill.validate import remember, validate
 

@@ -36,7 +36,7 @@ from spill.jobs.rows_job import (
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunOptions:
+class GenerateOptions:
     """What decides a generated row (``spill run`` and ``spill distill``); the defaults of
     max_new_tokens and temperature are the ``teacher`` conf group's (``conf/``)."""
 
@@ -88,7 +88,7 @@ def encode_rows(tokenizer, rows, chat: bool, input_path: Path) -> dict:
 def generator(
     loaded: LoadedModel,
     rows,
-    opts: RunOptions,
+    opts: GenerateOptions,
     input_path: Path,
     counter: dict,
     adapter: Adapter | None = None,
@@ -119,12 +119,14 @@ def generator(
     return Work(compute, lambda row: len(encoded[row.id]) + opts.max_new_tokens)
 
 
-def check_options(opts: RunOptions, job: RowOptions) -> None:
+def check_options(opts: GenerateOptions, job: RowOptions) -> None:
     if (job.batch is not None and job.batch < 1) or opts.max_new_tokens < 1:
         raise DataError("--batch and --max-new-tokens must be at least 1")
 
 
-def run(model: str, input_path: Path, out_path: Path, opts: RunOptions, job: RowOptions) -> dict:
+def generate(
+    model: str, input_path: Path, out_path: Path, opts: GenerateOptions, job: RowOptions
+) -> dict:
     check_options(opts, job)
     input_path, out_path = Path(input_path), Path(out_path)
     refuse_overlap(job_inputs(input_path, model, opts.adapter), out_path, job.state)

@@ -1,18 +1,12 @@
 """Starting and acquiring a state location's run: ``acquire`` and ``held``.
 
 ``acquire`` makes this process the owner of the current run at the next generation when the run
-is free: no owner, an owner that released it, a lease that expired, or (same host, same boot) an
-owner process that is gone, so a SIGKILLed local job is taken over at once. Otherwise it raises
-``Busy`` (exit 75, the owner named) or, with ``wait``, polls until the run is free. The first
-run of a location, and a new run after a completed one (``new_run``), are created by a
-conditional write of ``runs/current.json``, so two processes never start two runs in one place;
-a new run's generation is above every generation in use there (``runlist.next_generation``),
-so it never writes a payload name that exists or existed. A missing ``runs/current.json`` is
-rebuilt from the control objects there (``runlist.restore``), never started afresh.
-
-A state copied from elsewhere (its control object's ``home`` is another place) may not continue
-while the original's owner holds the original: checked where the original can be read (the same
-host, or an object store URI); elsewhere the copied lease decides.
+is free (no owner, released, lease expired, or a gone process on this host and boot), else
+raises ``Busy`` (exit 75) or, with ``wait``, polls. The first run of a location and a new run
+after a completed one (``acquire(new_run=True)``) are created by a conditional write of
+``runs/current.json``, so two processes never start two runs in one place; a missing list is rebuilt
+(``runlist.restore``), never started afresh. A state copied from elsewhere may not continue while
+the original's owner holds it, where the original can be read. docs/authority.md.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
-from spill.control.control import SCHEMA_VERSION, Busy, Run, RunComplete, Superseded, _iso
+from spill.control.control import SCHEMA_VERSION, Busy, Ownership, RunComplete, Superseded, _iso
 from spill.control.keys import (
     CONTROL,
     CURRENT,
@@ -100,7 +94,7 @@ def acquire(
     wait: bool = False,
     new_run: bool = False,
     poll: float = 0.5,
-) -> Run:
+) -> Ownership:
     """Own the current run at ``state`` (creating the first one), at its next generation.
 
     ``new_run``: when the current run is complete (a build whose inputs changed after
@@ -127,7 +121,7 @@ def acquire(
         return run
 
 
-def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
+def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Ownership:
     home = home_of(store.state)
     for _ in range(ATTEMPTS):
         with store.exclusive():
@@ -153,9 +147,9 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
                 except (Conflict, Uncertain):
                     got, _ = read_runs(store)
                     if got is not None and got["current"] == rid:
-                        return Run(store, doc, lease)
+                        return Ownership(store, doc, lease)
                     continue  # someone else started a run here first: compete for theirs
-                return Run(store, doc, lease)
+                return Ownership(store, doc, lease)
             rid = runs["current"]
             doc, tag = read_control(store, rid)
             if doc is None:
@@ -184,9 +178,9 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Run:
             except (Conflict, Uncertain):
                 got, _ = read_control(store, rid)
                 if got is not None and got["last"]["op"] == f"{nonce}:0":
-                    return Run(store, got, lease)
+                    return Ownership(store, got, lease)
                 continue
-            return Run(store, new, lease)
+            return Ownership(store, new, lease)
     raise StoreError(f"{store.state}: could not acquire its run; try again")
 
 
@@ -287,7 +281,7 @@ def held(
     lease: float | None = None,
     wait: bool = False,
     on_lost: Callable[[Superseded], None] | None = None,
-) -> Iterator[Run]:
+) -> Iterator[Ownership]:
     """Own the run at ``state`` for the block, heartbeat included; released when it ends,
     however it ends (a completed run stays complete)."""
     run = acquire(state, lease=lease, wait=wait)
