@@ -11,7 +11,7 @@ import argparse
 
 from spill.errors import UsageError
 
-JOB_VERBS = ("run", "eval", "distill", "tune", "train")  # train: tune's alias
+JOB_VERBS = ("run", "eval", "distill", "tune", "train", "predict")  # train: tune's alias
 # the engine flags that take a value (--resident is the one switch): what build and resume turn
 # into engine.* overrides, and what a resume passes on to the command it replays
 ENGINE_FLAGS = ("engine", "device", "dtype", "ring", "memory")
