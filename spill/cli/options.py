@@ -88,6 +88,22 @@ def engine_options(p: argparse.ArgumentParser, shorthand: bool = False) -> None:
     )
 
 
+def engine_settings(args: argparse.Namespace):
+    """A job verb's engine flags as its engine group (``--memory`` parsed to bytes)."""
+    from spill.settings import EngineSettings
+
+    if args.ring is not None and args.ring < 1:
+        raise UsageError("--ring must be at least 1")
+    return EngineSettings(
+        name=args.engine,
+        ring=args.ring,
+        resident=args.resident,
+        memory=args.memory,
+        device=args.device,
+        dtype=args.dtype,
+    )
+
+
 def engine_overrides(args: argparse.Namespace) -> list[str]:
     """``--engine --device --dtype --ring --resident --memory`` as the ``engine.*`` overrides
     they stand for (the same options every computing verb takes)."""

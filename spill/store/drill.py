@@ -24,6 +24,7 @@ state behind:
 ``move-claim``          the destination claimed (``incoming``), the source not changed yet
 ``move-abort``          an aborted move's source returned (a new generation), its
                         destination claim not yet removed
+``chat-token``          a chat reply's token shown, the next one not chosen yet
 =====================  ===================================================================
 
 Two ways to act there, both off unless asked for:
@@ -70,6 +71,7 @@ MOVE_QUIESCE, MOVE_TAKE, MOVE_COPY, MOVE_VERIFY, MOVE_INCOMING, MOVE_FENCE, MOVE
     f"move-{s}" for s in MOVE_STEPS
 )
 MOVE_CHECKED, MOVE_CLAIM, MOVE_ABORT = "move-checked", "move-claim", "move-abort"
+CHAT_TOKEN = "chat-token"
 BOUNDARIES = (
     CKPT_BETWEEN_FILES,
     CKPT_BEFORE_COMMIT,
@@ -88,6 +90,7 @@ BOUNDARIES = (
     MOVE_CHECKED,
     MOVE_CLAIM,
     MOVE_ABORT,
+    CHAT_TOKEN,
 )
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
