@@ -41,8 +41,6 @@ def _places(args) -> tuple[str, str | None]:
 
 
 def _request(args):
-    import dataclasses
-
     from spill.jobs.authority import Writer
     from spill.jobs.rows_job import RowOptions
     from spill.project.predict import Request
@@ -51,8 +49,7 @@ def _request(args):
         raise UsageError("--stop-after keeps the rows done only with --state; give one")
     writer = Writer(args.state, args.lease, args.wait, tuple(getattr(args, "argv", ())))
     job = RowOptions(batch=args.batch, stop_after=args.stop_after, writer=writer)
-    return dataclasses.replace(
-        Request(),
+    return Request(
         generate=args.generate,
         max_new_tokens=args.max_new_tokens,
         engine=tuple(engine_overrides(args)),
