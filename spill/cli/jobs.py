@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from spill.cli.options import authority_options, engine_options, setting_flags
-from spill.errors import SpillError
+from spill.cli.options import authority_options, engine_options, engine_settings, setting_flags
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
@@ -42,22 +41,6 @@ def _state_option(p: argparse.ArgumentParser) -> None:
     authority_options(p)
 
 
-def _engine(args):
-    """The engine group as the flags give it (``--memory`` parsed to bytes)."""
-    from spill.settings import EngineSettings
-
-    if args.ring is not None and args.ring < 1:
-        raise SpillError("--ring must be at least 1")
-    return EngineSettings(
-        name=args.engine,
-        ring=args.ring,
-        resident=args.resident,
-        memory=args.memory,
-        device=args.device,
-        dtype=args.dtype,
-    )
-
-
 def _writer(args):
     from spill.jobs.authority import Writer
 
@@ -68,7 +51,7 @@ def _row_options(args):
     from spill.jobs.rows_job import RowOptions
 
     return RowOptions(
-        batch=args.batch, engine=_engine(args), weights=args.weights, writer=_writer(args)
+        batch=args.batch, engine=engine_settings(args), weights=args.weights, writer=_writer(args)
     )
 
 
@@ -132,7 +115,7 @@ def cmd_tune(args) -> int:
     opts = TuneOptions(
         tune=TuneSettings(**settings),
         seed=args.seed,
-        engine=_engine(args),
+        engine=engine_settings(args),
         stop_after=args.stop_after,
         weights=args.weights,
         writer=_writer(args),

@@ -11,7 +11,7 @@ import argparse
 
 from spill.errors import UsageError
 
-JOB_VERBS = ("run", "eval", "distill", "tune", "train")  # train: tune's alias
+JOB_VERBS = ("run", "eval", "distill", "tune", "train", "predict")  # train: tune's alias
 # the engine flags that take a value (--resident is the one switch): what build and resume turn
 # into engine.* overrides, and what a resume passes on to the command it replays
 ENGINE_FLAGS = ("engine", "device", "dtype", "ring", "memory")
@@ -85,6 +85,22 @@ def engine_options(p: argparse.ArgumentParser, shorthand: bool = False) -> None:
         default=e["memory"],
         metavar="SIZE",
         help="memory budget for the layer ring, e.g. 8G (default: from free RAM)",
+    )
+
+
+def engine_settings(args: argparse.Namespace):
+    """A job verb's engine flags as its engine group (``--memory`` parsed to bytes)."""
+    from spill.settings import EngineSettings
+
+    if args.ring is not None and args.ring < 1:
+        raise UsageError("--ring must be at least 1")
+    return EngineSettings(
+        name=args.engine,
+        ring=args.ring,
+        resident=args.resident,
+        memory=args.memory,
+        device=args.device,
+        dtype=args.dtype,
     )
 
 

@@ -30,13 +30,24 @@ def _overrides(args) -> list[str]:
     return extra + engine_overrides(args)
 
 
-def _emit_build(summary: dict, as_json: bool) -> None:
+def _emit_build(summary: dict, as_json: bool, args=None) -> None:
+    """The table (or JSON); after a build or resume that has an adapter, where it is and the
+    command that predicts with it (``args``: the command's, for its DIR and --state)."""
     import json
 
+    from spill.project.status import adapter, render
     from spill.project.status import as_json as to_json
-    from spill.project.status import render
 
-    print(json.dumps(to_json(summary), indent=2, sort_keys=True) if as_json else render(summary))
+    if as_json:
+        print(json.dumps(to_json(summary), indent=2, sort_keys=True))
+        return
+    print(render(summary))
+    where = adapter(summary) if args is not None else None
+    if where:
+        project = "" if args.dir == "." else f"{args.dir} "
+        state = f" --build-state {args.state}" if args.state else ""
+        print(f"adapter: {where}/ (spill, PEFT and MLX-LM layouts)")
+        print(f'predict: spill predict {project}INPUT.csv --out OUT.jsonl{state}, or --text "..."')
 
 
 def cmd_init(args) -> int:
@@ -112,7 +123,7 @@ def _build(args) -> int:
         result = sweep(args.dir, opts)
         print(json.dumps(result, indent=2, sort_keys=True) if args.json else render(result))
         return exit_code(result)
-    _emit_build(build(args.dir, opts), args.json)
+    _emit_build(build(args.dir, opts), args.json, args)
     return 0
 
 
@@ -139,7 +150,7 @@ def cmd_resume(args) -> int:
         resume=True,
         engine=tuple(engine_overrides(args)),
     )
-    return _preemptible(lambda: _emit_build(build(args.dir, opts), args.json) or 0)
+    return _preemptible(lambda: _emit_build(build(args.dir, opts), args.json, args) or 0)
 
 
 def cmd_status(args) -> int:

@@ -59,7 +59,12 @@ class GenerateParams:
 @dataclass(frozen=True)
 class Generation:
     tokens: np.ndarray  # (n,) int64, generated ids without the stop token
-    finish: str  # "stop" or "length"
+    finish: str  # "stop", "length" or "cancelled" (``on_token`` asked to end the row)
+
+
+# called with (row, token id) for each generated token as it is chosen (not a stop token);
+# returning True ends that row
+OnToken = Callable[[int, int], bool | None]
 
 
 @dataclass
@@ -175,9 +180,14 @@ class Runner(Protocol):
         ...
 
     def generate(
-        self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]
+        self,
+        prompts: Sequence[np.ndarray],
+        params: GenerateParams,
+        seeds: Sequence[int],
+        on_token: OnToken | None = None,
     ) -> list[Generation]:
-        """KV-cached generation for a batch; row r samples from its own generator ``seeds[r]``."""
+        """KV-cached generation for a batch; row r samples from its own generator ``seeds[r]``;
+        ``on_token`` sees every token as it is chosen (see ``OnToken``)."""
         ...
 
     def score(

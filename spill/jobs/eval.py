@@ -5,8 +5,8 @@ a training file can be graded as is). For every row the model generates greedily
 correct when the generated text equals the answer after stripping leading and trailing
 whitespace on both sides; the comparison is otherwise exact (case, inner spaces, punctuation).
 Independently of the generation, the engine scores the gold answer's tokens given the prompt
-(the answer encoded without special tokens, no end-of-sequence token): their summed log-prob
-and per-token mean. A row job like run: ``--state`` commits graded rows in segments.
+(``spill.jobs.scoring``, as ``spill predict`` scores each label): their summed log-prob and
+per-token mean. A row job like run: ``--state`` commits graded rows in segments.
 
 ``--max-new-tokens`` defaults to the longest answer in the file plus 16 tokens, fixed for the
 whole file, so results do not depend on the batch. An adapter folder is spill's layout or
@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from spill.console import note
 from spill.engines.base import GenerateParams
@@ -37,6 +35,8 @@ from spill.jobs.rows_job import (
     refuse_overlap,
     write_jsonl,
 )
+from spill.jobs.scoring import answer_ids
+from spill.jobs.scoring import total as summed
 
 ANSWER_MARGIN = 16  # extra tokens past the longest answer, so a model that keeps going is wrong
 
@@ -96,7 +96,7 @@ def _grader(
     tok = loaded.tokenizer
     apply_adapter(loaded, adapter)
     prompts = encode_rows(tok, [r.row for r in rows], opts.chat, input_path)
-    gold = {r.id: np.asarray(tok.encode(r.answer, False), dtype=np.int64) for r in rows}
+    gold = {r.id: answer_ids(tok, r.answer) for r in rows}
     new = _max_new(opts, rows, tok)
     params = GenerateParams(new, 0.0, 1.0, tuple(tok.eos_ids))
 
@@ -107,7 +107,7 @@ def _grader(
         records = []
         for row, gen, lp in zip(batch, outs, scores, strict=True):
             text = tok.decode(gen.tokens)
-            total = float(np.sum(lp, dtype=np.float64))
+            total = summed(lp)
             records.append(
                 {
                     "id": row.id,
@@ -133,7 +133,7 @@ def _grader(
 def _max_new(opts: EvalOptions, rows: list[EvalRow], tok) -> int:
     if opts.max_new_tokens is not None:
         return opts.max_new_tokens
-    return max(len(tok.encode(r.answer, False)) for r in rows) + ANSWER_MARGIN
+    return max(len(answer_ids(tok, r.answer)) for r in rows) + ANSWER_MARGIN
 
 
 OTHER = "(other)"  # a generated answer that is none of the labels

@@ -1,4 +1,4 @@
-"""The row-job driver shared by run, eval and distill: quanta of rows, committed segments, resume.
+"""The row-job driver shared by run, eval, distill and predict: quanta of rows, committed segments, resume.
 
 A verb gives its rows (anything with an ``id``), the settings that decide its results, and a
 ``prepare(loaded)`` that returns a ``Work``: ``compute(batch) -> [record, ...]`` (one JSON record
@@ -87,7 +87,7 @@ class Work:
 
 @dataclass(frozen=True)
 class RowJob:
-    verb: str  # "run", "eval", "distill": part of the identity
+    verb: str  # "run", "eval", "distill", "predict": part of the identity
     model: str
     input_path: Path
     rows: Sequence[HasId]

@@ -82,8 +82,9 @@ def _jsonl_records(path: Path) -> tuple[list[str], list[tuple[str, dict]]]:
     return list(columns), [(f"line {lineno}", obj) for lineno, obj in objects]
 
 
-def read_rows(path: Path, input_col: str, output_col: str) -> list[Row]:
-    """Every data row; a missing file, column or value fails in one line naming it."""
+def _records(path: Path, columns_needed: dict[str, str]) -> list[tuple[str, dict]]:
+    """``(where, record)`` of every data row; a missing file or column fails in one line
+    (``columns_needed``: column -> the setting that names it)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such data file; give a CSV or JSONL file")
@@ -96,18 +97,40 @@ def read_rows(path: Path, input_col: str, output_col: str) -> list[Row]:
         raise DataError(f"{path}: unreadable ({e}); save it as UTF-8 CSV or JSONL") from None
     if not records:
         raise DataError(f"{path}: no data rows; the file is empty")
-    for col, flag in ((input_col, "--input/data.input"), (output_col, "--output/data.output")):
+    for col, flag in columns_needed.items():
         if col not in columns:
             have = ", ".join(repr(c) for c in columns) or "none"
             raise DataError(f"{path}: no column {col!r} ({flag}); the columns are {have}")
+    return records
+
+
+def read_rows(path: Path, input_col: str, output_col: str) -> list[Row]:
+    """Every data row; a missing file, column or value fails in one line naming it."""
+    needed = {input_col: "--input/data.input", output_col: "--output/data.output"}
     return [
         Row(
             i,
             _cell(rec.get(input_col), path, where, input_col),
             _cell(rec.get(output_col), path, where, output_col),
         )
-        for i, (where, rec) in enumerate(records, 1)
+        for i, (where, rec) in enumerate(_records(path, needed), 1)
     ]
+
+
+def read_inputs(path: Path, input_col: str) -> list[tuple[str | int, str]]:
+    """``(id, input)`` of every row of a file of new inputs, read as the project's data is: the
+    id is the row's ``id`` column when it has one (each distinct), else its position (1-based)."""
+    out: list[tuple[str | int, str]] = []
+    seen: dict = {}
+    for i, (where, rec) in enumerate(_records(path, {input_col: "the project's data.input"}), 1):
+        rid = rec.get("id", i)
+        if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
+            raise DataError(f"{path}: {where} has an 'id' that is no string or integer")
+        if rid in seen:
+            raise DataError(f"{path}: {where} repeats the id {rid!r} of {seen[rid]}")
+        seen[rid] = where
+        out.append((rid, _cell(rec.get(input_col), path, where, input_col)))
+    return out
 
 
 def detect_task(rows: list[Row]) -> str:
@@ -173,14 +196,20 @@ def _jsonl(records: list[dict]) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
 
 
+def prompt_of(text: str, labels: tuple[str, ...], template: str, chat: bool) -> dict:
+    """The model's side of a row for an input: ``{"prompt"}``, or ``{"messages"}`` (one user
+    turn) when ``chat``; ``spill predict`` asks a tuned model the same way."""
+    text = template.format(input=text, labels=", ".join(labels))
+    return {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+
+
 def render(
     train: list[Row], test: list[Row], labels: tuple[str, ...], template: str, chat: bool
 ) -> tuple[bytes, bytes, bytes]:
     """(training rows, graded rows, teacher prompts) for a prompt template."""
 
     def prompt(r: Row) -> dict:
-        text = template.format(input=r.input, labels=", ".join(labels))
-        return {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+        return prompt_of(r.input, labels, template, chat)
 
     def trained(r: Row) -> dict:
         p = prompt(r)

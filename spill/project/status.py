@@ -19,7 +19,7 @@ from spill.console import table
 from spill.errors import StoreError
 from spill.paths import STATE_DIR
 from spill.project import record, uptodate
-from spill.project.stages import STAGES, get
+from spill.project.stages import STAGES, TUNE, get
 from spill.store.location import location
 
 
@@ -158,7 +158,19 @@ def as_json(summary: dict[str, Any]) -> dict[str, Any]:
     }
     keys = ("project", "state", "dry_run", "plan", "notes", "run")
     out = {k: summary.get(k) for k in keys if k in summary}
-    return {**out, "stages": stages, "data": doc.get("data")}
+    return {**out, "stages": stages, "data": doc.get("data"), "adapter": adapter(summary)}
+
+
+def adapter(summary: dict[str, Any]) -> str | None:
+    """Where the finished tune stage published the adapter (``<state>/adapters/<name>``), or
+    None while it is not done, is out of date, or this is a dry run."""
+    from spill.store.fs import join
+
+    doc = summary.get("doc") or {}
+    rec = (doc.get("stages") or {}).get(TUNE.name) or {}
+    if summary.get("dry_run") or rec.get("status") != "done" or rec.get("problem"):
+        return None
+    return join(str(summary["state"]), TUNE.output(doc["project"]["name"]))
 
 
 def score(recs: dict, stage: str) -> float | None:

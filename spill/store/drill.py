@@ -39,6 +39,7 @@ MOVE_QUIESCE, MOVE_TAKE, MOVE_COPY, MOVE_VERIFY, MOVE_INCOMING, MOVE_FENCE, MOVE
     f"move-{s}" for s in MOVE_STEPS
 )
 MOVE_CHECKED, MOVE_CLAIM, MOVE_ABORT = "move-checked", "move-claim", "move-abort"
+CHAT_TOKEN = "chat-token"
 BOUNDARIES = (
     CKPT_BETWEEN_FILES,
     CKPT_BEFORE_COMMIT,
@@ -57,6 +58,7 @@ BOUNDARIES = (
     MOVE_CHECKED,
     MOVE_CLAIM,
     MOVE_ABORT,
+    CHAT_TOKEN,
 )
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 

@@ -12,7 +12,11 @@ SUBCOMMANDS = [
     [],
     *(
         [v]
-        for v in ("run", "eval", "distill", "tune", "init", "build", "status", "resume", "models")
+        for v in (
+            *"run eval distill tune init build status resume models".split(),
+            "predict",
+            "chat",
+        )
     ),
 ]
 SUBCOMMANDS += [["models", "import"], ["models", "tiny"], ["models", "list"]]

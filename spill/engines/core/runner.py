@@ -3,7 +3,8 @@
 Rows are left-padded; positions come from the mask, so padding shifts nothing. Generation runs
 a prefill, then one token per step, and every step walks all layers (in streaming mode each step
 streams the whole model: that is the design). Logits come back to the host as float32 numpy;
-greedy is ``argmax`` (the first index on ties), and a sampled row draws from its own sampler
+greedy is ``argmax`` (the first index on ties); ``on_token`` (streaming: ``spill chat``) sees each
+token as it is chosen, inside this one loop, and a sampled row draws from its own sampler
 seeded by ``seeds[r]`` (the kernel's: torch keeps ``torch.Generator``, MLX numpy's), so a row's
 draws never depend on its batch neighbours'. Sampled text is reproducible per engine; greedy
 text agrees across engines.
@@ -15,7 +16,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from spill.engines.base import BatchPlan, EngineInfo, GenerateParams, Generation, Stats
+from spill.engines.base import (
+    BatchPlan,
+    EngineInfo,
+    GenerateParams,
+    Generation,
+    OnToken,
+    Stats,
+)
 from spill.engines.core.batching import ROWS_FRACTION, plan_batch
 from spill.engines.core.common import (
     check_generate,
@@ -137,7 +145,11 @@ class StreamRunner:
         return self.model.kernel.numpy(self.model.kernel.logits(h[:, -1]))  # (B, V) float32
 
     def generate(
-        self, prompts: Sequence[np.ndarray], params: GenerateParams, seeds: Sequence[int]
+        self,
+        prompts: Sequence[np.ndarray],
+        params: GenerateParams,
+        seeds: Sequence[int],
+        on_token: OnToken | None = None,
     ) -> list[Generation]:
         check_generate(prompts, params, seeds, self.model.cfg.vocab_size)
         batch, steps = len(prompts), params.max_new_tokens
@@ -170,6 +182,8 @@ class StreamRunner:
                         finish[r] = "stop"
                     else:
                         out[r].append(tok)
+                        if on_token is not None and on_token(int(r), tok):
+                            finish[r] = "cancelled"  # the caller wants no more of this row
                 if all(f is not None for f in finish) or step == steps - 1:
                     break
                 still = np.flatnonzero([finish[r] is None for r in live])

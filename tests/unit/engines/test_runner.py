@@ -98,6 +98,30 @@ def test_stop_ids_finish_rows_independently(runners):
         assert (g.tokens.tolist(), g.finish) == want
 
 
+def test_on_token_streams_each_token_in_order_and_can_end_a_row(runners):
+    streamed, _ = runners
+    free = streamed.generate(PROMPTS, GREEDY, [0, 0, 0])
+    seen: list[tuple[int, int]] = []
+    streamed_out = streamed.generate(
+        PROMPTS, GREEDY, [0, 0, 0], on_token=lambda r, t: seen.append((r, t))
+    )
+    assert tokens(streamed_out) == tokens(free)  # watching changes nothing
+    for r, g in enumerate(free):
+        assert [t for row, t in seen if row == r] == g.tokens.tolist()
+    # row 1 asks to stop after its third token; its neighbours are unaffected
+    counts = {0: 0, 1: 0, 2: 0}
+
+    def stop_row_1(r: int, t: int) -> bool:
+        counts[r] += 1
+        return r == 1 and counts[r] == 3
+
+    ended = streamed.generate(PROMPTS, GREEDY, [0, 0, 0], on_token=stop_row_1)
+    assert (
+        ended[1].finish == "cancelled" and ended[1].tokens.tolist() == free[1].tokens[:3].tolist()
+    )
+    assert [tokens([ended[i]]) for i in (0, 2)] == [tokens([free[i]]) for i in (0, 2)]
+
+
 def test_edges_and_stats(runners):
     streamed, _ = runners
     before = streamed.stats.layer_loads

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from spill.errors import DataError
-from spill.project.data import Row, detect_task, prepare, read_rows, split
+from spill.project.data import (
+    Row,
+    detect_task,
+    prepare,
+    prompt_of,
+    read_inputs,
+    read_rows,
+    split,
+)
 
 
 def write_csv(path, rows, header=("text", "label")):
@@ -96,3 +105,29 @@ def test_rendered_rows(tmp_path):
     assert first["messages"][0]["content"].startswith("Pick a, b, c: item")
     assert (plain.n_train, plain.n_test) == (24, 6)
     assert prepare(path, "text", "label", "auto", 0, 0.2, "Q: {input}\n", False) == plain
+
+
+def test_new_inputs_are_read_as_the_data_is(tmp_path):
+    """``spill predict``'s rows: the input column alone, ids from an ``id`` column or the row's
+    position, a row without the input named in one line."""
+    plain = write_csv(tmp_path / "new.csv", [("hello there",), ("second",)], header=("text",))
+    assert read_inputs(plain, "text") == [(1, "hello there"), (2, "second")]
+    jl = tmp_path / "new.jsonl"
+    jl.write_text('{"id": "a", "text": "one"}\n\n{"id": 7, "text": "two", "label": "x"}\n')
+    assert read_inputs(jl, "text") == [("a", "one"), (7, "two")]
+    assert prompt_of("one", ("x", "y"), "{input} ({labels})?", True) == {
+        "messages": [{"role": "user", "content": "one (x, y)?"}]
+    }
+    assert prompt_of("one", (), "Q: {input}", False) == {"prompt": "Q: one"}
+
+    cases = {
+        '{"text": "one"}\n{"body": "two"}\n': "line 2 has no text in 'text'",
+        '{"body": "two"}\n': "no column 'text' (the project's data.input)",
+        '{"id": 1, "text": "a"}\n{"id": 1, "text": "b"}\n': "line 2 repeats the id 1 of line 1",
+        '{"id": [1], "text": "a"}\n': "'id' that is no string or integer",
+    }
+    for content, message in cases.items():
+        jl.write_text(content)
+        with pytest.raises(DataError, match=re.escape(message)) as e:
+            read_inputs(jl, "text")
+        assert "\n" not in str(e.value)

@@ -1,0 +1,80 @@
+"""``spill chat MODEL [--adapter A]``: talk to a model in a terminal (``spill.jobs.chat``).
+
+A line read after the ``> `` prompt is the next user turn; the reply is printed token by token
+as it is generated. ``/reset`` forgets the conversation; end of input (Ctrl-D) leaves with exit
+0; Ctrl-C during a reply stops that reply (what was shown stays in the conversation), at the
+prompt it leaves.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from spill.cli.options import engine_options, engine_settings
+
+HELP = "talk to a model (and adapter) in the terminal, the reply streamed as it is generated"
+PROMPT = "> "
+
+
+def _say(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def cmd_chat(args) -> int:
+    from spill.jobs.chat import open_chat
+
+    adapter = Path(args.adapter) if args.adapter else None
+    chat = open_chat(args.model, adapter, engine_settings(args), args.weights, args.max_new_tokens)
+    print("/reset forgets the conversation, Ctrl-D leaves, Ctrl-C stops a reply", file=sys.stderr)
+    stopped = [False]
+
+    def interrupt(signum, frame) -> None:
+        stopped[0] = True
+
+    try:
+        while True:
+            try:
+                line = input(PROMPT)
+            except EOFError:
+                _say("\n")
+                return 0
+            if not line.strip():
+                continue
+            if line.strip() == "/reset":
+                chat.reset()
+                _say("(conversation cleared)\n")
+                continue
+            stopped[0] = False
+            before = signal.signal(signal.SIGINT, interrupt)
+            try:
+                _, finish = chat.reply(line, _say, lambda: stopped[0])
+            finally:
+                signal.signal(signal.SIGINT, before)
+            _say(" [stopped]\n" if finish == "cancelled" else "\n")
+    finally:
+        chat.close()
+
+
+def add_parser(sub, full: bool = True) -> None:
+    """``full=False`` (another verb runs): the name and help only, no conf defaults read."""
+    if not full:
+        sub.add_parser("chat", help=HELP)
+        return
+    p = sub.add_parser(
+        "chat",
+        help=HELP,
+        description="An interactive conversation with MODEL (with --adapter, a LoRA adapter "
+        "folder such as a built project's .spill/adapters/<name>/), rendered with the model's "
+        "chat template and answered greedily. /reset forgets the conversation; Ctrl-D leaves "
+        "(exit 0); Ctrl-C during a reply stops that reply.",
+    )
+    p.add_argument("model", help="alias (smollm2:135m), hub id or local model folder")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (spill or PEFT layout)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=256, metavar="N", help="longest reply (256)"
+    )
+    engine_options(p)
+    p.set_defaults(func=cmd_chat)
