@@ -163,14 +163,18 @@ def as_json(summary: dict[str, Any]) -> dict[str, Any]:
 
 def adapter(summary: dict[str, Any]) -> str | None:
     """Where the finished tune stage published the adapter (``<state>/adapters/<name>``), or
-    None while it is not done, is out of date, or this is a dry run."""
+    None while it is not done, is out of date, or this is a dry run (or a summary that names no
+    state or project)."""
     from spill.store.fs import join
 
     doc = summary.get("doc") or {}
     rec = (doc.get("stages") or {}).get(TUNE.name) or {}
+    name = (doc.get("project") or {}).get("name")
     if summary.get("dry_run") or rec.get("status") != "done" or rec.get("problem"):
         return None
-    return join(str(summary["state"]), TUNE.output(doc["project"]["name"]))
+    if not name or not summary.get("state"):
+        return None
+    return join(str(summary["state"]), TUNE.output(name))
 
 
 def score(recs: dict, stage: str) -> float | None:
