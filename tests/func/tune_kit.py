@@ -322,11 +322,22 @@ class Control:
 _controls: dict[str, Control] = {}
 
 
-def control(tmp_path_factory, tiny_models: dict[str, Path]) -> Control:
-    """The uninterrupted standard run, made once per session, with its timeline."""
-    if "standard" not in _controls:
-        base = tmp_path_factory.mktemp("tune-control")
+def quantized_tiny(tiny_models: dict[str, Path], dest: Path) -> Path:
+    """The tiny llama's 4-bit group-32 copy (what ``spill models quantize`` writes), as a folder."""
+    from spill.models.quantize import quantize_folder
+
+    quantize_folder(tiny_models["llama"], dest, 4, 32, progress=lambda line: None)
+    return dest
+
+
+def control(tmp_path_factory, tiny_models: dict[str, Path], variant: str = "standard") -> Control:
+    """The uninterrupted standard run, made once per session, with its timeline; ``variant``
+    "quantized" runs it on the 4-bit copy of the same tiny llama."""
+    if variant not in _controls:
+        base = tmp_path_factory.mktemp(f"tune-control-{variant}")
         model = tiny_models["llama"]
+        if variant == "quantized":
+            model = quantized_tiny(tiny_models, base / "tiny-q4g32")
         train = write_train(base / "train.jsonl")
         state = str(base / "state")
         w = Worker(tune_argv(model, train, state), spill_env(base / "home", SPILL_PROGRESS="1"))
@@ -353,7 +364,7 @@ def control(tmp_path_factory, tiny_models: dict[str, Path]) -> Control:
         assert done.returncode == 0, done.stderr
         every = SETTINGS["ckpt_every"]
         assert len(commits) == STEPS // every, commits
-        _controls["standard"] = Control(
+        _controls[variant] = Control(
             model,
             train,
             state,
@@ -365,4 +376,4 @@ def control(tmp_path_factory, tiny_models: dict[str, Path]) -> Control:
             step=(commits[STEPS] - commits[every]) / (STEPS - every),
             publish=window - commits[STEPS],
         )
-    return _controls["standard"]
+    return _controls[variant]
