@@ -35,6 +35,7 @@ class Placement:
     itemsize: int  # bytes per base weight in ``dtype``
     budget: Callable[[], int]  # the default ring budget, asked only without ``options.memory``
     reader: Any  # ``tensors(names) -> {name: array}``, ``has(name)``, ``close()``
+    weights_note: str = ""  # what the engine changes about a quantized base's weights, if any
 
 
 class Backend(Protocol):
@@ -99,6 +100,6 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         ring=slots,
         layers=layers,
         resident=resident,
-        weights=_weights(model),
+        weights=", ".join(w for w in (_weights(model), place.weights_note) if w),
     )
     return StreamRunner(Model(engine.kernel(cfg, place), ring), info, stats, options.budget)

@@ -23,7 +23,7 @@ from spill.engines.mlx.kernel import FAMILIES, MLXKernel  # noqa: E402
 from spill.engines.mlx.reader import MLXHooks, WeightReader, default_budget  # noqa: E402
 from spill.errors import EngineError  # noqa: E402
 from spill.models.config import ModelConfig  # noqa: E402
-from spill.models.weights import weight_files  # noqa: E402
+from spill.models.weights import quantized_weights, weight_files  # noqa: E402
 
 __all__ = ["ENGINE", "MLXEngine"]
 
@@ -45,9 +45,18 @@ def pick_device(requested: str | None) -> mx.Device:
     raise EngineError(f"device {requested!r} is not understood by the mlx engine; use cpu or gpu")
 
 
+def _dequantized_note(names: list[str]) -> str:
+    """The pre-run line's words for group-16 weights, which mlx's kernels do not take."""
+    if not names:
+        return ""
+    n = len(names)
+    return f"{n} module{'s' if n > 1 else ''} g16 dequantized (mlx takes g32/g64/g128)"
+
+
 class MLXEngine:
     name = "mlx"
     families = FAMILIES
+    quantized = True  # mx.quantized_matmul on packed layers (group 16 dequantized on load)
 
     def open(self, model: ModelSpec, options: LoadOptions) -> StreamRunner:
         return open_runner(self, model, options)
@@ -59,6 +68,8 @@ class MLXEngine:
             # Tiny matrices: a BLAS thread pool's fork/join costs more than it saves.
             blas.set_threads(cfg.hidden_size < SMALL_HIDDEN)
         dtype, why = numerics.choose(device, options.dtype)
+        files = weight_files(folder)
+        reader = WeightReader(files, dtype, quantized_weights(cfg, files))
         return Placement(
             device=device,
             device_name="gpu" if device == mx.gpu else "cpu",
@@ -67,7 +78,8 @@ class MLXEngine:
             why=why,
             itemsize=dtype.size,
             budget=default_budget,
-            reader=WeightReader(weight_files(folder), dtype),
+            reader=reader,
+            weights_note=_dequantized_note(reader.dequantized),
         )
 
     def hooks(self, place: Placement, resident: bool) -> MLXHooks:

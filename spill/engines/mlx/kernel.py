@@ -27,8 +27,17 @@ from spill.engines.core.common import adamw_factors
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.runner import sample_numpy
 from spill.engines.mlx import llama, qwen2
-from spill.engines.mlx.ops import Context, KVCache, context, inv_freq, log_softmax, rms_norm
-from spill.engines.mlx.reader import WeightReader, default_budget
+from spill.engines.mlx.ops import (
+    Context,
+    KVCache,
+    context,
+    embedding,
+    inv_freq,
+    log_softmax,
+    matmul_t,
+    rms_norm,
+)
+from spill.engines.mlx.reader import WeightReader, arrays, default_budget
 from spill.models.config import ModelConfig
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
@@ -62,7 +71,8 @@ class MLXKernel:
         tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
         self.lm_head = self.embed if tied else reader.tensor("lm_head.weight")
         self.freq = inv_freq(cfg)
-        mx.eval(self.embed, self.norm, self.lm_head, self.freq)
+        head = {"embed": self.embed, "norm": self.norm, "lm_head": self.lm_head}
+        mx.eval(arrays(head), self.freq)  # a packed embedding or head is three arrays
 
     # -- arrays in and out ---------------------------------------------------------------------
     def array(self, a: np.ndarray) -> mx.array:
@@ -103,7 +113,7 @@ class MLXKernel:
         mx.eval([a for c in caches for a in (c.k, c.v)])
 
     def embed_ids(self, ids):
-        return self.embed[ids]  # (B, T, hidden)
+        return embedding(self.embed, ids)  # (B, T, hidden)
 
     def layer(self, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
         # keeps no base outputs (``kept_outputs`` is empty): mx.vjp recomputes the whole layer
@@ -114,7 +124,7 @@ class MLXKernel:
 
     def logits(self, h):
         """h (N, hidden) -> float32 logits (N, V)."""
-        return (h @ self.lm_head.T).astype(mx.float32)
+        return matmul_t(h, self.lm_head).astype(mx.float32)  # a tied packed head stays packed
 
     def log_probs(self, h, targets) -> np.ndarray:
         logp = log_softmax(self.logits(h))  # (N, V) float32

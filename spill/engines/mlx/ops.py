@@ -4,6 +4,12 @@ Op for op the torch engine's ``ops`` (norm in float32, rotate_half rotary, repea
 softmax over a boolean mask), so float32 log-probs agree with torch to about 1e-6. Weights are
 plain dicts keyed like the HF checkpoint; the same functions run on a ring slot or a resident
 layer. MLX is lazy: callers ``mx.eval`` after each layer, so a released slot is really free.
+
+A quantized base's weight is a ``Packed`` record under the same key (``...q_proj.weight``):
+``linear`` multiplies it with ``mx.quantized_matmul`` (no dequantized copy exists, and mlx has
+its vjp with respect to ``x``, which is all the frozen base needs), and ``embedding`` takes the
+packed rows of the ids and dequantizes only those, in float32 then the compute dtype, as the
+torch engine computes every packed value.
 """
 
 from __future__ import annotations
@@ -17,14 +23,53 @@ import numpy as np
 
 from spill.models.config import ModelConfig
 
+
+@dataclass
+class Packed:
+    """One affine-quantized matrix (out, in) as mlx-lm stores it: ``weight`` uint32
+    (out, in * bits / 32), ``scales`` and ``biases`` (out, in / group_size) in their stored
+    dtype; ``dtype`` is the compute dtype its products come back in."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+    dtype: mx.Dtype
+
+    def arrays(self) -> list[mx.array]:
+        return [self.weight, self.scales, self.biases]
+
+    def rows(self, ids) -> mx.array:
+        """The dequantized rows ``ids`` (any shape) -> (*ids.shape, in) in the compute dtype."""
+        s, b = self.scales[ids].astype(mx.float32), self.biases[ids].astype(mx.float32)
+        w = mx.dequantize(self.weight[ids], s, b, group_size=self.group_size, bits=self.bits)
+        return w.astype(self.dtype)
+
+
+def matmul_t(x, w):
+    """``x @ w.T`` for a float matrix or a ``Packed`` one (out, in); x (..., in) -> (..., out)."""
+    if isinstance(w, Packed):
+        y = mx.quantized_matmul(
+            x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
+        )
+        return y.astype(x.dtype)  # float32 or float16 scales promote a bf16 product
+    return x @ w.T
+
+
+def embedding(table, ids):
+    """Rows ``ids`` (B, T) of an embedding table (V, hidden) -> (B, T, hidden)."""
+    return table.rows(ids) if isinstance(table, Packed) else table[ids]
+
+
 # An adapter on one linear: A (in, r), B (r, out) in float32, its scale (alpha / r), and
 # optionally a dropout applied to the adapter's float32 input (training only).
 Lora = tuple[mx.array, mx.array, float] | tuple[mx.array, mx.array, float, Callable]
 
 
 def linear(x, w, b=None, lora: Lora | None = None):
-    """``x @ w.T + b``, plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32."""
-    y = x @ w.T
+    """``x @ w.T + b`` (``w`` float or ``Packed``), plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32."""
+    y = matmul_t(x, w)
     if b is not None:
         y = y + b
     if lora is not None:

@@ -8,6 +8,12 @@ bf16 compute keeps the bits as uint16, and ``MLXHooks.ready`` bit-casts them on 
 thread (``view``, no copy). Streamed and resident runs read the same bytes the same way, so they
 agree bit for bit. Memory comes from MLX's allocator, whose cache reuses a released slot's
 buffers.
+
+A packed (quantized) weight stays packed: its uint32 words, scales and biases are read as stored
+into an ``ops.Packed`` under the weight's name, and the families multiply it with
+``mx.quantized_matmul``. mlx's kernels take groups of 32, 64 and 128 only, so a group-16 tensor
+(GGUF Q6_K) is dequantized on load, ``scale * q + bias`` in float32 as ``models.quant`` and the
+torch engine compute it, then held in the compute dtype (``dequantized`` names them).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import numpy as np
 
 from spill.engines.core.reader import ShardFiles
 from spill.engines.core.ring import Hooks
+from spill.engines.mlx.ops import Packed
 from spill.errors import EngineError
+from spill.models import quant
 from spill.models.weights import WeightFiles
 from spill.store.safetensors_io import float32_to_bf16_bits
 
@@ -34,6 +42,8 @@ _NUMPY = {
     "I32": np.int32,
     "U8": np.uint8,
 }
+_PACKED = {**_NUMPY, "U32": np.uint32, "BF16": np.uint16}  # scales/biases kept as stored
+MLX_GROUPS = quant.GROUP_SIZES  # what mx.quantized_matmul takes
 
 
 def default_budget() -> int:
@@ -63,21 +73,42 @@ def _convert(raw: np.ndarray, code: str, bf16: bool, out: np.ndarray) -> np.ndar
     return dst.view(np.float32)
 
 
-def finish(w: dict[str, mx.array]) -> dict[str, mx.array]:
-    """On the computing thread, in place: bf16 bits (uint16) become bf16 arrays (a bit-cast)."""
+def _bf16(a: mx.array) -> mx.array:
+    return a.view(mx.bfloat16) if a.dtype == mx.uint16 else a
+
+
+def finish(w: dict) -> dict:
+    """On the computing thread, in place: bf16 bits (uint16) become bf16 arrays (a bit-cast),
+    a packed weight's scales and biases too."""
     for k, v in w.items():
-        if v.dtype == mx.uint16:
-            w[k] = v.view(mx.bfloat16)
+        if isinstance(v, Packed):
+            v.scales, v.biases = _bf16(v.scales), _bf16(v.biases)
+        else:
+            w[k] = _bf16(v)
     return w
 
 
-class WeightReader:
-    """Tensors by HF name from a folder's shards, as MLX arrays in the compute dtype."""
+def arrays(w: dict) -> list[mx.array]:
+    """Every array of a weight dict, a packed weight's three included (for ``mx.eval``)."""
+    return [a for v in w.values() for a in (v.arrays() if isinstance(v, Packed) else [v])]
 
-    def __init__(self, files: WeightFiles, dtype: mx.Dtype):
+
+class WeightReader:
+    """Tensors by HF name from a folder's shards, as MLX arrays in the compute dtype; a packed
+    weight (``quantized``: name -> (bits, group_size)) as an ``ops.Packed``."""
+
+    def __init__(
+        self,
+        files: WeightFiles,
+        dtype: mx.Dtype,
+        quantized: dict[str, tuple[int, int]] | None = None,
+    ):
         if dtype not in (mx.float32, mx.bfloat16):
             raise EngineError(f"compute dtype {dtype} is not supported; use float32 or bfloat16")
         self.files, self.dtype = files, dtype
+        self.quantized = dict(quantized or {})
+        # group 16 has no mlx kernel: those weights are dequantized as they load
+        self.dequantized = sorted(n for n, (_, g) in self.quantized.items() if g not in MLX_GROUPS)
         self._shards = ShardFiles(files)
         self._lock = threading.Lock()
         self._staging = np.empty(0, dtype=np.uint8)  # bytes as read
@@ -89,11 +120,45 @@ class WeightReader:
     def tensor(self, name: str) -> mx.array:
         return finish(self.tensors([name]))[name]
 
-    def tensors(self, names) -> dict[str, mx.array]:
+    def tensors(self, names) -> dict:
         """Several tensors, one read per contiguous byte range. bf16 compute returns uint16
         bits: pass them through ``finish``."""
+        names = list(names)
+        packed = [n for n in names if n in self.quantized]
+        out = self._floats([n for n in names if n not in self.quantized])
+        if packed:
+            out.update(self._packed(packed))
+        return out
+
+    def _packed(self, names) -> dict:
+        """Packed weights with their scales and biases, as stored (one read per range)."""
+        modules = [n.removesuffix(".weight") for n in names]
+        parts = [f"{m}.{p}" for m in modules for p in ("weight", "scales", "biases")]
+        raw: dict[str, np.ndarray] = {}
+        for r in self._shards.ranges(parts, _PACKED):
+            buf = np.empty(r.nbytes, dtype=np.uint8)
+            self._shards.pread(r.fd, [buf], r.start, r.shard)
+            for lo, hi, name, info in r.tensors:
+                raw[name] = buf[lo:hi].copy().view(_PACKED[info["dtype"]]).reshape(info["shape"])
+        out = {}
+        for name, m in zip(names, modules, strict=True):
+            bits, group = self.quantized[name]
+            w, s, b = raw[f"{m}.weight"], raw[f"{m}.scales"], raw[f"{m}.biases"]
+            if group not in MLX_GROUPS:
+                f32 = quant.dequantize(w, _float32(s), _float32(b), bits, group)  # (out, in)
+                if self.dtype == mx.bfloat16:
+                    out[name] = mx.array(float32_to_bf16_bits(f32))
+                else:
+                    out[name] = mx.array(f32)
+                continue
+            out[name] = Packed(mx.array(w), mx.array(s), mx.array(b), bits, group, self.dtype)
+        return out
+
+    def _floats(self, names) -> dict[str, mx.array]:
         bf16 = self.dtype == mx.bfloat16
         out: dict[str, mx.array] = {}
+        if not names:
+            return out
         with self._lock:
             for r in self._shards.ranges(names, _NUMPY):
                 if self._staging.nbytes < r.nbytes:
@@ -116,11 +181,18 @@ class WeightReader:
             self._staging = self._converted = np.empty(0, dtype=np.uint8)
 
 
+def _float32(a: np.ndarray) -> np.ndarray:
+    """Stored scales or biases (float16, float32, or bf16 as uint16 bits) as float32, exactly."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
 class MLXHooks(Hooks):
     """A slot becomes computable on the walking thread: bf16 bits are bit-cast, and the arrays
     evaluated there (MLX streams are per thread)."""
 
     def ready(self, w):
         finish(w)
-        mx.eval(list(w.values()))
+        mx.eval(arrays(w))
         return w
