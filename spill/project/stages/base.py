@@ -38,9 +38,14 @@ def distinct(producers: list[Mapping[str, Any]]) -> list[dict]:
 
 
 def common_inputs(p: Project, prepared: Prepared) -> dict[str, Any]:
-    """The inputs every stage of the student shares: its model, the split, the prompt."""
+    """The inputs every stage of the student shares: its model (and its quantized copy, named
+    only when asked for, so a float build's records stay what they were), the split, the
+    prompt."""
+    model: dict[str, Any] = {"model.name": p.model.name}
+    if p.model.quantize is not None:
+        model |= {"model.quantize": p.model.quantize, "model.group_size": p.model.group_size}
     return {
-        "model.name": p.model.name,
+        **model,
         "seed": p.seed,
         "data.input": p.data.input,
         "data.output": p.data.output,
@@ -128,6 +133,13 @@ class Stage:
         for part in self.model_key.split("."):
             value = getattr(value, part)
         return value
+
+    def quantization(self, project: Project):
+        """The quantization its model computes on (``spill.models.quant.Spec``; None: the float
+        weights): the ``quantize`` of the group that names its model, where it has one."""
+        from spill.models.quant import spec_of
+
+        return spec_of(getattr(project, self.model_key.split(".")[0]))
 
     def summarize(self, result: Mapping[str, Any]) -> str:
         """Its result in a few words (the table and the plan's ``done`` reasons)."""
