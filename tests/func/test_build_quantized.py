@@ -118,3 +118,25 @@ def test_a_float_builds_inputs_do_not_name_the_quantization(tmp_path):
     q = compose(project, ["model.quantize=8", "model.group_size=128"])
     tune = next(s for s in specs(q, prepare(q)) if s.name == "tune")
     assert (tune.inputs["model.quantize"], tune.inputs["model.group_size"]) == (8, 128)
+
+
+def test_a_quantized_teacher_answers_from_its_copy(tmp_path):
+    project = copy_toy(tmp_path / "toy")
+    teach = ("teacher=custom", "teacher.name=tiny:qwen2:5:2x32", "teacher.max_new_tokens=3")
+    quantized = (*teach, "teacher.quantize=8", "teacher.group_size=32")
+    args = (str(project), "--state", str(tmp_path / "state"), *quantized)
+    proc = spill("build", *args, "--stop-after", "distill:3", home=tmp_path / "home")
+    assert "making tiny:qwen2:5:2x32@q8g32, the 8-bit g32 copy" in proc.stderr
+    assert "spill distill · model tiny:qwen2:5:2x32@q8g32 (" in proc.stderr
+    assert "· weights 8-bit affine g32" in proc.stderr
+    distill = stage_state(tmp_path / "state", "distill")
+    assert (distill["inputs"]["teacher.quantize"], distill["inputs"]["teacher.group_size"]) == (
+        8,
+        32,
+    )
+    assert distill["progress"] == 3
+    assert "model.quantize" not in stage_state(tmp_path / "state", "eval:base")["inputs"]
+    float_teacher = spill("build", *args[:3], *teach, "--dry-run", home=tmp_path / "home")
+    assert (
+        "fresh: teacher.group_size 32 -> null; teacher.quantize 8 -> null" in float_teacher.stdout
+    )

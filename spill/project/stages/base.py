@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from spill.project import outputs
+from spill.settings import stage_inputs
 from spill.store.fs import join
 
 if TYPE_CHECKING:
@@ -41,11 +42,8 @@ def common_inputs(p: Project, prepared: Prepared) -> dict[str, Any]:
     """The inputs every stage of the student shares: its model (and its quantized copy, named
     only when asked for, so a float build's records stay what they were), the split, the
     prompt."""
-    model: dict[str, Any] = {"model.name": p.model.name}
-    if p.model.quantize is not None:
-        model |= {"model.quantize": p.model.quantize, "model.group_size": p.model.group_size}
     return {
-        **model,
+        **stage_inputs("model", p.model),
         "seed": p.seed,
         "data.input": p.data.input,
         "data.output": p.data.output,
