@@ -14,6 +14,7 @@ writes. ``identity`` is what a run's identity records about a quantized base.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -136,16 +137,16 @@ def quantize_model(
     if (dest / "config.json").is_file():
         progress(f"{model.name}@{tag(bits, group_size)} is already in the cache at {dest}")
         return dest
-    _make(model, Spec(bits, group_size), progress)
+    _make(model, Spec(bits, group_size), dest, progress)
     progress(f"wrote {model.name}@{tag(bits, group_size)} to {dest}")
     return dest
 
 
-def _make(model: ResolvedModel, spec: Spec, progress: Callable[[str], object]) -> Path:
-    """Write ``model``'s ``spec`` copy: a temporary folder, recorded, then renamed (another
-    process that renamed its own first wins, and its copy is used)."""
+def _make(model: ResolvedModel, spec: Spec, dest: Path, progress: Callable[[str], object]) -> Path:
+    """Write ``model``'s ``spec`` copy to ``dest``: a temporary folder, recorded (its source
+    folder as ``uri``), then renamed (another process that renamed its own first wins, and its
+    copy is used)."""
     bits, group_size = spec.bits, spec.group_size
-    dest = quantized_folder(model.name, bits, group_size)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.quantizing"
     try:
@@ -184,10 +185,14 @@ def quantized_copy(
         )
     label = f"{model.name}@{tag(spec.bits, spec.group_size)}"
     dest = quantized_folder(model.name, spec.bits, spec.group_size)
+    if (dest / "config.json").is_file() and read_marker(dest).get("uri") != str(model.folder):
+        # the name's copy came from another folder (a bundle's own weights, a staged copy)
+        digest = hashlib.sha256(str(model.folder).encode()).hexdigest()[:8]
+        dest = quantized_folder(f"{model.name}-{digest}", spec.bits, spec.group_size)
     if not (dest / "config.json").is_file():
         what = f"the {spec.bits}-bit g{spec.group_size} copy of {model.name}"
         progress(f"making {label}, {what}, in {dest} (first use only)")
-        _make(model, spec, lambda line: None)
+        _make(model, spec, dest, lambda line: None)
     check_shapes(load_config(dest), weight_files(dest))  # a damaged copy fails here, in one line
     return replace(model, name=label, revision=None, folder=dest, source="quantized", files=None)
 

@@ -91,3 +91,22 @@ def test_a_tune_names_the_quantization_before_the_fingerprint():
         _refuse_model(_model("f"), _model("q4", Q4, "m@q4g64"), "ckpt")
     with pytest.raises(CheckpointMismatch, match="weights \\(fingerprint\\) 'a'"):
         _refuse_model(_model("a", Q4, "x"), _model("b", Q4, "y"), "ckpt")  # same format, other
+
+
+def test_another_folder_of_the_same_name_gets_a_copy_of_its_own(tmp_path):
+    """A bundle's own weights (or a staged copy) under a name whose cached copy came from the
+    name's own folder: never the other folder's values."""
+    from dataclasses import replace
+
+    from spill.models.tiny import write_tiny
+
+    model = resolve_model("tiny:llama:4", progress=lambda _: None)
+    own = quantized_copy(model, Spec(4, 64), lambda _: None)
+    other = replace(model, folder=write_tiny(tmp_path / "bundled", "llama", seed=9))
+    lines, say = _said()
+    theirs = quantized_copy(other, Spec(4, 64), say)
+    assert theirs.name == own.name and theirs.folder != own.folder and len(lines) == 1
+    assert quantized_copy(other, Spec(4, 64), say).folder == theirs.folder and len(lines) == 1
+    assert quantized_copy(model, Spec(4, 64), say).folder == own.folder
+    shards = [f.folder / "model.safetensors" for f in (own, theirs)]
+    assert file_sha256(shards[0]) != file_sha256(shards[1])
