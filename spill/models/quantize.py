@@ -214,3 +214,49 @@ def identity(folder: Path) -> dict | None:
         source = "spill affine" if marker.get("source") == "quantized" else "affine"
     text = describe(config.quantization, kept)
     return {"bits": bits, "group_size": group, "source": source, "format": text}
+
+
+def dequantize_folder(source: Path, dest: Path) -> Path:
+    """Write the float32 folder of a quantized folder's values to ``dest`` (a new folder): every
+    packed weight becomes ``scale * q + bias`` in float32 (``quant.dequantize``, the values the
+    engines compute with), other tensors and the shard layout are kept and ``config.json`` loses
+    its ``quantization``. What a PEFT adapter trained on a quantized base applies to."""
+    from spill.models.quant import dequantize
+    from spill.store.safetensors_io import bf16_bits_to_float32
+
+    cfg = load_config(source)
+    if not cfg.quantization:
+        raise ModelError(f"{source}: not quantized; it is already a float folder")
+    files = weight_files(source)
+    dest.mkdir(parents=True)
+    for shard in files.shards:
+        tensors = _read(source / shard)
+        out = {}
+        for name, (dtype, a) in tensors.items():
+            module = name.rsplit(".", 1)[0]
+            if name.endswith((".scales", ".biases")):
+                continue
+            if dtype == "U32" and f"{module}.scales" in tensors:
+                s, b = (tensors[f"{module}.{p}"] for p in ("scales", "biases"))
+                s, b = (
+                    bf16_bits_to_float32(x[1]) if x[0] == "BF16" else x[1].astype(np.float32)
+                    for x in (s, b)
+                )
+                out[name] = ("F32", dequantize(a, s, b, *cfg.quant_spec(module)))
+            else:
+                out[name] = (dtype, a)
+        write_file(dest / shard, out, {"format": "pt"})
+    if (source / INDEX).is_file():
+        index = json.loads((source / INDEX).read_bytes())
+        index["weight_map"] = {
+            n: s for n, s in index["weight_map"].items() if not n.endswith((".scales", ".biases"))
+        }
+        (dest / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((source / "config.json").read_bytes())
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for path in sorted(source.iterdir()):
+        if is_model_file(path.name) and not (dest / path.name).exists():
+            shutil.copyfile(path, dest / path.name)
+    return dest

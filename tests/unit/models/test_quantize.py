@@ -14,10 +14,10 @@ from spill.errors import ModelError, ModelNotFound
 from spill.hashing import file_sha256
 from spill.models import quant
 from spill.models.config import load_config
-from spill.models.quantize import _read, quantize_model
+from spill.models.quantize import _read, dequantize_folder, quantize_model
 from spill.models.resolve import resolve_model
 from spill.models.tiny import write_tiny
-from spill.store.safetensors_io import bf16_bits_to_float32, write_file
+from spill.store.safetensors_io import bf16_bits_to_float32
 
 
 def _modules(folder) -> dict:
@@ -77,26 +77,8 @@ def test_torch_on_the_copy_equals_a_float_folder_of_its_values(tmp_path):
     from spill.engines import resolve
 
     folder = quantize_model("tiny:qwen2:5", 4, 64, progress=lambda _: None)
-    cfg = load_config(folder)
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    tensors = {}
-    for name, (dtype, a) in _read(folder / "model.safetensors").items():
-        module = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")):
-            continue
-        if dtype == "U32":
-            s, b = (
-                bf16_bits_to_float32(_read_one(folder, f"{module}.{p}"))
-                for p in ("scales", "biases")
-            )
-            tensors[name] = ("F32", quant.dequantize(a, s, b, *cfg.quant_spec(module)))
-        else:
-            tensors[name] = (dtype, a)
-    write_file(plain / "model.safetensors", tensors, {"format": "pt"})
-    raw = json.loads((folder / "config.json").read_text())
-    del raw["quantization"]
-    (plain / "config.json").write_text(json.dumps(raw))
+    plain = dequantize_folder(folder, tmp_path / "plain")
+    assert "quantization" not in json.loads((plain / "config.json").read_text())
     prompts = [np.arange(3, 12, dtype=np.int64), np.arange(40, 45, dtype=np.int64)]
     completions = [np.arange(7, 10, dtype=np.int64)] * 2
     got = []
