@@ -16,6 +16,7 @@ from spill.cli.options import (
     authority_options,
     engine_options,
     engine_settings,
+    model_options,
     model_settings,
     setting_flags,
 )
@@ -148,15 +149,6 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _model_options(p: argparse.ArgumentParser) -> None:
-    """``--quantize`` and ``--group-size`` (``spill.settings.ModelSettings``; defaults:
-    conf/model/custom.yaml, as in a build)."""
-    from spill.settings import ModelSettings
-
-    g = p.add_argument_group("quantized base (defaults: conf/model/custom.yaml, as in a build)")
-    setting_flags(g, ModelSettings, "model")
-
-
 HELP = {
     "run": "generate answers for a JSONL file of prompts",
     "eval": "grade a model (and adapter) on rows with known answers",
@@ -186,7 +178,7 @@ def add_parsers(sub, full: bool = True) -> None:
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
-    _model_options(p)
+    model_options(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("eval", help=HELP["eval"])
@@ -203,7 +195,7 @@ def add_parsers(sub, full: bool = True) -> None:
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
-    _model_options(p)
+    model_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("distill", help=HELP["distill"])
@@ -216,7 +208,7 @@ def add_parsers(sub, full: bool = True) -> None:
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
-    _model_options(p)
+    model_options(p)
     p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("tune", aliases=["train"], help=HELP["tune"])
@@ -233,5 +225,5 @@ def add_parsers(sub, full: bool = True) -> None:
     p.add_argument("--seed", type=int, default=0, help="adapter init and data order")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
-    _model_options(p)
+    model_options(p)
     p.set_defaults(func=cmd_tune)

@@ -173,6 +173,15 @@ def setting_flags(p, cls, group: str, only: tuple[str, ...] | None = None) -> No
         p.add_argument("--" + f.name.replace("_", "-"), **options)
 
 
+def model_options(p: argparse.ArgumentParser) -> None:
+    """``--quantize`` and ``--group-size`` (``spill.settings.ModelSettings``; defaults:
+    conf/model/custom.yaml, as in a build): every verb that takes a model by name."""
+    from spill.settings import ModelSettings
+
+    g = p.add_argument_group("quantized base (defaults: conf/model/custom.yaml, as in a build)")
+    setting_flags(g, ModelSettings, "model")
+
+
 def model_settings(args: argparse.Namespace):
     """A job verb's model and its ``--quantize``/``--group-size`` as the model group, or a
     one-line ``UsageError`` for a quantization no copy can be made with."""

@@ -137,7 +137,7 @@ def test_a_float_run_refuses_the_quantized_copy(runs, tmp_path):
     ],
     ids=["bits-3", "group-48"],
 )
-@pytest.mark.parametrize("verb", ["tune", "run", "eval", "distill"])
+@pytest.mark.parametrize("verb", ["tune", "run", "eval", "distill", "chat"])
 def test_a_quantization_no_copy_can_have_is_one_line(tmp_path, spill_home, verb, flags, text):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(
@@ -148,6 +148,7 @@ def test_a_quantization_no_copy_can_have_is_one_line(tmp_path, spill_home, verb,
         "run": ["run", MODEL, str(rows), "--out", str(tmp_path / "o.jsonl")],
         "eval": ["eval", MODEL, str(rows)],
         "distill": ["distill", MODEL, str(rows), "--out", str(tmp_path / "o.jsonl")],
+        "chat": ["chat", MODEL],
     }[verb]
     proc = run_spill(*argv, *flags)
     assert proc.returncode == 2 and proc.stderr == f"spill: error: {text}\n", proc.stderr
@@ -242,3 +243,21 @@ def test_a_gguf_kept_model_with_quantize_is_refused_unless_it_asks_for_what_it_i
     assert proc.returncode == 0, proc.stderr
     assert "making " not in proc.stderr
     assert "· weights 4-bit affine g32 from Q4_1/Q8_0, 1 module 8-bit g32" in proc.stderr
+
+
+def test_chat_talks_to_the_copy(spill_home):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "spill", "chat", MODEL, "--quantize", "4", "--max-new-tokens", "2"],
+        input="hello\n",
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "spill chat · model tiny:llama:1:4x64@q4g64 (" in proc.stderr
+    assert "· weights 4-bit affine g64" in proc.stderr
