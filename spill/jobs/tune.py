@@ -337,8 +337,9 @@ def _tune(
 
         p, _, _ = trainer.state()
         summary["adapter"] = publish_adapter(
-            root, p, opts.lora, model, fingerprint, cfg.num_hidden_layers, losses, resolved.files
-        )
+            root, p, opts.lora, model, fingerprint, cfg.num_hidden_layers, losses, resolved.files,
+            want["model"].get("quantization"),
+        )  # fmt: skip
         note(f"adapter written to {summary['adapter']} (spill, PEFT and MLX-LM layouts, loss.png)")
     else:
         note(
