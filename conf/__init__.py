@@ -19,7 +19,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 # The option every other option of its group extends: the shipped default of each setting.
-BASE = {"tune": "default", "eval": "default", "teacher": "none", "engine": "auto"}
+BASE = {
+    "model": "custom",
+    "tune": "default",
+    "eval": "default",
+    "teacher": "none",
+    "engine": "auto",
+}
 
 
 @cache
@@ -39,5 +45,5 @@ def option(group: str, name: str) -> dict[str, Any]:
 
 
 def defaults(group: str) -> dict[str, Any]:
-    """Every setting of ``group`` (tune, eval, teacher, engine) with its shipped default."""
+    """Every setting of ``group`` (model, tune, eval, teacher, engine) with its shipped default."""
     return option(group, BASE[group])

@@ -44,6 +44,16 @@ def deciding(cls) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("decides", True))
 
 
+def stage_inputs(group: str, values) -> dict[str, Any]:
+    """The deciding settings of ``values`` (a group's dataclass) as a stage's inputs
+    (``model.name``); a quantized copy's ``quantize`` and ``group_size`` only when ``quantize``
+    is set, so a float model's stages keep the inputs they had before quantized bases."""
+    keys = deciding(type(values))
+    if getattr(values, "quantize", None) is None:
+        keys = tuple(k for k in keys if k not in QUANTIZATION)
+    return {f"{group}.{k}": getattr(values, k) for k in keys}
+
+
 @dataclass(frozen=True)
 class DataSettings:
     file: str = setting(
@@ -78,6 +88,18 @@ class DataSettings:
     )
 
 
+BITS = (4, 8)  # spill.models.quant's bit widths and mlx's group sizes (a test keeps them equal)
+GROUP_SIZES = (32, 64, 128)
+# a model's quantized copy (the student's ``model.*``, the teacher's ``teacher.*``)
+_QUANTIZE = {
+    "enum": [None, *BITS],
+    "description": "null: the float weights; 4 or 8: compute on the model's affine copy "
+    "<name>@q<bits>g<group_size>, made in the cache on first use",
+}
+_GROUP_SIZE = {
+    "enum": list(GROUP_SIZES),
+    "description": "values per scale and bias of the quantized copy (with quantize)",
+}
 _MODEL = {"minLength": 1, "maxLength": 4096, "pattern": _PATH + "/?$"}
 
 
@@ -92,8 +114,34 @@ class ModelSettings:
             **_MODEL,
             "description": "alias (smollm2:135m), hub id, local folder or tiny:<family>:<seed> "
             "(a folder: no name over 255, no NUL)",
-        }
+        },
+        flag=False,
     )
+    quantize: int | None = setting(  # None: the float weights
+        _QUANTIZE,
+        "compute on the model's 4- or 8-bit affine copy <name>@q<bits>g<group>, made on first "
+        "use (default: the float weights)",
+    )
+    group_size: int = setting(
+        _GROUP_SIZE, "values per scale and bias of the --quantize copy (default %(default)s)"
+    )
+
+    def problem(self, name=lambda key: key) -> str:
+        """What no quantized copy can be made with (``""``: nothing), each setting called
+        ``name(key)`` (``model.quantize``, ``--quantize``): the schema's enums, for the flags."""
+        return _outside_enum(self, QUANTIZATION, name)
+
+
+def _outside_enum(obj, keys: tuple[str, ...], name) -> str:
+    """The first of ``keys`` whose value is not in its schema's enum, said in one line."""
+    for f in dataclasses.fields(obj):
+        allowed = f.metadata["schema"].get("enum")
+        value = getattr(obj, f.name)
+        if f.name in keys and allowed is not None and value not in allowed:
+            shown = [str(a) for a in allowed if a is not None]
+            choice = ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
+            return f"{name(f.name)} {value!r} is not one spill makes: use {choice}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -115,6 +163,12 @@ class TeacherSettings:
         "rows generated together (default: as many as the memory budget fits, at most 64)",
         decides=False,
     )
+    # the teacher's quantized copy; the verbs' --quantize is the model group's (one flag each)
+    quantize: int | None = setting(_QUANTIZE, flag=False)
+    group_size: int = setting(_GROUP_SIZE, flag=False)
+
+
+QUANTIZATION = ("quantize", "group_size")  # inputs of a stage only when quantize is set
 
 
 @dataclass(frozen=True)
@@ -265,7 +319,14 @@ GROUPS: dict[str, type] = {
     "engine": EngineSettings,
     "prompt": PromptSettings,
 }
-BASE = {"tune": "default", "eval": "default", "teacher": "none", "engine": "auto"}  # conf/
+# conf/: the option each group's others extend (model/custom names no model: its ``???``)
+BASE = {
+    "model": "custom",
+    "tune": "default",
+    "eval": "default",
+    "teacher": "none",
+    "engine": "auto",
+}
 
 
 def fields(group: str) -> list[tuple[str, dict]]:
@@ -287,7 +348,8 @@ def schema_sections() -> dict[str, dict]:
         given = defaults(group) if group in BASE else {}
         props = {}
         for name, fragment in fields(group):
-            props[name] = {**fragment, **({"default": given[name]} if group in BASE else {})}
+            known = group in BASE and given[name] != "???"  # ???: the project must set it
+            props[name] = {**fragment, **({"default": given[name]} if known else {})}
         out[group] = {"type": "object", "additionalProperties": False, "properties": props}
     return out
 

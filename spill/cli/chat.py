@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from spill.cli.options import engine_options, engine_settings
+from spill.cli.options import engine_options, engine_settings, model_options, model_settings
 
 HELP = "talk to a model (and adapter) in the terminal, the reply streamed as it is generated"
 PROMPT = "> "
@@ -25,9 +25,12 @@ def _say(text: str) -> None:
 
 def cmd_chat(args) -> int:
     from spill.jobs.chat import open_chat
+    from spill.models.quant import spec_of
 
     adapter = Path(args.adapter) if args.adapter else None
-    chat = open_chat(args.model, adapter, engine_settings(args), args.weights, args.max_new_tokens)
+    quantize = spec_of(model_settings(args))
+    engine = engine_settings(args)
+    chat = open_chat(args.model, adapter, engine, args.weights, args.max_new_tokens, quantize)
     print("/reset forgets the conversation, Ctrl-D leaves, Ctrl-C stops a reply", file=sys.stderr)
     stopped = [False]
 
@@ -77,4 +80,5 @@ def add_parser(sub, full: bool = True) -> None:
         "--max-new-tokens", type=int, default=256, metavar="N", help="longest reply (256)"
     )
     engine_options(p)
+    model_options(p)
     p.set_defaults(func=cmd_chat)

@@ -2,7 +2,7 @@
 
 Each command turns its arguments into the options of its job module (``spill.jobs.generate``,
 ``eval``, ``distill``, ``tune``), makes one call and prints the summary. Every flag that is a
-setting of a conf group (``tune``, ``eval``, ``teacher``, ``engine``) takes its default from
+setting of a conf group (``model``, ``tune``, ``eval``, ``teacher``, ``engine``) takes its default from
 ``spill.conf.defaults``, so ``spill tune`` and a build with the same values are the same run.
 Everything heavy is imported inside the commands, so ``spill --help`` stays light.
 """
@@ -12,7 +12,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from spill.cli.options import authority_options, engine_options, engine_settings, setting_flags
+from spill.cli.options import (
+    authority_options,
+    engine_options,
+    engine_settings,
+    model_options,
+    model_settings,
+    setting_flags,
+)
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
@@ -49,9 +56,14 @@ def _writer(args):
 
 def _row_options(args):
     from spill.jobs.rows_job import RowOptions
+    from spill.models.quant import spec_of
 
     return RowOptions(
-        batch=args.batch, engine=engine_settings(args), weights=args.weights, writer=_writer(args)
+        batch=args.batch,
+        engine=engine_settings(args),
+        weights=args.weights,
+        writer=_writer(args),
+        quantize=spec_of(model_settings(args)),
     )
 
 
@@ -109,6 +121,7 @@ def cmd_tune(args) -> int:
 
     from spill.console import emit
     from spill.jobs.tune import TuneOptions, tune
+    from spill.models.quant import spec_of
     from spill.settings import TuneSettings
 
     settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneSettings)}
@@ -119,6 +132,7 @@ def cmd_tune(args) -> int:
         stop_after=args.stop_after,
         weights=args.weights,
         writer=_writer(args),
+        quantize=spec_of(model_settings(args)),
     )
     emit(tune(args.model, Path(args.train), args.name, opts), args.json)
     return 0
@@ -164,6 +178,7 @@ def add_parsers(sub, full: bool = True) -> None:
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
+    model_options(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("eval", help=HELP["eval"])
@@ -180,6 +195,7 @@ def add_parsers(sub, full: bool = True) -> None:
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
+    model_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("distill", help=HELP["distill"])
@@ -192,6 +208,7 @@ def add_parsers(sub, full: bool = True) -> None:
     _state_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
+    model_options(p)
     p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("tune", aliases=["train"], help=HELP["tune"])
@@ -208,4 +225,5 @@ def add_parsers(sub, full: bool = True) -> None:
     p.add_argument("--seed", type=int, default=0, help="adapter init and data order")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
+    model_options(p)
     p.set_defaults(func=cmd_tune)

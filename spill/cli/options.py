@@ -1,5 +1,6 @@
 """What several verbs share on the command line: which verbs are jobs, the engine flags (and the
-``engine.*`` overrides they stand for), ``--wait``/``--lease`` and sizes as an argparse type.
+``engine.*`` overrides they stand for), the model group's flags (``--quantize``, ``--group-size``),
+``--wait``/``--lease`` and sizes as an argparse type.
 
 Nothing here reads a conf file when imported: a job verb's engine defaults are read when its
 parser is built, so ``spill --help`` and a finished ``spill build`` stay light.
@@ -163,7 +164,31 @@ def setting_flags(p, cls, group: str, only: tuple[str, ...] | None = None) -> No
         options = {"type": kind, "default": given[f.name]}
         if m["help"]:
             options["help"] = m["help"]
-        if "enum" in m["schema"]:
-            options = {"choices": tuple(c for c in m["schema"]["enum"] if c is not None), **options}
+        choices = tuple(c for c in m["schema"].get("enum", ()) if c is not None)
+        if choices and kind is str:
+            options = {"choices": choices, **options}
             options.pop("type")
+        elif choices:  # numbers: the settings' ``problem`` says a bad one in one line
+            options["metavar"] = "|".join(map(str, choices))
         p.add_argument("--" + f.name.replace("_", "-"), **options)
+
+
+def model_options(p: argparse.ArgumentParser) -> None:
+    """``--quantize`` and ``--group-size`` (``spill.settings.ModelSettings``; defaults:
+    conf/model/custom.yaml, as in a build): every verb that takes a model by name."""
+    from spill.settings import ModelSettings
+
+    g = p.add_argument_group("quantized base (defaults: conf/model/custom.yaml, as in a build)")
+    setting_flags(g, ModelSettings, "model")
+
+
+def model_settings(args: argparse.Namespace):
+    """A job verb's model and its ``--quantize``/``--group-size`` as the model group, or a
+    one-line ``UsageError`` for a quantization no copy can be made with."""
+    from spill.settings import ModelSettings
+
+    name = getattr(args, "model", None) or getattr(args, "teacher", None) or ""
+    model = ModelSettings(name=name, quantize=args.quantize, group_size=args.group_size)
+    if why := model.problem(lambda key: "--" + key.replace("_", "-")):
+        raise UsageError(why)
+    return model

@@ -51,7 +51,14 @@ def loss_png(losses: list[float], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def readme(base: dict, fingerprint: str, files: dict[str, str] | None, lora, steps: int) -> str:
+def readme(
+    base: dict,
+    fingerprint: str,
+    files: dict[str, str] | None,
+    lora,
+    steps: int,
+    quantization: dict | None = None,
+) -> str:
     """The note beside an export: exactly which base weights the adapter was trained on."""
     import spill
 
@@ -73,6 +80,13 @@ def readme(base: dict, fingerprint: str, files: dict[str, str] | None, lora, ste
             f"- imported from the GGUF file `{base['gguf']}` (sha256 `{base['gguf_sha256']}`), "
             "dequantized exactly: these are not the hub repository's own weights, so the "
             "adapter on the hub's weights computes close to, not exactly, what spill measured"
+        )
+    if quantization:
+        lines.append(
+            f"- quantized: {quantization['format']} ({quantization['source']}); the adapter was "
+            "trained on these values, so PEFT's layout reproduces spill's numbers on their float "
+            "form (`spill.models.quantize.dequantize_folder`) and comes close on the float model "
+            "they were made from"
         )
     for name, sha in sorted((files or {}).items()):
         lines.append(f"- `{name}`: sha256 `{sha}`")
@@ -97,6 +111,7 @@ def write_local(
     layers: int,
     losses: list[float],
     files: dict[str, str] | None = None,
+    quantization: dict | None = None,
 ) -> Path:
     from safetensors.numpy import save_file
 
@@ -111,12 +126,14 @@ def write_local(
         "base_model": model,
         "fingerprint": fingerprint,
         "steps": len(losses),
+        **({"quantization": quantization} if quantization else {}),
     }
     (out / "adapter.json").write_text(json.dumps(meta, indent=2) + "\n")
     base = describe_base(model, files)
     export_peft(params, lora, base["hub"] or model, out / "peft", base["revision"])
     export_mlx(params, lora, layers, out / "mlx")
-    (out / "README.md").write_text(readme(base, fingerprint, files, lora, len(losses)))
+    note = readme(base, fingerprint, files, lora, len(losses), quantization)
+    (out / "README.md").write_text(note)
     loss_png(losses, out / "loss.png", f"{model} · LoRA r{lora.rank} · {len(losses)} steps")
     return out
 
@@ -130,13 +147,17 @@ def publish_adapter(
     layers: int,
     losses: list[float],
     files: dict[str, str] | None = None,
+    quantization: dict | None = None,
 ) -> str:
     """Write the adapter tree under ``<root>/adapter`` and return its location; ``files``: the
-    base's weight files and their sha256, as the run recorded them (for the README)."""
+    base's weight files and their sha256, as the run recorded them (for the README);
+    ``quantization``: a quantized base's identity (``spill.models.quantize.identity``)."""
     target = join(root, ADAPTER)
     remove(target)  # what a publication killed midway left, its temporary files included
     with tempfile.TemporaryDirectory(prefix="spill-adapter-") as tmp:
-        local = write_local(Path(tmp), params, lora, model, fingerprint, layers, losses, files)
+        local = write_local(
+            Path(tmp), params, lora, model, fingerprint, layers, losses, files, quantization
+        )
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             put_bytes(join(target, *path.relative_to(local).parts), path.read_bytes())
     return target

@@ -18,6 +18,7 @@ from spill.engines.base import GenerateParams
 from spill.errors import DataError
 from spill.jobs.adapter_files import apply_adapter, load_adapter
 from spill.jobs.loading import LoadedModel, find_model, open_model
+from spill.models.quant import Spec
 from spill.settings import EngineSettings
 from spill.store import drill
 
@@ -70,13 +71,16 @@ def open_chat(
     engine: EngineSettings,
     weights: str | None,
     max_new_tokens: int,
+    quantize: Spec | None = None,
 ) -> Conversation:
-    """A model (and LoRA adapter) opened for a conversation, with the pre-run line."""
+    """A model (and LoRA adapter) opened for a conversation, with the pre-run line;
+    ``quantize``: on the model's quantized copy (made on first use)."""
     if max_new_tokens < 1:
         raise DataError("--max-new-tokens must be at least 1")
     lora = load_adapter(adapter) if adapter else None
-    resolved, fp = find_model(model, weights)
-    loaded = open_model(model, resolved, fp, engine.name, engine, "chat")
+    resolved, fp = find_model(model, weights, quantize)
+    name = model if quantize is None else resolved.name
+    loaded = open_model(name, resolved, fp, engine.name, engine, "chat")
     try:
         apply_adapter(loaded, lora)
         return Conversation(loaded, max_new_tokens)

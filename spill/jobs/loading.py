@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spill.console import note
 from spill.engines.base import LoadOptions, ModelSpec, Runner
 from spill.models.config import load_config
 from spill.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from spill.models.quant import Spec
 
 
 @dataclass
@@ -22,10 +26,11 @@ class LoadedModel:
     runner: Runner
 
 
-def find_model(name: str, weights: str | None):
+def find_model(name: str, weights: str | None, quantize: Spec | None = None):
     """Resolve (and fetch or stage) a model, check its files against the sha256 recorded when
     they entered the cache (a changed file fails here, in one line naming it; only files whose
-    stat changed are re-hashed) and fingerprint it, without opening an engine."""
+    stat changed are re-hashed) and fingerprint it, without opening an engine. ``quantize``:
+    the float model's quantized copy instead (``<name>@q<bits>g<group>``, made on first use)."""
     from dataclasses import replace
 
     from spill.models.cache import cached_fingerprint
@@ -33,6 +38,10 @@ def find_model(name: str, weights: str | None):
     from spill.models.resolve import resolve_model
 
     resolved = resolve_model(name, weights, progress=note)
+    if quantize is not None:
+        from spill.models.quantize import quantized_copy
+
+        resolved = quantized_copy(resolved, quantize, note)
     folder = Path(resolved.folder)
     files = weight_hashes(check(folder, name))
     return replace(resolved, files=files), cached_fingerprint(folder)

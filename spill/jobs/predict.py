@@ -145,8 +145,9 @@ def predict_one(
     """One row's answer, computed here and now (``spill predict --text``)."""
     _check(opts, None)
     adapter = load_adapter(opts.adapter) if opts.adapter else None
-    resolved, fp = find_model(model, job.weights)
-    loaded = open_model(model, resolved, fp, job.engine.name, job.engine, "predict")
+    resolved, fp = find_model(model, job.weights, job.quantize)
+    name = model if job.quantize is None else resolved.name
+    loaded = open_model(name, resolved, fp, job.engine.name, job.engine, "predict")
     try:
         (record,) = _predictor(loaded, [row], opts, "--text", adapter).compute([row])
     finally:

@@ -49,6 +49,8 @@ from spill.jobs.authority import Held, Writer, hold
 from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
+from spill.models.quant import Spec
+from spill.models.quantize import identity as quantization_identity
 from spill.settings import EngineSettings
 from spill.store.location import location
 
@@ -71,6 +73,7 @@ class RowOptions:
     stop_after: int | None = None  # stop when this many rows are done in all
     writer: Writer = Writer()  # without a state: nothing is committed, nothing continues
     batch_from: str = "--batch"  # where an explicit batch came from, for the pre-run line
+    quantize: Spec | None = None  # the model's quantized copy instead (None: its float weights)
 
     @property
     def state(self) -> str | None:
@@ -158,9 +161,8 @@ def refuse_overlap(inputs: list[tuple[Path, str]], out: Path | None, state: str 
 
 
 def _open(job: RowJob, resolved, fp: str) -> LoadedModel:
-    return open_model(
-        job.model, resolved, fp, job.options.engine.name, job.options.engine, job.verb
-    )
+    name = job.model if job.options.quantize is None else resolved.name  # the copy's own name
+    return open_model(name, resolved, fp, job.options.engine.name, job.options.engine, job.verb)
 
 
 def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
@@ -169,6 +171,8 @@ def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
     model = {"id": model_id, "fingerprint": fp}
     if resolved.files:  # per-file sha256, so a refusal can name the file that changed
         model["files"] = resolved.files
+    if quantization := quantization_identity(Path(resolved.folder)):  # float: none, as before
+        model["quantization"] = quantization
     return {
         "job": job.verb,
         "model": model,
@@ -231,7 +235,7 @@ def _execute(
 
     opts = job.options
     with Guard(unit="batch", signals=SIGNALS if held else ()) as guard:
-        resolved, fp = find_model(job.model, opts.weights)
+        resolved, fp = find_model(job.model, opts.weights, opts.quantize)
         pinned = identity(job, resolved, fp)
         place = held.place if held else None
         results: dict = _restore(place, pinned, job.rows) if place else {}

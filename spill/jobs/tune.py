@@ -29,6 +29,8 @@ from spill.jobs.train_data import data_fingerprint, load_examples, micro_batch_a
 from spill.models.config import load_config
 from spill.models.integrity import explain
 from spill.models.lora import LoraConfig, init_params
+from spill.models.quant import Spec
+from spill.models.quantize import identity as quantization_identity
 from spill.models.tokenizer import Tokenizer
 from spill.paths import spill_home
 from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
@@ -54,6 +56,7 @@ class TuneOptions:
     stop_after: int | None = None
     weights: str | None = None
     writer: Writer = field(default_factory=Writer)
+    quantize: Spec | None = None  # the model group's quantization (None: the float weights)
 
     @property
     def lora(self) -> LoraConfig:
@@ -88,11 +91,16 @@ IDENTITY = ("lr", "warmup", "steps", "batch", "micro_batch", "seq_len", "weight_
 IDENTITY_LORA = ("rank", "alpha", "dropout", "targets")
 
 
-def _identity(model: str, fingerprint: str, data: str, opts: TuneOptions) -> dict:
-    """The values a checkpoint must share to be continued (``stop_after``/``ckpt_every`` not)."""
+def _identity(
+    model: str, fingerprint: str, data: str, opts: TuneOptions, quantization: dict | None = None
+) -> dict:
+    """The values a checkpoint must share to be continued (``stop_after``/``ckpt_every`` not);
+    ``quantization``: a quantized base's (``spill.models.quantize.identity``; a float base has
+    none, as every checkpoint made before quantized bases existed)."""
     t = opts.tune
+    base = {"id": model, "fingerprint": fingerprint}
     return {
-        "model": {"id": model, "fingerprint": fingerprint},
+        "model": base | ({"quantization": quantization} if quantization else {}),
         "seed": opts.seed,
         "adapter": opts.lora.to_dict(),
         "hyperparameters": {
@@ -114,6 +122,13 @@ def _refuse_model(found: dict, want: dict, where: str) -> None:
     changed = explain(found.get("files"), want.get("files"))
     if found["fingerprint"] == want["fingerprint"] and not changed:
         return
+    if found.get("quantization") != want.get("quantization"):
+        theirs = found.get("quantization")
+        same = f"--quantize {theirs['bits']} --group-size {theirs['group_size']}" if theirs else ""
+        raise CheckpointMismatch(
+            f"{where} was made on {_base(found)}, this run has {_base(want)}; continue it on "
+            f"that base ({same or 'the float weights, without --quantize'}), {fresh}"
+        )
     if found["id"] != want["id"] and found["fingerprint"] != want["fingerprint"]:
         raise CheckpointMismatch(
             f"{where} was made with weights (fingerprint) {found['fingerprint']!r}, this run has "
@@ -126,6 +141,12 @@ def _refuse_model(found: dict, want: dict, where: str) -> None:
         f"{where}: the files of model {want['id']} changed since this run started (fingerprint "
         f"{found['fingerprint'][7:19]}.. -> {want['fingerprint'][7:19]}..); restore them, {fresh}"
     )
+
+
+def _base(model: dict) -> str:
+    """A base as a refusal names it: ``tiny:llama:1:4x64@q4g64 (4-bit affine g64)``."""
+    q = model.get("quantization")
+    return f"{model['id']} ({q['format'] if q else 'float weights'})"
 
 
 def refuse_mismatch(found: dict, want: dict, where: str) -> None:
@@ -193,11 +214,14 @@ def _tune(
     place, t = held.place, opts.tune
     root = place.uri
     # Everything that can refuse the run is checked before an engine opens.
-    resolved, fingerprint = find_model(model, opts.weights)
+    resolved, fingerprint = find_model(model, opts.weights, opts.quantize)
+    if opts.quantize is not None:
+        model = resolved.name  # the copy's own name: tiny:llama:1:4x64@q4g64
     folder = Path(resolved.folder)
     cfg, tok = load_config(folder), Tokenizer(folder)
     examples = load_examples(Path(train_path), tok, t.seq_len)
-    want = _identity(model, fingerprint, data_fingerprint(train_path), opts)
+    data = data_fingerprint(train_path)
+    want = _identity(model, fingerprint, data, opts, quantization_identity(folder))
     if resolved.files:  # per-file sha256, so a later refusal can name the file that changed
         want["model"]["files"] = resolved.files
     ckpt = latest_checkpoint(place)
@@ -313,8 +337,9 @@ def _tune(
 
         p, _, _ = trainer.state()
         summary["adapter"] = publish_adapter(
-            root, p, opts.lora, model, fingerprint, cfg.num_hidden_layers, losses, resolved.files
-        )
+            root, p, opts.lora, model, fingerprint, cfg.num_hidden_layers, losses, resolved.files,
+            want["model"].get("quantization"),
+        )  # fmt: skip
         note(f"adapter written to {summary['adapter']} (spill, PEFT and MLX-LM layouts, loss.png)")
     else:
         note(

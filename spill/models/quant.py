@@ -52,6 +52,13 @@ class Spec:
         return shape[0], shape[1] // self.group_size
 
 
+def spec_of(group) -> Spec | None:
+    """The spec a settings group asks for (``quantize`` and ``group_size`` of
+    ``spill.settings.ModelSettings``); None: the float weights, or a group without them."""
+    bits = getattr(group, "quantize", None)
+    return None if bits is None else Spec(bits, group.group_size)
+
+
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """(out, in) integers in ``[0, 2**bits)`` -> uint32 (out, in * bits / 32), low bits first."""
     per = 32 // bits

@@ -6,10 +6,15 @@ and biases stay as they are. ``quant.quantize`` gives mx.quantize's bits, and sc
 keep the weight's dtype (bf16 stays bf16), as mlx-lm stores them. Shard names and the index
 are kept. The copy is written to a temporary folder and renamed, every file's sha256 recorded;
 it lives at ``models/quantized/<name>-q<bits>g<group>`` and is named ``<name>@q<bits>g<group>``.
+
+The verbs' ``--quantize`` (and spill.yaml's ``model.quantize``) ask for that copy by the float
+model's name (``quantized_copy``): it is made on first use, the same bytes ``spill models quantize``
+writes. ``identity`` is what a run's identity records about a quantized base.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,12 +25,21 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import ModelError
-from spill.models.cache import is_model_file
+from spill.models.cache import is_model_file, read_marker
 from spill.models.config import load_config
 from spill.models.integrity import record
 from spill.models.names import safe_name
-from spill.models.quant import BITS, GROUP_SIZES, Spec, config_entry, quantize, safetensors_entries
-from spill.models.weights import INDEX, weight_files
+from spill.models.quant import (
+    BITS,
+    GROUP_SIZES,
+    Spec,
+    config_entry,
+    describe,
+    quantize,
+    safetensors_entries,
+)
+from spill.models.resolve import ResolvedModel
+from spill.models.weights import INDEX, check_shapes, weight_files
 from spill.paths import models_dir
 from spill.store.safetensors_io import read_header, write_file
 
@@ -119,25 +133,87 @@ def quantize_model(
     from spill.models.resolve import resolve_model
 
     model = resolve_model(name, progress=progress)
-    label = f"{model.name}@{tag(bits, group_size)}"
     dest = quantized_folder(model.name, bits, group_size)
     if (dest / "config.json").is_file():
-        progress(f"{label} is already in the cache at {dest}")
+        progress(f"{model.name}@{tag(bits, group_size)} is already in the cache at {dest}")
         return dest
+    _make(model, Spec(bits, group_size), dest, progress)
+    progress(f"wrote {model.name}@{tag(bits, group_size)} to {dest}")
+    return dest
+
+
+def _make(model: ResolvedModel, spec: Spec, dest: Path, progress: Callable[[str], object]) -> Path:
+    """Write ``model``'s ``spec`` copy to ``dest``: a temporary folder, recorded (its source
+    folder as ``uri``), then renamed (another process that renamed its own first wins, and its
+    copy is used)."""
+    bits, group_size = spec.bits, spec.group_size
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.quantizing"
     try:
         quantize_folder(model.folder, tmp, bits, group_size, progress)
-        fields = {"name": label, "source": "quantized", "uri": str(model.folder)}
+        fields = {"name": f"{model.name}@{tag(bits, group_size)}", "source": "quantized"}
+        fields["uri"] = str(model.folder)
         if model.model_id:
             fields["model_id"] = model.model_id
         record(tmp, **fields)
-        os.replace(tmp, dest)
-    except BaseException:
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    progress(f"wrote {label} to {dest}")
     return dest
+
+
+def quantized_copy(
+    model: ResolvedModel, spec: Spec, progress: Callable[[str], object]
+) -> ResolvedModel:
+    """``model`` as ``--quantize``/``model.quantize`` ask for it: a float model's ``spec`` copy
+    ``<name>@q<bits>g<group>``, made on first use (one line says so); an already quantized
+    model only when it is that ``spec`` (a copy of a copy would not be the source's values)."""
+    from dataclasses import replace
+
+    if (known := identity(model.folder)) is not None:
+        have = Spec(known["bits"], known["group_size"])
+        if have == spec:
+            return model
+        raise ModelError(
+            f"{model.name} is already quantized ({known['format']}), so it cannot "
+            f"be made {spec.bits}-bit g{spec.group_size}: ask for what it is (--quantize "
+            f"{have.bits} --group-size {have.group_size}), or quantize its float model"
+        )
+    label = f"{model.name}@{tag(spec.bits, spec.group_size)}"
+    dest = quantized_folder(model.name, spec.bits, spec.group_size)
+    if (dest / "config.json").is_file() and read_marker(dest).get("uri") != str(model.folder):
+        # the name's copy came from another folder (a bundle's own weights, a staged copy)
+        digest = hashlib.sha256(str(model.folder).encode()).hexdigest()[:8]
+        dest = quantized_folder(f"{model.name}-{digest}", spec.bits, spec.group_size)
+    if not (dest / "config.json").is_file():
+        what = f"the {spec.bits}-bit g{spec.group_size} copy of {model.name}"
+        progress(f"making {label}, {what}, in {dest} (first use only)")
+        _make(model, spec, dest, lambda line: None)
+    check_shapes(load_config(dest), weight_files(dest))  # a damaged copy fails here, in one line
+    return replace(model, name=label, revision=None, folder=dest, source="quantized", files=None)
+
+
+def identity(folder: Path) -> dict | None:
+    """What a run's identity says about a quantized base (None: float weights): the bits and
+    group size of most modules, where the values came from (the GGUF types it kept, spill's own
+    quantizer, or another affine folder) and the pre-run line's words for it."""
+    config = load_config(folder)
+    if not config.quantization:
+        return None
+    marker = read_marker(folder)
+    tensors = marker.get("tensors") or {}
+    kept = [t["ggml_type"] for t in tensors.values() if isinstance(t, dict) and "bits" in t]
+    bits, group = next((b, g) for m, b, g in config.quantization if m == "")
+    if kept:
+        source = "GGUF " + "/".join(sorted(set(kept)))
+    else:
+        source = "spill affine" if marker.get("source") == "quantized" else "affine"
+    text = describe(config.quantization, kept)
+    return {"bits": bits, "group_size": group, "source": source, "format": text}
 
 
 def dequantize_folder(source: Path, dest: Path) -> Path:

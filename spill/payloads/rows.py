@@ -93,7 +93,19 @@ def pin_identity(root_uri: str, identity: Mapping[str, Any]) -> dict[str, Any]:
             f"{uri} is not JSON; it was damaged, so use a new --state location"
         ) from None
     validate(pinned, "row-identity", where=uri)
-    a, b = _flat(pinned), _flat(doc)
+    bases = [d["model"].get("quantization") for d in (pinned, doc)]
+    other = pinned["model"]["fingerprint"] != doc["model"]["fingerprint"]
+    if bases[0] != bases[1] and other:  # another quantization: say which, not a changed file
+        there, here = (f"{q['format']} weights" if q else "float weights" for q in bases)
+        raise IdentityMismatch(
+            f"{root_uri} holds rows computed on {there}, this job is on {here}; ask for the same "
+            "quantization (--quantize, --group-size), or use a new --state location"
+        )
+    # the same weights: an identity pinned before quantized bases were named stays valid
+    a, b = (
+        {k: v for k, v in _flat(d).items() if not k.startswith("model.quantization.")}
+        for d in (pinned, doc)
+    )
     files = "model.files."  # per-file hashes: named only for the same model, recorded on both sides
     same = pinned["model"]["id"] == doc["model"]["id"]
     if not (same and pinned["model"].get("files") and doc["model"].get("files")):

@@ -81,7 +81,10 @@ class Project:
 
 
 def from_record(doc: dict[str, Any], root: Path, overrides: Sequence[str] = ()) -> Project:
-    """A ``Project`` from a composed config this module validated before (a build's record)."""
+    """A ``Project`` from a composed config this module validated before (a build's record).
+    A record made before quantized bases names no ``quantize``: its models were float, and
+    the shipped group size fills in the setting that then decides nothing."""
+    doc = {**doc, **{k: _before_quantization(k, doc[k]) for k in ("model", "teacher")}}
     sections = {k: GROUPS[k](**doc[k]) for k in SECTIONS}
     return Project(
         Path(root).resolve(),
@@ -92,6 +95,14 @@ def from_record(doc: dict[str, Any], root: Path, overrides: Sequence[str] = ()) 
         **sections,
         overrides=tuple(overrides),
     )
+
+
+def _before_quantization(group: str, section: dict[str, Any]) -> dict[str, Any]:
+    if "quantize" in section:
+        return section
+    from spill.conf import defaults
+
+    return {**section, "quantize": None, "group_size": defaults(group)["group_size"]}
 
 
 # --- validation --------------------------------------------------------------------------------

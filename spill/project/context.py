@@ -50,7 +50,8 @@ class BuildContext:
     def job_options(self, batch: int | None, stop: int | None, stage: Stage, setting: str = ""):
         """A job's ``RowOptions``: the engine settings, the group's batch (``setting`` names it
         for the pre-run line; None: from the memory budget), the model folder a bundle install
-        gave this project (None: the name's own), where it commits."""
+        gave this project (None: the name's own), where it commits, and the quantized copy its
+        model computes on (``model.quantize``)."""
         from spill.jobs.authority import Writer
         from spill.jobs.rows_job import RowOptions
         from spill.project.installed import model_folder
@@ -62,6 +63,7 @@ class BuildContext:
             weights=model_folder(self.project.root, stage.model(self.project)),
             stop_after=stop,
             writer=Writer(state=stage.uri(self.root), place=stage.place(self.root, self.run)),
+            quantize=stage.quantization(self.project),
         )
 
     def local_folder(self, rel: str, names: tuple[str, ...]) -> Path:

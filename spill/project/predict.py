@@ -110,9 +110,13 @@ def _row(b: Built, rid: str | int, text: str) -> PredictRow:
 def _job(b: Built, req: Request) -> tuple[Project, RowOptions]:
     import dataclasses
 
+    from spill.models.quant import spec_of
+
     project = with_engine(b.project, req.engine)
     weights = model_folder(project.root, project.model.name)
-    return project, dataclasses.replace(req.job, engine=project.engine, weights=weights)
+    quantize = spec_of(project.model)  # the copy the build tuned on (model.quantize)
+    job = dataclasses.replace(req.job, engine=project.engine, weights=weights, quantize=quantize)
+    return project, job
 
 
 def predict_file(

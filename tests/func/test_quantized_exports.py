@@ -41,6 +41,16 @@ def _hf_log_probs(model, prompt, completion) -> np.ndarray:
     return logp[at, torch.tensor(completion)].numpy()
 
 
+def test_the_adapter_names_its_quantized_base(control):
+    meta = json.loads((Path(control.state) / "adapter" / "adapter.json").read_text())
+    assert meta["quantization"] == {
+        "bits": 4, "group_size": 32, "source": "affine", "format": "4-bit affine g32",
+    }  # fmt: skip
+    note = (Path(control.state) / "adapter" / "README.md").read_text()
+    assert "- quantized: 4-bit affine g32 (affine)" in note
+    load_adapter(Path(control.state) / "adapter")  # its schema takes it
+
+
 def test_the_peft_layout_on_the_dequantized_folder_scores_as_spill(control, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -26,7 +26,13 @@ from spill.models.lora import LoraConfig
 
 CONF = Path(spill.conf.__file__).parent
 ROOT = Path(__file__).resolve().parents[2]
-GROUPS = {"tune": "default", "eval": "default", "teacher": "none", "engine": "auto"}
+GROUPS = {
+    "model": "custom",
+    "tune": "default",
+    "eval": "default",
+    "teacher": "none",
+    "engine": "auto",
+}
 SECTIONS = {g: settings.GROUPS[g] for g in GROUPS}
 ENGINE_FLAGS = {"engine": "name", "device": "device", "dtype": "dtype", "ring": "ring"}
 ENGINE_FLAGS |= {"resident": "resident", "memory": "memory"}
@@ -77,7 +83,8 @@ def test_schema_and_project_dataclass_name_every_setting_with_the_conf_default(g
     assert list(schema) == list(conf), "the schema's keys are the conf's, in order"
     assert sorted(f.name for f in dataclasses.fields(SECTIONS[group])) == sorted(conf)
     assert [name for name, _ in settings.fields(group)] == list(conf)
-    assert {k: v.get("default", "<none>") for k, v in schema.items()} == conf
+    unset_here = {k: "<none>" if v == "???" else v for k, v in conf.items()}  # ???: the project's
+    assert {k: v.get("default", "<none>") for k, v in schema.items()} == unset_here
 
 
 def test_the_shipped_schema_is_what_the_settings_make():
@@ -101,9 +108,9 @@ def test_the_checkpoint_identity_pins_every_tune_setting_that_decides_the_result
     } - decides
 
 
-@pytest.mark.parametrize("group", ["teacher", "engine"])
+@pytest.mark.parametrize("group", ["model", "teacher", "engine"])
 def test_other_options_only_rename(group):
-    """Teacher and engine options differ from their base in ``name`` alone."""
+    """Model, teacher and engine options differ from their base in ``name`` alone."""
     want = {k: v for k, v in base(group).items() if k != "name"}
     for path in sorted((CONF / group).glob("*.yaml")):
         got = {k: v for k, v in raw(group, path.stem).items() if k != "name"}
@@ -157,6 +164,31 @@ def test_row_verbs_read_the_teacher_eval_and_engine_groups():
         assert {flag: cli[flag] for flag in ENGINE_FLAGS} == {
             flag: engine[key] for flag, key in ENGINE_FLAGS.items()
         }, verb
+
+
+def test_the_job_verbs_take_the_model_groups_quantization_flags():
+    """``--quantize``/``--group-size`` on run, eval, distill and tune default to conf/model's
+    base option; the schema's choices are spill.models.quant's (the settings keep a light copy:
+    they import nothing of models/)."""
+    from spill.models import quant
+
+    model = base("model")
+    assert (model["quantize"], model["group_size"]) == (None, 64)
+    for verb in ("run", "eval", "distill", "tune"):
+        cli = cli_defaults(verb)
+        assert (cli["quantize"], cli["group_size"]) == (None, 64), verb
+    assert (settings.BITS, settings.GROUP_SIZES) == (quant.BITS, quant.GROUP_SIZES)
+    section = schema_section("model")
+    assert section["quantize"]["enum"] == [None, *quant.BITS]
+    assert section["group_size"]["enum"] == list(quant.GROUP_SIZES)
+    flag = lambda key: "--" + key.replace("_", "-")  # noqa: E731
+    ok = settings.ModelSettings(name="m", quantize=4, group_size=32)
+    assert ok.problem(flag) == "" and quant.spec_of(ok) == quant.Spec(4, 32)
+    assert quant.spec_of(settings.ModelSettings(name="m", quantize=None, group_size=64)) is None
+    bad = settings.ModelSettings(name="m", quantize=3, group_size=64)
+    assert bad.problem(flag) == "--quantize 3 is not one spill makes: use 4 or 8"
+    bad = settings.ModelSettings(name="m", quantize=8, group_size=48)
+    assert bad.problem(flag) == "--group-size 48 is not one spill makes: use 32, 64 or 128"
 
 
 def test_job_options_keep_no_copy_of_a_group_default():

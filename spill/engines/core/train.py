@@ -158,8 +158,10 @@ class StreamTrainer:
             return ActivationPlan(True, need, budget)
         names = k.kept_outputs()
         outputs = output_bytes(m.cfg, names, rows, length, k.itemsize) if names else 0
+        # the layer inputs the recompute keeps come first out of the same budget
+        room = budget - rows * length * m.cfg.num_hidden_layers * m.cfg.hidden_size * k.itemsize
         why = "" if m.ring.resident else "layers stream"
-        return ActivationPlan(False, need, budget, why, outputs if outputs <= budget else 0)
+        return ActivationPlan(False, need, budget, why, outputs if outputs <= room else 0)
 
     def accumulate(self, batch: TrainBatch) -> float:
         """Forward and backward through the ring; add ``scale`` x d(loss sum) to the gradients.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from spill.project import outputs
+from spill.settings import stage_inputs
 from spill.store.fs import join
 
 if TYPE_CHECKING:
@@ -38,9 +39,11 @@ def distinct(producers: list[Mapping[str, Any]]) -> list[dict]:
 
 
 def common_inputs(p: Project, prepared: Prepared) -> dict[str, Any]:
-    """The inputs every stage of the student shares: its model, the split, the prompt."""
+    """The inputs every stage of the student shares: its model (and its quantized copy, named
+    only when asked for, so a float build's records stay what they were), the split, the
+    prompt."""
     return {
-        "model.name": p.model.name,
+        **stage_inputs("model", p.model),
         "seed": p.seed,
         "data.input": p.data.input,
         "data.output": p.data.output,
@@ -128,6 +131,13 @@ class Stage:
         for part in self.model_key.split("."):
             value = getattr(value, part)
         return value
+
+    def quantization(self, project: Project):
+        """The quantization its model computes on (``spill.models.quant.Spec``; None: the float
+        weights): the ``quantize`` of the group that names its model, where it has one."""
+        from spill.models.quant import spec_of
+
+        return spec_of(getattr(project, self.model_key.split(".")[0]))
 
     def summarize(self, result: Mapping[str, Any]) -> str:
         """Its result in a few words (the table and the plan's ``done`` reasons)."""

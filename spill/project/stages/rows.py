@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from spill.project import outputs
 from spill.project.stages.base import Stage, common_inputs, distinct
-from spill.settings import EvalSettings, TeacherSettings, deciding
+from spill.settings import EvalSettings, deciding, stage_inputs
 from spill.store.fs import join
 
 if TYPE_CHECKING:
@@ -131,9 +131,8 @@ class DistillStage(RowStage):
     ) -> dict[str, Any]:
         from spill.project.data import sha256
 
-        t = project.teacher
         return {
-            **{f"teacher.{k}": getattr(t, k) for k in deciding(TeacherSettings)},
+            **stage_inputs("teacher", project.teacher),
             "seed": project.seed,
             "data:prompts.jsonl": sha256(prepared.prompts),
         }

@@ -57,6 +57,7 @@ class TuneStage(Stage):
             stop_after=job.stop_after,
             weights=job.weights,
             writer=job.writer,
+            quantize=job.quantize,
         )
         s = tune(p.model.name, self.train_file(ctx), p.name, opts)
         return {"step": s["step"], "steps": t.steps, "loss": s["loss"]}, s["step"] == t.steps
