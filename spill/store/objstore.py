@@ -91,7 +91,7 @@ class ObjectStore(Store):
             if not before and not after:  # no ETag at all: nothing to make a write conditional on
                 raise Unsupported(
                     f"{self.uri(key)}: this object store reports no ETag, so its writes cannot be "
-                    "made conditional; use s3:// (or a local disk) for the state"
+                    "made conditional; use s3://, gs://, az:// (or a local disk) for the state"
                 )
         raise StoreError(f"{self.uri(key)} changes faster than it can be read; try again")
 
@@ -199,6 +199,6 @@ def probe(store: ObjectStore) -> None:
     if why:
         raise Unsupported(
             f"{store.state}: this object store cannot make conditional writes ({why}), so two "
-            "writers could not be kept apart; use s3:// (or a local disk) for the state"
+            "writers could not be kept apart; use s3://, gs://, az:// (or a local disk) for the state"
         )
     _probed.add(where)
