@@ -83,3 +83,12 @@ def test_the_probe_refuses_a_cloud_that_ignores_preconditions(gcs_bucket):
     with pytest.raises(Unsupported, match="a second create of one key succeeded") as e:
         objstore.probe(store)
     assert "\n" not in str(e.value)
+
+
+def test_azure_without_an_account_is_one_line(monkeypatch):
+    for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cloud, "_clients", {})
+    with pytest.raises(StoreError, match="no Azure storage account given; set") as e:
+        cloud.AzureObjects()
+    assert "\n" not in str(e.value)
