@@ -10,8 +10,8 @@ outcome is unknown); the caller reads again either way.
 * ``memory://`` (tests): one store per process, so a lock in this process is enough.
 * object stores (``spill.store.objstore``): create with ``If-None-Match: *`` (GCS:
   ``ifGenerationMatch=0``), replace with ``If-Match: <etag>`` (GCS: the generation read), never
-  delete. ``store_for`` probes a store once per bucket and process
-  and refuses one that accepts a second create or a stale replace.
+  delete. ``store_for`` probes a store once per bucket and process and refuses one that
+  accepts a second create, a wrong or a stale replace.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ GET; elsewhere the ETag before and after the body must agree.
 
 ``probe`` refuses a store that does not refuse stale writes: under a scratch key of the state's
 bucket it creates twice, replaces with a wrong tag and with a stale one; the second create and
-both bad replaces must fail, the good replace must land. A store that accepts either (or reports no ETag, or takes no preconditions)
-is refused in one line before anything is published, once per bucket and process; a bucket
-that does not exist is named as such.
+both bad replaces must fail, the good replace must land. A store that accepts any of them (or
+reports no ETag, or takes no preconditions) is refused in one line before anything is
+published, once per bucket and process; a bucket that does not exist is named as such.
 """
 
 from __future__ import annotations
