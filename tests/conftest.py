@@ -96,7 +96,13 @@ def gcs_bucket(gcs_endpoint, monkeypatch) -> str:
     """A fresh bucket on fake-gcs-server, with STORAGE_EMULATOR_HOST pointing at it."""
     for key, value in gcs_env(gcs_endpoint).items():
         monkeypatch.setenv(key, value)
+    import gcsfs
     from google.cloud import storage
+
+    from spill.store import cloud
+
+    gcsfs.GCSFileSystem.clear_instance_cache()  # one made for another endpoint (a proxy)
+    monkeypatch.setattr(cloud, "_clients", {})
 
     name = f"spill-{uuid.uuid4().hex[:12]}"
     storage.Client().create_bucket(name)
@@ -122,7 +128,13 @@ def azure_container(azure_endpoint, monkeypatch) -> str:
     """A fresh container on Azurite, with AZURE_STORAGE_CONNECTION_STRING pointing at it."""
     for key, value in azure_env(azure_endpoint).items():
         monkeypatch.setenv(key, value)
+    import adlfs
     from azure.storage.blob import BlobServiceClient
+
+    from spill.store import cloud
+
+    adlfs.AzureBlobFileSystem.clear_instance_cache()  # one made for another endpoint (a proxy)
+    monkeypatch.setattr(cloud, "_clients", {})
 
     name = f"spill-{uuid.uuid4().hex[:12]}"
     BlobServiceClient.from_connection_string(

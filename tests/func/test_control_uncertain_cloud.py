@@ -51,6 +51,11 @@ def state(cloud, monkeypatch):
     from spill.store import cloud as clients
 
     monkeypatch.setattr(clients, "_clients", {})  # a client for this proxy
+    import adlfs
+    import gcsfs
+
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    adlfs.AzureBlobFileSystem.clear_instance_cache()
     name = f"spill-{uuid.uuid4().hex[:10]}"
     if scheme == "gs":
         from google.cloud import storage
