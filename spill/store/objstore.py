@@ -1,6 +1,8 @@
-"""Conditional writes on an object store (s3://, and gs://, az:// if the probe accepts them).
+"""Conditional writes on an object store: s3://, gs:// and az:// (each if the probe accepts it).
 
-Create with ``If-None-Match: *`` (fsspec's ``mode="create"``), replace with ``If-Match: <etag>``;
+On S3 create with ``If-None-Match: *`` (fsspec's ``mode="create"``), replace with
+``If-Match: <etag>``; on GCS and Azure Blob through their own clients (``spill.store.cloud``:
+generation preconditions, ETags);
 this module never deletes (an aborted move's claim is the one control object removed:
 ``spill.control.arrival``). A 412 (or 409 for a racing one) is a ``Conflict``, told by the store's answer,
 never by "412" in an error's text; any other failure of a write is ``Uncertain`` (it may have
@@ -8,10 +10,10 @@ landed): the caller reads again either way. On S3 a read gets the body and its E
 GET; elsewhere the ETag before and after the body must agree.
 
 ``probe`` refuses a store that does not refuse stale writes: under a scratch key of the state's
-bucket it creates twice and replaces with a stale tag; both second writes must fail, the good
-replace must land. A store that accepts either (or reports no ETag, or takes no preconditions)
-is refused in one line before anything is published, once per bucket and process; a bucket
-that does not exist is named as such.
+bucket it creates twice, replaces with a wrong tag and with a stale one; the second create and
+both bad replaces must fail, the good replace must land. A store that accepts any of them (or
+reports no ETag, or takes no preconditions) is refused in one line before anything is
+published, once per bucket and process; a bucket that does not exist is named as such.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import secrets
 
 from spill.errors import StoreError
 from spill.store.cas import ATTEMPTS, Conflict, Layout, Store, Uncertain, Unsupported
+from spill.store.cloud import objects_for
 from spill.store.fs import filesystem
 
 log = logging.getLogger(__name__)
@@ -43,17 +46,26 @@ def _precondition_failed(e: BaseException | None) -> bool:
 
 
 class ObjectStore(Store):
-    """An fsspec object store (s3://, and gs://, az:// if ``probe`` accepts them)."""
+    """An fsspec object store (s3://, gs://, az://; each if ``probe`` accepts it); on GCS and
+    Azure its control objects are read and written by the cloud's own client (``cloud``)."""
 
     def __init__(self, state: str, layout: Layout):
         super().__init__(state, layout)
         self.fs, _ = filesystem(state)
+        self.cloud = objects_for(self.state.scheme)
 
     def _path(self, key: str) -> str:
         return filesystem(self.uri(key))[1]
 
     def read(self, key: str) -> tuple[bytes | None, str | None]:
         path = self._path(key)
+        if self.cloud is not None:  # GCS, Azure: the body and its tag in one GET
+            try:
+                return self.cloud.read(path)
+            except StoreError:
+                raise
+            except Exception as e:
+                raise self._unreadable(key, e) from e
         if hasattr(self.fs, "_call_s3"):  # S3: the body and its ETag in one GET
             try:
                 data, etag = self._get_s3(path)
@@ -79,7 +91,7 @@ class ObjectStore(Store):
             if not before and not after:  # no ETag at all: nothing to make a write conditional on
                 raise Unsupported(
                     f"{self.uri(key)}: this object store reports no ETag, so its writes cannot be "
-                    "made conditional; use s3:// (or a local disk) for the state"
+                    "made conditional; use s3://, gs://, az:// (or a local disk) for the state"
                 )
         raise StoreError(f"{self.uri(key)} changes faster than it can be read; try again")
 
@@ -108,8 +120,10 @@ class ObjectStore(Store):
         # this tag fails once with 412, and the transition reads the real one)
         return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
-    def write(self, key: str, data: bytes, tag: str | None) -> None:
+    def write(self, key: str, data: bytes, tag: str | None) -> str | None:
         path = self._path(key)
+        if self.cloud is not None:
+            return self.cloud.write(path, data, tag)  # its tag: a generation, an Azure ETag
         try:
             if tag is None:
                 self.fs.pipe_file(path, data, mode="create")
@@ -136,9 +150,15 @@ def _bucket_there(store: ObjectStore, bucket: str) -> bool:
         return True
 
 
+def _wrong(tag: str | None) -> str:
+    """A tag of the same form (an MD5, a generation, an Azure ETag) that is not ``tag``."""
+    tag = tag or "0"
+    return tag[:-1] + ("1" if tag[-1] != "1" else "2")
+
+
 def probe(store: ObjectStore) -> None:
-    """Refuse a store that does not refuse stale writes: under a scratch key, create twice and
-    replace with a stale tag; both second writes must fail, the good replace must land."""
+    """Refuse a store that does not refuse stale writes: under a scratch key, create twice,
+    replace with a wrong and a stale tag; those three must fail, the good replace must land."""
     where = store.state.split("://", 1)[0] + "://" + filesystem(store.state)[1].split("/")[0]
     if where in _probed:
         return
@@ -157,12 +177,16 @@ def probe(store: ObjectStore) -> None:
             store.write(key, b"2", None)
             why = "a second create of one key succeeded"
         except Conflict:
-            store.write(key, b"3", tag)
             try:
-                store.write(key, b"4", tag)
-                why = "a replace with a stale ETag succeeded"
+                store.write(key, b"5", _wrong(tag))
+                why = "a replace with a wrong tag succeeded"
             except Conflict:
-                pass
+                store.write(key, b"3", tag)
+                try:
+                    store.write(key, b"4", tag)
+                    why = "a replace with a stale tag succeeded"
+                except Conflict:
+                    pass
     except (Conflict, Uncertain) as e:
         why = f"a conditional write failed ({type(e).__name__.lower()})"
     except (TypeError, ValueError, NotImplementedError) as e:
@@ -175,6 +199,6 @@ def probe(store: ObjectStore) -> None:
     if why:
         raise Unsupported(
             f"{store.state}: this object store cannot make conditional writes ({why}), so two "
-            "writers could not be kept apart; use s3:// (or a local disk) for the state"
+            "writers could not be kept apart; use s3://, gs://, az:// (or a local disk) for the state"
         )
     _probed.add(where)

@@ -145,15 +145,13 @@ def race(argv: list[str]) -> int:
 
     import spill.control.ownership  # noqa: F401  (imported once, before the forks)
     from spill.control.keys import current
-    from spill.store.fs import is_local, join
+    from spill.store.fs import is_local, join, scheme_of
 
     base, rounds, n = argv[0], int(argv[1]), int(argv[2])
     warm_from = int(argv[3]) if len(argv) > 3 else rounds
     cached: list = []  # the instance caches fsspec keeps per class
-    if not is_local(base):
-        import s3fs
-
-        cached.append(s3fs.S3FileSystem._cache)
+    if not is_local(base):  # s3fs, gcsfs or adlfs (gs:// and az:// clients are made per pid)
+        cached.append(fsspec.get_filesystem_class(scheme_of(base))._cache)
 
     state = base
     with tempfile.TemporaryDirectory() as scratch:

@@ -30,7 +30,7 @@ from spill.control.keys import current
 from spill.control.place import payload_seq
 from spill.payloads.checkpoint import COMMIT, FILES
 from spill.store import fs
-from tests.conftest import run_spill
+from tests.conftest import bucket_uri, run_spill
 from tests.func.tune_kit import spill_env as env_for  # the child's environment, no drills
 
 TOY = Path(__file__).resolve().parents[2] / "projects" / "toy"
@@ -190,25 +190,27 @@ def copy_of_stopped(tmp_path_factory, dst: Path) -> Path:
 
 def places(where: str, tmp_path: Path, tmp_path_factory, request) -> tuple[str, str, dict]:
     """(source project, destination, environment): a copy of the stopped project, local or
-    moved to the S3 server first (``where``: local, to-s3, from-s3), and where it goes."""
-    bucket = request.getfixturevalue("s3_bucket") if where != "local" else None
-    env = env_for(tmp_path / "home")  # after the bucket: the AWS_* variables reach children
+    moved to an object store first (``where``: local, or to-/from- s3, gs, az), and where it
+    goes."""
+    bucket = bucket_uri(request, where.split("-")[1]) if where != "local" else None
+    env = env_for(tmp_path / "home")  # after the bucket: its variables reach the children
     local = str(copy_of_stopped(tmp_path_factory, tmp_path / "src"))
     if where == "local":
         return local, str(tmp_path / "dst"), env
-    if where == "to-s3":
-        return local, f"s3://{bucket}/dst", env
-    s3 = f"s3://{bucket}/src"
-    ok(spill("move", local, s3, env=env, cwd=tmp_path))
-    return s3, str(tmp_path / "dst"), env
+    if where.startswith("to-"):
+        return local, f"{bucket}/dst", env
+    there = f"{bucket}/src"
+    ok(spill("move", local, there, env=env, cwd=tmp_path))
+    return there, str(tmp_path / "dst"), env
 
 
 # --- refusals ------------------------------------------------------------------------------------
 
 
 def dest_files(to: str) -> dict[str, bytes]:
-    """What is at a destination, where it can be looked at (a local folder, an S3 prefix)."""
-    if to.startswith(("/proc", "/sys")) or not (to.startswith("s3://") or Path(to).is_absolute()):
+    """What is at a destination, where it can be looked at (a local folder, a bucket's prefix)."""
+    remote = to.startswith(("s3://", "gs://", "az://"))
+    if to.startswith(("/proc", "/sys")) or not (remote or Path(to).is_absolute()):
         return {}
     try:
         return tree(to)

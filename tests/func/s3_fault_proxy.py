@@ -1,11 +1,13 @@
-"""An HTTP proxy between s3fs and the test S3 server that loses the answers to writes.
+"""An HTTP proxy between a client and a test object store (S3, GCS, Azure) that loses the
+answers to writes.
 
 Every request is forwarded to the server unchanged (method, path and query, headers, the body
 byte for byte: a ``Transfer-Encoding: chunked`` or aws-chunked body travels still chunked) and
 the server's answer is relayed, on a keep-alive connection. Rules make a write's outcome
 *uncertain* to the client while it really lands on the server:
 
-* ``drop_next_put(part, n)``: the next ``n`` PUTs whose path contains ``part`` are forwarded,
+* ``drop_next_put(part, n)``: the next ``n`` PUTs (or POSTs: a GCS upload) whose path contains
+  ``part`` are forwarded,
   the server's whole answer is read, and then the client's connection is closed (or reset)
   without a byte of it;
 * ``fail_next_put(part, n, status=503)``: the same, but the client gets a 5xx instead.
@@ -39,7 +41,7 @@ class Passed:
     path: str
     status: int  # the server's status
     fault: str = ""  # "", "close", "reset" or the status the client got instead
-    body: bytes = b""  # PUT bodies only (decoded when chunked)
+    body: bytes = b""  # request bodies (decoded when chunked); none for a GET
 
     @property
     def key(self) -> str:
@@ -92,8 +94,18 @@ class Proxy:
         with self._lock:
             return [p for p in self.log if p.method == "PUT" and part in p.path]
 
+    def writes(self, part: str = "", body: bytes = b"") -> list[Passed]:
+        """The PUTs and POSTs (GCS uploads) that reached the server whose path contains
+        ``part`` and whose body contains ``body``, in order."""
+        with self._lock:
+            return [
+                p
+                for p in self.log
+                if p.method in ("PUT", "POST") and part in p.path and body in p.body
+            ]
+
     def _fault(self, method: str, path: str, body: bytes) -> str:
-        if method != "PUT":
+        if method not in ("PUT", "POST"):  # a GCS upload is a POST naming its object in the body
             return ""
         key = urllib.parse.urlsplit(path).path
         with self._lock:
@@ -175,7 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             up.close()
         fault = self.owner._fault(method, self.path, body)
-        passed = Passed(method, self.path, resp.status, fault, body if method == "PUT" else b"")
+        passed = Passed(method, self.path, resp.status, fault, body if method != "GET" else b"")
         self.owner._record(passed)
         if fault in ("close", "reset"):
             if fault == "reset":  # an RST rather than a FIN: linger 0, closed at once

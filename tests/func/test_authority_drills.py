@@ -13,8 +13,8 @@
 "Equal to the control" is ``tune_kit``'s check: the final checkpoint (every tensor, the losses,
 the cursor, the COMMIT bytes) and the adapter tree, byte for byte.
 
-CI runs the local cases (about 40 s of CPU); ``-m slow`` adds the S3 variants and the other
-publications: ``pytest -q -m slow tests/func/test_authority_drills.py``.
+CI runs the local cases (about 40 s of CPU) and one publication on GCS; ``-m slow``
+adds the S3, GCS and Azure variants of the rest and the other publications: ``pytest -q -m slow tests/func/test_authority_drills.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 
 import pytest
 
+from tests.conftest import bucket_uri
 from tests.func import authority_kit as ak
 from tests.func import tune_kit as kit
 from tests.func.test_build import copy_toy
@@ -47,16 +48,21 @@ def assert_equals_control(state: str, control: kit.Control) -> None:
 
 
 def state_at(where: str, tmp_path, request) -> str:
-    """A fresh state location: a local folder, or a prefix in a fresh bucket of the S3 server."""
+    """A fresh state location: a local folder, or a prefix in a fresh bucket of the S3, GCS or
+    Azure server (``where``: s3, gs, az)."""
     if where == "local":
         return str(tmp_path / "state")
-    return f"s3://{request.getfixturevalue('s3_bucket')}/job"
+    return f"{bucket_uri(request, where)}/job"
+
+
+# every object store, slow (one tune each); gs has its fast case in the transitions
+STORES = [pytest.param(w, marks=pytest.mark.slow) for w in ("s3", "gs", "az")]
 
 
 # --- 1. a stale owner --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("where", ["local", *STORES])
 def test_a_stale_owner_is_taken_over_and_fails_when_it_continues(control, tmp_path, request, where):
     state = state_at(where, tmp_path, request)
     env = kit.spill_env(tmp_path / "home")
@@ -111,6 +117,12 @@ TRANSITIONS = [
     pytest.param("control-complete", None, 6, "local", id="control-complete"),
     pytest.param("control-publish@2", None, 4, "s3", id="control-publish@2-s3", marks=SLOW),
     pytest.param("control-complete", None, 6, "s3", id="control-complete-s3", marks=SLOW),
+    pytest.param("control-acquire", None, None, "gs", id="control-acquire-gs", marks=SLOW),
+    pytest.param("control-publish@2", None, 4, "gs", id="control-publish@2-gs"),
+    pytest.param("control-complete", None, 6, "gs", id="control-complete-gs", marks=SLOW),
+    pytest.param("control-acquire", None, None, "az", id="control-acquire-az", marks=SLOW),
+    pytest.param("control-publish@2", None, 4, "az", id="control-publish@2-az", marks=SLOW),
+    pytest.param("control-complete", None, 6, "az", id="control-complete-az", marks=SLOW),
 ]
 
 
@@ -166,7 +178,7 @@ def home(state: str) -> str:
     return f"{HOST}:{os.path.realpath(state)}" if kit.fs.is_local(state) else state
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("where", ["local", *STORES])
 def test_a_copy_cannot_continue_the_run_while_the_original_is_held(
     control, tmp_path, request, where
 ):

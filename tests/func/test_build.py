@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ENGINES, assert_not_imported, build_state_file, cli_code, run_spill
+from tests.conftest import (
+    ENGINES,
+    assert_not_imported,
+    bucket_uri,
+    build_state_file,
+    cli_code,
+    run_spill,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "projects" / "toy"
@@ -302,9 +309,12 @@ def test_data_edited_during_a_build(home, tmp_path, monkeypatch):
     assert "the data changed" in plan[2]["reason"]
 
 
-def test_s3_state(reference, home, tmp_path, s3_bucket):
+@pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow), "az"])
+def test_object_store_state(reference, home, tmp_path, request, store):
+    """A toy build with its state in a bucket (moto S3, fake-gcs-server, Azurite): stopped
+    mid-tune, continued, its adapter and run list there."""
     project = copy_toy(tmp_path / "toy")
-    uri = f"s3://{s3_bucket}/builds/toy"
+    uri = f"{bucket_uri(request, store)}/builds/toy"
     fast = ("tune.steps=12", "tune.ckpt_every=5")
     spill("build", str(project), "--state", uri, "--stop-after", "tune:7", *fast, home=home)
     proc = spill("build", str(project), "--state", uri, *fast, home=home)
@@ -314,11 +324,12 @@ def test_s3_state(reference, home, tmp_path, s3_bucket):
     assert (
         doc["stages"]["tune"]["result"]["step"] == 12 and doc["stages"]["eval"]["status"] == "done"
     )
-    import s3fs
+    from spill.store.fs import filesystem
 
-    fs = s3fs.S3FileSystem()
-    assert fs.exists(f"{s3_bucket}/builds/toy/adapters/toy/peft/adapter_model.safetensors")
-    assert fs.exists(f"{s3_bucket}/builds/toy/runs/current.json")
+    fs, path = filesystem(uri)
+    fs.invalidate_cache()
+    assert fs.exists(f"{path}/adapters/toy/peft/adapter_model.safetensors")
+    assert fs.exists(f"{path}/runs/current.json")
     assert doc["run"]["status"] == "complete" and doc["run"]["generation"] == 2
 
 

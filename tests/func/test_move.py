@@ -39,13 +39,18 @@ import pytest
 
 from spill.control.owner import home_of
 from spill.control.transfer import describe_move
+from tests.conftest import bucket_uri
 from tests.func import authority_kit as ak
 from tests.func import move_kit as mk
 from tests.func import tune_kit as kit
 
 HOST = socket.gethostname()
 SLOW = pytest.mark.slow
-WHERE = ["local", pytest.param("to-s3", marks=SLOW), pytest.param("from-s3", marks=SLOW)]
+WHERE = ["local"] + [
+    pytest.param(f"{way}-{store}", marks=SLOW)
+    for store in ("s3", "gs", "az")
+    for way in ("to", "from")
+]
 
 
 @pytest.fixture
@@ -177,15 +182,17 @@ def test_sigkill_after_each_move_step_then_the_same_move_finishes(
     assert f"moved to {dst} at " in mk.last_line(refused.stderr)
 
 
-# --- 2. one S3 round trip in the default run --------------------------------------------------------
+# --- 2. one round trip through each object store in the default run --------------------------------
 
 
-def test_a_run_moved_to_s3_finishes_there_and_its_complete_run_copies_back(
-    control, tmp_path, tmp_path_factory, s3_bucket
+@pytest.mark.parametrize("store", ["s3", "gs", pytest.param("az", marks=SLOW)])
+def test_a_run_moved_to_a_bucket_finishes_there_and_its_complete_run_copies_back(
+    control, tmp_path, tmp_path_factory, request, store
 ):
+    bucket = bucket_uri(request, store)
     env = mk.env_for(tmp_path / "home")
     src = str(mk.copy_of_stopped(tmp_path_factory, tmp_path / "src"))
-    s3, back = f"s3://{s3_bucket}/toy", str(tmp_path / "back")
+    s3, back = f"{bucket}/toy", str(tmp_path / "back")
     there = json.loads(mk.ok(mk.spill("move", src, s3, "--json", env=env, cwd=tmp_path)).stdout)
     assert there["status"] == "active" and there["to"] == s3
     built = mk.ok(mk.spill("build", s3, env=env, cwd=tmp_path))

@@ -40,7 +40,11 @@ from tests.func import move_kit as mk
 from tests.func import tune_kit as kit
 
 SLOW = pytest.mark.slow
-WHERE = ["local", pytest.param("to-s3", marks=SLOW), pytest.param("from-s3", marks=SLOW)]
+WHERE = ["local"] + [
+    pytest.param(f"{way}-{store}", marks=SLOW)
+    for store in ("s3", "gs", "az")
+    for way in ("to", "from")
+]
 QUICK = ("take", "copy")
 BEFORE_FENCE = [pytest.param(s, marks=() if s in QUICK else SLOW) for s in mk.MOVE_STEPS[:5]]
 

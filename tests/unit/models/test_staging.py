@@ -8,6 +8,7 @@ import pytest
 from spill.errors import ModelNotFound, StoreError
 from spill.models.cache import is_model_file, read_marker
 from spill.models.staging import stage
+from tests.conftest import bucket_uri
 
 
 def model_files(folder):
@@ -82,11 +83,15 @@ def test_stage_from_memory_uri_copies_once(memory_uri, source, tmp_path):
     assert (second.files_copied, second.bytes_copied) == (0, 0)
 
 
-def test_stage_from_s3_against_a_real_server(s3_bucket, source, tmp_path):
-    import s3fs
+@pytest.mark.parametrize("store", ["s3", "gs", "az"])
+def test_stage_from_a_bucket_against_a_real_server(request, store, source, tmp_path):
+    """``--weights s3://`` (moto), ``gs://`` (fake-gcs-server), ``az://`` (Azurite)."""
+    from spill.store.fs import filesystem
 
-    s3fs.S3FileSystem().put(str(source), f"{s3_bucket}/models/tiny", recursive=True)
-    uri = f"s3://{s3_bucket}/models/tiny"
+    bucket = bucket_uri(request, store)
+    uri = f"{bucket}/models/tiny"
+    fs, path = filesystem(uri)
+    fs.put(str(source), path, recursive=True)
     dest = tmp_path / "dest"
     first = stage(uri, dest, progress=lambda _: None)
     assert first.files_copied == len(model_files(source))
@@ -95,7 +100,7 @@ def test_stage_from_s3_against_a_real_server(s3_bucket, source, tmp_path):
     assert (second.files_copied, second.bytes_copied) == (0, 0)
 
     with pytest.raises(ModelNotFound, match="no such folder"):
-        stage(f"s3://{s3_bucket}/models/absent", tmp_path / "x", progress=lambda _: None)
+        stage(f"{bucket}/models/absent", tmp_path / "x", progress=lambda _: None)
 
 
 def test_a_file_whose_size_changed_is_copied_again(source, tmp_path):

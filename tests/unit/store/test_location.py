@@ -22,6 +22,7 @@ from tests.func.tune_kit import spill_env, tune_argv, write_train
         ("s3://bucket/runs", "s3", "s3://bucket/runs", "object"),
         ("S3://bucket/runs", "s3", "S3://bucket/runs", "object"),
         ("gs://bucket/runs", "gs", "gs://bucket/runs", "object"),
+        ("az://container/runs", "az", "az://container/runs", "object"),
     ],
 )
 def test_parse(text, scheme, path, writes):
