@@ -6,6 +6,13 @@ computed; K semaphore permits bound how many layers are alive at once, and a lay
 released (its dict cleared) when the walk moves past it, so weights are valid only until the
 next step. In resident mode every layer is loaded once and the walk only looks them up.
 
+A slot holds a layer as loaded, which for a quantized model is its packed form; ``Hooks.expand``
+gives the form compute uses (the torch engine dequantizes; an engine that computes on packed
+weights keeps the default, which changes nothing). Three modes: streaming (expand per use),
+held (every packed layer loaded once at open, expanded per use: walkers see a streaming ring,
+``resident`` is False, so nothing keeps a layer's weights past its step), and resident (every
+layer expanded once at open).
+
 The ring never touches an array: weights are whatever the loader returns. What an engine must
 do around a load lives in ``Hooks`` (a CUDA side stream for the copy, MLX's bf16 bit-cast on
 the computing thread, a CPU reader taking back a released slot's memory). Both modes hand the
@@ -38,6 +45,15 @@ class Hooks:
         clears that very dict on release) and returns it."""
         return w
 
+    def expand(self, w: Weights) -> Weights:
+        """On the computing thread, each time compute is about to use the loaded layer ``w``:
+        the arrays compute takes (a new dict, or ``w`` itself)."""
+        return w
+
+    def discard(self, x: Weights, w: Weights) -> None:
+        """``expand(w)`` gave ``x`` and compute is done with it (called only when ``x`` is not
+        ``w``)."""
+
     def release(self, w: Weights) -> None:
         """A slot's arrays, just before the ring drops them."""
 
@@ -53,9 +69,13 @@ class Ring:
         resident: bool,
         stats: Stats,
         hooks: Hooks | None = None,
+        held: bool = False,
     ):
         assert slots >= 1
+        # resident: every layer's compute form lives for the run (a walker may keep it);
+        # held: every layer is loaded once, as loaded, and expanded per use
         self._load_fn, self.layers, self.slots, self.resident = load, layers, slots, resident
+        self.held = held and not resident
         self.hooks = hooks or Hooks()
         self.stats = stats
         self._lock = threading.Lock()
@@ -63,8 +83,13 @@ class Ring:
         self.max_live = 0
         self.wait_seconds = 0.0  # time the walk waited on the loader
         self._resident: list[Weights] = []
-        if resident:
-            self._resident = [self.hooks.ready(self._load(i)) for i in range(layers)]
+        if resident:  # the loaded form is dropped once expanded (a packed one is garbage)
+            self._resident = [self.hooks.expand(self._ready(i)) for i in range(layers)]
+        elif self.held:
+            self._resident = [self._ready(i) for i in range(layers)]
+
+    def _ready(self, i: int) -> Weights:
+        return self.hooks.ready(self._load(i))
 
     def live(self) -> set[int]:
         """Indices of the layers loaded right now."""
@@ -95,6 +120,10 @@ class Ring:
             for i in order:
                 yield i, self._resident[i]
             return
+        if self.held:
+            for i in order:
+                yield from self._use(i, self._resident[i])
+            return
         permits = threading.Semaphore(self.slots)
         ready: queue.Queue = queue.Queue()
         stop = threading.Event()
@@ -120,7 +149,7 @@ class Ring:
                 if error is not None:
                     raise error
                 try:
-                    yield i, self.hooks.ready(w)
+                    yield from self._use(i, self.hooks.ready(w))
                 finally:
                     self._release(i, w)
                     permits.release()
@@ -133,6 +162,14 @@ class Ring:
                 i, w, _ = ready.get()
                 if w is not None:
                     self._release(i, w)
+
+    def _use(self, i: int, w: Weights) -> Iterator[tuple[int, Weights]]:
+        x = self.hooks.expand(w)
+        try:
+            yield i, x
+        finally:
+            if x is not w:
+                self.hooks.discard(x, w)
 
     def close(self) -> None:
         for w in self._resident:
