@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spill.engines.base import AdamW, GenerateParams, LoadOptions, ModelSpec, Stats, TrainBatch
+from spill.engines.core.ring import EXPANDED
 from spill.errors import EngineError, ModelError
 from spill.models.config import ModelConfig
 from spill.models.lora import LoraConfig, module_shape, param_names
@@ -57,7 +58,7 @@ class RingPlan:
         """Bytes the layers take once the ring is full."""
         if self.resident:
             return self.slots * (self.expand_bytes or self.slot_bytes)
-        return self.slots * self.slot_bytes + self.expand_bytes
+        return self.slots * self.slot_bytes + EXPANDED * self.expand_bytes
 
 
 def plan_model_ring(
@@ -71,7 +72,7 @@ def plan_model_ring(
     ``available()`` is the device's default budget, asked only when ``options.memory`` gives
     none. ``packed_bytes``: a quantized layer's bytes as read, where the engine expands it into
     the compute dtype (torch). Then the float model resident if it fits, else the packed model
-    held if it fits, else packed slots streamed (one expanded layer counted beside them)."""
+    held if it fits, else packed slots streamed (``EXPANDED`` expanded layers beside them)."""
     float_bytes = cfg.layer_params() * itemsize
     # Resident parts come out of the default budget; an explicit one is the ring's own.
     head_bytes = cfg.vocab_size * cfg.hidden_size * itemsize
@@ -85,9 +86,10 @@ def plan_model_ring(
         return RingPlan(slots, resident, False, float_bytes, 0)
     if options.ring is None and layers * float_bytes <= budget:
         return RingPlan(layers, True, False, packed_bytes, float_bytes)
-    if options.resident or (options.ring is None and layers * packed_bytes <= budget):
+    expanded = EXPANDED * float_bytes  # the layer computing and the next, expanded
+    if options.resident or (options.ring is None and layers * packed_bytes + expanded <= budget):
         return RingPlan(layers, False, True, packed_bytes, float_bytes)
-    room = max(0, budget - float_bytes)  # the expanded layer in use comes first
+    room = max(0, budget - expanded)
     slots, _ = plan_ring(layers, packed_bytes, options.ring, False, room)
     return RingPlan(slots, False, False, packed_bytes, float_bytes)
 

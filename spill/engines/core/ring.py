@@ -11,7 +11,10 @@ gives the form compute uses (the torch engine dequantizes; an engine that comput
 weights keeps the default, which changes nothing). Three modes: streaming (expand per use),
 held (every packed layer loaded once at open, expanded per use: walkers see a streaming ring,
 ``resident`` is False, so nothing keeps a layer's weights past its step), and resident (every
-layer expanded once at open).
+layer expanded once at open). The prefetch thread expands, at most ``EXPANDED`` layers alive at
+once (the one computing and the next): on torch with two threads a layer, dequantizing on the
+computing thread made a SmolLM2 decode step 6-14x slower, idle or beside a busy process (equal
+with one thread; docs/quantized.md, ``bench/quant_ring.py where``, which flips ``EXPAND_AHEAD``).
 
 The ring never touches an array: weights are whatever the loader returns. What an engine must
 do around a load lives in ``Hooks`` (a CUDA side stream for the copy, MLX's bf16 bit-cast on
@@ -31,10 +34,14 @@ from typing import Any
 from spill.engines.base import Stats
 
 Weights = dict[str, Any]  # one layer's arrays, keyed like the HF checkpoint below the layer
+EXPANDED = 2  # expanded layers alive at once when the prefetch thread expands
+EXPAND_AHEAD = True  # expand on the prefetch thread; False: on the computing thread, as it uses
 
 
 class Hooks:
     """What an engine changes about loading a layer; these defaults change nothing."""
+
+    expands = False  # ``expand`` makes a new form (the prefetch thread then bounds how many)
 
     def load(self, fn: Callable[[int], Weights], i: int) -> Weights:
         """Run the loader for layer ``i`` (on the loader thread in streaming mode)."""
@@ -120,48 +127,68 @@ class Ring:
             for i in order:
                 yield i, self._resident[i]
             return
-        if self.held:
-            for i in order:
-                yield from self._use(i, self._resident[i])
-            return
+        streaming = not self.held
+        ahead = EXPAND_AHEAD and self.hooks.expands
         permits = threading.Semaphore(self.slots)
+        expanded = threading.Semaphore(EXPANDED)
         ready: queue.Queue = queue.Queue()
         stop = threading.Event()
 
         def prefetch():
             for i in order:
-                permits.acquire()
-                if stop.is_set():
-                    return
+                if streaming:
+                    permits.acquire()
+                    if stop.is_set():
+                        return
                 try:
-                    ready.put((i, self._load(i), None))
+                    w = self._load(i) if streaming else self._resident[i]
+                    if ahead:
+                        expanded.acquire()
+                        if stop.is_set():
+                            ready.put((i, w, w, None))  # released by the walk's cleanup
+                            return
+                        ready.put((i, w, self.hooks.expand(w), None))
+                    else:
+                        ready.put((i, w, w, None))
                 except BaseException as e:  # handed to the walk, which raises it
-                    ready.put((i, None, e))
+                    ready.put((i, None, None, e))
                     return
 
         loader = threading.Thread(target=prefetch, name="spill-ring", daemon=True)
         loader.start()
+
+        def done(i: int, w: Weights, x: Weights) -> None:
+            if x is not w:
+                self.hooks.discard(x, w)
+            if streaming:
+                self._release(i, w)
+
         try:
             for _ in order:
                 t = time.perf_counter()
-                i, w, error = ready.get()
+                i, w, x, error = ready.get()
                 self.wait_seconds += time.perf_counter() - t
                 if error is not None:
                     raise error
                 try:
-                    yield from self._use(i, self.hooks.ready(w))
+                    if ahead:
+                        yield i, self.hooks.ready(x)
+                    else:
+                        yield from self._use(i, self.hooks.ready(w))
                 finally:
-                    self._release(i, w)
+                    done(i, w, x)
+                    expanded.release()
                     permits.release()
         finally:
             stop.set()
             for _ in order:
                 permits.release()  # the loader never blocks again
+                expanded.release()
             loader.join()
             while not ready.empty():
-                i, w, _ = ready.get()
+                i, w, x, _ = ready.get()
                 if w is not None:
-                    self._release(i, w)
+                    done(i, w, x)
 
     def _use(self, i: int, w: Weights) -> Iterator[tuple[int, Weights]]:
         x = self.hooks.expand(w)

@@ -12,9 +12,8 @@ would end it with SIGBUS where a read would fail in one line. ``TorchHooks``
 gives CUDA a side stream, so layer copies overlap compute on the default stream. A packed
 (quantized) weight comes back from ``tensors`` as stored (a ``quant.Packed`` over one read
 buffer, on the device), so a ring slot holds the packed bytes; ``TorchHooks.expand`` dequantizes
-a layer into the compute dtype on the computing thread just before compute uses it, into
-tensors recycled from the previous use (measured against doing it on the prefetch thread in
-docs/quantized.md). ``tensor`` (the kernel's resident parts) dequantizes at once.
+a layer into the compute dtype (on the ring's prefetch thread, see ``core.ring``) into tensors
+recycled from an earlier use. ``tensor`` (the kernel's resident parts) dequantizes at once.
 """
 
 from __future__ import annotations
@@ -240,6 +239,7 @@ class TorchHooks(Hooks):
         self, reader: WeightReader, stream: torch.cuda.Stream | None, map_layers: bool = False
     ):
         self.reader, self.stream, self.map = reader, stream, map_layers
+        self.expands = bool(reader.quantized)
 
     def load(self, fn, i: int):
         if self.stream is None:
@@ -264,7 +264,12 @@ class TorchHooks(Hooks):
     def expand(self, w):
         if not any(isinstance(t, Packed) for t in w.values()):
             return w
-        return {k: self.reader.unpack(t) if isinstance(t, Packed) else t for k, t in w.items()}
+        if self.stream is None:
+            return {k: self.reader.unpack(t) if isinstance(t, Packed) else t for k, t in w.items()}
+        with torch.cuda.stream(self.stream):  # beside compute, as the load was
+            x = {k: self.reader.unpack(t) if isinstance(t, Packed) else t for k, t in w.items()}
+        self.stream.synchronize()
+        return x
 
     def discard(self, x, w) -> None:
         self.reader.recycle([x[k] for k, t in w.items() if isinstance(t, Packed)])
