@@ -139,7 +139,7 @@ def ring(rounds: int) -> None:
     prompts = [rng.integers(10, 40000, 96) for _ in range(4)]
     completions = [rng.integers(10, 40000, 32) for _ in range(4)]
     got = {name: [] for name in (QUANT, FLOAT)}
-    read = {}
+    read, lines = {}, {}
     for name in got:
         f = folder(name)
         cfg = load_config(f)
@@ -156,10 +156,11 @@ def ring(rounds: int) -> None:
                 runner.score(prompts, completions)
                 got[name].append(time.perf_counter() - t)
                 read[name] = runner.model.kernel.reader.bytes_read - before
-                line = runner.info.line()
+                lines[name] = runner.info.line()
             finally:
                 runner.close()
-        print(f"  {line}")
+    for name, line in lines.items():
+        print(f"  {name}: {line}")
     q, f = (float(np.median(got[n])) for n in (QUANT, FLOAT))
     print(f"scoring pass 4x128, --ring 2, float32, {rounds} rounds (median):")
     print(
