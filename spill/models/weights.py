@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,31 @@ def quantized_weights(config, files: WeightFiles) -> dict[str, tuple[int, int]]:
                 )
             out[name] = config.quant_spec(module)
     return out
+
+
+def _nbytes(info: dict) -> int:
+    start, end = info["data_offsets"]
+    return end - start
+
+
+def layer_bytes(config, files: WeightFiles, itemsize: int) -> int:
+    """Bytes of the largest decoder layer as a ring slot holds it: a packed module's weight,
+    scales and biases as stored (the packed form), every other tensor at ``itemsize`` bytes a
+    value (read into the compute dtype). A float folder's is ``layer_params() * itemsize``."""
+    largest = 0
+    for i in range(config.num_hidden_layers):
+        total = 0
+        for key in config.layer_keys():
+            name = f"model.layers.{i}.{key}"
+            module = name.removesuffix(".weight")
+            if module != name and f"{module}.scales" in files.tensor_shard:
+                parts = [f"{module}.{p}" for p in ("weight", "scales", "biases")]
+                total += sum(_nbytes(files.tensor_info(n)) for n in parts)
+            else:
+                info = files.tensor_info(name)
+                total += math.prod(info["shape"]) * itemsize
+        largest = max(largest, total)
+    return largest
 
 
 SAMPLE = 64 * 1024

@@ -163,3 +163,43 @@ def test_a_tag_the_gguf_does_not_hold_is_refused_in_one_line(cache, monkeypatch)
         resolve_model("smollm2:135m@q8_0", progress=pytest.fail)
     assert "\n" not in str(e.value)
     assert resolve_model(QUANT, progress=pytest.fail).folder.name == "smollm2-135m-q4_1"
+
+
+def test_packed_modes_score_and_tune_as_the_float_import(cache):
+    """Held packed and a ring of packed slots sized by ``--memory`` equal the float import in
+    float32: log-probs and two tune steps' adapters and optimizer state."""
+    from spill.engines import resolve
+    from spill.models.lora import LoraConfig
+    from spill.models.weights import layer_bytes, weight_files
+    from tests.unit.engines.kit import equal_states, fresh, tune
+
+    _, folders = cache
+    cfg = load_config(folders[QUANT])
+    f, p = cfg.layer_params() * 4, layer_bytes(cfg, weight_files(folders[QUANT]), 4)
+    assert 5 * p < f  # 2.2 MB against 13.5 MB a layer
+    lora = LoraConfig(rank=4, alpha=8, dropout=0.0, targets=("q_proj", "down_proj"))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 40000, 12) for _ in range(2)]
+    completions = [rng.integers(10, 40000, 4) for _ in range(2)]
+    modes = [
+        ("smollm2:135m", {"ring": 2}, "streaming, ring 2 of 30"),
+        (QUANT, {"memory": 30 * p + 2 * f}, "held packed"),
+        (QUANT, {"memory": 6 * p + 2 * f}, "streaming, ring 6 of 30"),
+    ]
+    got = []
+    for name, opts, words in modes:
+        folder = folders[name]
+        runner = resolve("torch").open(
+            ModelSpec(folder, load_config(folder)), LoadOptions(dtype="float32", **opts)
+        )
+        try:
+            assert words in runner.info.line(), runner.info.line()
+            scores = [s.view(np.uint32).tolist() for s in runner.score(prompts, completions)]
+            trainer = fresh(runner, cfg, lora)
+            losses = tune(trainer, 2)
+            got.append((scores, losses, trainer.state()))
+        finally:
+            runner.close()
+    for scores, losses, state in got[1:]:
+        assert scores == got[0][0] and losses == got[0][1]
+        assert equal_states(state, got[0][2])

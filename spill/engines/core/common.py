@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from spill.engines.base import AdamW, GenerateParams, LoadOptions, ModelSpec, Stats, TrainBatch
+from spill.engines.core.ring import EXPANDED
 from spill.errors import EngineError, ModelError
 from spill.models.config import ModelConfig
 from spill.models.lora import LoraConfig, module_shape, param_names
@@ -40,19 +42,56 @@ def plan_ring(
     return min(max(2, budget // max(layer_bytes, 1)), layers), False
 
 
+@dataclass(frozen=True)
+class RingPlan:
+    """How a model's decoder layers live: ``slots`` of ``slot_bytes`` each (a layer as read:
+    packed for a quantized model); ``resident``: every layer in its compute form for the run;
+    ``held``: every layer as read, expanded into its compute form per use."""
+
+    slots: int
+    resident: bool
+    held: bool
+    slot_bytes: int
+    expand_bytes: int  # a layer's compute form when it differs from the slot's (else 0)
+
+    def layer_memory(self) -> int:
+        """Bytes the layers take once the ring is full."""
+        if self.resident:
+            return self.slots * (self.expand_bytes or self.slot_bytes)
+        return self.slots * self.slot_bytes + EXPANDED * self.expand_bytes
+
+
 def plan_model_ring(
-    cfg: ModelConfig, itemsize: int, options: LoadOptions, available: Callable[[], int]
-) -> tuple[int, bool]:
-    """``plan_ring`` for a model whose weights take ``itemsize`` bytes each; ``available()`` is
-    the device's default budget, asked only when ``options.memory`` gives none."""
-    layer_bytes = cfg.layer_params() * itemsize
+    cfg: ModelConfig,
+    itemsize: int,
+    options: LoadOptions,
+    available: Callable[[], int],
+    packed_bytes: int | None = None,
+) -> RingPlan:
+    """The ring plan of a model whose weights take ``itemsize`` bytes each in the compute dtype;
+    ``available()`` is the device's default budget, asked only when ``options.memory`` gives
+    none. ``packed_bytes``: a quantized layer's bytes as read, where the engine expands it into
+    the compute dtype (torch). Then the float model resident if it fits, else the packed model
+    held if it fits, else packed slots streamed (``EXPANDED`` expanded layers beside them)."""
+    float_bytes = cfg.layer_params() * itemsize
     # Resident parts come out of the default budget; an explicit one is the ring's own.
     head_bytes = cfg.vocab_size * cfg.hidden_size * itemsize
     head_bytes *= 1 if cfg.tie_word_embeddings else 2
     budget = options.budget
     if budget is None:
         budget = max(0, available() - head_bytes)
-    return plan_ring(cfg.num_hidden_layers, layer_bytes, options.ring, options.resident, budget)
+    layers = cfg.num_hidden_layers
+    if packed_bytes is None or packed_bytes >= float_bytes:
+        slots, resident = plan_ring(layers, float_bytes, options.ring, options.resident, budget)
+        return RingPlan(slots, resident, False, float_bytes, 0)
+    if options.ring is None and layers * float_bytes <= budget:
+        return RingPlan(layers, True, False, packed_bytes, float_bytes)
+    expanded = EXPANDED * float_bytes  # the layer computing and the next, expanded
+    if options.resident or (options.ring is None and layers * packed_bytes + expanded <= budget):
+        return RingPlan(layers, False, True, packed_bytes, float_bytes)
+    room = max(0, budget - expanded)
+    slots, _ = plan_ring(layers, packed_bytes, options.ring, False, room)
+    return RingPlan(slots, False, False, packed_bytes, float_bytes)
 
 
 def check_layers(model: ModelSpec, keys: Sequence[str], has: Callable[[str], bool]) -> None:

@@ -1,7 +1,8 @@
 """Opening a model on an engine: the decisions every engine makes, in one order, once.
 
 The engine places the model (device, numerics and why, a weight reader: ``Backend.place``);
-the core plans the ring from the memory budget (``common.plan_model_ring``), checks that every
+the core plans the ring from the memory budget (``common.plan_model_ring``; a quantized
+layer's slot is sized by its packed bytes, ``models.weights.layer_bytes``), checks that every
 layer's tensors exist before any is read, builds the ring with the engine's hooks, and lets the
 engine read the resident parts into its kernel. Embeddings, the final norm and lm_head are
 always resident; decoder layers stream.
@@ -15,12 +16,13 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
-from spill.engines.core.common import check_layers, plan_model_ring
+from spill.engines.core.common import RingPlan, check_layers, plan_model_ring
 from spill.engines.core.kernel import Kernel
 from spill.engines.core.ring import Hooks, Ring, Weights
 from spill.engines.core.runner import Model, StreamRunner
 from spill.errors import UnsupportedModel
 from spill.models.config import ModelConfig
+from spill.models.weights import layer_bytes, weight_files
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class Placement:
     budget: Callable[[], int]  # the default ring budget, asked only without ``options.memory``
     reader: Any  # ``tensors(names) -> {name: array}``, ``has(name)``, ``close()``
     weights_note: str = ""  # what the engine changes about a quantized base's weights, if any
+    # the engine's hooks expand a packed layer into ``dtype`` per use (torch); the plan then
+    # keeps a quantized model's float form resident where it fits. False: packed is computed on
+    expands: bool = False
 
 
 class Backend(Protocol):
@@ -59,8 +64,9 @@ def layer_loader(reader, keys: Sequence[str]) -> Callable[[int], Weights]:
     return load
 
 
-def _weights(model: ModelSpec) -> str:
-    """The pre-run line's words for a quantized base (its format and the GGUF types it kept)."""
+def _weights(model: ModelSpec, place: Placement, plan: RingPlan) -> str:
+    """The pre-run line's words for a quantized base (its format and the GGUF types it kept,
+    and where an expanding engine dequantizes it)."""
     if not model.config.quantization:
         return ""
     from spill.models.cache import read_marker
@@ -68,7 +74,13 @@ def _weights(model: ModelSpec) -> str:
 
     tensors = read_marker(model.folder).get("tensors") or {}
     kept = [t["ggml_type"] for t in tensors.values() if isinstance(t, dict) and "bits" in t]
-    return describe(model.config.quantization, kept)
+    text = describe(model.config.quantization, kept)
+    if not place.expands:
+        return text
+    if plan.resident:
+        return f"{text}, dequantized to {place.numerics} at load"
+    held = "held packed" if plan.held else "packed slots"
+    return f"{text}, {held} ({plan.slot_bytes / 1e6:.1f} MB a layer), dequantized per use"
 
 
 def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> StreamRunner:
@@ -86,20 +98,25 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         )
     place = engine.place(cfg, model.folder, options)
     layers = cfg.num_hidden_layers
-    slots, resident = plan_model_ring(cfg, place.itemsize, options, place.budget)
+    packed = None
+    if cfg.quantization and place.expands:
+        packed = layer_bytes(cfg, weight_files(model.folder), place.itemsize)
+    plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed)
     keys = cfg.layer_keys()
     check_layers(model, keys, place.reader.has)
     stats = Stats()
-    hooks = engine.hooks(place, resident)
-    ring = Ring(layer_loader(place.reader, keys), layers, slots, resident, stats, hooks)
+    hooks = engine.hooks(place, plan.resident or plan.held)  # held layers: read, never mapped
+    loader = layer_loader(place.reader, keys)
+    ring = Ring(loader, layers, plan.slots, plan.resident, stats, hooks, plan.held)
     info = EngineInfo(
         engine=engine.name,
         device=place.device_name,
         numerics=place.numerics,
         why=place.why,
-        ring=slots,
+        ring=plan.slots,
         layers=layers,
-        resident=resident,
-        weights=", ".join(w for w in (_weights(model), place.weights_note) if w),
+        resident=plan.resident or plan.held,
+        weights=", ".join(w for w in (_weights(model, place, plan), place.weights_note) if w),
     )
-    return StreamRunner(Model(engine.kernel(cfg, place), ring), info, stats, options.budget)
+    kernel = engine.kernel(cfg, place)
+    return StreamRunner(Model(kernel, ring), info, stats, options.budget, plan.layer_memory())

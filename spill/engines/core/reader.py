@@ -44,6 +44,7 @@ class ShardFiles:
         self.files = files
         self._fds: dict[str, tuple[int, int]] = {}  # shard -> (fd, start of tensor data)
         self._lock = threading.Lock()
+        self.bytes_read = 0  # tensor bytes read or mapped so far (a benchmark's per-pass count)
 
     def has(self, name: str) -> bool:
         return name in self.files.tensor_shard
@@ -80,12 +81,16 @@ class ShardFiles:
         lo = r.start - r.start % mmap.ALLOCATIONGRANULARITY
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         m = mmap.mmap(r.fd, r.nbytes + r.start - lo, flags=flags, prot=mmap.PROT_READ, offset=lo)
+        with self._lock:
+            self.bytes_read += r.nbytes
         return memoryview(m)[r.start - lo :]
 
     def pread(self, fd: int, buffers: list, offset: int, shard: str) -> None:
         """Fill ``buffers`` (anything with the buffer protocol) from ``offset``; loops on short
         reads (Linux returns at most ~2 GiB per call, so a 4 GiB embedding takes several)."""
         views = [memoryview(b).cast("B") for b in buffers if b.nbytes]
+        with self._lock:
+            self.bytes_read += sum(len(v) for v in views)
         done = 0
         while views:
             n = os.preadv(fd, views, offset + done)

@@ -6,6 +6,16 @@ computed; K semaphore permits bound how many layers are alive at once, and a lay
 released (its dict cleared) when the walk moves past it, so weights are valid only until the
 next step. In resident mode every layer is loaded once and the walk only looks them up.
 
+A slot holds a layer as loaded, which for a quantized model is its packed form; ``Hooks.expand``
+gives the form compute uses (the torch engine dequantizes; an engine that computes on packed
+weights keeps the default, which changes nothing). Three modes: streaming (expand per use),
+held (every packed layer loaded once at open, expanded per use: walkers see a streaming ring,
+``resident`` is False, so nothing keeps a layer's weights past its step), and resident (every
+layer expanded once at open). The prefetch thread expands, at most ``EXPANDED`` layers alive at
+once (the one computing and the next): on torch with two threads a layer, dequantizing on the
+computing thread made a SmolLM2 decode step 6-14x slower, idle or beside a busy process (equal
+with one thread; docs/quantized.md, ``bench/quant_ring.py where``, which flips ``EXPAND_AHEAD``).
+
 The ring never touches an array: weights are whatever the loader returns. What an engine must
 do around a load lives in ``Hooks`` (a CUDA side stream for the copy, MLX's bf16 bit-cast on
 the computing thread, a CPU reader taking back a released slot's memory). Both modes hand the
@@ -24,10 +34,14 @@ from typing import Any
 from spill.engines.base import Stats
 
 Weights = dict[str, Any]  # one layer's arrays, keyed like the HF checkpoint below the layer
+EXPANDED = 2  # expanded layers alive at once when the prefetch thread expands
+EXPAND_AHEAD = True  # expand on the prefetch thread; False: on the computing thread, as it uses
 
 
 class Hooks:
     """What an engine changes about loading a layer; these defaults change nothing."""
+
+    expands = False  # ``expand`` makes a new form (the prefetch thread then bounds how many)
 
     def load(self, fn: Callable[[int], Weights], i: int) -> Weights:
         """Run the loader for layer ``i`` (on the loader thread in streaming mode)."""
@@ -37,6 +51,15 @@ class Hooks:
         """On the computing thread, before compute uses ``w``: changes ``w`` in place (the ring
         clears that very dict on release) and returns it."""
         return w
+
+    def expand(self, w: Weights) -> Weights:
+        """On the computing thread, each time compute is about to use the loaded layer ``w``:
+        the arrays compute takes (a new dict, or ``w`` itself)."""
+        return w
+
+    def discard(self, x: Weights, w: Weights) -> None:
+        """``expand(w)`` gave ``x`` and compute is done with it (called only when ``x`` is not
+        ``w``)."""
 
     def release(self, w: Weights) -> None:
         """A slot's arrays, just before the ring drops them."""
@@ -53,9 +76,13 @@ class Ring:
         resident: bool,
         stats: Stats,
         hooks: Hooks | None = None,
+        held: bool = False,
     ):
         assert slots >= 1
+        # resident: every layer's compute form lives for the run (a walker may keep it);
+        # held: every layer is loaded once, as loaded, and expanded per use
         self._load_fn, self.layers, self.slots, self.resident = load, layers, slots, resident
+        self.held = held and not resident
         self.hooks = hooks or Hooks()
         self.stats = stats
         self._lock = threading.Lock()
@@ -63,8 +90,13 @@ class Ring:
         self.max_live = 0
         self.wait_seconds = 0.0  # time the walk waited on the loader
         self._resident: list[Weights] = []
-        if resident:
-            self._resident = [self.hooks.ready(self._load(i)) for i in range(layers)]
+        if resident:  # the loaded form is dropped once expanded (a packed one is garbage)
+            self._resident = [self.hooks.expand(self._ready(i)) for i in range(layers)]
+        elif self.held:
+            self._resident = [self._ready(i) for i in range(layers)]
+
+    def _ready(self, i: int) -> Weights:
+        return self.hooks.ready(self._load(i))
 
     def live(self) -> set[int]:
         """Indices of the layers loaded right now."""
@@ -95,44 +127,76 @@ class Ring:
             for i in order:
                 yield i, self._resident[i]
             return
+        streaming = not self.held
+        ahead = EXPAND_AHEAD and self.hooks.expands
         permits = threading.Semaphore(self.slots)
+        expanded = threading.Semaphore(EXPANDED)
         ready: queue.Queue = queue.Queue()
         stop = threading.Event()
 
         def prefetch():
             for i in order:
-                permits.acquire()
-                if stop.is_set():
-                    return
+                if streaming:
+                    permits.acquire()
+                    if stop.is_set():
+                        return
                 try:
-                    ready.put((i, self._load(i), None))
+                    w = self._load(i) if streaming else self._resident[i]
+                    if ahead:
+                        expanded.acquire()
+                        if stop.is_set():
+                            ready.put((i, w, w, None))  # released by the walk's cleanup
+                            return
+                        ready.put((i, w, self.hooks.expand(w), None))
+                    else:
+                        ready.put((i, w, w, None))
                 except BaseException as e:  # handed to the walk, which raises it
-                    ready.put((i, None, e))
+                    ready.put((i, None, None, e))
                     return
 
         loader = threading.Thread(target=prefetch, name="spill-ring", daemon=True)
         loader.start()
+
+        def done(i: int, w: Weights, x: Weights) -> None:
+            if x is not w:
+                self.hooks.discard(x, w)
+            if streaming:
+                self._release(i, w)
+
         try:
             for _ in order:
                 t = time.perf_counter()
-                i, w, error = ready.get()
+                i, w, x, error = ready.get()
                 self.wait_seconds += time.perf_counter() - t
                 if error is not None:
                     raise error
                 try:
-                    yield i, self.hooks.ready(w)
+                    if ahead:
+                        yield i, self.hooks.ready(x)
+                    else:
+                        yield from self._use(i, self.hooks.ready(w))
                 finally:
-                    self._release(i, w)
+                    done(i, w, x)
+                    expanded.release()
                     permits.release()
         finally:
             stop.set()
             for _ in order:
                 permits.release()  # the loader never blocks again
+                expanded.release()
             loader.join()
             while not ready.empty():
-                i, w, _ = ready.get()
+                i, w, x, _ = ready.get()
                 if w is not None:
-                    self._release(i, w)
+                    done(i, w, x)
+
+    def _use(self, i: int, w: Weights) -> Iterator[tuple[int, Weights]]:
+        x = self.hooks.expand(w)
+        try:
+            yield i, x
+        finally:
+            if x is not w:
+                self.hooks.discard(x, w)
 
     def close(self) -> None:
         for w in self._resident:

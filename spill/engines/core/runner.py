@@ -94,9 +94,21 @@ def host_free() -> int:
 
 
 class StreamRunner:
-    def __init__(self, model: Model, info: EngineInfo, stats: Stats, memory: int | None = None):
+    def __init__(
+        self,
+        model: Model,
+        info: EngineInfo,
+        stats: Stats,
+        memory: int | None = None,
+        layer_memory: int | None = None,
+    ):
         self.model, self.info, self.stats = model, info, stats
         self.memory = memory  # an explicit byte budget (``--memory``); None: the device decides
+        # bytes the ring's layers take once full (``RingPlan.layer_memory``: packed slots and
+        # the expanded layer in use); None: ``ring`` layers in the compute dtype
+        if layer_memory is None:
+            layer_memory = info.ring * model.cfg.layer_params() * model.kernel.itemsize
+        self.layer_memory = layer_memory
         self._adapter: dict[int, dict] | None = None  # layer -> module -> (A, B, scale)
         # Free device memory in bytes now; None: the host's (``host_free``), right for a CPU
         # and MLX's unified memory. A discrete GPU's opener sets it, or its batch stays fixed.
@@ -114,7 +126,7 @@ class StreamRunner:
             free = host_free()
         if free is not None:
             if not info.resident:  # the ring's slots fill on its first walk: count them taken
-                free = max(0, free - info.ring * cfg.layer_params() * itemsize)
+                free = max(0, free - self.layer_memory)
             free = int(free * ROWS_FRACTION)  # resident layers were loaded at open
         return plan_batch(cfg, itemsize, tokens, rows, free)
 
@@ -137,8 +149,7 @@ class StreamRunner:
         memory available), and within an explicit ``--memory`` what the ring's layers leave."""
         budget = self.model.kernel.memory_budget()
         if self.memory is not None:
-            layers = self.info.ring * self.model.cfg.layer_params() * self.model.kernel.itemsize
-            budget = min(budget, max(0, self.memory - layers))
+            budget = min(budget, max(0, self.memory - self.layer_memory))
         return budget
 
     def _last_logits(self, h) -> np.ndarray:

@@ -43,7 +43,7 @@ def pick_device(requested: str | None) -> torch.device:
 class TorchEngine:
     name = "torch"
     families = FAMILIES
-    quantized = True  # dequantizes packed layers as it loads them
+    quantized = True  # computes on packed layers, dequantized per use (or once, resident)
 
     def open(self, model: ModelSpec, options: LoadOptions) -> StreamRunner:
         runner = open_runner(self, model, options)
@@ -71,6 +71,7 @@ class TorchEngine:
             itemsize=dtype.itemsize,
             budget=lambda: default_budget(device),
             reader=WeightReader(files, device, dtype, quantized_weights(cfg, files)),
+            expands=True,
         )
 
     def hooks(self, place: Placement, resident: bool) -> TorchHooks:

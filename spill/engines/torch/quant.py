@@ -1,16 +1,50 @@
-"""Packed affine layers (``spill.models.quant``) dequantized into the compute dtype with torch.
+"""Packed affine layers (``spill.models.quant``) and their dequantization into the compute dtype.
 
-The packed words are read as int32 (the same bits); each value is a shift and a mask away, then
-``scale * q + bias`` in float32 as two separate ops (never a fused multiply-add, which would
-round once instead of twice and break equality with the float folder), then the cast. Rows go
-in chunks so the int32 and float32 temporaries stay a few MB whatever the tensor.
+A ``Packed`` is one quantized linear as read: the int32 words, scales and biases (views of one
+read buffer). ``dequantize_into`` writes ``scale * q + bias`` into the output tensor: the words
+are viewed as bytes (little-endian, as every machine torch runs on), a 4-bit byte holds element
+``2k`` in its low nibble and ``2k + 1`` in its high one (``& 15``, ``>> 4``), an 8-bit byte is the
+value itself. The values land in the output, which is then multiplied and added in place: two
+separate float32 ops, never a fused multiply-add (one rounding instead of two would break the
+equality with the float folder). A bf16/f16 output goes through one float32 scratch buffer per
+call, in chunks. Measured on a SmolLM2 layer (4-bit g32, float32, one thread): 3.7 ms against
+21.5 ms for the previous int32 shift-and-mask version (bench/quant_ring.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-CHUNK_VALUES = 1 << 22  # values per chunk: ~16 MB of int32 and of float32 temporaries
+CHUNK_VALUES = 1 << 22  # values per chunk of a non-float32 output (a 16 MB float32 scratch)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One quantized linear's weight as stored; ``buffer`` is the read buffer the three view
+    (shared by a layer's modules, recycled whole)."""
+
+    weight: torch.Tensor  # int32 (out, in * bits / 32)
+    scales: torch.Tensor  # (out, in / group_size)
+    biases: torch.Tensor  # (out, in / group_size)
+    bits: int
+    group_size: int
+    buffer: torch.Tensor  # uint8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape[0], self.weight.shape[1] * 32 // self.bits
+
+
+def _values(out: torch.Tensor, words: torch.Tensor, bits: int) -> None:
+    """out (n, in) <- the integers of ``words`` uint8 (n, in * bits / 8)."""
+    if bits == 8:
+        out.copy_(words)
+        return
+    pairs = out.view(out.shape[0], -1, 2)  # (n, in / 2, 2): low nibble first
+    pairs[..., 0].copy_(words & 15)
+    pairs[..., 1].copy_(words >> 4)
 
 
 def dequantize_into(
@@ -24,14 +58,27 @@ def dequantize_into(
     """Fill ``out`` (rows, in) with the dequantized values of ``weight`` int32 (rows, words),
     ``scales`` and ``biases`` (rows, in / group_size)."""
     rows, cols = out.shape
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=weight.device)  # (32 / bits,)
-    mask = (1 << bits) - 1
+    words = weight.view(torch.uint8)  # (rows, words * 4)
+    s = scales.to(torch.float32).unsqueeze(-1)  # (rows, groups, 1)
+    b = biases.to(torch.float32).unsqueeze(-1)
+    if out.dtype == torch.float32:
+        _values(out, words, bits)
+        groups = out.view(rows, -1, group_size)  # (rows, groups, G)
+        groups.mul_(s)
+        groups.add_(b)
+        return out
     step = max(1, CHUNK_VALUES // max(cols, 1))
+    scratch = torch.empty((min(step, rows), cols), dtype=torch.float32, device=out.device)
     for r in range(0, rows, step):
-        w = weight[r : r + step]
-        q = (w.unsqueeze(-1) >> shifts) & mask  # (n, words, 32 / bits): arithmetic shift, masked
-        q = q.reshape(w.shape[0], -1, group_size).to(torch.float32)  # (n, groups, G)
-        x = q * scales[r : r + step].to(torch.float32).unsqueeze(-1)
-        x = x + biases[r : r + step].to(torch.float32).unsqueeze(-1)
-        out[r : r + step].copy_(x.reshape(w.shape[0], cols))
+        x = scratch[: min(step, rows - r)]  # (n, in)
+        _values(x, words[r : r + step], bits)
+        groups = x.view(x.shape[0], -1, group_size)
+        groups.mul_(s[r : r + step])
+        groups.add_(b[r : r + step])
+        out[r : r + step].copy_(x)
     return out
+
+
+def dequantize(p: Packed, out: torch.Tensor) -> torch.Tensor:
+    """``p``'s values in ``out`` (``p.shape``, the compute dtype)."""
+    return dequantize_into(out, p.weight, p.scales, p.biases, p.bits, p.group_size)

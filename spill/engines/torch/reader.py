@@ -10,8 +10,10 @@ when the ring drops the slot (they are never written: weights are frozen). spill
 files by rename, which leaves a mapping intact; a file truncated in place under a running job
 would end it with SIGBUS where a read would fail in one line. ``TorchHooks``
 gives CUDA a side stream, so layer copies overlap compute on the default stream. A packed
-(quantized) weight is read as stored, moved to the device, and dequantized there into the
-compute dtype (``engines.torch.quant``); the ring holds it dequantized.
+(quantized) weight comes back from ``tensors`` as stored (a ``quant.Packed`` over one read
+buffer, on the device), so a ring slot holds the packed bytes; ``TorchHooks.expand`` dequantizes
+a layer into the compute dtype (on the ring's prefetch thread, see ``core.ring``) into tensors
+recycled from an earlier use. ``tensor`` (the kernel's resident parts) dequantizes at once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from spill.engines.core.reader import ShardFiles
 from spill.engines.core.ring import Hooks
-from spill.engines.torch.quant import dequantize_into
+from spill.engines.torch.quant import Packed, dequantize
 from spill.models.weights import WeightFiles
 
 MAPPED = "_spill_mapped"  # set on a tensor that views a mapped file: read-only, never pooled
@@ -66,7 +68,8 @@ _PACKED = {**_DTYPES, "U32": torch.int32}  # a packed weight's words, read as in
 
 class WeightReader:
     """Tensors by HF name from a folder's shards, on ``device`` in the compute dtype; a packed
-    weight (``quantized``: name -> (bits, group_size)) comes back dequantized."""
+    weight (``quantized``: name -> (bits, group_size)) comes back as a ``Packed`` from
+    ``tensors`` and dequantized from ``tensor``."""
 
     def __init__(
         self,
@@ -96,64 +99,87 @@ class WeightReader:
             self._local.mapping = False
 
     def recycle(self, tensors) -> None:
-        """Take back a released slot's tensors for the next load (CPU only; CUDA's caching
-        allocator already reuses device memory)."""
+        """Take back a released slot's tensors (a ``Packed``: its read buffer, once) for the
+        next load (CPU only; CUDA's caching allocator already reuses device memory)."""
         if not self._pooling:
             return
+        seen: set[int] = set()
         with self._lock:
             for t in tensors:
-                if not getattr(t, MAPPED, False):  # memory torch owns, not a mapped file
-                    self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+                if isinstance(t, Packed):
+                    t = t.buffer
+                if id(t) in seen or getattr(t, MAPPED, False):  # a mapped file is not ours
+                    continue
+                seen.add(id(t))
+                self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
-    def _output(self, shape: tuple) -> torch.Tensor:
+    def _output(self, shape: tuple, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        if not self._pooling:
+            return torch.empty(shape, dtype=dtype, device=self.device)
         with self._lock:
-            free = self._pool.get((shape, self.dtype))
+            free = self._pool.get((shape, dtype))
             if free:
                 return free.pop()
-        return torch.empty(shape, dtype=self.dtype)
+        return torch.empty(shape, dtype=dtype)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of tensor data read or mapped so far (benchmarks count a pass with it)."""
+        return self._shards.bytes_read
 
     def has(self, name: str) -> bool:
         return self._shards.has(name)
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self.tensors([name])[name]
+        """One tensor in the compute dtype (a packed weight dequantized, into memory of its own)."""
+        t = self.tensors([name])[name]
+        if isinstance(t, Packed):
+            return dequantize(t, torch.empty(t.shape, dtype=self.dtype, device=self.device))
+        return t
 
-    def tensors(self, names) -> dict[str, torch.Tensor]:
-        """Several tensors, one ``pread`` per contiguous byte range."""
+    def unpack(self, p: Packed) -> torch.Tensor:
+        """``p`` dequantized into the compute dtype, in a tensor from the pool (``recycle``)."""
+        return dequantize(p, self._output(p.shape))
+
+    def tensors(self, names) -> dict:
+        """Several tensors, one ``pread`` per contiguous byte range; a packed weight comes back
+        as a ``Packed`` (its scales and biases are not listed separately)."""
         names = list(names)
         packed = [n for n in names if n in self.quantized]
         out = self._floats([n for n in names if n not in self.quantized])
         if packed:
-            out.update(self._dequantized(packed))
+            out.update(self._packed(packed))
         return out
 
-    def _dequantized(self, names) -> dict[str, torch.Tensor]:
-        """Packed weights with their scales and biases, read as stored, then dequantized on
-        ``device`` into the compute dtype (``engines.torch.quant``)."""
+    def _packed(self, names) -> dict[str, Packed]:
+        """Packed weights with their scales and biases, read as stored into one buffer per
+        byte range (a page-cache mapping within ``mapping``), on ``device``."""
         modules = [n.removesuffix(".weight") for n in names]
         parts = [f"{m}.{p}" for m in modules for p in ("weight", "scales", "biases")]
-        raw: dict[str, torch.Tensor] = {}
+        raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (tensor, its buffer)
         for r in self._shards.ranges(parts, _PACKED):
-            buf = torch.empty(r.nbytes, dtype=torch.uint8)
-            self._shards.pread(r.fd, [buf.numpy()], r.start, r.shard)
+            if self._pooling and getattr(self._local, "mapping", False):
+                with warnings.catch_warnings():  # read-only memory: fine, weights are frozen
+                    warnings.simplefilter("ignore", UserWarning)
+                    buf = torch.frombuffer(self._shards.map(r), dtype=torch.uint8)
+                setattr(buf, MAPPED, True)  # never recycled into the pool
+            else:
+                buf = self._output((r.nbytes,), torch.uint8) if self._pooling else None
+                host = buf if buf is not None else torch.empty(r.nbytes, dtype=torch.uint8)
+                self._shards.pread(r.fd, [host.numpy()], r.start, r.shard)
+                buf = host.to(self.device)
             for lo, hi, name, info in r.tensors:
                 t = buf[lo:hi]
-                if t.storage_offset() % 4:
+                if t.storage_offset() % 4:  # a file that does not align its tensors
                     t = t.clone()
-                raw[name] = t.view(_PACKED[info["dtype"]]).reshape(info["shape"]).to(self.device)
+                raw[name] = (t.view(_PACKED[info["dtype"]]).reshape(info["shape"]), buf)
         out = {}
         for name, m in zip(names, modules, strict=True):
             bits, group = self.quantized[name]
-            w = raw[f"{m}.weight"]
-            shape = (w.shape[0], w.shape[1] * 32 // bits)
-            target = (
-                self._output(shape)
-                if self._pooling
-                else torch.empty(shape, dtype=self.dtype, device=self.device)
-            )
-            out[name] = dequantize_into(
-                target, w, raw[f"{m}.scales"], raw[f"{m}.biases"], bits, group
-            )
+            weight, buf = raw[f"{m}.weight"]
+            scales, biases = raw[f"{m}.scales"][0], raw[f"{m}.biases"][0]
+            out[name] = Packed(weight, scales, biases, bits, group, buf)
         return out
 
     def _floats(self, names) -> dict[str, torch.Tensor]:
@@ -206,12 +232,14 @@ class WeightReader:
 class TorchHooks(Hooks):
     """CPU: released slots go back to the reader's pool. CUDA (streaming): loads run on a side
     stream, and compute on the default stream marks each tensor it uses, so the caching
-    allocator frees it only after that compute."""
+    allocator frees it only after that compute. A packed layer is dequantized per use
+    (``expand``) into pooled tensors that ``discard`` takes back."""
 
     def __init__(
         self, reader: WeightReader, stream: torch.cuda.Stream | None, map_layers: bool = False
     ):
         self.reader, self.stream, self.map = reader, stream, map_layers
+        self.expands = bool(reader.quantized)
 
     def load(self, fn, i: int):
         if self.stream is None:
@@ -228,8 +256,23 @@ class TorchHooks(Hooks):
         if self.stream is not None:
             current = torch.cuda.current_stream(self.stream.device)
             for tensor in w.values():
+                if isinstance(tensor, Packed):
+                    tensor = tensor.buffer
                 tensor.record_stream(current)  # freed only after compute used it
         return w
+
+    def expand(self, w):
+        if not any(isinstance(t, Packed) for t in w.values()):
+            return w
+        if self.stream is None:
+            return {k: self.reader.unpack(t) if isinstance(t, Packed) else t for k, t in w.items()}
+        with torch.cuda.stream(self.stream):  # beside compute, as the load was
+            x = {k: self.reader.unpack(t) if isinstance(t, Packed) else t for k, t in w.items()}
+        self.stream.synchronize()
+        return x
+
+    def discard(self, x, w) -> None:
+        self.reader.recycle([x[k] for k, t in w.items() if isinstance(t, Packed)])
 
     def release(self, w) -> None:
         self.reader.recycle(list(w.values()))
