@@ -84,10 +84,11 @@ def _staged(name: str, uri: str, progress: Progress) -> ResolvedModel:
 
 
 def offline_folder(alias: Alias, tag: str | None) -> tuple[Path, bool]:
-    """Where an offline alias's GGUF import lives, and whether it keeps the quantization:
-    ``<alias>@<its GGUF's type>`` at ``models/<alias>@<type>``, ``<alias>@f32`` (the float
-    import) at ``models/<alias>``; the bare alias is the float import."""
-    tag = tag or FLOAT_TAG
+    """Where an offline alias's GGUF import lives, and whether it keeps the quantization: the
+    bare alias and ``<alias>@<its GGUF's type>`` are the kept import (``models/<alias>-<type>``),
+    ``<alias>@f32`` the float one at ``models/<alias>``, where every float import before
+    quantization was kept by default lives (so such a cache keeps it under that name)."""
+    tag = tag or alias.kept or FLOAT_TAG
     if tag == FLOAT_TAG:
         return models_dir() / safe_name(alias.name), False
     return models_dir() / safe_name(f"{alias.name}@{tag}"), True
@@ -115,7 +116,7 @@ def import_offline(alias: Alias, dest: Path, progress: Progress, keep: bool = Fa
             raise
         # another process finished the same import first; use theirs
     fields = {
-        "name": alias.name + (f"@{gguf_tag(source)}" if keep else ""),
+        "name": f"{alias.name}@{gguf_tag(source) if keep else FLOAT_TAG}",
         "model_id": alias.model_id,
     }
     if "source" not in read_marker(dest):
@@ -206,7 +207,10 @@ def _tiny(name: str, progress: Progress) -> ResolvedModel | None:
 
 
 def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
-    local = models_dir() / safe_name(alias.name)  # imported (GGUF, `spill models import`)
+    if alias.offline:  # its GGUF imported, the quantization kept
+        local, keep = offline_folder(alias, None)
+    else:  # a user's own `spill models import FILE.gguf --name <alias>`
+        local, keep = models_dir() / safe_name(alias.name), False
     if (local / "config.json").is_file():
         marker = read_marker(local)
         source = marker.get("source", "local")
@@ -217,8 +221,13 @@ def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
     if snapshot is not None:
         return _checked(ResolvedModel(alias.name, alias.model_id, alias.revision, snapshot, "hub"))
     if alias.offline == "smollm2-gguf":
+        if (offline_folder(alias, FLOAT_TAG)[0] / "config.json").is_file():
+            progress(
+                f"{alias.name} now means its GGUF with the quantization kept; the float import "
+                f"this cache holds stays as {alias.name}@{FLOAT_TAG}"
+            )
         try:
-            folder = import_offline(alias, local, progress)
+            folder = import_offline(alias, local, progress, keep=keep)
         except ModelError as gguf_error:
             try:
                 snapshot = hub.download(alias.model_id, alias.revision, progress=progress)
@@ -296,32 +305,27 @@ def resolve_model(
 
 
 def import_model(
-    source: str, name: str | None = None, *, progress: Progress = print, keep: bool = False
+    source: str, name: str | None = None, *, progress: Progress = print, keep: bool = True
 ) -> Path:
-    """``spill models import``: a .gguf file or ``smollm2:135m`` into ``models/<name>``;
-    ``keep`` keeps the file's quantization, named ``<name>@<type>`` (``smollm2:135m@q4_1``)."""
+    """``spill models import``: a .gguf file or ``smollm2:135m`` into the cache, its
+    quantization kept (named ``<stem>@<type>``; ``smollm2:135m`` is ``smollm2:135m@q4_1``);
+    ``keep=False`` (``--dequantize``) writes the float folder (``<stem>``, ``smollm2:135m@f32``)."""
     alias = lookup(source)
     if alias is not None:
         if alias.offline != "smollm2-gguf":
             raise ModelError(
                 f"{source} has no offline GGUF here; `spill run {source} ...` fetches it from the hub"
             )
-        if name is None and keep:
-            from spill.models.gguf_import import find_smollm2_gguf
-
-            tagged = f"{alias.name}@{gguf_tag(find_smollm2_gguf())}"
-            return _quantized_alias(alias, tagged, split_quant(tagged)[1], progress).folder
         if name is None:
-            dest = models_dir() / safe_name(alias.name)
-            return (
-                dest if (dest / "config.json").is_file() else import_offline(alias, dest, progress)
-            )
+            tag = (alias.kept or FLOAT_TAG) if keep else FLOAT_TAG
+            return _quantized_alias(alias, f"{alias.name}@{tag}", tag, progress).folder
     from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 
     path = find_smollm2_gguf() if alias is not None else Path(source).expanduser()
     if not path.is_file():
         raise ModelNotFound(f"{source}: no such GGUF file; give a .gguf path or smollm2:135m")
-    label = name or (f"{path.stem}@{gguf_tag(path)}" if keep else path.stem)
+    tag = gguf_tag(path) if keep else "f"
+    label = name or (f"{path.stem}@{tag}" if tag != "f" else path.stem)
     dest = models_dir() / safe_name(label)
     if (dest / "config.json").is_file():
         progress(f"{dest} already exists; delete it to import again")
