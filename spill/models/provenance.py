@@ -6,8 +6,11 @@ pinned source gives on this machine (``genuine``):
 
 * ``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated again from its seed (the same bytes
   on every machine);
-* an alias served by an offline GGUF (``smollm2:135m``) is imported again from the GGUF
-  installed here, when one is (the import of one GGUF always gives the same bytes);
+* an alias served by an offline GGUF (``smollm2:135m``, ``@q4_1`` its quantization kept as
+  the bare name keeps it, ``@f32`` the float import) is imported again from the GGUF installed
+  here, when one is (the import of one GGUF always gives the same bytes);
+* ``spill models quantize``'s copy of either (``tiny:llama:1@q4g64``) is made again from that
+  source, then quantized (the quantizer is deterministic);
 * a hub snapshot at a pinned commit is compared with what the hub reports for that commit
   (``hub_differs``: each LFS file's sha256, each small file's git blob id), when the hub can be
   asked;
