@@ -13,7 +13,7 @@ def cmd_models_import(args) -> int:
     from spill.console import note
     from spill.models.resolve import import_model
 
-    folder = import_model(args.source, args.name, progress=note, keep=args.keep_quantization)
+    folder = import_model(args.source, args.name, progress=note, keep=not args.dequantize)
     print(folder)
     return 0
 
@@ -120,11 +120,18 @@ def add_parser(sub) -> None:
     )
     p.add_argument("source", help="a .gguf file or smollm2:135m")
     p.add_argument("--name", help="name in the cache (default: from the source)")
-    p.add_argument(
+    how = p.add_mutually_exclusive_group()
+    how.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="write float32 weights instead (named <stem>, or smollm2:135m@f32); default: keep "
+        "the GGUF's quantization, packed in mlx-lm's affine layout, exactly (<stem>@<type>, "
+        "smollm2:135m = smollm2:135m@q4_1)",
+    )
+    how.add_argument(
         "--keep-quantization",
         action="store_true",
-        help="store the GGUF's quantized tensors packed (mlx-lm's affine layout, exact), named "
-        "<name>@<type> such as smollm2:135m@q4_1; default: dequantize to floats",
+        help="the default (accepted for older scripts)",
     )
     p.set_defaults(func=cmd_models_import)
     p = models.add_parser(

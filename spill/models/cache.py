@@ -5,8 +5,9 @@ Every folder a source writes (tiny, GGUF import, hub snapshot, staged copy) carr
 fingerprint, keyed by the names, sizes and mtimes of the files the fingerprint reads, so listing a
 cache of 70B models does not re-read every safetensors header. Layout::
 
-    models/<safe alias>/                          imported once (GGUF)
-    models/<safe alias>-<type>/                   imported with its quantization (smollm2:135m@q4_1)
+    models/<safe alias>/                          imported once as floats (smollm2:135m@f32)
+    models/<safe alias>-<type>/                   imported with its quantization (smollm2:135m,
+                                                  smollm2:135m@q4_1)
     models/quantized/<safe name>-q<b>g<g>/        `spill models quantize` (tiny:llama:1:4x64@q4g64)
     models/hub/models--<org>--<name>/snapshots/<sha>/   the hub client's own cache layout
     models/staged/<safe name>-<uri hash>/         copied from --weights <uri>

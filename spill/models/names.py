@@ -22,14 +22,18 @@ class Alias:
     model_id: str  # hub id, e.g. "Qwen/Qwen2.5-0.5B-Instruct"
     revision: str  # full commit SHA on the hub
     offline: str | None = None  # an offline source that serves it without the hub ("smollm2-gguf")
+    kept: str | None = (
+        None  # the offline GGUF's own quantization, what the bare name means ("q4_1")
+    )
 
 
 def _qwen(size: str, sha: str) -> Alias:
     return Alias(f"qwen2.5:{size.lower()}", f"Qwen/Qwen2.5-{size}-Instruct", sha)
 
 
-def _smol(size: str, sha: str, offline: str | None = None) -> Alias:
-    return Alias(f"smollm2:{size.lower()}", f"HuggingFaceTB/SmolLM2-{size}-Instruct", sha, offline)
+def _smol(size: str, sha: str, offline: str | None = None, kept: str | None = None) -> Alias:
+    name, model_id = f"smollm2:{size.lower()}", f"HuggingFaceTB/SmolLM2-{size}-Instruct"
+    return Alias(name, model_id, sha, offline, kept)
 
 
 def _llama(size: str, sha: str) -> Alias:
@@ -48,7 +52,7 @@ _TABLE = (
     _qwen("72B", "495f39366efef23836d0cfae4fbe635880d2be31"),
     # SmolLM2 Instruct: the three SHAs are listed together in a public experiment plan
     # ("<repo>@<sha>"), each also pinned in CI scripts and cache paths elsewhere.
-    _smol("135M", "12fd25f77366fa6b3b4b768ec3050bf629380bac", offline="smollm2-gguf"),
+    _smol("135M", "12fd25f77366fa6b3b4b768ec3050bf629380bac", "smollm2-gguf", kept="q4_1"),
     _smol("360M", "a10cc1512eabd3dde888204e902eca88bddb4951"),
     _smol("1.7B", "31b70e2e869a7173562077fd711b654946d38674"),
     # Llama 3.2 Instruct (gated: accept the license on the hub, then `hf auth login`): both SHAs
@@ -93,12 +97,16 @@ def parse_tiny(name: str) -> TinyName | None:
     return TinyName(m[1], int(m[2]), layers, hidden)
 
 
-# a quantized copy's tag after "@": a GGUF's own type kept (q4_1, q8_0, q4_k) or spill's (q4g64)
-_QUANT_TAG = re.compile(r"^(q[4568]_[01k]|q[456]_k|q[48]g(32|64|128))$")
+# a tag after "@": a GGUF's own type kept (q4_1, q8_0, q4_k), spill's (q4g64), or FLOAT_TAG: an
+# offline alias's GGUF dequantized to float32 (`spill models import smollm2:135m --dequantize`)
+FLOAT_TAG = "f32"
+_QUANT_TAG = re.compile(r"^(q[4568]_[01k]|q[456]_k|q[48]g(32|64|128)|f32)$")
 
 
 def split_quant(name: str) -> tuple[str, str | None]:
-    """``smollm2:135m@q4_1`` -> ``("smollm2:135m", "q4_1")``; a name without a tag -> (name, None)."""
+    """``smollm2:135m@q4_1`` -> ``("smollm2:135m", "q4_1")``; a name without a tag -> (name, None).
+    ``@f32`` counts as a tag here: the float import of an alias whose bare name keeps the GGUF's
+    quantization."""
     base, at, tag = name.strip().rpartition("@")
     if at and base and _QUANT_TAG.match(tag.lower()):
         return base, tag.lower()

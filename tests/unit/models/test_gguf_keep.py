@@ -220,10 +220,13 @@ def test_import_model_names_a_kept_file_by_its_type(tiny_pair, spill_home):
 
     _, kept = tiny_pair
     said = []
-    folder = import_model(str(kept.parent / "tiny.gguf"), keep=True, progress=said.append)
+    folder = import_model(str(kept.parent / "tiny.gguf"), progress=said.append)  # the default
     assert folder == spill_home / "models" / "tiny-q8_0"  # Q8_0 is the file's commonest type
     marker = json.loads((folder / "spill-source.json").read_text())
     assert marker["name"] == "tiny@q8_0" and marker["source"] == "gguf"
     assert file_sha256(folder / "model.safetensors") == file_sha256(kept / "model.safetensors")
     assert import_model(str(kept.parent / "tiny.gguf"), keep=True, progress=said.append) == folder
     assert "already exists" in said[-1]
+    floats = import_model(str(kept.parent / "tiny.gguf"), keep=False, progress=said.append)
+    assert floats == spill_home / "models" / "tiny"  # --dequantize: the float folder, its stem
+    assert "quantization" not in json.loads((floats / "config.json").read_text())

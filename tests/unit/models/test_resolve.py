@@ -28,6 +28,7 @@ def fake_gguf(monkeypatch, tmp_path):
         write_marker(Path(dest), source="gguf", gguf=str(source))
         return Path(dest)
 
+    monkeypatch.setattr("spill.models.resolve.gguf_tag", lambda path: "q4_1")  # as the real one
     module = types.ModuleType("spill.models.gguf_import")
     module.import_gguf = import_gguf
     module.find_smollm2_gguf = lambda: gguf
@@ -98,16 +99,29 @@ def test_smollm2_135m_imports_its_gguf_once(fake_gguf):
     _, calls = fake_gguf
     lines = []
     first = resolve_model("smollm2:135m", progress=lines.append)
-    dest = models_dir() / "smollm2-135m"
+    dest = models_dir() / "smollm2-135m-q4_1"  # the bare name keeps the GGUF's quantization
     assert first.folder == dest and first.source == "gguf"
     assert first.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert calls == [(fake_gguf[0].find_smollm2_gguf(), dest)]
-    assert len(lines) == 1 and "importing smollm2:135m" in lines[0]
+    assert len(lines) == 1 and "importing smollm2:135m (its quantization kept)" in lines[0]
     marker = read_marker(dest)
-    assert (marker["name"], marker["source"]) == ("smollm2:135m", "gguf")
+    assert (marker["name"], marker["source"]) == ("smollm2:135m@q4_1", "gguf")
 
     again = resolve_model("smollm2:135m", progress=pytest.fail)
     assert again == first and len(calls) == 1
+    assert resolve_model("smollm2:135m@q4_1", progress=pytest.fail).folder == dest
+
+
+def test_a_cache_with_the_float_import_keeps_it_as_f32_and_imports_the_kept_copy(fake_gguf):
+    _, calls = fake_gguf
+    old = models_dir() / "smollm2-135m"  # a float import made before quantization was kept
+    write_tiny(old, family="llama", seed=6)
+    write_marker(old, name="smollm2:135m", source="gguf", model_id="x")
+    lines = []
+    bare = resolve_model("smollm2:135m", progress=lines.append)
+    assert bare.folder == models_dir() / "smollm2-135m-q4_1" and len(calls) == 1
+    assert "stays as smollm2:135m@f32" in lines[0] and "\n" not in lines[0]
+    assert resolve_model("smollm2:135m@f32", progress=pytest.fail).folder == old
 
 
 def test_smollm2_135m_without_its_gguf_falls_back_to_the_hub(fake_gguf):
