@@ -4,7 +4,7 @@ alternate within each round; ratios are printed; nothing here asserts a time.
     python bench/quant.py bytes|generate|qlora|mlx|quality|float-rss [--rounds 1] [--json OUT]
 
 Models live in this bench's own ``SPILL_HOME`` (``--home``): ``spill models import
-smollm2:135m`` (float), ``... --keep-quantization`` (``smollm2:135m@q4_1``) and ``spill models
+smollm2:135m --dequantize`` (float, ``smollm2:135m@f32``), ``spill models import smollm2:135m`` (``smollm2:135m@q4_1``) and ``spill models
 quantize smollm2:135m --bits 4 --group-size 64`` (``@q4g64``), each made on first use.
 
 * ``bytes``: one scoring pass (4 x 128 tokens) of SmolLM2, ``--ring 2``, float32 compute, the
@@ -21,8 +21,8 @@ quantize smollm2:135m --bits 4 --group-size 64`` (``@q4g64``), each made on firs
 * ``qlora``, ``mlx``: see ``bench/quant_tune.py`` (spill tune vs PEFT + bitsandbytes and vs
   ``mlx_lm.lora``, in fresh processes).
 * ``quality``: ``spill build projects/tickets`` (a fresh copy, its own state) on the float
-  import and on ``@q4g64`` (``model.name`` pointed at the quantized folder: the project schema
-  takes a folder, not an ``@`` name), both scores beside report 009's noise floor.
+  import (``model.name=smollm2:135m@f32``) and on its 4-bit g64 copy (``model.quantize=4``),
+  both scores beside report 009's noise floor.
 * ``float-rss``: ``bench/tune.py``'s ``peft f32`` and ``spill ring2 f32`` sides (ring-2 float
   tune peak RSS vs PEFT), called rather than copied.
 
@@ -52,7 +52,7 @@ from bench import quant_tune  # noqa: E402
 from bench.generate import generate_all, load_average, open_runner, read_rate  # noqa: E402
 
 PY = sys.executable
-SMOL, SMOL_Q = "smollm2:135m", "smollm2:135m@q4_1"
+SMOL, SMOL_Q = "smollm2:135m@f32", "smollm2:135m@q4_1"  # the float import, the kept GGUF
 NOISE = REPO / "docs" / "reports" / "009-noise-floor.json"
 
 
@@ -77,10 +77,10 @@ def ensure_models(home: Path) -> None:
     """The float import, the kept Q4_1 copy and spill's own 4-bit g64 copy, once."""
     models = home / "models"
     if not (models / "smollm2-135m" / "config.json").is_file():
-        spill_cli(home, "models", "import", SMOL)
+        spill_cli(home, "models", "import", "smollm2:135m", "--dequantize")
     if not (models / "smollm2-135m-q4_1" / "config.json").is_file():
-        spill_cli(home, "models", "import", SMOL, "--keep-quantization")
-    if not (models / "quantized" / "smollm2-135m-q4g64" / "config.json").is_file():
+        spill_cli(home, "models", "import", "smollm2:135m")
+    if not (models / "quantized" / "smollm2-135m-f32-q4g64" / "config.json").is_file():
         spill_cli(home, "models", "quantize", SMOL, "--bits", "4", "--group-size", "64")
 
 
@@ -275,8 +275,11 @@ def build_tickets(home: Path, overrides: list[str], python: str) -> dict:
 
 
 def bench_quality(a, home: Path) -> dict:
-    qfolder = home / "models" / "quantized" / "smollm2-135m-q4g64"
-    sides = {"float": [], "q4g64": [f"model.name={qfolder}"]}
+    # the float import, and spill's 4-bit g64 copy of it asked the project's way (model.quantize)
+    sides = {
+        "float": [f"model.name={SMOL}"],
+        "q4g64": [f"model.name={SMOL}", "model.quantize=4", "model.group_size=64"],
+    }
     extra = [f"tune.steps={a.steps}"] if a.steps else []
     got = {}
     for k, overrides in sides.items():

@@ -8,7 +8,7 @@ the ratio; nothing here asserts a time.
     python bench/quant_ring.py ring       # smollm2:135m@q4_1 vs its float import, both --ring 2
 
 Models come from spill's cache (``SPILL_HOME``): ``spill models import smollm2:135m`` and
-``spill models import smollm2:135m --keep-quantization`` first.
+``spill models import smollm2:135m --dequantize`` first.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from spill.models.config import load_config
 from spill.models.resolve import resolve_model
 from spill.models.weights import layer_bytes, weight_files
 
-QUANT, FLOAT = "smollm2:135m@q4_1", "smollm2:135m"
+QUANT, FLOAT = "smollm2:135m@q4_1", "smollm2:135m@f32"
 
 
 def old_dequantize_into(out, weight, scales, biases, bits, group_size):

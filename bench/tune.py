@@ -143,7 +143,8 @@ def model_folder(home: Path) -> Path:
     folder = home / "models" / "smollm2-135m"
     if not (folder / "model.safetensors").exists():
         env = env_for(home, None, REPO)
-        subprocess.run([PY, "-m", "spill", "models", "import", "smollm2:135m"], env=env, check=True)
+        argv = [PY, "-m", "spill", "models", "import", "smollm2:135m", "--dequantize"]
+        subprocess.run(argv, env=env, check=True)  # the float import: PEFT loads it too
     return folder
 
 
