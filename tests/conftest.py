@@ -28,6 +28,17 @@ from tests.servers import (
 )
 
 
+def stop_server(proc) -> None:
+    """End a test server: SIGTERM, and SIGKILL one that has not exited 10 s later (Azurite's
+    node process can outlive a SIGTERM on a loaded machine)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture(autouse=True)
 def spill_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.mktemp("spill-home")
@@ -59,8 +70,7 @@ def s3_endpoint():
     except RuntimeError as e:
         pytest.fail(str(e))
     yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_server(proc)
 
 
 @pytest.fixture
@@ -87,8 +97,7 @@ def gcs_endpoint():
     except RuntimeError as e:
         pytest.fail(str(e))
     yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_server(proc)
 
 
 @pytest.fixture
@@ -119,8 +128,7 @@ def azure_endpoint():
     except RuntimeError as e:
         pytest.skip(f"Azurite unavailable: {e}")
     yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_server(proc)
 
 
 @pytest.fixture

@@ -21,7 +21,9 @@ def test_an_alias_exports_its_hub_id_and_the_gguf_it_was_imported_from(tmp_path,
     from huggingface_hub.utils import validate_repo_id
     from peft import PeftConfig
 
-    folder = spill_home / "models" / "smollm2-135m"  # as the import records it
+    folder = (
+        spill_home / "models" / "smollm2-135m-q4_1"
+    )  # where the kept import of the bare name lives
     folder.mkdir(parents=True)
     files = {n: {"size": 1, "sha256": s, "from": "local"} for n, s in FILES.items()}
     write_marker(folder, source="gguf", file="SmolLM2-135M-Instruct.Q4_1.gguf", sha256="c" * 64)
