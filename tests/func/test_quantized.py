@@ -50,6 +50,7 @@ def test_import_keeps_quantization_under_its_own_name(cache):
     assert result["status"] == "ok" and result["files"] == 5
 
 
+@pytest.mark.slow  # 34 s: two CLI evals of SmolLM2; test_log_probs_equal_streamed_and_resident keeps the claim in CI
 def test_cli_eval_equals_the_float_import(cache, tmp_path):
     env, _ = cache
     rows = [
