@@ -84,6 +84,15 @@ def bnb_worker(spec: dict) -> dict:
 def mlxlm_worker(spec: dict) -> dict:
     import types
 
+    # the same BLAS as spill's MLX side (an OpenBLAS loaded into the global scope before mlx),
+    # else mlx-lm would multiply on the wheel's reference BLAS and lose for that alone; the
+    # module is loaded by its path (importing spill.engines.mlx would import mlx first)
+    import importlib.util
+
+    where = Path(tune.REPO) / "spill" / "engines" / "mlx" / "blas.py"
+    blas = importlib.util.module_from_spec(importlib.util.spec_from_file_location("blas", where))
+    blas.__spec__.loader.exec_module(blas)
+    blas.preload()
     from mlx_lm import lora
     from mlx_lm.tuner.callbacks import TrainingCallback
 
@@ -105,7 +114,8 @@ def mlxlm_worker(spec: dict) -> dict:
     lora.get_reporting_callbacks = lambda *a, **k: Timer()
     lora.run(types.SimpleNamespace(**args))
     assert len(ends) == spec["steps"], ends
-    return _timed(ends[:-1], len(ends) - 2)  # the last step comes after a validation
+    timed = _timed(ends[:-1], len(ends) - 2)  # the last step comes after a validation
+    return timed | {"blas": blas.describe()}
 
 
 def _timed(ends: list[float], steps: int) -> dict:
