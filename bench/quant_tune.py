@@ -82,12 +82,11 @@ def bnb_worker(spec: dict) -> dict:
 
 
 def mlxlm_worker(spec: dict) -> dict:
-    import types
-
     # the same BLAS as spill's MLX side (an OpenBLAS loaded into the global scope before mlx),
     # else mlx-lm would multiply on the wheel's reference BLAS and lose for that alone; the
     # module is loaded by its path (importing spill.engines.mlx would import mlx first)
     import importlib.util
+    import types
 
     where = Path(tune.REPO) / "spill" / "engines" / "mlx" / "blas.py"
     blas = importlib.util.module_from_spec(importlib.util.spec_from_file_location("blas", where))
