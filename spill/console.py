@@ -11,9 +11,23 @@ import json
 import sys
 from collections.abc import Sequence
 
+_quiet = False  # a process that does not speak for its job (a rank other than 0)
+
+
+def quiet() -> None:
+    """From now on this process prints no notes, progress or results (errors still go out)."""
+    global _quiet
+    _quiet = True
+
+
+def speaking() -> bool:
+    """Whether this process prints for its job (``quiet`` was not called)."""
+    return not _quiet
+
 
 def note(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    if not _quiet:
+        print(message, file=sys.stderr, flush=True)
 
 
 PROGRESS_EVERY = 30.0  # seconds between two plain progress lines (SPILL_PROGRESS_EVERY)
@@ -27,7 +41,7 @@ def progress(total: int, desc: str, unit: str = "row", initial: int = 0):
     import os
 
     how = os.environ.get("SPILL_PROGRESS", "").strip().lower()
-    if how in ("0", "off", "none"):
+    if how in ("0", "off", "none") or _quiet:
         return Lines(total, desc, unit, float("inf"), initial)
     if how in ("1", "bar") or not how and sys.stderr.isatty():
         bar = _bar()
@@ -143,6 +157,8 @@ def table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
 
 def emit(result: dict, as_json: bool, columns: Sequence[str] | None = None) -> None:
     """Print a result as a one-row table, or as JSON for scripts."""
+    if _quiet:
+        return
     if as_json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:

@@ -124,6 +124,10 @@ def cmd_tune(args) -> int:
     from spill.models.quant import spec_of
     from spill.settings import TuneSettings
 
+    if args.procs != 1:
+        from spill.jobs.launch import launch
+
+        return launch(args.procs, args.argv)
     settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneSettings)}
     opts = TuneOptions(
         tune=TuneSettings(**settings),
@@ -223,6 +227,14 @@ def add_parsers(sub, full: bool = True) -> None:
     authority_options(p)
     _tune_options(p)
     p.add_argument("--seed", type=int, default=0, help="adapter init and data order")
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run as N processes on this host through torch's elastic launcher (torchrun); "
+        "the result is the same at any N",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
     model_options(p)

@@ -162,6 +162,14 @@ class Trainer(Protocol):
         """
         ...
 
+    def take_grads(self) -> np.ndarray:
+        """The accumulated gradients as one float32 vector, then zero them."""
+        ...
+
+    def add_grads(self, flat: np.ndarray) -> None:
+        """Add a ``take_grads`` vector (of any process) to the gradients."""
+        ...
+
     def apply(self, opt: AdamW) -> None:
         """One AdamW update from the accumulated gradients, then zero them."""
         ...

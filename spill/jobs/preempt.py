@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from spill.console import speaking
 from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 
 GRACE = 15.0
@@ -94,7 +95,7 @@ def preempted(
         parts.append(f"committed: {committed}" if committed else "the last committed state stands")
     parts.append(f"exit {EXIT_PREEMPTED}; run the same command to continue")
     line = "; ".join(parts)
-    if say:
+    if say and speaking():
         _say(line)
     return Preempted(line.removeprefix("spill: "))
 
@@ -134,9 +135,10 @@ class _Switch:
     def request(self, reason: str) -> bool:
         """Record the request; False (after a note) when one was already made."""
         with self.lock:
-            if self.reason is not None:
+            if self.reason is not None and speaking():
                 left = max(0.0, _deadline(self.top()) - (time.monotonic() - (self.at or 0.0)))
                 _say(f"spill: {reason} again; already stopping, exit within {left:.0f} s")
+            if self.reason is not None:
                 return False
             self.reason, self.at = reason, time.monotonic()
         top = self.top()
@@ -301,10 +303,11 @@ class Guard:
         if self._watching:
             return
         self._watching = True
-        _say(
-            f"spill: {_switch.reason}; finishing the current {self.unit} (up to {self.grace:g} s), "
-            "then saving"
-        )
+        if speaking():
+            _say(
+                f"spill: {_switch.reason}; finishing the current {self.unit} (up to {self.grace:g} s), "
+                "then saving"
+            )
         threading.Thread(target=self._watch, name="spill-preempt", daemon=True).start()
 
     def _park(self) -> None:

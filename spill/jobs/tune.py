@@ -18,14 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spill.console import note, progress
-from spill.engines.base import ACTIVATIONS, AdamW, TrainBatch
+from spill.engines.base import ACTIVATIONS
 from spill.errors import SpillError, UsageError
 from spill.jobs import producer
 from spill.jobs.authority import Held, Writer, hold
+from spill.jobs.group import Group
+from spill.jobs.group import current as current_group
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
-from spill.jobs.schedule import cosine_lr
-from spill.jobs.train_data import data_fingerprint, load_examples, micro_batch_at
+from spill.jobs.train_data import data_fingerprint, load_examples
+from spill.jobs.tune_steps import Steps
 from spill.models.config import load_config
 from spill.models.integrity import explain
 from spill.models.lora import LoraConfig, init_params
@@ -168,16 +170,20 @@ def refuse_mismatch(found: dict, want: dict, where: str) -> None:
 
 
 def _producers(previous: list[dict], me: dict, start: int, end: int) -> list[dict]:
-    """Extend the last range when this run is the same producer, else open a new one."""
+    """Extend the last range when this run is the same producer, else open a new one. A range
+    computed by more than one process says how many (``procs``; one when absent)."""
     keys = ("engine", "hardware", "os", "numerics")
     rec = {k: me[k] for k in keys} | {
         "machine": me.get("machine"),
         "libraries": me.get("libraries"),
     }
+    if me.get("procs", 1) > 1:
+        rec["procs"] = me["procs"]
     out = [dict(p) for p in previous]
     if (
         out
         and all(out[-1].get(k) == rec[k] for k in (*keys, "machine", "libraries"))
+        and out[-1].get("procs", 1) == rec.get("procs", 1)
         and out[-1]["to_step"] == start
     ):
         out[-1]["to_step"] = end
@@ -186,13 +192,59 @@ def _producers(previous: list[dict], me: dict, start: int, end: int) -> list[dic
     return out
 
 
+def _follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group: Group) -> dict:
+    """A rank other than 0: start where rank 0 says, compute its share of every step, commit
+    nothing. Its model must be the one rank 0 found (every node needs the model cache)."""
+    t = opts.tune
+    begin = group.start(None)
+    resolved, fingerprint = find_model(model, opts.weights, opts.quantize)
+    if fingerprint != begin["fingerprint"]:
+        raise SpillError(
+            f"rank {group.rank} found other weights for {model} (fingerprint "
+            f"{fingerprint[7:19]}..) than rank 0 ({begin['fingerprint'][7:19]}..); give every "
+            "node the same model cache (spill models pull, or --weights)"
+        )
+    name = resolved.name if opts.quantize is not None else model
+    folder = Path(resolved.folder)
+    tok = Tokenizer(folder)
+    examples = load_examples(Path(train_path), tok, t.seq_len)
+    runner = open_model(name, resolved, fingerprint, opts.engine.name, opts.engine, "tune").runner
+    trainer = runner.trainer(opts.lora)
+    trainer.set_state(*begin["state"])
+    trainer.plan(t.micro_batch, t.seq_len, t.activations)
+    step, stop = begin["step"], opts.stop_after or t.steps
+    steps = Steps(trainer, examples, tok.pad_id, opts, group)
+    while step < stop:
+        steps.boundary(guard)
+        steps.gradients(step)
+        with guard.mutating():
+            steps.apply(step)
+            step += 1
+    runner.close()
+    return {"rank": group.rank, "step": step, "steps": t.steps}
+
+
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
 def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
-    """Run (or continue) the job; SIGTERM/SIGINT anywhere in it saves what is done and exits 75."""
+    """Run (or continue) the job; SIGTERM/SIGINT anywhere in it saves what is done and exits 75.
+    Started as one rank of several (torchrun, ``--procs``), rank 0 holds and commits the run
+    and the others compute their share of each step (``spill.jobs.group``)."""
     opts.check()
+    group = current_group()
+    if not group.leader:
+        with Guard(unit="step") as guard:
+            return _tune(guard, None, model, Path(train_path), name, opts, group)
+    try:
+        return _lead(model, train_path, name, opts, group)
+    except BaseException as e:
+        group.refuse(e)  # before the first step the other ranks stop with rank 0's refusal
+        raise
+
+
+def _lead(model: str, train_path: Path, name: str, opts: TuneOptions, group: Group) -> dict:
     t, w = opts.tune, opts.writer
     if w.state is not None and location(w.state).local and same_file(w.state, train_path):
         raise UsageError(
@@ -202,16 +254,26 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     probe_writable(root)  # a read-only state fails before any step
     with hold(root, w) as held:
         with Guard(unit="step") as guard:
-            summary = _tune(guard, held, model, Path(train_path), name, opts)
+            summary = _tune(guard, held, model, Path(train_path), name, opts, group)
         if summary["step"] == t.steps:
             held.finish()
     return summary
 
 
 def _tune(
-    guard: Guard, held: Held, model: str, train_path: Path, name: str, opts: TuneOptions
+    guard: Guard,
+    held: Held | None,
+    model: str,
+    train_path: Path,
+    name: str,
+    opts: TuneOptions,
+    group: Group,
 ) -> dict:
-    place, t = held.place, opts.tune
+    """The job on one rank: ``held`` is rank 0's (None on the others, which never commit)."""
+    t = opts.tune
+    if held is None:
+        return _follow(guard, model, train_path, opts, group)
+    place = held.place
     root = place.uri
     # Everything that can refuse the run is checked before an engine opens.
     resolved, fingerprint = find_model(model, opts.weights, opts.quantize)
@@ -230,9 +292,6 @@ def _tune(
     if (ckpt.step if ckpt else 0) < (opts.stop_after or t.steps):  # steps to commit
         place = held.writable(f"its newest good checkpoint is step {ckpt.step if ckpt else 0}")
     guard.boundary()  # a stop before anything ran saves nothing and exits 75
-    loaded = open_model(model, resolved, fingerprint, opts.engine.name, opts.engine, "tune")
-    runner = loaded.runner
-    me = producer.describe(runner.info)
     if ckpt is not None:
         params, opt, state = load_checkpoint(ckpt)
         m = {k[3:]: v for k, v in opt.items() if k.startswith("m::")}
@@ -244,14 +303,18 @@ def _tune(
     else:
         params, m, v = init_params(cfg, opts.lora, opts.seed), {}, {}
         step, losses, producers = 0, [], []
-    accum = t.batch // t.micro_batch
+    if group.world > 1:  # the other ranks start from the same adapter, moments and step
+        group.start({"fingerprint": fingerprint, "step": step, "state": (params, m, v)})
+    loaded = open_model(model, resolved, fingerprint, opts.engine.name, opts.engine, "tune")
+    runner = loaded.runner
+    me = producer.describe(runner.info) | {"procs": group.world}
     trainer = runner.trainer(opts.lora)
     trainer.set_state(params, m, v)
     # the longest micro-batch this run can make; the choice never changes the results
     plan = trainer.plan(t.micro_batch, t.seq_len, t.activations)
-    note(f"spill tune · {plan.line()}")
+    per_rank = f" · {group.world} processes, each its own ring" if group.world > 1 else ""
+    note(f"spill tune · {plan.line()}{per_rank}")
     started, saved_at = step, step if ckpt is not None else None
-    tokens = 0
     t0 = time.perf_counter()
 
     def save() -> str:
@@ -263,7 +326,7 @@ def _tune(
         state = {
             **want,
             "step": step,
-            "cursor": step * accum,
+            "cursor": step * (t.batch // t.micro_batch),
             "losses": [_finite(x) if x is not None else None for x in losses],
             "producers": _producers(producers, me, started, step),
             "train_file": Path(train_path).name,
@@ -274,40 +337,27 @@ def _tune(
 
     guard.save = save
     stop = opts.stop_after or t.steps
+    steps = Steps(trainer, examples, tok.pad_id, opts, group)
     with progress(stop, "tune", unit="step", initial=step) as bar:
         while step < stop:
-            guard.boundary()
+            steps.boundary(guard)
             drill.at(drill.TUNE_BEFORE_FORWARD)
-            batches = [
-                micro_batch_at(examples, opts.seed, step * accum + j, t.micro_batch, tok.pad_id)
-                for j in range(accum)
-            ]
-            total = sum(b.n_targets for b in batches)
-            loss = 0.0
-            for j, b in enumerate(batches):
-                tb = TrainBatch(
-                    b.tokens,
-                    b.attention,
-                    b.targets,
-                    1.0 / total,
-                    opts.seed * 1_000_003 + step * accum + j,
-                )
-                loss += trainer.accumulate(tb)
-                tokens += int(b.attention.sum())
+            loss = steps.gradients(step)
             drill.at(drill.TUNE_AFTER_BACKWARD)
             with guard.mutating():
-                lr = cosine_lr(step, t.lr, t.warmup, t.steps)
-                trainer.apply(AdamW(lr=lr, step=step + 1, weight_decay=t.weight_decay))
+                steps.apply(step)
                 losses.append(loss)
                 step += 1
                 drill.at(drill.TUNE_AFTER_OPTIMIZER)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            rate = steps.tokens / (time.perf_counter() - t0)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             bar.update(1)
             if step % t.ckpt_every == 0 or step == stop:
                 with guard.mutating():
                     save()
                     bar.checkpoint("checkpoint committed")
     seconds = time.perf_counter() - t0
+    tokens = steps.tokens
     settle(place)  # the last save's removal of older checkpoints ends with the tune
     summary = {
         "name": name,
@@ -320,6 +370,9 @@ def _tune(
         "engine": runner.info.engine,
         "numerics": runner.info.numerics,
     }
+    if group.world > 1:
+        summary["procs"] = group.world
+        summary["communication_s"] = round(steps.communicating, 2)
     ranges = _producers(producers, me, started, step)
     if len({(p["engine"], p["machine"], p["numerics"]) for p in ranges}) > 1:
         moved = "; ".join(

@@ -223,6 +223,30 @@ class StreamTrainer:
             k.sync([self.grads[n] for n in names], *([grad] if grad is not None else []))
         return loss
 
+    # -- gradients across processes ----------------------------------------------------------
+
+    def take_grads(self) -> np.ndarray:
+        """The accumulated gradients as one float32 vector (``names`` order), then zero them:
+        what one micro-batch adds, for a process group to share (``spill.jobs.group``)."""
+        k = self.kernel
+        flat = np.concatenate([k.numpy(self.grads[n]).ravel() for n in self.names])
+        self.grads = {n: k.zeros_like(p) for n, p in self.params.items()}
+        k.sync(list(self.grads.values()))
+        return flat
+
+    def add_grads(self, flat: np.ndarray) -> None:
+        """Add a ``take_grads`` vector to the gradients: one addition per tensor, as
+        ``accumulate`` adds one micro-batch, so folding micro-batches in their order gives
+        the bits one process accumulating them in that order gets."""
+        k, at = self.kernel, 0
+        for n in self.names:
+            shape = self.params[n].shape
+            size = int(np.prod(shape))
+            piece = flat[at : at + size].reshape(shape)
+            self.grads[n] = self.grads[n] + k.params({n: piece})[n]
+            at += size
+        k.sync(list(self.grads.values()))
+
     # -- the optimizer -----------------------------------------------------------------------
 
     def apply(self, opt: AdamW) -> None:

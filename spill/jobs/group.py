@@ -1,0 +1,166 @@
+"""One job over several processes (``torchrun ... -m spill tune``, ``spill tune --procs N``):
+the process group as a job sees it.
+
+The processes (ranks) share a step's work, never the run's state. Rank 0 leads: it alone holds
+the run, reads and commits checkpoints and prints; it hands the others the adapter and moments
+it starts from (``start``), and every step the ranks agree whether to stop (``stop_wanted``), so
+all of them stop at the same boundary. Each rank opens its own ring (``--memory`` is per rank;
+ranks on one host share the page cache) and computes the micro-batches ``j`` with
+``j % world == rank``; one all-gather (``gather``) then gives every rank every micro-batch's
+gradients, which it folds in micro-batch order: the order one process adds them in. So every
+world size takes the same steps bit for bit, and a run continues at any world size.
+
+The exchange goes through host memory over gloo (float32 numpy from the engine's kernel),
+whichever engine and device compute. A rank that dies ends the others' next collective:
+``GroupLost``, exit 75, nothing half-published (only rank 0 commits, atomically); rerun the
+command at any world size to continue from the last commit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from spill.errors import EXIT_PREEMPTED, SpillError
+
+ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # what torchrun (and torch's launcher) sets
+
+
+class GroupLost(SpillError):
+    """Another process of the job stopped or died: this one stops too, committing nothing."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+class Refused(SpillError):
+    """The leader refused the job before its first step; the others stop with its exit code
+    without repeating its line."""
+
+    said = True
+
+
+@dataclass
+class Group:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    started: bool = field(default=False, repr=False)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def mine(self, n: int) -> range:
+        """The indices of ``n`` micro-batches this rank computes."""
+        return range(self.rank, n, self.world)
+
+    # --- collectives (each one is called by every rank, in the same order) -------------------
+
+    def _call(self, what, *args):
+        if self.world == 1:
+            raise AssertionError("a world of one process exchanges nothing")
+        try:
+            return what(*args)
+        except RuntimeError as e:  # gloo: a peer closed its connection or timed out
+            line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise GroupLost(
+                f"rank {self.rank}: another process of this job is gone ({line}); nothing "
+                "half-published: run the same command (any --procs) to continue from the last "
+                "commit"
+            ) from None
+
+    def start(self, payload) -> object:
+        """Rank 0 hands ``payload`` to every rank (the others pass None and get it); a
+        ``SpillError`` payload (rank 0 refused the job) is raised on the others, quietly."""
+        import torch.distributed as dist
+
+        box = [payload if self.leader else None]
+        self._call(dist.broadcast_object_list, box, 0)
+        self.started = True
+        got = box[0]
+        if isinstance(got, SpillError) and not self.leader:
+            refused = Refused(str(got))
+            refused.exit_code = got.exit_code
+            raise refused
+        return got
+
+    def refuse(self, error: BaseException) -> None:
+        """Rank 0 failed before ``start``: tell the others (they stop with its exit code)."""
+        if self.world > 1 and self.leader and not self.started:
+            code = getattr(error, "exit_code", 1)
+            shared = SpillError(str(error) or type(error).__name__)
+            shared.exit_code = code
+            try:
+                self.start(shared)
+            except GroupLost:
+                pass
+
+    def stop_wanted(self, mine: bool) -> bool:
+        """Whether any rank was asked to stop (one all-reduce)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(mine)], dtype=torch.int32)
+        self._call(dist.all_reduce, flag, dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def gather(self, done: list[tuple[int, float, int, np.ndarray]], n: int, size: int):
+        """Every rank's ``(j, loss, tokens, grads)`` of its micro-batches, in ``j`` order, on
+        every rank; ``n``: the step's micro-batches, ``size``: the gradient vector's length."""
+        import torch
+        import torch.distributed as dist
+
+        slots = -(-n // self.world)  # the most micro-batches any rank computed
+        meta = torch.full((slots, 3), -1.0, dtype=torch.float64)
+        grads = torch.zeros((slots, size), dtype=torch.float32)
+        for s, (j, loss, tokens, flat) in enumerate(done):
+            meta[s] = torch.tensor([j, loss, tokens], dtype=torch.float64)
+            grads[s] = torch.from_numpy(flat)
+        metas = [torch.empty_like(meta) for _ in range(self.world)]
+        all_grads = [torch.empty_like(grads) for _ in range(self.world)]
+        self._call(dist.all_gather, metas, meta)
+        self._call(dist.all_gather, all_grads, grads)
+        out = []
+        for r in range(self.world):
+            for s in range(slots):
+                j, loss, tokens = metas[r][s].tolist()
+                if j >= 0:
+                    out.append((int(j), loss, int(tokens), all_grads[r][s].numpy()))
+        return sorted(out, key=lambda row: row[0])
+
+    def close(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+_current: Group | None = None
+
+
+def current() -> Group:
+    """This process's group: one process unless torchrun (or ``--procs``) started it as a rank
+    (``WORLD_SIZE`` > 1), then joined once over gloo (rendezvous from torchrun's env)."""
+    global _current
+    if _current is not None:
+        return _current
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if world <= 1:
+        _current = Group()
+        return _current
+    import datetime
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    timeout = datetime.timedelta(seconds=float(os.environ.get("SPILL_GROUP_TIMEOUT") or 1800))
+    dist.init_process_group("gloo", timeout=timeout)
+    _current = Group(rank=rank, world=world, local_rank=int(os.environ.get("LOCAL_RANK") or 0))
+    if rank != 0:
+        from spill import console
+
+        console.quiet()  # rank 0 speaks for the job
+    return _current

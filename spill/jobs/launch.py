@@ -1,0 +1,73 @@
+"""``spill tune --procs N``: the same command as N processes on this host, started by torch's own
+elastic launcher (what ``torchrun --standalone --nproc-per-node N -m spill ...`` runs), each one
+a rank of ``spill.jobs.group``.
+
+The launcher's exit status is the job's: 0 when every rank finished; 75 when the job stopped
+(a signal, a lost rank) and rank 0's last commit stands, so the same command, at any ``--procs``,
+continues; otherwise the failing ranks' status. Each rank computes on one thread unless
+``OMP_NUM_THREADS`` says otherwise (as torchrun does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+
+from spill.errors import EXIT_PREEMPTED, UsageError
+
+
+def without_procs(argv: Sequence[str]) -> list[str]:
+    """``argv`` less its ``--procs N`` (or ``--procs=N``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--procs":
+            skip = True
+        elif not a.startswith("--procs="):
+            out.append(a)
+    return out
+
+
+def launch(procs: int, argv: Sequence[str]) -> int:
+    """Run ``spill *argv`` as ``procs`` ranks; returns the job's exit status."""
+    if procs < 1:
+        raise UsageError("--procs must be at least 1")
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        raise UsageError(
+            "--procs inside torchrun: torchrun already started the processes; drop --procs"
+        )
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # its INFO/WARNING lines are not ours
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=procs,
+        run_id=f"spill-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "spill", *without_procs(argv))
+    except ChildFailedError as e:
+        return _status([f.exitcode for f in e.failures.values()])
+    except SignalException:
+        return EXIT_PREEMPTED  # the ranks were handed the signal: rank 0 saved and said so
+    return 0
+
+
+def _status(codes: list[int]) -> int:
+    """The job's status from its failed ranks': a rank killed by a signal, or stopped (75),
+    leaves rank 0's last commit standing (75); any other failure is the job's."""
+    other = [c for c in codes if c > 0 and c != EXIT_PREEMPTED]
+    return other[0] if other else EXIT_PREEMPTED

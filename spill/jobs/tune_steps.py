@@ -1,0 +1,92 @@
+"""One optimizer step's gradients, in one process or shared by a process group.
+
+In one process the step accumulates its micro-batches in index order. In a group
+(``spill.jobs.group``) each rank computes its share, every rank gathers every micro-batch's
+gradients and folds them in index order, each as one addition per tensor, exactly as one process
+adds them: so the step, and the whole run, are the same bits at any world size (the intra-op
+thread count equal). The ranks agree at each boundary whether to stop, so they stop together.
+"""
+
+from __future__ import annotations
+
+import time
+
+from spill.engines.base import AdamW, TrainBatch, Trainer
+from spill.jobs.group import Group
+from spill.jobs.preempt import Guard, request_stop, stop_requested
+from spill.jobs.schedule import cosine_lr
+from spill.jobs.train_data import micro_batch_at
+
+
+class Steps:
+    """The step loop's work for ``spill.jobs.tune``: ``boundary``, ``gradients``, ``apply``."""
+
+    def __init__(self, trainer: Trainer, examples, pad_id: int, opts, group: Group):
+        self.trainer, self.examples, self.pad_id = trainer, examples, pad_id
+        self.tune, self.seed, self.group = opts.tune, opts.seed, group
+        self.accum = self.tune.batch // self.tune.micro_batch
+        self.tokens = 0  # tokens of every rank's micro-batches so far
+        self.communicating = 0.0  # seconds in the group's collectives
+        self.size: int | None = None  # the gradient vector's length
+
+    def boundary(self, guard: Guard) -> None:
+        """Between steps: stop (save, exit 75) when asked; in a group, when any rank was."""
+        g = self.group
+        if g.world == 1:
+            guard.boundary()
+            return
+        t0 = time.perf_counter()
+        wanted = g.stop_wanted(stop_requested() is not None)
+        self.communicating += time.perf_counter() - t0
+        if wanted:
+            if stop_requested() is None:
+                request_stop("a stop of another process of this job")
+            guard.boundary()
+
+    def _train(self, step: int, j: int, batch, total: int) -> float:
+        tb = TrainBatch(
+            batch.tokens,
+            batch.attention,
+            batch.targets,
+            1.0 / total,
+            self.seed * 1_000_003 + step * self.accum + j,
+        )
+        return self.trainer.accumulate(tb)
+
+    def gradients(self, step: int) -> float:
+        """Accumulate step ``step``'s gradients; returns its loss (summed over micro-batches in
+        index order)."""
+        t, g = self.tune, self.group
+        batches = [
+            micro_batch_at(
+                self.examples, self.seed, step * self.accum + j, t.micro_batch, self.pad_id
+            )
+            for j in range(self.accum)
+        ]
+        total = sum(b.n_targets for b in batches)
+        loss = 0.0
+        if g.world == 1:
+            for j, b in enumerate(batches):
+                loss += self._train(step, j, b, total)
+                self.tokens += int(b.attention.sum())
+            return loss
+        done = []
+        for j in g.mine(self.accum):
+            got = self._train(step, j, batches[j], total)
+            done.append((j, got, int(batches[j].attention.sum()), self.trainer.take_grads()))
+        if self.size is None:
+            self.size = sum(a.size for a in self.trainer.state()[0].values())
+        t0 = time.perf_counter()
+        everyone = g.gather(done, self.accum, self.size)
+        self.communicating += time.perf_counter() - t0
+        for _j, got, tokens, grads in everyone:
+            self.trainer.add_grads(grads)
+            loss += got
+            self.tokens += tokens
+        return loss
+
+    def apply(self, step: int) -> None:
+        """AdamW from the step's gradients (call under the guard's ``mutating``)."""
+        t = self.tune
+        lr = cosine_lr(step, t.lr, t.warmup, t.steps)
+        self.trainer.apply(AdamW(lr=lr, step=step + 1, weight_decay=t.weight_decay))
