@@ -19,6 +19,7 @@ command at any world size to continue from the last commit.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,7 +65,8 @@ class Group:
         try:
             return what(*args)
         except RuntimeError as e:  # gloo: a peer closed its connection or timed out
-            line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0]  # gloo's file:line
+            line = text.splitlines()[0][:160] if text else type(e).__name__
             raise GroupLost(
                 f"rank {self.rank}: another process of this job is gone ({line}); nothing "
                 "half-published: run the same command (any --procs) to continue from the last "

@@ -216,6 +216,7 @@ def _follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group
     steps = Steps(trainer, examples, tok.pad_id, opts, group)
     while step < stop:
         steps.boundary(guard)
+        drill.at(drill.TUNE_RANK_STEP)
         steps.gradients(step)
         with guard.mutating():
             steps.apply(step)
@@ -312,7 +313,9 @@ def _tune(
     trainer.set_state(params, m, v)
     # the longest micro-batch this run can make; the choice never changes the results
     plan = trainer.plan(t.micro_batch, t.seq_len, t.activations)
-    per_rank = f" · {group.world} processes, each its own ring" if group.world > 1 else ""
+    per_rank = (
+        f" · {group.world} processes, each its own ring and --memory" if group.world > 1 else ""
+    )
     note(f"spill tune · {plan.line()}{per_rank}")
     started, saved_at = step, step if ckpt is not None else None
     t0 = time.perf_counter()

@@ -1,0 +1,203 @@
+"""One tune over several processes, through the real CLI and torch's own launchers: ``spill tune
+--procs N`` (torch's elastic launcher) and ``torchrun --nnodes 2`` (a c10d rendezvous on
+loopback). World sizes 1, 2 and 4 write the same checkpoints bit for bit (float32, one thread
+per process), a run continues at another world size after real kills (a rank SIGKILLed between
+steps, rank 0 SIGKILLed in the middle of a publication, a SIGTERM to the launcher), and a second
+launch on the same state is refused in one line naming the owner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from spill.payloads.checkpoint import OPT, PARAMS, STATE
+from tests.func import tune_kit as kit
+
+# four micro-batches a step: world 2 computes two each, world 4 one each
+SHORT = {**kit.SETTINGS, "batch": 8, "micro_batch": 2, "steps": 4, "ckpt_every": 2}
+LONG = {**SHORT, "steps": 200, "ckpt_every": 5}  # long enough to stop in the middle of
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, tiny_models):
+    root = tmp_path_factory.mktemp("procs")
+    return {"model": tiny_models["llama"], "train": kit.write_train(root / "train.jsonl")}
+
+
+def argv(inputs, state, settings, **over) -> list[str]:
+    return kit.tune_argv(inputs["model"], inputs["train"], str(state), **{**settings, **over})
+
+
+def tune(inputs, state, settings, env, *extra, **over) -> subprocess.CompletedProcess:
+    return kit.run_tune([*argv(inputs, state, settings, **over), *extra], env)
+
+
+@pytest.fixture(scope="module")
+def controls(inputs, tmp_path_factory):
+    """The uninterrupted one-process runs of SHORT and LONG."""
+    root = tmp_path_factory.mktemp("procs-control")
+    env = kit.spill_env(root / "home")
+    out = {}
+    for name, settings in (("short", SHORT), ("long", LONG)):
+        done = tune(inputs, root / name, settings, env)
+        assert done.returncode == 0, done.stderr
+        out[name] = str(root / name)
+    return out
+
+
+def same_run(state: str, control: str, step: int) -> list[dict]:
+    """Every tensor, loss and cursor of ``state``'s step equals the control's; the state differs
+    only in its producer ranges, which are returned."""
+    got, want = kit.files(state, step), kit.files(control, step)
+    for name in (PARAMS, OPT):
+        a, b = kit.tensors(got[name]), kit.tensors(want[name])
+        assert sorted(a) == sorted(b), name
+        for key in b:
+            assert np.array_equal(a[key], b[key]), f"{name}: {key} differs from one process's"
+    mine, theirs = json.loads(got[STATE]), json.loads(want[STATE])
+    producers = mine.pop("producers")
+    theirs.pop("producers")
+    assert mine == theirs  # losses, cursor, identity
+    return producers
+
+
+def resumed(done: subprocess.CompletedProcess) -> int | None:
+    return kit.resumed_from(done.stderr, LONG["steps"], LONG["batch"] // LONG["micro_batch"])
+
+
+def ranges(producers: list[dict]) -> list[tuple[int, int, int]]:
+    return [(p["from_step"], p["to_step"], p.get("procs", 1)) for p in producers]
+
+
+@pytest.mark.parametrize("procs", [2, 4])
+def test_world_sizes_write_the_same_checkpoints(inputs, controls, tmp_path, procs):
+    state = tmp_path / "state"
+    done = tune(inputs, state, SHORT, kit.spill_env(tmp_path / "home"), "--procs", str(procs))
+    assert done.returncode == 0, done.stderr
+    assert f"· {procs} processes, each its own ring and --memory" in done.stderr
+    assert done.stderr.count("adapter written to") == 1  # rank 0 speaks for the job
+    assert ranges(same_run(str(state), controls["short"], 4)) == [(0, 4, procs)]
+    assert (
+        kit.adapter_files(str(state))["params.safetensors"]
+        == (kit.adapter_files(controls["short"])["params.safetensors"])
+    )
+
+
+def test_a_run_continues_at_other_world_sizes_after_kills(inputs, controls, tmp_path):
+    """2 processes (rank 1 SIGKILLed at its 12th step) -> 1 (SIGKILLed in the middle of its
+    third publication) -> 2 (SIGTERM to the launcher) -> 1: the one-process run's bits."""
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    leg = tune(inputs, state, LONG, {**env, "SPILL_DRILL": "tune-rank-step@12"}, "--procs", "2")
+    assert leg.returncode == 75, leg.stderr
+    assert "another process of this job is gone" in leg.stderr
+    assert kit.committed_steps(str(state))[-1] == 10  # steps 11 and 12 were not committed
+
+    leg = tune(inputs, state, LONG, {**env, "SPILL_DRILL": "ckpt-between-files@3"})
+    assert leg.returncode == -signal.SIGKILL, leg.stderr
+    assert resumed(leg) == 10
+    assert kit.committed_steps(str(state))[-1] == 20  # the publication of step 25 died
+
+    lines = {**env, "SPILL_PROGRESS": "lines", "SPILL_PROGRESS_EVERY": "0"}  # a line a step
+    w = kit.Worker([*argv(inputs, state, LONG), "--procs", "2"], lines)
+    assert w.wait_for("tune: step 27/")  # past the commit of step 25
+    w.proc.send_signal(signal.SIGTERM)
+    leg = w.finish()
+    assert leg.returncode == 75, leg.stderr
+    assert leg.stderr.count("preempted by SIGTERM") == 1, leg.stderr
+    stopped = kit.committed_steps(str(state))[-1]
+    assert 25 <= stopped < LONG["steps"]
+
+    leg = tune(inputs, state, LONG, env)
+    assert leg.returncode == 0, leg.stderr
+    assert resumed(leg) == stopped
+    got = ranges(same_run(str(state), controls["long"], LONG["steps"]))
+    assert got == [(0, 10, 2), (10, 20, 1), (20, stopped, 2), (stopped, LONG["steps"], 1)]
+    assert kit.litter(str(state)) == []
+
+
+def test_a_second_launch_on_the_same_state_is_refused_naming_the_owner(inputs, tmp_path):
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    # rank 1 stops itself (SIGSTOP) at its 3rd step: the group holds the run, waiting
+    first = kit.Worker(
+        [*argv(inputs, state, LONG), "--procs", "2"],
+        {**env, "SPILL_DRILL": "tune-rank-step@3:stop", "SPILL_PROGRESS": "1"},
+    )
+    try:
+        assert first.wait_for(kit.BAR)
+        second = tune(inputs, state, LONG, env, "--procs", "2")
+        assert second.returncode == 75, second.stderr
+        [line] = [ln for ln in second.stderr.splitlines() if "error" in ln]
+        assert f"at {state} is held by" in line and "pid" in line and "--wait" in line
+        alone = tune(inputs, state, LONG, env)  # one process is refused the same way
+        assert alone.returncode == 75 and f"at {state} is held by" in alone.stderr
+    finally:  # the ranks first: they hold the pipes the launcher's reader waits on
+        for child in _children(first.proc.pid):
+            os.kill(child, signal.SIGKILL)
+        first.proc.kill()
+        first.finish()
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_rank_0s_refusal_is_said_once_and_is_every_ranks_exit(inputs, tmp_path):
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    assert tune(inputs, state, SHORT, env, stop_after=2).returncode == 0
+    other = tune(inputs, state, SHORT, env, "--procs", "2", lr=0.02)
+    assert other.returncode == 1, other.stderr
+    [line] = [ln for ln in other.stderr.splitlines() if "error" in ln]
+    assert "was made with learning rate 0.01, this run has 0.02" in line
+
+
+def test_torchrun_two_nodes_on_loopback(inputs, controls, tmp_path):
+    """Two ``torchrun --nnodes 2 --node-rank K`` launchers meet at one c10d endpoint."""
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(k),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "spill-test",
+                "-m",
+                "spill",
+                *argv(inputs, state, SHORT),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for k in (0, 1)
+    ]
+    outs = [n.communicate(timeout=kit.TIMEOUT) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    assert ranges(same_run(str(state), controls["short"], 4)) == [(0, 4, 2)]
