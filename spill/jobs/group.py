@@ -132,6 +132,14 @@ class Group:
                     out.append((int(j), loss, int(tokens), all_grads[r][s].numpy()))
         return sorted(out, key=lambda row: row[0])
 
+    def collect(self, value) -> list:
+        """Every rank's ``value`` (a small picklable one), by rank, on every rank."""
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        self._call(dist.all_gather_object, out, value)
+        return out
+
     def close(self) -> None:
         if self.world > 1:
             import torch.distributed as dist

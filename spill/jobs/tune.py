@@ -221,8 +221,15 @@ def _follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group
         with guard.mutating():
             steps.apply(step)
             step += 1
+    group.collect(_peak_rss_mb())  # rank 0's summary names every rank's
     runner.close()
     return {"rank": group.rank, "step": step, "steps": t.steps}
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def _finite(x: float) -> float | None:
@@ -361,6 +368,7 @@ def _tune(
                     bar.checkpoint("checkpoint committed")
     seconds = time.perf_counter() - t0
     tokens = steps.tokens
+    peaks = group.collect(_peak_rss_mb()) if group.world > 1 else None
     settle(place)  # the last save's removal of older checkpoints ends with the tune
     summary = {
         "name": name,
@@ -375,7 +383,8 @@ def _tune(
     }
     if group.world > 1:
         summary["procs"] = group.world
-        summary["communication_s"] = round(steps.communicating, 2)
+        summary["communication_s"] = round(steps.communicating, 2)  # waiting for ranks too
+        summary["peak_rss_mb"] = peaks  # by rank
     ranges = _producers(producers, me, started, step)
     if len({(p["engine"], p["machine"], p["numerics"]) for p in ranges}) > 1:
         moved = "; ".join(
