@@ -202,7 +202,7 @@ def _follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group
         raise SpillError(
             f"rank {group.rank} found other weights for {model} (fingerprint "
             f"{fingerprint[7:19]}..) than rank 0 ({begin['fingerprint'][7:19]}..); give every "
-            "node the same model cache (spill models pull, or --weights)"
+            "node the same model (its cache, or --weights URI)"
         )
     name = resolved.name if opts.quantize is not None else model
     folder = Path(resolved.folder)
