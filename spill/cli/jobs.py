@@ -80,7 +80,30 @@ def _run_options(args, adapter: str | None = None):
     )
 
 
+def _procs_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run as N processes on this host through torch's elastic launcher (torchrun); "
+        "the result is the same at any N (docs/procs.md)",
+    )
+
+
+def _launched(args) -> int | None:
+    """With ``--procs N`` (N > 1): the job run as N processes by torch's elastic launcher, its
+    exit status; None: run it here."""
+    if getattr(args, "procs", 1) == 1:
+        return None
+    from spill.jobs.launch import launch
+
+    return launch(args.procs, args.argv)
+
+
 def cmd_run(args) -> int:
+    if (code := _launched(args)) is not None:
+        return code
     from spill.console import emit
     from spill.jobs.generate import generate
 
@@ -92,6 +115,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_distill(args) -> int:
+    if (code := _launched(args)) is not None:
+        return code
     from spill.console import emit
     from spill.jobs.distill import distill
 
@@ -101,6 +126,8 @@ def cmd_distill(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if (code := _launched(args)) is not None:
+        return code
     from spill.console import emit
     from spill.jobs.eval import EvalOptions, evaluate
 
@@ -124,10 +151,8 @@ def cmd_tune(args) -> int:
     from spill.models.quant import spec_of
     from spill.settings import TuneSettings
 
-    if args.procs != 1:
-        from spill.jobs.launch import launch
-
-        return launch(args.procs, args.argv)
+    if (code := _launched(args)) is not None:
+        return code
     settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneSettings)}
     opts = TuneOptions(
         tune=TuneSettings(**settings),
@@ -180,6 +205,7 @@ def add_parsers(sub, full: bool = True) -> None:
     )
     _generation_options(p)
     _state_option(p)
+    _procs_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
     model_options(p)
@@ -197,6 +223,7 @@ def add_parsers(sub, full: bool = True) -> None:
         "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
     )
     _state_option(p)
+    _procs_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
     model_options(p)
@@ -210,6 +237,7 @@ def add_parsers(sub, full: bool = True) -> None:
     )
     _generation_options(p)
     _state_option(p)
+    _procs_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
     model_options(p)
@@ -227,14 +255,7 @@ def add_parsers(sub, full: bool = True) -> None:
     authority_options(p)
     _tune_options(p)
     p.add_argument("--seed", type=int, default=0, help="adapter init and data order")
-    p.add_argument(
-        "--procs",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run as N processes on this host through torch's elastic launcher (torchrun); "
-        "the result is the same at any N",
-    )
+    _procs_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     engine_options(p)
     model_options(p)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from spill.console import note
 from spill.jobs.generate import GenerateOptions, check_options, generator
+from spill.jobs.group import current as current_group
 from spill.jobs.inputs import PromptRow, read_prompt_rows
 from spill.jobs.rows_job import (
     RowJob,
@@ -60,7 +61,7 @@ def distill(
     truncated = sum(r["finish"] == "length" for r in done.records)
     summary = done.summary(job) | {
         "truncated": truncated,
-        "generated_tokens": counter["tokens"],
+        "generated_tokens": current_group().total(counter["tokens"]),
         "teacher": teacher,
     }
     if not done.complete:

@@ -22,6 +22,7 @@ from spill.console import note
 from spill.engines.base import GenerateParams
 from spill.errors import DataError
 from spill.jobs.adapter_files import Adapter, apply_adapter, load_adapter
+from spill.jobs.group import current as current_group
 from spill.jobs.inputs import PromptRow, read_prompt_rows
 from spill.jobs.loading import LoadedModel
 from spill.jobs.rows_job import (
@@ -138,7 +139,7 @@ def generate(
         lambda loaded: generator(loaded, rows, opts, input_path, counter, adapter),
         lambda records: write_jsonl(out_path, records),
     )
-    generated = counter["tokens"]
+    generated = current_group().total(counter["tokens"])  # every process's rows
     summary = done.summary(job) | {
         "generated_tokens": generated,
         "tokens_per_s": round(generated / max(done.seconds, 1e-9), 1),

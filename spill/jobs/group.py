@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,7 @@ class Group:
     world: int = 1
     local_rank: int = 0
     started: bool = field(default=False, repr=False)
+    waited: float = field(default=0.0, repr=False)  # seconds in collectives, waiting included
 
     @property
     def leader(self) -> bool:
@@ -99,6 +101,22 @@ class Group:
             except GroupLost:
                 pass
 
+    def boundary(self, guard) -> None:
+        """Between quanta (a job's ``Guard``): stop (save, exit 75) when asked; in a group, all
+        ranks stop at the same boundary when any one was asked."""
+        from spill.jobs.preempt import request_stop, stop_requested
+
+        if self.world == 1:
+            guard.boundary()
+            return
+        t0 = time.perf_counter()
+        wanted = self.stop_wanted(stop_requested() is not None)
+        self.waited += time.perf_counter() - t0
+        if wanted:
+            if stop_requested() is None:
+                request_stop("a stop of another process of this job")
+            guard.boundary()
+
     def stop_wanted(self, mine: bool) -> bool:
         """Whether any rank was asked to stop (one all-reduce)."""
         import torch
@@ -122,8 +140,10 @@ class Group:
             grads[s] = torch.from_numpy(flat)
         metas = [torch.empty_like(meta) for _ in range(self.world)]
         all_grads = [torch.empty_like(grads) for _ in range(self.world)]
+        t0 = time.perf_counter()
         self._call(dist.all_gather, metas, meta)
         self._call(dist.all_gather, all_grads, grads)
+        self.waited += time.perf_counter() - t0
         out = []
         for r in range(self.world):
             for s in range(slots):
@@ -133,12 +153,18 @@ class Group:
         return sorted(out, key=lambda row: row[0])
 
     def collect(self, value) -> list:
-        """Every rank's ``value`` (a small picklable one), by rank, on every rank."""
+        """Every rank's ``value`` (picklable), by rank, on every rank."""
         import torch.distributed as dist
 
         out = [None] * self.world
+        t0 = time.perf_counter()
         self._call(dist.all_gather_object, out, value)
+        self.waited += time.perf_counter() - t0
         return out
+
+    def total(self, n: int | float):
+        """``n`` summed over the ranks (``n`` itself in a world of one)."""
+        return sum(self.collect(n)) if self.world > 1 else n
 
     def close(self) -> None:
         if self.world > 1:

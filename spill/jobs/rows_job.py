@@ -46,12 +46,15 @@ from spill.engines.base import BatchPlan, EngineInfo
 from spill.errors import DataError, StoreError, UsageError
 from spill.hashing import file_sha256
 from spill.jobs.authority import Held, Writer, hold
+from spill.jobs.group import Group
+from spill.jobs.group import current as current_group
 from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
 from spill.models.quant import Spec
 from spill.models.quantize import identity as quantization_identity
 from spill.settings import EngineSettings
+from spill.store import drill
 from spill.store.location import location
 
 Record = dict[str, Any]
@@ -213,16 +216,51 @@ def execute(
     opts = job.options
     if opts.batch is not None and opts.batch < 1:
         raise DataError(f"{opts.batch_from} must be at least 1")
-    if not opts.state:
-        return _execute(job, None, prepare, finish)
-    from spill.store.probe import probe_writable
+    group = current_group()
+    try:
+        if not opts.state or not group.leader:  # a rank other than 0 never holds the run
+            return _execute(job, None, prepare, finish, group)
+        from spill.store.probe import probe_writable
 
-    probe_writable(opts.state)
-    with hold(opts.state, opts.writer) as held:
-        outcome = _execute(job, held, prepare, finish)
-        if outcome.complete:
-            held.finish()
+        probe_writable(opts.state)
+        with hold(opts.state, opts.writer) as held:
+            outcome = _execute(job, held, prepare, finish, group)
+            if outcome.complete:
+                held.finish()
+    except BaseException as e:
+        group.refuse(e)  # before the first batch the other ranks stop with rank 0's refusal
+        raise
     return outcome
+
+
+def _todo(job: RowJob, held: Held | None, group: Group, fp: str, pinned: dict):
+    """The rows committed (by id) and the rows left, as rank 0 found them (and handed to the
+    other ranks of a group); ``place`` is where rank 0 commits (None elsewhere)."""
+    opts, total = job.options, len(job.rows)
+    if not group.leader:
+        begin = group.start(None)
+        if begin["fingerprint"] != fp:
+            raise DataError(
+                f"rank {group.rank} found other weights for {job.model} than rank 0; give "
+                "every node the same model (its cache, or --weights URI)"
+            )
+        left = set(begin["todo"])
+        return None, begin["results"], [r for r in job.rows if r.id in left]
+    place = held.place if held else None
+    results: dict = _restore(place, pinned, job.rows) if place else {}
+    todo = [r for r in job.rows if r.id not in results]
+    if opts.stop_after is not None:
+        todo = todo[: max(0, opts.stop_after - len(results))]
+    if held and todo:
+        place = held.writable(f"{len(todo)} of its rows are not committed")
+    if opts.state:
+        note(
+            f"state {opts.state}: {len(results)} of {total} rows committed; "
+            f"running the {len(todo)} left"
+        )
+    if group.world > 1:
+        group.start({"fingerprint": fp, "results": results, "todo": [r.id for r in todo]})
+    return place, results, todo
 
 
 def _execute(
@@ -230,35 +268,31 @@ def _execute(
     held: Held | None,
     prepare: Callable[[LoadedModel], Work],
     finish: Callable[[list[Record]], None],
+    group: Group,
 ) -> Outcome:
+    """The rows left, ``batch`` at a time; in a group of N processes each round is N batches,
+    rank ``r`` computing the ``r``-th, and every rank gets every record (rank 0 commits)."""
     from spill.payloads.rows import SegmentWriter
 
     opts = job.options
-    with Guard(unit="batch", signals=SIGNALS if held else ()) as guard:
+    signals = SIGNALS if held or (opts.state and group.world > 1) else ()
+    with Guard(unit="batch", signals=signals) as guard:
         resolved, fp = find_model(job.model, opts.weights, opts.quantize)
         pinned = identity(job, resolved, fp)
-        place = held.place if held else None
-        results: dict = _restore(place, pinned, job.rows) if place else {}
-        todo = [r for r in job.rows if r.id not in results]
+        place, results, todo = _todo(job, held, group, fp, pinned)
         total = len(job.rows)
-        if opts.stop_after is not None:
-            todo = todo[: max(0, opts.stop_after - len(results))]
-        if held and todo:
-            place = held.writable(f"{len(todo)} of its rows are not committed")
-        if opts.state:
-            note(
-                f"state {opts.state}: {len(results)} of {total} rows committed; "
-                f"running the {len(todo)} left"
-            )
         loaded = _open(job, resolved, fp)
         try:
             work = prepare(loaded) if todo else None
             batch = 1
             if work is not None:
                 plan = batch_plan(opts, loaded.runner, work, todo)
-                note(plan.line())
-                batch = plan.rows
+                batch = group.collect(plan.rows)[0] if group.world > 1 else plan.rows
+                shared = f"; {group.world} processes, a batch each" if group.world > 1 else ""
+                note(plan.line() + shared)
             producer = describe(loaded.runner.info)
+            if group.world > 1:
+                producer["procs"] = group.world
             writer = SegmentWriter(place, pinned, producer) if place else None
 
             def save() -> str:
@@ -270,11 +304,17 @@ def _execute(
             start = time.perf_counter()
             with progress(total, job.verb, initial=len(results)) as bar:
                 try:
-                    for lo in range(0, len(todo), batch):
-                        guard.boundary()
-                        chunk = list(todo[lo : lo + batch])
-                        records = work.compute(chunk)
-                        assert [r["id"] for r in records] == [r.id for r in chunk]
+                    step = batch * group.world
+                    for lo in range(0, len(todo), step):
+                        group.boundary(guard)
+                        if not group.leader:
+                            drill.at(drill.RANK_STEP)
+                        chunk = list(todo[lo : lo + step])
+                        mine = chunk[group.rank * batch : (group.rank + 1) * batch]
+                        records = work.compute(mine) if mine else []
+                        assert [r["id"] for r in records] == [r.id for r in mine]
+                        if group.world > 1:  # by rank: the round's rows in input order
+                            records = [rec for got in group.collect(records) for rec in got]
                         with guard.mutating():
                             for rec in records:
                                 results[rec["id"]] = rec
@@ -294,7 +334,7 @@ def _execute(
                 if writer is not None:
                     writer.flush()
                 ordered = [results[r.id] for r in job.rows if r.id in results]
-                if complete:
+                if complete and group.leader:  # rank 0 writes for the job
                     finish(ordered)
                 else:
                     note(

@@ -215,8 +215,8 @@ def _follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group
     step, stop = begin["step"], opts.stop_after or t.steps
     steps = Steps(trainer, examples, tok.pad_id, opts, group)
     while step < stop:
-        steps.boundary(guard)
-        drill.at(drill.TUNE_RANK_STEP)
+        group.boundary(guard)
+        drill.at(drill.RANK_STEP)
         steps.gradients(step)
         with guard.mutating():
             steps.apply(step)
@@ -350,7 +350,7 @@ def _tune(
     steps = Steps(trainer, examples, tok.pad_id, opts, group)
     with progress(stop, "tune", unit="step", initial=step) as bar:
         while step < stop:
-            steps.boundary(guard)
+            group.boundary(guard)
             drill.at(drill.TUNE_BEFORE_FORWARD)
             loss = steps.gradients(step)
             drill.at(drill.TUNE_AFTER_BACKWARD)
@@ -383,7 +383,7 @@ def _tune(
     }
     if group.world > 1:
         summary["procs"] = group.world
-        summary["communication_s"] = round(steps.communicating, 2)  # waiting for ranks too
+        summary["communication_s"] = round(group.waited, 2)  # waiting for ranks too
         summary["peak_rss_mb"] = peaks  # by rank
     ranges = _producers(producers, me, started, step)
     if len({(p["engine"], p["machine"], p["numerics"]) for p in ranges}) > 1:

@@ -4,44 +4,27 @@ In one process the step accumulates its micro-batches in index order. In a group
 (``spill.jobs.group``) each rank computes its share, every rank gathers every micro-batch's
 gradients and folds them in index order, each as one addition per tensor, exactly as one process
 adds them: so the step, and the whole run, are the same bits at any world size (the intra-op
-thread count equal). The ranks agree at each boundary whether to stop, so they stop together.
+thread count equal).
 """
 
 from __future__ import annotations
 
-import time
-
 from spill.engines.base import AdamW, TrainBatch, Trainer
 from spill.jobs.group import Group
-from spill.jobs.preempt import Guard, request_stop, stop_requested
 from spill.jobs.schedule import cosine_lr
 from spill.jobs.train_data import micro_batch_at
 
 
 class Steps:
-    """The step loop's work for ``spill.jobs.tune``: ``boundary``, ``gradients``, ``apply``."""
+    """The step loop's work for ``spill.jobs.tune``: ``gradients`` and ``apply`` (the boundary
+    between steps is the group's: ``Group.boundary``)."""
 
     def __init__(self, trainer: Trainer, examples, pad_id: int, opts, group: Group):
         self.trainer, self.examples, self.pad_id = trainer, examples, pad_id
         self.tune, self.seed, self.group = opts.tune, opts.seed, group
         self.accum = self.tune.batch // self.tune.micro_batch
         self.tokens = 0  # tokens of every rank's micro-batches so far
-        self.communicating = 0.0  # seconds in the group's collectives
         self.size: int | None = None  # the gradient vector's length
-
-    def boundary(self, guard: Guard) -> None:
-        """Between steps: stop (save, exit 75) when asked; in a group, when any rank was."""
-        g = self.group
-        if g.world == 1:
-            guard.boundary()
-            return
-        t0 = time.perf_counter()
-        wanted = g.stop_wanted(stop_requested() is not None)
-        self.communicating += time.perf_counter() - t0
-        if wanted:
-            if stop_requested() is None:
-                request_stop("a stop of another process of this job")
-            guard.boundary()
 
     def _train(self, step: int, j: int, batch, total: int) -> float:
         tb = TrainBatch(
@@ -76,9 +59,7 @@ class Steps:
             done.append((j, got, int(batches[j].attention.sum()), self.trainer.take_grads()))
         if self.size is None:
             self.size = sum(a.size for a in self.trainer.state()[0].values())
-        t0 = time.perf_counter()
         everyone = g.gather(done, self.accum, self.size)
-        self.communicating += time.perf_counter() - t0
         for _j, got, tokens, grads in everyone:
             self.trainer.add_grads(grads)
             loss += got

@@ -29,7 +29,7 @@ PUT_BEFORE_RENAME = "put-before-rename"
 TUNE_BEFORE_FORWARD = "tune-before-forward"
 TUNE_AFTER_BACKWARD = "tune-after-backward"
 TUNE_AFTER_OPTIMIZER = "tune-after-optimizer"
-TUNE_RANK_STEP = "tune-rank-step"  # a rank other than 0 of a process group, before each step
+RANK_STEP = "rank-step"  # a rank other than 0 of a process group, before each quantum
 CONTROL_ACQUIRE = "control-acquire"
 CONTROL_RENEW = "control-renew"
 CONTROL_PUBLISH = "control-publish"
@@ -50,7 +50,7 @@ BOUNDARIES = (
     TUNE_BEFORE_FORWARD,
     TUNE_AFTER_BACKWARD,
     TUNE_AFTER_OPTIMIZER,
-    TUNE_RANK_STEP,
+    RANK_STEP,
     CONTROL_ACQUIRE,
     CONTROL_RENEW,
     CONTROL_PUBLISH,

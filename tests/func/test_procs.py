@@ -95,7 +95,7 @@ def test_a_run_continues_at_other_world_sizes_after_kills(inputs, controls, tmp_
     """2 processes (rank 1 SIGKILLed at its 12th step) -> 1 (SIGKILLed in the middle of its
     third publication) -> 2 (SIGTERM to the launcher) -> 1: the one-process run's bits."""
     state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
-    leg = tune(inputs, state, LONG, {**env, "SPILL_DRILL": "tune-rank-step@12"}, "--procs", "2")
+    leg = tune(inputs, state, LONG, {**env, "SPILL_DRILL": "rank-step@12"}, "--procs", "2")
     assert leg.returncode == 75, leg.stderr
     assert "another process of this job is gone" in leg.stderr
     assert kit.committed_steps(str(state))[-1] == 10  # steps 11 and 12 were not committed
@@ -128,7 +128,7 @@ def test_a_second_launch_on_the_same_state_is_refused_naming_the_owner(inputs, t
     # rank 1 stops itself (SIGSTOP) at its 3rd step: the group holds the run, waiting
     first = kit.Worker(
         [*argv(inputs, state, LONG), "--procs", "2"],
-        {**env, "SPILL_DRILL": "tune-rank-step@3:stop", "SPILL_PROGRESS": "1"},
+        {**env, "SPILL_DRILL": "rank-step@3:stop", "SPILL_PROGRESS": "1"},
     )
     try:
         assert first.wait_for(kit.BAR)
@@ -201,3 +201,60 @@ def test_torchrun_two_nodes_on_loopback(inputs, controls, tmp_path):
     outs = [n.communicate(timeout=kit.TIMEOUT) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs
     assert ranges(same_run(str(state), controls["short"], 4)) == [(0, 4, 2)]
+
+
+# --- row jobs: rows shared round by round, every record to every rank, rank 0 commits ---------
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    root = tmp_path_factory.mktemp("procs-rows")
+    prompts, graded = root / "prompts.jsonl", root / "test.jsonl"
+    ask = [{"id": i, "prompt": f"Question {i}: what is {i} plus 3?"} for i in range(13)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ask))
+    graded.write_text("".join(json.dumps(r | {"answer": f" {r['id'] + 3}."}) + "\n" for r in ask))
+    return {"prompts": prompts, "test": graded}
+
+
+def rows_argv(verb: str, inputs, rows, out, *extra) -> list[str]:
+    model = str(inputs["model"])
+    if verb == "eval":
+        head = ["eval", model, str(rows["test"]), "--out", str(out)]
+    else:
+        head = [verb, model, str(rows["prompts"]), "--out", str(out), "--max-new-tokens", "6"]
+    return [*head, "--batch", "2", "--dtype", "float32", *extra]
+
+
+@pytest.mark.parametrize("verb", ["run", "eval", "distill"])
+def test_row_jobs_over_processes_write_what_one_process_writes(inputs, rows, tmp_path, verb):
+    env = kit.spill_env(tmp_path / "home")
+    outs = {}
+    for procs in (1, 2, 3):
+        out = tmp_path / f"{verb}-{procs}.jsonl"
+        done = kit.run_tune(rows_argv(verb, inputs, rows, out, "--procs", str(procs)), env)
+        assert done.returncode == 0, done.stderr
+        if procs > 1:
+            assert f"{procs} processes, a batch each" in done.stderr
+        assert done.stderr.count("wrote 13 ") == 1  # rank 0 writes for the job
+        outs[procs] = out.read_bytes()
+    assert outs[2] == outs[1] and outs[3] == outs[1]
+
+
+def test_a_sharded_row_job_killed_continues_at_another_world_size(inputs, rows, tmp_path):
+    """Rank 1 SIGKILLed before its 4th round: rank 0 commits the 6 rows done and exits 75; one
+    process then runs only the 7 left, and the file is the uninterrupted run's."""
+    env = kit.spill_env(tmp_path / "home")
+    control = tmp_path / "control.jsonl"
+    assert (
+        kit.run_tune(rows_argv("run", inputs, rows, control, "--batch", "1"), env).returncode == 0
+    )
+    out, state = tmp_path / "out.jsonl", str(tmp_path / "state")
+    argv = rows_argv("run", inputs, rows, out, "--batch", "1", "--state", state)
+    killed = kit.run_tune([*argv, "--procs", "2"], {**env, "SPILL_DRILL": "rank-step@4"})
+    assert killed.returncode == 75, killed.stderr
+    assert "another process of this job is gone" in killed.stderr and not out.exists()
+    again = kit.run_tune([*argv, "--json"], env)
+    assert again.returncode == 0, again.stderr
+    summary = json.loads(again.stdout)
+    assert (summary["restored"], summary["ran"]) == (6, 7)  # none lost, none repeated
+    assert out.read_bytes() == control.read_bytes()
