@@ -91,6 +91,39 @@ def test_world_sizes_write_the_same_checkpoints(inputs, controls, tmp_path, proc
     )
 
 
+@pytest.mark.mlx
+def test_mlx_ranks_write_what_one_mlx_process_writes(inputs, tmp_path):
+    """The exchange is engine-neutral (float32 numpy over gloo): two MLX ranks, one MLX run."""
+    pytest.importorskip("mlx.core")
+    env = kit.spill_env(tmp_path / "home")
+    mlx = {**SHORT, "engine": "mlx", "dropout": 0}
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert tune(inputs, one, mlx, env).returncode == 0
+    done = tune(inputs, two, mlx, env, "--procs", "2")
+    assert done.returncode == 0, done.stderr
+    assert ranges(same_run(str(two), str(one), 4)) == [(0, 4, 2)]
+
+
+def test_a_stop_of_one_rank_stops_every_rank_at_the_same_step(inputs, controls, tmp_path):
+    """SIGTERM to rank 1 alone: the ranks agree at the next boundary, rank 0 commits, 75."""
+    import psutil
+
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    lines = {**env, "SPILL_PROGRESS": "lines", "SPILL_PROGRESS_EVERY": "0"}
+    w = kit.Worker([*argv(inputs, state, LONG), "--procs", "2"], lines)
+    assert w.wait_for("tune: step 3/")
+    [rank1] = [c for c in psutil.Process(w.proc.pid).children() if c.environ().get("RANK") == "1"]
+    rank1.send_signal(signal.SIGTERM)
+    done = w.finish()
+    assert done.returncode == 75, done.stderr
+    assert "preempted by a stop of another process of this job" in done.stderr
+    stopped = kit.committed_steps(str(state))[-1]
+    assert 3 <= stopped < LONG["steps"]
+    again = tune(inputs, state, LONG, env, "--procs", "2")
+    assert again.returncode == 0, again.stderr
+    assert ranges(same_run(str(state), controls["long"], LONG["steps"])) == [(0, LONG["steps"], 2)]
+
+
 def test_a_run_continues_at_other_world_sizes_after_kills(inputs, controls, tmp_path):
     """2 processes (rank 1 SIGKILLed at its 12th step) -> 1 (SIGKILLed in the middle of its
     third publication) -> 2 (SIGTERM to the launcher) -> 1: the one-process run's bits."""
