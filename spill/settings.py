@@ -290,12 +290,21 @@ class EngineSettings(LoadOptions):
     """``engine:``, where the stages compute: nothing here changes what a stage means."""
 
     name: str = "auto"  # auto, torch or mlx
+    procs: int = 1  # processes a build's jobs run as (torch's elastic launcher): docs/procs.md
 
     def load(self) -> LoadOptions:
         return LoadOptions(self.ring, self.resident, self.memory, self.device, self.dtype)
 
 
-ENGINE_FIELDS = ("name", "device", "dtype", "ring", "resident", "memory")  # spill.yaml's order
+ENGINE_FIELDS = (
+    "name",
+    "device",
+    "dtype",
+    "ring",
+    "resident",
+    "memory",
+    "procs",
+)  # spill.yaml's order
 
 
 @dataclass(frozen=True)
@@ -332,9 +341,16 @@ BASE = {
 def fields(group: str) -> list[tuple[str, dict]]:
     """(name, JSON Schema fragment) of each setting of ``group``, in spill.yaml's order."""
     if group == "engine":
-        return [("name", {"enum": ["auto", "torch", "mlx"]})] + [
-            (n, _LOAD_SCHEMA[n]) for n in ENGINE_FIELDS[1:]
-        ]
+        return (
+            [("name", {"enum": ["auto", "torch", "mlx"]})]
+            + [(n, _LOAD_SCHEMA[n]) for n in ENGINE_FIELDS[1:-1]]
+            + [
+                (
+                    "procs",
+                    {"type": "integer", "minimum": 1, "description": "processes; docs/procs.md"},
+                )
+            ]
+        )
     return [(f.name, dict(f.metadata["schema"])) for f in dataclasses.fields(GROUPS[group])]
 
 

@@ -27,7 +27,29 @@ def _overrides(args) -> list[str]:
     bad = [a for a in extra if a.startswith("-")]
     if bad:
         raise UsageError(f"unknown option {bad[0]}; `spill {args.command} --help` lists them")
-    return extra + engine_overrides(args)
+    return extra + engine_overrides(args) + _procs(args)
+
+
+def _procs(args) -> list[str]:
+    """``--procs N`` as the ``engine.procs`` override it stands for."""
+    if getattr(args, "procs", None) is None:
+        return []
+    if args.procs < 1:
+        raise UsageError("--procs must be at least 1")
+    return [f"engine.procs={args.procs}"]
+
+
+def _relaunched(args, run) -> int:
+    """``run()``; a build that asks for more processes than it has is started again as that
+    many by torch's elastic launcher (the same command line; each rank reads the same config)."""
+    from spill.project.follow import Relaunch
+
+    try:
+        return run()
+    except Relaunch as wanted:
+        from spill.jobs.launch import launch
+
+        return launch(wanted.args[0], args.argv)
 
 
 def _emit_build(summary: dict, as_json: bool, args=None) -> None:
@@ -35,9 +57,12 @@ def _emit_build(summary: dict, as_json: bool, args=None) -> None:
     command that predicts with it (``args``: the command's, for its DIR and --state)."""
     import json
 
+    from spill.console import speaking
     from spill.project.status import adapter, render
     from spill.project.status import as_json as to_json
 
+    if not speaking():  # a rank other than 0: rank 0 prints the build
+        return
     if as_json:
         print(json.dumps(to_json(summary), indent=2, sort_keys=True))
         return
@@ -87,7 +112,7 @@ def _preemptible(run) -> int:
 
 
 def cmd_build(args) -> int:
-    return _preemptible(lambda: _build(args))
+    return _relaunched(args, lambda: _preemptible(lambda: _build(args)))
 
 
 def _at_uri(args) -> None:
@@ -116,6 +141,8 @@ def _build(args) -> int:
         new_run=args.new_run,
     )
     if args.multirun:
+        if args.procs is not None:
+            raise UsageError("--procs with -m: a sweep runs its builds as one process each")
         import json
 
         from spill.project.sweep import exit_code, render, sweep
@@ -148,9 +175,11 @@ def cmd_resume(args) -> int:
         stop_after=args.stop_after,
         dry_run=args.dry_run,
         resume=True,
-        engine=tuple(engine_overrides(args)),
+        engine=tuple(engine_overrides(args) + _procs(args)),
     )
-    return _preemptible(lambda: _emit_build(build(args.dir, opts), args.json, args) or 0)
+    return _relaunched(
+        args, lambda: _preemptible(lambda: _emit_build(build(args.dir, opts), args.json, args) or 0)
+    )
 
 
 def cmd_status(args) -> int:
@@ -223,6 +252,12 @@ def add_parsers(sub) -> None:
         help="fork a new run from an installed copy's state (lineage: the copied run)",
     )
     engine_options(p, shorthand=True)
+    p.add_argument(
+        "--procs",
+        type=int,
+        metavar="N",
+        help="run each job as N processes (engine.procs; torch's elastic launcher, docs/procs.md)",
+    )
     authority_options(p)
     p.set_defaults(func=cmd_build, overrides=[])
 
@@ -239,6 +274,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--stop-after", metavar="STAGE[:N]", help="stop again after this point")
     p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
     engine_options(p, shorthand=True)
+    p.add_argument(
+        "--procs",
+        type=int,
+        metavar="N",
+        help="run each job as N processes (engine.procs; torch's elastic launcher, docs/procs.md)",
+    )
     authority_options(p)
     p.set_defaults(func=cmd_resume, overrides=[])
 

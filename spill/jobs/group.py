@@ -22,10 +22,12 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from spill.errors import EXIT_PREEMPTED, SpillError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # what torchrun (and torch's launcher) sets
 
@@ -75,15 +77,21 @@ class Group:
                 "commit"
             ) from None
 
-    def start(self, payload) -> object:
-        """Rank 0 hands ``payload`` to every rank (the others pass None and get it); a
-        ``SpillError`` payload (rank 0 refused the job) is raised on the others, quietly."""
-        import torch.distributed as dist
+    def share(self, payload=None):
+        """Rank 0's ``payload`` on every rank (the others pass nothing)."""
+        from spill.engines.torch import dist
 
-        box = [payload if self.leader else None]
-        self._call(dist.broadcast_object_list, box, 0)
+        return self._call(dist.share, payload if self.leader else None)
+
+    def new_job(self) -> None:
+        """Rank 0 begins a job (a build runs several): until its ``start`` a refusal is shared."""
+        self.started = False
+
+    def start(self, payload) -> object:
+        """Rank 0 hands a job's ``payload`` to every rank (the others pass None and get it); a
+        ``SpillError`` payload (rank 0 refused the job) is raised on the others, quietly."""
+        got = self.share(payload)
         self.started = True
-        got = box[0]
         if isinstance(got, SpillError) and not self.leader:
             refused = Refused(str(got))
             refused.exit_code = got.exit_code
@@ -119,46 +127,40 @@ class Group:
 
     def stop_wanted(self, mine: bool) -> bool:
         """Whether any rank was asked to stop (one all-reduce)."""
-        import torch
-        import torch.distributed as dist
+        from spill.engines.torch import dist
 
-        flag = torch.tensor([int(mine)], dtype=torch.int32)
-        self._call(dist.all_reduce, flag, dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self._call(dist.any_of, mine)
 
     def gather(self, done: list[tuple[int, float, int, np.ndarray]], n: int, size: int):
         """Every rank's ``(j, loss, tokens, grads)`` of its micro-batches, in ``j`` order, on
         every rank; ``n``: the step's micro-batches, ``size``: the gradient vector's length."""
-        import torch
-        import torch.distributed as dist
+        import numpy as np
+
+        from spill.engines.torch import dist
 
         slots = -(-n // self.world)  # the most micro-batches any rank computed
-        meta = torch.full((slots, 3), -1.0, dtype=torch.float64)
-        grads = torch.zeros((slots, size), dtype=torch.float32)
+        meta = np.full((slots, 3), -1.0, dtype=np.float64)
+        grads = np.zeros((slots, size), dtype=np.float32)
         for s, (j, loss, tokens, flat) in enumerate(done):
-            meta[s] = torch.tensor([j, loss, tokens], dtype=torch.float64)
-            grads[s] = torch.from_numpy(flat)
-        metas = [torch.empty_like(meta) for _ in range(self.world)]
-        all_grads = [torch.empty_like(grads) for _ in range(self.world)]
+            meta[s] = (j, loss, tokens)
+            grads[s] = flat
         t0 = time.perf_counter()
-        self._call(dist.all_gather, metas, meta)
-        self._call(dist.all_gather, all_grads, grads)
+        metas, all_grads = self._call(dist.gather_rows, meta, grads, self.world)
         self.waited += time.perf_counter() - t0
         out = []
         for r in range(self.world):
             for s in range(slots):
                 j, loss, tokens = metas[r][s].tolist()
                 if j >= 0:
-                    out.append((int(j), loss, int(tokens), all_grads[r][s].numpy()))
+                    out.append((int(j), loss, int(tokens), all_grads[r][s]))
         return sorted(out, key=lambda row: row[0])
 
     def collect(self, value) -> list:
         """Every rank's ``value`` (picklable), by rank, on every rank."""
-        import torch.distributed as dist
+        from spill.engines.torch import dist
 
-        out = [None] * self.world
         t0 = time.perf_counter()
-        self._call(dist.all_gather_object, out, value)
+        out = self._call(dist.collect, value, self.world)
         self.waited += time.perf_counter() - t0
         return out
 
@@ -168,10 +170,9 @@ class Group:
 
     def close(self) -> None:
         if self.world > 1:
-            import torch.distributed as dist
+            from spill.engines.torch import dist
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            dist.leave()
 
 
 _current: Group | None = None
@@ -187,13 +188,10 @@ def current() -> Group:
     if world <= 1:
         _current = Group()
         return _current
-    import datetime
-
-    import torch.distributed as dist
+    from spill.engines.torch import dist
 
     rank = int(os.environ["RANK"])
-    timeout = datetime.timedelta(seconds=float(os.environ.get("SPILL_GROUP_TIMEOUT") or 1800))
-    dist.init_process_group("gloo", timeout=timeout)
+    dist.join(float(os.environ.get("SPILL_GROUP_TIMEOUT") or 1800))
     _current = Group(rank=rank, world=world, local_rank=int(os.environ.get("LOCAL_RANK") or 0))
     if rank != 0:
         from spill import console

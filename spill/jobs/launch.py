@@ -10,10 +10,7 @@ continues; otherwise the failing ranks' status. Each rank computes on one thread
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
-import uuid
 from collections.abc import Sequence
 
 from spill.errors import EXIT_PREEMPTED, UsageError
@@ -40,31 +37,13 @@ def launch(procs: int, argv: Sequence[str]) -> int:
         raise UsageError(
             "--procs inside torchrun: torchrun already started the processes; drop --procs"
         )
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from spill.engines.torch import dist
 
-    for name in list(logging.root.manager.loggerDict):  # its lines are not ours to print
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=procs,
-        run_id=f"spill-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.2,
-    )
     try:
-        elastic_launch(config, sys.executable)("-m", "spill", *without_procs(argv))
-    except ChildFailedError as e:
-        return _status([f.exitcode for f in e.failures.values()])
-    except SignalException:
+        failed = dist.launch(procs, without_procs(argv))
+    except dist.Stopped:
         return EXIT_PREEMPTED  # the ranks were handed the signal: rank 0 saved and said so
-    return 0
+    return 0 if failed is None else _status(failed)
 
 
 def _status(codes: list[int]) -> int:

@@ -217,6 +217,7 @@ def execute(
     if opts.batch is not None and opts.batch < 1:
         raise DataError(f"{opts.batch_from} must be at least 1")
     group = current_group()
+    group.new_job()
     try:
         if not opts.state or not group.leader:  # a rank other than 0 never holds the run
             return _execute(job, None, prepare, finish, group)

@@ -27,7 +27,7 @@ from spill.jobs.group import current as current_group
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
 from spill.jobs.train_data import data_fingerprint, load_examples
-from spill.jobs.tune_steps import Steps
+from spill.jobs.tune_steps import Steps, follow, peak_rss_mb
 from spill.models.config import load_config
 from spill.models.integrity import explain
 from spill.models.lora import LoraConfig, init_params
@@ -192,46 +192,6 @@ def _producers(previous: list[dict], me: dict, start: int, end: int) -> list[dic
     return out
 
 
-def _follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group: Group) -> dict:
-    """A rank other than 0: start where rank 0 says, compute its share of every step, commit
-    nothing. Its model must be the one rank 0 found (every node needs the model cache)."""
-    t = opts.tune
-    begin = group.start(None)
-    resolved, fingerprint = find_model(model, opts.weights, opts.quantize)
-    if fingerprint != begin["fingerprint"]:
-        raise SpillError(
-            f"rank {group.rank} found other weights for {model} (fingerprint "
-            f"{fingerprint[7:19]}..) than rank 0 ({begin['fingerprint'][7:19]}..); give every "
-            "node the same model (its cache, or --weights URI)"
-        )
-    name = resolved.name if opts.quantize is not None else model
-    folder = Path(resolved.folder)
-    tok = Tokenizer(folder)
-    examples = load_examples(Path(train_path), tok, t.seq_len)
-    runner = open_model(name, resolved, fingerprint, opts.engine.name, opts.engine, "tune").runner
-    trainer = runner.trainer(opts.lora)
-    trainer.set_state(*begin["state"])
-    trainer.plan(t.micro_batch, t.seq_len, t.activations)
-    step, stop = begin["step"], opts.stop_after or t.steps
-    steps = Steps(trainer, examples, tok.pad_id, opts, group)
-    while step < stop:
-        group.boundary(guard)
-        drill.at(drill.RANK_STEP)
-        steps.gradients(step)
-        with guard.mutating():
-            steps.apply(step)
-            step += 1
-    group.collect(_peak_rss_mb())  # rank 0's summary names every rank's
-    runner.close()
-    return {"rank": group.rank, "step": step, "steps": t.steps}
-
-
-def _peak_rss_mb() -> float:
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -245,6 +205,7 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
     if not group.leader:
         with Guard(unit="step") as guard:
             return _tune(guard, None, model, Path(train_path), name, opts, group)
+    group.new_job()
     try:
         return _lead(model, train_path, name, opts, group)
     except BaseException as e:
@@ -280,7 +241,7 @@ def _tune(
     """The job on one rank: ``held`` is rank 0's (None on the others, which never commit)."""
     t = opts.tune
     if held is None:
-        return _follow(guard, model, train_path, opts, group)
+        return follow(guard, model, train_path, opts, group)
     place = held.place
     root = place.uri
     # Everything that can refuse the run is checked before an engine opens.
@@ -368,7 +329,7 @@ def _tune(
                     bar.checkpoint("checkpoint committed")
     seconds = time.perf_counter() - t0
     tokens = steps.tokens
-    peaks = group.collect(_peak_rss_mb()) if group.world > 1 else None
+    peaks = group.collect(peak_rss_mb()) if group.world > 1 else None
     settle(place)  # the last save's removal of older checkpoints ends with the tune
     summary = {
         "name": name,

@@ -52,7 +52,22 @@ def _done_plan(doc: dict) -> list[dict[str, str]]:
 
 
 def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
-    """``spill build`` / ``spill resume`` on a project folder; returns the summary to print."""
+    """``spill build`` / ``spill resume`` on a project folder; returns the summary to print. As
+    a rank other than 0 of a process group it runs rank 0's jobs with it (``follow``); asked for
+    ``engine.procs`` > 1 as one process it raises ``Relaunch``."""
+    from spill.jobs.group import current as current_group
+    from spill.project.follow import follow
+
+    group = current_group()
+    if not group.leader:
+        return follow(group)
+    summary = _build(root, opts, group)
+    if group.world > 1:
+        group.share(None)  # the build is over: the other ranks return
+    return summary
+
+
+def _build(root: Path | str, opts: BuildOptions, group) -> dict[str, Any]:
     root = Path(root).resolve()
     if not (root / uptodate.FILE).is_file():
         from spill.project.config import compose
@@ -97,6 +112,10 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
         project = config.from_record(doc["config"], root, overrides)
     else:
         project = config.compose(root, overrides)
+    if project.engine.procs > 1 and group.world == 1 and not opts.dry_run:
+        from spill.project.follow import Relaunch
+
+        raise Relaunch(project.engine.procs)
     return reconcile(
         project,
         state_root,

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from spill import __version__
 from spill.console import note
 from spill.errors import DataError, SpillError, StoreError
+from spill.jobs.group import current as current_group
 from spill.jobs.preempt import (
     Interrupted,
     Preempted,
@@ -32,6 +33,7 @@ from spill.jobs.preempt import (
 from spill.project import record
 from spill.project.config import Project
 from spill.project.context import BuildContext
+from spill.project.follow import context_of
 from spill.project.plan import Decision
 from spill.project.stages import STAGES, get
 from spill.project.uptodate import data_sha256
@@ -59,6 +61,8 @@ class Executor:
         self.ctx = ctx
         self.project, self.root, self.prepared = ctx.project, ctx.root, ctx.prepared
         self.run = ctx.run  # this build's ownership of its run: every publication goes through it
+        self.group = current_group()  # a build of several processes: the others run its jobs too
+        self.shared = False  # the context went to the other ranks
         self.data_sha = ctx.data_sha
         self.specs = {s.name: s for s in specs}
         self.doc = doc or {
@@ -168,6 +172,11 @@ class Executor:
             self._record(d.stage, "running", **fresh)
         self.save()
         self._check_data(None)
+        if self.group.world > 1:  # the other ranks run the job with this one
+            if not self.shared:
+                self.group.share(("context", context_of(self.ctx)))
+                self.shared = True
+            self.group.share(("stage", d))
         try:
             result, complete = stage.execute(self.ctx, d)
         except Preempted:

@@ -24,11 +24,15 @@ from spill.store.location import location
 
 
 def _where(producers: list[dict]) -> str:
-    """``torch float32 on host (Linux 6.1)``; a stage made by several producers lists each."""
+    """``torch float32 on host (Linux 6.1)`` (``torch float32 x 2 processes on ...``); a stage
+    made by several producers lists each."""
     out = []
     for p in producers:
         os_short = (p.get("os") or "").split(" (")[0]
-        out.append(f"{p.get('engine')} {p.get('numerics')} on {p.get('machine')} ({os_short})")
+        procs = f" x {p['procs']} processes" if p.get("procs") else ""
+        out.append(
+            f"{p.get('engine')} {p.get('numerics')}{procs} on {p.get('machine')} ({os_short})"
+        )
     return " + ".join(out)
 
 

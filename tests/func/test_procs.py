@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -291,3 +292,71 @@ def test_a_sharded_row_job_killed_continues_at_another_world_size(inputs, rows, 
     summary = json.loads(again.stdout)
     assert (summary["restored"], summary["ran"]) == (6, 7)  # none lost, none repeated
     assert out.read_bytes() == control.read_bytes()
+
+
+# --- builds: every job of the build over the processes, rank 0 planning and recording ----------
+
+
+def build(project, env, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "spill", "build", str(project), "--json", *extra],
+        capture_output=True, text=True, env=env, timeout=kit.TIMEOUT * 2,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """The toy project built by one process: its stage results and adapter."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("procs-build")
+    source = Path(__file__).resolve().parents[2] / "projects" / "toy"
+    shutil.copytree(source, root / "control", ignore=shutil.ignore_patterns(".spill"))
+    env = kit.spill_env(root / "home")
+    done = build(root / "control", env)
+    assert done.returncode == 0, done.stderr
+    return {"root": root, "source": source, "env": env, "stages": json.loads(done.stdout)["stages"]}
+
+
+def fresh_toy(toy, name: str) -> Path:
+    import shutil
+
+    shutil.copytree(toy["source"], toy["root"] / name, ignore=shutil.ignore_patterns(".spill"))
+    return toy["root"] / name
+
+
+def adapter_bytes(project: Path) -> bytes:
+    return (project / ".spill" / "adapters" / "toy" / "params.safetensors").read_bytes()
+
+
+def test_a_build_with_engine_procs_runs_every_job_over_the_processes(toy):
+    project = fresh_toy(toy, "procs")
+    done = build(project, toy["env"], "engine.procs=2")  # spill.yaml's setting relaunches it
+    assert done.returncode == 0, done.stderr
+    stages = json.loads(done.stdout)["stages"]
+    for name in ("eval:base", "tune", "eval"):
+        assert stages[name]["result"] == toy["stages"][name]["result"], name
+        assert [p.get("procs") for p in stages[name]["producers"]] == [2], name
+    assert adapter_bytes(project) == adapter_bytes(toy["root"] / "control")
+    shown = subprocess.run(
+        [sys.executable, "-m", "spill", "status", str(project)],
+        capture_output=True, text=True, env=toy["env"],
+    )  # fmt: skip
+    assert "torch float32 x 2 processes on" in shown.stdout
+
+
+def test_a_build_that_lost_a_rank_continues_as_one_process(toy):
+    """Rank 1 SIGKILLed inside the tune stage: the build stops (75); `spill build` as one process finishes it, the one-process build's results."""
+    project = fresh_toy(toy, "killed")
+    env = {**toy["env"], "SPILL_DRILL": "rank-step@150"}  # after tune committed step 100
+    lost = build(project, env, "--procs", "2")
+    assert lost.returncode == 75, lost.stderr
+    # rank 0 notices the loss itself, or the launcher, seeing rank 1 die, stops it first
+    assert "another process of this job is gone" in lost.stderr or "preempted" in lost.stderr
+    again = build(project, toy["env"])
+    assert again.returncode == 0, again.stderr
+    stages = json.loads(again.stdout)["stages"]
+    for name in ("eval:base", "tune", "eval"):
+        assert stages[name]["result"] == toy["stages"][name]["result"], name
+    assert [p.get("procs") for p in stages["tune"]["producers"]] == [2, None]
+    assert adapter_bytes(project) == adapter_bytes(toy["root"] / "control")

@@ -29,10 +29,17 @@ PRODUCER_KEYS = ("engine", "numerics", "machine", "os", "hardware")
 
 
 def distinct(producers: list[Mapping[str, Any]]) -> list[dict]:
-    """Producers (engine, numerics, machine, os, hardware), each once, in order."""
+    """Producers (engine, numerics, machine, os, hardware; ``procs`` when several processes
+    computed together), each once, in order."""
     out: list[dict] = []
-    for p in producers if isinstance(producers, list) else []:  # a damaged file: none known
-        p = {k: p.get(k) for k in PRODUCER_KEYS} if isinstance(p, Mapping) else {}
+    for given in producers if isinstance(producers, list) else []:  # damaged: none known
+        p = {k: given.get(k) for k in PRODUCER_KEYS} if isinstance(given, Mapping) else {}
+        if (
+            isinstance(given, Mapping)
+            and isinstance(given.get("procs"), int)
+            and given["procs"] > 1
+        ):
+            p["procs"] = given["procs"]
         if p not in out:
             out.append(p)
     return out
