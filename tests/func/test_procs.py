@@ -8,12 +8,14 @@ launch on the same state is refused in one line naming the owner.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -360,3 +362,47 @@ def test_a_build_that_lost_a_rank_continues_as_one_process(toy):
         assert stages[name]["result"] == toy["stages"][name]["result"], name
     assert [p.get("procs") for p in stages["tune"]["producers"]] == [2, None]
     assert adapter_bytes(project) == adapter_bytes(toy["root"] / "control")
+
+
+def test_a_sharded_row_job_killed_at_random_moments_loses_and_repeats_no_row(inputs, tmp_path):
+    """Four launches at 1 or 2 processes, each SIGKILLed (one rank, or every process) at a random
+    moment after its pre-run line; then one that finishes: the uninterrupted file, and its
+    restored and run rows add up to the input exactly once."""
+    import random
+
+    import psutil
+
+    rng = random.Random(23)
+    env = kit.spill_env(tmp_path / "home")
+    prompts = tmp_path / "prompts.jsonl"
+    ask = [{"id": i, "prompt": f"Question {i}: what is {i} plus 3?"} for i in range(120)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ask))
+    model = str(inputs["model"])
+
+    def argv(out, *extra):
+        return ["run", model, str(prompts), "--out", str(out), "--batch", "1",
+                "--max-new-tokens", "6", "--dtype", "float32", *extra]  # fmt: skip
+
+    control = tmp_path / "control.jsonl"
+    assert kit.run_tune(argv(control), env).returncode == 0
+    out, state = tmp_path / "out.jsonl", str(tmp_path / "state")
+    for attempt in range(4):
+        procs = rng.choice([1, 2])
+        w = kit.Worker([*argv(out, "--state", state), "--procs", str(procs)], env)
+        assert w.wait_for("spill run · model"), attempt
+        time.sleep(rng.uniform(0.0, 1.5))
+        family = [w.proc, *(psutil.Process(w.proc.pid).children(recursive=True))]
+        victims = [p for p in family if p.pid != w.proc.pid] or family
+        for p in [rng.choice(victims)] if rng.random() < 0.5 else family:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
+        done = w.finish()
+        for p in family:  # nothing outlives the attempt
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.wait(timeout=30)
+        assert done.returncode != 0 or out.exists(), (attempt, done.stderr)
+    final = kit.run_tune([*argv(out, "--state", state), "--json"], env)
+    assert final.returncode == 0, final.stderr
+    summary = json.loads(final.stdout)
+    assert summary["restored"] + summary["ran"] == len(ask)
+    assert out.read_bytes() == control.read_bytes()
