@@ -1,0 +1,339 @@
+"""``spill export`` through the real CLI: a short tune of each tiny family, merged and written
+as an HF folder (and GGUF, and mlx-lm) that other tools load, checked against spill's own
+``run --adapter`` and ``eval --adapter`` on the base; and the one-line refusals.
+
+What is exact and what is close: the float32 merge is ``W + scale * (A @ B).T``; spill's own
+forward computes ``x @ W.T + scale * (x @ A) @ B`` instead, so log-probs agree to float32
+rounding (1e-5), and greedy tokens equal (the tiny models have no near ties on these prompts).
+Re-reading what spill wrote (a bf16 export against the f32 one, spill's GGUF import of its own
+GGUF) is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spill.hashing import file_sha256
+from spill.models.tiny import write_tiny
+from spill.models.weights import fingerprint
+from spill.store.safetensors_io import bf16_bits_to_float32, float32_to_bf16_bits
+from tests.conftest import run_spill
+
+ENV = {"OMP_NUM_THREADS": "1"}
+GEN = ["--max-new-tokens", "6", "--dtype", "float32"]
+ROWS = [
+    {"id": 0, "prompt": "Question 5: what is 5 plus 8?", "answer": " 13."},
+    {"id": 1, "prompt": "one two", "answer": " three"},
+    {"id": 2, "prompt": "Question 11: what is 11 plus 14?", "answer": " 25."},
+]
+
+
+def _spill(*args: str, home: Path | None = None) -> subprocess.CompletedProcess:
+    env = ENV | ({"SPILL_HOME": str(home)} if home else {})
+    return run_spill(*args, env=env, timeout=300)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _one_line(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _tune(root: Path, model: Path, home: Path, *extra: str) -> Path:
+    """A short, hard tune on every linear, so the adapter changes greedy answers."""
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus {i + 3}?", "completion": f" {2 * i + 3}."}
+        for i in range(24)
+    ]
+    train, state = _jsonl(root / "train.jsonl", rows), root / "state"
+    _ok(
+        _spill(
+            "tune",
+            str(model),
+            str(train),
+            "--name",
+            "t",
+            "--state",
+            str(state),
+            "--steps",
+            "4",
+            "--batch",
+            "4",
+            "--lr",
+            "0.05",
+            "--rank",
+            "4",
+            "--seq-len",
+            "64",
+            "--ckpt-every",
+            "4",
+            "--dtype",
+            "float32",
+            "--targets",
+            "all",
+            *extra,
+            home=home,
+        )  # fmt: skip
+    )
+    return state
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tuned(request, tmp_path_factory, tiny_models) -> dict:
+    """A tuned tiny model of each family, its float32 HF export, and spill's own answers."""
+    root = tmp_path_factory.mktemp(f"export-{request.param}")
+    home = root / "home"
+    model = tiny_models[request.param]
+    state = _tune(root, model, home)
+    rows = _jsonl(root / "rows.jsonl", ROWS)
+    hf = root / "hf"
+    done = _ok(_spill("export", str(state), str(hf), "--dtype", "f32", "--shard-size", "100K"))
+    ran, graded = root / "run.jsonl", root / "eval.jsonl"
+    adapter = state / "adapter"
+    _ok(_spill("run", str(model), str(rows), "--out", str(ran), "--adapter", str(adapter), *GEN))
+    _ok(
+        _spill("eval", str(model), str(rows), "--out", str(graded), "--adapter", str(adapter), *GEN)
+    )
+    base_out = root / "base.jsonl"
+    _ok(_spill("run", str(model), str(rows), "--out", str(base_out), *GEN))
+    return {
+        "family": request.param,
+        "model": model,
+        "state": state,
+        "adapter": adapter,
+        "hf": hf,
+        "stdout": done.stdout,
+        "stderr": done.stderr,
+        "run": _read(ran),
+        "eval": _read(graded),
+        "base": _read(base_out),
+        "root": root,
+    }
+
+
+def _transformers(folder: Path, **kw):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, **kw
+    )
+    return model.eval()
+
+
+def _greedy_and_logprobs(model, folder: Path) -> tuple[list[str], list[float]]:
+    """What transformers generates greedily (6 tokens) and the gold answers' summed log-probs,
+    with prompts encoded by spill's tokenizer of ``folder`` as spill encodes them."""
+    import torch
+
+    from spill.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(folder)
+    outputs, logprobs = [], []
+    for row in ROWS:
+        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], False)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + answer])).logits[0].double()
+            lp = torch.log_softmax(logits, -1)
+            gen = model.generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, top_p=None, top_k=None
+            )
+        logprobs.append(sum(lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(answer)))
+        outputs.append(tok.decode(gen[0, len(prompt) :].tolist()))
+    return outputs, logprobs
+
+
+def _tensors(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor of an HF folder's shards, as float32 (bf16 widened)."""
+    from safetensors.numpy import load_file
+
+    from spill.store.safetensors_io import read_header
+
+    out = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        header = read_header(shard)
+        if any(v.get("dtype") == "BF16" for k, v in header.items() if k != "__metadata__"):
+            raw = shard.read_bytes()
+            start = 8 + int.from_bytes(raw[:8], "little")
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                lo, hi = info["data_offsets"]
+                bits = np.frombuffer(raw[start + lo : start + hi], dtype=np.uint16)
+                out[name] = bf16_bits_to_float32(bits).reshape(info["shape"])
+        else:
+            out.update({k: v.astype(np.float32) for k, v in load_file(str(shard)).items()})
+    return out
+
+
+# --- hf ---------------------------------------------------------------------------------------
+
+
+def test_the_hf_export_loads_in_transformers_and_answers_as_spill_run_with_the_adapter(tuned):
+    outputs, logprobs = _greedy_and_logprobs(_transformers(tuned["hf"]), tuned["hf"])
+    assert outputs == [r["output"] for r in tuned["run"]]
+    assert outputs != [r["output"] for r in tuned["base"]]  # the merge changed the model
+    spill_lp = [r["gold_logprob"] for r in tuned["eval"]]
+    assert np.allclose(logprobs, spill_lp, rtol=0, atol=1e-5), (logprobs, spill_lp)
+
+
+def test_the_hf_export_is_sharded_and_export_json_records_every_file(tuned):
+    hf = tuned["hf"]
+    record = json.loads((hf / "export.json").read_text())
+    assert record["format"] == "hf" and record["dtype"] == "f32"
+    assert record["base"]["fingerprint"] == fingerprint(tuned["model"])
+    assert record["base"]["dequantized"] is False
+    assert record["adapter"]["folder"] == str(tuned["adapter"].resolve())
+    on_disk = {p.name for p in hf.iterdir()} - {"export.json"}
+    assert set(record["files"]) == on_disk
+    for name, f in record["files"].items():
+        assert f["sha256"] == file_sha256(hf / name) and f["size"] == (hf / name).stat().st_size
+    shards = sorted(p.name for p in hf.glob("*.safetensors"))
+    n = len(shards)
+    assert n > 1 and shards == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert set(index["weight_map"]) == set(_tensors(hf))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (hf / name).read_bytes() == (tuned["model"] / name).read_bytes()  # the template too
+    config = json.loads((hf / "config.json").read_text())
+    assert config["torch_dtype"] == "float32"
+    assert str(hf) in tuned["stdout"] and "config.json" in tuned["stdout"]
+
+
+def test_a_bf16_and_an_f16_export_are_the_f32_merge_rounded(tuned, tmp_path):
+    merged = _tensors(tuned["hf"])
+    for dtype in ("bf16", "f16"):
+        out = tmp_path / dtype
+        done = _ok(_spill("export", str(tuned["adapter"]), str(out), "--dtype", dtype, "--json"))
+        assert json.loads(done.stdout)["dtype"] == dtype
+        got = _tensors(out)
+        assert set(got) == set(merged)
+        for name, w in merged.items():
+            want = (
+                bf16_bits_to_float32(float32_to_bf16_bits(w))
+                if dtype == "bf16"
+                else w.astype(np.float16).astype(np.float32)
+            )
+            assert np.array_equal(got[name], want), (dtype, name)
+
+
+def test_the_merge_equals_peft_merge_and_unload_of_the_peft_layout(tuned):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    base = _transformers(tuned["model"])
+    merged = peft.PeftModel.from_pretrained(base, str(tuned["adapter"] / "peft")).merge_and_unload()
+    theirs = {k: v.detach().to(torch.float32).numpy() for k, v in merged.state_dict().items()}
+    ours = _tensors(tuned["hf"])
+    assert set(ours) <= set(theirs)  # theirs may list a tied lm_head
+    for name, w in ours.items():
+        assert np.allclose(w, theirs[name], rtol=0, atol=1e-6), name
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_state(tmp_path_factory, tiny_models) -> Path:
+    root = tmp_path_factory.mktemp("export-refusals")
+    return _tune(root, tiny_models["llama"], root / "home")
+
+
+def test_an_adapter_on_another_base_is_refused_in_one_line(llama_state, tmp_path):
+    other = write_tiny(tmp_path / "other", family="llama", seed=8)
+    out = tmp_path / "out"
+    proc = _spill("export", str(llama_state), str(out), "--model", str(other))
+    assert proc.returncode == 1 and not out.exists()
+    line = _one_line(proc)
+    assert "was trained on weights" in line and fingerprint(other)[:19] in line, line
+    assert "--model" in line
+
+
+@pytest.mark.parametrize("where", ["base", "adapter", "inside-adapter", "state"])
+def test_an_out_that_is_an_input_is_a_usage_error(llama_state, tiny_models, where):
+    adapter = llama_state / "adapter"
+    out = {
+        "base": tiny_models["llama"],
+        "adapter": adapter,
+        "inside-adapter": adapter / "merged",
+        "state": llama_state,
+    }[where]
+    before = {p: p.read_bytes() for p in sorted(llama_state.rglob("*")) if p.is_file()}
+    proc = _spill("export", str(llama_state), str(out))
+    assert proc.returncode == 2
+    line = _one_line(proc)
+    assert f"OUT {out} is the" in line and "export elsewhere" in line, line
+    assert before == {p: p.read_bytes() for p in sorted(llama_state.rglob("*")) if p.is_file()}
+    assert not (adapter / "merged").exists()
+
+
+def test_an_out_that_exists_an_unfinished_tune_and_a_bad_option_are_refused(llama_state, tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("mine")
+    proc = _spill("export", str(llama_state), str(full))
+    assert proc.returncode == 1 and "already exists" in _one_line(proc)
+    assert (full / "x").read_text() == "mine"
+
+    unfinished = tmp_path / "unfinished"
+    (unfinished / "payloads").mkdir(parents=True)
+    proc = _spill("export", str(unfinished), str(tmp_path / "o"))
+    assert proc.returncode == 1 and "has not finished" in _one_line(proc)
+
+    proc = _spill("export", str(llama_state), str(tmp_path / "o"), "--quantize", "q8_0")
+    assert proc.returncode == 2 and "does not apply to --format hf" in _one_line(proc)
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_empty_out_folder_is_filled_and_no_temporary_folder_is_left(llama_state, tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    _ok(_spill("export", str(llama_state / "adapter"), str(out), "--dtype", "bf16"))
+    assert (out / "export.json").is_file() and (out / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["empty"]
+
+
+# --- a quantized base -------------------------------------------------------------------------
+
+
+def test_a_quantized_base_is_dequantized_for_the_merge_and_says_so(tmp_path, tiny_models):
+    from spill.models.quantize import quantize_folder
+
+    base = tmp_path / "tiny-q4g32"
+    quantize_folder(tiny_models["llama"], base, 4, 32, progress=lambda line: None)
+    state = _tune(tmp_path, base, tmp_path / "home")
+    out = tmp_path / "hf"
+    done = _ok(_spill("export", str(state), str(out), "--dtype", "f32"))
+    assert "is quantized (4-bit affine g32" in done.stderr and "dequantized" in done.stderr
+    record = json.loads((out / "export.json").read_text())
+    assert record["base"]["dequantized"] is True
+    assert record["base"]["quantization"]["bits"] == 4
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization" not in config
+    rows = _jsonl(tmp_path / "rows.jsonl", ROWS)
+    graded = tmp_path / "eval.jsonl"
+    adapter = str(state / "adapter")
+    _ok(_spill("eval", str(base), str(rows), "--out", str(graded), "--adapter", adapter, *GEN))
+    outputs, logprobs = _greedy_and_logprobs(_transformers(out), out)
+    spill_rows = _read(graded)
+    assert outputs == [r["output"] for r in spill_rows]
+    spill_lp = [r["gold_logprob"] for r in spill_rows]
+    assert np.allclose(logprobs, spill_lp, rtol=0, atol=1e-5), (logprobs, spill_lp)
