@@ -140,8 +140,8 @@ def _transformers(folder: Path, **kw):
 
 
 def _greedy_and_logprobs(model, folder: Path) -> tuple[list[str], list[float]]:
-    """What transformers generates greedily (6 tokens) and the gold answers' summed log-probs,
-    with prompts encoded by spill's tokenizer of ``folder`` as spill encodes them."""
+    """What transformers generates greedily (6 tokens, stopping where spill stops) and the gold
+    answers' summed log-probs, with prompts encoded by spill's tokenizer of ``folder``."""
     import torch
 
     from spill.models.tokenizer import Tokenizer
@@ -154,8 +154,9 @@ def _greedy_and_logprobs(model, folder: Path) -> tuple[list[str], list[float]]:
             logits = model(torch.tensor([prompt + answer])).logits[0].double()
             lp = torch.log_softmax(logits, -1)
             gen = model.generate(
-                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, top_p=None, top_k=None
-            )
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, top_p=None,
+                top_k=None, eos_token_id=list(tok.eos_ids), pad_token_id=tok.pad_id,
+            )  # fmt: skip
         logprobs.append(sum(lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(answer)))
         outputs.append(tok.decode(gen[0, len(prompt) :].tolist()))
     return outputs, logprobs
@@ -163,24 +164,21 @@ def _greedy_and_logprobs(model, folder: Path) -> tuple[list[str], list[float]]:
 
 def _tensors(folder: Path) -> dict[str, np.ndarray]:
     """Every tensor of an HF folder's shards, as float32 (bf16 widened)."""
-    from safetensors.numpy import load_file
-
     from spill.store.safetensors_io import read_header
 
+    kinds = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
     out = {}
     for shard in sorted(folder.glob("*.safetensors")):
         header = read_header(shard)
-        if any(v.get("dtype") == "BF16" for k, v in header.items() if k != "__metadata__"):
-            raw = shard.read_bytes()
-            start = 8 + int.from_bytes(raw[:8], "little")
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                lo, hi = info["data_offsets"]
-                bits = np.frombuffer(raw[start + lo : start + hi], dtype=np.uint16)
-                out[name] = bf16_bits_to_float32(bits).reshape(info["shape"])
-        else:
-            out.update({k: v.astype(np.float32) for k, v in load_file(str(shard)).items()})
+        raw = shard.read_bytes()
+        start = 8 + int.from_bytes(raw[:8], "little")
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = info["data_offsets"]
+            a = np.frombuffer(raw[start + lo : start + hi], dtype=kinds[info["dtype"]])
+            a = bf16_bits_to_float32(a) if info["dtype"] == "BF16" else a.astype(np.float32)
+            out[name] = a.reshape(info["shape"])
     return out
 
 
@@ -337,3 +335,84 @@ def test_a_quantized_base_is_dequantized_for_the_merge_and_says_so(tmp_path, tin
     assert outputs == [r["output"] for r in spill_rows]
     spill_lp = [r["gold_logprob"] for r in spill_rows]
     assert np.allclose(logprobs, spill_lp, rtol=0, atol=1e-5), (logprobs, spill_lp)
+
+
+# --- gguf -------------------------------------------------------------------------------------
+
+
+def _llama_only(tuned) -> None:
+    if tuned["family"] != "llama":
+        pytest.skip("spill imports llama GGUFs only (its importer refuses qwen2)")
+
+
+def _gguf(tuned, out: Path, *extra: str) -> dict:
+    _ok(_spill("export", str(tuned["state"]), str(out), "--format", "gguf", *extra))
+    return json.loads((out / "export.json").read_text())
+
+
+def _imported(gguf_file: Path, home: Path) -> dict[str, np.ndarray]:
+    done = _ok(_spill("models", "import", str(gguf_file), "--dequantize", home=home))
+    return _tensors(Path(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_spill_imports_its_own_gguf_back_to_the_merged_weights_exactly(tuned, tmp_path, dtype):
+    """1-D tensors (norms) stay F32 in a GGUF, as llama.cpp writes them; matrices are the
+    dtype, so an F16 export is the merge rounded to f16, no more."""
+    _llama_only(tuned)
+    record = _gguf(tuned, tmp_path / "out", "--dtype", dtype)
+    assert record["gguf"]["file"] == f"model-{dtype}.gguf"
+    back = _imported(tmp_path / "out" / record["gguf"]["file"], tmp_path / "home")
+    merged = _tensors(tuned["hf"])
+    assert set(back) == set(merged)
+    for name, w in merged.items():
+        want = w if dtype == "f32" or w.ndim == 1 else w.astype(np.float16).astype(np.float32)
+        assert np.array_equal(back[name], want), name
+
+
+def test_transformers_loads_the_f32_gguf_and_answers_as_the_hf_export(tuned, tmp_path):
+    out = tmp_path / "out"
+    record = _gguf(tuned, out, "--dtype", "f32")
+    assert record["format"] == "gguf" and record["gguf"]["types"] == {
+        "F32": len(_tensors(tuned["hf"]))
+    }
+    ours = _greedy_and_logprobs(_transformers(tuned["hf"]), tuned["hf"])
+    theirs = _greedy_and_logprobs(_transformers(out, gguf_file=record["gguf"]["file"]), tuned["hf"])
+    assert theirs[0] == ours[0]
+    assert np.allclose(theirs[1], ours[1], rtol=0, atol=1e-5), (theirs[1], ours[1])
+    modelfile = (out / "Modelfile").read_text()
+    assert f"FROM ./{record['gguf']['file']}" in modelfile
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile
+    assert set(record["files"]) == {"Modelfile", record["gguf"]["file"]}
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+def test_a_quantized_gguf_holds_every_matrix_in_its_blocks_and_reads_back_close(
+    tuned, tmp_path, kind
+):
+    """ggml's block quantizers (gguf.quants): every matrix whose rows split into blocks of 32
+    is ``kind``, norms F32; read back, each value is within one quantization step of the
+    merge (Q8_0: the block's largest magnitude / 127, Q4_0: / 8, Q4_1: its range / 15)."""
+    _llama_only(tuned)
+    from gguf import GGUFReader
+
+    record = _gguf(tuned, tmp_path / "out", "--quantize", kind, "--dtype", "f16")
+    path = tmp_path / "out" / f"model-{kind}.gguf"
+    assert record["gguf"]["file"] == path.name and record["quantize"] == kind
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert {v for k, v in types.items() if "norm" in k} == {"F32"}
+    assert {v for k, v in types.items() if "norm" not in k} == {kind.upper()}
+    back = _imported(path, tmp_path / "home")
+    for name, w in _tensors(tuned["hf"]).items():
+        if w.ndim == 1:
+            assert np.array_equal(back[name], w), name
+            continue
+        blocks = w.reshape(w.shape[0], -1, 32)
+        amax = np.abs(blocks).max(-1)  # (out, blocks)
+        step = {
+            "q8_0": amax / 127,
+            "q4_0": amax / 8,
+            "q4_1": (blocks.max(-1) - blocks.min(-1)) / 15,
+        }[kind]
+        err = np.abs(back[name] - w).reshape(blocks.shape).max(-1)
+        assert (err <= step * 1.01 + 1e-6).all(), name
