@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--shard-size",
         default="2G",
-        help="hf: the largest safetensors shard (default 2G; e.g. 500M)",
+        help="hf, mlx: the largest safetensors shard (default 2G; e.g. 500M)",
     )
     p.add_argument("--json", action="store_true", help="print export.json instead of the table")
     p.set_defaults(func=command)
@@ -58,7 +58,7 @@ def command(args: argparse.Namespace) -> int:
         shard_bytes = parse_size(args.shard_size)
     except ValueError as e:
         raise UsageError(f"--shard-size: {e}") from None
-    options = {"shard_bytes": shard_bytes} if args.format == "hf" else {}
+    options = {"shard_bytes": shard_bytes} if args.format in ("hf", "mlx") else {}
     record = export(
         Path(args.adapter), Path(args.out), args.format, args.dtype, args.quantize,
         model=args.model, weights=args.weights, progress=note, **options,

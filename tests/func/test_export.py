@@ -416,3 +416,56 @@ def test_a_quantized_gguf_holds_every_matrix_in_its_blocks_and_reads_back_close(
         }[kind]
         err = np.abs(back[name] - w).reshape(blocks.shape).max(-1)
         assert (err <= step * 1.01 + 1e-6).all(), name
+
+
+# --- mlx --------------------------------------------------------------------------------------
+
+
+def _mlx_logprobs(folder: Path) -> list[float]:
+    """The gold answers' summed log-probs under ``mlx_lm.load(folder)``."""
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install mlx-lm)")
+    import mlx.core as mx
+
+    from spill.models.tokenizer import Tokenizer
+
+    model, _ = mlx_lm.load(str(folder))
+    tok = Tokenizer(folder)
+    out = []
+    for row in ROWS:
+        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], False)
+        logits = model(mx.array([prompt + answer]))[0].astype(mx.float32)
+        lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(np.float64)
+        out.append(float(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(answer))))
+    return out
+
+
+def test_mlx_lm_loads_the_mlx_export_within_1e4_of_spill_eval(tuned, tmp_path):
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install mlx-lm)")
+    out = tmp_path / "mlx"
+    _ok(_spill("export", str(tuned["adapter"]), str(out), "--format", "mlx", "--dtype", "f32"))
+    merged, got = _tensors(tuned["hf"]), _tensors(out)
+    assert set(got) == set(merged) and all(np.array_equal(got[k], merged[k]) for k in merged)
+    spill_lp = [r["gold_logprob"] for r in tuned["eval"]]
+    theirs = _mlx_logprobs(out)
+    assert np.allclose(theirs, spill_lp, rtol=0, atol=1e-4), (theirs, spill_lp)
+
+
+def test_a_quantized_mlx_export_is_mlx_lms_layout_that_spill_and_mlx_lm_read_alike(tuned, tmp_path):
+    """``--quantize 4``: the linears whose rows split into groups of 64 packed (the tiny
+    models' down_proj, 160 wide, stays float, as mlx-lm's own convert leaves it), scored by
+    spill on the exported folder itself and by mlx-lm within 1e-4."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install mlx-lm)")
+    out = tmp_path / "mlx-q4"
+    args = ["export", str(tuned["state"]), str(out), "--format", "mlx", "--quantize", "4"]
+    record = json.loads(_ok(_spill(*args, "--dtype", "f32", "--json")).stdout)
+    assert record["quantize"] == "4" and record["mlx"]["quantized"].endswith("4-bit g64")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.self_attn.q_proj.scales" in index
+    assert "model.layers.0.mlp.down_proj.scales" not in index
+    rows, graded = _jsonl(tmp_path / "rows.jsonl", ROWS), tmp_path / "eval.jsonl"
+    _ok(_spill("eval", str(out), str(rows), "--out", str(graded), *GEN))
+    spill_lp = [r["gold_logprob"] for r in _read(graded)]
+    theirs = _mlx_logprobs(out)
+    assert np.allclose(theirs, spill_lp, rtol=0, atol=1e-4), (theirs, spill_lp)

@@ -74,6 +74,45 @@ def copy_tokenizer(base: Path, dest: Path) -> list[str]:
     return copied
 
 
+Entries = Callable[[str, np.ndarray], dict[str, tuple[str, np.ndarray]]]
+
+
+def write_folder(
+    inputs: Inputs,
+    dest: Path,
+    dtype: str,
+    progress: Callable[[str], object],
+    shard_bytes: int,
+    entries: Entries,
+) -> int:
+    """Shards of ``entries(name, merged float32)`` for every tensor, the index and the
+    tokenizer files (not config.json: the caller's); the number of shards."""
+    groups = shards(inputs, dtype, shard_bytes)
+    n = len(groups)
+    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    where = {t: k for k, group in enumerate(groups) for t in group}
+    weight_map, total = {}, 0
+    pending: dict[str, tuple[str, np.ndarray]] = {}
+    for tensor, w in merged(inputs):
+        k = where[tensor]
+        for key, entry in entries(tensor, w).items():
+            pending[key] = entry
+            total += entry[1].nbytes
+            weight_map[key] = names[k]
+        if tensor == groups[k][-1]:  # the shard is complete
+            write_file(dest / names[k], pending, {"format": "pt"})
+            progress(f"wrote {names[k]} ({len(pending)} tensors)")
+            pending = {}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    copy_tokenizer(inputs.base_folder, dest)
+    return n
+
+
+def write_config(dest: Path, config: dict) -> None:
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def write(
     inputs: Inputs,
     dest: Path,
@@ -84,24 +123,6 @@ def write(
 ) -> dict:
     """Fill ``dest`` with the HF folder; what export.json adds (the number of shards)."""
     assert quantize is None  # export.check_options refused it
-    groups = shards(inputs, dtype, shard_bytes)
-    n = len(groups)
-    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    where = {t: names[k] for k, group in enumerate(groups) for t in group}
-    weight_map, total = {}, 0
-    pending: dict[str, tuple[str, np.ndarray]] = {}
-    for tensor, w in merged(inputs):
-        pending[tensor] = cast(w, dtype)
-        total += pending[tensor][1].nbytes
-        weight_map[tensor] = where[tensor]
-        k = names.index(where[tensor])
-        if tensor == groups[k][-1]:  # the shard is complete
-            write_file(dest / names[k], pending, {"format": "pt"})
-            progress(f"wrote {names[k]} ({len(pending)} tensors)")
-            pending = {}
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config = config_json(inputs, dtype)
-    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    copy_tokenizer(inputs.base_folder, dest)
+    n = write_folder(inputs, dest, dtype, progress, shard_bytes, lambda t, w: {t: cast(w, dtype)})
+    write_config(dest, config_json(inputs, dtype))
     return {"shards": n}
