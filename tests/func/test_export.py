@@ -469,3 +469,41 @@ def test_a_quantized_mlx_export_is_mlx_lms_layout_that_spill_and_mlx_lm_read_ali
     spill_lp = [r["gold_logprob"] for r in _read(graded)]
     theirs = _mlx_logprobs(out)
     assert np.allclose(theirs, spill_lp, rtol=0, atol=1e-4), (theirs, spill_lp)
+
+
+# --- SmolLM2 (slow) ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_exports_as_gguf_that_transformers_and_spill_read_as_the_hf_export(tmp_path):
+    """The embedded SmolLM2-135M (float32 import) with a random rank-8 adapter on every
+    linear: its F32 GGUF reads back through spill's import as the hf export exactly, and
+    transformers answers the same from either (about a minute here)."""
+    from spill.jobs.adapter_files import write_local
+    from spill.jobs.loading import find_model
+    from spill.models.config import load_config
+    from spill.models.lora import ALL_LINEAR, LoraConfig, init_params
+
+    _ok(_spill("models", "import", "smollm2:135m", "--dequantize"))
+    resolved, fp = find_model("smollm2:135m@f32", None)
+    cfg = load_config(Path(resolved.folder))
+    lora = LoraConfig(rank=8, targets=ALL_LINEAR)
+    params = init_params(cfg, lora, seed=0)
+    rng = np.random.default_rng(0)
+    for name in params:
+        if name.endswith("lora_b"):
+            params[name] = rng.normal(0, 0.01, params[name].shape).astype(np.float32)
+    adapter = write_local(
+        tmp_path / "adapter", params, lora, "smollm2:135m@f32", fp, cfg.num_hidden_layers, [1.0]
+    )
+    hf, gg = tmp_path / "hf", tmp_path / "gguf"
+    _ok(_spill("export", str(adapter), str(hf), "--dtype", "f32"))
+    _ok(_spill("export", str(adapter), str(gg), "--format", "gguf", "--dtype", "f32"))
+    merged = _tensors(hf)
+    back = _imported(gg / "model-f32.gguf", tmp_path / "home")
+    assert set(back) == set(merged)
+    assert all(np.array_equal(back[k], merged[k]) for k in merged)
+    ours = _greedy_and_logprobs(_transformers(hf), hf)
+    theirs = _greedy_and_logprobs(_transformers(gg, gguf_file="model-f32.gguf"), hf)
+    assert theirs[0] == ours[0]
+    assert np.allclose(theirs[1], ours[1], rtol=0, atol=1e-4), (theirs[1], ours[1])

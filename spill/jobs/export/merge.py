@@ -193,7 +193,7 @@ def merged(inputs: Inputs) -> Iterator[tuple[str, np.ndarray]]:
                         f"{inputs.adapter_dir}: {stem} is {a.shape} x {b.shape}, which does not "
                         f"fit the base's {shape} weight; export it onto the model it was tuned on"
                     )
-                w = w + scale * (a @ b).T  # (out, in), float32
+                w += scale * (a @ b).T  # (out, in), float32; w is this read's own copy
             yield name, np.ascontiguousarray(w, dtype=np.float32)
     finally:
         shards.close()
