@@ -22,6 +22,7 @@ from spill.hashing import file_sha256
 from spill.models.tiny import write_tiny
 from spill.models.weights import fingerprint
 from spill.store.safetensors_io import bf16_bits_to_float32, float32_to_bf16_bits
+from spill.validate import validate
 from tests.conftest import run_spill
 
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -196,6 +197,7 @@ def test_the_hf_export_loads_in_transformers_and_answers_as_spill_run_with_the_a
 def test_the_hf_export_is_sharded_and_export_json_records_every_file(tuned):
     hf = tuned["hf"]
     record = json.loads((hf / "export.json").read_text())
+    validate(record, "export")
     assert record["format"] == "hf" and record["dtype"] == "f32"
     assert record["base"]["fingerprint"] == fingerprint(tuned["model"])
     assert record["base"]["dequantized"] is False
