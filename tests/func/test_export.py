@@ -509,3 +509,62 @@ def test_smollm2_exports_as_gguf_that_transformers_and_spill_read_as_the_hf_expo
     theirs = _greedy_and_logprobs(_transformers(gg, gguf_file="model-f32.gguf"), hf)
     assert theirs[0] == ours[0]
     assert np.allclose(theirs[1], ours[1], rtol=0, atol=1e-4), (theirs[1], ours[1])
+
+
+# --- other adapters, other bases --------------------------------------------------------------
+
+
+def test_a_peft_adapter_exports_with_model_as_the_same_bytes(llama_state, tiny_models, tmp_path):
+    """PEFT records no fingerprint, so the base must be named; the merge is the same one."""
+    peft = llama_state / "adapter" / "peft"
+    proc = _spill("export", str(peft), str(tmp_path / "x"))
+    assert proc.returncode == 1 and "give its base model with --model" in _one_line(proc)
+    ours, theirs = tmp_path / "spill", tmp_path / "peft"
+    _ok(_spill("export", str(llama_state), str(ours), "--dtype", "bf16"))
+    done = _ok(
+        _spill(
+            "export",
+            str(peft),
+            str(theirs),
+            "--dtype",
+            "bf16",
+            "--model",
+            str(tiny_models["llama"]),
+        )
+    )
+    assert "records no base fingerprint; trusting --model" in done.stderr
+    shards = sorted(p.name for p in ours.glob("*.safetensors"))
+    assert shards and shards == sorted(p.name for p in theirs.glob("*.safetensors"))
+    assert all((ours / s).read_bytes() == (theirs / s).read_bytes() for s in shards)
+
+
+def test_a_gguf_of_what_the_writer_cannot_hold_is_refused_and_hf_still_works(tmp_path, tiny_models):
+    """llama3 rope scaling (Llama 3.1+) needs llama.cpp's rope_freqs tensor, not written yet."""
+    import shutil
+
+    from spill.jobs.adapter_files import write_local
+    from spill.models.cache import MARKER
+    from spill.models.config import load_config
+    from spill.models.lora import LoraConfig, init_params
+
+    base = tmp_path / "llama3-rope"
+    shutil.copytree(tiny_models["llama"], base)
+    (base / MARKER).unlink()  # a user's own folder: its config is edited below
+    config = json.loads((base / "config.json").read_text())
+    config["rope_scaling"] = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024,
+    }  # fmt: skip
+    (base / "config.json").write_text(json.dumps(config))
+    cfg, lora = load_config(base), LoraConfig(rank=2)
+    adapter = write_local(
+        tmp_path / "adapter", init_params(cfg, lora, 0), lora, str(base), fingerprint(base),
+        cfg.num_hidden_layers, [1.0],
+    )  # fmt: skip
+    out = tmp_path / "gguf"
+    proc = _spill("export", str(adapter), str(out), "--format", "gguf")
+    assert proc.returncode == 1 and not out.exists()
+    assert "llama3 rope scaling" in _one_line(proc) and "--format hf" in _one_line(proc)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    _ok(_spill("export", str(adapter), str(tmp_path / "hf")))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_scaling"]["factor"] == 8

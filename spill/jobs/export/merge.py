@@ -1,8 +1,9 @@
 """The inputs of ``spill export`` and the merged weights they give, one tensor at a time.
 
 An export starts from a finished tune's adapter folder (``<state>/adapter``, spill's layout,
-whose ``adapter.json`` names the base model and its weight fingerprint) or the tune's state
-folder itself. The base is resolved by that name as ``find_model`` resolves any model (its
+whose ``adapter.json`` names the base model and its weight fingerprint), the tune's state
+folder itself, or a PEFT adapter folder (another trainer's too: its base given by ``--model``,
+unchecked, since PEFT records no fingerprint). The base is resolved by that name as ``find_model`` resolves any model (its
 files checked against their recorded sha256), and refused when its fingerprint is not the one
 the adapter was trained on. Every adapted linear becomes ``W + scale * (A @ B).T`` computed in
 float32 (``A`` ``[in, r]``, ``B`` ``[r, out]``, spill's names); a quantized weight (mlx-lm's
@@ -59,6 +60,8 @@ def adapter_folder(path: Path) -> Path:
         raise SpillError(f"{path}: no such folder; give a tune's adapter folder or its state")
     if (path / "adapter.json").is_file() or (path / "params.safetensors").is_file():
         return path
+    if (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file():
+        return path  # PEFT's layout (spill's peft/, or another trainer's)
     if (path / ADAPTER / "adapter.json").is_file():
         return path / ADAPTER
     if (path / "control.json").is_file() or (path / "payloads").is_dir():
@@ -86,9 +89,12 @@ def open_inputs(
     adapter = load_adapter(folder)  # validates adapter.json, names a damaged file
     name = model or meta.get("base_model")
     if not name:
-        raise SpillError(
-            f"{meta_path}: names no base model (an older adapter); give it with --model NAME"
+        what = (
+            "names no base model (an older adapter)"
+            if meta_path.is_file()
+            else ("is a PEFT adapter, which records no weight fingerprint")
         )
+        raise SpillError(f"{folder} {what}; give its base model with --model NAME")
     resolved, fp = find_model(name, weights)
     want = meta.get("fingerprint")
     if want and want != fp:
@@ -97,7 +103,7 @@ def open_inputs(
             "another model; give --model the base it was tuned on"
         )
     if not want:
-        progress(f"{meta_path} records no base fingerprint; trusting --model {name}")
+        progress(f"{folder} records no base fingerprint; trusting --model {name}")
     base = Path(resolved.folder)
     raw = json.loads((base / "config.json").read_bytes())
     return Inputs(folder, adapter, meta, name, base, fp, load_config(base), raw, identity(base))
