@@ -568,3 +568,39 @@ def test_a_gguf_of_what_the_writer_cannot_hold_is_refused_and_hf_still_works(tmp
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     _ok(_spill("export", str(adapter), str(tmp_path / "hf")))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_scaling"]["factor"] == 8
+
+
+def test_an_export_killed_midway_leaves_nothing_at_out_and_the_next_one_cleans_up(tmp_path):
+    """A real SIGKILL once the export's temporary folder holds a file; the rerun finishes and
+    removes what the dead one left."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from spill.jobs.adapter_files import write_local
+    from spill.models.config import load_config
+    from spill.models.lora import LoraConfig, init_params
+
+    base = write_tiny(tmp_path / "wide", family="llama", seed=3, layers=8, hidden=512)
+    cfg, lora = load_config(base), LoraConfig(rank=2)
+    adapter = write_local(
+        tmp_path / "adapter", init_params(cfg, lora, 0), lora, str(base), fingerprint(base),
+        cfg.num_hidden_layers, [1.0],
+    )  # fmt: skip
+    out = tmp_path / "out"
+    args = ["export", str(adapter), str(out), "--dtype", "f32", "--shard-size", "1M"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spill", *args], stderr=subprocess.DEVNULL, env=os.environ | ENV
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(p.is_file() for t in tmp_path.glob(".out.*.exporting") for p in t.iterdir()):
+            break
+        time.sleep(0.001)
+    assert proc.poll() is None, "the export finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and list(tmp_path.glob(".out.*.exporting"))
+    _ok(_spill(*args))
+    assert (out / "export.json").is_file() and not list(tmp_path.glob(".out.*.exporting"))

@@ -59,6 +59,19 @@ def refuse_out(out: Path, inputs: Inputs) -> None:
         raise SpillError(f"{out}: already exists; remove it or export into a new folder")
 
 
+def _remove_stale(out: Path) -> None:
+    """Delete the temporary folders that killed exports to ``out`` left (their process gone)."""
+    for tmp in out.parent.glob(f".{out.name}.*.exporting"):
+        pid = tmp.name[len(out.name) + 2 :].split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(tmp, ignore_errors=True)
+            except PermissionError:  # alive, someone else's
+                pass
+
+
 def _writer(fmt: str):
     if fmt == "hf":
         from spill.jobs.export import hf
@@ -110,6 +123,7 @@ def export(
             "to float32 for the merge"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
     tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.exporting"
     tmp.mkdir()
     try:
@@ -143,9 +157,12 @@ def export(
         for p in sorted(tmp.iterdir()):
             fsync(p)
         fsync(tmp)
-        if out.is_dir():
-            out.rmdir()  # empty, checked above; another export filling it meanwhile fails here
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)  # onto an empty folder too
+        except OSError:  # another export filled OUT meanwhile
+            raise SpillError(
+                f"{out}: already exists; remove it or export into a new folder"
+            ) from None
         fsync(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
