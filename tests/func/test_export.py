@@ -357,10 +357,10 @@ def _imported(gguf_file: Path, home: Path) -> dict[str, np.ndarray]:
     return _tensors(Path(done.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_spill_imports_its_own_gguf_back_to_the_merged_weights_exactly(tuned, tmp_path, dtype):
     """1-D tensors (norms) stay F32 in a GGUF, as llama.cpp writes them; matrices are the
-    dtype, so an F16 export is the merge rounded to f16, no more."""
+    dtype, so an F16 (BF16) export is the merge rounded to f16 (bf16), no more."""
     _llama_only(tuned)
     record = _gguf(tuned, tmp_path / "out", "--dtype", dtype)
     assert record["gguf"]["file"] == f"model-{dtype}.gguf"
@@ -368,7 +368,12 @@ def test_spill_imports_its_own_gguf_back_to_the_merged_weights_exactly(tuned, tm
     merged = _tensors(tuned["hf"])
     assert set(back) == set(merged)
     for name, w in merged.items():
-        want = w if dtype == "f32" or w.ndim == 1 else w.astype(np.float16).astype(np.float32)
+        if dtype == "f32" or w.ndim == 1:
+            want = w
+        elif dtype == "f16":
+            want = w.astype(np.float16).astype(np.float32)
+        else:
+            want = bf16_bits_to_float32(float32_to_bf16_bits(w))
         assert np.array_equal(back[name], want), name
 
 
