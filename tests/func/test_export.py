@@ -194,6 +194,12 @@ def test_the_hf_export_loads_in_transformers_and_answers_as_spill_run_with_the_a
     assert np.allclose(logprobs, spill_lp, rtol=0, atol=1e-5), (logprobs, spill_lp)
 
 
+def test_spill_runs_its_own_hf_export_as_the_base_with_the_adapter(tuned, tmp_path):
+    rows, out = _jsonl(tmp_path / "rows.jsonl", ROWS), tmp_path / "run.jsonl"
+    _ok(_spill("run", str(tuned["hf"]), str(rows), "--out", str(out), *GEN))
+    assert [r["output"] for r in _read(out)] == [r["output"] for r in tuned["run"]]
+
+
 def test_the_hf_export_is_sharded_and_export_json_records_every_file(tuned):
     hf = tuned["hf"]
     record = json.loads((hf / "export.json").read_text())
