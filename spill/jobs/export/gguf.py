@@ -208,9 +208,12 @@ def write(
         if arch == "llama" and module in heads and name.endswith(".weight"):
             w = permute(w, heads[module])
         qtype = stored[name]
-        data = ggml_quantize(w, qtype) if qtype.name not in ("F32", "F16") else w
-        if qtype.name == "F16":
+        if qtype.name == "F32":
+            data = w
+        elif qtype.name == "F16":
             data = w.astype(np.float16)
+        else:
+            data = ggml_quantize(w, qtype)  # BF16 and the block types, as uint8 rows
         writer.write_tensor_data(np.ascontiguousarray(data))
     writer.close()
     progress(f"wrote {path.name} ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))})")
