@@ -488,36 +488,16 @@ def test_a_quantized_mlx_export_is_mlx_lms_layout_that_spill_and_mlx_lm_read_ali
 
 
 @pytest.mark.slow
-def test_smollm2_exports_as_gguf_that_transformers_and_spill_read_as_the_hf_export(tmp_path):
-    """The embedded SmolLM2-135M (float32 import) with a random rank-8 adapter on every
-    linear: its F32 GGUF reads back through spill's import as the hf export exactly, and
-    transformers answers the same from either (about a minute here)."""
-    from spill.jobs.adapter_files import write_local
-    from spill.jobs.loading import find_model
-    from spill.models.config import load_config
-    from spill.models.lora import ALL_LINEAR, LoraConfig, init_params
-
-    _ok(_spill("models", "import", "smollm2:135m", "--dequantize"))
-    resolved, fp = find_model("smollm2:135m@f32", None)
-    cfg = load_config(Path(resolved.folder))
-    lora = LoraConfig(rank=8, targets=ALL_LINEAR)
-    params = init_params(cfg, lora, seed=0)
-    rng = np.random.default_rng(0)
-    for name in params:
-        if name.endswith("lora_b"):
-            params[name] = rng.normal(0, 0.01, params[name].shape).astype(np.float32)
-    adapter = write_local(
-        tmp_path / "adapter", params, lora, "smollm2:135m@f32", fp, cfg.num_hidden_layers, [1.0]
-    )
-    hf, gg = tmp_path / "hf", tmp_path / "gguf"
-    _ok(_spill("export", str(adapter), str(hf), "--dtype", "f32"))
-    _ok(_spill("export", str(adapter), str(gg), "--format", "gguf", "--dtype", "f32"))
-    merged = _tensors(hf)
-    back = _imported(gg / "model-f32.gguf", tmp_path / "home")
+def test_smollm2_exports_as_gguf_that_transformers_and_spill_read_as_the_hf_export(smollm2):
+    """Its F32 GGUF reads back through spill's import as the hf export exactly, and
+    transformers answers the same from either."""
+    merged = _tensors(smollm2["hf"])
+    back = _imported(smollm2["gguf"], smollm2["root"] / "home-import")
     assert set(back) == set(merged)
     assert all(np.array_equal(back[k], merged[k]) for k in merged)
+    hf, gguf_file = smollm2["hf"], smollm2["gguf"]
     ours = _greedy_and_logprobs(_transformers(hf), hf)
-    theirs = _greedy_and_logprobs(_transformers(gg, gguf_file="model-f32.gguf"), hf)
+    theirs = _greedy_and_logprobs(_transformers(gguf_file.parent, gguf_file=gguf_file.name), hf)
     assert theirs[0] == ours[0]
     assert np.allclose(theirs[1], ours[1], rtol=0, atol=1e-4), (theirs[1], ours[1])
 
@@ -549,8 +529,9 @@ def test_a_peft_adapter_exports_with_model_as_the_same_bytes(llama_state, tiny_m
     assert all((ours / s).read_bytes() == (theirs / s).read_bytes() for s in shards)
 
 
-def test_a_gguf_of_what_the_writer_cannot_hold_is_refused_and_hf_still_works(tmp_path, tiny_models):
-    """llama3 rope scaling (Llama 3.1+) needs llama.cpp's rope_freqs tensor, not written yet."""
+def _rope_scaled(tmp_path: Path, base_model: Path) -> tuple[Path, Path]:
+    """A copy of ``base_model`` with llama3 rope scaling (Llama 3.1+) and a small random
+    adapter on it: (adapter folder, base folder)."""
     import shutil
 
     from spill.jobs.adapter_files import write_local
@@ -559,7 +540,7 @@ def test_a_gguf_of_what_the_writer_cannot_hold_is_refused_and_hf_still_works(tmp
     from spill.models.lora import LoraConfig, init_params
 
     base = tmp_path / "llama3-rope"
-    shutil.copytree(tiny_models["llama"], base)
+    shutil.copytree(base_model, base)
     (base / MARKER).unlink()  # a user's own folder: its config is edited below
     config = json.loads((base / "config.json").read_text())
     config["rope_scaling"] = {
@@ -567,15 +548,26 @@ def test_a_gguf_of_what_the_writer_cannot_hold_is_refused_and_hf_still_works(tmp
         "original_max_position_embeddings": 1024,
     }  # fmt: skip
     (base / "config.json").write_text(json.dumps(config))
-    cfg, lora = load_config(base), LoraConfig(rank=2)
+    cfg, lora = load_config(base), LoraConfig(rank=2, targets=("q_proj", "v_proj"))
+    params = init_params(cfg, lora, 0)
+    rng = np.random.default_rng(1)
+    for name in params:
+        if name.endswith("lora_b"):
+            params[name] = rng.normal(0, 0.05, params[name].shape).astype(np.float32)
     adapter = write_local(
-        tmp_path / "adapter", init_params(cfg, lora, 0), lora, str(base), fingerprint(base),
+        tmp_path / "adapter", params, lora, str(base), fingerprint(base),
         cfg.num_hidden_layers, [1.0],
     )  # fmt: skip
+    return adapter, base
+
+
+def test_a_gguf_of_what_the_writer_cannot_hold_is_refused_and_hf_still_works(tmp_path, tiny_models):
+    """Rope scaling on a Qwen2 has no GGUF form spill writes (a Llama's is rope_freqs)."""
+    adapter, _ = _rope_scaled(tmp_path, tiny_models["qwen2"])
     out = tmp_path / "gguf"
     proc = _spill("export", str(adapter), str(out), "--format", "gguf")
     assert proc.returncode == 1 and not out.exists()
-    assert "llama3 rope scaling" in _one_line(proc) and "--format hf" in _one_line(proc)
+    assert "rope scaling on a qwen2 model" in _one_line(proc) and "--format hf" in _one_line(proc)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     _ok(_spill("export", str(adapter), str(tmp_path / "hf")))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_scaling"]["factor"] == 8
@@ -615,3 +607,118 @@ def test_an_export_killed_midway_leaves_nothing_at_out_and_the_next_one_cleans_u
     assert not out.exists() and list(tmp_path.glob(".out.*.exporting"))
     _ok(_spill(*args))
     assert (out / "export.json").is_file() and not list(tmp_path.glob(".out.*.exporting"))
+
+
+# --- llama.cpp --------------------------------------------------------------------------------
+
+
+def _llama_cpp_answers(path: Path, folder: Path) -> tuple[list[str], list[float]]:
+    """llama.cpp's own greedy tokens (6, stopping where spill stops) and the gold answers'
+    summed log-probs, from the token ids spill's tokenizer of ``folder`` gives."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (it builds from its sdist)"
+    )
+    from spill.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(folder)
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=128,
+        logits_all=True,
+        verbose=False,
+        n_threads=1,
+        type_k=0,
+        type_v=0,  # an F32 KV cache (GGML_TYPE_F32; the default F16 rounds)
+    )
+    outputs, logprobs = [], []
+    for row in ROWS:
+        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], False)
+        llm.reset()
+        llm.eval(prompt + answer)
+        scores = np.asarray(llm.scores[: llm.n_tokens], dtype=np.float64)
+        top = scores.max(-1, keepdims=True)
+        lp = scores - top - np.log(np.exp(scores - top).sum(-1, keepdims=True))  # log-softmax
+        logprobs.append(float(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(answer))))
+        llm.reset()
+        llm.eval(prompt)
+        new = []
+        for _ in range(6):
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            if nxt in tok.eos_ids:
+                break
+            new.append(nxt)
+            llm.eval([nxt])
+        outputs.append(tok.decode(new))
+    return outputs, logprobs
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> dict:
+    """The embedded SmolLM2-135M (float32 import) with a random rank-8 adapter on every
+    linear, exported as hf and as an F32 GGUF (its tokenizer has merges, which llama.cpp
+    needs: the tiny models' byte-only vocabulary has none, and gguf cannot write an empty
+    list)."""
+    from spill.jobs.adapter_files import write_local
+    from spill.models.config import load_config
+    from spill.models.lora import ALL_LINEAR, LoraConfig, init_params
+
+    root = tmp_path_factory.mktemp("smollm2")
+    home = root / "home"
+    done = _ok(_spill("models", "import", "smollm2:135m", "--dequantize", home=home))
+    folder = Path(done.stdout.strip().splitlines()[-1])
+    cfg = load_config(folder)
+    lora = LoraConfig(rank=8, targets=ALL_LINEAR)
+    params = init_params(cfg, lora, seed=0)
+    rng = np.random.default_rng(0)
+    for name in params:
+        if name.endswith("lora_b"):
+            params[name] = rng.normal(0, 0.01, params[name].shape).astype(np.float32)
+    adapter = write_local(
+        root / "adapter", params, lora, str(folder), fingerprint(folder), cfg.num_hidden_layers,
+        [1.0],
+    )  # fmt: skip
+    hf, gg = root / "hf", root / "gguf"
+    _ok(_spill("export", str(adapter), str(hf), "--dtype", "f32", home=home))
+    _ok(_spill("export", str(adapter), str(gg), "--format", "gguf", "--dtype", "f32", home=home))
+    return {"root": root, "home": home, "base": folder, "hf": hf, "gguf": gg / "model-f32.gguf"}
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_the_smollm2_gguf_as_transformers_runs_the_hf_export(smollm2):
+    """llama.cpp itself (where llama-cpp-python is installed): the same greedy tokens, and
+    log-probs within 1e-4 (with its default F16 KV cache they differ by up to 8e-3)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    theirs = _llama_cpp_answers(smollm2["gguf"], smollm2["hf"])
+    ours = _greedy_and_logprobs(_transformers(smollm2["hf"]), smollm2["hf"])
+    assert theirs[0] == ours[0]
+    assert np.allclose(theirs[1], ours[1], rtol=0, atol=1e-4), (theirs[1], ours[1])
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_a_llama3_rope_gguf_as_transformers_runs_the_hf_export(smollm2, tmp_path):
+    """Llama 3.1+'s rope scaling travels as llama.cpp's rope_freqs tensor: SmolLM2 given
+    llama3 scaling (original context 1024) answers in llama.cpp as in transformers, and not as
+    without the scaling."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from spill.jobs.export.gguf import rope_freqs
+    from spill.models.config import load_config
+
+    adapter, base = _rope_scaled(tmp_path, smollm2["base"])
+    factors = rope_freqs(load_config(base))
+    assert factors.min() == 1 and factors.max() == 8 and len(set(factors.tolist())) > 2
+    hf, gg = tmp_path / "hf", tmp_path / "gguf"
+    _ok(_spill("export", str(adapter), str(hf), "--dtype", "f32"))
+    _ok(_spill("export", str(adapter), str(gg), "--format", "gguf", "--dtype", "f32"))
+    theirs = _llama_cpp_answers(gg / "model-f32.gguf", hf)
+    ours = _greedy_and_logprobs(_transformers(hf), hf)
+    assert theirs[0] == ours[0]
+    assert np.allclose(theirs[1], ours[1], rtol=0, atol=1e-4), (theirs[1], ours[1])
+    unscaled = tmp_path / "unscaled"
+    config = json.loads((hf / "config.json").read_text())
+    del config["rope_scaling"]
+    import shutil
+
+    shutil.copytree(hf, unscaled)
+    (unscaled / "config.json").write_text(json.dumps(config))
+    plain = _greedy_and_logprobs(_transformers(unscaled), unscaled)
+    assert np.abs(np.array(plain[1]) - np.array(ours[1])).max() > 0.02  # the scaling matters

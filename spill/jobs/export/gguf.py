@@ -4,8 +4,9 @@ Written through ``gguf.GGUFWriter`` as llama.cpp's ``convert_hf_to_gguf.py`` wri
 tensor names are the exact inverse of spill's importer (``spill.models.gguf_import``: its own
 tables, inverted, so the two cannot drift apart); Llama's attn_q/attn_k rows get llama.cpp's
 rotary interleave (``permute``, undone by the importer's ``_unpermute``), Qwen2's do not (and
-keep their q/k/v biases); 1-D tensors (norms, biases) stay F32 as llama.cpp keeps them; with
-``--quantize`` every matrix whose rows split into 32-value blocks is Q8_0/Q4_0/Q4_1 by
+keep their q/k/v biases); llama3 rope scaling becomes llama.cpp's ``rope_freqs.weight``
+(``rope_freqs``; spill's importer does not read such a file back yet); 1-D tensors (norms,
+biases) stay F32 as llama.cpp keeps them; with ``--quantize`` every matrix whose rows split into 32-value blocks is Q8_0/Q4_0/Q4_1 by
 ``gguf.quants`` (ggml's reference quantizers), any other stays in ``--dtype``. The tokenizer is
 byte-level BPE from ``tokenizer.json`` (tokens, merges, token types, the pre-tokenizer's
 llama.cpp name), with the chat template. Tensor infos are declared first and the data written
@@ -16,6 +17,7 @@ the file and its stop tokens is written beside it.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,12 +54,33 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, d // heads // 2, n_in).swapaxes(1, 2).reshape(d, n_in)
 
 
+def rope_freqs(cfg) -> np.ndarray:
+    """llama.cpp's ``rope_freqs.weight`` for llama3 rope scaling, as ``convert_hf_to_gguf``
+    computes it: per rotary pair, the factor its frequency is divided by. (head_dim / 2,)"""
+    s = cfg.rope_scaling_dict
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    dim = cfg.head_dim
+    freqs = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
 def _refuse_unwritable(inputs: Inputs) -> None:
     cfg = inputs.config
-    if cfg.rope_scaling:
+    if cfg.rope_scaling and cfg.family != "llama":
         raise UnsupportedModel(
-            f"{inputs.base_name} uses llama3 rope scaling, which spill's GGUF export does not "
-            "write yet; export --format hf and convert that with llama.cpp"
+            f"{inputs.base_name}: rope scaling on a {cfg.family} model has no GGUF form spill "
+            "writes; export --format hf"
         )
     if cfg.o_bias or cfg.mlp_bias or (cfg.family == "llama" and cfg.qkv_bias):
         raise UnsupportedModel(
@@ -72,7 +95,7 @@ def _pre(tokenizer: dict, where: Path) -> str:
     parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [p.get("type") for p in parts]
     if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's spelling (convert_hf_to_gguf writes it)
     if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
         return "smollm"
     if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
@@ -82,7 +105,7 @@ def _pre(tokenizer: dict, where: Path) -> str:
             return found
     raise UnsupportedModel(
         f"{where}: its pre-tokenizer ({'+'.join(map(str, kinds)) or 'none'}) has no llama.cpp "
-        "name spill knows (gpt2, smollm, llama-bpe, qwen2); export --format hf"
+        "name spill knows (gpt-2, smollm, llama-bpe, qwen2); export --format hf"
     )
 
 
@@ -192,6 +215,10 @@ def write(
     stops = add_tokenizer(writer, inputs)
 
     stored, types = {}, Counter()
+    extra = rope_freqs(cfg) if cfg.rope_scaling else None  # llama3 scaling: written first
+    if extra is not None:
+        writer.add_tensor_info("rope_freqs.weight", extra.shape, np.float32, extra.nbytes)
+        types["F32"] += 1
     for name, shape in plan(inputs):
         qtype = _storage(name, shape, dtype, quantize)
         block, size = GGML_QUANT_SIZES[qtype]
@@ -202,6 +229,8 @@ def write(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    if extra is not None:
+        writer.write_tensor_data(extra)
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     for name, w in merged(inputs):
         module = name.rsplit(".", 2)[-2]

@@ -42,7 +42,7 @@ def test_every_hf_name_maps_to_the_gguf_name_the_importer_reads_back():
 @pytest.mark.parametrize(
     "pre, name",
     [
-        ({"type": "ByteLevel", "use_regex": True}, "gpt2"),
+        ({"type": "ByteLevel", "use_regex": True}, "gpt-2"),
         (
             {
                 "type": "Sequence",
