@@ -195,8 +195,12 @@ def test_the_hf_export_loads_in_transformers_and_answers_as_spill_run_with_the_a
 
 
 def test_spill_runs_its_own_hf_export_as_the_base_with_the_adapter(tuned, tmp_path):
+    import shutil
+
     rows, out = _jsonl(tmp_path / "rows.jsonl", ROWS), tmp_path / "run.jsonl"
-    _ok(_spill("run", str(tuned["hf"]), str(rows), "--out", str(out), *GEN))
+    model = tmp_path / "merged"
+    shutil.copytree(tuned["hf"], model)  # a run records its files' sha256 in the folder
+    _ok(_spill("run", str(model), str(rows), "--out", str(out), *GEN))
     assert [r["output"] for r in _read(out)] == [r["output"] for r in tuned["run"]]
 
 
