@@ -31,7 +31,13 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_SPLITS = {"gpt2": None, "smollm": None, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
+_PRE_SPLITS = {
+    "gpt2": None,
+    "gpt-2": None,
+    "smollm": None,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+}
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 MAGIC = b"GGUF"
 

@@ -1,0 +1,81 @@
+"""``spill export ADAPTER OUT --format hf|gguf|mlx`` on the command line: one call of
+``spill.jobs.export.export``, then the files it wrote as a table (or export.json as JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from spill.errors import UsageError
+
+
+def add_parser(sub) -> None:
+    from spill.jobs.export import DTYPES, FORMATS, QUANTIZE
+
+    p = sub.add_parser(
+        "export",
+        help="merge a tuned adapter into its base and write a model to deploy (hf, gguf, mlx)",
+        description="Merge a finished tune's LoRA adapter into the base weights it was trained "
+        "on (float32 merge, then the output dtype) and write the model folder: hf "
+        "(transformers, vLLM), gguf (llama.cpp, Ollama) or mlx (mlx-lm), with the base's "
+        "tokenizer and chat template and an export.json recording every file's sha256.",
+    )
+    p.add_argument("adapter", help="a finished tune's adapter folder, or its state folder")
+    p.add_argument("out", help="the folder to write (new, or empty)")
+    p.add_argument("--format", choices=FORMATS, default="hf", help="what to write (default hf)")
+    p.add_argument(
+        "--dtype", choices=DTYPES, help="the output's float dtype (default: the base's, else bf16)"
+    )
+    kinds = sorted({q for qs in QUANTIZE.values() for q in qs})
+    p.add_argument(
+        "--quantize",
+        choices=kinds,
+        help="gguf: q8_0, q4_0 or q4_1 for the matrices (norms stay F32); mlx: 4 or 8 bits",
+    )
+    p.add_argument(
+        "--model",
+        help="the base model (default: the one the adapter records); its "
+        "fingerprint must still be the adapter's",
+    )
+    p.add_argument("--weights", metavar="URI", help="stage the base's folder from this URI")
+    p.add_argument(
+        "--shard-size",
+        default="2G",
+        help="hf, mlx: the largest safetensors shard (default 2G; e.g. 500M)",
+    )
+    p.add_argument("--json", action="store_true", help="print export.json instead of the table")
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from spill.console import note, table
+    from spill.jobs.export import export
+    from spill.sizes import parse_size
+
+    try:
+        shard_bytes = parse_size(args.shard_size)
+    except ValueError as e:
+        raise UsageError(f"--shard-size: {e}") from None
+    options = {"shard_bytes": shard_bytes} if args.format in ("hf", "mlx") else {}
+    record = export(
+        Path(args.adapter), Path(args.out), args.format, args.dtype, args.quantize,
+        model=args.model, weights=args.weights, progress=note, **options,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(record, indent=2, sort_keys=True))
+        return 0
+    base = record["base"]
+    how = " (dequantized for the merge)" if base["dequantized"] else ""
+    note(
+        f"merged {record['adapter']['folder']} into {base['name']}{how}: "
+        f"{record['format']} {record['quantize'] or record['dtype']}"
+    )
+    rows = [
+        {"file": name, "bytes": f["size"], "sha256": f["sha256"][:16]}
+        for name, f in sorted(record["files"].items())
+    ]
+    print(table(rows))
+    print(Path(args.out))
+    return 0

@@ -1,0 +1,99 @@
+"""The GGUF writer's pieces against the importer they invert, and the export's plain checks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from spill.errors import SpillError, UnsupportedModel, UsageError
+from spill.jobs.export import check_options
+from spill.jobs.export.gguf import _pre, gguf_name, permute
+from spill.models import gguf_import
+from spill.models.config import LINEARS
+from spill.models.gguf_reader import _LLAMA3_SPLIT
+
+
+@pytest.mark.parametrize("heads, d", [(4, 64), (2, 32), (9, 576)])
+def test_permute_is_undone_by_the_importers_unpermute(heads, d):
+    w = np.random.default_rng(0).normal(size=(d, 24)).astype(np.float32)
+    p = permute(w, heads)
+    assert not np.array_equal(p, w)
+    assert np.array_equal(gguf_import._unpermute(p, heads), w)
+
+
+def test_every_hf_name_maps_to_the_gguf_name_the_importer_reads_back():
+    hf = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    hf += [f"model.layers.3.{m}.weight" for m in LINEARS]
+    hf += [
+        "model.layers.3.input_layernorm.weight",
+        "model.layers.3.post_attention_layernorm.weight",
+    ]
+    for name in hf:
+        g = gguf_name(name)
+        back = (
+            gguf_import._GLOBAL.get(g) or "model.layers.3." + gguf_import._LAYER[g.split(".", 2)[2]]
+        )
+        assert back == name, (name, g)
+    assert gguf_name("model.layers.0.self_attn.k_proj.bias") == "blk.0.attn_k.bias"
+
+
+@pytest.mark.parametrize(
+    "pre, name",
+    [
+        ({"type": "ByteLevel", "use_regex": True}, "gpt-2"),
+        (
+            {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Digits", "individual_digits": True},
+                    {"type": "ByteLevel", "use_regex": True},
+                ],
+            },
+            "smollm",
+        ),
+        (
+            {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": _LLAMA3_SPLIT}},
+                    {"type": "ByteLevel", "use_regex": False},
+                ],
+            },
+            "llama-bpe",
+        ),
+    ],
+)
+def test_the_pre_tokenizer_gets_its_llama_cpp_name(pre, name):
+    assert _pre({"pre_tokenizer": pre}, "tokenizer.json") == name
+
+
+def test_an_unknown_pre_tokenizer_is_refused_in_one_line():
+    with pytest.raises(UnsupportedModel, match="has no llama.cpp name spill knows"):
+        _pre({"pre_tokenizer": {"type": "Metaspace"}}, "tokenizer.json")
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("hf", None, "q8_0"), "does not apply to --format hf"),
+        (("gguf", None, "4"), "does not apply to --format gguf"),
+        (("mlx", None, "q4_0"), "does not apply to --format mlx"),
+        (("onnx", None, None), "not one spill writes"),
+        (("hf", "f64", None), "not one spill writes"),
+    ],
+)
+def test_options_that_mean_nothing_are_usage_errors(args, words):
+    with pytest.raises(UsageError, match=words):
+        check_options(*args)
+
+
+def test_a_folder_that_is_no_adapter_is_refused(tmp_path):
+    from spill.jobs.export.merge import adapter_folder
+
+    (tmp_path / "x.json").write_text(json.dumps({}))
+    with pytest.raises(SpillError, match="no spill adapter here"):
+        adapter_folder(tmp_path)
+    with pytest.raises(SpillError, match="no such folder"):
+        adapter_folder(tmp_path / "missing")
