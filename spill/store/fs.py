@@ -355,3 +355,20 @@ def mount_type(path: str) -> str:
             if inside and len(m[1]) >= len(best):
                 best, kind = m[1], m[2]
     return kind
+
+
+def remove_stale(dest, suffix: str) -> None:
+    """Delete the local temporary folders ``.<dest name>.<pid>.<...><suffix>`` beside ``dest``
+    that killed writers left (their process gone; a live one's, even another user's, stays)."""
+    from pathlib import Path
+
+    dest = Path(dest)
+    for tmp in dest.parent.glob(f".{dest.name}.*{suffix}"):
+        pid = tmp.name[len(dest.name) + 2 :].split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(tmp, ignore_errors=True)
+            except PermissionError:  # alive, someone else's
+                pass

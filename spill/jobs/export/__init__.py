@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from spill.errors import SpillError, UsageError
 from spill.hashing import file_sha256
-from spill.store.fs import fsync, same_file
+from spill.store.fs import fsync, remove_stale, same_file
 from spill.validate import validate
 
 if TYPE_CHECKING:  # the merge imports numpy and safetensors: not at `spill --help`
@@ -57,19 +57,6 @@ def refuse_out(out: Path, inputs: Inputs) -> None:
             raise UsageError(f"OUT {out} is {what} {folder} or overlaps it; export elsewhere")
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise SpillError(f"{out}: already exists; remove it or export into a new folder")
-
-
-def _remove_stale(out: Path) -> None:
-    """Delete the temporary folders that killed exports to ``out`` left (their process gone)."""
-    for tmp in out.parent.glob(f".{out.name}.*.exporting"):
-        pid = tmp.name[len(out.name) + 2 :].split(".")[0]
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                shutil.rmtree(tmp, ignore_errors=True)
-            except PermissionError:  # alive, someone else's
-                pass
 
 
 def _writer(fmt: str):
@@ -123,7 +110,7 @@ def export(
             "to float32 for the merge"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out)
+    remove_stale(out, ".exporting")  # what killed exports to out left
     tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.exporting"
     tmp.mkdir()
     try:
