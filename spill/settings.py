@@ -47,10 +47,13 @@ def deciding(cls) -> tuple[str, ...]:
 def stage_inputs(group: str, values) -> dict[str, Any]:
     """The deciding settings of ``values`` (a group's dataclass) as a stage's inputs
     (``model.name``); a quantized copy's ``quantize`` and ``group_size`` only when ``quantize``
-    is set, so a float model's stages keep the inputs they had before quantized bases."""
+    is set, so a float model's stages keep the inputs they had before quantized bases; the
+    validation settings only when ``tune.valid`` is set, for the same reason."""
     keys = deciding(type(values))
     if getattr(values, "quantize", None) is None:
         keys = tuple(k for k in keys if k not in QUANTIZATION)
+    if hasattr(values, "valid") and values.valid is None:  # no validation: the inputs of before
+        keys = tuple(k for k in keys if k not in VALIDATION)
     return {f"{group}.{k}": getattr(values, k) for k in keys}
 
 
@@ -169,6 +172,7 @@ class TeacherSettings:
 
 
 QUANTIZATION = ("quantize", "group_size")  # inputs of a stage only when quantize is set
+VALIDATION = ("valid", "eval_every", "keep_best")  # inputs of a stage only when valid is set
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,23 @@ class TuneSettings:
         "fit the memory budget; the same result either way (default %(default)s)",
         decides=False,
     )
+    valid: float | None = setting(  # the file itself: ``spill tune --valid FILE``
+        {
+            "type": ["number", "null"],
+            "exclusiveMinimum": 0,
+            "description": "validation rows carved off the training split (never the test "
+            "rows): a count (1 or more) or a fraction (below 1); null: no validation",
+        },
+        flag=False,
+    )
+    eval_every: int = setting(
+        {"type": "integer", "minimum": 1},
+        "steps between validation losses, and the last step (default %(default)s)",
+    )
+    keep_best: bool = setting(
+        {"type": "boolean"},
+        "export the checkpoint with the lowest validation loss, not the last (needs validation)",
+    )
 
     def problem(self, name=lambda key: key) -> str:
         """What makes these settings unusable together (``""``: nothing), each setting called
@@ -236,6 +257,11 @@ class TuneSettings:
             return (
                 f"{name('batch')} {self.batch} must be a multiple of {name('micro_batch')} "
                 f"{self.micro_batch}"
+            )
+        if self.valid is not None and self.valid >= 1 and self.valid != int(self.valid):
+            return (
+                f"{name('valid')} {self.valid}: a row count is a whole number (a fraction is "
+                "below 1)"
             )
         return ""
 

@@ -154,8 +154,10 @@ def cmd_tune(args) -> int:
     if (code := _launched(args)) is not None:
         return code
     settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneSettings)}
+    valid = settings.pop("valid")  # the job's file; the setting carves rows off in a build
     opts = TuneOptions(
-        tune=TuneSettings(**settings),
+        tune=TuneSettings(**settings, valid=None),
+        valid=Path(valid) if valid else None,
         seed=args.seed,
         engine=engine_settings(args),
         stop_after=args.stop_after,
@@ -173,6 +175,12 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("settings (defaults: conf/tune/default.yaml, as in a build)")
     setting_flags(g, TuneSettings, "tune")
+    g.add_argument(
+        "--valid",
+        metavar="FILE",
+        help="validation rows (JSONL, as TRAIN): their loss every --eval-every steps, committed "
+        "with the checkpoints",
+    )
     p.add_argument(
         "--stop-after", type=int, metavar="N", help="stop after step N with a committed checkpoint"
     )

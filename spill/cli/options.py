@@ -160,6 +160,11 @@ def setting_flags(p, cls, group: str, only: tuple[str, ...] | None = None) -> No
         m = f.metadata
         if not m.get("flag") or only is not None and f.name not in only:
             continue
+        flag = "--" + f.name.replace("_", "-")
+        if str(f.type) == "bool":  # --keep-best / --no-keep-best
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=given[f.name],
+                           help=m["help"])  # fmt: skip
+            continue
         kind = next(t for t in (int, float, str) if t.__name__ in str(f.type).split(" | "))
         options = {"type": kind, "default": given[f.name]}
         if m["help"]:
@@ -170,7 +175,7 @@ def setting_flags(p, cls, group: str, only: tuple[str, ...] | None = None) -> No
             options.pop("type")
         elif choices:  # numbers: the settings' ``problem`` says a bad one in one line
             options["metavar"] = "|".join(map(str, choices))
-        p.add_argument("--" + f.name.replace("_", "-"), **options)
+        p.add_argument(flag, **options)
 
 
 def model_options(p: argparse.ArgumentParser) -> None:

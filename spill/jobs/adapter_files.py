@@ -32,7 +32,8 @@ ADAPTER = "adapter"
 SCHEMA_VERSION = 1
 
 
-def loss_png(losses: list[float], path: Path, title: str) -> None:
+def loss_png(losses: list[float], path: Path, title: str, valid: list[list] | None = None) -> None:
+    """The train loss by step, and the validation loss (``[step, loss]`` pairs) when given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,7 +41,12 @@ def loss_png(losses: list[float], path: Path, title: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(range(1, len(losses) + 1), [np.nan if x is None else x for x in losses], lw=1.5)
+    ax.plot(range(1, len(losses) + 1), [np.nan if x is None else x for x in losses], lw=1.5,
+            label="train")  # fmt: skip
+    if valid:
+        xs, ys = zip(*((s, np.nan if x is None else x) for s, x in valid), strict=True)
+        ax.plot(xs, ys, "o-", lw=1.5, ms=3, label="validation")
+        ax.legend()
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (completion tokens)")
@@ -112,6 +118,7 @@ def write_local(
     losses: list[float],
     files: dict[str, str] | None = None,
     quantization: dict | None = None,
+    validation: dict | None = None,
 ) -> Path:
     from safetensors.numpy import save_file
 
@@ -127,6 +134,7 @@ def write_local(
         "fingerprint": fingerprint,
         "steps": len(losses),
         **({"quantization": quantization} if quantization else {}),
+        **({"validation": validation} if validation else {}),
     }
     (out / "adapter.json").write_text(json.dumps(meta, indent=2) + "\n")
     base = describe_base(model, files)
@@ -134,7 +142,8 @@ def write_local(
     export_mlx(params, lora, layers, out / "mlx")
     note = readme(base, fingerprint, files, lora, len(losses), quantization)
     (out / "README.md").write_text(note)
-    loss_png(losses, out / "loss.png", f"{model} · LoRA r{lora.rank} · {len(losses)} steps")
+    title = f"{model} · LoRA r{lora.rank} · {len(losses)} steps"
+    loss_png(losses, out / "loss.png", title, (validation or {}).get("losses"))
     return out
 
 
@@ -148,16 +157,19 @@ def publish_adapter(
     losses: list[float],
     files: dict[str, str] | None = None,
     quantization: dict | None = None,
+    validation: dict | None = None,
 ) -> str:
     """Write the adapter tree under ``<root>/adapter`` and return its location; ``files``: the
     base's weight files and their sha256, as the run recorded them (for the README);
-    ``quantization``: a quantized base's identity (``spill.models.quantize.identity``)."""
+    ``quantization``: a quantized base's identity (``spill.models.quantize.identity``);
+    ``validation``: its losses and which step's adapter this is (``Validation.record``)."""
     target = join(root, ADAPTER)
     remove(target)  # what a publication killed midway left, its temporary files included
     with tempfile.TemporaryDirectory(prefix="spill-adapter-") as tmp:
         local = write_local(
-            Path(tmp), params, lora, model, fingerprint, layers, losses, files, quantization
-        )
+            Path(tmp), params, lora, model, fingerprint, layers, losses, files, quantization,
+            validation,
+        )  # fmt: skip
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             put_bytes(join(target, *path.relative_to(local).parts), path.read_bytes())
     return target

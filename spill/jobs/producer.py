@@ -80,3 +80,26 @@ def describe(info: Any) -> dict[str, Any]:
         "machine": platform.node() or "unknown",
         "libraries": libraries,
     }
+
+
+def extend(previous: list[dict], me: dict, start: int, end: int) -> list[dict]:
+    """Extend the last range when this run is the same producer, else open a new one. A range
+    computed by more than one process says how many (``procs``; one when absent)."""
+    keys = ("engine", "hardware", "os", "numerics")
+    rec = {k: me[k] for k in keys} | {
+        "machine": me.get("machine"),
+        "libraries": me.get("libraries"),
+    }
+    if me.get("procs", 1) > 1:
+        rec["procs"] = me["procs"]
+    out = [dict(p) for p in previous]
+    if (
+        out
+        and all(out[-1].get(k) == rec[k] for k in (*keys, "machine", "libraries"))
+        and out[-1].get("procs", 1) == rec.get("procs", 1)
+        and out[-1]["to_step"] == start
+    ):
+        out[-1]["to_step"] = end
+    elif end > start:
+        out.append({"from_step": start, "to_step": end, **rec})
+    return out

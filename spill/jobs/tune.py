@@ -27,9 +27,10 @@ from spill.jobs.group import current as current_group
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
 from spill.jobs.train_data import data_fingerprint, load_examples
+from spill.jobs.tune_identity import identity, refuse_mismatch
 from spill.jobs.tune_steps import Steps, follow, peak_rss_mb
+from spill.jobs.tune_valid import Validation
 from spill.models.config import load_config
-from spill.models.integrity import explain
 from spill.models.lora import LoraConfig, init_params
 from spill.models.quant import Spec
 from spill.models.quantize import identity as quantization_identity
@@ -41,10 +42,6 @@ from spill.store import drill
 from spill.store.fs import exists, join, same_file
 from spill.store.location import Location, location
 from spill.store.probe import probe_writable
-
-
-class CheckpointMismatch(SpillError):
-    """A committed checkpoint that belongs to another run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +56,7 @@ class TuneOptions:
     weights: str | None = None
     writer: Writer = field(default_factory=Writer)
     quantize: Spec | None = None  # the model group's quantization (None: the float weights)
+    valid: Path | None = None  # validation rows (JSONL, as the training file); None: none
 
     @property
     def lora(self) -> LoraConfig:
@@ -82,114 +80,14 @@ class TuneOptions:
             raise SpillError(f"--activations {t.activations!r}: use {', '.join(ACTIVATIONS)}")
         if t.lr <= 0 or t.warmup < 0:
             raise SpillError("--lr must be positive and --warmup zero or more")
+        if t.eval_every < 1:
+            raise SpillError("--eval-every must be at least 1")
+        if t.keep_best and self.valid is None:
+            raise SpillError("--keep-best picks by validation loss; give --valid FILE too")
 
 
 def state_root(name: str, state: str | None) -> Location:
     return location(state or str(spill_home() / "jobs" / name))
-
-
-# what _identity pins of the tune group: every setting that decides the result (a test checks)
-IDENTITY = ("lr", "warmup", "steps", "batch", "micro_batch", "seq_len", "weight_decay")
-IDENTITY_LORA = ("rank", "alpha", "dropout", "targets")
-
-
-def _identity(
-    model: str, fingerprint: str, data: str, opts: TuneOptions, quantization: dict | None = None
-) -> dict:
-    """The values a checkpoint must share to be continued (``stop_after``/``ckpt_every`` not);
-    ``quantization``: a quantized base's (``spill.models.quantize.identity``; a float base has
-    none, as every checkpoint made before quantized bases existed)."""
-    t = opts.tune
-    base = {"id": model, "fingerprint": fingerprint}
-    return {
-        "model": base | ({"quantization": quantization} if quantization else {}),
-        "seed": opts.seed,
-        "adapter": opts.lora.to_dict(),
-        "hyperparameters": {
-            "data": data,
-            "schedule": "cosine",
-            **{k: getattr(t, k) for k in IDENTITY},
-        },
-    }
-
-
-_LABELS = {"data": "training file", "steps": "total steps (--steps)", "lr": "learning rate"}
-
-
-def _refuse_model(found: dict, want: dict, where: str) -> None:
-    """Other weights than the run started with. Another model: both fingerprints and names. The
-    same model whose files changed: the first changed file where both recorded per-file sha256,
-    else the fingerprints; never "use the same settings" (the settings did not change)."""
-    fresh = "or start fresh with another --state (or --name)"
-    changed = explain(found.get("files"), want.get("files"))
-    if found["fingerprint"] == want["fingerprint"] and not changed:
-        return
-    if found.get("quantization") != want.get("quantization"):
-        theirs = found.get("quantization")
-        same = f"--quantize {theirs['bits']} --group-size {theirs['group_size']}" if theirs else ""
-        raise CheckpointMismatch(
-            f"{where} was made on {_base(found)}, this run has {_base(want)}; continue it on "
-            f"that base ({same or 'the float weights, without --quantize'}), {fresh}"
-        )
-    if found["id"] != want["id"] and found["fingerprint"] != want["fingerprint"]:
-        raise CheckpointMismatch(
-            f"{where} was made with weights (fingerprint) {found['fingerprint']!r}, this run has "
-            f"{want['fingerprint']!r}; it used model {found['id']}, this run {want['id']}: use that "
-            f"model to continue it, {fresh}"
-        )
-    if changed:
-        raise CheckpointMismatch(f"{where}: {changed}; restore it, {fresh}")
-    raise CheckpointMismatch(
-        f"{where}: the files of model {want['id']} changed since this run started (fingerprint "
-        f"{found['fingerprint'][7:19]}.. -> {want['fingerprint'][7:19]}..); restore them, {fresh}"
-    )
-
-
-def _base(model: dict) -> str:
-    """A base as a refusal names it: ``tiny:llama:1:4x64@q4g64 (4-bit affine g64)``."""
-    q = model.get("quantization")
-    return f"{model['id']} ({q['format'] if q else 'float weights'})"
-
-
-def refuse_mismatch(found: dict, want: dict, where: str) -> None:
-    """One line naming the first difference between a checkpoint and this run, with both values."""
-    _refuse_model(found["model"], want["model"], where)
-    checks = [("seed", found["seed"], want["seed"])]
-    for key, value in want["hyperparameters"].items():
-        checks.append(
-            (_LABELS.get(key, key.replace("_", " ")), found["hyperparameters"].get(key), value)
-        )
-    for key, value in want["adapter"].items():
-        checks.append((f"LoRA {key}", found["adapter"].get(key), value))
-    for label, theirs, ours in checks:
-        if theirs != ours:
-            raise CheckpointMismatch(
-                f"{where} was made with {label} {theirs!r}, this run has {ours!r}; use the same "
-                "settings to continue it, or another --state (or --name) to start fresh"
-            )
-
-
-def _producers(previous: list[dict], me: dict, start: int, end: int) -> list[dict]:
-    """Extend the last range when this run is the same producer, else open a new one. A range
-    computed by more than one process says how many (``procs``; one when absent)."""
-    keys = ("engine", "hardware", "os", "numerics")
-    rec = {k: me[k] for k in keys} | {
-        "machine": me.get("machine"),
-        "libraries": me.get("libraries"),
-    }
-    if me.get("procs", 1) > 1:
-        rec["procs"] = me["procs"]
-    out = [dict(p) for p in previous]
-    if (
-        out
-        and all(out[-1].get(k) == rec[k] for k in (*keys, "machine", "libraries"))
-        and out[-1].get("procs", 1) == rec.get("procs", 1)
-        and out[-1]["to_step"] == start
-    ):
-        out[-1]["to_step"] = end
-    elif end > start:
-        out.append({"from_step": start, "to_step": end, **rec})
-    return out
 
 
 def _finite(x: float) -> float | None:
@@ -252,7 +150,8 @@ def _tune(
     cfg, tok = load_config(folder), Tokenizer(folder)
     examples = load_examples(Path(train_path), tok, t.seq_len)
     data = data_fingerprint(train_path)
-    want = _identity(model, fingerprint, data, opts, quantization_identity(folder))
+    want = identity(model, fingerprint, data, opts, quantization_identity(folder))
+    valid = Validation.open(opts.valid, tok, opts) if opts.valid else None
     if resolved.files:  # per-file sha256, so a later refusal can name the file that changed
         want["model"]["files"] = resolved.files
     ckpt = latest_checkpoint(place)
@@ -266,6 +165,8 @@ def _tune(
         m = {k[3:]: v for k, v in opt.items() if k.startswith("m::")}
         v = {k[3:]: x for k, x in opt.items() if k.startswith("v::")}
         step, losses, producers = state["step"], list(state["losses"]), list(state["producers"])
+        if valid is not None:
+            valid.restore(state, opt)
         note(
             f"continuing {name} from {ckpt.uri}: step {step} of {t.steps}, cursor {state['cursor']}"
         )
@@ -294,15 +195,15 @@ def _tune(
             return f"step {step}"
         p, mm, vv = trainer.state()
         opt_arrays = {f"m::{k}": a for k, a in mm.items()} | {f"v::{k}": a for k, a in vv.items()}
-        state = {
+        state = (valid.state() if valid else {}) | {
             **want,
             "step": step,
             "cursor": step * (t.batch // t.micro_batch),
             "losses": [_finite(x) if x is not None else None for x in losses],
-            "producers": _producers(producers, me, started, step),
+            "producers": producer.extend(producers, me, started, step),
             "train_file": Path(train_path).name,
         }
-        save_checkpoint(place, step, p, opt_arrays, state)
+        save_checkpoint(place, step, p, opt_arrays | (valid.arrays() if valid else {}), state)
         saved_at = step
         return f"step {step} (committed)"
 
@@ -319,9 +220,12 @@ def _tune(
                 steps.apply(step)
                 losses.append(loss)
                 step += 1
+                if valid is not None and valid.due(step):
+                    valid.measure(runner, opts.lora, trainer.state()[0], step)
                 drill.at(drill.TUNE_AFTER_OPTIMIZER)
             rate = steps.tokens / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
+            shown = {"valid": f"{valid.last():.4f}"} if valid and valid.last() is not None else {}
+            bar.set_postfix(loss=f"{loss:.4f}", **shown, tok_s=f"{rate:.0f}")
             bar.update(1)
             if step % t.ckpt_every == 0 or step == stop:
                 with guard.mutating():
@@ -336,6 +240,7 @@ def _tune(
         "step": step,
         "steps": t.steps,
         "loss": round(losses[-1], 6) if losses else None,
+        **(valid.summary() if valid else {}),
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         "seconds": round(seconds, 2),
         "state": root,
@@ -346,7 +251,7 @@ def _tune(
         summary["procs"] = group.world
         summary["communication_s"] = round(group.waited, 2)  # waiting for ranks too
         summary["peak_rss_mb"] = peaks  # by rank
-    ranges = _producers(producers, me, started, step)
+    ranges = producer.extend(producers, me, started, step)
     if len({(p["engine"], p["machine"], p["numerics"]) for p in ranges}) > 1:
         moved = "; ".join(
             f"steps {p['from_step']}-{p['to_step']} {p['engine']} {p['numerics']} on {p['machine']}"
@@ -361,12 +266,17 @@ def _tune(
     elif step == t.steps:
         from spill.jobs.adapter_files import publish_adapter
 
-        p, _, _ = trainer.state()
+        p = valid.kept(trainer.state()[0]) if valid else trainer.state()[0]
         summary["adapter"] = publish_adapter(
             root, p, opts.lora, model, fingerprint, cfg.num_hidden_layers, losses, resolved.files,
-            want["model"].get("quantization"),
+            want["model"].get("quantization"), valid.record() if valid else None,
         )  # fmt: skip
-        note(f"adapter written to {summary['adapter']} (spill, PEFT and MLX-LM layouts, loss.png)")
+        best = valid.best if valid and t.keep_best else None
+        kept = f" of step {best['step']} (the lowest validation loss)" if best else ""
+        note(
+            f"adapter{kept} written to {summary['adapter']} (spill, PEFT and MLX-LM layouts, "
+            "loss.png)"
+        )
     else:
         note(
             f"stopped after step {step} of {t.steps} (--stop-after) with a committed "

@@ -3,7 +3,8 @@
 written last, ``COMMIT`` (schema ``commit``: size and sha256 of the three).
 
 Tensors are float32 in ``safetensors.numpy.save``'s layout (``safetensors_io.encode``), so equal
-inputs give equal bytes; optimizer tensors are ``m::<name>`` and ``v::<name>``.
+inputs give equal bytes; optimizer tensors are ``m::<name>`` and ``v::<name>`` (and
+``best::<name>``, the best adapter so far of a run that keeps it: ``spill.jobs.tune_valid``).
 ``save_checkpoint`` writes a new folder and publishes it on the run's ``ckpt`` pointer;
 ``latest_checkpoint`` follows the pointer (never "the highest step folder") and skips a folder
 that fails verification; ``load_checkpoint`` reads it; ``settle`` waits for the removal of old
@@ -93,8 +94,10 @@ def _encode_tensors(tensors: Mapping[str, np.ndarray], what: str) -> list[bytes 
 def _check_opt(params: Mapping[str, np.ndarray], opt: Mapping[str, np.ndarray]) -> None:
     for key, a in opt.items():
         kind, _, name = key.partition("::")
-        if kind not in ("m", "v") or name not in params:
-            raise ValueError(f"optimizer tensor {key!r} is not m::<param> or v::<param>")
+        if kind not in ("m", "v", "best") or name not in params:
+            raise ValueError(
+                f"optimizer tensor {key!r} is not m::<param>, v::<param> or best::<param>"
+            )
         if a.shape != params[name].shape:
             raise ValueError(
                 f"optimizer tensor {key!r} has shape {a.shape}, the parameter {params[name].shape}"

@@ -163,8 +163,14 @@ def validate(doc: Any, where: str, strict: bool = True) -> None:
         raise ConfigError(f"{where}: {_message(error, checked)}")
     if not strict:
         return
-    if why := TuneSettings(**doc["tune"]).problem(lambda key: f"tune.{key}"):
+    tune = TuneSettings(**doc["tune"])
+    if why := tune.problem(lambda key: f"tune.{key}"):
         raise ConfigError(f"{where}: {why}")
+    if tune.keep_best and tune.valid is None:
+        raise ConfigError(
+            f"{where}: tune.keep_best picks by validation loss; set tune.valid (rows or a "
+            "fraction of the training split) too"
+        )
     try:
         fields = {f for _, f, _, _ in string.Formatter().parse(doc["prompt"]["template"]) if f}
     except ValueError as e:
