@@ -10,8 +10,9 @@ place a default lives). From these:
   engine's name, so an ``EngineSettings`` is what an engine opens a model with);
 * the flags of ``spill tune``, ``eval``, ``run`` and ``distill`` are made from the fields
   (``spill.cli.options.setting_flags``), their defaults read from ``conf/``;
-* the group sections of ``schemas/spill-yaml.schema.json`` are what ``schema_sections`` makes
-  (``python -m spill.settings`` writes them; a test compares the shipped file);
+* the group sections of ``schemas/spill-yaml.schema.json`` are what
+  ``spill.settings_schema.schema_sections`` makes (``python -m spill.settings`` writes them; a
+  test compares the shipped file);
 * the stages' inputs (``spill.project.stages``) take the fields that decide a result.
 
 Engine-free and light: dataclasses only, no YAML, no jsonschema.
@@ -364,49 +365,7 @@ BASE = {
 }
 
 
-def fields(group: str) -> list[tuple[str, dict]]:
-    """(name, JSON Schema fragment) of each setting of ``group``, in spill.yaml's order."""
-    if group == "engine":
-        return (
-            [("name", {"enum": ["auto", "torch", "mlx"]})]
-            + [(n, _LOAD_SCHEMA[n]) for n in ENGINE_FIELDS[1:-1]]
-            + [
-                (
-                    "procs",
-                    {"type": "integer", "minimum": 1, "description": "processes; docs/procs.md"},
-                )
-            ]
-        )
-    return [(f.name, dict(f.metadata["schema"])) for f in dataclasses.fields(GROUPS[group])]
+if __name__ == "__main__":  # ``python -m spill.settings``: write the schema's group sections
+    from spill.settings_schema import write_schema
 
-
-def schema_sections() -> dict[str, dict]:
-    """The group sections of spill.yaml's JSON Schema: each setting's fragment, and for the
-    groups with a base option (``BASE``) its ``default`` read from ``conf/``."""
-    from spill.conf import defaults
-
-    out = {}
-    for group in GROUPS:
-        given = defaults(group) if group in BASE else {}
-        props = {}
-        for name, fragment in fields(group):
-            known = group in BASE and given[name] != "???"  # ???: the project must set it
-            props[name] = {**fragment, **({"default": given[name]} if known else {})}
-        out[group] = {"type": "object", "additionalProperties": False, "properties": props}
-    return out
-
-
-def _write_schema() -> None:
-    """``python -m spill.settings``: write the group sections into the shipped schema file."""
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "schemas" / "spill-yaml.schema.json"
-    doc = json.loads(path.read_text())
-    doc["properties"].update(schema_sections())
-    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
-    print(f"wrote the group sections of {path}")
-
-
-if __name__ == "__main__":
-    _write_schema()
+    write_schema()

@@ -178,6 +178,7 @@ def prepare(project):
         p.data.test_fraction,
         p.prompt.template,
         p.prompt.chat,
+        p.tune.valid,
     )
 
 

@@ -83,8 +83,10 @@ class Project:
 def from_record(doc: dict[str, Any], root: Path, overrides: Sequence[str] = ()) -> Project:
     """A ``Project`` from a composed config this module validated before (a build's record).
     A record made before quantized bases names no ``quantize``: its models were float, and
-    the shipped group size fills in the setting that then decides nothing."""
+    the shipped group size fills in the setting that then decides nothing; so do the shipped
+    defaults of tune settings added later (validation, trackers: off by default)."""
     doc = {**doc, **{k: _before_quantization(k, doc[k]) for k in ("model", "teacher")}}
+    doc["tune"] = _later_tune_settings(doc["tune"])
     sections = {k: GROUPS[k](**doc[k]) for k in SECTIONS}
     return Project(
         Path(root).resolve(),
@@ -103,6 +105,12 @@ def _before_quantization(group: str, section: dict[str, Any]) -> dict[str, Any]:
     from spill.conf import defaults
 
     return {**section, "quantize": None, "group_size": defaults(group)["group_size"]}
+
+
+def _later_tune_settings(section: dict[str, Any]) -> dict[str, Any]:
+    from spill.conf import defaults
+
+    return {**defaults("tune"), **section}
 
 
 # --- validation --------------------------------------------------------------------------------

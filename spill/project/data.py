@@ -12,7 +12,8 @@ Split: a row goes to the test side when its key ``sha256(seed, input, output, n-
 ranks among the lowest ``test_fraction`` of its label (classification: stratified, every label
 with two rows or more keeps one on each side) or of all rows (generation). It depends on the
 seed and the rows' content, not on their order, so moving rows changes nothing and editing one
-row moves at most that row.
+row moves at most that row. Validation (``tune.valid``): the training rows whose key, hashed
+once more, ranks lowest are set aside for the tune stage's validation loss; the test rows never.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ class Prepared:
     prompts: bytes  # the training inputs alone, for a teacher to answer
     n_train: int
     n_test: int
+    valid: bytes = b""  # validation rows carved off the training rows (tune.valid), as train
+    n_valid: int = 0
 
     def files(self) -> dict[str, bytes]:
-        return {"train.jsonl": self.train, "test.jsonl": self.test, "prompts.jsonl": self.prompts}
+        out = {"train.jsonl": self.train, "test.jsonl": self.test, "prompts.jsonl": self.prompts}
+        return out | ({"valid.jsonl": self.valid} if self.n_valid else {})
 
 
 def sha256(data: bytes) -> str:
@@ -192,6 +196,26 @@ def split(
     return train, test
 
 
+def carve(train: list[Row], seed: int, valid: float | None, path: Path) -> tuple[list, list]:
+    """``(train, valid)``: ``valid`` rows (a count, or a fraction below 1) of the training rows
+    for validation, chosen by a seeded key of their own (not the test split's, so they are a
+    fair sample of what is left), each list in file order. The test rows are never touched."""
+    if valid is None:
+        return train, []
+    k = round(len(train) * valid) if valid < 1 else int(valid)
+    if not 1 <= k < len(train):
+        raise DataError(
+            f"{path}: tune.valid {valid} leaves {k} of the {len(train)} training rows to "
+            f"validate and {len(train) - k} to train on; give at least 1 of each (or add rows)"
+        )
+    keys = _keys(train, seed)
+    chosen = {
+        r.id
+        for r in sorted(train, key=lambda r: hashlib.sha256(b"valid\0" + keys[r.id]).digest())[:k]
+    }
+    return [r for r in train if r.id not in chosen], [r for r in train if r.id in chosen]
+
+
 def _jsonl(records: list[dict]) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
 
@@ -237,6 +261,7 @@ def prepare(
     test_fraction: float,
     template: str,
     chat: bool,
+    valid: float | None = None,
 ) -> Prepared:
     rows = read_rows(path, input_col, output_col)
     check_rows(rows, path)
@@ -248,5 +273,7 @@ def prepare(
             "set data.task: generation"
         )
     train, test = split(rows, seed, test_fraction, task, path)
+    train, held = carve(train, seed, valid, path)
     tr, te, pr = render(train, test, labels, template, chat)
-    return Prepared(task, labels, len(rows), tr, te, pr, len(train), len(test))
+    va = render(held, [], labels, template, chat)[0]
+    return Prepared(task, labels, len(rows), tr, te, pr, len(train), len(test), va, len(held))

@@ -51,6 +51,7 @@ def data_record(project: Project, prepared, data_sha: str) -> dict[str, Any]:
         "rows": prepared.rows,
         "train": prepared.n_train,
         "test": prepared.n_test,
+        **({"valid": prepared.n_valid} if prepared.n_valid else {}),
         "task": prepared.task,
         "labels": list(prepared.labels),
     }

@@ -182,3 +182,29 @@ def test_mlx_continues_a_torch_run_and_measures_the_same_losses_within_rounding(
     worst = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(got, want, strict=True))
     print(f"\nvalidation loss, torch then mlx vs torch alone: {worst:.3g} (relative, max)")
     assert worst <= 1e-5, (got, want)  # measured 1.4e-07 (2-core EPYC, float32)
+
+
+def test_a_build_carves_validation_rows_off_the_training_split(tmp_path):
+    from tests.func.test_build import copy_toy, spill, state_doc
+
+    project = copy_toy(tmp_path / "toy")
+    home = tmp_path / "home"
+    over = ["tune.valid=24", "tune.steps=30", "tune.ckpt_every=10", "tune.eval_every=10"]
+    spill("build", str(project), *over, "tune.keep_best=true", home=home)
+    doc = state_doc(project / ".spill")
+    assert (doc["data"]["train"], doc["data"]["valid"], doc["data"]["test"]) == (337, 24, 39)
+    tune = doc["stages"]["tune"]
+    assert tune["inputs"]["tune.valid"] == 24 and "data:valid.jsonl" in tune["inputs"]
+    result = tune["result"]
+    (folder,) = (project / ".spill" / tune["location"] / "payloads").glob("ckpt-*-s30-*")
+    state = json.loads((folder / "state.json").read_text())
+    assert [s for s, _ in state["valid"]] == [10, 20, 30]
+    assert result["valid_loss"] == round(state["valid"][-1][1], 6)
+    assert result["best_step"] == state["best"]["step"]
+    status = spill("status", str(project), home=home).stdout
+    assert f"validation {result['valid_loss']:.4f}, exported step {result['best_step']}" in status
+    # up to date as it is; without validation the stage's inputs are those of before
+    again = spill("build", str(project), *over, "tune.keep_best=true", "--json", home=home)
+    assert {s["action"] for s in json.loads(again.stdout)["plan"]} == {"done", "skip"}
+    plain = spill("build", str(project), "--dry-run", "--json", home=home)
+    assert json.loads(plain.stdout)["plan"][2]["action"] == "run"  # tune.valid off: retrain

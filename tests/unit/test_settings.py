@@ -16,7 +16,7 @@ import pytest
 import spill.conf
 import yaml
 
-from spill import settings
+from spill import settings, settings_schema
 from spill.cli import build_parser
 from spill.jobs.eval import EvalOptions
 from spill.jobs.generate import GenerateOptions
@@ -82,7 +82,7 @@ def test_schema_and_project_dataclass_name_every_setting_with_the_conf_default(g
     conf, schema = base(group), schema_section(group)
     assert list(schema) == list(conf), "the schema's keys are the conf's, in order"
     assert sorted(f.name for f in dataclasses.fields(SECTIONS[group])) == sorted(conf)
-    assert [name for name, _ in settings.fields(group)] == list(conf)
+    assert [name for name, _ in settings_schema.fields(group)] == list(conf)
     unset_here = {k: "<none>" if v == "???" else v for k, v in conf.items()}  # ???: the project's
     assert {k: v.get("default", "<none>") for k, v in schema.items()} == unset_here
 
@@ -93,7 +93,7 @@ def test_the_shipped_schema_is_what_the_settings_make():
     from spill.validate import load_schema
 
     shipped = load_schema("spill-yaml")["properties"]
-    made = settings.schema_sections()
+    made = settings_schema.schema_sections()
     assert {g: shipped[g] for g in made} == made, "run `python -m spill.settings`"
 
 

@@ -44,6 +44,7 @@ GROUND = {  # spill/<name>.py, and the data packages installed beside them
         "machine",
         "validate",
         "settings",
+        "settings_schema",
     ),
     *("conf", "schemas", "projects", "reports"),
 }

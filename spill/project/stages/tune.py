@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from spill.project import outputs
 from spill.project.stages.base import Stage, common_inputs, distinct
-from spill.settings import TuneSettings, deciding
+from spill.settings import stage_inputs
 from spill.store.fs import join
 
 if TYPE_CHECKING:
@@ -33,8 +33,9 @@ class TuneStage(Stage):
     ) -> dict[str, Any]:
         from spill.project.data import sha256
 
-        tune = {f"tune.{k}": getattr(project.tune, k) for k in deciding(TuneSettings)}
-        out = {**common_inputs(project, prepared), **tune}
+        out = {**common_inputs(project, prepared), **stage_inputs("tune", project.tune)}
+        if prepared.n_valid:
+            out["data:valid.jsonl"] = sha256(prepared.valid)
         teacher = earlier.get(self.needs[0])
         if teacher is not None and teacher.enabled:  # it trains on the teacher's answers
             out[f"stage:{teacher.name}"] = teacher.fingerprint
@@ -58,9 +59,12 @@ class TuneStage(Stage):
             weights=job.weights,
             writer=job.writer,
             quantize=job.quantize,
+            valid=ctx.work / "valid.jsonl" if ctx.prepared.n_valid else None,
         )
         s = tune(p.model.name, self.train_file(ctx), p.name, opts)
-        return {"step": s["step"], "steps": t.steps, "loss": s["loss"]}, s["step"] == t.steps
+        watched = {k: s[k] for k in ("valid_loss", "best_step", "best_valid_loss") if k in s}
+        result = {"step": s["step"], "steps": t.steps, "loss": s["loss"], **watched}
+        return result, s["step"] == t.steps
 
     def train_file(self, ctx: BuildContext) -> Path:
         """The rows it trains on: the split's training rows, or the teacher's answers."""
@@ -77,9 +81,13 @@ class TuneStage(Stage):
     def summarize(self, result: Mapping[str, Any]) -> str:
         if not result:
             return ""
-        loss = result.get("loss")
-        return f"{result['step']} of {result['steps']} steps" + (
-            f", loss {loss:.4f}" if loss is not None else ""
+        loss, valid = result.get("loss"), result.get("valid_loss")
+        best = result.get("best_step")
+        return (
+            f"{result['step']} of {result['steps']} steps"
+            + (f", loss {loss:.4f}" if loss is not None else "")
+            + (f", validation {valid:.4f}" if valid is not None else "")
+            + (f", exported step {best}" if best else "")
         )
 
     def count_name(self) -> str:

@@ -131,3 +131,40 @@ def test_new_inputs_are_read_as_the_data_is(tmp_path):
         with pytest.raises(DataError, match=re.escape(message)) as e:
             read_inputs(jl, "text")
         assert "\n" not in str(e.value)
+
+
+def ids(jsonl: bytes) -> list[int]:
+    return [json.loads(line)["id"] for line in jsonl.splitlines()]
+
+
+def test_validation_rows_come_off_the_training_rows_only(tmp_path):
+    path = write_csv(tmp_path / "d.csv", LABELED)
+    whole = prepare(path, "text", "label", "auto", 0, 0.2, "Q: {input}\n", False)
+    assert whole.n_valid == 0 and "valid.jsonl" not in whole.files()  # the files of before
+    for valid, n in ((5, 5), (0.25, 6)):  # a count, or a fraction of the 24 training rows
+        p = prepare(path, "text", "label", "auto", 0, 0.2, "Q: {input}\n", False, valid)
+        assert (p.n_train, p.n_valid, p.n_test) == (24 - n, n, 6)
+        assert p.test == whole.test  # the graded rows never change
+        assert sorted(ids(p.train) + ids(p.valid)) == sorted(ids(whole.train))
+        assert ids(p.valid) == sorted(ids(p.valid))  # file order
+        assert set(json.loads(p.valid.splitlines()[0])) == {"id", "prompt", "completion"}
+        assert p == prepare(path, "text", "label", "auto", 0, 0.2, "Q: {input}\n", False, valid)
+        assert p.files()["valid.jsonl"] == p.valid
+    other = prepare(path, "text", "label", "auto", 1, 0.2, "Q: {input}\n", False, 5)
+    assert ids(other.valid) != ids(
+        prepare(path, "text", "label", "auto", 0, 0.2, "Q", False, 5).valid
+    )
+    for bad in (24, 30):
+        with pytest.raises(DataError, match=f"tune.valid {bad} leaves .* give at least 1 of each"):
+            prepare(path, "text", "label", "auto", 0, 0.2, "Q: {input}\n", False, bad)
+
+
+def test_validation_settings_are_stage_inputs_only_when_validation_is_on():
+    from spill.conf import defaults
+
+    from spill.settings import TuneSettings, stage_inputs
+
+    off = stage_inputs("tune", TuneSettings(**defaults("tune")))
+    assert not {"tune.valid", "tune.eval_every", "tune.keep_best"} & set(off)
+    on = stage_inputs("tune", TuneSettings(**{**defaults("tune"), "valid": 0.1}))
+    assert {"tune.valid": 0.1, "tune.eval_every": 10, "tune.keep_best": False}.items() <= on.items()
