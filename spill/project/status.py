@@ -121,7 +121,7 @@ def progress(where: str, doc: dict[str, Any]) -> str:
     """What the run at ``where`` has committed: a job's last step (and cursor) or rows, else
     each stage of a build's state."""
     from spill.control.place import Place
-    from spill.payloads.checkpoint import newest_commit
+    from spill.payloads.newest import newest_commit
     from spill.payloads.rows import commit_markers
 
     place = Place(where)

@@ -86,7 +86,7 @@ class TuneStage(Stage):
         return f"{self.name}.steps"
 
     def probe(self, root: str) -> tuple[int, list[dict]]:
-        from spill.payloads.checkpoint import newest_commit
+        from spill.payloads.newest import newest_commit
 
         found = newest_commit(self.place(root))
         if found is None:
