@@ -23,7 +23,7 @@ from spill.project.stages import STAGES, TUNE, get
 from spill.store.location import location
 
 
-def _where(producers: list[dict]) -> str:
+def ran_on(producers: list[dict]) -> str:
     """``torch float32 on host (Linux 6.1)`` (``torch float32 x 2 processes on ...``); a stage
     made by several producers lists each."""
     out = []
@@ -57,7 +57,7 @@ def rows(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
                 "stage": name,
                 "status": status,
                 "result": result,
-                "ran on": _where(rec.get("producers") or []),
+                "ran on": ran_on(rec.get("producers") or []),
             }
         )
     return out
