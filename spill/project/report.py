@@ -142,13 +142,17 @@ def gather(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     if not runs:
         status.status(root, where)  # its one-line error: no build here, and how to start one
         raise StoreError(f"no build at {where}; `spill build {root}` starts one")
+    keys = swept(runs)
+    for r in runs:  # a sweep job is named by its swept values (the rest they share)
+        mine = [o for o in r["overrides"] if o.split("=", 1)[0] in keys]
+        r["label"] = ", ".join(mine) if r["name"] != BUILD and mine else r["name"]
     return {
         "project": runs[0]["project"],
         "folder": str(root),
         "state": where,
         "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "runs": runs,
-        "swept": swept(runs),
+        "swept": keys,
     }
 
 

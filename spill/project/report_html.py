@@ -52,7 +52,7 @@ def _stages(report: dict[str, Any]) -> str:
     out = []
     for run in report["runs"]:
         given = esc(", ".join(run["overrides"]) or "no overrides")
-        out.append(f"<h3>{esc(run['name'])} <span class='meta'>({given})</span></h3>")
+        out.append(f"<h3>{esc(run['label'])} <span class='meta'>({given})</span></h3>")
         out.append(f"<p class='meta'>state <code>{esc(run['state'])}</code></p>")
         out.append(_table(run["table"], "stages"))
         out += [f"<p class='note'>note: {esc(n)}</p>" for n in run["notes"]]
@@ -65,7 +65,7 @@ def loss_chart(runs: list[dict[str, Any]]) -> str:
     for i, run in enumerate(runs):
         found = run.get("losses") or {}
         train = found.get("train") or []
-        prefix = f"{run['name']} " if len(runs) > 1 else ""
+        prefix = f"{run['label']} " if len(runs) > 1 else ""
         if train:
             points = [(step + 1.0, y) for step, y in enumerate(train)]
             series.append(Series(f"{prefix}train", points, color(i), group=run["name"]))
@@ -86,8 +86,8 @@ def score_charts(report: dict[str, Any]) -> str:
         numbers = all(isinstance(p["value"], float) for p in points)
         order = sorted(range(len(points)), key=lambda i: points[i]["value"] if numbers else i)
         cats = None if numbers else [str(points[i]["value"]) for i in order]
-        stages = sorted({s for p in points for s in p["scores"]})
-        labels = sorted({k for p in points for v in p["scores"].values() for k in v})
+        stages = list(dict.fromkeys(s for p in points for s in p["scores"]))  # in build order
+        labels = list(dict.fromkeys(k for p in points for v in p["scores"].values() for k in v))
         for label in labels:
             series = []
             for j, stage in enumerate(stages):
@@ -98,17 +98,12 @@ def score_charts(report: dict[str, Any]) -> str:
                     pts.append((p["value"] if numbers else float(n), y))
                     tips.append(f"{p['run']}: {stage} {label} {y}")
                 series.append(Series(stage, pts, color(j), markers=True, tips=tips))
-            title = f"{label} against {key}"
-            out.append(
-                line_chart(
-                    series,
-                    title=title,
-                    xlabel=key,
-                    ylabel=label,
-                    categories=cats,
-                    chart=f"score:{label}:{key}",
-                )  # fmt: skip
-            )
+            ylim = (0.0, 1.0) if label == "accuracy" else None
+            chart = line_chart(
+                series, title=f"{label} against {key}", xlabel=key, ylabel=label,
+                categories=cats, ylim=ylim, chart=f"score:{label}:{key}",
+            )  # fmt: skip
+            out.append(chart)
     return "".join(out)
 
 
@@ -117,7 +112,7 @@ def _scores_table(runs: list[dict[str, Any]]) -> str:
     for run in runs:
         for stage, scores in run["scores"].items():
             shown = {k: "" if v is None else f"{v:.4g}" for k, v in scores.items()}
-            rows.append({"run": run["name"], "stage": stage, **shown})
+            rows.append({"run": run["label"], "stage": stage, **shown})
     return _table(rows, "scores")
 
 
@@ -128,7 +123,7 @@ def _timeline(runs: list[dict[str, Any]]) -> str:
         for entry in run["timeline"]:
             for r in entry["ranges"]:
                 colors.setdefault(r["label"], color(len(colors)))
-            name = f"{run['name'][:18]} · {entry['stage']}" if len(runs) > 1 else entry["stage"]
+            name = f"{run['label']} · {entry['stage']}" if len(runs) > 1 else entry["stage"]
             rows.append({**entry, "label": f"{name} ({entry['total']} {entry['unit']}s)"})
     return timeline(rows, colors)
 
@@ -138,17 +133,17 @@ def _models(runs: list[dict[str, Any]]) -> str:
     for run in runs:
         for m in run["models"]:
             fp = m["fingerprint"] or ""
-            short = f"<code title='{esc(fp)}'>{esc(fp[:19])}</code>" if fp else ""
+            tip = esc(f"{fp} ({', '.join(m['files'])})")
+            short = f"<code title='{tip}'>{esc(fp[:19])}</code>" if fp else ""
             sfp = m["stage_fingerprint"] or ""
             rows.append(
                 {
-                    "run": run["name"],
+                    "run": run["label"],
                     "stage": m["stage"],
                     "model": m["model"] or "",
                     "pinned to": m["pinned"] or "(no job state)",
                     "model fingerprint": short,
                     "quantized": m["quantization"] or m["quantize"] or "float",
-                    "files": ", ".join(m["files"]),
                     "stage fingerprint": f"<code title='{esc(sfp)}'>{esc(sfp[:19])}</code>",
                 }
             )

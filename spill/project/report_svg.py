@@ -103,6 +103,7 @@ def line_chart(
     xlabel: str,
     ylabel: str,
     categories: list[str] | None = None,  # x values 0..n-1 are these names
+    ylim: tuple[float, float] | None = None,  # at least this y range (accuracy: 0 to 1)
     chart: str = "",  # data-chart: what it shows
     width: int = WIDTH,
     height: int = 300,
@@ -112,10 +113,12 @@ def line_chart(
     ys = [y for s in series for x, y in s.points if y is not None]
     if not ys:
         return f'<p class="empty">{esc(title)}: nothing to draw yet</p>'
-    log = min(ys) > 0 and max(ys) / min(ys) > 100
+    log = ylim is None and min(ys) > 0 and max(ys) / min(ys) > 100
     pad = 0.5 if categories else 0.0
     sx = _Scale(min(xs) - pad, max(xs) + pad, LEFT, width - RIGHT)
     lo, hi = (min(ys), max(ys)) if log else (min(ys + [0.0]), max(ys))
+    if ylim:
+        lo, hi = min(lo, ylim[0]), max(hi, ylim[1])
     sy = _Scale(lo, hi, height - BOTTOM, TOP, log=log)
     parts = [f'<text class="title" x="{LEFT}" y="16">{esc(title)}</text>']
     for t in sy.ticks():
@@ -178,7 +181,7 @@ def timeline(rows: list[dict], colors: dict[str, str], *, width: int = WIDTH) ->
     each range filled with its producer's color; what no producer has computed yet stays grey."""
     if not rows:
         return '<p class="empty">no stage has run yet</p>'
-    name_w, bar_h, gap = 200, 18, 8
+    name_w, bar_h, gap = 240, 18, 8
     x0, x1 = name_w, width - RIGHT
     parts = []
     for i, row in enumerate(rows):
@@ -186,7 +189,7 @@ def timeline(rows: list[dict], colors: dict[str, str], *, width: int = WIDTH) ->
         total = max(int(row["total"] or 0), 1)
         parts.append(
             f'<text class="tick" x="{name_w - 8}" y="{y + 13}" text-anchor="end">'
-            f"{esc(row['label'][:30])}</text>"
+            f"{esc(row['label'][:34])}</text>"
             f'<rect class="todo" x="{x0}" y="{y}" width="{x1 - x0}" height="{bar_h}"/>'
         )
         for r in row["ranges"]:
