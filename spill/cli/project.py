@@ -219,9 +219,12 @@ def cmd_status(args) -> int:
     if "runs" in summary:  # a sweep's folder: its runs, as the sweep printed them
         import json
 
+        from spill.project.series import lines
         from spill.project.sweep import render
 
         print(json.dumps(summary, indent=2, sort_keys=True) if args.json else render(summary))
+        for run, found in {} if args.json else summary["losses"].items():
+            print("\n".join([f"{run}:", *(f"  {x}" for x in lines(found))]))
         return 0
     _emit_build(summary, args.json)
     return 0

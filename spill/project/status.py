@@ -260,8 +260,10 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     doc = record.read(where)
     if doc is None:
         runs = sweep_runs(where)
-        if runs:
-            return {"project": root.name, "state": where, "runs": runs, "dry_run": False}
+        if runs:  # a sweep's folder: its jobs, each with its loss series
+            losses = {r["run"]: found for r in runs if (found := series.losses(r["state"]))}
+            summary = {"project": root.name, "state": where, "runs": runs, "dry_run": False}
+            return {**summary, "losses": losses}
         raise StoreError(f"no build at {where}; `spill build {root}` starts one")
     notes = []
     for name, rec in (doc.get("stages") or {}).items():

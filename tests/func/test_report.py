@@ -131,6 +131,13 @@ def test_report_of_a_relay_in_chromium(relayed, browser, tmp_path):
     assert "http://127.0.0.1:9/x.png" in control.requests and len(control.requests) == 3
 
 
+def test_status_of_a_sweep_draws_each_jobs_loss(swept):
+    text = spill("status", swept).stdout
+    assert text.count("\n  tune loss   ") == 2 and "tune.lr=0.02:" in text
+    doc = json.loads(spill("status", swept, "--json").stdout)
+    assert [len(v["train"]) for v in doc["losses"].values()] == [8, 8]
+
+
 def test_a_sweep_overlaid_in_chromium(swept, browser):
     page = open_page(browser, file_url(report(swept, "-o", swept / "sweep.html")))
     assert page.requests == [file_url(swept / "sweep.html")]
