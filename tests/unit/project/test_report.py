@@ -64,25 +64,6 @@ def test_losses_and_the_lines_under_the_table(tmp_path):
     ]
 
 
-def test_row_ranges_follow_the_commit_order(tmp_path):
-    from spill.control.ownership import acquire
-
-    rows = acquire(str(tmp_path)).place("stages/eval")
-    segs = []
-    for n, producer in enumerate([LINUX, LINUX, MAC]):
-        d = Path(rows.payload("rows", n))
-        d.mkdir(parents=True)
-        (d / "COMMIT").write_text(json.dumps({"count": 5, "producer": producer}))
-        segs.insert(0, str(d))
-    rows.publish("rows", segs)
-    got = stages.get("eval").ranges(str(tmp_path))
-    assert [(r["from"], r["to"], r["producer"]["machine"]) for r in got] == [
-        (0, 10, "box"),
-        (10, 15, "mac"),
-    ]
-    assert stages.get("eval").pinned(str(tmp_path)) is None  # no identity pinned yet
-
-
 def _run(name: str, overrides: list[str], acc: float, valid: bool) -> dict:
     losses = {"step": 4, "train": [3.0, 2.0, 1.5, 1.0]}
     if valid:
