@@ -2,7 +2,8 @@
 ``spill.project.report.write``, then the path it wrote (or, with ``--json``, what it shows).
 
 The page lands in the project folder (``DIR/report.html``) unless ``-o`` says otherwise; for a
-project at a URI, or a state location named instead of a project, in the current folder.
+project at a URI, or a state location named instead of a project, in the current folder. A
+state location that is a project's ``.spill/`` is read with that project (for its notes).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def command(args: argparse.Namespace) -> int:
     args.dir, args.state = locate(args.dir, args.state, build=False)
     out = args.out
     if args.state is None and is_state(args.dir):  # a state location: its build, read as is
-        args.dir, args.state = ".", args.dir
+        state = Path(args.dir)  # its project, when it is one's .spill/ (else none is checked)
+        home = state.parent if (state.parent / "spill.yaml").is_file() else state
+        args.dir, args.state = str(home), args.dir
         out = out or FILE
     elif "://" in given and out is None:  # a project at a URI: its working copy is spill's own
         out = FILE

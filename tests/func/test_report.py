@@ -152,9 +152,11 @@ def test_a_sweep_overlaid_in_chromium(swept, browser):
 def test_report_reads_the_state_only(relayed, tmp_path):
     """No engine, numpy or Hydra; and (where a network namespace can be made) no network."""
     out = tmp_path / "light.html"
-    code = cli_code("report", str(relayed["project"]), "-o", str(out))
+    state = relayed["project"] / ".spill"  # a state location named instead of its project
+    code = cli_code("report", str(state), "-o", str(out))
     proc = assert_not_imported(code, (*ENGINES, "numpy", "hydra", "transformers"))
     assert proc.stdout.splitlines()[-1] == "rc 0" and out.is_file()
+    assert f"project <code>{relayed['project']}</code>" in out.read_text()
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-n", "true"]).returncode != 0:
         return  # no namespace here (not root): the import check above stands
