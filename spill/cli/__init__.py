@@ -2,7 +2,7 @@
 it returns, and turn errors into exit codes. Nothing below imports it.
 
 One module per verb group parses and prints (``jobs``: run, eval, distill, tune; ``project``:
-init, build, resume, status; ``predict``, ``chat``, ``move``, ``bundle``, ``models``, ``export``, ``example``; ``resume`` replays
+init, build, resume, status; ``report``, ``predict``, ``chat``, ``move``, ``bundle``, ``models``, ``export``, ``example``; ``resume`` replays
 a state location's recorded command); what several share is in ``options``. Imports here stay
 light (argparse and spill's engine-free modules); each verb imports its own module when it runs,
 so ``spill --help`` never imports torch or mlx.
@@ -29,10 +29,22 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"spill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    from spill.cli import bundle, chat, example, export, jobs, models, move, predict, project
+    from spill.cli import (
+        bundle,
+        chat,
+        example,
+        export,
+        jobs,
+        models,
+        move,
+        predict,
+        project,
+        report,
+    )
 
     jobs.add_parsers(sub, full=verb is None or verb in JOB_VERBS)  # run, eval, distill, tune
     project.add_parsers(sub)  # init, build, resume, status
+    report.add_parser(sub)
     predict.add_parser(sub)
     chat.add_parser(sub, full=verb in (None, "chat"))
     move.add_parser(sub)

@@ -58,11 +58,18 @@ def _emit_build(summary: dict, as_json: bool, args=None) -> None:
     import json
 
     from spill.console import speaking
-    from spill.project.status import adapter, render
+    from spill.project.status import adapter, render, with_losses
     from spill.project.status import as_json as to_json
 
     if not speaking():  # a rank other than 0: rank 0 prints the build
         return
+    if args is not None:  # a build's summary: its loss series, read from its state now
+        from spill.errors import SpillError
+
+        try:
+            summary = with_losses(summary)
+        except (SpillError, OSError):  # the table matters more than its sparkline
+            pass
     if as_json:
         print(json.dumps(to_json(summary), indent=2, sort_keys=True))
         return
@@ -73,6 +80,14 @@ def _emit_build(summary: dict, as_json: bool, args=None) -> None:
         state = f" --build-state {args.state}" if args.state else ""
         print(f"adapter: {where}/ (spill, PEFT and MLX-LM layouts)")
         print(f'predict: spill predict {project}INPUT.csv --out OUT.jsonl{state}, or --text "..."')
+    if args is not None and not summary.get("dry_run"):
+        print(f"report: {_report_command(args)}")
+
+
+def _report_command(args) -> str:
+    """The ``spill report`` command that makes this build's page (``spill.cli.report``)."""
+    project = "" if args.dir == "." else f" {args.dir}"
+    return f"spill report{project}" + (f" --state {args.state}" if args.state else "")
 
 
 def cmd_init(args) -> int:
@@ -149,6 +164,8 @@ def _build(args) -> int:
 
         result = sweep(args.dir, opts)
         print(json.dumps(result, indent=2, sort_keys=True) if args.json else render(result))
+        if not args.json and not args.dry_run:
+            print(f"report: {_report_command(args)} (every job of the sweep, overlaid)")
         return exit_code(result)
     _emit_build(build(args.dir, opts), args.json, args)
     return 0
@@ -202,9 +219,12 @@ def cmd_status(args) -> int:
     if "runs" in summary:  # a sweep's folder: its runs, as the sweep printed them
         import json
 
+        from spill.project.series import lines
         from spill.project.sweep import render
 
         print(json.dumps(summary, indent=2, sort_keys=True) if args.json else render(summary))
+        for run, found in {} if args.json else summary["losses"].items():
+            print("\n".join([f"{run}:", *(f"  {x}" for x in lines(found))]))
         return 0
     _emit_build(summary, args.json)
     return 0

@@ -74,7 +74,7 @@ def _fmt(x: float | None) -> str:
 
 def tune_ledger(root: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The newest committed tune checkpoint's state and its producer ranges."""
-    from spill.payloads.checkpoint import newest_commit
+    from spill.payloads.newest import newest_commit
 
     found = newest_commit(TUNE.place(root))
     if found is None:

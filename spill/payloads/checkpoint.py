@@ -27,16 +27,15 @@ import numpy as np
 from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
 from spill.hashing import buffers_sha256
+from spill.payloads.newest import COMMIT, KIND, STATE
+from spill.payloads.newest import newest_commit as newest_commit  # its old home
 from spill.store import drill
-from spill.store.fs import exists, get_bytes, join, put_bytes, put_fresh, sync_fresh
+from spill.store.fs import get_bytes, join, put_bytes, put_fresh, sync_fresh
 from spill.store.safetensors_io import encode
 from spill.validate import SchemaInvalid, parse_json, validate
 
-KIND = "ckpt"
 PARAMS = "params.safetensors"
 OPT = "opt.safetensors"
-STATE = "state.json"
-COMMIT = "COMMIT"
 FILES = (PARAMS, OPT, STATE)
 KEEP = 2
 SCHEMA_VERSION = 1
@@ -154,20 +153,6 @@ def latest_checkpoint(place: Place) -> Checkpoint | None:
             return _verify(uri, payload_seq(uri))
         except CheckpointInvalid as e:
             log.warning("ignoring %s", e)
-    return None
-
-
-def newest_commit(place: Place) -> tuple[int, dict[str, Any]] | None:
-    """The newest pointed step and its ``state.json`` (``{}`` if unreadable), read without
-    hashing anything: a light progress probe (what a job trusts is ``latest_checkpoint``)."""
-    for uri in place.pointer(KIND):
-        if not exists(join(uri, COMMIT)):
-            continue  # pointed at, but its folder is gone (removed by hand)
-        try:
-            state = parse_json(get_bytes(join(uri, STATE)))
-        except (FileNotFoundError, ValueError):
-            state = {}
-        return payload_seq(uri), state if isinstance(state, dict) else {}
     return None
 
 

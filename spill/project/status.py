@@ -18,12 +18,12 @@ from typing import Any
 from spill.console import table
 from spill.errors import StoreError
 from spill.paths import STATE_DIR
-from spill.project import record, uptodate
+from spill.project import record, series, uptodate
 from spill.project.stages import STAGES, TUNE, get
 from spill.store.location import location
 
 
-def _where(producers: list[dict]) -> str:
+def ran_on(producers: list[dict]) -> str:
     """``torch float32 on host (Linux 6.1)`` (``torch float32 x 2 processes on ...``); a stage
     made by several producers lists each."""
     out = []
@@ -57,7 +57,7 @@ def rows(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
                 "stage": name,
                 "status": status,
                 "result": result,
-                "ran on": _where(rec.get("producers") or []),
+                "ran on": ran_on(rec.get("producers") or []),
             }
         )
     return out
@@ -72,6 +72,8 @@ def render(summary: dict[str, Any]) -> str:
         ]
         return f"plan for {summary['project']} (state {summary['state']}):\n" + table(plan)
     lines = [table(rows(summary.get("doc")))]
+    for name, found in (summary.get("losses") or {}).items():
+        lines += series.lines(found, name)
     if run := summary.get("run"):
         lines.append(
             f"run {run['id']} · {run['status']} · generation {run['generation']} · "
@@ -121,7 +123,7 @@ def progress(where: str, doc: dict[str, Any]) -> str:
     """What the run at ``where`` has committed: a job's last step (and cursor) or rows, else
     each stage of a build's state."""
     from spill.control.place import Place
-    from spill.payloads.checkpoint import newest_commit
+    from spill.payloads.newest import newest_commit
     from spill.payloads.rows import commit_markers
 
     place = Place(where)
@@ -151,7 +153,8 @@ def run_summary(where: str) -> dict[str, Any]:
 
 
 def as_json(summary: dict[str, Any]) -> dict[str, Any]:
-    """What ``--json`` prints: the plan and, per stage, status, result and producers."""
+    """What ``--json`` prints: the plan and, per stage, status, result and producers; the tune
+    stage's loss series under ``losses``."""
     doc = summary.get("doc") or {}
     stages = {
         name: {
@@ -162,7 +165,18 @@ def as_json(summary: dict[str, Any]) -> dict[str, Any]:
     }
     keys = ("project", "state", "dry_run", "plan", "notes", "run")
     out = {k: summary.get(k) for k in keys if k in summary}
+    out["losses"] = summary.get("losses") or {}
     return {**out, "stages": stages, "data": doc.get("data"), "adapter": adapter(summary)}
+
+
+def with_losses(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with ``losses``: the loss series (``spill.project.series``) of its tune stage
+    by name, when it has run and committed a checkpoint (a dry run's: none)."""
+    recs = (summary.get("doc") or {}).get("stages") or {}
+    if summary.get("dry_run") or not summary.get("state") or TUNE.name not in recs:
+        return summary
+    found = series.losses(str(summary["state"]))
+    return {**summary, "losses": {TUNE.name: found} if found else {}}
 
 
 def adapter(summary: dict[str, Any]) -> str | None:
@@ -246,8 +260,10 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     doc = record.read(where)
     if doc is None:
         runs = sweep_runs(where)
-        if runs:
-            return {"project": root.name, "state": where, "runs": runs, "dry_run": False}
+        if runs:  # a sweep's folder: its jobs, each with its loss series
+            losses = {r["run"]: found for r in runs if (found := series.losses(r["state"]))}
+            summary = {"project": root.name, "state": where, "runs": runs, "dry_run": False}
+            return {**summary, "losses": losses}
         raise StoreError(f"no build at {where}; `spill build {root}` starts one")
     notes = []
     for name, rec in (doc.get("stages") or {}).items():
@@ -268,4 +284,4 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
 
     notes += [line] if (line := missing_note(where)) else []
     summary = {"project": doc["project"]["name"], "state": where, "doc": doc, "notes": notes}
-    return {**summary, "run": run_view(where)}
+    return with_losses({**summary, "run": run_view(where)})

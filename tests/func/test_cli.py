@@ -13,7 +13,7 @@ SUBCOMMANDS = [
     *(
         [v]
         for v in (
-            *"run eval distill tune init build status resume models export".split(),
+            *"run eval distill tune init build status resume report models export".split(),
             "predict",
             "chat",
         )

@@ -72,11 +72,12 @@ def test_build_says_where_the_adapter_is_and_how_to_predict(toy):
     assert toy["build"]["adapter"] == str(adapter)
     again = spill(toy, "build", str(toy["project"]))  # finished: the table, then the two lines
     assert again.returncode == 0, again.stderr
-    tail = again.stdout.splitlines()[-2:]
+    tail = again.stdout.splitlines()[-3:]
     assert tail[0] == f"adapter: {adapter}/ (spill, PEFT and MLX-LM layouts)"
     assert tail[1] == (
         f'predict: spill predict {toy["project"]} INPUT.csv --out OUT.jsonl, or --text "..."'
     )
+    assert tail[2] == f"report: spill report {toy['project']}"  # and how to see it all
 
 
 def test_labels_are_those_eval_scores_highest(toy, tmp_path):

@@ -158,6 +158,16 @@ class Stage:
         """(steps or rows committed, distinct producers) from its job state; light: no hashing."""
         raise NotImplementedError
 
+    def ranges(self, root: str) -> list[dict[str, Any]]:
+        """Who computed what, from its job state: ``{"from": a, "to": b, "producer": {...}}``
+        for each run of steps or rows ``a..b`` one producer made, in order (``spill report``)."""
+        raise NotImplementedError
+
+    def pinned(self, root: str) -> dict[str, Any] | None:
+        """The model its job state is pinned to (``id``, ``fingerprint``, ``quantization``...),
+        or None when it has no job state."""
+        raise NotImplementedError
+
     def source(self, root: str, total: int) -> str:
         """The committed state its outputs can be restored from, or ``""``."""
         done = self.probe(root)[0]

@@ -43,6 +43,32 @@ class RowStage(Stage):
     def _source(self, done: int) -> str:
         return f"{done} committed rows"
 
+    def ranges(self, root: str) -> list[dict[str, Any]]:
+        from spill.payloads.rows import commit_markers
+
+        out: list[dict[str, Any]] = []
+        at = 0
+        for m in commit_markers(self.place(root)):  # in commit order: row positions add up
+            count, made = int(m.get("count", 0)), distinct([m.get("producer") or {}])[0]
+            if out and out[-1]["producer"] == made and out[-1]["to"] == at:
+                out[-1]["to"] = at + count
+            elif count:
+                out.append({"from": at, "to": at + count, "producer": made})
+            at += count
+        return out
+
+    def pinned(self, root: str) -> dict[str, Any] | None:
+        from spill.payloads.rows import IDENTITY, ROWS
+        from spill.store.fs import get_bytes
+        from spill.validate import parse_json
+
+        try:
+            doc = parse_json(get_bytes(join(self.uri(root), ROWS, IDENTITY)))
+        except (FileNotFoundError, ValueError):
+            return None
+        model = doc.get("model") if isinstance(doc, dict) else None
+        return model if isinstance(model, dict) else None
+
     def restore(self, root, project, inputs, recorded) -> None:
         ids, shape = self.order(inputs / self.reads)
         outputs.restore_rows(self.place(root), join(root, self.output(project)), ids, shape)

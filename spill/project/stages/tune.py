@@ -94,13 +94,31 @@ class TuneStage(Stage):
         return f"{self.name}.steps"
 
     def probe(self, root: str) -> tuple[int, list[dict]]:
-        from spill.payloads.checkpoint import newest_commit
+        from spill.payloads.newest import newest_commit
 
         found = newest_commit(self.place(root))
         if found is None:
             return 0, []
         step, state = found
         return step, distinct(state.get("producers") or [])
+
+    def ranges(self, root: str) -> list[dict[str, Any]]:
+        from spill.payloads.newest import newest_commit
+
+        found = newest_commit(self.place(root))
+        given = (found[1].get("producers") if found else None) or []
+        return [
+            {"from": p["from_step"], "to": p["to_step"], "producer": distinct([p])[0]}
+            for p in given
+            if isinstance(p, dict) and isinstance(p.get("from_step"), int)
+        ]
+
+    def pinned(self, root: str) -> dict[str, Any] | None:
+        from spill.payloads.newest import newest_commit
+
+        found = newest_commit(self.place(root))
+        model = found[1].get("model") if found else None
+        return model if isinstance(model, dict) else None
 
     def _source(self, done: int) -> str:
         return f"{self.name} step {done} checkpoint"

@@ -95,6 +95,10 @@ def test_probes_read_commits_only(tmp_path):
     rows.publish("rows", segs)
     (Path(rows.payload("rows", 3)) / "rows.jsonl").parent.mkdir(parents=True)
     assert stages.get("eval").probe(root) == (15, [LINUX, MAC])
+    # spill report's timeline: the rows each producer made, in commit order
+    ranges = [(r["from"], r["to"], r["producer"]) for r in stages.get("eval").ranges(root)]
+    assert ranges == [(0, 10, LINUX), (10, 15, MAC)]
+    assert stages.get("eval").pinned(root) is None  # no identity pinned
     assert stages.get("distill").probe(root) == (0, [])
 
 
