@@ -155,9 +155,11 @@ def _data(report: dict[str, Any]) -> str:
     if not data:
         return ""
     sha = str(data.get("sha256", ""))
+    valid = f"{esc(data['valid'])} to validate, " if data.get("valid") else ""
     return (
         f"<p class='meta'>data <code>{esc(data.get('file', ''))}</code>: {esc(data.get('rows'))} "
-        f"rows ({esc(data.get('train'))} to train on, {esc(data.get('test'))} held out), "
+        f"rows ({esc(data.get('train'))} to train on, {valid}{esc(data.get('test'))} held "
+        "out), "
         f"{esc(data.get('task'))}, <code title='{esc(sha)}'>{esc(sha[:19])}</code></p>"
     )
 

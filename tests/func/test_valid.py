@@ -203,6 +203,10 @@ def test_a_build_carves_validation_rows_off_the_training_split(tmp_path):
     assert result["best_step"] == state["best"]["step"]
     status = spill("status", str(project), home=home).stdout
     assert f"validation {result['valid_loss']:.4f}, exported step {result['best_step']}" in status
+    assert "tune valid  " in status and "(3 points)" in status  # the validation sparkline
+    spill("report", str(project), home=home)
+    page = (project / "report.html").read_text()
+    assert "337 to train on, 24 to validate, 39 held out" in page and "validation" in page
     # up to date as it is; without validation the stage's inputs are those of before
     again = spill("build", str(project), *over, "tune.keep_best=true", "--json", home=home)
     assert {s["action"] for s in json.loads(again.stdout)["plan"]} == {"done", "skip"}
