@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ACTIVATIONS = ("auto", "keep", "recompute")
+TRACKERS = ("tensorboard", "mlflow")  # spill.jobs.track's kinds
 _PATH = "^/?[^/\\u0000]{1,255}(/[^/\\u0000]{1,255})*"  # no name over 255 bytes, no NUL
 _TARGETS = "(q|k|v|o|gate|up|down)_proj"
 
@@ -228,6 +229,21 @@ class TuneSettings:
         "fit the memory budget; the same result either way (default %(default)s)",
         decides=False,
     )
+
+    log: tuple[str, ...] = setting(  # a list in spill.yaml; `--log a,b` on the verbs
+        {
+            "type": "array",
+            "items": {"enum": list(TRACKERS)},
+            "uniqueItems": True,
+            "description": "trackers the run logs to: tensorboard (event files under the "
+            "project), mlflow (MLFLOW_TRACKING_URI); docs/watching.md",
+        },
+        decides=False,
+        flag=False,
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "log", tuple(self.log))  # frozen and hashable from a YAML list
 
     def problem(self, name=lambda key: key) -> str:
         """What makes these settings unusable together (``""``: nothing), each setting called

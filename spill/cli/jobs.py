@@ -16,6 +16,7 @@ from spill.cli.options import (
     authority_options,
     engine_options,
     engine_settings,
+    log_option,
     model_options,
     model_settings,
     setting_flags,
@@ -153,18 +154,33 @@ def cmd_tune(args) -> int:
 
     if (code := _launched(args)) is not None:
         return code
-    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneSettings)}
+    settings = TuneSettings(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(TuneSettings)}
+    )
     opts = TuneOptions(
-        tune=TuneSettings(**settings),
+        tune=settings,
         seed=args.seed,
         engine=engine_settings(args),
         stop_after=args.stop_after,
         weights=args.weights,
         writer=_writer(args),
         quantize=spec_of(model_settings(args)),
+        track=_tracking(args, settings),
     )
     emit(tune(args.model, Path(args.train), args.name, opts), args.json)
     return 0
+
+
+def _tracking(args, settings):
+    """``--log``'s trackers for a bare ``spill tune``: experiment and run its ``--name``
+    (``spill.jobs.track.session``), the run's settings as params."""
+    if not args.log:
+        return None
+    from spill.jobs.track import TrackSpec, flat
+
+    model = {"name": args.model, "quantize": args.quantize, "group_size": args.group_size}
+    params = {**flat("tune", settings), **flat("model", model), "seed": args.seed}
+    return TrackSpec(kinds=args.log, params=params)
 
 
 def _tune_options(p: argparse.ArgumentParser) -> None:
@@ -173,6 +189,7 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("settings (defaults: conf/tune/default.yaml, as in a build)")
     setting_flags(g, TuneSettings, "tune")
+    log_option(g)
     p.add_argument(
         "--stop-after", type=int, metavar="N", help="stop after step N with a committed checkpoint"
     )

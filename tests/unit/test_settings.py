@@ -103,7 +103,7 @@ def test_the_checkpoint_identity_pins_every_tune_setting_that_decides_the_result
 
     decides = set(settings.deciding(settings.TuneSettings))
     assert set(IDENTITY) | set(IDENTITY_LORA) == decides
-    assert {"ckpt_every", "activations"} == {
+    assert {"ckpt_every", "activations", "log"} == {
         f.name for f in dataclasses.fields(settings.TuneSettings)
     } - decides
 
