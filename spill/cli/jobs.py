@@ -138,10 +138,34 @@ def cmd_eval(args) -> int:
         adapter=Path(args.adapter) if args.adapter else None,
     )
     out = Path(args.out) if args.out else None
+    logs = _eval_tracking(args)
     result = evaluate(args.model, Path(args.input), out, opts, _row_options(args))
+    if logs is not None:
+        from spill.jobs.track import log_scores
+
+        log_scores(logs, {f"eval/{k}": v for k, v in result.items()})
     columns = ["rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token"]
     emit(result, args.json, None if args.json else columns)
     return 0
+
+
+def _eval_tracking(args):
+    """``spill eval --log``: its scores as one run of the experiment ``spill-eval``, named
+    by model and input; keyed by ``--state`` (a rerun logs nothing twice), else a new run."""
+    if not args.log:
+        return None
+    import uuid
+
+    from spill.jobs.track import TrackSpec, check, logdir_for
+
+    check(args.log)  # before the model loads
+    run = f"{Path(args.model).name} on {Path(args.input).name}" + (
+        f" with {Path(args.adapter).name}" if args.adapter else ""
+    )
+    logdir = logdir_for(args.state, run)[0] if args.state else None
+    params = {"model.name": args.model, "input": args.input, "adapter": args.adapter}
+    key = f"eval#{args.state}" if args.state else f"eval#{uuid.uuid4().hex}"
+    return TrackSpec(args.log, "spill-eval", run, params, logdir=logdir, key=key)
 
 
 def cmd_tune(args) -> int:
@@ -236,6 +260,7 @@ def add_parsers(sub, full: bool = True) -> None:
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (spill or PEFT layout)")
     p.add_argument("--out", help="per-row results JSONL (written whole at the end)")
     setting_flags(p, EvalSettings, "eval")
+    log_option(p)
     p.add_argument(
         "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
     )

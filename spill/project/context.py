@@ -29,6 +29,7 @@ class BuildContext:
         None  # the build's ownership of its run: every publication goes through it
     )
     work: Path = field(default_factory=Path)  # the derived input files, local
+    run_key: str = ""  # the tune stage's fingerprint: what keys the tracked run (tune.log)
 
     def output(self, name: str) -> Path:
         """Where a job writes a file of ``files/``: there directly on a local state."""

@@ -7,7 +7,7 @@ logs committed steps exactly once across resumes; ``session`` is the tune job's 
 ``tensorboard_files`` and ``mlflow_runs`` are the two trackers. docs/watching.md has the layout.
 """
 
-from spill.jobs.track.session import OFF, Session, session
+from spill.jobs.track.session import OFF, Session, log_scores, session
 from spill.jobs.track.spec import TrackSpec, check, flat, logdir_for
 from spill.jobs.track.tracking import Tracking, open_tracking
 
@@ -18,6 +18,7 @@ __all__ = [
     "Tracking",
     "check",
     "flat",
+    "log_scores",
     "logdir_for",
     "open_tracking",
     "session",

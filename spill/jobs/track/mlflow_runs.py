@@ -80,8 +80,9 @@ class MLflowRun:
         for i in range(0, len(metrics), BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + BATCH])
 
-    def close(self, status: str) -> None:
-        self.client.set_terminated(self.run_id, status)
+    def close(self, status: str | None) -> None:
+        if status is not None:  # None: as it is (a build's eval:base, before its tune)
+            self.client.set_terminated(self.run_id, status)
 
 
 def _newest(client, run_id: str, key: str) -> int:

@@ -18,6 +18,7 @@ from spill.console import note
 from spill.jobs.preempt import Preempted
 from spill.jobs.track.spec import TrackSpec, logdir_for
 from spill.jobs.track.tracking import Tracking, open_tracking, where
+from spill.paths import spill_home
 
 PRODUCER_TAGS = ("engine", "machine", "os", "numerics", "hardware")
 
@@ -83,3 +84,25 @@ def session(spec: TrackSpec | None, root: str, name: str, steps: int) -> Iterato
 
 
 OFF = Session(None, "", "")  # a job without trackers (the ranks other than 0)
+
+
+def log_scores(
+    spec: TrackSpec, values: dict[str, Any], step: int = 0, status: str | None = "FINISHED"
+) -> None:
+    """A job's results (an eval's scores) as metrics of the spec's run at ``step``, each once;
+    ``status``: the MLflow run's afterwards (None: as it was)."""
+    assert spec.key and spec.experiment and spec.run, "a result run names itself"
+    logdir = spec.logdir or str(spill_home() / "tensorboard" / spec.run)
+    tracking = open_tracking(
+        spec.kinds,
+        key=spec.key,
+        experiment=spec.experiment,
+        run_name=spec.run,
+        logdir=logdir,
+        params=spec.params,
+        tags=spec.tags,
+    )
+    try:
+        tracking.metrics(values, step)
+    finally:
+        tracking.close(status)

@@ -59,7 +59,7 @@ class TensorBoard:
             self._writer.add_event(event_pb2.Event(wall_time=now, step=step, summary=summary))
         self._writer.flush()
 
-    def close(self, status: str) -> None:
+    def close(self, status: str | None) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None

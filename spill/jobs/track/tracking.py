@@ -32,7 +32,7 @@ class Backend(Protocol):
     last: dict[str, int]  # per metric, the newest step it holds
 
     def write(self, points: list[tuple[int, str, float]]) -> None: ...
-    def close(self, status: str) -> None: ...
+    def close(self, status: str | None) -> None: ...
 
 
 def series(state: dict, tune: Any, rates: dict[int, float]) -> dict[str, dict[int, float]]:
@@ -89,8 +89,8 @@ class Tracking:
                 b.last[k] = max(b.last.get(k, -1), s)
             drill.at(drill.TRACK_LOGGED)
 
-    def close(self, status: str = "FINISHED") -> None:
-        """``status``: MLflow's (FINISHED, KILLED, FAILED)."""
+    def close(self, status: str | None = "FINISHED") -> None:
+        """``status``: MLflow's (FINISHED, KILLED, FAILED; None: leave it)."""
         for b in self.backends:
             try:
                 b.close(status)

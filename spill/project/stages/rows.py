@@ -94,9 +94,13 @@ class EvalStage(RowStage):
         job = ctx.job_options(p.eval.batch, d.stop, self, "eval.batch")
         s = evaluate(p.model.name, ctx.work / self.reads, out, opts, job)
         complete = s.get("complete", True)
+        result = {k: s[k] for k in (*self.KEYS, "labels", "confusion") if k in s}
         if complete:
+            from spill.project.tracking import log_scores
+
             ctx.publish(out)
-        return {k: s[k] for k in (*self.KEYS, "labels", "confusion") if k in s}, complete
+            log_scores(ctx, self.name, result, p.tune.steps if self.adapter else 0)
+        return result, complete
 
     def summarize(self, result: Mapping[str, Any]) -> str:
         if not result:
