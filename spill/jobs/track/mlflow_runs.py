@@ -28,6 +28,7 @@ class MLflowRun:
     def __init__(
         self, key: str, experiment: str, run: str, params: dict[str, Any], tags: dict[str, str]
     ) -> None:
+        from mlflow.entities import RunTag
         from mlflow.tracking import MlflowClient
 
         try:
@@ -39,9 +40,10 @@ class MLflowRun:
                 max_results=1,
                 order_by=["attributes.start_time ASC"],
             )
-            if found:
+            if found:  # a later leg: its producer's tags replace the last leg's
                 self.run_id = found[0].info.run_id
                 c.update_run(self.run_id, status="RUNNING")
+                c.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
                 have = found[0].data.params
                 self.last = {k: _newest(c, self.run_id, k) for k in found[0].data.metrics}
             else:

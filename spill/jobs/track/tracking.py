@@ -36,14 +36,17 @@ class Backend(Protocol):
 
 
 def series(state: dict, tune: Any, rates: dict[int, float]) -> dict[str, dict[int, float]]:
-    """Every metric a committed ``state`` holds, by step: ``tune`` has ``lr, warmup, steps``."""
+    """Every metric a committed ``state`` holds, by step: ``tune`` has ``lr, warmup, steps``
+    (None: no learning rate)."""
     losses = state.get("losses") or []
     top = int(state.get("step", len(losses)))
     out: dict[str, dict[int, float]] = {
         "train/loss": {i + 1: x for i, x in enumerate(losses[:top]) if x is not None},
         "train/lr": {
             s: cosine_lr(s - 1, tune.lr, tune.warmup, tune.steps) for s in range(1, top + 1)
-        },
+        }
+        if tune is not None
+        else {},
         "train/tokens_per_s": {s: r for s, r in rates.items() if 1 <= s <= top},
         "valid/loss": {int(s): v for s, v in state.get("valid") or [] if v is not None},
     }
@@ -66,7 +69,8 @@ class Tracking:
     def committed(self, state: dict, rates: dict[int, float] | None = None) -> None:
         """A checkpoint was committed: log every step of it no tracker holds yet."""
         self.step = max(self.step, int(state.get("step", 0)))
-        self._log(series(state, self.tune, rates or {}))
+        if self.backends:
+            self._log(series(state, self.tune, rates or {}))
 
     def metrics(self, values: dict[str, float], step: int = 0) -> None:
         """Results (an eval's scores) at ``step``; each name logged once at a step."""
