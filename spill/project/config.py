@@ -77,6 +77,9 @@ class Project:
             doc.pop(key)
         if doc["id"] is None:
             doc.pop("id")
+        for section in doc.values():  # a frozen list setting (tune.log) is a list again
+            if isinstance(section, dict):
+                section.update({k: list(v) for k, v in section.items() if isinstance(v, tuple)})
         return doc
 
 
@@ -85,6 +88,7 @@ def from_record(doc: dict[str, Any], root: Path, overrides: Sequence[str] = ()) 
     A record made before quantized bases names no ``quantize``: its models were float, and
     the shipped group size fills in the setting that then decides nothing."""
     doc = {**doc, **{k: _before_quantization(k, doc[k]) for k in ("model", "teacher")}}
+    doc["tune"] = _before_tracking(doc["tune"])
     sections = {k: GROUPS[k](**doc[k]) for k in SECTIONS}
     return Project(
         Path(root).resolve(),
@@ -103,6 +107,15 @@ def _before_quantization(group: str, section: dict[str, Any]) -> dict[str, Any]:
     from spill.conf import defaults
 
     return {**section, "quantize": None, "group_size": defaults(group)["group_size"]}
+
+
+def _before_tracking(section: dict[str, Any]) -> dict[str, Any]:
+    """A record made before ``tune.log`` logged to no tracker: the shipped default."""
+    if "log" in section:
+        return section
+    from spill.conf import defaults
+
+    return {**section, "log": defaults("tune")["log"]}
 
 
 # --- validation --------------------------------------------------------------------------------

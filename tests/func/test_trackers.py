@@ -177,13 +177,14 @@ def test_sigkill_at_random_moments_then_each_step_once(control, tmp_path, mlflow
 
 
 @pytest.mark.parametrize("store", ["sqlite", "file"])
-def test_a_local_mlflow_store(control, tmp_path, store):
+def test_a_local_mlflow_store(control, tmp_path, store, monkeypatch):
     """MLflow without a server: a local SQLite database, and the file store (MLflow 3 keeps it
     behind ``MLFLOW_ALLOW_FILE_STORE``)."""
     uri = (
         f"sqlite:///{tmp_path / 'mlflow.db'}" if store == "sqlite" else f"file://{tmp_path}/mlruns"
     )
     extra = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the reader here too
     env = kit.spill_env(tmp_path / "home", **extra)
     argv = tune(control, tmp_path / "state", "local", "mlflow")
     first = kit.run_tune([*argv, "--stop-after", "2"], env)

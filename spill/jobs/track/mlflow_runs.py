@@ -11,6 +11,8 @@ stops early (``--stop-after``, preempted), FAILED on an error; a SIGKILLed leg s
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from typing import Any
 
@@ -84,7 +86,9 @@ class MLflowRun:
 
     def close(self, status: str | None) -> None:
         if status is not None:  # None: as it is (a build's eval:base, before its tune)
-            self.client.set_terminated(self.run_id, status)
+            # against a server MLflow prints the run's link to stdout: stderr keeps --json clean
+            with contextlib.redirect_stdout(sys.stderr):
+                self.client.set_terminated(self.run_id, status)
 
 
 def _newest(client, run_id: str, key: str) -> int:
