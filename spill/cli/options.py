@@ -214,7 +214,7 @@ def log_option(p) -> None:
     p.add_argument(
         "--log",
         type=trackers,
-        default=tuple(defaults("tune")["log"]),
+        default=defaults("tune")["log"],
         metavar="TRACKERS",
         help="log to tensorboard and/or mlflow, comma-separated (docs/watching.md)",
     )
