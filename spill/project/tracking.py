@@ -66,10 +66,8 @@ def spec(ctx: BuildContext) -> TrackSpec | None:
 def log_scores(ctx: BuildContext, stage: str, scores: dict[str, Any], step: int) -> None:
     """An eval stage's scores as the run's metrics ``<stage>/<score>`` at ``step`` (the tuned
     adapter's step, 0 for the base model); rank 0 only, each once."""
-    from spill.jobs.group import current
-
     s = spec(ctx)
-    if s is None or not current().leader:
+    if s is None:
         return
     from spill.jobs.track import log_scores as log
     from spill.jobs.track.tracking import metric_name

@@ -133,18 +133,21 @@ def test_a_run_stopped_and_resumed_logs_each_step_once_to_both(control, tmp_path
 
 # (the drills of the legs before the one that finishes; the steps with tokens/s in TensorBoard
 # and in MLflow: a step back-filled from the state has none)
+# (the first case covers both kinds of kill; the others are slow: -m slow)
+SLOW = pytest.mark.slow
 KILLS = [
     # killed after step 4's commit, before its log; then between TensorBoard and MLflow while
     # back-filling 3 and 4: the next leg back-fills MLflow from the state
     (["ckpt-after-commit@2", "track-logged@1"], ({1, 2, 5, 6}, {1, 2, 5, 6})),
     # killed between the two trackers at step 4's commit: MLflow lacks 3 and 4
-    (["track-logged@3"], ({1, 2, 3, 4, 5, 6}, {1, 2, 5, 6})),
+    pytest.param(["track-logged@3"], ({1, 2, 3, 4, 5, 6}, {1, 2, 5, 6}), marks=SLOW),
     # the last commit made, nothing of it logged: the rerun has no step to run, only back-fills
-    (["ckpt-after-commit@3"], ({1, 2, 3, 4}, {1, 2, 3, 4})),
+    pytest.param(["ckpt-after-commit@3"], ({1, 2, 3, 4}, {1, 2, 3, 4}), marks=SLOW),
 ]
+IDS = ["ckpt-after-commit@2+track-logged@1", "track-logged@3", "ckpt-after-commit@3"]
 
 
-@pytest.mark.parametrize("drills, tokens", KILLS, ids=["+".join(k[0]) for k in KILLS])
+@pytest.mark.parametrize("drills, tokens", KILLS, ids=IDS)
 def test_sigkill_between_commit_and_log_then_rerun(control, tmp_path, mlflow_url, drills, tokens):
     env = kit.spill_env(tmp_path / "home", MLFLOW_TRACKING_URI=mlflow_url)
     name = "kill-" + "-".join(d.replace("@", "") for d in drills)
@@ -176,7 +179,7 @@ def test_sigkill_at_random_moments_then_each_step_once(control, tmp_path, mlflow
     check_both(tmp_path, mlflow_url, "random-kills", control)
 
 
-@pytest.mark.parametrize("store", ["sqlite", "file"])
+@pytest.mark.parametrize("store", [pytest.param("sqlite", marks=SLOW), "file"])
 def test_a_local_mlflow_store(control, tmp_path, store, monkeypatch):
     """MLflow without a server: a local SQLite database, and the file store (MLflow 3 keeps it
     behind ``MLFLOW_ALLOW_FILE_STORE``)."""
@@ -215,6 +218,7 @@ def test_an_unknown_or_missing_tracker_is_one_line_before_the_model_loads(contro
     assert not (tmp_path / "state" / "payloads").exists()
 
 
+@pytest.mark.slow
 def test_spill_eval_logs_its_scores(control, tmp_path, mlflow_url):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(
@@ -240,6 +244,7 @@ def test_spill_eval_logs_its_scores(control, tmp_path, mlflow_url):
     assert tensorboard(tmp_path / "ev" / "tensorboard")["eval/rows"] == [(0, 3.0)]
 
 
+@pytest.mark.slow
 def test_a_sweep_is_sibling_runs_of_one_experiment(tmp_path, mlflow_url):
     import shutil
 

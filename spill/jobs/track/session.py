@@ -90,8 +90,12 @@ def log_scores(
     spec: TrackSpec, values: dict[str, Any], step: int = 0, status: str | None = "FINISHED"
 ) -> None:
     """A job's results (an eval's scores) as metrics of the spec's run at ``step``, each once;
-    ``status``: the MLflow run's afterwards (None: as it was)."""
+    ``status``: the MLflow run's afterwards (None: as it was). Rank 0 only (``--procs``)."""
+    from spill.jobs.group import current
+
     assert spec.key and spec.experiment and spec.run, "a result run names itself"
+    if not current().leader:
+        return
     logdir = spec.logdir or str(spill_home() / "tensorboard" / spec.run)
     tracking = open_tracking(
         spec.kinds,
