@@ -65,7 +65,7 @@ class Executor:
         self.shared = False  # the context went to the other ranks
         self.data_sha = ctx.data_sha
         self.specs = {s.name: s for s in specs}
-        tracking.prepare(ctx, self.specs.values())  # a missing tracker fails before any stage
+        tracking.prepare(ctx, self.specs)  # a missing tracker fails before any stage
         self.doc = doc or {
             "schema_version": record.SCHEMA_VERSION,
             "kind": record.KIND,

@@ -96,10 +96,8 @@ class EvalStage(RowStage):
         complete = s.get("complete", True)
         result = {k: s[k] for k in (*self.KEYS, "labels", "confusion") if k in s}
         if complete:
-            from spill.project.tracking import log_scores
-
             ctx.publish(out)
-            log_scores(ctx, self.name, result, p.tune.steps if self.adapter else 0)
+            ctx.log_scores(self.name, result, p.tune.steps if self.adapter else 0)
         return result, complete
 
     def summarize(self, result: Mapping[str, Any]) -> str:

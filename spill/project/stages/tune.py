@@ -47,7 +47,6 @@ class TuneStage(Stage):
 
     def execute(self, ctx: BuildContext, d: Decision) -> tuple[dict[str, Any], bool]:
         from spill.jobs.tune import TuneOptions, tune
-        from spill.project import tracking
 
         p, t = ctx.project, ctx.project.tune
         job = ctx.job_options(t.batch, d.stop, self)
@@ -59,7 +58,7 @@ class TuneStage(Stage):
             weights=job.weights,
             writer=job.writer,
             quantize=job.quantize,
-            track=tracking.spec(ctx),
+            track=ctx.track,
         )
         s = tune(p.model.name, self.train_file(ctx), p.name, opts)
         return {"step": s["step"], "steps": t.steps, "loss": s["loss"]}, s["step"] == t.steps
