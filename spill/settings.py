@@ -25,6 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ACTIVATIONS = ("auto", "keep", "recompute")
+TRACKERS = ("tensorboard", "mlflow")  # spill.jobs.track's kinds
+_LOG = {  # tune.log: a list in spill.yaml
+    "type": "array",
+    "items": {"enum": list(TRACKERS)},
+    "uniqueItems": True,
+    "description": "trackers the run logs to: tensorboard (event files under the project), "
+    "mlflow (MLFLOW_TRACKING_URI); docs/watching.md",
+}
 _PATH = "^/?[^/\\u0000]{1,255}(/[^/\\u0000]{1,255})*"  # no name over 255 bytes, no NUL
 _TARGETS = "(q|k|v|o|gate|up|down)_proj"
 
@@ -250,6 +258,11 @@ class TuneSettings:
         {"type": "boolean"},
         "export the checkpoint with the lowest validation loss, not the last (needs validation)",
     )
+
+    log: tuple[str, ...] = setting(_LOG, decides=False, flag=False)  # the verbs: --log a,b
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "log", tuple(self.log))  # frozen and hashable from a YAML list
 
     def problem(self, name=lambda key: key) -> str:
         """What makes these settings unusable together (``""``: nothing), each setting called

@@ -148,3 +148,48 @@ def azure_env(endpoint: str) -> dict[str, str]:
     """``AZURE_STORAGE_CONNECTION_STRING`` for Azurite at ``endpoint`` (adlfs reads it too)."""
     conn = f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
     return {"AZURE_STORAGE_CONNECTION_STRING": conn + f"BlobEndpoint={endpoint};"}
+
+
+def start_mlflow(store: str, log: IO[bytes] | int = subprocess.DEVNULL):
+    """``mlflow server`` on a free loopback port with its runs in the folder ``store`` (a
+    SQLite database and an artifact folder), once it answers ``/health``: ``(process, URL)``.
+    It runs in a session of its own so that ``stop_mlflow`` ends its uvicorn worker too."""
+    import os
+    import urllib.request
+
+    port = free_port()
+    os.makedirs(store, exist_ok=True)
+    argv = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--backend-store-uri", f"sqlite:///{os.path.join(store, 'mlflow.db')}"]
+    argv += ["--default-artifact-root", os.path.join(store, "artifacts"), "--workers", "1"]
+    proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120  # it migrates its database first: about 20 s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited at start (code {proc.returncode})")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.2)
+    stop_mlflow(proc)
+    raise RuntimeError("mlflow server did not answer within 120 s")
+
+
+def stop_mlflow(proc: subprocess.Popen) -> None:
+    """End the server's session (the CLI and the uvicorn worker it started)."""
+    import os
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue

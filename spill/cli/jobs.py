@@ -16,6 +16,7 @@ from spill.cli.options import (
     authority_options,
     engine_options,
     engine_settings,
+    log_option,
     model_options,
     model_settings,
     setting_flags,
@@ -137,10 +138,34 @@ def cmd_eval(args) -> int:
         adapter=Path(args.adapter) if args.adapter else None,
     )
     out = Path(args.out) if args.out else None
+    logs = _eval_tracking(args)
     result = evaluate(args.model, Path(args.input), out, opts, _row_options(args))
+    if logs is not None:
+        from spill.jobs.track import log_scores
+
+        log_scores(logs, {f"eval/{k}": v for k, v in result.items()})
     columns = ["rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token"]
     emit(result, args.json, None if args.json else columns)
     return 0
+
+
+def _eval_tracking(args):
+    """``spill eval --log``: its scores as one run of the experiment ``spill-eval``, named
+    by model and input; keyed by ``--state`` (a rerun logs nothing twice), else a new run."""
+    if not args.log:
+        return None
+    import uuid
+
+    from spill.jobs.track import TrackSpec, check, logdir_for
+
+    check(args.log)  # before the model loads
+    run = f"{Path(args.model).name} on {Path(args.input).name}" + (
+        f" with {Path(args.adapter).name}" if args.adapter else ""
+    )
+    logdir = logdir_for(args.state, run)[0] if args.state else None
+    params = {"model.name": args.model, "input": args.input, "adapter": args.adapter}
+    key = f"eval#{args.state}" if args.state else f"eval#{uuid.uuid4().hex}"
+    return TrackSpec(args.log, "spill-eval", run, params, logdir=logdir, key=key)
 
 
 def cmd_tune(args) -> int:
@@ -153,10 +178,11 @@ def cmd_tune(args) -> int:
 
     if (code := _launched(args)) is not None:
         return code
-    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneSettings)}
-    valid = settings.pop("valid")  # the job's file; the setting carves rows off in a build
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneSettings)}
+    valid = fields.pop("valid")  # the job's file; the setting carves rows off in a build
+    settings = TuneSettings(**fields, valid=None)
     opts = TuneOptions(
-        tune=TuneSettings(**settings, valid=None),
+        tune=settings,
         valid=Path(valid) if valid else None,
         seed=args.seed,
         engine=engine_settings(args),
@@ -164,9 +190,22 @@ def cmd_tune(args) -> int:
         weights=args.weights,
         writer=_writer(args),
         quantize=spec_of(model_settings(args)),
+        track=_tracking(args, settings),
     )
     emit(tune(args.model, Path(args.train), args.name, opts), args.json)
     return 0
+
+
+def _tracking(args, settings):
+    """``--log``'s trackers for a bare ``spill tune``: experiment and run its ``--name``
+    (``spill.jobs.track.session``), the run's settings as params."""
+    if not args.log:
+        return None
+    from spill.jobs.track import TrackSpec, flat
+
+    model = {"name": args.model, "quantize": args.quantize, "group_size": args.group_size}
+    params = {**flat("tune", settings), **flat("model", model), "seed": args.seed}
+    return TrackSpec(kinds=args.log, params=params)
 
 
 def _tune_options(p: argparse.ArgumentParser) -> None:
@@ -181,6 +220,7 @@ def _tune_options(p: argparse.ArgumentParser) -> None:
         help="validation rows (JSONL, as TRAIN): their loss every --eval-every steps, committed "
         "with the checkpoints",
     )
+    log_option(g)
     p.add_argument(
         "--stop-after", type=int, metavar="N", help="stop after step N with a committed checkpoint"
     )
@@ -227,6 +267,7 @@ def add_parsers(sub, full: bool = True) -> None:
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (spill or PEFT layout)")
     p.add_argument("--out", help="per-row results JSONL (written whole at the end)")
     setting_flags(p, EvalSettings, "eval")
+    log_option(p)
     p.add_argument(
         "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
     )

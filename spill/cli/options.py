@@ -197,3 +197,29 @@ def model_settings(args: argparse.Namespace):
     if why := model.problem(lambda key: "--" + key.replace("_", "-")):
         raise UsageError(why)
     return model
+
+
+def trackers(text: str) -> tuple[str, ...]:
+    """``--log tensorboard,mlflow``: the ``tune.log`` list, comma-separated (``""``: none)."""
+    from spill.settings import TRACKERS
+
+    kinds = tuple(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
+    if unknown := [k for k in kinds if k not in TRACKERS]:
+        raise argparse.ArgumentTypeError(
+            f"{unknown[0]!r} is not a tracker spill logs to: use {' or '.join(TRACKERS)}, "
+            "comma-separated"
+        )
+    return kinds
+
+
+def log_option(p) -> None:
+    """``--log``: the trackers a job logs to (``tune.log``; default: conf/tune/default.yaml)."""
+    from spill.conf import defaults
+
+    p.add_argument(
+        "--log",
+        type=trackers,
+        default=defaults("tune")["log"],
+        metavar="TRACKERS",
+        help="log to tensorboard and/or mlflow, comma-separated (docs/watching.md)",
+    )

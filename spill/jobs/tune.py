@@ -20,7 +20,7 @@ from pathlib import Path
 from spill.console import note, progress
 from spill.engines.base import ACTIVATIONS
 from spill.errors import SpillError, UsageError
-from spill.jobs import producer
+from spill.jobs import producer, track
 from spill.jobs.authority import Held, Writer, hold
 from spill.jobs.group import Group
 from spill.jobs.group import current as current_group
@@ -57,6 +57,7 @@ class TuneOptions:
     writer: Writer = field(default_factory=Writer)
     quantize: Spec | None = None  # the model group's quantization (None: the float weights)
     valid: Path | None = None  # validation rows (JSONL, as the training file); None: none
+    track: track.TrackSpec | None = None  # the trackers rank 0 logs to (tune.log)
 
     @property
     def lora(self) -> LoraConfig:
@@ -84,6 +85,8 @@ class TuneOptions:
             raise SpillError("--eval-every must be at least 1")
         if t.keep_best and self.valid is None:
             raise SpillError("--keep-best picks by validation loss; give --valid FILE too")
+        if self.track is not None:
+            self.track.check()  # a missing tracker package fails before the model loads
 
 
 def state_root(name: str, state: str | None) -> Location:
@@ -119,9 +122,9 @@ def _lead(model: str, train_path: Path, name: str, opts: TuneOptions, group: Gro
         )
     root = state_root(name, w.state)
     probe_writable(root)  # a read-only state fails before any step
-    with hold(root, w) as held:
+    with hold(root, w) as held, track.session(opts.track, root, name, t.steps) as logs:
         with Guard(unit="step") as guard:
-            summary = _tune(guard, held, model, Path(train_path), name, opts, group)
+            summary = _tune(guard, held, model, Path(train_path), name, opts, group, logs)
         if summary["step"] == t.steps:
             held.finish()
     return summary
@@ -135,8 +138,10 @@ def _tune(
     name: str,
     opts: TuneOptions,
     group: Group,
+    logs: track.Session = track.OFF,
 ) -> dict:
-    """The job on one rank: ``held`` is rank 0's (None on the others, which never commit)."""
+    """The job on one rank: ``held`` is rank 0's (None on the others, which never commit);
+    ``logs`` its trackers (``spill.jobs.track``)."""
     t = opts.tune
     if held is None:
         return follow(guard, model, train_path, opts, group)
@@ -178,6 +183,7 @@ def _tune(
     loaded = open_model(model, resolved, fingerprint, opts.engine.name, opts.engine, "tune")
     runner = loaded.runner
     me = producer.describe(runner.info) | {"procs": group.world}
+    logs.start(me, t, ckpt.state if ckpt is not None else None)  # back-fills what it lacks
     trainer = runner.trainer(opts.lora)
     trainer.set_state(params, m, v)
     # the longest micro-batch this run can make; the choice never changes the results
@@ -187,7 +193,7 @@ def _tune(
     )
     note(f"spill tune · {plan.line()}{per_rank}")
     started, saved_at = step, step if ckpt is not None else None
-    t0 = time.perf_counter()
+    t0, rates = time.perf_counter(), {}  # rates: step -> tokens/s so far, for the trackers
 
     def save() -> str:
         nonlocal saved_at
@@ -205,6 +211,7 @@ def _tune(
         }
         save_checkpoint(place, step, p, opt_arrays | (valid.arrays() if valid else {}), state)
         saved_at = step
+        logs.committed(state, rates)
         return f"step {step} (committed)"
 
     guard.save = save
@@ -223,7 +230,7 @@ def _tune(
                 if valid is not None and valid.due(step):
                     valid.measure(runner, opts.lora, trainer.state()[0], step)
                 drill.at(drill.TUNE_AFTER_OPTIMIZER)
-            rate = steps.tokens / (time.perf_counter() - t0)
+            rate = rates[step] = steps.tokens / (time.perf_counter() - t0)
             shown = {"valid": f"{valid.last():.4f}"} if valid and valid.last() is not None else {}
             bar.set_postfix(loss=f"{loss:.4f}", **shown, tok_s=f"{rate:.0f}")
             bar.update(1)

@@ -77,6 +77,9 @@ class Project:
             doc.pop(key)
         if doc["id"] is None:
             doc.pop("id")
+        for section in doc.values():  # a frozen list setting (tune.log) is a list again
+            if isinstance(section, dict):
+                section.update({k: list(v) for k, v in section.items() if isinstance(v, tuple)})
         return doc
 
 

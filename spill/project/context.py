@@ -13,6 +13,7 @@ from spill.store.location import location
 
 if TYPE_CHECKING:
     from spill.control.control import Ownership
+    from spill.jobs.track import TrackSpec
     from spill.project.config import Project
     from spill.project.data import Prepared
     from spill.project.stages.base import Stage
@@ -29,6 +30,7 @@ class BuildContext:
         None  # the build's ownership of its run: every publication goes through it
     )
     work: Path = field(default_factory=Path)  # the derived input files, local
+    track: TrackSpec | None = None  # the build's run in its trackers (spill.project.tracking)
 
     def output(self, name: str) -> Path:
         """Where a job writes a file of ``files/``: there directly on a local state."""
@@ -65,6 +67,18 @@ class BuildContext:
             writer=Writer(state=stage.uri(self.root), place=stage.place(self.root, self.run)),
             quantize=stage.quantization(self.project),
         )
+
+    def log_scores(self, stage: str, scores: dict, step: int) -> None:
+        """An eval stage's scores as metrics ``<stage>/<score>`` of the build's run at ``step``
+        (the tuned adapter's step; 0 for the base model, whose eval leaves the run RUNNING for
+        the tune that follows); each once, rank 0 only. No trackers: nothing."""
+        if self.track is None:
+            return
+        from spill.jobs.track import log_scores
+        from spill.jobs.track.tracking import metric_name
+
+        values = {f"{metric_name(stage)}/{k}": v for k, v in scores.items()}
+        log_scores(self.track, values, step, "FINISHED" if step else None)
 
     def local_folder(self, rel: str, names: tuple[str, ...]) -> Path:
         """The state's folder ``rel`` (the tuned adapter) as a local folder holding ``names``."""

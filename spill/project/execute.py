@@ -30,7 +30,7 @@ from spill.jobs.preempt import (
     stop_requested,
     stops_at_once,
 )
-from spill.project import record
+from spill.project import record, tracking
 from spill.project.config import Project
 from spill.project.context import BuildContext
 from spill.project.follow import context_of
@@ -66,6 +66,7 @@ class Executor:
         self.shared = False  # the context went to the other ranks
         self.data_sha = ctx.data_sha
         self.specs = {s.name: s for s in specs}
+        tracking.prepare(ctx, self.specs)  # a missing tracker fails before any stage
         self.doc = doc or {
             "schema_version": record.SCHEMA_VERSION,
             "kind": record.KIND,

@@ -17,7 +17,6 @@ import functools
 import json
 import os
 import platform
-import re
 import sys
 import time
 import uuid
@@ -32,6 +31,7 @@ from spill.paths import STATE_DIR
 from spill.project import build, config, hydra_safety, record, stages
 from spill.project.plan import StopAfter
 from spill.project.status import score
+from spill.project.tracking import run_name  # a job's state folder and its tracked run's name
 from spill.store.fs import get_bytes, join, listdir, put_bytes
 from spill.store.location import location
 
@@ -40,12 +40,6 @@ RECORD = "spill-job.json"  # a job's result, in its Hydra output folder
 
 class LauncherError(SpillError):
     """Hydra's launcher failed before any job of the sweep reported back."""
-
-
-def run_name(overrides: list[str] | tuple[str, ...]) -> str:
-    """A state folder name for a job: its overrides, ``/`` and odd characters made safe."""
-    text = ",".join(overrides) or "default"
-    return re.sub(r"[^A-Za-z0-9._=,+@:-]+", "_", text)
 
 
 def job(

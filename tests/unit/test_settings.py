@@ -104,7 +104,7 @@ def test_the_checkpoint_identity_pins_every_tune_setting_that_decides_the_result
     decides = set(settings.deciding(settings.TuneSettings))
     # the validation settings: the file's fingerprint, --eval-every and --keep-best
     assert set(IDENTITY) | set(IDENTITY_LORA) | set(settings.VALIDATION) == decides
-    assert {"ckpt_every", "activations"} == {
+    assert {"ckpt_every", "activations", "log"} == {
         f.name for f in dataclasses.fields(settings.TuneSettings)
     } - decides
 

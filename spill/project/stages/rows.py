@@ -120,9 +120,11 @@ class EvalStage(RowStage):
         job = ctx.job_options(p.eval.batch, d.stop, self, "eval.batch")
         s = evaluate(p.model.name, ctx.work / self.reads, out, opts, job)
         complete = s.get("complete", True)
+        result = {k: s[k] for k in (*self.KEYS, "labels", "confusion") if k in s}
         if complete:
             ctx.publish(out)
-        return {k: s[k] for k in (*self.KEYS, "labels", "confusion") if k in s}, complete
+            ctx.log_scores(self.name, result, p.tune.steps if self.adapter else 0)
+        return result, complete
 
     def summarize(self, result: Mapping[str, Any]) -> str:
         if not result:

@@ -60,6 +60,7 @@ class TuneStage(Stage):
             writer=job.writer,
             quantize=job.quantize,
             valid=ctx.work / "valid.jsonl" if ctx.prepared.n_valid else None,
+            track=ctx.track,
         )
         s = tune(p.model.name, self.train_file(ctx), p.name, opts)
         watched = {k: s[k] for k in ("valid_loss", "best_step", "best_valid_loss") if k in s}

@@ -1,0 +1,286 @@
+"""``tune.log`` / ``--log``: TensorBoard and MLflow through the real CLI, read back with their
+own readers (TensorBoard's ``EventAccumulator``, ``MlflowClient`` against a real ``mlflow
+server`` on loopback, and local stores).
+
+The promise checked every time: each committed step 1..N is in each tracker exactly once, its
+train loss the checkpoint state's (MLflow exactly; TensorBoard as the float32 it stores), its
+learning rate the schedule's, whether the run went straight through, was stopped and resumed,
+or was SIGKILLed (at named points: after a commit before its log, between the two trackers,
+after the last commit; and at random moments) and rerun until it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spill.jobs.schedule import cosine_lr
+from tests.conftest import run_spill
+from tests.func import tune_kit as kit
+from tests.servers import start_mlflow, stop_mlflow
+
+pytest.importorskip("tensorboard", reason="tensorboard is in the test extra")
+pytest.importorskip("mlflow", reason="mlflow is in the test extra")
+
+STEPS = kit.STEPS
+LR = kit.SETTINGS["lr"]
+
+
+@pytest.fixture(scope="module")
+def mlflow_url(tmp_path_factory):
+    """A real ``mlflow server`` (SQLite store) on 127.0.0.1 for the module."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with open(root / "server.log", "wb") as log:
+        try:
+            proc, url = start_mlflow(str(root / "store"), log)
+        except RuntimeError as e:
+            pytest.fail(f"{e}: {(root / 'server.log').read_text()[-2000:]}")
+    yield url
+    stop_mlflow(proc)
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory, tiny_models) -> kit.Control:
+    return kit.control(tmp_path_factory, tiny_models)
+
+
+def tune(control, state: Path, name: str, kinds: str, **over) -> list[str]:
+    argv = kit.tune_argv(control.model, control.train, str(state), **over)
+    argv[argv.index("--name") + 1] = name  # the experiment: one per test
+    return [*argv, "--log", kinds]
+
+
+def tensorboard(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def mlflow_runs(uri: str, experiment: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no experiment {experiment} at {uri}"
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def mlflow_metrics(uri: str, run) -> dict[str, list[tuple[int, float]]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    history = {k: client.get_metric_history(run.info.run_id, k) for k in run.data.metrics}
+    return {k: [(m.step, m.value) for m in ms] for k, ms in history.items()}
+
+
+def assert_each_step_once(got: dict, losses: list[float], float32: bool) -> None:
+    """Steps 1..N once each in train/loss and train/lr, with the state's values; tokens/s at
+    most once a step (a step computed by a killed process that never logged it has none)."""
+    want = [float(np.float32(x)) for x in losses] if float32 else losses
+    loss = sorted(got["train/loss"])
+    assert [s for s, _ in loss] == list(range(1, STEPS + 1)), loss
+    assert [v for _, v in loss] == want
+    lr = sorted(got["train/lr"])
+    assert [s for s, _ in lr] == list(range(1, STEPS + 1)), lr
+    expected = [cosine_lr(s - 1, LR, 0, STEPS) for s in range(1, STEPS + 1)]
+    assert [v for _, v in lr] == pytest.approx(expected, rel=1e-6)
+    assert lr[0][1] == pytest.approx(LR)  # step 1 applied the full rate (no warmup)
+    rates = [s for s, _ in got.get("train/tokens_per_s", [])]
+    assert len(rates) == len(set(rates)) and set(rates) <= set(range(1, STEPS + 1))
+
+
+def check_both(tmp_path, url: str, name: str, control, tokens: tuple | None = None) -> None:
+    """Both trackers hold each step once; ``tokens``: the steps with tokens/s in each."""
+    logged = tensorboard(tmp_path / "state" / "tensorboard")
+    assert_each_step_once(logged, control.losses, float32=True)
+    (run,) = mlflow_runs(url, name)
+    metrics = mlflow_metrics(url, run)
+    assert_each_step_once(metrics, control.losses, float32=False)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["tune.lr"] == str(LR) and run.data.params["seed"] == "3"
+    assert run.data.tags["spill.engine"] == "torch" and run.data.tags["spill.machine"]
+    if tokens is not None:
+        for got, want in zip((logged, metrics), tokens, strict=True):
+            assert {s for s, _ in got["train/tokens_per_s"]} == want
+
+
+def test_a_run_stopped_and_resumed_logs_each_step_once_to_both(control, tmp_path, mlflow_url):
+    env = kit.spill_env(tmp_path / "home", MLFLOW_TRACKING_URI=mlflow_url)
+    state = tmp_path / "state"
+    argv = tune(control, state, "resumed", "tensorboard,mlflow")
+    first = kit.run_tune([*argv, "--stop-after", "3"], env)
+    assert first.returncode == 0, first.stderr
+    assert f"logging to tensorboard {state / 'tensorboard'}, mlflow {mlflow_url}" in first.stderr
+    (run,) = mlflow_runs(mlflow_url, "resumed")
+    assert run.info.status == "KILLED"  # a leg that stops early
+    again = kit.run_tune(argv, env)
+    assert again.returncode == 0, again.stderr
+    every = set(range(1, STEPS + 1))
+    check_both(tmp_path, mlflow_url, "resumed", control, (every, every))
+    done = kit.run_tune(argv, env)  # finished: nothing new anywhere
+    assert done.returncode == 0 and "run complete" in done.stderr, done.stderr
+    check_both(tmp_path, mlflow_url, "resumed", control)
+    assert kit.state_json(str(state), STEPS)["losses"] == control.losses  # logging changed nothing
+
+
+# (the drills of the legs before the one that finishes; the steps with tokens/s in TensorBoard
+# and in MLflow: a step back-filled from the state has none)
+# (the first case covers both kinds of kill; the others are slow: -m slow)
+SLOW = pytest.mark.slow
+KILLS = [
+    # killed after step 4's commit, before its log; then between TensorBoard and MLflow while
+    # back-filling 3 and 4: the next leg back-fills MLflow from the state
+    (["ckpt-after-commit@2", "track-logged@1"], ({1, 2, 5, 6}, {1, 2, 5, 6})),
+    # killed between the two trackers at step 4's commit: MLflow lacks 3 and 4
+    pytest.param(["track-logged@3"], ({1, 2, 3, 4, 5, 6}, {1, 2, 5, 6}), marks=SLOW),
+    # the last commit made, nothing of it logged: the rerun has no step to run, only back-fills
+    pytest.param(["ckpt-after-commit@3"], ({1, 2, 3, 4}, {1, 2, 3, 4}), marks=SLOW),
+]
+IDS = ["ckpt-after-commit@2+track-logged@1", "track-logged@3", "ckpt-after-commit@3"]
+
+
+@pytest.mark.parametrize("drills, tokens", KILLS, ids=IDS)
+def test_sigkill_between_commit_and_log_then_rerun(control, tmp_path, mlflow_url, drills, tokens):
+    env = kit.spill_env(tmp_path / "home", MLFLOW_TRACKING_URI=mlflow_url)
+    name = "kill-" + "-".join(d.replace("@", "") for d in drills)
+    argv = tune(control, tmp_path / "state", name, "tensorboard,mlflow")
+    for drill in drills:
+        killed = kit.run_tune(argv, {**env, "SPILL_DRILL": drill})
+        assert killed.returncode == -9, (drill, killed.stderr[-3000:])
+    done = kit.run_tune(argv, env)
+    assert done.returncode == 0, done.stderr
+    check_both(tmp_path, mlflow_url, name, control, tokens)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_each_step_once(control, tmp_path, mlflow_url):
+    """Five legs SIGKILLed at seeded random moments after the model loaded, then a finishing
+    one: both trackers hold each step once, with the uninterrupted control's losses."""
+    env = kit.spill_env(tmp_path / "home", MLFLOW_TRACKING_URI=mlflow_url)
+    argv = tune(control, tmp_path / "state", "random-kills", "tensorboard,mlflow")
+    rng = random.Random(24)
+    killed = 0
+    for _ in range(5):
+        w = kit.Worker(argv, env)
+        if w.wait_for(kit.PRE_RUN):
+            # over the control's own timeline (pre-run line to adapter), plus opening MLflow
+            time.sleep(rng.uniform(0.0, control.window + 1.0))
+            if w.proc.poll() is None:
+                w.proc.kill()  # the child we started, by its pid
+        killed += w.finish().returncode == -9
+    assert killed >= 2, killed  # most legs died mid-run
+    done = kit.run_tune(argv, env)
+    assert done.returncode == 0, done.stderr
+    check_both(tmp_path, mlflow_url, "random-kills", control)
+
+
+@pytest.mark.parametrize("store", [pytest.param("sqlite", marks=SLOW), "file"])
+def test_a_local_mlflow_store(control, tmp_path, store, monkeypatch):
+    """MLflow without a server: a local SQLite database, and the file store (MLflow 3 keeps it
+    behind ``MLFLOW_ALLOW_FILE_STORE``)."""
+    uri = (
+        f"sqlite:///{tmp_path / 'mlflow.db'}" if store == "sqlite" else f"file://{tmp_path}/mlruns"
+    )
+    extra = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the reader here too
+    env = kit.spill_env(tmp_path / "home", **extra)
+    argv = tune(control, tmp_path / "state", "local", "mlflow")
+    first = kit.run_tune([*argv, "--stop-after", "2"], env)
+    assert first.returncode == 0, first.stderr
+    again = kit.run_tune(argv, env)
+    assert again.returncode == 0, again.stderr
+    (run,) = mlflow_runs(uri, "local")
+    assert_each_step_once(mlflow_metrics(uri, run), control.losses, float32=False)
+    assert not (tmp_path / "state" / "tensorboard").exists()  # only what --log names
+
+
+def test_an_unknown_or_missing_tracker_is_one_line_before_the_model_loads(control, tmp_path):
+    env = kit.spill_env(tmp_path / "home")
+    argv = kit.tune_argv(control.model, control.train, str(tmp_path / "state"))
+    bad = kit.run_tune([*argv, "--log", "tensorboard,wandb"], env)
+    assert bad.returncode == 2 and "'wandb' is not a tracker spill logs to" in bad.stderr
+    shadow = tmp_path / "shadow" / "mlflow"  # an mlflow that cannot be imported
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('not installed here')\n")
+    path = f"{shadow.parent}:{env.get('PYTHONPATH', '')}"
+    missing = kit.run_tune([*argv, "--log", "mlflow"], {**env, "PYTHONPATH": path})
+    assert missing.returncode == 1, missing.stderr
+    lines = missing.stderr.strip().splitlines()
+    assert lines == [
+        "spill: error: logging to mlflow needs its package: pip install "
+        "'streamweights[mlflow]' (or drop mlflow from --log / tune.log)"
+    ], lines
+    assert not (tmp_path / "state" / "payloads").exists()
+
+
+@pytest.mark.slow
+def test_spill_eval_logs_its_scores(control, tmp_path, mlflow_url):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": f"{i} plus {i}?", "answer": f" {2 * i}"}) + "\n"
+            for i in range(3)
+        )
+    )
+    env = kit.spill_env(tmp_path / "home", MLFLOW_TRACKING_URI=mlflow_url)
+    argv = ["eval", str(control.model), str(rows), "--state", str(tmp_path / "ev"), "--json"]
+    argv += ["--dtype", "float32", "--log", "mlflow,tensorboard"]
+    for _ in range(2):  # the same eval again logs nothing twice
+        done = run_spill(*argv, base=env, timeout=kit.TIMEOUT)
+        assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    runs = [
+        r for r in mlflow_runs(mlflow_url, "spill-eval") if r.info.run_name.endswith("rows.jsonl")
+    ]
+    (run,) = runs
+    metrics = mlflow_metrics(mlflow_url, run)
+    assert metrics["eval/rows"] == [(0, 3.0)]
+    assert metrics["eval/gold_logprob"] == [(0, result["gold_logprob"])]
+    assert tensorboard(tmp_path / "ev" / "tensorboard")["eval/rows"] == [(0, 3.0)]
+
+
+@pytest.mark.slow
+def test_a_sweep_is_sibling_runs_of_one_experiment(tmp_path, mlflow_url):
+    import shutil
+
+    toy = tmp_path / "toy"
+    shutil.copytree(kit_root() / "projects" / "toy", toy, ignore=shutil.ignore_patterns(".spill"))
+    env = {"MLFLOW_TRACKING_URI": mlflow_url, "SPILL_HOME": str(tmp_path / "home")}
+    fast = ["tune.steps=4", "tune.ckpt_every=2", "tune.log=[mlflow,tensorboard]"]
+    proc = run_spill("build", str(toy), "-m", *fast, "tune.lr=0.005,0.01", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    runs = mlflow_runs(mlflow_url, "toy")
+    assert sorted(r.data.params["tune.lr"] for r in runs) == ["0.005", "0.01"]
+    for r in runs:
+        lr = r.data.params["tune.lr"]
+        assert (
+            r.info.run_name.endswith(f"tune.lr={lr}")
+            and f"tune.lr={lr}" in r.data.params["overrides"]
+        )
+        assert r.data.tags["spill.overrides"] == r.data.params["overrides"]
+        metrics = mlflow_metrics(mlflow_url, r)
+        assert sorted(s for s, _ in metrics["train/loss"]) == [1, 2, 3, 4]
+        assert [s for s, _ in metrics["eval/accuracy"]] == [4]  # the tuned adapter, at its step
+        assert [s for s, _ in metrics["eval_base/accuracy"]] == [0]
+        assert r.info.status == "FINISHED"
+        logged = tensorboard(toy / ".spill" / "tensorboard" / r.info.run_name)
+        assert sorted(s for s, _ in logged["train/loss"]) == [1, 2, 3, 4]
+    again = run_spill("build", str(toy), "-m", *fast, "tune.lr=0.005,0.01", "--json", env=env)
+    assert again.returncode == 0, again.stderr
+    assert len(mlflow_runs(mlflow_url, "toy")) == 2  # the same sweep again: the same two runs
+
+
+def kit_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
