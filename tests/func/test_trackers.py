@@ -284,3 +284,21 @@ def kit_root() -> Path:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_validation_loss_is_logged_at_its_steps_once(control, tmp_path, mlflow_url):
+    """``--valid``: ``valid/loss`` at every --eval-every step, the committed values, once each
+    across a stop and a resume (stopped at 3: step 2's value was committed, step 4's not)."""
+    env = kit.spill_env(tmp_path / "home", MLFLOW_TRACKING_URI=mlflow_url)
+    state = tmp_path / "state"
+    valid = kit.write_train(tmp_path / "valid.jsonl", n=5, salt="v")
+    argv = tune(control, state, "validated", "tensorboard,mlflow", valid=valid, eval_every=2)
+    assert kit.run_tune([*argv, "--stop-after", "3"], env).returncode == 0
+    done = kit.run_tune(argv, env)
+    assert done.returncode == 0, done.stderr
+    want = kit.state_json(str(state), STEPS)["valid"]
+    assert [s for s, _ in want] == [2, 4, 6]
+    logged = tensorboard(state / "tensorboard")["valid/loss"]
+    assert sorted(logged) == [(s, float(np.float32(x))) for s, x in want]
+    (run,) = mlflow_runs(mlflow_url, "validated")
+    assert sorted(mlflow_metrics(mlflow_url, run)["valid/loss"]) == [tuple(p) for p in want]
