@@ -58,6 +58,9 @@ def _subparser(verb: str):
     return sub
 
 
+SAMPLES = {"--log": "tensorboard,mlflow"}  # options whose value is no number
+
+
 def _accepts(verb: str, option: str) -> bool:
     """Whether ``spill VERB`` parses ``option`` (with a value if it takes one)."""
     sub = _subparser(verb)
@@ -66,7 +69,7 @@ def _accepts(verb: str, option: str) -> bool:
         return False
     if action.nargs == 0:
         return True
-    value = (action.choices and next(iter(action.choices))) or "2"
+    value = (action.choices and next(iter(action.choices))) or SAMPLES.get(option, "2")
     return action.type is None or action.type(str(value)) is not None
 
 
