@@ -83,6 +83,8 @@ class GcsObjects(Objects):
         return self.client.bucket(bucket).blob(key)
 
     def read(self, path: str) -> tuple[bytes | None, str | None]:
+        # a fresh Blob per read: one that was read asks for that generation again (404 once
+        # replaced; tests/func/test_gcs_emulator.py)
         blob = self._blob(path)
         try:
             data = blob.download_as_bytes()  # sets blob.generation from the same answer
