@@ -5,7 +5,9 @@ Each run's control object is the authority; the list only says which run is curr
 and ``current`` (readers: ``spill status``, probes, a build's plan) see the rebuilt list and
 write nothing; ``restore`` (a writer, under the location's lock) creates it conditionally, so of
 two rebuilders one wins, and raises ``UnclearRuns`` where which run is current cannot be told
-safely. ``next_generation`` is one above every generation a control object or payload name
+safely. On an object store (no lock) a first run being started shows as a control object
+without a list for the moment between its two creates: ``restore`` waits for that list rather
+than rebuild one (``START_WAIT``). ``next_generation`` is one above every generation a control object or payload name
 here has had, so no payload name is reused. The rules ``decide`` follows: docs/authority.md,
 "A lost run list, and what is never removed".
 """
@@ -13,6 +15,7 @@ here has had, so no payload name is reused. The rules ``decide`` follows: docs/a
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from spill.control.keys import (
@@ -32,6 +35,10 @@ from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
 from spill.store.fs import exists, join
 
 log = logging.getLogger(__name__)
+# seconds after its create that an unused run may still be waiting for its run list: on an object
+# store a first run's creator writes its control object, then the list (two racing first builds
+# each make one, and a rebuild in between would see two unfinished runs)
+START_WAIT = 5.0
 
 
 class UnclearRuns(StoreError):
@@ -109,16 +116,34 @@ def view(store: Store) -> tuple[dict[str, Any] | None, str | None, bool]:
     return (decide(store, docs), None, True) if docs else (None, None, False)
 
 
+def starting(store: Store, docs: dict[str, dict[str, Any]], now: float) -> bool:
+    """Whether the runs of a location without a run list may be first runs whose creators are
+    about to list them: on an object store, every unfinished one unused and made just now."""
+    live = [d for d in docs.values() if d["status"] not in FROZEN]
+    # abs: another host's clock may run ahead; either way the wait ends as ours goes on
+    young = all(
+        d["last"]["what"] == "create" and abs(now - d["last"]["at"]) < START_WAIT for d in live
+    )
+    return not store.serialized and bool(live) and young
+
+
 def restore(store: Store) -> tuple[dict[str, Any] | None, str | None]:
     """The run list of ``store`` and its tag; a missing one is rebuilt from the control objects
-    and created (None when there are none). Called under ``store.exclusive()``."""
-    for _ in range(ATTEMPTS):
+    and created (None when there are none), unless it may be a first run's list still to come
+    (``starting``): that is read again until it lands. Called under ``store.exclusive()``."""
+    pause, tries = 0.02, 0
+    while tries < ATTEMPTS:
         runs, tag = read_runs(store)
         if runs is not None:
             return runs, tag
         docs = controls(store)
         if not docs:
             return None, None
+        if starting(store, docs, time.time()):  # bounded: START_WAIT after the newest create
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
+            continue
+        tries += 1
         runs = decide(store, docs)
         try:
             tag = store.put(CURRENT, runs, "runs", None)

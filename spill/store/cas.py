@@ -73,6 +73,10 @@ class Uncertain(Exception):
 class Store:
     """Read and conditionally write the objects under ``layout.folder`` of the location ``state``."""
 
+    # whether ``exclusive`` keeps whole transitions apart (a lock): then no reader ever sees
+    # what another transition made between two of its writes (an object store: False)
+    serialized = False
+
     def put(self, key: str, doc: dict[str, Any], schema: str, tag: str | None) -> str:
         """Validate ``doc`` against ``schema`` and ``write`` it; returns the new object's tag.
         Its bytes are remembered as valid, so that the next read (``spill status``, a finished
@@ -121,6 +125,8 @@ def _foreign(path: str, wants: str, layout: Layout) -> StoreError:
 
 
 class _LocalStore(Store):
+    serialized = True
+
     def __init__(self, state: str, layout: Layout):
         super().__init__(state, layout)
         self.dir = self.state.join(layout.folder).path
@@ -213,6 +219,8 @@ _MEMORY_LOCK = threading.RLock()
 
 class _MemoryStore(Store):
     """``memory://`` is one store per process: a lock in this process makes it conditional."""
+
+    serialized = True
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

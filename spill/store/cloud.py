@@ -16,8 +16,8 @@ through the official clients that gcsfs and adlfs themselves depend on (the clou
 
 A refused precondition (GCS 412; Azure 412, or 409 BlobAlreadyExists for a second create) is a
 ``Conflict``, told by the exception's type; any other failure of a write is ``Uncertain`` (it may
-have landed; GCS's client retries a conditional upload by itself, and a retry after a landed
-write is refused as stale). Clients are made once per process (a forked racer makes its own).
+have landed; each client retries a conditional write by itself, for about 15 s, not GCS's
+default two minutes, and a retry after a landed write is refused as stale). Clients are made once per process (a forked racer makes its own).
 """
 
 from __future__ import annotations
@@ -61,7 +61,12 @@ class GcsObjects(Objects):
             from google.cloud import storage
         except ImportError:
             raise BackendMissing(f"gs:// needs google-cloud-storage; {CLOUD_HINT}") from None
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
         self.exceptions = exceptions
+        # retried after about 1, 2, 4 and 8 s, then uncertain (the default keeps on for 120 s:
+        # a transition that loses its answers would give up only after ATTEMPTS x 2 minutes)
+        self.retry = DEFAULT_RETRY.with_timeout(15.0)
         key = (os.getpid(), "gs")
         if key not in _clients:
             try:
@@ -78,6 +83,8 @@ class GcsObjects(Objects):
         return self.client.bucket(bucket).blob(key)
 
     def read(self, path: str) -> tuple[bytes | None, str | None]:
+        # a fresh Blob per read: one that was read asks for that generation again (404 once
+        # replaced; tests/func/test_gcs_emulator.py)
         blob = self._blob(path)
         try:
             data = blob.download_as_bytes()  # sets blob.generation from the same answer
@@ -89,7 +96,7 @@ class GcsObjects(Objects):
         blob = self._blob(path)
         want = 0 if tag is None else int(tag)
         try:
-            blob.upload_from_string(data, if_generation_match=want)
+            blob.upload_from_string(data, if_generation_match=want, retry=self.retry)
         except self.exceptions.PreconditionFailed:
             raise Conflict() from None
         except self.exceptions.NotFound:  # the bucket went (the probe names a missing one)

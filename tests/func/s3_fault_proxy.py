@@ -10,7 +10,9 @@ the server's answer is relayed, on a keep-alive connection. Rules make a write's
   ``part`` are forwarded,
   the server's whole answer is read, and then the client's connection is closed (or reset)
   without a byte of it;
-* ``fail_next_put(part, n, status=503)``: the same, but the client gets a 5xx instead.
+* ``fail_next_put(part, n, status=503)``: the same, but the client gets a 5xx instead;
+* ``refuse_next_put(part, n, status=503)``: the client gets a 5xx and nothing is forwarded (a
+  store that takes no write: the outcome is certain to the server, never to the client).
 
 A rule may also look at the request body (``body=``, a substring of it, decoded if chunked), to
 pick one transition among many writes of one key.
@@ -54,6 +56,7 @@ class _Rule:
     left: int
     fault: str  # "close", "reset" or a status code as text
     body: bytes = b""
+    forward: bool = True  # False: answered here, the server never sees the write
 
 
 @dataclass
@@ -80,6 +83,12 @@ class Proxy:
         with self._lock:
             self._rules.append(_Rule(part, n, str(status), body))
 
+    def refuse_next_put(self, part: str, n: int = 1, status: int = 503, body: bytes = b"") -> None:
+        """Answer the next ``n`` PUTs whose path contains ``part`` (and body ``body``) with
+        ``status`` without forwarding them: they never land."""
+        with self._lock:
+            self._rules.append(_Rule(part, n, str(status), body, forward=False))
+
     def clear(self) -> None:
         with self._lock:
             self._rules.clear()
@@ -104,16 +113,17 @@ class Proxy:
                 if p.method in ("PUT", "POST") and part in p.path and body in p.body
             ]
 
-    def _fault(self, method: str, path: str, body: bytes) -> str:
+    def _fault(self, method: str, path: str, body: bytes) -> tuple[str, bool]:
+        """The fault for this request ("" for none) and whether it is forwarded."""
         if method not in ("PUT", "POST"):  # a GCS upload is a POST naming its object in the body
-            return ""
+            return "", True
         key = urllib.parse.urlsplit(path).path
         with self._lock:
             for rule in self._rules:
                 if rule.left > 0 and rule.part in key and rule.body in body:
                     rule.left -= 1
-                    return rule.fault
-        return ""
+                    return rule.fault, rule.forward
+        return "", True
 
     def _record(self, passed: Passed) -> None:
         with self._lock:
@@ -174,20 +184,12 @@ class _Handler(BaseHTTPRequestHandler):
             raw, body = _read_chunked(self.rfile)
         else:
             raw = body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        up = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        try:
-            up.putrequest(method, self.path, skip_host=True, skip_accept_encoding=True)
-            for name, value in self.headers.items():
-                if name.lower() not in HOP:  # the request's Expect was answered here already
-                    up.putheader(name, value)
-            up.endheaders(raw or None)
-            resp = up.getresponse()
-            data = resp.read()
-            headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in HOP]
-        finally:
-            up.close()
-        fault = self.owner._fault(method, self.path, body)
-        passed = Passed(method, self.path, resp.status, fault, body if method != "GET" else b"")
+        fault, forward = self.owner._fault(method, self.path, body)
+        if forward:
+            status, headers, data = self._forward(method, raw)
+        else:  # refused here: the server never saw it (status 0 in the log)
+            status, headers, data = 0, [], b""
+        passed = Passed(method, self.path, status, fault, body if method != "GET" else b"")
         self.owner._record(passed)
         if fault in ("close", "reset"):
             if fault == "reset":  # an RST rather than a FIN: linger 0, closed at once
@@ -205,20 +207,35 @@ class _Handler(BaseHTTPRequestHandler):
                 b"</Error>"
             )
             headers = [("Content-Type", "application/xml")]
-        else:
-            status = resp.status
         self.send_response_only(status)
         for name, value in headers:
             if name.lower() not in ("transfer-encoding", "content-length"):
                 self.send_header(name, value)
         if method == "HEAD":  # no body; the length is the object's
-            self.send_header("Content-Length", resp.getheader("Content-Length", "0"))
+            length = [v for k, v in headers if k.lower() == "content-length"]
+            self.send_header("Content-Length", length[0] if length else "0")
         else:
             self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         if method != "HEAD":
             self.wfile.write(data)
         self.wfile.flush()
+
+    def _forward(self, method: str, raw: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+        """Send the request on to the server: its status, headers (hop-by-hop ones left out)
+        and body."""
+        up = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            up.putrequest(method, self.path, skip_host=True, skip_accept_encoding=True)
+            for name, value in self.headers.items():
+                if name.lower() not in HOP:  # the request's Expect was answered here already
+                    up.putheader(name, value)
+            up.endheaders(raw or None)
+            resp = up.getresponse()
+            data = resp.read()
+            return resp.status, [(k, v) for k, v in resp.getheaders() if k.lower() not in HOP], data
+        finally:
+            up.close()
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
 

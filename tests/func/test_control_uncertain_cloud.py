@@ -10,16 +10,25 @@ precondition; azure-core retries connection errors and 5xx): the retried conditi
 refused (412, or 409 for a second create), and the transition reads again and finds its own
 operation (``last.op``). The server's side is counted by the proxy: one write of the key landed
 per transition, the faulted one.
+
+The give-up path (``-m slow``): a store that answers every write of the control object with
+503 and never applies it; each client retries for about 15 s, the transition reads again and
+writes again, and after ``ATTEMPTS`` (2 here) it gives up in one line: nothing written, the run
+still this owner's (a second acquirer is told it is busy), and once the store takes writes the
+same transition lands once.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
 
-from spill.control import keys
+from spill.control import control, keys
+from spill.control.control import Busy
 from spill.control.ownership import acquire
+from spill.errors import EXIT_USER, StoreError
 from tests.func import s3_fault_proxy
 from tests.servers import azure_env, gcs_env
 
@@ -79,7 +88,9 @@ def arm(cloud, state: str, key: str, fault: str) -> None:
         part, body = f"/b/{bucket}/o", f'{key}"'.encode()
     else:  # PUT /<account>/<container>/<blob>
         part, body = key, b""
-    if fault == "503":
+    if fault == "refuse":  # every write from now on, none of them forwarded
+        proxy.refuse_next_put(part, n=10**6, body=body)
+    elif fault == "503":
         proxy.fail_next_put(part, body=body)
     else:
         proxy.drop_next_put(part, how=fault, body=body)
@@ -138,3 +149,34 @@ def test_lost_answer_resolved_once(cloud, state, transition, fault):
     assert len(writes) == 1 and writes[0].fault == fault, [(w.path, w.fault) for w in writes]
     refused = [p for p in cloud[1].writes() if p.status in (409, 412)]
     assert refused, "the client retried the landed write and the server refused it"
+
+
+@pytest.mark.slow
+def test_a_store_that_never_takes_the_write_is_given_up_on_in_one_line(cloud, state, monkeypatch):
+    run = acquire(state, lease=60)
+    run.publish(ptr(1))
+    before = keys.current(state)
+    monkeypatch.setattr(control, "ATTEMPTS", 2)
+    since = len(cloud[1].writes())
+    arm(cloud, state, "/control.json", "refuse")
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as e:
+        run.publish(ptr(2))
+    took = time.monotonic() - t0
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{state}/runs/{run.id}/control.json: "), line
+    assert line.endswith(": publish lost 2 conditional writes in a row; try again"), line
+    assert e.value.exit_code == EXIT_USER
+    refused = cloud[1].writes()[since:]
+    assert len(refused) >= 4 and all(p.status == 0 and p.fault == "503" for p in refused)
+    assert took < 2 * 40, took  # each attempt about 15 s of the client's retries, not minutes
+    print(f"{cloud[0]}: gave up after {len(refused)} refused writes in {took:.1f} s")
+
+    assert keys.current(state) == before  # nothing lost, nothing half-written
+    with pytest.raises(Busy, match=f"run {run.id} at {state} is held by "):
+        acquire(state, lease=60)  # still this owner's
+    cloud[1].clear()
+    run.publish(ptr(2))
+    after = keys.current(state)
+    assert after["pointers"] == ptr(2) and after["seq"] == before["seq"] + 1
+    assert after["owner"] == before["owner"] and after["generation"] == before["generation"]

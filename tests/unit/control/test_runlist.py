@@ -7,18 +7,24 @@ On a local folder (a real flock), ``memory://`` and the S3 server over HTTP (con
 
 from __future__ import annotations
 
+import calendar
 import json
 import logging
+import socket
+import threading
+import time
 
 import pytest
 
 from spill.control import place as place_mod
-from spill.control.control import Ownership, RunComplete
-from spill.control.keys import CURRENT, current, store_for
+from spill.control import runlist
+from spill.control.control import Busy, Ownership, RunComplete
+from spill.control.keys import CURRENT, current, run_list, store_for
 from spill.control.owner import home_of, me
 from spill.control.ownership import _fresh, acquire
 from spill.control.runlist import UnclearRuns, restore
 from spill.store.fs import exists, get_bytes, join, listdir, put_bytes, remove
+from tests.conftest import bucket_uri
 
 REBUILT = "spill.control.runlist"
 
@@ -42,8 +48,9 @@ def _other_run(state: str, rid: str, *, used: bool, created: str | None = None) 
     transition the create) or, ``used``, released after that."""
     store = store_for(state)
     doc = _fresh(rid, me("ab" * 16), 60.0, home_of(state), None, {}, 1)
-    if created:
+    if created:  # made then: its create too
         doc["created"] = created
+        doc["last"]["at"] = calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
     with store.exclusive():
         store.put(f"{rid}/control.json", doc, "control", None)
     if used:
@@ -122,11 +129,41 @@ def test_a_run_that_was_created_and_never_used_gives_way(root, then):
 
 
 def test_two_runs_never_used_and_nothing_else_are_refused(root):
-    for rid in ("20000101-000000-aaaaaa", "20000101-000000-bbbbbb"):
-        _other_run(root, rid, used=False)
+    for rid in ("20000101-000000-aaaaaa", "20000101-000000-bbbbbb"):  # left by two killed builds
+        _other_run(root, rid, used=False, created="2000-01-01T00:00:00Z")
     with pytest.raises(UnclearRuns, match="more than one run there is unfinished"):
         acquire(root)
     assert not exists(join(root, "runs", CURRENT))
+
+
+@pytest.mark.parametrize("where", ["s3", "gs", "az"])
+def test_first_runs_being_started_on_an_object_store_are_waited_for(where, request, monkeypatch):
+    """The gs eight-racer flake (issue 26): two first builds have each made their run's control
+    object and neither has written the list yet; a third racer must wait for the list (then
+    lose to its run's owner, exit 75), not refuse "more than one run there is unfinished"."""
+    state = join(bucket_uri(request, where), "state")
+    a, b = "20000101-000000-aaaaaa", "20000101-000000-bbbbbb"
+    for rid in (a, b):
+        _other_run(state, rid, used=False)  # made just now by a live owner (this process)
+    store = store_for(state)
+    lister = threading.Timer(0.5, lambda: store.put(CURRENT, run_list([a]), "runs", None))
+    t0 = time.monotonic()
+    lister.start()
+    with pytest.raises(Busy) as e:
+        acquire(state)
+    lister.join()
+    assert 0.4 < time.monotonic() - t0 < runlist.START_WAIT
+    assert f"run {a} at {state} is held by {socket.gethostname()} pid " in str(e.value)
+    assert _raw(state, CURRENT)["runs"] == [a]
+
+    # a list that never comes: after START_WAIT the runs are what a lost list left (refused)
+    monkeypatch.setattr(runlist, "START_WAIT", 0.3)
+    other = join(bucket_uri(request, where), "other")
+    for rid in (a, b):
+        _other_run(other, rid, used=False)
+    time.sleep(0.3)
+    with pytest.raises(UnclearRuns, match="more than one run there is unfinished"):
+        acquire(other)
 
 
 def test_finished_runs_made_in_the_same_second_are_refused(root):
