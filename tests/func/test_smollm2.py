@@ -79,3 +79,52 @@ def test_streamed_equals_resident_on_smollm2(smollm2):
     assert results["streamed"][0] == results["resident"][0]
     for a, b in zip(results["streamed"][1], results["resident"][1], strict=True):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_the_tickets_build_on_the_4bit_cache_equals_the_float_one_in_float32(tmp_path):
+    """The README's main build (projects/tickets) on the embedded model as imported (Q4_1 kept,
+    98 MB) and on its float32 import (``--dequantize``, 538 MB), both computed in float32: the
+    same numbers, so every stage result, graded row and adapter tensor is the same bits."""
+    import json
+    import shutil
+    import time
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.conftest import build_state_file, run_spill
+
+    env = {"SPILL_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    done = run_spill("models", "import", "smollm2:135m", "--dequantize", env=env, timeout=900)
+    assert done.returncode == 0, done.stderr
+    tickets = Path(__file__).resolve().parents[2] / "projects" / "tickets"
+    out = {}
+    for name in ("smollm2:135m", "smollm2:135m@f32"):
+        project = tmp_path / name.replace(":", "-").replace("@", "-")
+        shutil.copytree(tickets, project, ignore=shutil.ignore_patterns(".spill"))
+        t0 = time.perf_counter()
+        built = run_spill(
+            "build", str(project), f"model.name={name}", "--dtype", "float32", "--json",
+            env=env, timeout=3600,
+        )  # fmt: skip
+        assert built.returncode == 0, built.stderr
+        doc = json.loads(build_state_file(project / ".spill").read_text())
+        out[name] = {
+            "seconds": time.perf_counter() - t0,
+            "results": {s: doc["stages"][s]["result"] for s in ("eval:base", "tune", "eval")},
+            "rows": (project / ".spill" / "files" / "eval.jsonl").read_bytes(),
+            "adapter": load_file(
+                str(project / ".spill" / "adapters" / "tickets" / "params.safetensors")
+            ),
+        }
+    q, f = out["smollm2:135m"], out["smollm2:135m@f32"]
+    print(
+        f"\ntickets build, float32: 4-bit cache {q['seconds']:.0f} s, float cache "
+        f"{f['seconds']:.0f} s; results {q['results']}"
+    )
+    assert q["results"] == f["results"]
+    assert q["rows"] == f["rows"]
+    assert q["adapter"].keys() == f["adapter"].keys()
+    assert all(torch.equal(q["adapter"][k], f["adapter"][k]) for k in f["adapter"])
