@@ -31,6 +31,7 @@ from spill.project.hydra_safety import SEARCH_PATH  # noqa: F401  (init writes i
 from spill.project.uptodate import compose_key  # noqa: F401  (part of this boundary's API)
 from spill.settings import (
     GROUPS,
+    VALIDATION,
     DataSettings,
     EngineSettings,
     EvalSettings,
@@ -88,8 +89,7 @@ def from_record(doc: dict[str, Any], root: Path, overrides: Sequence[str] = ()) 
     A record made before quantized bases names no ``quantize``: its models were float, and
     the shipped group size fills in the setting that then decides nothing; so do the shipped
     defaults of tune settings added later (validation, trackers: off by default)."""
-    doc = {**doc, **{k: _before_quantization(k, doc[k]) for k in ("model", "teacher")}}
-    doc["tune"] = _later_tune_settings(doc["tune"])
+    doc = with_later(doc)
     sections = {k: GROUPS[k](**doc[k]) for k in SECTIONS}
     return Project(
         Path(root).resolve(),
@@ -110,10 +110,22 @@ def _before_quantization(group: str, section: dict[str, Any]) -> dict[str, Any]:
     return {**section, "quantize": None, "group_size": defaults(group)["group_size"]}
 
 
-def _later_tune_settings(section: dict[str, Any]) -> dict[str, Any]:
+TUNE_LATER = (*VALIDATION, "log")  # tune settings added after spill.yaml's first release
+
+
+def with_later(doc: dict[str, Any]) -> dict[str, Any]:
+    """A composed config or a record with the settings added after spill.yaml's first release
+    filled in where it lacks them (a record made before them, or a project's own group file
+    written before them), with the shipped defaults, under which they change nothing; every
+    other key stays required."""
     from spill.conf import defaults
 
-    return {**defaults("tune"), **section}
+    groups = [k for k in ("model", "teacher") if isinstance(doc.get(k), dict)]
+    out = {**doc, **{k: _before_quantization(k, doc[k]) for k in groups}}
+    if isinstance(out.get("tune"), dict):
+        shipped = defaults("tune")
+        out["tune"] = {**{k: shipped[k] for k in TUNE_LATER if k not in out["tune"]}, **out["tune"]}
+    return out
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -325,6 +337,7 @@ def from_composed(
         doc = _to_container(doc, where or str(root / FILE))
     doc = {k: v for k, v in doc.items() if k != "hydra"}
     doc.setdefault("schema_version", 1)
+    doc = with_later(doc)
     validate(doc, where or str(root / FILE))
     return from_record(doc, root, overrides)
 

@@ -68,6 +68,34 @@ def test_overrides_and_project_group_files(toy):
     assert p.overrides == ("tune=mine", "tune.rank=2", "tune.lr=3e-4")
 
 
+def test_a_group_file_written_before_later_settings_still_composes(toy):
+    """A project's own tune file naming every key of its day (no validation, no trackers), and
+    a model file without quantization: the later settings take their shipped defaults, which
+    change nothing; a key of the first release left out is still refused."""
+    old_tune = (
+        "steps: 60\nlr: 0.005\nwarmup: 5\nweight_decay: 0.0\nrank: 8\nalpha: null\n"
+        "dropout: 0.0\ntargets: all\nbatch: 8\nmicro_batch: 8\nseq_len: 64\nckpt_every: 30\n"
+        "activations: auto\n"
+    )
+    (toy / "tune").mkdir()
+    (toy / "tune" / "old.yaml").write_text(old_tune)
+    (toy / "model").mkdir()
+    (toy / "model" / "old.yaml").write_text("name: tiny:llama:2:2x64\n")
+    text = (toy / "spill.yaml").read_text()
+    for section in ("\ntune:\n", "\nmodel:\n"):  # the group files say it all
+        start = text.index(section)
+        text = text[:start] + text[text.index("\n\n", start + 1) :]
+    text = text.replace("  - tune: default", "  - tune: old")
+    (toy / "spill.yaml").write_text(text.replace("  - model: tiny", "  - model: old"))
+    p = compose(toy)
+    t = p.tune
+    assert (t.steps, t.valid, t.eval_every, t.keep_best, tuple(t.log)) == (60, None, 10, False, ())
+    assert (p.model.quantize, p.model.group_size) == (None, 64)
+    (toy / "tune" / "old.yaml").write_text(old_tune.replace("lr: 0.005\n", ""))
+    with pytest.raises(ConfigError, match="tune.lr is missing"):
+        compose(toy)
+
+
 def test_compose_key_follows_what_composition_reads(toy):
     key = compose_key(toy)
     assert compose_key(toy) == key
