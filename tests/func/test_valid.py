@@ -96,6 +96,15 @@ def test_the_validation_loss_is_committed_and_the_best_adapter_exported(control,
     assert final(last)["valid"] == s["valid"] and "best" not in final(last)
     meta = json.loads((Path(last) / "adapter" / "adapter.json").read_text())
     assert meta["validation"] == {"losses": s["valid"], "kept": "last"}
+    # measuring changes nothing of the training: a run without validation, the same tensors
+    plain = str(tmp_path / "plain")
+    done = kit.run_tune(
+        argv(files, plain, valid=None, keep_best=None), kit.spill_env(tmp_path / "home")
+    )
+    assert done.returncode == 0, done.stderr
+    assert final(plain)["losses"] == final(last)["losses"] and "valid" not in final(plain)
+    a, b = (kit.tensors(kit.files(x, 12)[PARAMS]) for x in (plain, last))
+    assert all(np.array_equal(a[k], b[k]) for k in b)
 
 
 # (drill, the step committed when it fires): step 6 is the best one; the kill after step 10
