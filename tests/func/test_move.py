@@ -311,7 +311,7 @@ def test_a_run_stopped_on_torch_moves_and_finishes_on_mlx_on_another_home(
     elsewhere = mk.env_for(tmp_path / "home2")  # a second machine: its own SPILL_HOME
     built = mk.ok(mk.spill("build", dst, "engine=mlx", env=elsewhere, cwd=tmp_path))
     assert f"== tune: continue at step {mk.STOP} of {mk.STEPS}" in built.stderr, built.stderr
-    tune_row = [r for r in built.stdout.splitlines() if r.startswith("tune ")]
+    tune_row = [r for r in built.stdout.splitlines() if r.split()[:2] == ["tune", "done"]]
     assert len(tune_row) == 1 and "torch float32" in tune_row[0] and "mlx float32" in tune_row[0]
     assert f"{mk.STEPS} of {mk.STEPS} steps" in tune_row[0] and " done " in tune_row[0]
 

@@ -182,7 +182,7 @@ def test_sigkill_at_random_moments_then_each_step_once(control, tmp_path, mlflow
     check_both(tmp_path, mlflow_url, "random-kills", control)
 
 
-@pytest.mark.parametrize("store", [pytest.param("sqlite", marks=SLOW), "file"])
+@pytest.mark.parametrize("store", [pytest.param(x, marks=SLOW) for x in ("sqlite", "file")])
 def test_a_local_mlflow_store(control, tmp_path, store, monkeypatch):
     """MLflow without a server: a local SQLite database, and the file store (MLflow 3 keeps it
     behind ``MLFLOW_ALLOW_FILE_STORE``)."""
@@ -286,6 +286,7 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
 
 
+@pytest.mark.slow  # (CI's time budget; tests/func/test_valid.py covers the values themselves)
 def test_the_validation_loss_is_logged_at_its_steps_once(control, tmp_path, mlflow_url):
     """``--valid``: ``valid/loss`` at every --eval-every step, the committed values, once each
     across a stop and a resume (stopped at 3: step 2's value was committed, step 4's not)."""

@@ -110,14 +110,20 @@ def test_the_validation_loss_is_committed_and_the_best_adapter_exported(control,
 # (drill, the step committed when it fires): step 6 is the best one; the kill after step 10
 # leaves the step 8 checkpoint, whose best::<param> tensors are step 6's
 DRILLS = [
-    ("tune-after-optimizer@3", None),
+    pytest.param("tune-after-optimizer@3", None, marks=pytest.mark.slow),
     ("tune-after-optimizer@7", 4),
     ("tune-after-optimizer@10", 8),
     ("ckpt-after-commit@2", 8),
 ]
+IDS = [
+    "tune-after-optimizer@3",
+    "tune-after-optimizer@7",
+    "tune-after-optimizer@10",
+    "ckpt-after-commit@2",
+]
 
 
-@pytest.mark.parametrize("drill, committed", DRILLS, ids=[d[0] for d in DRILLS])
+@pytest.mark.parametrize("drill, committed", DRILLS, ids=IDS)
 def test_sigkill_then_rerun_has_the_same_validation_and_best_adapter(
     control, files, tmp_path, drill, committed
 ):
@@ -159,6 +165,7 @@ def test_a_checkpoint_continues_only_with_its_validation(control, files, tmp_pat
     assert "--keep-best picks by validation loss; give --valid FILE too" in bad.stderr
 
 
+@pytest.mark.slow  # (12 s; CI's time budget)
 def test_two_processes_measure_what_one_does(control, files, tmp_path):
     state = str(tmp_path / "state")
     env = kit.spill_env(tmp_path / "home", OMP_NUM_THREADS="1")
