@@ -117,14 +117,15 @@ def with_later(doc: dict[str, Any]) -> dict[str, Any]:
     """A composed config or a record with the settings added after spill.yaml's first release
     filled in where it lacks them (a record made before them, or a project's own group file
     written before them), with the shipped defaults, under which they change nothing; every
-    other key stays required."""
-    from spill.conf import defaults
-
+    other key stays required. The shipped defaults (YAML) are read only when a key is missing."""
     groups = [k for k in ("model", "teacher") if isinstance(doc.get(k), dict)]
     out = {**doc, **{k: _before_quantization(k, doc[k]) for k in groups}}
-    if isinstance(out.get("tune"), dict):
+    tune = out.get("tune")
+    if isinstance(tune, dict) and (missing := [k for k in TUNE_LATER if k not in tune]):
+        from spill.conf import defaults
+
         shipped = defaults("tune")
-        out["tune"] = {**{k: shipped[k] for k in TUNE_LATER if k not in out["tune"]}, **out["tune"]}
+        out["tune"] = {**{k: shipped[k] for k in missing}, **tune}
     return out
 
 
