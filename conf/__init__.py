@@ -25,6 +25,7 @@ BASE = {
     "eval": "default",
     "teacher": "none",
     "engine": "auto",
+    "export": "none",
 }
 
 
@@ -45,5 +46,5 @@ def option(group: str, name: str) -> dict[str, Any]:
 
 
 def defaults(group: str) -> dict[str, Any]:
-    """Every setting of ``group`` (model, tune, eval, teacher, engine) with its shipped default."""
+    """Every setting of ``group`` (model, tune, eval, teacher, engine, export) with its shipped default."""
     return option(group, BASE[group])

@@ -25,6 +25,11 @@ def add_parser(sub) -> None:
     p.add_argument("--verify", metavar="PATH", help="check a bundle's manifest and checksums")
     p.add_argument("--install", nargs=2, metavar=("PATH", "DIR"), help="install a bundle")
     p.add_argument("--with-state", action="store_true", help="also carry the run state")
+    p.add_argument(
+        "--with-exports",
+        action="store_true",
+        help="with --with-state: also carry the export stage's merged models (exports/)",
+    )
     p.add_argument("--state", metavar="URI", help="the state location (default DIR/.spill/)")
     p.add_argument(
         "--wait", action="store_true", help="with --with-state: wait for a live owner to finish"
@@ -46,8 +51,14 @@ def command(args: argparse.Namespace) -> int:
         raise UsageError(
             "give DIR PATH (write a bundle), --verify PATH or --install PATH DIR; see --help"
         )
-    if (args.verify or args.install) and (args.with_state or args.state or args.wait):
-        raise UsageError("--with-state, --state and --wait go with writing a bundle (DIR PATH)")
+    if (args.verify or args.install) and (
+        args.with_state or args.state or args.wait or args.with_exports
+    ):
+        raise UsageError(
+            "--with-state, --with-exports, --state and --wait go with writing a bundle (DIR PATH)"
+        )
+    if args.with_exports and not args.with_state:
+        raise UsageError("--with-exports carries the exports of the run state: add --with-state")
     if args.verify:
         path = Path(absolute(args.verify))
         result = bundle.verify(path)
@@ -68,7 +79,8 @@ def command(args: argparse.Namespace) -> int:
         return 0
     where, path = args.args[0], Path(args.args[1])
     result = bundle.pack(
-        where, path, state=args.state, with_state=args.with_state, wait=args.wait, force=args.force
-    )
+        where, path, state=args.state, with_state=args.with_state, wait=args.wait,
+        force=args.force, with_exports=args.with_exports,
+    )  # fmt: skip
     emit(result, args.json)
     return 0

@@ -29,6 +29,12 @@ def add_parser(sub) -> None:
         help="call off the move of DIR's run: the run returns to what it was before the move "
         "(a new generation), and its partial copy at the destination is removed",
     )
+    p.add_argument(
+        "--with-exports",
+        action="store_true",
+        help="also copy the merged models of the export stage (exports/); without it they stay "
+        "where they were made and a build at the destination writes them again",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     authority_options(p)
     p.set_defaults(func=command)
@@ -49,7 +55,10 @@ def command(args: argparse.Namespace) -> int:
         if not 1 <= len(args.where) <= 2:
             raise UsageError("spill move takes a project folder and a destination; see --help")
         src, to = (".", args.where[0]) if len(args.where) == 1 else args.where
-        result = move(src, to, state=args.state, wait=args.wait, lease=args.lease)
+        result = move(
+            src, to, state=args.state, wait=args.wait, lease=args.lease,
+            with_exports=args.with_exports,
+        )  # fmt: skip
         keys = ("run", "from", "to", "files", "bytes", "seconds", "status")
     emit(result, args.json, None if args.json else keys)
     return 0

@@ -58,7 +58,7 @@ def _emit_build(summary: dict, as_json: bool, args=None) -> None:
     import json
 
     from spill.console import speaking
-    from spill.project.status import adapter, render, with_losses
+    from spill.project.status import adapter, exports, render, with_losses
     from spill.project.status import as_json as to_json
 
     if not speaking():  # a rank other than 0: rank 0 prints the build
@@ -80,6 +80,9 @@ def _emit_build(summary: dict, as_json: bool, args=None) -> None:
         state = f" --build-state {args.state}" if args.state else ""
         print(f"adapter: {where}/ (spill, PEFT and MLX-LM layouts)")
         print(f'predict: spill predict {project}INPUT.csv --out OUT.jsonl{state}, or --text "..."')
+    if args is not None and (made := exports(summary)):
+        formats = ", ".join(sorted(summary["doc"]["stages"]["export"]["result"]["formats"]))
+        print(f"exports: {made}/ ({formats}; docs/export.md)")
     if args is not None and not summary.get("dry_run"):
         print(f"report: {_report_command(args)}")
 
@@ -251,8 +254,8 @@ def add_parsers(sub) -> None:
         "build",
         usage="spill build [DIR] [options] [-m] [OVERRIDE ...]",
         help="grade, distill, tune and grade a project; skip what is done",
-        description="Plan the stages eval:base, distill, tune (train) and eval against the "
-        "recorded state, then run what is needed. Trailing KEY=VALUE arguments are Hydra "
+        description="Plan the stages eval:base, distill, tune (train), eval and export against "
+        "the recorded state, then run what is needed. Trailing KEY=VALUE arguments are Hydra "
         "overrides (tune.lr=3e-4); with -m they sweep (tune.lr=1e-4,3e-4).",
         epilog="Ctrl-C or SIGTERM stops like a preemption: state committed, exit 75.",
     )
@@ -260,7 +263,7 @@ def add_parsers(sub) -> None:
     p.add_argument(
         "--stop-after",
         metavar="STAGE[:N]",
-        help="stop after a stage, or N steps (tune) / rows into it; exit 0",
+        help="stop after a stage, or N steps (tune) / rows / formats (export) into it; exit 0",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
     p.add_argument(

@@ -22,7 +22,7 @@ from spill.errors import StoreError
 from spill.jobs.authority import Writer
 from spill.paths import STATE_DIR
 from spill.project import record, uptodate
-from spill.project.stages import STAGES, get
+from spill.project.stages import STAGES, finished, get
 from spill.store.fs import listdir
 from spill.store.location import location
 
@@ -44,7 +44,7 @@ def _done_plan(doc: dict) -> list[dict[str, str]]:
     for stage in STAGES:
         name, rec = stage.name, doc["stages"][stage.name]
         if rec["status"] == "skipped":
-            out.append({"stage": name, "action": "skip", "reason": "skipped: no teacher"})
+            out.append({"stage": name, "action": "skip", "reason": f"skipped: {stage.skipped}"})
         else:
             done = stage.summarize(rec.get("result") or {})
             out.append({"stage": name, "action": "done", "reason": f"done: {done}"})
@@ -225,9 +225,7 @@ def reconcile(
         summary["plan"] = [d.to_dict() for d in decisions]
         summary["doc"] = _execute(ctx, doc, decisions, specs)
         recs = (summary["doc"] or {}).get("stages") or {}
-        if len(recs) == len(STAGES) and all(
-            r["status"] in ("done", "skipped") for r in recs.values()
-        ):
+        if finished(recs):
             ctx.run.complete()
     return summary
 
@@ -272,9 +270,20 @@ def _record(ctx) -> dict[str, Any]:
     }
 
 
+def _to_record(doc: dict | None, decisions) -> bool:
+    """Whether a decision changes what ``doc`` records: one that works or drops a result, or a
+    skip of a stage ``doc`` does not record as skipped (switched off since, or a state made
+    before that stage existed)."""
+    recs = (doc or {}).get("stages") or {}
+    skips = [d.stage for d in decisions if d.action == "skip"]
+    return any(d.works or d.drop for d in decisions) or any(
+        (recs.get(name) or {}).get("status") != "skipped" for name in skips
+    )
+
+
 def _changes(ctx, doc, decisions) -> bool:
     """Whether building ``ctx.project`` would run anything or record anything new in ``doc``."""
-    if doc is None or any(d.works or d.drop for d in decisions):
+    if doc is None or _to_record(doc, decisions):
         return True
     return any(doc.get(k) != v for k, v in _record(ctx).items())
 
@@ -295,7 +304,7 @@ def _execute(ctx, doc, decisions, specs):
     """Run the decisions that work (or only record what changed); the new state document."""
     from spill.project.execute import Executor, now
 
-    if not any(d.works or d.drop for d in decisions):
+    if not _to_record(doc, decisions):
         if doc is not None:
             # nothing to run, but what the build was made from changed (a comment, a value that
             # decides nothing): record it, so that the next build takes the fast path

@@ -54,8 +54,10 @@ def pack(
     with_state: bool = False,
     wait: bool = False,
     force: bool = False,
+    with_exports: bool = False,
 ) -> dict[str, Any]:
-    """Write the bundle of the project at ``where`` to ``path``: its one-row result."""
+    """Write the bundle of the project at ``where`` to ``path``: its one-row result (the
+    state's merged models under ``exports/`` only ``with_exports``)."""
     from spill.control.keys import current
     from spill.project import bundle_pack as bp
 
@@ -65,7 +67,7 @@ def pack(
         raise BundleError(f"{path.parent} is not a folder; create it first")
     root, state = _project(where, state)
     t0 = time.perf_counter()
-    project, contents = bp.collect(root, state, with_state, wait)
+    project, contents = bp.collect(root, state, with_state, wait, with_exports)
     n_models = len(contents.models)
     run = f" · run {contents.run['run']}" if contents.run else ""
     note(

@@ -92,8 +92,9 @@ def project_items(root: Path, state: str) -> list[Item]:
     return out
 
 
-def run_items(state: str, wait: bool) -> tuple[list[Item], dict[str, Any]]:
-    """The run's files and its control object, once no live owner holds it."""
+def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item], dict[str, Any]]:
+    """The run's files (its merged models too with ``exports``) and its control object, once
+    no live owner holds it."""
     from spill.control.keys import current
     from spill.control.ownership import _busy, is_held, refuse_moving
 
@@ -112,7 +113,7 @@ def run_items(state: str, wait: bool) -> tuple[list[Item], dict[str, Any]]:
     if doc["status"] in ("transferred", "incoming", "quiescing"):
         refuse_moving(doc, state)
     out = []
-    for rel in snapshot.state_files(state, doc):
+    for rel in snapshot.state_files(state, doc, exports):
         if rel in SKIP_STATE or bad_path(rel):
             continue  # hidden names are a writer's leftovers, never part of a run
         src = join(state, rel)
@@ -282,13 +283,15 @@ def project_config(root: Path, state: str):
     return config.compose(root)
 
 
-def collect(root: Path, state: str, with_state: bool, wait: bool) -> tuple[Any, Contents]:
+def collect(
+    root: Path, state: str, with_state: bool, wait: bool, exports: bool = False
+) -> tuple[Any, Contents]:
     project = project_config(root, state)
     contents = Contents()
     try:
         contents.items += project_items(root, state)
         if with_state:
-            items, contents.run = run_items(state, wait)
+            items, contents.run = run_items(state, wait, exports)
             contents.items += items
         items, contents.models = model_items(project)
     except ModelError as e:

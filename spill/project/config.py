@@ -35,6 +35,7 @@ from spill.settings import (
     DataSettings,
     EngineSettings,
     EvalSettings,
+    ExportSettings,
     ModelSettings,
     PromptSettings,
     TeacherSettings,
@@ -45,7 +46,7 @@ from spill.validate import short
 FILE = "spill.yaml"
 CONFIG_NAME = "spill"
 SCHEMA = "spill-yaml"
-SECTIONS = ("data", "model", "teacher", "tune", "eval", "engine", "prompt")
+SECTIONS = ("data", "model", "teacher", "tune", "eval", "engine", "prompt", "export")
 TEMPLATE_FIELDS = ("input", "labels")
 # spill's own Hydra settings, before the user's overrides: no logging, no .hydra/ copies
 SILENT = ("hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null")
@@ -65,6 +66,7 @@ class Project:
     eval: EvalSettings
     engine: EngineSettings
     prompt: PromptSettings
+    export: ExportSettings
     overrides: tuple[str, ...] = field(default=())
 
     @property
@@ -88,7 +90,8 @@ def from_record(doc: dict[str, Any], root: Path, overrides: Sequence[str] = ()) 
     """A ``Project`` from a composed config this module validated before (a build's record).
     A record made before quantized bases names no ``quantize``: its models were float, and
     the shipped group size fills in the setting that then decides nothing; so do the shipped
-    defaults of tune settings added later (validation, trackers: off by default)."""
+    defaults of tune settings added later (validation, trackers: off by default) and of the
+    export group (no formats: no export stage)."""
     doc = with_later(doc)
     sections = {k: GROUPS[k](**doc[k]) for k in SECTIONS}
     return Project(
@@ -110,7 +113,8 @@ def _before_quantization(group: str, section: dict[str, Any]) -> dict[str, Any]:
     return {**section, "quantize": None, "group_size": defaults(group)["group_size"]}
 
 
-TUNE_LATER = (*VALIDATION, "log")  # tune settings added after spill.yaml's first release
+# the settings added after spill.yaml's first release: validation, trackers, the export group
+LATER = {"tune": (*VALIDATION, "log"), "export": ("formats", "dtype", "quantize")}
 
 
 def with_later(doc: dict[str, Any]) -> dict[str, Any]:
@@ -120,12 +124,15 @@ def with_later(doc: dict[str, Any]) -> dict[str, Any]:
     other key stays required. The shipped defaults (YAML) are read only when a key is missing."""
     groups = [k for k in ("model", "teacher") if isinstance(doc.get(k), dict)]
     out = {**doc, **{k: _before_quantization(k, doc[k]) for k in groups}}
-    tune = out.get("tune")
-    if isinstance(tune, dict) and (missing := [k for k in TUNE_LATER if k not in tune]):
-        from spill.conf import defaults
+    if "export" not in out:  # the group came later: spill.yaml's ``export:`` is optional
+        out["export"] = {}
+    for group, keys in LATER.items():
+        section = out.get(group)
+        if isinstance(section, dict) and (missing := [k for k in keys if k not in section]):
+            from spill.conf import defaults
 
-        shipped = defaults("tune")
-        out["tune"] = {**{k: shipped[k] for k in missing}, **tune}
+            shipped = defaults(group)
+            out[group] = {**{k: shipped[k] for k in missing}, **section}
     return out
 
 
@@ -189,6 +196,9 @@ def validate(doc: Any, where: str, strict: bool = True) -> None:
         return
     tune = TuneSettings(**doc["tune"])
     if why := tune.problem(lambda key: f"tune.{key}"):
+        raise ConfigError(f"{where}: {why}")
+    export = ExportSettings(**doc["export"])
+    if why := export.problem(lambda key: f"export.{key}"):
         raise ConfigError(f"{where}: {why}")
     if tune.keep_best and tune.valid is None:
         raise ConfigError(
@@ -278,7 +288,7 @@ def _compose(root: Path | str, overrides: Sequence[str]) -> Project:
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
 
-    given = [*SILENT, *overrides]  # the hydra tree as a sweep of this project would have it
+    given = [*SILENT, *for_hydra(root, overrides)]  # the hydra tree as a sweep would have it
     hydra_safety.check_sources(root / FILE, given, where)
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3", job_name="spill"):
@@ -310,6 +320,35 @@ def _compose(root: Path | str, overrides: Sequence[str]) -> Project:
             f"{where}: Hydra cannot compose it ({what}); check its defaults"
         ) from None
     return from_composed(doc, root, overrides, where)
+
+
+def for_hydra(root: Path, overrides: Sequence[str]) -> list[str]:
+    """The overrides as Hydra is given them. A setting added after the first release (``LATER``)
+    may be missing from a project's own group file or its ``export:``: it is set with ``++``
+    (added, or overridden where present); ``export=OPTION`` appends the group (``+``) when the
+    defaults list does not name it. Records keep the overrides as the user wrote them."""
+    later = tuple(f"{g}.{k}=" for g, keys in LATER.items() for k in keys)
+    out = []
+    for o in overrides:
+        if o.startswith(later):
+            o = "++" + o
+        elif o.startswith("export=") and "export" not in _listed(root):
+            o = "+" + o
+        out.append(o)
+    return out
+
+
+def _listed(root: Path) -> set[str]:
+    """The groups spill.yaml's defaults list names (an unreadable file names none: Hydra says
+    what is wrong with it)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load((root / FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return set()
+    items = doc.get("defaults") if isinstance(doc, dict) else None
+    return {k for i in items or [] if isinstance(i, dict) for k in i}
 
 
 def check_encoding(root: Path) -> None:

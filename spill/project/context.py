@@ -56,17 +56,23 @@ class BuildContext:
         model computes on (``model.quantize``)."""
         from spill.jobs.authority import Writer
         from spill.jobs.rows_job import RowOptions
-        from spill.project.installed import model_folder
 
         return RowOptions(
             batch=batch,
             batch_from=setting or "--batch",
             engine=self.project.engine,
-            weights=model_folder(self.project.root, stage.model(self.project)),
+            weights=self.weights(stage),
             stop_after=stop,
             writer=Writer(state=stage.uri(self.root), place=stage.place(self.root, self.run)),
             quantize=stage.quantization(self.project),
         )
+
+    def weights(self, stage: Stage) -> str | None:
+        """The model folder a bundle install gave this project for ``stage``'s model (None: the
+        name's own)."""
+        from spill.project.installed import model_folder
+
+        return model_folder(self.project.root, stage.model(self.project))
 
     def log_scores(self, stage: str, scores: dict, step: int) -> None:
         """An eval stage's scores as metrics ``<stage>/<score>`` of the build's run at ``step``

@@ -37,9 +37,12 @@ def _places(src: str, to: str, state: str | None):
     return root, src_state, (dst_root, dst_state, dst_store), src_store
 
 
-def _claim(root, src_state, dst, doc, name, lease, tid=None, moving=False) -> tuple[str, float]:
+def _claim(
+    root, src_state, dst, doc, name, lease, tid=None, moving=False, exports=False
+) -> tuple[str, float]:
     """Checks 6 to 8, then the destination's claim: (transfer id, the quiesce's deadline).
-    ``tid``: the transfer's id when it has one already; ``moving``: the source is in it."""
+    ``tid``: the transfer's id when it has one already; ``moving``: the source is in it;
+    ``exports``: the exports go too (``--with-exports``)."""
     from spill.console import note
     from spill.control import arrival
     from spill.control.owner import home_of, lease_seconds
@@ -52,7 +55,7 @@ def _claim(root, src_state, dst, doc, name, lease, tid=None, moving=False) -> tu
             f"removed a claim at {dst_root} that nobody will finish (run {gone['run']} from "
             f"{t['from']}, transfer {t['id']}, step {t['step']} done)"
         )
-    files = checks.snapshot_files(root, src_state, doc)
+    files = checks.snapshot_files(root, src_state, doc, exports)
     checks.check_room(dst_root, files, STATE_DIR if root else "", doc["run"], moving)
     drill.at(drill.MOVE_CHECKED)
     lease = lease_seconds(lease)
@@ -77,9 +80,16 @@ def _gave_back(src_store, why: Exception, name: str) -> StoreError:
 
 
 def move(
-    src: str, to: str, *, state: str | None = None, wait: bool = False, lease: float | None = None
+    src: str,
+    to: str,
+    *,
+    state: str | None = None,
+    wait: bool = False,
+    lease: float | None = None,
+    with_exports: bool = False,
 ) -> dict[str, Any]:
-    """Move the run of project (or state location) ``src`` to ``to`` (docs/move.md)."""
+    """Move the run of project (or state location) ``src`` to ``to`` (docs/move.md); the merged
+    models under ``exports/`` stay where they were made unless ``with_exports``."""
     from spill.console import note
     from spill.control import arrival, transfer
     from spill.control.keys import current
@@ -93,14 +103,14 @@ def move(
     # a project's move names the project's new place (what `spill build` is given there)
     name = dst_root if root else dst_state
     if now["status"] == "complete":
-        return _copy_complete(root, src_state, dst, now, name, t0)
+        return _copy_complete(root, src_state, dst, now, name, t0, with_exports)
     transfer.check_source(now, src_state, name, wait=wait)
     was = transfer.pending(now)
     doc = now
     if now["status"] != "transferred":  # fenced already: only the activation is left
         try:
             tid, deadline = _claim(
-                root, src_state, dst, now, name, lease, was and was["id"], bool(was)
+                root, src_state, dst, now, name, lease, was and was["id"], bool(was), with_exports
             )
         except arrival.Taken as e:
             if was:
@@ -118,7 +128,7 @@ def move(
             raise
         if doc["status"] == "complete":  # finished meanwhile by its writer: copied instead
             arrival.remove_claim(dst_store, dst_root, now["run"], tid)
-            return _copy_complete(root, src_state, dst, doc, name, t0)
+            return _copy_complete(root, src_state, dst, doc, name, t0, with_exports)
         if doc["transfer"]["id"] != tid:
             raise StoreError(
                 f"run {doc['run']} at {src_state} is being moved to {name} by another `spill "
@@ -141,7 +151,7 @@ def move(
             except arrival.Taken as e:
                 run.release()
                 raise _gave_back(src_store, e, name) from None
-            manifest = copy_snapshot(root, src_state, dst_root, dst_state, run.doc)
+            manifest = copy_snapshot(root, src_state, dst_root, dst_state, run.doc, with_exports)
             transfer.step(run, "copy")
             verify(dst_root, manifest)
             transfer.step(run, "verify")
@@ -233,7 +243,7 @@ def _result(doc, src_state, dst_root, manifest, t0) -> dict[str, Any]:
     }
 
 
-def _copy_complete(root, src_state, dst, doc, name, t0) -> dict[str, Any]:
+def _copy_complete(root, src_state, dst, doc, name, t0, exports=False) -> dict[str, Any]:
     """A complete run is read-only: copy it, verified, and create it complete at the
     destination (checked and claimed first, like a move); the source stays as it is."""
     from spill.console import note
@@ -262,9 +272,9 @@ def _copy_complete(root, src_state, dst, doc, name, t0) -> dict[str, Any]:
         "at": now,
     }
     new["lineage"]["copied_from"] = doc["home"]
-    _claim(root, src_state, dst, new, name, None, tid)
+    _claim(root, src_state, dst, new, name, None, tid, exports=exports)
     note(f"run {doc['run']} is complete (read-only): copying it; the source stays as it is")
-    manifest = copy_snapshot(root, src_state, dst_root, dst_state, new)
+    manifest = copy_snapshot(root, src_state, dst_root, dst_state, new, exports)
     verify(dst_root, manifest)
     done = arrival.activate(dst_store, tid, status="complete")
     return _result(done, src_state, dst_root, manifest, t0)

@@ -78,14 +78,23 @@ def check_place(to: str) -> None:
         )
 
 
-def snapshot_files(root: str | None, src_state: str, doc: dict[str, Any]) -> list[tuple[str, str]]:
+def snapshot_files(
+    root: str | None, src_state: str, doc: dict[str, Any], exports: bool = False
+) -> list[tuple[str, str]]:
     """(source URI, path relative to the destination) of every file a move of run ``doc``
-    copies: the project's files, then the run's (``snapshot.state_files``)."""
-    rels = snapshot.state_files(src_state, doc)
+    copies: the project's files, then the run's (``snapshot.state_files``; the exports with
+    ``exports``)."""
+    rels = snapshot.state_files(src_state, doc, exports)
     files = [(join(src_state, r), f"{STATE_DIR}/{r}" if root else r) for r in rels]
     if root:
         files = [(join(root, r), r) for r in snapshot.project_files(root, src_state)] + files
     return files
+
+
+def is_export(rel: str, project: bool) -> bool:
+    """Whether a path a move's manifest names is an export's (``.spill/exports/...`` in a
+    project's move)."""
+    return rel.startswith(f"{STATE_DIR}/{snapshot.EXPORTS}/" if project else f"{snapshot.EXPORTS}/")
 
 
 def _bytes(n: int) -> str:

@@ -23,7 +23,7 @@ from spill.errors import StoreError
 from spill.hashing import CHUNK
 from spill.project import move_checks as checks
 from spill.store import snapshot
-from spill.store.fs import exists, join, open_read, put_bytes, stat
+from spill.store.fs import exists, get_bytes, join, open_read, put_bytes, stat
 from spill.store.location import location
 from spill.store.probe import _reason
 
@@ -83,18 +83,28 @@ def _put_manifest(uri: str, manifest: dict[str, Any]) -> None:
 
 
 def copy_snapshot(
-    root: str | None, src_state: str, dst_root: str, dst_state: str, doc: dict[str, Any]
+    root: str | None,
+    src_state: str,
+    dst_root: str,
+    dst_state: str,
+    doc: dict[str, Any],
+    exports: bool = False,
 ) -> dict[str, Any]:
     """Step 3: an unsealed manifest naming every path first, then the snapshot (hashed in the
     same pass), then the manifest sealed with every file's size and sha256. A rerun of the same
-    transfer hashes both sides first and copies only what differs."""
+    transfer hashes both sides first and copies only what differs; it carries the exports when
+    this one or the first attempt was asked to (``exports``, ``--with-exports``), so what the
+    manifest names stays named."""
     from spill.console import progress
     from spill.control.arrival import manifest_uri
 
     t = doc["transfer"]
     uri = manifest_uri(dst_state, doc["run"], t["id"])
     fresh = not exists(uri)  # else a rerun of this transfer: its partial copy is there
-    files = checks.snapshot_files(root, src_state, doc)
+    if not fresh and not exports:
+        named = json.loads(get_bytes(uri)).get("paths") or []
+        exports = any(checks.is_export(rel, root is not None) for rel in named)
+    files = checks.snapshot_files(root, src_state, doc, exports)
     manifest = {
         "schema_version": 1,
         "kind": "spill-move",

@@ -19,7 +19,8 @@ from spill.console import table
 from spill.errors import StoreError
 from spill.paths import STATE_DIR
 from spill.project import record, series, uptodate
-from spill.project.stages import STAGES, TUNE, get
+from spill.project.stages import EXPORT, STAGES, TUNE, get
+from spill.project.stages import finished as stages_finished
 from spill.store.location import location
 
 
@@ -47,7 +48,7 @@ def rows(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
             continue
         status, result = rec["status"], stage.summarize(rec.get("result") or {})
         if status == "skipped":
-            result = "no teacher"
+            result = stage.skipped
         elif rec.get("problem"):
             status, result = "out of date", rec["problem"]
         elif status != "done":
@@ -166,7 +167,8 @@ def as_json(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("project", "state", "dry_run", "plan", "notes", "run")
     out = {k: summary.get(k) for k in keys if k in summary}
     out["losses"] = summary.get("losses") or {}
-    return {**out, "stages": stages, "data": doc.get("data"), "adapter": adapter(summary)}
+    found = {"adapter": adapter(summary), "exports": exports(summary)}
+    return {**out, "stages": stages, "data": doc.get("data"), **found}
 
 
 def with_losses(summary: dict[str, Any]) -> dict[str, Any]:
@@ -183,16 +185,26 @@ def adapter(summary: dict[str, Any]) -> str | None:
     """Where the finished tune stage published the adapter (``<state>/adapters/<name>``), or
     None while it is not done, is out of date, or this is a dry run (or a summary that names no
     state or project)."""
+    return published(summary, TUNE)
+
+
+def exports(summary: dict[str, Any]) -> str | None:
+    """Where the finished export stage wrote its models (``<state>/exports/<name>``), as
+    ``adapter`` says it."""
+    return published(summary, EXPORT)
+
+
+def published(summary: dict[str, Any], stage) -> str | None:
     from spill.store.fs import join
 
     doc = summary.get("doc") or {}
-    rec = (doc.get("stages") or {}).get(TUNE.name) or {}
+    rec = (doc.get("stages") or {}).get(stage.name) or {}
     name = (doc.get("project") or {}).get("name")
     if summary.get("dry_run") or rec.get("status") != "done" or rec.get("problem"):
         return None
     if not name or not summary.get("state"):
         return None
-    return join(str(summary["state"]), TUNE.output(name))
+    return join(str(summary["state"]), stage.output(name))
 
 
 def score(recs: dict, stage: str) -> float | None:
@@ -209,9 +221,7 @@ def sweep_runs(where: str) -> list[dict[str, Any]]:
     for name in listdir(join(where, "sweep")):
         doc = record.read(join(where, "sweep", name)) or {}
         recs = doc.get("stages") or {}
-        finished = len(recs) == len(STAGES) and all(
-            r["status"] in ("done", "skipped") for r in recs.values()
-        )
+        finished = stages_finished(recs)
         for stage, rec in recs.items():  # a stopped job's progress, as its own status shows it
             if rec["status"] in ("running", "stopped"):
                 rec["progress"] = get(stage).probe(join(where, "sweep", name))[0]

@@ -82,8 +82,7 @@ def job(
         result = {**out, "status": "error", "error": f"{type(e).__name__}: {e}"}
     else:
         recs = (summary["doc"] or {}).get("stages") or {}
-        finished = all(recs.get(s, {}).get("status") in ("done", "skipped") for s in recs)
-        status = "done" if finished and len(recs) == 4 else "stopped"
+        status = "done" if stages.finished(recs) else "stopped"
         result = {**out, "status": "planned" if dry_run else status, **_scores(recs)}
         result["plan"] = summary["plan"]
     result["seconds"] = round(time.time() - out["started"], 3)

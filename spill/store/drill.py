@@ -42,6 +42,7 @@ MOVE_QUIESCE, MOVE_TAKE, MOVE_COPY, MOVE_VERIFY, MOVE_INCOMING, MOVE_FENCE, MOVE
 MOVE_CHECKED, MOVE_CLAIM, MOVE_ABORT = "move-checked", "move-claim", "move-abort"
 CHAT_TOKEN = "chat-token"
 TRACK_LOGGED = "track-logged"  # one tracker has a commit's steps, the next not yet
+EXPORT_WRITTEN = "export-written"  # a format's folder in place, its commit not made yet
 BOUNDARIES = (
     CKPT_BETWEEN_FILES,
     CKPT_BEFORE_COMMIT,
@@ -63,6 +64,7 @@ BOUNDARIES = (
     MOVE_ABORT,
     CHAT_TOKEN,
     TRACK_LOGGED,
+    EXPORT_WRITTEN,
 )
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 

@@ -24,18 +24,22 @@ from spill.store.location import location
 
 _PAYLOAD_DIR = re.compile(r"(?:(.*)/)?payloads/([a-z]+-g\d+-s\d+-\d+)(?:/.*)?")
 SKIP_TOP = ("runs",)  # the place's own control objects: a copy writes its own
+EXPORTS = "exports"  # the export stage's merged models: carried only when asked for
 
 
 def _pointed(doc: dict[str, Any]) -> set[str]:
     return {p for rels in doc.get("pointers", {}).values() for p in rels}
 
 
-def state_files(state: str, doc: dict[str, Any]) -> list[str]:
-    """``/``-separated paths, relative to ``state``, of the files the run ``doc`` consists of."""
+def state_files(state: str, doc: dict[str, Any], exports: bool = False) -> list[str]:
+    """``/``-separated paths, relative to ``state``, of the files the run ``doc`` consists of;
+    the merged models under ``exports/`` only with ``exports`` (they are large, and a build
+    makes them again where they are missing)."""
     keep = _pointed(doc)
+    skip = SKIP_TOP if exports else (*SKIP_TOP, EXPORTS)
     out = []
     for rel in files_under(state):
-        if not rel or rel.split("/", 1)[0] in SKIP_TOP or is_temp(rel.rsplit("/", 1)[-1]):
+        if not rel or rel.split("/", 1)[0] in skip or is_temp(rel.rsplit("/", 1)[-1]):
             continue
         m = _PAYLOAD_DIR.fullmatch(rel)
         if m:

@@ -80,7 +80,7 @@ def test_rerun_tune_stopped_early_shows_no_old_eval(reference, home, tmp_path):
     assert "1.000" not in status.stdout and "at step 3 of 300" in status.stdout
     assert table(status.stdout)["eval"] == ["not run"]
     as_json = json.loads(spill("status", *args[:3], "--json", home=home).stdout)
-    assert set(as_json["stages"]) == {"eval:base", "distill", "tune"}
+    assert set(as_json["stages"]) == {"eval:base", "distill", "tune", "export"}
     dry = spill("build", *args, "--dry-run", home=home).stdout
     assert table(dry)["tune"] == ["continue", "continue at step 3 of 300"]
     assert table(dry)["eval"] == ["run", "fresh: not run yet"]
@@ -160,7 +160,7 @@ def test_outputs_that_cannot_be_restored_rerun_the_stage_and_what_follows(
         "wait",
         "not now: after --stop-after eval:base; out of date: tune is not done",
     ]
-    assert set(state_doc(state)["stages"]) == {"eval:base", "distill"}
+    assert set(state_doc(state)["stages"]) == {"eval:base", "distill", "export"}
     assert not (state / "files" / "eval.jsonl").exists()
     proc = spill("build", *args, home=home)
     assert "== tune: fresh: not run yet" in proc.stderr and "== eval:" in proc.stderr
@@ -275,7 +275,7 @@ def test_a_restore_that_fails_is_one_line_and_the_next_build_recomputes(referenc
     assert last.startswith("spill: error: tune: its outputs cannot be restored (") and (
         last.endswith("run spill build again to compute them afresh")
     )
-    assert set(state_doc(state)["stages"]) == {"eval:base", "distill"}  # eval read tune
+    assert set(state_doc(state)["stages"]) == {"eval:base", "distill"}  # eval and export read tune
     dry = spill("build", *args, "--dry-run", home=home).stdout
     assert table(dry)["tune"] == ["run", "fresh: not run yet"]
     assert table(dry)["eval"] == ["run", "fresh: not run yet"]

@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING
 
 from spill.errors import SpillError, UsageError
 from spill.hashing import file_sha256
+from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
 from spill.store.fs import fsync, remove_stale, same_file
 from spill.validate import validate
 
 if TYPE_CHECKING:  # the merge imports numpy and safetensors: not at `spill --help`
     from spill.jobs.export.merge import Inputs
 
-FORMATS = ("hf", "gguf", "mlx")
-DTYPES = ("f32", "bf16", "f16")
-QUANTIZE = {"gguf": ("q8_0", "q4_0", "q4_1"), "mlx": ("4", "8")}
+FORMATS = EXPORT_FORMATS  # one definition, with spill.yaml's ``export:`` (spill.settings)
+DTYPES = EXPORT_DTYPES
+QUANTIZE = {fmt: tuple(str(q) for q in kinds) for fmt, kinds in EXPORT_QUANTIZE.items()}
 RECORD = "export.json"
 SCHEMA_VERSION = 1
 
@@ -93,9 +94,12 @@ def export(
     model: str | None = None,
     weights: str | None = None,
     progress: Callable[[str], object] = lambda line: None,
+    adapter_name: str | None = None,
     **writer_options,
 ) -> dict:
-    """Write the merged model of ``adapter`` to the folder ``out``; what export.json records."""
+    """Write the merged model of ``adapter`` to the folder ``out``; what export.json records.
+    ``adapter_name``: how export.json names the adapter (default: its resolved folder; a build
+    names it relative to its state, so that the bytes do not depend on where the state lies)."""
     import spill
     from spill.jobs.export.merge import open_inputs
 
@@ -126,7 +130,7 @@ def export(
             "quantize": quantize,
             "spill_version": spill.__version__,
             "adapter": {
-                "folder": str(inputs.adapter_dir.resolve()),
+                "folder": adapter_name or str(inputs.adapter_dir.resolve()),
                 "sha256": inputs.adapter.sha256,
                 "lora": inputs.adapter.lora.to_dict(),
             },

@@ -10,6 +10,7 @@ one entry below (in the spirit of DVC's ``dvc/stage``).
 from __future__ import annotations
 
 from spill.project.stages.base import PRODUCER_KEYS, Stage, distinct
+from spill.project.stages.export import ExportStage
 from spill.project.stages.rows import DistillStage, EvalStage, RowStage
 from spill.project.stages.tune import TuneStage
 
@@ -18,16 +19,19 @@ __all__ = [
     "DISTILL",
     "EVAL",
     "EVAL_BASE",
+    "EXPORT",
     "NAMES",
     "PRODUCER_KEYS",
     "STAGES",
     "TUNE",
     "DistillStage",
     "EvalStage",
+    "ExportStage",
     "RowStage",
     "Stage",
     "TuneStage",
     "distinct",
+    "finished",
     "get",
 ]
 
@@ -50,10 +54,17 @@ EVAL = EvalStage(
     adapter=True,
     needs=("tune",),
 )
-STAGES: tuple[Stage, ...] = (EVAL_BASE, DISTILL, TUNE, EVAL)
+EXPORT = ExportStage(name="export", folder="export", needs=("tune",))
+STAGES: tuple[Stage, ...] = (EVAL_BASE, DISTILL, TUNE, EVAL, EXPORT)
 NAMES = tuple(s.name for s in STAGES)
 ALIASES = {"train": "tune"}
 _BY_NAME = {s.name: s for s in STAGES}
+
+
+def finished(recs: dict) -> bool:
+    """Whether a state's stage records (``state.json``'s ``stages``) say every stage is done or
+    skipped."""
+    return all((recs.get(s.name) or {}).get("status") in ("done", "skipped") for s in STAGES)
 
 
 def get(name: str) -> Stage:

@@ -67,6 +67,7 @@ class Stage:
 
     unit: ClassVar[str] = ""  # what its progress counts
     marker: ClassVar[str] = ""  # the file inside its output that stands for it in old records
+    skipped: ClassVar[str] = "switched off"  # what the tables say when it is (``off``)
 
     def __init__(
         self,

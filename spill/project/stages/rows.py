@@ -147,6 +147,7 @@ class DistillStage(RowStage):
 
     # the prompts are already shaped by the project's prompt.* settings: no chat wrapping on top
     chat: ClassVar[bool] = False
+    skipped: ClassVar[str] = "no teacher"
 
     def off(self, project: Project) -> str:
         return "" if project.teacher.name is not None else "no teacher (teacher.name is null)"

@@ -11,6 +11,7 @@ import spill.conf
 import yaml
 
 from spill.project.config import ConfigError, compose, compose_key, from_record
+from spill.settings import ExportSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 CONF = Path(spill.conf.__file__).parent
@@ -34,12 +35,15 @@ def toy(tmp_path) -> Path:
 
 
 def test_groups_are_the_documented_ones():
-    assert GROUPS == sorted(["data", "engine", "eval", "model", "prompt", "teacher", "tune"])
+    assert GROUPS == sorted(
+        ["data", "engine", "eval", "export", "model", "prompt", "teacher", "tune"]
+    )
 
 
 @pytest.mark.parametrize(("group", "option"), list(options()), ids=lambda x: x)
 def test_every_shipped_option_composes_and_validates(toy, group, option):
-    overrides = [f"{group}={option}"]
+    # export came later: a project lists it in its defaults or appends it (``+export=hf``)
+    overrides = [f"{'+' if group == 'export' else ''}{group}={option}"]
     if option in NEEDS:
         overrides.append(NEEDS[option].format(group=group))
     if group == "data":
@@ -57,6 +61,41 @@ def test_every_example_project_composes_and_validates(folder):
     schema = first.split("$schema=", 1)[1]
     assert first.startswith("# yaml-language-server: $schema=")
     assert (folder / schema).resolve() == ROOT / "schemas" / "spill-yaml.schema.json"
+
+
+def test_the_export_group_needs_no_entry_in_the_defaults_list(toy):
+    assert compose(toy).export == ExportSettings(formats=(), dtype=None, quantize=None)
+    text = (toy / "spill.yaml").read_text()
+    (toy / "spill.yaml").write_text(text + "\nexport:\n  formats: [hf, gguf]\n")
+    p = compose(toy)
+    assert (p.export.formats, p.export.dtype, p.export.quantize) == (("hf", "gguf"), None, None)
+    assert compose(toy, ["+export=mlx"]).export.formats == ("mlx",)
+    q = compose(toy, ["export.quantize=q8_0"]).export
+    assert (q.quantize_for("hf"), q.quantize_for("gguf")) == (None, "q8_0")
+    assert (
+        compose(toy, ["export.formats=[mlx]", "export.quantize=4"]).export.quantize_for("mlx")
+        == "4"
+    )
+    assert from_record(p.to_dict(), toy) == p
+    old = p.to_dict()
+    del old["export"]  # a record made before the export group: no export stage
+    assert from_record(old, toy).export.formats == ()
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("export.quantize=q8_0", "export.quantize 'q8_0' applies to gguf only"),
+        ("export.formats=[onnx]", "export.formats[0] is 'onnx'; allowed: hf, gguf, mlx"),
+        ("export.dtype=f8", "export.dtype is 'f8'; allowed: null, f32, bf16, f16"),
+    ],
+)
+def test_export_settings_that_cannot_be_written_are_refused_in_one_line(toy, override, said):
+    text = (toy / "spill.yaml").read_text()
+    (toy / "spill.yaml").write_text(text + "\nexport:\n  formats: [hf]\n")
+    with pytest.raises(ConfigError) as e:
+        compose(toy, [override])
+    assert said in str(e.value) and "\n" not in str(e.value)
 
 
 def test_overrides_and_project_group_files(toy):

@@ -80,7 +80,13 @@ def actions(decisions):
 
 def test_nothing_recorded_runs_everything_but_a_missing_teacher():
     d = plan(specs(project(), PREPARED), {})
-    assert actions(d) == {"eval:base": "run", "distill": "skip", "tune": "run", "eval": "run"}
+    assert actions(d) == {
+        "eval:base": "run",
+        "distill": "skip",
+        "tune": "run",
+        "eval": "run",
+        "export": "skip",
+    }
     assert all(x.fresh for x in d if x.action == "run")
     assert d[0].reason == "fresh: not run yet"
     assert "no teacher" in d[1].reason
@@ -89,7 +95,13 @@ def test_nothing_recorded_runs_everything_but_a_missing_teacher():
 def test_finished_build_is_all_done():
     s = specs(project(), PREPARED)
     d = plan(s, done_records(s))
-    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "done", "eval": "done"}
+    assert actions(d) == {
+        "eval:base": "done",
+        "distill": "skip",
+        "tune": "done",
+        "eval": "done",
+        "export": "skip",
+    }
     assert not any(x.works for x in d)
 
 
@@ -113,7 +125,13 @@ def test_values_that_cannot_change_results_rerun_nothing(change):
 def test_a_tune_value_reruns_tune_and_eval_and_names_the_value():
     recorded = done_records(specs(project(), PREPARED))
     d = plan(specs(project(tune__lr=0.003), PREPARED), recorded)
-    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "run", "eval": "run"}
+    assert actions(d) == {
+        "eval:base": "done",
+        "distill": "skip",
+        "tune": "run",
+        "eval": "run",
+        "export": "skip",
+    }
     assert d[2].reason == "fresh: tune.lr 0.001 -> 0.003"
     assert d[3].reason == "fresh: tune changed"
 
@@ -122,11 +140,23 @@ def test_data_edits_rerun_the_stages_that_read_the_changed_rows():
     recorded = done_records(specs(project(), PREPARED))
     train_edit = replace(PREPARED, train=b"train edited\n", prompts=b"prompts edited\n")
     d = plan(specs(project(), train_edit), recorded)
-    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "run", "eval": "run"}
+    assert actions(d) == {
+        "eval:base": "done",
+        "distill": "skip",
+        "tune": "run",
+        "eval": "run",
+        "export": "skip",
+    }
     assert "training rows differ" in d[2].reason
     test_edit = replace(PREPARED, test=b"test edited\n")
     d = plan(specs(project(), test_edit), recorded)
-    assert actions(d) == {"eval:base": "run", "distill": "skip", "tune": "done", "eval": "run"}
+    assert actions(d) == {
+        "eval:base": "run",
+        "distill": "skip",
+        "tune": "done",
+        "eval": "run",
+        "export": "skip",
+    }
     assert "test rows differ" in d[0].reason
 
 
@@ -134,7 +164,7 @@ def test_model_and_seed_changes_rerun_everything():
     recorded = done_records(specs(project(), PREPARED))
     for change, shown in (({"model__name": "tiny:llama:2"}, "model.name"), ({"seed": 3}, "seed")):
         d = plan(specs(project(**change), PREPARED), recorded)
-        assert [x.action for x in d] == ["run", "skip", "run", "run"]
+        assert [x.action for x in d] == ["run", "skip", "run", "run", "skip"]
         assert d[0].reason.startswith(f"fresh: {shown} ")
 
 
@@ -142,7 +172,13 @@ def test_teacher_adds_distill_and_tune_reads_its_answers():
     plain = specs(project(), PREPARED)
     taught = specs(project(teacher__name="qwen2.5:1.5b"), PREPARED)
     d = plan(taught, done_records(plain))
-    assert actions(d) == {"eval:base": "done", "distill": "run", "tune": "run", "eval": "run"}
+    assert actions(d) == {
+        "eval:base": "done",
+        "distill": "run",
+        "tune": "run",
+        "eval": "run",
+        "export": "skip",
+    }
     assert taught[2].inputs["stage:distill"] == taught[1].fingerprint
     # a new teacher setting reruns distill, and tune because it reads distill's answers
     again = specs(project(teacher__name="qwen2.5:1.5b", teacher__max_new_tokens=9), PREPARED)
@@ -157,7 +193,13 @@ def test_stopped_stage_continues_at_its_step():
     rec["tune"] = Recorded("stopped", s[2].fingerprint, dict(s[2].inputs), done=12)
     del rec["eval"]
     d = plan(s, rec)
-    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "continue", "eval": "run"}
+    assert actions(d) == {
+        "eval:base": "done",
+        "distill": "skip",
+        "tune": "continue",
+        "eval": "run",
+        "export": "skip",
+    }
     assert d[2].reason == "continue at step 12 of 40" and not d[2].fresh
     rec["tune"] = Recorded("running", s[2].fingerprint, dict(s[2].inputs), done=0)
     assert plan(s, rec)[2].reason == "continue (nothing committed yet)"
@@ -166,7 +208,13 @@ def test_stopped_stage_continues_at_its_step():
 def test_stop_after_counts_and_waits():
     s = specs(project(), PREPARED)
     d = plan(s, {}, StopAfter.parse("train:20"))
-    assert actions(d) == {"eval:base": "run", "distill": "skip", "tune": "run", "eval": "wait"}
+    assert actions(d) == {
+        "eval:base": "run",
+        "distill": "skip",
+        "tune": "run",
+        "eval": "wait",
+        "export": "skip",
+    }
     assert d[2].stop == 20 and d[0].stop is None
     d = plan(s, {}, StopAfter.parse("eval:base:1"))
     assert d[0].stop == 1 and actions(d)["tune"] == "wait"
@@ -214,7 +262,13 @@ def test_make_rule_a_stage_after_one_that_reruns_waits_and_drops_its_result():
     """Issue 8 item 2: tune.lr changed, --stop-after tune:3: eval is not done, and it says why."""
     recorded = done_records(specs(project(), PREPARED))
     d = plan(specs(project(tune__lr=0.004), PREPARED), recorded, StopAfter.parse("tune:3"))
-    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "run", "eval": "wait"}
+    assert actions(d) == {
+        "eval:base": "done",
+        "distill": "skip",
+        "tune": "run",
+        "eval": "wait",
+        "export": "skip",
+    }
     assert d[2].stop == 3 and d[2].drop
     assert d[3].reason == "waits for tune (runs first)" and d[3].drop and not d[3].works
     # a stop before tune: tune itself waits, out of date, and both lose their records
@@ -251,6 +305,7 @@ def test_missing_outputs_restore_from_committed_state_without_rerunning_downstre
         "distill": "skip",
         "tune": "restore",
         "eval": "done",
+        "export": "skip",
     }
     assert d[2].reason == "adapters/p missing; restored from tune step 40 checkpoint"
     assert d[2].works and not d[2].fresh and not d[2].drop
@@ -263,12 +318,57 @@ def test_missing_outputs_that_cannot_be_restored_rerun_the_stage_and_what_reads_
     rec = done_records(s)
     rec["tune"] = replace(rec["tune"], problem="adapters/p missing")
     d = plan(s, rec)
-    assert actions(d) == {"eval:base": "done", "distill": "skip", "tune": "run", "eval": "run"}
+    assert actions(d) == {
+        "eval:base": "done",
+        "distill": "skip",
+        "tune": "run",
+        "eval": "run",
+        "export": "skip",
+    }
     assert d[2].reason == "fresh: adapters/p missing" and d[2].fresh
     d = plan(s, rec, StopAfter.parse("eval:base"))
-    assert [x.action for x in d[2:]] == ["wait", "wait"] and d[2].drop and d[3].drop
+    assert [x.action for x in d[2:4]] == ["wait", "wait"] and d[2].drop and d[3].drop
     assert d[2].reason.endswith("; out of date: adapters/p missing")
     rec = done_records(s)
     rec["eval:base"] = replace(rec["eval:base"], problem="files/eval-base.jsonl changed")
     d = plan(s, rec)
-    assert actions(d) == {"eval:base": "run", "distill": "skip", "tune": "done", "eval": "done"}
+    assert actions(d) == {
+        "eval:base": "run",
+        "distill": "skip",
+        "tune": "done",
+        "eval": "done",
+        "export": "skip",
+    }
+
+
+def test_the_export_stage_runs_after_tune_and_only_when_the_adapter_or_its_settings_change():
+    hf = {"formats": ["hf", "gguf"], "dtype": None, "quantize": None}
+    s = specs(project(export=hf), PREPARED)
+    assert [x.name for x in s][-1] == "export" and s[-1].total == 2 and s[-1].needs == ("tune",)
+    assert actions(plan(s, {}))["export"] == "run"
+    rec = done_records(s)
+    assert set(actions(plan(s, rec)).values()) == {"done", "skip"}
+    # another eval or teacher batch: the export is done; another dtype: it alone runs again
+    d = plan(specs(project(export={**hf, "dtype": "f16"}), PREPARED), rec)
+    assert actions(d) == {
+        "eval:base": "done", "distill": "skip", "tune": "done", "eval": "done", "export": "run",
+    }  # fmt: skip
+    assert d[-1].reason == 'fresh: export.dtype null -> "f16"'
+    # another adapter: tune, eval and export run again
+    d = plan(specs(project(export=hf, tune__lr=0.002), PREPARED), rec)
+    assert [actions(d)[k] for k in ("tune", "eval", "export")] == ["run", "run", "run"]
+    # no formats: skipped, and the stage's inputs are those of every build before it existed
+    off = specs(project(), PREPARED)[-1]
+    assert (off.enabled, off.inputs) == (False, {"export.formats": []})
+    assert plan([off], {})[0].reason == "skipped: no formats (export.formats is [])"
+
+
+def test_an_export_stopped_after_one_format_continues_at_the_next():
+    s = specs(project(export={"formats": ["hf", "mlx"]}), PREPARED)
+    rec = done_records(s)
+    rec["export"] = replace(rec["export"], status="stopped", done=1)
+    d = plan(s, rec)
+    assert (d[-1].action, d[-1].reason) == ("continue", "continue at format 1 of 2")
+    assert plan(s, {}, StopAfter.parse("export:1"))[-1].stop == 1
+    with pytest.raises(PlanError, match="past the end \\(export's formats: 2\\)"):
+        plan(s, {}, StopAfter.parse("export:3"))

@@ -17,23 +17,24 @@ STAGES_PKG = Path(stages.__file__).parent
 
 def test_each_stage_says_what_it_is():
     by = {s.name: s for s in stages.STAGES}
-    assert list(by) == ["eval:base", "distill", "tune", "eval"]
-    assert [s.unit for s in stages.STAGES] == ["row", "row", "step", "row"]
+    assert list(by) == ["eval:base", "distill", "tune", "eval", "export"]
+    assert [s.unit for s in stages.STAGES] == ["row", "row", "step", "row", "format"]
     assert [s.uri("mem://x") for s in stages.STAGES] == [
-        f"mem://x/stages/{d}" for d in ("eval-base", "distill", "tune", "eval")
+        f"mem://x/stages/{d}" for d in ("eval-base", "distill", "tune", "eval", "export")
     ]
     assert [s.output("toy") for s in stages.STAGES] == [
         "files/eval-base.jsonl",
         "files/teacher.jsonl",
         "adapters/toy",
         "files/eval.jsonl",
+        "exports/toy",
     ]
     for s in stages.STAGES:  # each runs its own job
         assert type(s).execute is not stages.Stage.execute, s
         assert type(s).inputs is not stages.Stage.inputs, s
     assert [s.model_key for s in stages.STAGES] == ["model.name", "teacher.name"] + [
         "model.name"
-    ] * 2
+    ] * 3
     for i, s in enumerate(stages.STAGES):  # a stage reads only stages before it
         assert set(s.needs) <= set(stages.NAMES[:i])
     assert by["tune"].count_name() == "tune.steps" and by["eval"].count_name() == "eval's rows"
@@ -52,6 +53,11 @@ def test_summaries():
         "5 rows answered, 2 cut at max_new_tokens"
     )
     assert all(s.summarize({}) == "" for s in stages.STAGES)
+    made = {"dtype": "bf16", "quantize": None, "files": 7, "bytes": 3 * 2**20, "dequantized": 0}
+    gguf = {**made, "quantize": "q8_0", "bytes": 2**20}
+    assert stages.EXPORT.summarize({"formats": {"hf": made, "gguf": gguf}}) == (
+        "gguf q8_0, hf bf16 (4.0 MiB)"
+    )
 
 
 # a stage name compared, tested for membership, or used as a dict key with a value

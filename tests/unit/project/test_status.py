@@ -54,7 +54,7 @@ def doc():
 
 def test_rows_and_a_stage_that_moved():
     table = rows(doc())
-    assert [r["status"] for r in table] == ["done", "skipped", "done", "stopped"]
+    assert [r["status"] for r in table] == ["done", "skipped", "done", "stopped", "not run"]
     assert table[0]["result"] == "accuracy 0.050 (2/40)"
     assert table[2]["ran on"] == (
         "torch float32 on box (Linux 6.1) + mlx bfloat16 on mac (macOS 15.1)"
@@ -176,6 +176,8 @@ def test_outputs_recorded_checked_cheaply_and_shown_out_of_date(tmp_path):
         "eval: tune reruns first; `spill build` runs it again",
     ]
     table = rows(d)
-    assert [r["status"] for r in table] == ["out of date", "skipped", "out of date", "out of date"]
+    assert [r["status"] for r in table] == [
+        "out of date", "skipped", "out of date", "out of date", "not run",
+    ]  # fmt: skip
     assert table[3]["result"] == "tune reruns first" and d["stages"]["eval"]["result"] == {}
     assert as_json({"doc": d})["stages"]["tune"]["problem"].endswith("missing")

@@ -1,0 +1,238 @@
+"""The export stage through the real CLI: the toy build with ``export: formats: [hf, gguf]``
+merges its tuned adapter after ``tune`` and writes what ``spill export`` writes, byte for byte;
+it reruns only when the adapter or the export settings change, a deleted export is written
+again, kills at its boundaries (after a format's rename, before its commit) and a stop between
+formats end in the same bytes, and ``spill move`` and ``spill bundle`` leave the exports behind
+unless asked to carry them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import build_state_file, run_spill
+from tests.func.test_build import copy_toy, spill
+
+STEPS = "tune.steps=6"  # the toy's adapter, quickly
+FORMATS = ("hf", "gguf")
+
+
+def project_with_exports(where: Path) -> Path:
+    project = copy_toy(where)
+    text = (project / "spill.yaml").read_text()
+    (project / "spill.yaml").write_text(text + "\nexport:\n  formats: [hf, gguf]\n")
+    return project
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``folder``."""
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def exports(state: Path) -> dict[str, str]:
+    return tree(state / "exports" / "toy")
+
+
+def stage(state: Path, name: str) -> dict:
+    return json.loads(build_state_file(state).read_text())["stages"][name]
+
+
+def actions(proc) -> dict[str, str]:
+    """The plan's action per stage, from the build's pre-run lines."""
+    out = {}
+    for line in proc.stderr.splitlines():
+        cells = line.split()
+        if line.startswith("  ") and len(cells) >= 2 and cells[0] in (
+            "eval:base", "distill", "tune", "eval", "export",
+        ):  # fmt: skip
+            out[cells[0]] = cells[1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    base = tmp_path_factory.mktemp("build-export")
+    home = base / "home"
+    project = project_with_exports(base / "toy")
+    proc = spill("build", str(project), STEPS, home=home)
+    return {"home": home, "project": project, "state": project / ".spill", "proc": proc}
+
+
+def test_the_build_exports_what_spill_export_writes(built, tmp_path):
+    state, home = built["state"], built["home"]
+    rec = stage(state, "export")
+    assert rec["status"] == "done" and (rec["progress"], rec["total"], rec["unit"]) == (
+        2,
+        2,
+        "format",
+    )
+    assert rec["inputs"]["export.formats"] == list(FORMATS)
+    assert rec["inputs"]["stage:tune"] == stage(state, "tune")["fingerprint"]
+    assert set(rec["result"]["formats"]) == set(FORMATS)
+    assert rec["producers"][0]["engine"] == "numpy"
+    out = built["proc"].stdout
+    assert "export     done     gguf bf16, hf bf16" in out
+    assert f"exports: {state}/exports/toy/ (" in out
+    made = exports(state)
+    assert set(rec["outputs"]) == {f"exports/toy/{k}" for k in made}  # every file recorded
+    for fmt in FORMATS:  # the stage's bytes are the CLI's on the same adapter
+        out_dir = tmp_path / fmt
+        spill("export", str(state / "adapters" / "toy"), str(out_dir), "--format", fmt, home=home)
+        mine = json.loads((state / "exports" / "toy" / fmt / "export.json").read_text())
+        theirs = json.loads((out_dir / "export.json").read_text())
+        assert mine["adapter"]["folder"] == "adapters/toy"  # not where the state lies
+        mine["adapter"]["folder"] = theirs["adapter"]["folder"]
+        assert mine == theirs
+        given = {k: v for k, v in tree(out_dir).items() if k != "export.json"}
+        assert given == {
+            k[len(fmt) + 1 :]: v
+            for k, v in made.items()
+            if k.startswith(fmt + "/") and not k.endswith("/export.json")
+        }
+    from spill.validate import validate
+
+    validate(mine, "export", where="export.json")
+
+
+def test_transformers_reads_the_stage_s_hf_export(built):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(built["state"] / "exports" / "toy" / "hf")
+    assert model.config.num_hidden_layers == 2
+
+
+def test_it_reruns_only_when_the_adapter_or_its_settings_change(built, tmp_path):
+    home = built["home"]
+    project = copy_toy(tmp_path / "toy")
+    shutil.rmtree(project)
+    shutil.copytree(built["project"], project)
+    state = project / ".spill"
+    first = exports(state)
+    again = spill("build", str(project), STEPS, home=home)
+    assert set(actions(again).values()) <= {"done", "skip"}, again.stderr
+    # another eval setting: eval runs, the export stays done
+    other = spill("build", str(project), STEPS, "eval.max_new_tokens=9", home=home)
+    assert (actions(other)["eval"], actions(other)["export"]) == ("run", "done")
+    # a deleted export is written again, the same bytes
+    (state / "exports" / "toy" / "gguf" / "model-bf16.gguf").unlink()
+    status = spill("status", str(project), home=home).stdout
+    assert "export     out of date  exports/toy/gguf/model-bf16.gguf missing" in status
+    redo = spill("build", str(project), STEPS, "eval.max_new_tokens=9", home=home)
+    assert actions(redo)["export"] == "run" and "model-bf16.gguf missing" in redo.stderr
+    assert exports(state) == first
+    # another dtype: only the export runs
+    f16 = spill(
+        "build", str(project), STEPS, "eval.max_new_tokens=9", "export.dtype=f16", home=home
+    )
+    assert actions(f16) == {
+        "eval:base": "done", "distill": "skip", "tune": "done", "eval": "done", "export": "run",
+    }  # fmt: skip
+    assert "model-f16.gguf" in "".join(exports(state))
+    # no formats: the stage is recorded skipped (its files stay, claimed by no record)
+    off = spill(
+        "build", str(project), STEPS, "eval.max_new_tokens=9", "export.formats=[]", home=home
+    )
+    assert actions(off)["export"] == "skip" and stage(state, "export")["status"] == "skipped"
+    assert "export     skipped  no formats" in off.stdout and "exports: " not in off.stdout
+
+
+@pytest.mark.parametrize("drill", ["export-written@1", "export-written@2"])
+def test_a_build_killed_in_the_export_stage_ends_in_the_same_bytes(built, tmp_path, drill):
+    home = built["home"]
+    project = project_with_exports(tmp_path / "toy")
+    env = {"SPILL_HOME": str(home), "HF_HUB_OFFLINE": "1", "SPILL_DRILL": drill}
+    killed = run_spill("build", str(project), STEPS, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    rerun = spill("build", str(project), STEPS, home=home)
+    assert actions(rerun)["export"] == "continue", rerun.stderr
+    # the format renamed but not committed is written again; a committed one is kept
+    writes = [ln for ln in rerun.stderr.splitlines() if ln.startswith("export ")]
+    assert len(writes) == (2 if drill.endswith("@1") else 1), rerun.stderr
+    assert exports(project / ".spill") == exports(built["state"])
+    assert not list((project / ".spill" / "exports" / "toy").glob(".*"))  # no temporary left
+
+
+def test_a_stop_between_formats_continues_at_the_next(built, tmp_path):
+    home = built["home"]
+    project = project_with_exports(tmp_path / "toy")
+    first = spill("build", str(project), STEPS, "--stop-after", "export:1", home=home)
+    rec = stage(project / ".spill", "export")
+    assert (rec["status"], rec["progress"]) == ("stopped", 1), first.stderr
+    assert list(rec["result"]["formats"]) == ["hf"]
+    status = spill("status", str(project), home=home).stdout
+    assert "export     stopped  at format 1 of 2" in status
+    rest = spill("build", str(project), STEPS, home=home)
+    assert "continue at format 1 of 2" in rest.stderr
+    assert exports(project / ".spill") == exports(built["state"])
+
+
+def test_a_sigterm_in_the_export_stage_stops_the_build_and_a_rerun_finishes(built, tmp_path):
+    """SIGSTOP at the first format's rename, SIGTERM, SIGCONT: exit 75, then the rerun ends in the
+    same bytes."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.func.authority_kit import wait_stopped
+
+    home = built["home"]
+    project = project_with_exports(tmp_path / "toy")
+    env = {**os.environ, "SPILL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    env["SPILL_DRILL"] = "export-written@1:stop"
+    with open(tmp_path / "err", "w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spill", "build", str(project), STEPS],
+            env=env, stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+        wait_stopped(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGCONT)
+        proc.wait(timeout=120)
+        log.seek(0)
+        err = log.read()
+    assert proc.returncode == 75, err
+    assert "preempted" in err
+    rerun = spill("build", str(project), STEPS, home=home)
+    assert actions(rerun)["export"] == "continue"
+    assert exports(project / ".spill") == exports(built["state"])
+
+
+def test_move_leaves_the_exports_unless_asked_and_bundle_carries_them_when_asked(built, tmp_path):
+    home = built["home"]
+    src = tmp_path / "src"
+    shutil.copytree(built["project"], src)
+    spill("move", str(src), str(tmp_path / "bare"), home=home)
+    assert not (tmp_path / "bare" / ".spill" / "exports").exists()
+    note = spill("status", str(tmp_path / "bare"), home=home).stdout
+    assert "export: exports/toy missing; `spill build` runs it again" in note
+    spill("move", str(src), str(tmp_path / "full"), "--with-exports", home=home)
+    assert exports(tmp_path / "full" / ".spill") == exports(built["state"])
+    again = spill("build", str(tmp_path / "full"), STEPS, home=home)
+    assert set(actions(again).values()) <= {"done", "skip"}
+    refused = spill(
+        "bundle", str(src), str(tmp_path / "x.spill"), "--with-exports", home=home, ok=False
+    )
+    assert refused.returncode == 2 and "add --with-state" in refused.stderr
+    spill("bundle", str(src), str(tmp_path / "b.spill"), "--with-state", home=home)
+    spill(
+        "bundle", str(src), str(tmp_path / "e.spill"), "--with-state", "--with-exports", home=home
+    )
+    for name, carried in (("b", False), ("e", True)):
+        dest = tmp_path / f"installed-{name}"
+        spill("bundle", "--install", str(tmp_path / f"{name}.spill"), str(dest), home=home)
+        assert (dest / ".spill" / "exports").exists() == carried
+        if carried:
+            assert exports(dest / ".spill") == exports(built["state"])
+            rebuilt = spill("build", str(dest), STEPS, home=home)
+            assert set(actions(rebuilt).values()) <= {"done", "skip"}, rebuilt.stderr
