@@ -145,7 +145,9 @@ def test_it_reruns_only_when_the_adapter_or_its_settings_change(built, tmp_path)
     assert "export     skipped  no formats" in off.stdout and "exports: " not in off.stdout
 
 
-@pytest.mark.parametrize("drill", ["export-written@1", "export-written@2"])
+@pytest.mark.parametrize(
+    "drill", ["export-written@1", pytest.param("export-written@2", marks=pytest.mark.slow)]
+)
 def test_a_build_killed_in_the_export_stage_ends_in_the_same_bytes(built, tmp_path, drill):
     home = built["home"]
     project = project_with_exports(tmp_path / "toy")
@@ -175,6 +177,7 @@ def test_a_stop_between_formats_continues_at_the_next(built, tmp_path):
     assert exports(project / ".spill") == exports(built["state"])
 
 
+@pytest.mark.slow  # (5 s; CI's time budget)
 def test_a_sigterm_in_the_export_stage_stops_the_build_and_a_rerun_finishes(built, tmp_path):
     """SIGSTOP at the first format's rename, SIGTERM, SIGCONT: exit 75, then the rerun ends in the
     same bytes."""
