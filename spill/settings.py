@@ -1,8 +1,9 @@
 """One shape per settings group: the frozen dataclasses a project holds, a job embeds and the
 command line's flags are made from, each field carrying what the other readers need.
 
-A setting is one field here (its type, its JSON Schema fragment, whether it decides a result,
-its flag's help) plus one line in the group's base option in ``conf/`` (its default, the only
+A setting is one field here (``spill.settings_field.setting``: its type, its JSON Schema
+fragment, whether it decides a result, its flag's help; the export group's in
+``spill.settings_export``) plus one line in the group's base option in ``conf/`` (its default, the only
 place a default lives). From these:
 
 * ``spill.project.config`` freezes a composed spill.yaml into these classes;
@@ -21,8 +22,16 @@ Engine-free and light: dataclasses only, no YAML, no jsonschema.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from spill.settings_export import (  # noqa: F401  (part of this module's API)
+    EXPORT_DTYPES,
+    EXPORT_FORMATS,
+    EXPORT_QUANTIZE,
+    ExportSettings,
+)
+from spill.settings_field import deciding, meta, setting  # noqa: F401
 
 ACTIVATIONS = ("auto", "keep", "recompute")
 TRACKERS = ("tensorboard", "mlflow")  # spill.jobs.track's kinds
@@ -35,22 +44,6 @@ _LOG = {  # tune.log: a list in spill.yaml
 }
 _PATH = "^/?[^/\\u0000]{1,255}(/[^/\\u0000]{1,255})*"  # no name over 255 bytes, no NUL
 _TARGETS = "(q|k|v|o|gate|up|down)_proj"
-
-
-def setting(schema: dict, help: str | None = None, *, decides: bool = True, flag: bool = True):
-    """A field: ``schema`` its JSON Schema fragment (a ``description`` is the file's text),
-    ``help`` its flag's help (None: none), ``decides``: a different value gives a different
-    result (a stage input), ``flag``: the job verbs take it as ``--<name>``."""
-    return field(metadata={"schema": schema, "help": help, "decides": decides, "flag": flag})
-
-
-def meta(f: dataclasses.Field) -> dict[str, Any]:
-    return dict(f.metadata)
-
-
-def deciding(cls) -> tuple[str, ...]:
-    """The settings of a group whose value decides a stage's result."""
-    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("decides", True))
 
 
 def stage_inputs(group: str, values) -> dict[str, Any]:
@@ -291,60 +284,6 @@ class EvalSettings:
         "rows graded together (default: as many as the memory budget fits, at most 64)",
         decides=False,
     )
-
-
-EXPORT_FORMATS = ("hf", "gguf", "mlx")  # what spill.jobs.export writes (``spill export`` too)
-EXPORT_DTYPES = ("f32", "bf16", "f16")
-EXPORT_QUANTIZE = {"gguf": ("q8_0", "q4_0", "q4_1"), "mlx": (4, 8)}  # the formats that take each
-
-
-@dataclass(frozen=True)
-class ExportSettings:
-    """``export:``, the merged models the export stage writes after ``tune`` (``spill
-    export``'s options; docs/export.md). Every setting decides the stage's result."""
-
-    formats: tuple[str, ...] = setting(
-        {
-            "type": "array",
-            "items": {"enum": list(EXPORT_FORMATS)},
-            "uniqueItems": True,
-            "description": "merged models to write under <state>/exports/<name>/<format>: hf "
-            "(transformers, vLLM), gguf (llama.cpp, Ollama), mlx (mlx-lm); []: no export stage",
-        },
-        flag=False,
-    )
-    dtype: str | None = setting(
-        {
-            "enum": [None, *EXPORT_DTYPES],
-            "description": "the float dtype written; null: the base's own, else bf16",
-        },
-        flag=False,
-    )
-    quantize: str | int | None = setting(
-        {
-            "enum": [None, *(q for qs in EXPORT_QUANTIZE.values() for q in qs)],
-            "description": "q8_0, q4_0, q4_1: the GGUF's matrices; 4, 8: mlx-lm's affine bits; "
-            "the other formats are written in dtype; null: none",
-        },
-        flag=False,
-    )
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "formats", tuple(self.formats))
-
-    def quantize_for(self, fmt: str) -> str | None:
-        """What ``spill export --quantize`` is for format ``fmt`` (None: written in dtype)."""
-        return str(self.quantize) if self.quantize in EXPORT_QUANTIZE.get(fmt, ()) else None
-
-    def problem(self, name=lambda key: key) -> str:
-        """A ``quantize`` that none of the ``formats`` takes, said in one line (``""``: none)."""
-        if self.quantize is None or any(self.quantize_for(f) for f in self.formats):
-            return ""
-        takes = [f for f, qs in EXPORT_QUANTIZE.items() if self.quantize in qs]
-        return (
-            f"{name('quantize')} {self.quantize!r} applies to {', '.join(takes)} only, which "
-            f"{name('formats')} {list(self.formats)} leaves out; add it or set quantize to null"
-        )
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
     """Add ``bundle`` to the ``spill`` subcommands."""
     p = sub.add_parser(
         "bundle",
-        usage="spill bundle DIR PATH [--with-state [--state URI] [--wait]] [--force] [--json]\n"
+        usage="spill bundle DIR PATH [--with-state [--with-exports] [--state URI] [--wait]] "
+        "[--force] [--json]\n"
         "       spill bundle --verify PATH [--json]\n"
         "       spill bundle --install PATH DIR [--force] [--json]",
         help="pack a project and its model files into one file; verify or install one offline",

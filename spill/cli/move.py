@@ -12,7 +12,8 @@ from spill.errors import UsageError
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "move",
-        usage="spill move [DIR] URI [--state URI] [--wait] [--lease SECONDS] [--json]\n"
+        usage="spill move [DIR] URI [--state URI] [--with-exports] [--wait] [--lease SECONDS] "
+        "[--json]\n"
         "       spill move --abort [DIR]",
         help="move a project's run (its state and files) to another folder or URI",
         description="Quiesce the run's writer at its next committed boundary, take the run, "

@@ -1,7 +1,8 @@
-"""Import a llama-architecture GGUF file as an HF-layout model folder.
+"""Import a llama- or qwen2-architecture GGUF file as an HF-layout model folder.
 
-Every tensor is dequantized exactly as ggml does (``gguf.quants``) and attn_q/attn_k get
-llama.cpp's row permutation undone. Storage is chosen per tensor so that nothing is rounded:
+Every tensor is dequantized exactly as ggml does (``gguf.quants``) and a Llama's attn_q/attn_k
+get llama.cpp's row permutation undone (a Qwen2's rotary halves are not interleaved, and its
+q/k/v biases come along). Storage is chosen per tensor so that nothing is rounded:
 BF16 where every value survives the round trip, else F16 if that is exact, else F32. A Q4_1
 weight (fp16 scale * nibble + fp16 min) almost never fits in bf16, so quantized weights usually
 land as F32; the norms, stored as F32 that came from bf16, land as BF16.
@@ -54,6 +55,12 @@ _LAYER = {  # GGUF per-layer tensor -> HF name under model.layers.{i}.
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_BIASES = {  # a Qwen2's: llama.cpp keeps them F32
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -167,27 +174,35 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     """config.json, tokenizer_config.json and generation_config.json from the GGUF metadata."""
     meta, where = gguf.metadata, gguf.path.name
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise UnsupportedModel(
-            f"{where}: GGUF architecture {arch!r} is not supported; spill imports llama GGUFs"
+            f"{where}: GGUF architecture {arch!r} is not supported; spill imports "
+            f"{' and '.join(ARCHITECTURES)} GGUFs"
         )
-    if meta.get("llama.expert_count"):
+    if meta.get(f"{arch}.expert_count"):
         raise UnsupportedModel(f"{where}: mixture-of-experts GGUFs are not supported")
-    if meta.get("llama.rope.scaling.type", "none") != "none":
+    if meta.get(f"{arch}.rope.scaling.type", "none") != "none" or any(
+        t.name == "rope_freqs.weight" for t in gguf.tensors
+    ):
         raise UnsupportedModel(f"{where}: GGUF rope scaling is not supported; use the HF model")
 
     def need(key: str):
-        if key not in meta:
-            raise ModelError(f"{where}: GGUF metadata lacks {key!r}; re-convert the model")
-        return meta[key]
+        if f"{arch}.{key}" not in meta:
+            raise ModelError(f"{where}: GGUF metadata lacks '{arch}.{key}'; re-convert the model")
+        return meta[f"{arch}.{key}"]
 
-    hidden, heads = int(need("llama.embedding_length")), int(need("llama.attention.head_count"))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
-    if int(meta.get("llama.attention.value_length", head_dim)) != head_dim:
+    def get(key: str, default):
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
         raise UnsupportedModel(f"{where}: different key and value head sizes are not supported")
-    if int(meta.get("llama.rope.dimension_count", head_dim)) != head_dim:
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise UnsupportedModel(f"{where}: partial rotary embeddings are not supported")
-    tokens = need("tokenizer.ggml.tokens")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelError(f"{where}: GGUF metadata lacks 'tokenizer.ggml.tokens'; re-convert it")
     ids = {
         k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding", "unknown")
     }
@@ -196,24 +211,23 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         if v is not None and not 0 <= v < len(tokens):
             raise ModelError(f"{where}: special token id {v} is outside the vocabulary")
     tied = not any(t.name == "output.weight" for t in gguf.tensors)
-    ctx = int(meta.get("llama.context_length", 2048))
+    ctx = int(get("context_length", 2048))
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(get("vocab_size", len(tokens))),
         "hidden_size": hidden,
-        "intermediate_size": int(need("llama.feed_forward_length")),
-        "num_hidden_layers": int(need("llama.block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": ctx,
-        "rms_norm_eps": _f32(need("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
         "tie_word_embeddings": tied,
-        "attention_bias": False,
-        "mlp_bias": False,
+        **({"attention_bias": False, "mlp_bias": False} if arch == "llama" else {}),
         "bos_token_id": ids["bos"],
         "eos_token_id": ids["eos"],
         "pad_token_id": ids["padding"],
@@ -270,6 +284,16 @@ def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, in
         "mlp.up_proj.weight": (inter, h),
         "mlp.down_proj.weight": (h, inter),
     }
+    qwen2 = config["model_type"] == "qwen2"
+    if qwen2:  # q/k/v biases; rotary halves not interleaved, so nothing to unpermute
+        layer_shapes.update(
+            {
+                "self_attn.q_proj.bias": (q * d,),
+                "self_attn.k_proj.bias": (kv * d,),
+                "self_attn.v_proj.bias": (kv * d,),
+            }
+        )
+    names = {**_LAYER, **_BIASES} if qwen2 else _LAYER
     expected = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     if not config["tie_word_embeddings"]:
         expected["lm_head.weight"] = (vocab, h)
@@ -280,12 +304,15 @@ def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, in
         hf_name, heads = _GLOBAL.get(info.name), 0
         if hf_name is None and info.name.startswith("blk."):
             _, idx, rest = info.name.split(".", 2)
-            if rest in _LAYER and idx.isdigit():
-                hf_name = f"model.layers.{int(idx)}.{_LAYER[rest]}"
-                heads = {"attn_q.weight": q, "attn_k.weight": kv}.get(rest, 0)
+            if rest in names and idx.isdigit():
+                hf_name = f"model.layers.{int(idx)}.{names[rest]}"
+                if not qwen2:
+                    heads = {"attn_q.weight": q, "attn_k.weight": kv}.get(rest, 0)
         if hf_name is None or hf_name not in expected:
+            family = "Qwen2" if qwen2 else "Llama"
             raise UnsupportedModel(
-                f"{where}: tensor {info.name} is not part of a plain Llama model; spill cannot import it"
+                f"{where}: tensor {info.name} is not part of a plain {family} model; spill "
+                "cannot import it"
             )
         if info.shape != expected[hf_name]:
             raise ModelError(

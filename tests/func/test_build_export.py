@@ -239,3 +239,88 @@ def test_move_leaves_the_exports_unless_asked_and_bundle_carries_them_when_asked
             assert exports(dest / ".spill") == exports(built["state"])
             rebuilt = spill("build", str(dest), STEPS, home=home)
             assert set(actions(rebuilt).values()) <= {"done", "skip"}, rebuilt.stderr
+
+
+def test_an_export_stage_on_an_object_store_state(built, tmp_path, request):
+    """The state in moto's S3: the exports are uploaded (export.json last) with the bytes of a
+    local build; a kill after the first format's upload and a deleted object are made good."""
+    from tests.conftest import bucket_uri
+
+    home = built["home"]
+    project = project_with_exports(tmp_path / "toy")
+    uri = f"{bucket_uri(request, 's3')}/builds/toy"
+    env = {"SPILL_HOME": str(home), "HF_HUB_OFFLINE": "1", "SPILL_DRILL": "export-written@1"}
+    killed = run_spill("build", str(project), "--state", uri, STEPS, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    rerun = spill("build", str(project), "--state", uri, STEPS, home=home)
+    assert actions(rerun)["export"] == "continue", rerun.stderr
+    from spill.store.fs import filesystem
+
+    fs, path = filesystem(uri)
+    fs.invalidate_cache()
+    local = exports(built["state"])
+    there = {k: hashlib.sha256(fs.cat_file(f"{path}/exports/toy/{k}")).hexdigest() for k in local}
+    assert there == local
+    fs.rm_file(f"{path}/exports/toy/hf/config.json")
+    status = spill("status", str(project), "--state", uri, home=home).stdout
+    assert "exports/toy/hf/config.json missing" in status
+    again = spill("build", str(project), "--state", uri, STEPS, home=home)
+    assert actions(again)["export"] == "run"
+    fs.invalidate_cache()
+    assert (
+        hashlib.sha256(fs.cat_file(f"{path}/exports/toy/hf/config.json")).hexdigest()
+        == (local["hf/config.json"])
+    )
+
+
+@pytest.mark.slow  # (about a minute; CI's time budget)
+def test_sigkill_at_random_moments_of_the_export_stage_then_the_same_bytes(built, tmp_path):
+    """A larger tiny llama (6 x 768) tuned and graded first; then only the export runs (hf, and
+    a Q4_0 GGUF), SIGKILLed at a uniformly random moment between a dry run's length (start-up and planning)
+    and an uninterrupted run's, in six copies, each then rerun: the bytes of the control."""
+    import os
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from spill.project.stages import EXPORT
+
+    home = built["home"]
+    env = {**os.environ, "SPILL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    base = project_with_exports(tmp_path / "base")
+    model = ("model.name=tiny:llama:3:6x768", STEPS)
+    spill("build", str(base), *model, "export.formats=[]", home=home)
+    on = (*model, "export.quantize=q4_0")
+
+    def copy(name: str) -> Path:
+        shutil.copytree(base, tmp_path / name)
+        return tmp_path / name
+
+    control = copy("control")
+    t0 = time.monotonic()
+    spill("build", str(control), *on, "--dry-run", home=home)
+    startup = time.monotonic() - t0
+    t0 = time.monotonic()
+    done = spill("build", str(control), *on, home=home)
+    length = time.monotonic() - t0
+    assert actions(done)["export"] == "run" and actions(done)["tune"] == "done"
+    rng, kills = random.Random(20261203), []
+    for i in range(6):  # each from the tuned copy: one kill inside the export's window, a rerun
+        victim = copy(f"victim-{i}")
+        argv = [sys.executable, "-m", "spill", "build", str(victim), *on]
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        at = rng.uniform(startup, length)
+        try:
+            proc.wait(timeout=at)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        committed = EXPORT.probe(str(victim / ".spill"))[0]  # formats, from the job state
+        kills.append((round(at, 2), proc.returncode, committed))
+        last = spill("build", str(victim), *on, home=home)
+        assert "Traceback" not in last.stderr, kills
+        assert exports(victim / ".spill") == exports(control / ".spill"), kills
+        assert not list((victim / ".spill" / "exports" / "toy").glob(".*")), kills
+    assert sum(rc == -signal.SIGKILL for _, rc, _ in kills) >= 4, kills
+    print("kills (s, rc, formats):", kills, "dry run", round(startup, 2), "run", round(length, 2))

@@ -44,6 +44,8 @@ GROUND = {  # spill/<name>.py, and the data packages installed beside them
         "machine",
         "validate",
         "settings",
+        "settings_field",
+        "settings_export",
         "settings_schema",
     ),
     *("conf", "schemas", "projects", "reports"),

@@ -5,7 +5,7 @@ tensor names are the exact inverse of spill's importer (``spill.models.gguf_impo
 tables, inverted, so the two cannot drift apart); Llama's attn_q/attn_k rows get llama.cpp's
 rotary interleave (``permute``, undone by the importer's ``_unpermute``), Qwen2's do not (and
 keep their q/k/v biases); llama3 rope scaling becomes llama.cpp's ``rope_freqs.weight``
-(``rope_freqs``; spill's importer does not read such a file back yet); 1-D tensors (norms,
+(``rope_freqs``; spill's importer refuses such a file: rope scaling); 1-D tensors (norms,
 biases) stay F32 as llama.cpp keeps them; with ``--quantize`` every matrix whose rows split into 32-value blocks is Q8_0/Q4_0/Q4_1 by
 ``gguf.quants`` (ggml's reference quantizers), any other stays in ``--dtype``. The tokenizer is
 byte-level BPE from ``tokenizer.json`` (tokens, merges, token types, the pre-tokenizer's
@@ -25,17 +25,11 @@ import numpy as np
 
 from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
-from spill.models.gguf_import import _GLOBAL, _LAYER
-from spill.models.gguf_reader import _LLAMA3_SPLIT
+from spill.models.gguf_import import _BIASES, _GLOBAL, _LAYER
+from spill.models.gguf_reader import _LLAMA3_SPLIT, _QWEN2_SPLIT
 
 NAMES = {hf: g for g, hf in _GLOBAL.items()}
-LAYER_NAMES = {hf: g for g, hf in _LAYER.items()}
-for _m in ("q", "k", "v"):  # Qwen2's biases (not in the Llama-only importer)
-    LAYER_NAMES[f"self_attn.{_m}_proj.bias"] = f"attn_{_m}.bias"
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LAYER_NAMES = {hf: g for g, hf in {**_LAYER, **_BIASES}.items()}
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp token types
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}
 

@@ -388,7 +388,7 @@ def _write_tiny_gguf(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model(tokenizer)
-    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -400,8 +400,8 @@ def _write_tiny_gguf(
     for name, w in _tiny_weights().items():
         gname, qtype = _where(name)
         data = w
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            data = _permute(w, HEADS if "q_proj" in name else KV)
+        if name.endswith(("q_proj.weight", "k_proj.weight")) and arch != "qwen2":
+            data = _permute(w, HEADS if "q_proj" in name else KV)  # a Qwen2's rows stay
         if name in (zeros or {}):
             block, size = gguf.GGML_QUANT_SIZES[zeros[name]]
             blocks = np.zeros((w.shape[0], w.shape[1] // block * size), np.uint8)
@@ -415,6 +415,13 @@ def _write_tiny_gguf(
             writer.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         # quantization blocks run along a row, so it commutes with the row permutation
         expected[name] = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+    if arch == "qwen2":  # q/k/v biases, F32 as llama.cpp keeps them
+        rng = np.random.default_rng(7)
+        for i in range(LAYERS):
+            for m, rows in (("q", HEADS * D), ("k", KV * D), ("v", KV * D)):
+                b = rng.normal(0, 0.5, size=(rows,)).astype(np.float32)
+                writer.add_tensor(f"blk.{i}.attn_{m}.bias", b)
+                expected[f"model.layers.{i}.self_attn.{m}_proj.bias"] = b
     for gname, array in (extra or {}).items():
         writer.add_tensor(gname, array)
     writer.write_header_to_file()
@@ -448,6 +455,29 @@ def test_tiny_gguf_imports_exactly(tmp_path):
     assert gen["eos_token_id"] == [eos, eot]
 
 
+def test_a_qwen2_gguf_imports_exactly_with_its_biases_and_unpermuted_rows(tmp_path):
+    import torch
+
+    expected = _write_tiny_gguf(tmp_path / "qwen.gguf", arch="qwen2")
+    folder = import_gguf(tmp_path / "qwen.gguf", tmp_path / "qwen")
+    ours = _load(folder)
+    assert set(ours) == set(expected)
+    assert "model.layers.1.self_attn.k_proj.bias" in ours
+    for name, ref in expected.items():
+        assert torch.equal(ours[name].float(), torch.from_numpy(ref)), name
+    cfg = load_config(folder)
+    assert (cfg.family, cfg.qkv_bias, cfg.num_key_value_heads) == ("qwen2", True, KV)
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen2ForCausalLM"] and "attention_bias" not in raw
+    # the qwen2 pre-tokenizer (Llama 3's split with single digits) as transformers' GGUF loader and
+    # llama.cpp read it: no NFC normalization first (Qwen2's own tokenizer.json has one)
+    tok = Tokenizer(folder)
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="qwen.gguf")
+    for text in ("the the<|eot_id|>", " the 12345", "cafe\u0301 caf\u00e9"):
+        assert tok.encode(text) == hf.encode(text), text
+
+
 def test_tiny_gguf_tokenizer_adds_bos_and_merges(tmp_path):
     _write_tiny_gguf(tmp_path / "tiny.gguf")
     tok = Tokenizer(import_gguf(tmp_path / "tiny.gguf", tmp_path / "tiny"))
@@ -463,7 +493,7 @@ def test_tiny_gguf_tokenizer_adds_bos_and_merges(tmp_path):
 
 
 UNSUPPORTED = {
-    "qwen2": {"arch": "qwen2"},
+    "gemma": {"arch": "gemma"},
     "sentencepiece": {"tokenizer": "llama"},
     "iq4_nl": {"zeros": {"model.layers.0.self_attn.q_proj.weight": Q.IQ4_NL}},
     "rope-freqs": {"extra": {"rope_freqs.weight": np.ones(D // 2, np.float32)}},
