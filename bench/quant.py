@@ -336,7 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="generate: rows decoded together")
     ap.add_argument("--new", type=int, default=8, help="generate: decode steps timed")
     ap.add_argument("--steps", type=int, default=0, help="tune steps (quality: 0 = the project's)")
-    ap.add_argument("--sides", default="", help="quality: float,q4g64 (default both, in turn)")
+    ap.add_argument(
+        "--sides",
+        default="",
+        help="quality: float,q4g64; mlx: spill mlx resident,spill mlx ring2 (default: all)",
+    )
     ap.add_argument("--python", help="the interpreter of spill's sides (default: this one)")
     ap.add_argument("--peft-python", default="/tmp/bench-venv/bin/python",
                     help="qlora/mlx: the interpreter with peft, bitsandbytes and mlx-lm")  # fmt: skip

@@ -225,6 +225,8 @@ def bench_mlx(a, home: Path) -> dict:
     for name, flags in (("resident", ["--resident"]), ("ring2", ["--ring", "2"])):
         spec = base | {"flags": [*flags, "--engine", "mlx", "--dtype", "float32"]}
         sides[f"spill mlx {name}"] = (a.python or sys.executable, "_spill", spec, env)
+    if a.sides:  # --sides "spill mlx resident": those and the reference
+        sides = {k: v for k, v in sides.items() if k == "mlx_lm" or k in a.sides.split(",")}
     out = alternate(a, sides, home, "mlx_lm")
     return out | {"model": a.spill_model, "folder": folder, "settings": _settings(a) | {
         "steps": steps}}  # fmt: skip
