@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_spill
 
 SECOND = "mlx" if importlib.util.find_spec("mlx") else "torch"
@@ -140,6 +142,7 @@ def test_example_folder_refusals(tmp_path):
     assert len(missing.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # (18 s; CI's 30-minute budget)
 def test_relay_with_one_engine_passes_and_says_so(tmp_path):
     """Without MLX (here: ``--to torch``) both legs are one producer: the relay says so before
     it starts, and its checks hold what is true then (one range, a move between two places).

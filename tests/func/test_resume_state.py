@@ -45,7 +45,7 @@ def final(state: str) -> dict[str, bytes]:
     return out
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_a_stopped_tune_resumes_from_its_state_alone(work, tmp_path, where, request):
     home = tmp_path / "home"
     if where == "s3":

@@ -82,7 +82,7 @@ def stopped(where: str, tmp_path: Path, tmp_path_factory, request) -> tuple[str,
     return root, args, env
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_a_deleted_run_list_is_rebuilt_and_the_build_continues_the_run(
     where, control, tmp_path, tmp_path_factory, request
 ):

@@ -115,6 +115,7 @@ def start(toy: Path, args: list[str]) -> subprocess.Popen:
 DONE, HIT = (f"{','.join(STEPS)},tune.lr={x}" for x in ("0.005", "0.01"))
 
 
+@pytest.mark.slow  # (27 s; CI's 30-minute budget)
 def test_a_killed_ray_task_is_reported_and_the_same_sweep_continues_it(toy):
     need("ray", "hydra_plugins.hydra_ray_launcher")
     args = [*STEPS, LRS, *RAY, NO_RETRY]
