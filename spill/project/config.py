@@ -21,7 +21,7 @@ import copy
 import re
 import string
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,7 @@ def _before_quantization(group: str, section: dict[str, Any]) -> dict[str, Any]:
 
 
 # the settings added after spill.yaml's first release: validation, trackers, the export group
-LATER = {"tune": (*VALIDATION, "log"), "export": ("formats", "dtype", "quantize")}
+LATER = {"tune": (*VALIDATION, "log"), "export": tuple(f.name for f in fields(ExportSettings))}
 
 
 def with_later(doc: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from pathlib import Path
 from spill import __version__
 from spill.errors import DataError
 from spill.hashing import file_sha256
-from spill.project.stages import NAMES, get
+from spill.project.stages import finished as every_stage_finished
+from spill.project.stages import get
 
 FILE = "spill.yaml"
 
@@ -67,9 +68,7 @@ def finished(doc: dict | None, key: str, root: Path, state_root: str) -> bool:
     if doc is None or doc.get("compose_key") != key:
         return False
     stages = doc.get("stages") or {}
-    if set(stages) != set(NAMES):
-        return False
-    if any(rec.get("status") not in ("done", "skipped") for rec in stages.values()):
+    if not every_stage_finished(stages):
         return False
     data = Path(root) / doc["config"]["data"]["file"]
     if data_sha256(data) != doc["data"]["sha256"]:

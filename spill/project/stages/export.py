@@ -15,6 +15,7 @@ import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from spill.project.stages.base import Stage, distinct
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 POINTER = "formats"  # the committed formats' payloads, in the order of export.formats
 RECORD = "export.json"  # spill.jobs.export.RECORD: what each payload and output folder holds
+# what ``producer.describe`` reads of an engine: the merge is numpy's, on the CPU
 PRODUCER = {"engine": "numpy", "device": "cpu", "numerics": "float32 merge"}
 
 
@@ -126,7 +128,7 @@ class ExportStage(Stage):
         from spill.jobs.preempt import critical
         from spill.jobs.producer import describe
 
-        rec = {"export": record, "producer": describe(_Info())}
+        rec = {"export": record, "producer": describe(SimpleNamespace(**PRODUCER))}
         with critical():
             uri = place.payload("export", len(done))
             put_bytes(join(uri, RECORD), json.dumps(rec, indent=1, sort_keys=True).encode())
@@ -206,15 +208,8 @@ class ExportStage(Stage):
                 out[path] = entry
         return out
 
-    def _source(self, done: int) -> str:
-        return ""  # exports are made again, not restored: see the module doc
-
     def source(self, root: str, total: int) -> str:
-        return ""
-
-
-class _Info:  # what ``producer.describe`` reads of an engine: the merge is numpy's, on the CPU
-    engine, device, numerics = PRODUCER["engine"], PRODUCER["device"], PRODUCER["numerics"]
+        return ""  # exports are made again, not restored: see the module doc
 
 
 def _export(adapter: Path, out: Path, fmt: str, p: Project, weights, name: str) -> dict:
