@@ -12,12 +12,15 @@ quantize smollm2:135m --bits 4 --group-size 64`` (``@q4g64``), each made on firs
   (``ShardFiles.pread`` and ``ShardFiles.map`` counted in process; resident parts are loaded at
   open and not counted) and the pass time.
 * ``generate``: a generated llama (``tiny:llama:0:<layers>x<hidden>``) and its ``spill models
-  quantize --bits 4`` copy, both opened with ``--memory`` = the float32 model / 8, float32
-  compute: decode tokens/s (a generate of ``--new`` + 1 tokens minus one of 1: the prefill
-  cancels) and bytes read per decode step (counted as above). The read bound is those bytes /
-  the sequential read rate of the quantized files (``bench/generate.py``'s ``read_rate``: page
-  cache, and cold-ish after ``POSIX_FADV_DONTNEED``); the fraction reached is bound time / step
-  time.
+  quantize --bits 4`` copy, all opened with ``--memory`` = the float32 model / 8: the float
+  model and the 4-bit copy in float32 compute, and the 4-bit copy with ``--packed-matmul``
+  (torch's int4 kernel, bfloat16): decode tokens/s (a generate of ``--new`` + 1 tokens minus
+  one of 1: the prefill cancels) and bytes read per decode step (counted as above), each side
+  twice a round: from the page cache, and cold (every read evicts its range first, so every
+  pass reads the disk, as for a model larger than memory). The read bound is those bytes / the
+  sequential read rate of the quantized files in the same regime (``bench/generate.py``'s
+  ``read_rate``, after ``POSIX_FADV_DONTNEED`` for cold); the fraction reached is bound time /
+  step time.
 * ``qlora``, ``mlx``: see ``bench/quant_tune.py`` (spill tune vs PEFT + bitsandbytes and vs
   ``mlx_lm.lora``, in fresh processes).
 * ``quality``: ``spill build projects/tickets`` (a fresh copy, its own state) on the float
@@ -85,20 +88,28 @@ def ensure_models(home: Path) -> None:
 
 
 class ByteCounter:
-    """Counts the bytes spill's shard reader reads or maps, in this process."""
+    """Counts the bytes spill's shard reader reads or maps, in this process; with ``cold`` set,
+    each read first evicts its range from the page cache (``POSIX_FADV_DONTNEED``), so every
+    pass reads from the disk, as it does when the model is larger than the machine's memory."""
 
     def __init__(self) -> None:
         from spill.engines.core.reader import ShardFiles
 
         self.n = 0
+        self.cold = False
         pread, mapped = ShardFiles.pread, ShardFiles.map
 
         def counted_pread(this, fd, buffers, offset, shard):
-            self.n += sum(memoryview(b).nbytes for b in buffers)
+            nbytes = sum(memoryview(b).nbytes for b in buffers)
+            self.n += nbytes
+            if self.cold:
+                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
             return pread(this, fd, buffers, offset, shard)
 
         def counted_map(this, r):
             self.n += r.nbytes
+            if self.cold:
+                os.posix_fadvise(r.fd, r.start, r.nbytes, os.POSIX_FADV_DONTNEED)
             return mapped(this, r)
 
         ShardFiles.pread, ShardFiles.map = counted_pread, counted_map
@@ -174,6 +185,7 @@ def bench_generate(a, home: Path) -> dict:
     runners = {
         "float32": open_runner(ffolder, memory=memory, dtype="float32"),
         "q4": open_runner(qfolder, memory=memory, dtype="float32"),
+        "q4 int4mm": open_runner(qfolder, memory=memory, packed_matmul=True),
     }
     print(f"generate: {name}, float32 {float32_bytes / 1e6:.0f} MB = 8x --memory "
           f"{memory / 1e6:.0f} MB; batch {a.batch}, {a.new} decode steps", flush=True)  # fmt: skip
@@ -181,29 +193,38 @@ def bench_generate(a, home: Path) -> dict:
         print(f"generate: {k}: {r.info.line()}", flush=True)
         generate_all(r, prompts, a.batch, 2)  # warm-up
     qfiles = [qfolder / s for s in _shards(qfolder)]
-    got: dict[str, list[dict]] = {k: [] for k in runners}
+    regimes = ("page_cache", "cold")  # cold: every read evicts its range first (a model > RAM)
+    got: dict[str, dict[str, list[dict]]] = {g: {k: [] for k in runners} for g in regimes}
     reads: list[dict] = []
     for rnd in range(a.rounds):
-        reads.append({"cold_ish": read_rate(qfiles, True), "page_cache": read_rate(qfiles, False)})
-        for k in list(runners) if rnd % 2 == 0 else list(runners)[::-1]:
-            sps, step_bytes = decode_step(runners[k], prompts, a.new, counter)
-            got[k].append({"steps_per_s": sps, "tokens_per_s": sps * a.batch,
-                           "bytes_per_step": step_bytes})  # fmt: skip
-            print(f"  round {rnd + 1} {k}: {sps * a.batch:.2f} tok/s, "
-                  f"{step_bytes / 1e6:.1f} MB a step", flush=True)  # fmt: skip
-        print(f"  round {rnd + 1} read {reads[-1]['cold_ish'] / 1e9:.2f} GB/s cold-ish, "
+        reads.append({"cold": read_rate(qfiles, True), "page_cache": read_rate(qfiles, False)})
+        for regime in regimes:
+            counter.cold = regime == "cold"
+            for k in list(runners) if rnd % 2 == 0 else list(runners)[::-1]:
+                sps, step_bytes = decode_step(runners[k], prompts, a.new, counter)
+                got[regime][k].append({"steps_per_s": sps, "tokens_per_s": sps * a.batch,
+                                       "bytes_per_step": step_bytes})  # fmt: skip
+                print(f"  round {rnd + 1} {regime} {k}: {sps * a.batch:.2f} tok/s, "
+                      f"{step_bytes / 1e6:.1f} MB a step", flush=True)  # fmt: skip
+        counter.cold = False
+        print(f"  round {rnd + 1} read {reads[-1]['cold'] / 1e9:.2f} GB/s cold, "
               f"{reads[-1]['page_cache'] / 1e9:.2f} GB/s page cache", flush=True)  # fmt: skip
     infos = {k: r.info.line() for k, r in runners.items()}
     for r in runners.values():
         r.close()
-    best = {k: max(v, key=lambda x: x["steps_per_s"]) for k, v in got.items()}
-    rate = {k: max(x[k] for x in reads) for k in ("cold_ish", "page_cache")}
-    q = best["q4"]
-    fraction = {k: q["steps_per_s"] * q["bytes_per_step"] / v for k, v in rate.items()}
-    speed = q["tokens_per_s"] / best["float32"]["tokens_per_s"]
-    print(f"generate: q4/float32 tokens/s = {speed:.2f}x (goal >= 3x)")
-    for k, v in fraction.items():
-        print(f"generate: q4 fraction of its read bound ({k}) = {v:.2f} (goal >= 0.8)")
+    speed: dict[str, dict] = {}
+    fraction: dict[str, dict] = {}
+    for regime in regimes:
+        best = {k: max(v, key=lambda x: x["steps_per_s"]) for k, v in got[regime].items()}
+        rate = max(x[regime] for x in reads)
+        speed[regime], fraction[regime] = {}, {}
+        for side in ("q4", "q4 int4mm"):
+            q = best[side]
+            fraction[regime][side] = q["steps_per_s"] * q["bytes_per_step"] / rate
+            speed[regime][side] = q["tokens_per_s"] / best["float32"]["tokens_per_s"]
+            print(f"generate ({regime}): {side}/float32 tokens/s = {speed[regime][side]:.2f}x "
+                  f"(goal >= 3x); fraction of its read bound at {rate / 1e9:.2f} GB/s = "
+                  f"{fraction[regime][side]:.2f} (goal >= 0.8)")  # fmt: skip
     return {
         "model": name,
         "quantized": qname,
@@ -215,9 +236,13 @@ def bench_generate(a, home: Path) -> dict:
         "weight_file_bytes": {"float": weight_bytes(ffolder), "q4": weight_bytes(qfolder)},
         "read_Bps": reads,
         "sides": got,
-        "q4_over_float32_tokens_per_s": round(speed, 3),
-        "q4_fraction_of_read_bound": {k: round(v, 3) for k, v in fraction.items()},
+        "over_float32_tokens_per_s": _rounded(speed),
+        "fraction_of_read_bound": _rounded(fraction),
     }
+
+
+def _rounded(d: dict) -> dict:
+    return {k: _rounded(v) if isinstance(v, dict) else round(v, 3) for k, v in d.items()}
 
 
 def decode_step(runner, prompts, new: int, counter: ByteCounter) -> tuple[float, float]:

@@ -295,6 +295,9 @@ class LoadOptions:
     memory: int | str | None = None  # budget for the ring (bytes, or "8G"); None: from free RAM
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None: the engine's best
     dtype: str | None = None  # "float32" or "bfloat16" for base weights; None: measured choice
+    # 4-bit layers through torch's int4 weight-only matmul (CPU, bf16, no gradient), not a float
+    # copy: other numbers than the dequantized path, named ``bfloat16+int4mm`` where recorded
+    packed_matmul: bool = False
 
     @property
     def budget(self) -> int | None:
@@ -315,6 +318,10 @@ _LOAD_SCHEMA = {
         "minimum": 1,
         "description": "e.g. 8G or 512M; null: from free RAM",
     },
+    "packed_matmul": {
+        "type": "boolean",
+        "description": "4-bit layers through torch's int4 matmul (CPU, bfloat16; row jobs)",
+    },
 }
 
 
@@ -326,7 +333,9 @@ class EngineSettings(LoadOptions):
     procs: int = 1  # processes a build's jobs run as (torch's elastic launcher): docs/procs.md
 
     def load(self) -> LoadOptions:
-        return LoadOptions(self.ring, self.resident, self.memory, self.device, self.dtype)
+        return LoadOptions(
+            self.ring, self.resident, self.memory, self.device, self.dtype, self.packed_matmul
+        )
 
 
 ENGINE_FIELDS = (
@@ -336,6 +345,7 @@ ENGINE_FIELDS = (
     "ring",
     "resident",
     "memory",
+    "packed_matmul",
     "procs",
 )  # spill.yaml's order
 

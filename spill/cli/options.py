@@ -29,11 +29,13 @@ def parse_size(text: str) -> int:
 
 
 def engine_options(p: argparse.ArgumentParser, shorthand: bool = False) -> None:
-    """``--engine --device --dtype --ring|--resident --memory`` (and ``--weights``): every verb
+    """``--engine --device --dtype --ring|--resident --memory --packed-matmul`` (and ``--weights``): every verb
     that computes takes them. A job verb defaults them to the engine group's base option; with
     ``shorthand`` (build, resume) they default to None and stand for ``engine.*`` overrides."""
     if shorthand:  # no conf read: a finished build should not import YAML
-        e = dict.fromkeys(("name", "device", "dtype", "ring", "resident", "memory"))
+        e = dict.fromkeys(
+            ("name", "device", "dtype", "ring", "resident", "memory", "packed_matmul")
+        )
     else:
         from spill.conf import defaults
 
@@ -87,6 +89,13 @@ def engine_options(p: argparse.ArgumentParser, shorthand: bool = False) -> None:
         metavar="SIZE",
         help="memory budget for the layer ring, e.g. 8G (default: from free RAM)",
     )
+    g.add_argument(
+        "--packed-matmul",
+        action="store_true",
+        default=bool(e["packed_matmul"]),
+        help="compute 4-bit layers with torch's int4 matmul on a CPU (bfloat16, other numbers "
+        "than the dequantized path; row jobs, not tune)",
+    )
 
 
 def engine_settings(args: argparse.Namespace):
@@ -102,6 +111,7 @@ def engine_settings(args: argparse.Namespace):
         memory=args.memory,
         device=args.device,
         dtype=args.dtype,
+        packed_matmul=args.packed_matmul,
     )
 
 
@@ -115,6 +125,8 @@ def engine_overrides(args: argparse.Namespace) -> list[str]:
             out.append(f"engine.{'name' if key == 'engine' else key}={value}")
     if args.ring is not None and args.ring < 1:
         raise UsageError("--ring must be at least 1")
+    if args.packed_matmul:
+        out.append("engine.packed_matmul=true")
     if args.resident:
         out += ["engine.resident=true", "engine.ring=null"]
     elif args.ring is not None:

@@ -81,6 +81,7 @@ def resume_state(where: str, args) -> int:
         argv = ["resume", project, "--state", where]
     argv += [f"--{k}={getattr(args, k)}" for k in ENGINE_FLAGS if getattr(args, k) is not None]
     argv += ["--resident"] if args.resident else []
+    argv += ["--packed-matmul"] if args.packed_matmul else []
     argv += ["--json"] if args.json else []
     os.chdir(cmd["cwd"])  # the recorded arguments are relative to it
     return main([*argv, *_extra(args)])

@@ -48,11 +48,23 @@ def find_model(name: str, weights: str | None, quantize: Spec | None = None):
 
 
 def open_model(
-    name: str, resolved, fp: str, engine: str | None, options: LoadOptions, verb: str
+    name: str,
+    resolved,
+    fp: str,
+    engine: str | None,
+    options: LoadOptions,
+    verb: str,
+    training: bool = False,
 ) -> LoadedModel:
-    """Open a resolved model on an engine and print the pre-run line."""
+    """Open a resolved model on an engine and print the pre-run line. ``training``: the runner
+    trains, so no ``packed_matmul`` (the int4 kernel has no gradient; said in one line)."""
+    from dataclasses import replace
+
     from spill.engines import resolve
 
+    if training and options.packed_matmul:
+        note(f"spill {verb}: --packed-matmul is for row jobs (no gradient); dequantized per use")
+        options = replace(options, packed_matmul=False)
     folder = Path(resolved.folder)
     config, tokenizer = load_config(folder), Tokenizer(folder)  # fail before the engine opens
     runner = resolve(engine).open(ModelSpec(folder, config), options)

@@ -180,7 +180,7 @@ def _tune(
         step, losses, producers = 0, [], []
     if group.world > 1:  # the other ranks start from the same adapter, moments and step
         group.start({"fingerprint": fingerprint, "step": step, "state": (params, m, v)})
-    loaded = open_model(model, resolved, fingerprint, opts.engine.name, opts.engine, "tune")
+    loaded = open_model(model, resolved, fingerprint, opts.engine.name, opts.engine, "tune", True)
     runner = loaded.runner
     me = producer.describe(runner.info) | {"procs": group.world}
     logs.start(me, t, ckpt.state if ckpt is not None else None)  # back-fills what it lacks

@@ -100,7 +100,9 @@ def follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group:
     folder = Path(resolved.folder)
     tok = Tokenizer(folder)
     examples = load_examples(Path(train_path), tok, t.seq_len)
-    runner = open_model(name, resolved, fingerprint, opts.engine.name, opts.engine, "tune").runner
+    runner = open_model(
+        name, resolved, fingerprint, opts.engine.name, opts.engine, "tune", True
+    ).runner
     trainer = runner.trainer(opts.lora)
     trainer.set_state(*begin["state"])
     trainer.plan(t.micro_batch, t.seq_len, t.activations)

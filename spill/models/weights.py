@@ -157,10 +157,12 @@ def _nbytes(info: dict) -> int:
     return end - start
 
 
-def layer_bytes(config, files: WeightFiles, itemsize: int) -> int:
+def layer_bytes(config, files: WeightFiles, itemsize: int, computes_packed=None) -> int:
     """Bytes of the largest decoder layer as a ring slot holds it: a packed module's weight,
     scales and biases as stored (the packed form), every other tensor at ``itemsize`` bytes a
-    value (read into the compute dtype). A float folder's is ``layer_params() * itemsize``."""
+    value (read into the compute dtype). A float folder's is ``layer_params() * itemsize``.
+    ``computes_packed(bits, group_size, (out, in))``: the layer's compute form instead, where
+    the engine computes on the packed modules it accepts and expands the others."""
     largest = 0
     for i in range(config.num_hidden_layers):
         total = 0
@@ -169,7 +171,14 @@ def layer_bytes(config, files: WeightFiles, itemsize: int) -> int:
             module = name.removesuffix(".weight")
             if module != name and f"{module}.scales" in files.tensor_shard:
                 parts = [f"{module}.{p}" for p in ("weight", "scales", "biases")]
-                total += sum(_nbytes(files.tensor_info(n)) for n in parts)
+                packed = sum(_nbytes(files.tensor_info(n)) for n in parts)
+                bits, group = config.quant_spec(module)
+                out, words = files.tensor_info(name)["shape"]
+                shape = (out, words * 32 // bits)
+                if computes_packed is None or computes_packed(bits, group, shape):
+                    total += packed
+                else:
+                    total += math.prod(shape) * itemsize
             else:
                 info = files.tensor_info(name)
                 total += math.prod(info["shape"]) * itemsize

@@ -113,8 +113,13 @@ def _before_quantization(group: str, section: dict[str, Any]) -> dict[str, Any]:
     return {**section, "quantize": None, "group_size": defaults(group)["group_size"]}
 
 
-# the settings added after spill.yaml's first release: validation, trackers, the export group
-LATER = {"tune": (*VALIDATION, "log"), "export": tuple(f.name for f in fields(ExportSettings))}
+# the settings added after spill.yaml's first release: validation, trackers, the export group,
+# the packed matmul
+LATER = {
+    "tune": (*VALIDATION, "log"),
+    "export": tuple(f.name for f in fields(ExportSettings)),
+    "engine": ("packed_matmul",),
+}
 
 
 def with_later(doc: dict[str, Any]) -> dict[str, Any]:

@@ -67,13 +67,16 @@ def plan_model_ring(
     options: LoadOptions,
     available: Callable[[], int],
     packed_bytes: int | None = None,
+    compute_bytes: int | None = None,
 ) -> RingPlan:
     """The ring plan of a model whose weights take ``itemsize`` bytes each in the compute dtype;
     ``available()`` is the device's default budget, asked only when ``options.memory`` gives
     none. ``packed_bytes``: a quantized layer's bytes as read, where the engine expands it into
     the compute dtype (torch). Then the float model resident if it fits, else the packed model
-    held if it fits, else packed slots streamed (``EXPANDED`` expanded layers beside them)."""
-    float_bytes = cfg.layer_params() * itemsize
+    held if it fits, else packed slots streamed (``EXPANDED`` expanded layers beside them).
+    ``compute_bytes``: the expanded layer's bytes when the engine computes on a packed form of
+    its own (torch's int4 kernel): resident in that form if it fits (or asked), else streamed."""
+    float_bytes = compute_bytes or cfg.layer_params() * itemsize  # a layer as compute takes it
     # Resident parts come out of the default budget; an explicit one is the ring's own.
     head_bytes = cfg.vocab_size * cfg.hidden_size * itemsize
     head_bytes *= 1 if cfg.tie_word_embeddings else 2
@@ -81,13 +84,15 @@ def plan_model_ring(
     if budget is None:
         budget = max(0, available() - head_bytes)
     layers = cfg.num_hidden_layers
-    if packed_bytes is None or packed_bytes >= float_bytes:
+    if packed_bytes is None or (compute_bytes is None and packed_bytes >= float_bytes):
         slots, resident = plan_ring(layers, float_bytes, options.ring, options.resident, budget)
         return RingPlan(slots, resident, False, float_bytes, 0)
-    if options.ring is None and layers * float_bytes <= budget:
+    fits = options.ring is None and layers * float_bytes <= budget
+    if fits or (compute_bytes is not None and options.resident):
         return RingPlan(layers, True, False, packed_bytes, float_bytes)
     expanded = EXPANDED * float_bytes  # the layer computing and the next, expanded
-    if options.resident or (options.ring is None and layers * packed_bytes + expanded <= budget):
+    held = options.ring is None and layers * packed_bytes + expanded <= budget
+    if compute_bytes is None and (options.resident or held):
         return RingPlan(layers, False, True, packed_bytes, float_bytes)
     room = max(0, budget - expanded)
     slots, _ = plan_ring(layers, packed_bytes, options.ring, False, room)

@@ -41,6 +41,9 @@ class Placement:
     # the engine's hooks expand a packed layer into ``dtype`` per use (torch); the plan then
     # keeps a quantized model's float form resident where it fits. False: packed is computed on
     expands: bool = False
+    # ``(bits, group_size, (out, in)) -> bool``: the packed modules an expanding engine computes
+    # on in a packed form of its own (torch's int4 kernel) instead of a float copy; None: none
+    computes_packed: Callable[[int, int, tuple[int, int]], bool] | None = None
 
 
 class Backend(Protocol):
@@ -77,10 +80,12 @@ def _weights(model: ModelSpec, place: Placement, plan: RingPlan) -> str:
     text = describe(model.config.quantization, kept)
     if not place.expands:
         return text
+    kernel = place.computes_packed is not None  # 4-bit modules stay packed, in its layout
     if plan.resident:
-        return f"{text}, dequantized to {place.numerics} at load"
+        return f"{text}, {'int4 matmul' if kernel else 'dequantized to ' + place.numerics} at load"
     held = "held packed" if plan.held else "packed slots"
-    return f"{text}, {held} ({plan.slot_bytes / 1e6:.1f} MB a layer), dequantized per use"
+    how = "int4 matmul" if kernel else "dequantized"
+    return f"{text}, {held} ({plan.slot_bytes / 1e6:.1f} MB a layer), {how} per use"
 
 
 def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> StreamRunner:
@@ -98,10 +103,13 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         )
     place = engine.place(cfg, model.folder, options)
     layers = cfg.num_hidden_layers
-    packed = None
+    packed = compute = None
     if cfg.quantization and place.expands:
-        packed = layer_bytes(cfg, weight_files(model.folder), place.itemsize)
-    plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed)
+        files = weight_files(model.folder)
+        packed = layer_bytes(cfg, files, place.itemsize)
+        if place.computes_packed is not None:
+            compute = layer_bytes(cfg, files, place.itemsize, place.computes_packed)
+    plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
     keys = cfg.layer_keys()
     check_layers(model, keys, place.reader.has)
     stats = Stats()

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from spill import console
 from spill.engines.base import LoadOptions, ModelSpec
 from spill.engines.core.open import Placement, open_runner
 from spill.engines.core.runner import StreamRunner
-from spill.engines.torch import heap, numerics
+from spill.engines.torch import heap, int4, int4_file, numerics
 from spill.engines.torch.kernel import FAMILIES, TorchKernel
 from spill.engines.torch.reader import TorchHooks, WeightReader, default_budget
 from spill.errors import EngineError
+from spill.models.cache import cached_fingerprint
 from spill.models.config import ModelConfig
-from spill.models.weights import quantized_weights, weight_files
+from spill.models.weights import WeightFiles, quantized_weights, weight_files
 
 __all__ = ["ENGINE", "TorchEngine"]
 
@@ -60,18 +62,29 @@ class TorchEngine:
             # Per-op work is microseconds here: OpenMP's fork/join between threads costs more
             # than it saves (measured 3.2 s vs 0.47 s for 6 tiny tune steps on 2 loaded cores).
             torch.set_num_threads(1)
-        dtype, why = numerics.choose(device, options.dtype)
         files = weight_files(folder)
+        quantized = quantized_weights(cfg, files)
+        kernel, note = _packed_matmul(options, device, cfg, quantized, files)
+        derived = None
+        if kernel:
+            dtype, why = torch.bfloat16, "--packed-matmul"
+            fp = cached_fingerprint(folder)
+            derived = int4_file.ensure(cfg, files, quantized, fp, console.note)
+        else:
+            dtype, why = numerics.choose(device, options.dtype)
+        name = numerics.dtype_name(dtype)
         return Placement(
             device=device,
             device_name=str(device),
             dtype=dtype,
-            numerics=numerics.dtype_name(dtype),
+            numerics=int4.NUMERICS if kernel else name,
             why=why,
             itemsize=dtype.itemsize,
             budget=lambda: default_budget(device),
-            reader=WeightReader(files, device, dtype, quantized_weights(cfg, files)),
+            reader=WeightReader(files, device, dtype, quantized, derived),
+            weights_note=note,
             expands=True,
+            computes_packed=int4.accepts if kernel else None,
         )
 
     def hooks(self, place: Placement, resident: bool) -> TorchHooks:
@@ -83,6 +96,29 @@ class TorchEngine:
 
     def kernel(self, cfg: ModelConfig, place: Placement) -> TorchKernel:
         return TorchKernel(cfg, place.reader)
+
+
+def _packed_matmul(
+    options: LoadOptions,
+    device: torch.device,
+    cfg: ModelConfig,
+    quantized: dict,
+    files: WeightFiles,
+) -> tuple[bool, str]:
+    """(whether 4-bit modules compute through the int4 kernel, the pre-run line's note when
+    ``--packed-matmul`` was asked for and changes nothing)."""
+    if not options.packed_matmul:
+        return False, ""
+    if device.type != "cpu":
+        return False, "--packed-matmul: CPU only, dequantized here"
+    if not int4_file.accepted(cfg, files, quantized):
+        return False, "--packed-matmul: no 4-bit module the int4 kernel takes, dequantized"
+    if options.dtype == "float32":
+        raise EngineError(
+            "--packed-matmul computes in bfloat16 (torch's int4 kernel takes bf16 activations); "
+            "drop --dtype float32, or drop --packed-matmul for float32 numbers"
+        )
+    return True, ""
 
 
 ENGINE = TorchEngine()

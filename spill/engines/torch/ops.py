@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spill.engines.torch import int4
 from spill.models.config import ModelConfig
 
 # An adapter on one linear: A (in, r), B (r, out) in float32, its scale (alpha / r), and
@@ -81,9 +82,16 @@ class _InputGradOnly(torch.autograd.Function):
         return grad.reshape(-1, grad.shape[-1]).mm(w).view(ctx.shape), None, None
 
 
+def base(x, w, b=None):
+    """``x @ w.T + b`` for a float weight or a 4-bit one in the int4 kernel's layout."""
+    if isinstance(w, int4.Int4Weight):
+        return int4.linear(x, w, b)
+    return F.linear(x, w, b)
+
+
 def linear(x, w, b=None, lora: Lora | None = None):
     """``x @ w.T + b``, plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32."""
-    return with_adapter(F.linear(x, w, b), x, lora)
+    return with_adapter(base(x, w, b), x, lora)
 
 
 def with_adapter(y, x, lora: Lora | None):
@@ -107,7 +115,7 @@ def proj(w: dict, name: str, x, lora: dict[str, Lora] | None):
     elif name in _UNUSED.get() and x.requires_grad:
         y = _InputGradOnly.apply(x, weight)
     else:
-        y = F.linear(x, weight, bias)
+        y = base(x, weight, bias)
         if name in names:
             outputs[name] = y
     return with_adapter(y, x, lora.get(name) if lora else None)

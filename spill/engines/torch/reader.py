@@ -27,6 +27,7 @@ import torch
 
 from spill.engines.core.reader import ShardFiles
 from spill.engines.core.ring import Hooks
+from spill.engines.torch import int4, int4_file
 from spill.engines.torch.quant import Packed, dequantize
 from spill.models.weights import WeightFiles
 
@@ -63,13 +64,15 @@ def _as(raw: torch.Tensor, info: dict) -> torch.Tensor:
     return raw.view(dtype).reshape(info["shape"])
 
 
-_PACKED = {**_DTYPES, "U32": torch.int32}  # a packed weight's words, read as int32 (same bits)
+# a packed weight's words, read as int32 (same bits); the int4 kernel's words, uint8
+_PACKED = {**_DTYPES, "U32": torch.int32}
 
 
 class WeightReader:
     """Tensors by HF name from a folder's shards, on ``device`` in the compute dtype; a packed
     weight (``quantized``: name -> (bits, group_size)) comes back as a ``Packed`` from
-    ``tensors`` and dequantized from ``tensor``."""
+    ``tensors`` and dequantized from ``tensor``; with ``kernel`` (the int4 kernel's file of the
+    model) the 4-bit modules that file holds come back in its layout, ready to compute on."""
 
     def __init__(
         self,
@@ -77,9 +80,18 @@ class WeightReader:
         device: torch.device,
         dtype: torch.dtype,
         quantized: dict[str, tuple[int, int]] | None = None,
+        kernel: WeightFiles | None = None,
     ):
         self.files, self.device, self.dtype = files, device, dtype
         self.quantized = dict(quantized or {})
+        # the int4 kernel's file (``int4_file``): the 4-bit modules it holds are read from it
+        self._kernel_files = ShardFiles(kernel) if kernel is not None else None
+        self._kernel_names = frozenset(
+            n
+            for n in self.quantized
+            if kernel is not None
+            and n.removesuffix(".weight") + "." + int4_file.WORDS in kernel.tensor_shard
+        )
         self._shards = ShardFiles(files)
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
@@ -105,9 +117,7 @@ class WeightReader:
             return
         seen: set[int] = set()
         with self._lock:
-            for t in tensors:
-                if isinstance(t, Packed):
-                    t = t.buffer
+            for t in _owned(tensors):
                 if id(t) in seen or getattr(t, MAPPED, False):  # a mapped file is not ours
                     continue
                 seen.add(id(t))
@@ -144,42 +154,65 @@ class WeightReader:
 
     def tensors(self, names) -> dict:
         """Several tensors, one ``pread`` per contiguous byte range; a packed weight comes back
-        as a ``Packed`` (its scales and biases are not listed separately)."""
+        as a ``Packed`` (its scales and biases are not listed separately), or as an
+        ``int4.Int4Weight`` read from the kernel's file where that holds it."""
         names = list(names)
         packed = [n for n in names if n in self.quantized]
         out = self._floats([n for n in names if n not in self.quantized])
-        if packed:
-            out.update(self._packed(packed))
-        return out
+        kernel = [n for n in packed if n in self._kernel_names]
+        if kernel:
+            out.update(self._kernel(kernel))
+        if len(kernel) < len(packed):
+            out.update(self._packed([n for n in packed if n not in self._kernel_names]))
+        return {n: out[n] for n in names}
 
-    def _packed(self, names) -> dict[str, Packed]:
-        """Packed weights with their scales and biases, read as stored into one buffer per
-        byte range (a page-cache mapping within ``mapping``), on ``device``."""
-        modules = [n.removesuffix(".weight") for n in names]
-        parts = [f"{m}.{p}" for m in modules for p in ("weight", "scales", "biases")]
-        raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (tensor, its buffer)
-        for r in self._shards.ranges(parts, _PACKED):
+    def _raw(
+        self, shards: ShardFiles, parts, dtypes
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``parts`` as stored, name -> (tensor, the buffer it views): one buffer per byte range,
+        a page-cache mapping within ``mapping``, on ``device``."""
+        raw = {}
+        for r in shards.ranges(parts, dtypes):
             if self._pooling and getattr(self._local, "mapping", False):
                 with warnings.catch_warnings():  # read-only memory: fine, weights are frozen
                     warnings.simplefilter("ignore", UserWarning)
-                    buf = torch.frombuffer(self._shards.map(r), dtype=torch.uint8)
+                    buf = torch.frombuffer(shards.map(r), dtype=torch.uint8)
                 setattr(buf, MAPPED, True)  # never recycled into the pool
             else:
                 buf = self._output((r.nbytes,), torch.uint8) if self._pooling else None
                 host = buf if buf is not None else torch.empty(r.nbytes, dtype=torch.uint8)
-                self._shards.pread(r.fd, [host.numpy()], r.start, r.shard)
+                shards.pread(r.fd, [host.numpy()], r.start, r.shard)
                 buf = host.to(self.device)
             for lo, hi, name, info in r.tensors:
                 t = buf[lo:hi]
-                if t.storage_offset() % 4:  # a file that does not align its tensors
+                if t.storage_offset() % dtypes[info["dtype"]].itemsize:  # unaligned in its file
                     t = t.clone()
-                raw[name] = (t.view(_PACKED[info["dtype"]]).reshape(info["shape"]), buf)
+                raw[name] = (t.view(dtypes[info["dtype"]]).reshape(info["shape"]), buf)
+        return raw
+
+    def _packed(self, names) -> dict[str, Packed]:
+        """Packed weights with their scales and biases, as stored (``_raw``)."""
+        modules = [n.removesuffix(".weight") for n in names]
+        parts = [f"{m}.{p}" for m in modules for p in ("weight", "scales", "biases")]
+        raw = self._raw(self._shards, parts, _PACKED)
         out = {}
         for name, m in zip(names, modules, strict=True):
             bits, group = self.quantized[name]
             weight, buf = raw[f"{m}.weight"]
             scales, biases = raw[f"{m}.scales"][0], raw[f"{m}.biases"][0]
             out[name] = Packed(weight, scales, biases, bits, group, buf)
+        return out
+
+    def _kernel(self, names) -> dict[str, int4.Int4Weight]:
+        """4-bit weights in the int4 kernel's layout, from its file (``int4_file``)."""
+        modules = [n.removesuffix(".weight") for n in names]
+        parts = [f"{m}.{p}" for m in modules for p in (int4_file.WORDS, int4_file.SCALE_ZERO)]
+        raw = self._raw(self._kernel_files, parts, _PACKED)
+        out = {}
+        for name, m in zip(names, modules, strict=True):
+            words, buf = raw[f"{m}.{int4_file.WORDS}"]
+            scale_zero = raw[f"{m}.{int4_file.SCALE_ZERO}"][0]
+            out[name] = int4.Int4Weight(words, scale_zero, self.quantized[name][1], buf)
         return out
 
     def _floats(self, names) -> dict[str, torch.Tensor]:
@@ -224,9 +257,23 @@ class WeightReader:
 
     def close(self) -> None:
         self._shards.close()
+        if self._kernel_files is not None:
+            self._kernel_files.close()
         with self._lock:
             self._pool.clear()
             self._staging = torch.empty(0, dtype=torch.uint8)
+
+
+def _owned(tensors) -> Iterator[torch.Tensor]:
+    """The tensors that hold the memory of ``tensors`` (a ``Packed`` or an ``Int4Weight``: its
+    read buffer)."""
+    for t in tensors:
+        if isinstance(t, Packed) or (isinstance(t, int4.Int4Weight) and t.buffer is not None):
+            yield t.buffer
+        elif isinstance(t, int4.Int4Weight):
+            yield from (t.packed, t.scale_zero)
+        else:
+            yield t
 
 
 class TorchHooks(Hooks):
@@ -256,7 +303,7 @@ class TorchHooks(Hooks):
         if self.stream is not None:
             current = torch.cuda.current_stream(self.stream.device)
             for tensor in w.values():
-                if isinstance(tensor, Packed):
+                if isinstance(tensor, Packed | int4.Int4Weight):
                     tensor = tensor.buffer
                 tensor.record_stream(current)  # freed only after compute used it
         return w

@@ -1,0 +1,80 @@
+"""A 4-bit packed layer computed without a float copy: torch's CPU int4 weight-only matmul.
+
+``engine.packed_matmul`` (``--packed-matmul``) keeps a 4-bit module in the layout of
+``torch.ops.aten._weight_int4pack_mm_for_cpu`` instead of dequantizing it: per block of 64 output
+rows, for each input column ``k``, 32 bytes, byte ``j`` holding row ``j``'s value in its low
+nibble and row ``j + 32``'s in its high one (what ``_convert_weight_to_int4pack_for_cpu`` writes
+from int32 values, tested equal); ``repack`` makes it from spill's packed words with a few byte
+ops and one transpose, once per model (``int4_file`` keeps it on disk). The kernel's affine form is
+``(q - 8) * scale + zero``, so ``zero = bias + 8 * scale``, both held in bfloat16 (the kernel
+takes them in the activations' dtype; its float32 path is scalar, ~50x slower here).
+
+The numbers are not the dequantized path's: scales and biases round to bfloat16 and the kernel
+sums in its own order, so the runner names these numerics ``bfloat16+int4mm`` wherever numerics
+are recorded. The kernel has no gradient: a tune dequantizes as before (its numerics unchanged).
+A module the kernel cannot take (8-bit, output rows not a multiple of 64, a group size other
+than 32-256) is dequantized as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spill.engines.torch.quant import Packed
+
+NUMERICS = "bfloat16+int4mm"
+BLOCK = 64  # output rows per block of the kernel's layout
+GROUPS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """One linear's weight as the kernel takes it."""
+
+    packed: torch.Tensor  # uint8 (out, in / 2), the kernel's layout
+    scale_zero: torch.Tensor  # bfloat16 (in / group_size, out, 2)
+    group_size: int
+    buffer: torch.Tensor | None = None  # the read buffer both view (None: their own memory)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+
+def accepts(bits: int, group_size: int, shape: tuple[int, int]) -> bool:
+    """Whether the kernel takes a packed (out, in) matrix of ``bits`` in groups of
+    ``group_size``."""
+    out, cols = shape
+    return bits == 4 and out % BLOCK == 0 and group_size in GROUPS and cols % group_size == 0
+
+
+def eligible(p: Packed) -> bool:
+    return accepts(p.bits, p.group_size, p.shape)
+
+
+def repack(p: Packed) -> Int4Weight:
+    """``p`` (4-bit, ``eligible``) in the kernel's layout."""
+    rows, cols = p.shape
+    src = p.weight.view(torch.uint8).view(rows // BLOCK, 2, BLOCK // 2, cols // 2)  # (b, 2, 32, h)
+    lo, hi = src[:, 0], src[:, 1]  # rows j and j + 32 of each block: (b, 32, h)
+    even = (lo & 15) | (hi << 4)  # column 2m: each byte's low nibble
+    odd = (lo >> 4) | (hi & 0xF0)  # column 2m + 1: each byte's high nibble
+    pairs = torch.stack((even, odd), dim=-1)  # (b, 32, h, 2)
+    out = torch.empty((rows, cols // 2), dtype=torch.uint8)
+    out.view(rows // BLOCK, cols // 2, 2, BLOCK // 2).copy_(pairs.permute(0, 2, 3, 1))
+    s, b = p.scales.to(torch.float32), p.biases.to(torch.float32)  # (rows, groups)
+    zero = b + 8 * s
+    scale_zero = torch.stack((s.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()
+    return Int4Weight(out, scale_zero, p.group_size)
+
+
+def linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for x (..., in) in bfloat16."""
+    flat = x.reshape(-1, x.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w.packed, w.group_size, w.scale_zero)
+    y = y.view(*x.shape[:-1], w.packed.shape[0])
+    return y if bias is None else y + bias
