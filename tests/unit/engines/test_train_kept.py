@@ -88,7 +88,7 @@ def test_a_streamed_recompute_reusing_forward_outputs_trains_bit_identically(
     engine, tiny_models, family, dtype
 ):
     """Streamed layers recompute; where the kernel keeps base matmul outputs from the forward
-    (torch: the MLP's gate and up), the recompute takes them and the bits stay those of a full
+    (torch: every linear but down_proj), the recompute takes them and the bits stay those of a full
     recompute and of kept activations."""
     folder = tiny_models[family]
     cfg = load_config(folder)
