@@ -57,6 +57,11 @@ def accepted(cfg: ModelConfig, files: WeightFiles, quantized: dict) -> list[str]
     return out
 
 
+def held(kernel: WeightFiles, quantized: dict) -> list[str]:
+    """The weight names of ``quantized`` whose kernel layout the file ``kernel`` indexes holds."""
+    return [n for n in quantized if f"{n.removesuffix('.weight')}.{WORDS}" in kernel.tensor_shard]
+
+
 def _stat(path: Path) -> list[int]:
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]

@@ -64,8 +64,7 @@ def _as(raw: torch.Tensor, info: dict) -> torch.Tensor:
     return raw.view(dtype).reshape(info["shape"])
 
 
-# a packed weight's words, read as int32 (same bits); the int4 kernel's words, uint8
-_PACKED = {**_DTYPES, "U32": torch.int32}
+_PACKED = {**_DTYPES, "U32": torch.int32}  # a packed weight's words, read as int32 (same bits)
 
 
 class WeightReader:
@@ -86,12 +85,7 @@ class WeightReader:
         self.quantized = dict(quantized or {})
         # the int4 kernel's file (``int4_file``): the 4-bit modules it holds are read from it
         self._kernel_files = ShardFiles(kernel) if kernel is not None else None
-        self._kernel_names = frozenset(
-            n
-            for n in self.quantized
-            if kernel is not None
-            and n.removesuffix(".weight") + "." + int4_file.WORDS in kernel.tensor_shard
-        )
+        self._kernel_names = frozenset(int4_file.held(kernel, self.quantized) if kernel else ())
         self._shards = ShardFiles(files)
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
