@@ -24,8 +24,10 @@ quantize smollm2:135m --bits 4 --group-size 64`` (``@q4g64``), each made on firs
 * ``qlora``, ``mlx``: see ``bench/quant_tune.py`` (spill tune vs PEFT + bitsandbytes and vs
   ``mlx_lm.lora``, in fresh processes).
 * ``quality``: ``spill build projects/tickets`` (a fresh copy, its own state) on the float
-  import (``model.name=smollm2:135m@f32``) and on its 4-bit g64 copy (``model.quantize=4``),
-  both scores beside report 009's noise floor.
+  import (``model.name=smollm2:135m@f32``), on the README's embedded model (``smollm2:135m``:
+  the GGUF's Q4_1, kept) and on the float import's 4-bit g64 copy (``model.quantize=4``), in
+  the measured default numerics; each quantized side's scores beside the float side's and
+  report 009's noise floor (``--sides float,q4_1`` picks).
 * ``float-rss``: ``bench/tune.py``'s ``peft f32`` and ``spill ring2 f32`` sides (ring-2 float
   tune peak RSS vs PEFT), called rather than copied.
 
@@ -300,9 +302,11 @@ def build_tickets(home: Path, overrides: list[str], python: str) -> dict:
 
 
 def bench_quality(a, home: Path) -> dict:
-    # the float import, and spill's 4-bit g64 copy of it asked the project's way (model.quantize)
+    # the float import; the README's embedded model (the GGUF's Q4_1, kept); and spill's 4-bit
+    # g64 copy of the float import asked the project's way (model.quantize)
     sides = {
         "float": [f"model.name={SMOL}"],
+        "q4_1": [f"model.name={SMOL_Q}"],
         "q4g64": [f"model.name={SMOL}", "model.quantize=4", "model.group_size=64"],
     }
     extra = [f"tune.steps={a.steps}"] if a.steps else []
@@ -313,12 +317,13 @@ def bench_quality(a, home: Path) -> dict:
         got[k] = build_tickets(home, [*overrides, *extra], a.python or PY)
         print(f"quality: {k}: {json.dumps(got[k])}", flush=True)
     floor = json.loads(NOISE.read_text())["projects"]["tickets"]["stages"]
-    for stage in ("eval:base", "eval") if len(got) == 2 else ():
-        acc = floor[stage]["accuracy"]
-        diff = got["q4g64"]["scores"][stage] - got["float"]["scores"][stage]
-        print(f"quality: {stage}: float {got['float']['scores'][stage]:.3f}, q4g64 "
-              f"{got['q4g64']['scores'][stage]:.3f} (diff {diff:+.3f}); noise floor: spread "
-              f"{acc['spread']:.3f}, tolerance {acc['tolerance']:.3f}", flush=True)  # fmt: skip
+    for side in [k for k in got if k != "float"] if "float" in got else ():
+        for stage in ("eval:base", "eval"):
+            acc = floor[stage]["accuracy"]
+            mine, ref = got[side]["scores"][stage], got["float"]["scores"][stage]
+            print(f"quality: {stage}: float {ref:.3f}, {side} {mine:.3f} (diff {mine - ref:+.3f}); "
+                  f"noise floor: spread {acc['spread']:.3f}, tolerance {acc['tolerance']:.3f}",
+                  flush=True)  # fmt: skip
     return {"builds": got, "steps_override": a.steps, "noise_floor_009": floor}
 
 

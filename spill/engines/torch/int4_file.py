@@ -102,13 +102,16 @@ def ensure(
 ) -> WeightFiles:
     """The derived file of the model ``files`` index (made now when missing or changed)."""
     folder = folder_for(fingerprint)
-    if not _usable(folder):
-        t0 = time.perf_counter()
-        size = _make(folder, cfg, files, quantized, fingerprint)
-        note(
-            f"wrote the int4 kernel's layout of {files.folder.name} ({size / 1e6:.1f} MB, "
-            f"{time.perf_counter() - t0:.1f} s) to {folder}: made once, read as the ring streams"
-        )
+    if _usable(folder):
+        derived = weight_files(folder)
+        if derived.headers[FILE].get("__metadata__", {}).get("source") == fingerprint:
+            return derived
+    t0 = time.perf_counter()
+    size = _make(folder, cfg, files, quantized, fingerprint)
+    note(
+        f"wrote the int4 kernel's layout of {files.folder.name} ({size / 1e6:.1f} MB, "
+        f"{time.perf_counter() - t0:.1f} s) to {folder}: made once, read as the ring streams"
+    )
     return weight_files(folder)
 
 
