@@ -3,7 +3,10 @@ what that costs in memory. Sides alternate within each round; ratios are printed
 asserts a time.
 
     python bench/quant_mlx.py rows [--rounds 5] [--one-thread] [--json OUT]
-    python bench/quant_mlx.py memory [--json OUT]
+    python bench/quant_mlx.py memory [--sides per use,plain,quantized_matmul] [--json OUT]
+
+``--json`` merges the result into OUT under ``mlx_rows``, ``mlx_rows_one_thread`` or
+``mlx_memory`` (docs/reports/013-quantized.json keeps them beside ``bench/quant.py``'s).
 
 * ``rows``: ``mx.quantized_matmul`` (and its vjp with respect to ``x``) against the engine's
   dequantized product (``ops.dense_matmul_t``: ``mx.dequantize`` in float32, then ``x @ W.T``
@@ -15,9 +18,10 @@ asserts a time.
 * ``memory``: one LoRA step (r16 on all seven linears, 4 x 128 tokens, float32) on
   ``smollm2:135m@q4_1`` held resident, activations kept (the kernel's ``stack_vjp``: one lazy
   graph over all 30 layers and the head): MLX's peak memory and the step's time, with the
-  engine's per-use dequantization and with a plain one (the dequantized matrix an ordinary input
-  of the product, so the backward keeps every layer's float matrix). Needs the model in spill's
-  cache (``spill models import smollm2:135m``; ``SPILL_HOME`` picks the cache).
+  engine's per-use dequantization, with a plain one (the dequantized matrix an ordinary input of
+  the product, so the backward keeps every layer's float matrix), and with ``quantized_matmul``
+  everywhere (as before: minutes a step). Needs the model in spill's cache (``spill models import
+  smollm2:135m``; ``SPILL_HOME`` picks the cache).
 """
 
 from __future__ import annotations
@@ -170,23 +174,34 @@ def bench_memory(a) -> dict:
     from spill.models.resolve import resolve_model
 
     folder = Path(resolve_model(MODEL, None).folder)
-    engine_product = ops.dense_matmul_t
+    product, threshold = ops.dense_matmul_t, ops.DENSE_ROWS
+    sides = {  # (the product function, ops.DENSE_ROWS while the runner opens)
+        "per use": (product, threshold),
+        "plain": (_plain, threshold),
+        "quantized_matmul": (product, 10**9),  # every product packed: minutes a step
+    }
     got = {}
-    for side in ("per use", "plain"):
-        ops.dense_matmul_t = engine_product if side == "per use" else _plain
+    for side, (fn, rows) in sides.items():
+        if a.sides and side not in a.sides.split(","):
+            continue
+        ops.dense_matmul_t, ops.DENSE_ROWS = fn, rows
         try:
             got[side] = _step(folder)
         finally:
-            ops.dense_matmul_t = engine_product
+            ops.dense_matmul_t, ops.DENSE_ROWS = product, threshold
         r = got[side]
         print(f"memory: {side}: peak {r['peak_above_start_mb']:.0f} MB above the start, step "
               f"{r['step_s']:.2f} s, kept {r['kept']} (activations est. "
               f"{r['activations_estimate_mb']:.0f} MB; the 30 layers in float32 "
               f"{r['float32_layers_mb']:.0f} MB)", flush=True)  # fmt: skip
-    print(f"memory: {got['per use']['line']}")
-    diff = got["plain"]["peak_above_start_mb"] - got["per use"]["peak_above_start_mb"]
-    print(f"memory: plain - per use = {diff:.0f} MB", flush=True)
-    return {"model": MODEL, "sides": got, "plain_minus_per_use_mb": diff}
+    for side, r in got.items():
+        print(f"memory: {side}: {r['line']}")
+    peak = {k: r["peak_above_start_mb"] for k, r in got.items()}
+    if "per use" in peak:
+        for k in (k for k in peak if k != "per use"):
+            print(f"memory: {k} - per use = {peak[k] - peak['per use']:.0f} MB peak, step time "
+                  f"{got[k]['step_s'] / got['per use']['step_s']:.1f}x", flush=True)  # fmt: skip
+    return {"model": MODEL, "sides": got}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,13 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(ROWS))
     ap.add_argument("--one-thread", action="store_true", help="rows: OpenBLAS on one thread")
+    ap.add_argument("--sides", default="", help="memory: per use,plain,quantized_matmul (all)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     mx.set_default_device(mx.cpu)
     result = bench_rows(a) if a.what == "rows" else bench_memory(a)
     if a.json:
         doc = json.loads(a.json.read_text()) if a.json.is_file() else {}
-        doc[a.what + ("-one-thread" if a.one_thread else "")] = result
+        # keys of their own in docs/reports/013-quantized.json, beside bench/quant.py's
+        doc[f"mlx_{a.what}" + ("_one_thread" if a.one_thread else "")] = result
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

@@ -8,8 +8,8 @@ layer. MLX is lazy: callers ``mx.eval`` after each layer, so a released slot is 
 A quantized base's weight is a ``Packed`` record under the same key (``...q_proj.weight``).
 ``linear`` multiplies it with ``mx.quantized_matmul`` (mlx has its vjp with respect to ``x``,
 which is all the frozen base needs), except on a CPU when ``x`` has at least ``DENSE_ROWS`` rows:
-mlx's CPU quantized kernels are not vectorized (SmolLM2's up_proj at 512 rows: 316 ms against
-5.4 ms to dequantize and multiply through the BLAS), so there the matrix is dequantized per use
+mlx's CPU quantized kernels are not vectorized (SmolLM2's layer at 512 rows: 1437 ms against 45
+ms to dequantize and multiply through the BLAS), so there the matrix is dequantized per use
 and multiplied in float (``dense_matmul_t``, whose vjp dequantizes again: a one-graph backward
 never holds a layer's float matrix from its forward). ``embedding`` takes the packed rows of the
 ids and dequantizes only those. Every dequantization is in float32 then the compute dtype, as the
@@ -31,8 +31,8 @@ from spill.models.config import ModelConfig
 # x with at least this many rows multiplies a packed matrix dequantized, through the BLAS, on a
 # CPU; fewer rows (a small decode batch) keep quantized_matmul, as a GPU always does. Measured
 # with ``python bench/quant_mlx.py rows`` (docs/quantized.md): from 8 rows the dequantized product
-# is no slower on any shape measured (SmolLM2's layer 0.35x, a 1B model's MLP matrix 0.73x, its
-# 49152-row head 1.07x); at 4 the small ones win (0.85x) and the large ones lose (1.4-1.9x).
+# is no slower on any shape measured (SmolLM2's layer 0.34x, a 1B model's MLP matrix 0.65x, a
+# 49152-row 8-bit head 0.99x); at 4 the small ones win (0.50x) and the large ones lose (1.3-2.5x).
 DENSE_ROWS = 8
 
 

@@ -134,7 +134,7 @@ def test_a_one_graph_vjp_dequantizes_per_use_and_holds_no_layer_s_float_matrix()
 
 
 def _scores(engine, folder, **opts):
-    runner = kit.open_runner(engine, folder, dtype="float32", **opts)
+    runner = kit.open_runner(engine, folder, dtype="float32", device="cpu", **opts)
     try:
         scores = runner.score(PROMPTS, COMPLETIONS)
         gens = runner.generate(PROMPTS, GenerateParams(6), [0, 1])
@@ -189,7 +189,9 @@ def test_group_16_is_dequantized_on_load_and_said(tmp_path):
 
 def _tuned(engine, folder, steps=3, **opts):
     cfg = load_config(folder)
-    trainer = fresh(kit.open_runner(engine, folder, dtype="float32", **opts), cfg, LORA)
+    trainer = fresh(
+        kit.open_runner(engine, folder, dtype="float32", device="cpu", **opts), cfg, LORA
+    )
     return tune(trainer, steps), trainer
 
 
@@ -220,7 +222,7 @@ def test_dequantized_per_use_streamed_equals_resident_equals_the_float_folder(tm
         ("ring", folder, {"ring": 2}),
         ("float", plain, {"resident": True}),
     ):
-        runner = kit.open_runner(MLX, f, dtype="float32", **opts)
+        runner = kit.open_runner(MLX, f, dtype="float32", device="cpu", **opts)
         scores = np.concatenate(runner.score(prompts, completions))
         gens = kit.tokens(runner.generate(prompts, GenerateParams(6), list(range(9))))
         trainer = fresh(runner, load_config(f), LORA)
