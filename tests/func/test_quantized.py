@@ -1,7 +1,8 @@
 """SmolLM2's GGUF imported with its quantization kept (``smollm2:135m@q4_1``) computes the same
 bits as the dequantized float import in float32: the real CLI's eval output (greedy answers and
 the answers' log-probs) is byte-identical, and log-probs and tokens are equal streamed and
-resident. The MLX engine computes on it too (``mx.quantized_matmul``): streamed equals resident,
+resident. The MLX engine computes on it too (``mx.quantized_matmul``, dequantized per use for
+many rows on a CPU): streamed equals resident,
 within the measured distance of torch, and ``spill tune --engine mlx`` runs on it."""
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ def test_mlx_computes_on_it_streamed_equals_resident_and_near_torch(cache):
             words = "4-bit affine g32 from Q4_1/Q8_0, 1 module 8-bit g32"
             if engine == "torch":  # the torch ring also says how its slots hold the layers
                 words += ", packed slots (2.2 MB a layer), dequantized per use"
+            else:  # MLX on a CPU: how many rows go through the BLAS
+                from spill.engines.mlx.ops import DENSE_ROWS
+
+                words += f", dequantized per use for >= {DENSE_ROWS} rows"
             assert runner.info.weights == words
             scores = np.concatenate(runner.score(prompts, completions))
             (gen,) = runner.generate(prompts[:1], GenerateParams(4), [0])

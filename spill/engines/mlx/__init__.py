@@ -18,7 +18,7 @@ import mlx.core as mx  # noqa: E402
 from spill.engines.base import LoadOptions, ModelSpec  # noqa: E402
 from spill.engines.core.open import Placement, open_runner  # noqa: E402
 from spill.engines.core.runner import StreamRunner  # noqa: E402
-from spill.engines.mlx import numerics  # noqa: E402
+from spill.engines.mlx import numerics, ops  # noqa: E402
 from spill.engines.mlx.kernel import FAMILIES, MLXKernel  # noqa: E402
 from spill.engines.mlx.reader import MLXHooks, WeightReader, default_budget  # noqa: E402
 from spill.errors import EngineError  # noqa: E402
@@ -45,18 +45,23 @@ def pick_device(requested: str | None) -> mx.Device:
     raise EngineError(f"device {requested!r} is not understood by the mlx engine; use cpu or gpu")
 
 
-def _dequantized_note(names: list[str]) -> str:
-    """The pre-run line's words for group-16 weights, which mlx's kernels do not take."""
-    if not names:
-        return ""
-    n = len(names)
-    return f"{n} module{'s' if n > 1 else ''} g16 dequantized (mlx takes g32/g64/g128)"
+def _weights_note(reader: WeightReader) -> str:
+    """The pre-run line's words for how packed weights are computed: dequantized per use for
+    many rows on a CPU (``ops.DENSE_ROWS``), group 16 dequantized at load (mlx has no kernel)."""
+    words = []
+    if reader.dense_rows is not None and len(reader.quantized) > len(reader.dequantized):
+        words.append(f"dequantized per use for >= {reader.dense_rows} rows")
+    if n := len(reader.dequantized):
+        words.append(f"{n} module{'s' if n > 1 else ''} g16 dequantized (mlx takes g32/g64/g128)")
+    return ", ".join(words)
 
 
 class MLXEngine:
     name = "mlx"
     families = FAMILIES
-    quantized = True  # mx.quantized_matmul on packed layers (group 16 dequantized on load)
+    # mx.quantized_matmul on packed layers, dequantized per use for many rows on a CPU (group 16
+    # dequantized on load)
+    quantized = True
 
     def open(self, model: ModelSpec, options: LoadOptions) -> StreamRunner:
         return open_runner(self, model, options)
@@ -69,7 +74,9 @@ class MLXEngine:
             blas.set_threads(cfg.hidden_size < SMALL_HIDDEN)
         dtype, why = numerics.choose(device, options.dtype)
         files = weight_files(folder)
-        reader = WeightReader(files, dtype, quantized_weights(cfg, files))
+        # mlx's CPU quantized kernels are slow on many rows (ops.DENSE_ROWS); Metal's are its fast path
+        dense = ops.DENSE_ROWS if device == mx.cpu else None
+        reader = WeightReader(files, dtype, quantized_weights(cfg, files), dense)
         return Placement(
             device=device,
             device_name="gpu" if device == mx.gpu else "cpu",
@@ -79,7 +86,7 @@ class MLXEngine:
             itemsize=dtype.size,
             budget=default_budget,
             reader=reader,
-            weights_note=_dequantized_note(reader.dequantized),
+            weights_note=_weights_note(reader),
         )
 
     def hooks(self, place: Placement, resident: bool) -> MLXHooks:

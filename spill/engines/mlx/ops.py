@@ -5,10 +5,14 @@ softmax over a boolean mask), so float32 log-probs agree with torch to about 1e-
 plain dicts keyed like the HF checkpoint; the same functions run on a ring slot or a resident
 layer. MLX is lazy: callers ``mx.eval`` after each layer, so a released slot is really free.
 
-A quantized base's weight is a ``Packed`` record under the same key (``...q_proj.weight``):
-``linear`` multiplies it with ``mx.quantized_matmul`` (no dequantized copy exists, and mlx has
-its vjp with respect to ``x``, which is all the frozen base needs), and ``embedding`` takes the
-packed rows of the ids and dequantizes only those, in float32 then the compute dtype, as the
+A quantized base's weight is a ``Packed`` record under the same key (``...q_proj.weight``).
+``linear`` multiplies it with ``mx.quantized_matmul`` (mlx has its vjp with respect to ``x``,
+which is all the frozen base needs), except on a CPU when ``x`` has at least ``DENSE_ROWS`` rows:
+mlx's CPU quantized kernels are not vectorized (SmolLM2's layer at 512 rows: 1437 ms against 45
+ms to dequantize and multiply through the BLAS), so there the matrix is dequantized per use
+and multiplied in float (``dense_matmul_t``, whose vjp dequantizes again: a one-graph backward
+never holds a layer's float matrix from its forward). ``embedding`` takes the packed rows of the
+ids and dequantizes only those. Every dequantization is in float32 then the compute dtype, as the
 torch engine computes every packed value.
 """
 
@@ -17,11 +21,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
 
 from spill.models.config import ModelConfig
+
+# x with at least this many rows multiplies a packed matrix dequantized, through the BLAS, on a
+# CPU; fewer rows (a small decode batch) keep quantized_matmul, as a GPU always does. Measured
+# with ``python bench/quant_mlx.py rows`` (docs/quantized.md): from 8 rows the dequantized product
+# is no slower on any shape measured (SmolLM2's layer 0.34x, a 1B model's MLP matrix 0.65x, a
+# 49152-row 8-bit head 0.99x); at 4 the small ones win (0.50x) and the large ones lose (1.3-2.5x).
+DENSE_ROWS = 8
 
 
 @dataclass
@@ -36,20 +48,52 @@ class Packed:
     bits: int
     group_size: int
     dtype: mx.Dtype
+    dense_rows: int | None = None  # x of at least this many rows: dequantized per use (CPU)
 
     def arrays(self) -> list[mx.array]:
         return [self.weight, self.scales, self.biases]
 
     def rows(self, ids) -> mx.array:
         """The dequantized rows ``ids`` (any shape) -> (*ids.shape, in) in the compute dtype."""
-        s, b = self.scales[ids].astype(mx.float32), self.biases[ids].astype(mx.float32)
-        w = mx.dequantize(self.weight[ids], s, b, group_size=self.group_size, bits=self.bits)
-        return w.astype(self.dtype)
+        s, b = self.scales[ids], self.biases[ids]
+        return _dequantize(self.weight[ids], s, b, self.group_size, self.bits, self.dtype)
+
+
+def _dequantize(w, scales, biases, group_size: int, bits: int, dtype):
+    """(out, in) in ``dtype``: ``scale * q + bias`` in float32, then cast."""
+    f32 = mx.float32
+    full = mx.dequantize(
+        w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits
+    )
+    return full.astype(dtype)
+
+
+@cache
+def dense_matmul_t(group_size: int, bits: int, dtype) -> Callable:
+    """``f(x, weight, scales, biases) = x @ dequantize(...).T``, whose vjp with respect to ``x``
+    dequantizes again (``g @ W``): in a lazy graph the float matrix lives inside one product only.
+    The packed arrays are frozen; their cotangents are zeros nothing evaluates."""
+
+    @mx.custom_function
+    def product(x, w, scales, biases):
+        return x @ _dequantize(w, scales, biases, group_size, bits, dtype).T
+
+    @product.vjp
+    def product_vjp(primals, cotangent, output):
+        _, w, scales, biases = primals
+        gx = cotangent @ _dequantize(w, scales, biases, group_size, bits, dtype)
+        return gx, mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+
+    return product
 
 
 def matmul_t(x, w):
     """``x @ w.T`` for a float matrix or a ``Packed`` one (out, in); x (..., in) -> (..., out)."""
     if isinstance(w, Packed):
+        rows = x.size // x.shape[-1]
+        if w.dense_rows is not None and rows >= w.dense_rows:
+            f = dense_matmul_t(w.group_size, w.bits, w.dtype)
+            return f(x, w.weight, w.scales, w.biases).astype(x.dtype)
         y = mx.quantized_matmul(
             x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
         )

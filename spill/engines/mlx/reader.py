@@ -11,7 +11,8 @@ buffers.
 
 A packed (quantized) weight stays packed: its uint32 words, scales and biases are read as stored
 into an ``ops.Packed`` under the weight's name, and the families multiply it with
-``mx.quantized_matmul``. mlx's kernels take groups of 32, 64 and 128 only, so a group-16 tensor
+``mx.quantized_matmul``, or dequantized per use on a CPU for many rows (``dense_rows``, see
+``ops``). mlx's kernels take groups of 32, 64 and 128 only, so a group-16 tensor
 (GGUF Q6_K) is dequantized on load, ``scale * q + bias`` in float32 as ``models.quant`` and the
 torch engine compute it, then held in the compute dtype (``dequantized`` names them).
 """
@@ -95,18 +96,21 @@ def arrays(w: dict) -> list[mx.array]:
 
 class WeightReader:
     """Tensors by HF name from a folder's shards, as MLX arrays in the compute dtype; a packed
-    weight (``quantized``: name -> (bits, group_size)) as an ``ops.Packed``."""
+    weight (``quantized``: name -> (bits, group_size)) as an ``ops.Packed`` that multiplies
+    ``dense_rows`` rows or more dequantized (None: always ``quantized_matmul``)."""
 
     def __init__(
         self,
         files: WeightFiles,
         dtype: mx.Dtype,
         quantized: dict[str, tuple[int, int]] | None = None,
+        dense_rows: int | None = None,
     ):
         if dtype not in (mx.float32, mx.bfloat16):
             raise EngineError(f"compute dtype {dtype} is not supported; use float32 or bfloat16")
         self.files, self.dtype = files, dtype
         self.quantized = dict(quantized or {})
+        self.dense_rows = dense_rows
         # group 16 has no mlx kernel: those weights are dequantized as they load
         self.dequantized = sorted(n for n, (_, g) in self.quantized.items() if g not in MLX_GROUPS)
         self._shards = ShardFiles(files)
@@ -151,7 +155,8 @@ class WeightReader:
                 else:
                     out[name] = mx.array(f32)
                 continue
-            out[name] = Packed(mx.array(w), mx.array(s), mx.array(b), bits, group, self.dtype)
+            parts = mx.array(w), mx.array(s), mx.array(b)
+            out[name] = Packed(*parts, bits, group, self.dtype, self.dense_rows)
         return out
 
     def _floats(self, names) -> dict[str, mx.array]:
