@@ -18,10 +18,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+TIMES_OUT = True  # gloo gives up on a silent peer after join's timeout
 
-def join(timeout_s: float) -> None:
-    """Join the group torchrun's environment describes (``RANK``, ``WORLD_SIZE``, ...)."""
+
+def join(timeout_s: float) -> tuple[int, int]:
+    """Join the group torchrun's environment describes (``RANK``, ``WORLD_SIZE``, ...); returns
+    ``(rank, world)``."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
 
 
 def share(payload):
@@ -38,8 +42,9 @@ def any_of(flag: bool) -> bool:
     return bool(t.item())
 
 
-def gather_rows(meta: np.ndarray, rows: np.ndarray, world: int):
-    """Every rank's ``meta`` (float64) and ``rows`` (float32), equal shapes on every rank."""
+def gather_rows(meta: np.ndarray, rows: np.ndarray, world: int, device: str = "cpu"):
+    """Every rank's ``meta`` (float64) and ``rows`` (float32), equal shapes on every rank;
+    ``device``: where the job computes (host memory whatever it is)."""
     m, r = torch.from_numpy(meta), torch.from_numpy(rows)
     metas = [torch.empty_like(m) for _ in range(world)]
     all_rows = [torch.empty_like(r) for _ in range(world)]
