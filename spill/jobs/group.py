@@ -11,9 +11,10 @@ gradients, which it folds in micro-batch order: the order one process adds them 
 world size takes the same steps bit for bit, and a run continues at any world size.
 
 The launcher picks the exchange, once (``current``): torch's (torchrun, ``--procs``) goes over
-torch.distributed (gloo, in host memory), mlx.launch's over ``mx.distributed``; both behind one
-small interface (``join``, ``share``, ``any_of``, ``gather_rows``, ``collect``, ``leave``:
-``spill.engines.torch.dist``, ``spill.engines.mlx.dist``). A rank that dies ends the others' next collective: ``GroupLost``,
+torch.distributed (gloo in host memory; NCCL for the gradients when every rank computes on a GPU
+of its own), mlx.launch's over ``mx.distributed``; both behind one small interface (``join``,
+``share``, ``any_of``, ``gather_rows``, ``collect``, ``leave``: ``spill.engines.torch.dist``,
+``spill.engines.mlx.dist``). A rank that dies ends the others' next collective: ``GroupLost``,
 exit 75, nothing half-published (only rank 0 commits, atomically); rerun the command at any
 world size to continue from the last commit. An exchange that cannot notice a peer that stops
 answering (``TIMES_OUT`` false: MLX's ring) is bounded by a watchdog that ends the process with

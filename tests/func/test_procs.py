@@ -107,6 +107,24 @@ def test_mlx_ranks_write_what_one_mlx_process_writes(inputs, tmp_path):
     assert ranges(same_run(str(two), str(one), 4)) == [(0, 4, 2)]
 
 
+@pytest.mark.cuda
+def test_ranks_on_their_own_gpus_write_what_one_gpu_writes(inputs, tmp_path):
+    """Each rank on cuda:LOCAL_RANK, the gradients over NCCL on the GPUs; the fold is in
+    micro-batch order on the host, so two GPUs write what one writes (float32, same GPU model).
+    Not run where this was written (no GPU): it needs two CUDA devices."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two CUDA devices for NCCL; torch sees {torch.cuda.device_count()}")
+    env = kit.spill_env(tmp_path / "home")
+    cuda = {**SHORT, "device": "cuda"}
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = tune(inputs, one, cuda, env)
+    assert done.returncode == 0, done.stderr
+    done = tune(inputs, two, cuda, env, "--procs", "2")
+    assert done.returncode == 0, done.stderr
+    assert ranges(same_run(str(two), str(one), 4)) == [(0, 4, 2)]
+
+
 def test_a_stop_of_one_rank_stops_every_rank_at_the_same_step(inputs, controls, tmp_path):
     """SIGTERM to rank 1 alone: the ranks agree at the next boundary, rank 0 commits, 75."""
     import psutil
