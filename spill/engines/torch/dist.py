@@ -37,8 +37,27 @@ def join(timeout_s: float) -> tuple[int, int]:
     if torch.cuda.is_available() and local < torch.cuda.device_count():
         torch.cuda.set_device(local)
         _gpu, backend = torch.device("cuda", local), "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if (store := _attempt_store(timeout)) is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """torchrun's agent lends its workers its rendezvous store and keeps it across restarts
+    (``TORCHELASTIC_USE_AGENT_STORE``): a group it restarts (``--max-restarts``) reads the keys
+    of the group before it and connects to ranks that are gone (torch issue 135712). Under one
+    agent (one node: ``GROUP_WORLD_SIZE`` 1) every rank has the same restart count, which names
+    the attempt's own keys; with several nodes the counts may differ, and the store is left as
+    torch makes it (docs/procs.md: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    shared = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout=timeout)
+    return dist.PrefixStore(f"spill/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", shared)
 
 
 def share(payload):
