@@ -1,5 +1,5 @@
-"""One job over several processes (``torchrun ... -m spill tune``, ``spill tune --procs N``):
-the process group as a job sees it.
+"""One job over several processes (``torchrun ... -m spill tune``, ``spill tune --procs N``,
+``mlx.launch ... -m spill tune``): the process group as a job sees it.
 
 The processes (ranks) share a step's work, never the run's state. Rank 0 leads: it alone holds
 the run, reads and commits checkpoints and prints; it hands the others the adapter and moments
@@ -10,17 +10,24 @@ ranks on one host share the page cache) and computes the micro-batches ``j`` wit
 gradients, which it folds in micro-batch order: the order one process adds them in. So every
 world size takes the same steps bit for bit, and a run continues at any world size.
 
-The exchange goes through host memory over gloo (float32 numpy from the engine's kernel),
-whichever engine and device compute. A rank that dies ends the others' next collective:
-``GroupLost``, exit 75, nothing half-published (only rank 0 commits, atomically); rerun the
-command at any world size to continue from the last commit.
+The launcher picks the exchange, once (``current``): torch's (torchrun, ``--procs``) goes over
+torch.distributed (gloo in host memory; NCCL for the gradients when every rank computes on a GPU
+of its own), mlx.launch's over ``mx.distributed``; both behind one small interface (``join``,
+``share``, ``any_of``, ``gather_rows``, ``collect``, ``leave``: ``spill.engines.torch.dist``,
+``spill.engines.mlx.dist``). A rank that dies ends the others' next collective: ``GroupLost``,
+exit 75, nothing half-published (only rank 0 commits, atomically); rerun the command at any
+world size to continue from the last commit. An exchange that cannot notice a peer that stops
+answering (``TIMES_OUT`` false: MLX's ring) is bounded by a watchdog that ends the process with
+the same line after ``SPILL_GROUP_TIMEOUT`` seconds in one collective.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,12 +37,21 @@ if TYPE_CHECKING:
     import numpy as np
 
 ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # what torchrun (and torch's launcher) sets
+MLX_ENV = "MLX_RANK"  # what mlx.launch sets, whatever its backend (ring, nccl, jaccl)
+TIMEOUT_ENV, TIMEOUT = "SPILL_GROUP_TIMEOUT", 1800.0  # seconds one collective may wait
 
 
 class GroupLost(SpillError):
     """Another process of the job stopped or died: this one stops too, committing nothing."""
 
     exit_code = EXIT_PREEMPTED
+
+
+def lost(rank: int, why: str) -> str:
+    return (
+        f"rank {rank}: another process of this job is gone ({why}); nothing half-published: "
+        "run the same command (any --procs) to continue from the last commit"
+    )
 
 
 class Refused(SpillError):
@@ -52,6 +68,8 @@ class Group:
     local_rank: int = 0
     started: bool = field(default=False, repr=False)
     waited: float = field(default=0.0, repr=False)  # seconds in collectives, waiting included
+    exchange: object = field(default=None, repr=False)  # the launcher's dist module
+    watchdog: Watchdog | None = field(default=None, repr=False)
 
     @property
     def leader(self) -> bool:
@@ -67,21 +85,16 @@ class Group:
         if self.world == 1:
             raise AssertionError("a world of one process exchanges nothing")
         try:
-            return what(*args)
-        except RuntimeError as e:  # gloo: a peer closed its connection or timed out
+            with self.watchdog or nullcontext():
+                return what(*args)
+        except RuntimeError as e:  # gloo, MLX's ring: a peer closed its connection, timed out
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0]  # gloo's file:line
             line = text.splitlines()[0][:160] if text else type(e).__name__
-            raise GroupLost(
-                f"rank {self.rank}: another process of this job is gone ({line}); nothing "
-                "half-published: run the same command (any --procs) to continue from the last "
-                "commit"
-            ) from None
+            raise GroupLost(lost(self.rank, line)) from None
 
     def share(self, payload=None):
         """Rank 0's ``payload`` on every rank (the others pass nothing)."""
-        from spill.engines.torch import dist
-
-        return self._call(dist.share, payload if self.leader else None)
+        return self._call(self.exchange.share, payload if self.leader else None)
 
     def new_job(self) -> None:
         """Rank 0 begins a job (a build runs several): until its ``start`` a refusal is shared."""
@@ -112,7 +125,7 @@ class Group:
     def boundary(self, guard) -> None:
         """Between quanta (a job's ``Guard``): stop (save, exit 75) when asked; in a group, all
         ranks stop at the same boundary when any one was asked."""
-        from spill.jobs.preempt import request_stop, stop_requested
+        from spill.jobs.preempt import request_stop, stop_agreed, stop_requested
 
         if self.world == 1:
             guard.boundary()
@@ -123,20 +136,35 @@ class Group:
         if wanted:
             if stop_requested() is None:
                 request_stop("a stop of another process of this job")
-            guard.boundary()
+            try:
+                guard.boundary()  # rank 0 commits; every rank raises Preempted
+            finally:
+                self._together()
+                stop_agreed()
+
+    def _together(self) -> None:
+        """Every rank waits here for the others (rank 0's commit): a launcher stops the rest of
+        a job when one rank exits, so none exits before rank 0 has committed and said so."""
+        try:
+            self._call(self.exchange.any_of, False)
+        except GroupLost:
+            pass  # gone already: its exit is what was waited for
 
     def stop_wanted(self, mine: bool) -> bool:
         """Whether any rank was asked to stop (one all-reduce)."""
-        from spill.engines.torch import dist
+        return self._call(self.exchange.any_of, mine)
 
-        return self._call(dist.any_of, mine)
-
-    def gather(self, done: list[tuple[int, float, int, np.ndarray]], n: int, size: int):
+    def gather(
+        self,
+        done: list[tuple[int, float, int, np.ndarray]],
+        n: int,
+        size: int,
+        device: str = "cpu",
+    ):
         """Every rank's ``(j, loss, tokens, grads)`` of its micro-batches, in ``j`` order, on
-        every rank; ``n``: the step's micro-batches, ``size``: the gradient vector's length."""
+        every rank; ``n``: the step's micro-batches, ``size``: the gradient vector's length,
+        ``device``: where the job computes (the exchange may use it: NCCL on CUDA)."""
         import numpy as np
-
-        from spill.engines.torch import dist
 
         slots = -(-n // self.world)  # the most micro-batches any rank computed
         meta = np.full((slots, 3), -1.0, dtype=np.float64)
@@ -145,7 +173,7 @@ class Group:
             meta[s] = (j, loss, tokens)
             grads[s] = flat
         t0 = time.perf_counter()
-        metas, all_grads = self._call(dist.gather_rows, meta, grads, self.world)
+        metas, all_grads = self._call(self.exchange.gather_rows, meta, grads, self.world, device)
         self.waited += time.perf_counter() - t0
         out = []
         for r in range(self.world):
@@ -157,10 +185,8 @@ class Group:
 
     def collect(self, value) -> list:
         """Every rank's ``value`` (picklable), by rank, on every rank."""
-        from spill.engines.torch import dist
-
         t0 = time.perf_counter()
-        out = self._call(dist.collect, value, self.world)
+        out = self._call(self.exchange.collect, value, self.world)
         self.waited += time.perf_counter() - t0
         return out
 
@@ -170,29 +196,78 @@ class Group:
 
     def close(self) -> None:
         if self.world > 1:
-            from spill.engines.torch import dist
+            self.exchange.leave()
 
-            dist.leave()
+
+class Watchdog:
+    """Bounds each collective of an exchange that would wait forever for a peer that stopped
+    answering (``TIMES_OUT`` false: MLX's ring notices a closed connection, not a silent one).
+    The collective is native code with the GIL released, so only another thread can act: after
+    ``seconds`` in one collective it says ``GroupLost``'s line and ends the process, exit 75."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+        self.since: float | None = None  # time.monotonic() when the collective began
+        threading.Thread(target=self._watch, daemon=True, name="spill-group-watchdog").start()
+
+    def __enter__(self) -> None:
+        self.since = time.monotonic()
+
+    def __exit__(self, *exc) -> None:
+        self.since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.seconds / 4))
+            since = self.since
+            if since is not None and time.monotonic() - since > self.seconds:
+                why = f"no answer in {self.seconds:g} s"
+                os.write(2, f"spill: error: {lost(self.rank, why)}\n".encode())  # as the CLI would
+                os._exit(EXIT_PREEMPTED)
+
+
+def launcher() -> str | None:
+    """Which launcher started this process as a rank of several: ``"mlx.launch"``
+    (``MLX_RANK``), ``"torchrun"`` (``WORLD_SIZE`` > 1: torchrun, ``--procs``), or None."""
+    if os.environ.get(MLX_ENV) is not None:
+        return "mlx.launch"
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        return "torchrun"
+    return None
+
+
+def _exchange(name: str):
+    """The exchange of the launcher ``name``: the one place that chooses between them."""
+    if name == "mlx.launch":
+        from spill.engines.mlx import dist
+    else:
+        from spill.engines.torch import dist
+    return dist
 
 
 _current: Group | None = None
 
 
 def current() -> Group:
-    """This process's group: one process unless torchrun (or ``--procs``) started it as a rank
-    (``WORLD_SIZE`` > 1), then joined once over gloo (rendezvous from torchrun's env)."""
+    """This process's group: one process unless a launcher started it as a rank (``launcher``),
+    then joined once through that launcher's exchange (rendezvous from its environment)."""
     global _current
     if _current is not None:
         return _current
-    world = int(os.environ.get("WORLD_SIZE") or 1)
+    name = launcher()
+    if name is None:
+        _current = Group()
+        return _current
+    exchange = _exchange(name)
+    seconds = float(os.environ.get(TIMEOUT_ENV) or TIMEOUT)
+    watchdog = None if exchange.TIMES_OUT else Watchdog(int(os.environ.get(MLX_ENV) or 0), seconds)
+    with watchdog or nullcontext():  # a peer that never arrives
+        rank, world = exchange.join(seconds)
     if world <= 1:
         _current = Group()
         return _current
-    from spill.engines.torch import dist
-
-    rank = int(os.environ["RANK"])
-    dist.join(float(os.environ.get("SPILL_GROUP_TIMEOUT") or 1800))
-    _current = Group(rank=rank, world=world, local_rank=int(os.environ.get("LOCAL_RANK") or 0))
+    local = int(os.environ.get("LOCAL_RANK") or 0)
+    _current = Group(rank, world, local, exchange=exchange, watchdog=watchdog)
     if rank != 0:
         from spill import console
 

@@ -10,10 +10,10 @@ continues; otherwise the failing ranks' status. Each rank computes on one thread
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from spill.errors import EXIT_PREEMPTED, UsageError
+from spill.jobs.group import launcher
 
 
 def without_procs(argv: Sequence[str]) -> list[str]:
@@ -33,9 +33,9 @@ def launch(procs: int, argv: Sequence[str]) -> int:
     """Run ``spill *argv`` as ``procs`` ranks; returns the job's exit status."""
     if procs < 1:
         raise UsageError("--procs must be at least 1")
-    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+    if (started := launcher()) is not None:
         raise UsageError(
-            "--procs inside torchrun: torchrun already started the processes; drop --procs"
+            f"--procs inside {started}: {started} already started the processes; drop --procs"
         )
     from spill.engines.torch import dist
 

@@ -111,6 +111,7 @@ class _Switch:
         self.installer: object | None = None  # the scope that installed the handlers
         self.depth = 0  # critical sections open
         self.deferred = False  # a request that must raise Interrupted when they close
+        self.echoed = False  # later requests are a launcher handing the stop on: no note
         self.lock = threading.RLock()  # a signal may land while the main thread holds it
 
     def enter(self, scope: object, install: bool) -> None:
@@ -135,7 +136,7 @@ class _Switch:
     def request(self, reason: str) -> bool:
         """Record the request; False (after a note) when one was already made."""
         with self.lock:
-            if self.reason is not None and speaking():
+            if self.reason is not None and speaking() and not self.echoed:
                 left = max(0.0, _deadline(self.top()) - (time.monotonic() - (self.at or 0.0)))
                 _say(f"spill: {reason} again; already stopping, exit within {left:.0f} s")
             if self.reason is not None:
@@ -165,6 +166,13 @@ def request_stop(reason: str = "a stop request") -> None:
     """What SIGTERM and SIGINT do, from any thread: a job stops at its next boundary; other code
     at the end of its ``critical()`` section or when it next checks ``stop_requested()``."""
     _switch.request(reason)
+
+
+def stop_agreed() -> None:
+    """A process group agreed on the stop and rank 0 committed: the signals still to come are a
+    launcher ending the other ranks, not a person asking again, so they print no note (the
+    exit stays bounded by the first request's deadline)."""
+    _switch.echoed = True
 
 
 def stop_requested() -> str | None:

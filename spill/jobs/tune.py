@@ -216,7 +216,7 @@ def _tune(
 
     guard.save = save
     stop = opts.stop_after or t.steps
-    steps = Steps(trainer, examples, tok.pad_id, opts, group)
+    steps = Steps(trainer, examples, tok.pad_id, opts, group, runner.info.device)
     with progress(stop, "tune", unit="step", initial=step) as bar:
         while step < stop:
             group.boundary(guard)

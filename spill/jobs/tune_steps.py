@@ -30,9 +30,10 @@ class Steps:
     """The step loop's work for ``spill.jobs.tune``: ``gradients`` and ``apply`` (the boundary
     between steps is the group's: ``Group.boundary``)."""
 
-    def __init__(self, trainer: Trainer, examples, pad_id: int, opts, group: Group):
+    def __init__(self, trainer: Trainer, examples, pad_id: int, opts, group: Group, device: str):
         self.trainer, self.examples, self.pad_id = trainer, examples, pad_id
         self.tune, self.seed, self.group = opts.tune, opts.seed, group
+        self.device = device  # where the trainer computes: the exchange may go there (NCCL)
         self.accum = self.tune.batch // self.tune.micro_batch
         self.tokens = 0  # tokens of every rank's micro-batches so far
         self.size: int | None = None  # the gradient vector's length
@@ -70,7 +71,7 @@ class Steps:
             done.append((j, got, int(batches[j].attention.sum()), self.trainer.take_grads()))
         if self.size is None:
             self.size = sum(a.size for a in self.trainer.state()[0].values())
-        everyone = g.gather(done, self.accum, self.size)
+        everyone = g.gather(done, self.accum, self.size, self.device)
         for _j, got, tokens, grads in everyone:
             self.trainer.add_grads(grads)
             loss += got
@@ -107,7 +108,7 @@ def follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group:
     trainer.set_state(*begin["state"])
     trainer.plan(t.micro_batch, t.seq_len, t.activations)
     step, stop = begin["step"], opts.stop_after or t.steps
-    steps = Steps(trainer, examples, tok.pad_id, opts, group)
+    steps = Steps(trainer, examples, tok.pad_id, opts, group, runner.info.device)
     loss = None
     while step < stop:
         group.boundary(guard)

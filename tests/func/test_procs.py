@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +108,24 @@ def test_mlx_ranks_write_what_one_mlx_process_writes(inputs, tmp_path):
     assert ranges(same_run(str(two), str(one), 4)) == [(0, 4, 2)]
 
 
+@pytest.mark.cuda
+def test_ranks_on_their_own_gpus_write_what_one_gpu_writes(inputs, tmp_path):
+    """Each rank on cuda:LOCAL_RANK, the gradients over NCCL on the GPUs; the fold is in
+    micro-batch order on the host, so two GPUs write what one writes (float32, same GPU model).
+    Not run where this was written (no GPU): it needs two CUDA devices."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two CUDA devices for NCCL; torch sees {torch.cuda.device_count()}")
+    env = kit.spill_env(tmp_path / "home")
+    cuda = {**SHORT, "device": "cuda"}
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = tune(inputs, one, cuda, env)
+    assert done.returncode == 0, done.stderr
+    done = tune(inputs, two, cuda, env, "--procs", "2")
+    assert done.returncode == 0, done.stderr
+    assert ranges(same_run(str(two), str(one), 4)) == [(0, 4, 2)]
+
+
 def test_a_stop_of_one_rank_stops_every_rank_at_the_same_step(inputs, controls, tmp_path):
     """SIGTERM to rank 1 alone: the ranks agree at the next boundary, rank 0 commits, 75."""
     import psutil
@@ -157,6 +176,88 @@ def test_a_run_continues_at_other_world_sizes_after_kills(inputs, controls, tmp_
     got = ranges(same_run(str(state), controls["long"], LONG["steps"]))
     assert got == [(0, 10, 2), (10, 20, 1), (20, stopped, 2), (stopped, LONG["steps"], 1)]
     assert kit.litter(str(state)) == []
+
+
+def _rank_pids(pid: int) -> dict[int, int]:
+    """The ranks under a launcher (``--procs``, torchrun), by rank."""
+    import psutil
+
+    out = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if (rank := child.environ().get("RANK")) is not None:
+                out[int(rank)] = child.pid
+    return out
+
+
+def _kill_family(pid: int) -> None:
+    for child in _children(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_rank_sigkilled_in_the_middle_of_a_step_continues_at_other_world_sizes(
+    inputs, controls, tmp_path
+):
+    """Four launches, each at another world size than the last, each losing one rank (any,
+    rank 0 too) to SIGKILL at a random moment inside a step (a random fraction of the step time
+    just measured, after a step past the last commit); then one that finishes: the
+    uninterrupted one-process run's bits, each range at the world size that computed it."""
+    import random
+
+    rng = random.Random(2323)
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    lines = {**env, "SPILL_PROGRESS": "lines", "SPILL_PROGRESS_EVERY": "0"}  # a line a step
+    sizes, want = [2], []
+    for attempt in range(4):
+        procs, last = sizes[-1], (kit.committed_steps(str(state)) or [0])[-1]
+        w = kit.Worker([*argv(inputs, state, LONG), "--procs", str(procs)], lines)
+        at = last + rng.randint(6, 11)  # past the next commit: every attempt adds a range
+        assert w.wait_for(f"tune: step {at}/"), attempt
+        t0 = time.monotonic()
+        assert w.wait_for(f"tune: step {at + 1}/"), attempt
+        time.sleep(rng.uniform(0.0, time.monotonic() - t0))  # inside step at + 2
+        ranks = _rank_pids(w.proc.pid) if procs > 1 else {0: w.proc.pid}
+        os.kill(ranks[rng.choice(sorted(ranks))], signal.SIGKILL)
+        done = w.finish()
+        assert done.returncode == (75 if procs > 1 else -signal.SIGKILL), (attempt, done.stderr)
+        stopped = kit.committed_steps(str(state))[-1]
+        assert at - 5 < stopped <= at + 2, (attempt, at, stopped)
+        want.append((last, stopped, procs))
+        sizes.append(rng.choice([n for n in (1, 2, 3) if n != procs]))
+    done = tune(inputs, state, LONG, env, "--procs", str(sizes[-1]))
+    assert done.returncode == 0, done.stderr
+    want.append((want[-1][1], LONG["steps"], sizes[-1]))
+    assert ranges(same_run(str(state), controls["long"], LONG["steps"])) == want
+    assert kit.litter(str(state)) == []
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_group_that_lost_a_rank(inputs, controls, tmp_path):
+    """``torchrun --max-restarts 1``: rank 1 SIGKILLed in the middle of the run, rank 0 exits 75
+    (``GroupLost``), which torchrun counts as the group's failure: it starts both ranks again,
+    they continue from rank 0's last commit and finish with the one-process run's bits. (The
+    restarted ranks meet under keys of their own attempt in the store torchrun's agent keeps
+    across restarts; on the agent's own keys they hung or were refused two times in three.)"""
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    lines = {**env, "SPILL_PROGRESS": "lines", "SPILL_PROGRESS_EVERY": "0"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--max-restarts", "1", "--nproc-per-node", "2", "-m", "spill"]  # fmt: skip
+    w = kit.Worker(argv(inputs, state, LONG), lines, command=torchrun)
+    assert w.wait_for("tune: step 13/")
+    time.sleep(0.05)
+    os.kill(_rank_pids(w.proc.pid)[1], signal.SIGKILL)
+    family = threading.Timer(kit.TIMEOUT - 10, _kill_family, (w.proc.pid,))  # the ranks first:
+    family.start()  # a hung restart would hold the pipes the finish reads after its launcher
+    try:
+        done = w.finish()
+    finally:
+        family.cancel()
+    assert done.returncode == 0, done.stderr
+    assert "another process of this job is gone" in done.stderr
+    assert resumed(done) in (10, 15)
+    assert ranges(same_run(str(state), controls["long"], LONG["steps"])) == [(0, LONG["steps"], 2)]
 
 
 def test_a_second_launch_on_the_same_state_is_refused_naming_the_owner(inputs, tmp_path):

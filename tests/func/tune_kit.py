@@ -142,13 +142,15 @@ class Worker:
 
     argv: list[str]
     env: dict[str, str]
+    command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "spill"])
     proc: subprocess.Popen = field(init=False)
     _err: bytes = b""
     _seen: int = 0  # where the next wait_for starts looking
 
     def __post_init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spill", *self.argv],
+            [*self.command, *self.argv],
+            stdin=subprocess.PIPE,  # never written: a launcher that polls stdin waits on it
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             bufsize=0,  # raw pipes: read() returns what has arrived
@@ -177,6 +179,7 @@ class Worker:
             self.proc.wait()
         finally:
             watchdog.cancel()
+            self.proc.stdin.close()
             self.proc.stderr.close()
             self.proc.stdout.close()
         return subprocess.CompletedProcess(

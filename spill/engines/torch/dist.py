@@ -1,8 +1,13 @@
 """torch.distributed as spill's process groups use it (``spill.jobs.group``), and torch's elastic
 launcher (``spill.jobs.launch``): the only place either is imported.
 
-Whatever engine computes, the ranks exchange float32 numpy through host memory over gloo, so a
-group of MLX processes (torch is a core dependency) and a CUDA one go the same way.
+Whatever engine computes, the ranks exchange float32 numpy. A rank that has a GPU of its own
+(``LOCAL_RANK`` below the device count) makes it its current device at ``join`` (so ``cuda``
+means ``cuda:LOCAL_RANK`` for the engine) and joins gloo for host memory and NCCL for CUDA
+tensors; when every rank of a job computes on its GPU (agreed once, ``_on_gpus``) the gradients
+cross over NCCL, on that GPU; otherwise, and for every object (pickled, small), gloo in host
+memory. Either way the gather is a copy, and the fold after it is in micro-batch order, so the
+bits do not depend on the world size or on the backend.
 """
 
 from __future__ import annotations
@@ -18,16 +23,47 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+TIMES_OUT = True  # gloo and NCCL give up on a silent peer after join's timeout
+_gpu: torch.device | None = None  # this rank's own GPU, when it has one
+_agreed: dict[str, bool] = {}  # a job's device -> whether every rank exchanges on its GPU
 
-def join(timeout_s: float) -> None:
-    """Join the group torchrun's environment describes (``RANK``, ``WORLD_SIZE``, ...)."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+def join(timeout_s: float) -> tuple[int, int]:
+    """Join the group torchrun's environment describes (``RANK``, ``WORLD_SIZE``, ...); returns
+    ``(rank, world)``. Gloo, and NCCL beside it where this rank has a GPU of its own."""
+    global _gpu
+    local = int(os.environ.get("LOCAL_RANK") or 0)
+    backend = "gloo"
+    if torch.cuda.is_available() and local < torch.cuda.device_count():
+        torch.cuda.set_device(local)
+        _gpu, backend = torch.device("cuda", local), "cpu:gloo,cuda:nccl"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if (store := _attempt_store(timeout)) is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """torchrun's agent lends its workers its rendezvous store and keeps it across restarts
+    (``TORCHELASTIC_USE_AGENT_STORE``): a group it restarts (``--max-restarts``) reads the keys
+    of the group before it and connects to ranks that are gone (torch issue 135712). Under one
+    agent (one node: ``GROUP_WORLD_SIZE`` 1) every rank has the same restart count, which names
+    the attempt's own keys; with several nodes the counts may differ, and the store is left as
+    torch makes it (docs/procs.md: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    shared = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout=timeout)
+    return dist.PrefixStore(f"spill/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", shared)
 
 
 def share(payload):
     """Rank 0's picklable ``payload`` on every rank."""
     box = [payload]
-    dist.broadcast_object_list(box, 0)
+    dist.broadcast_object_list(box, 0, device=torch.device("cpu"))
     return box[0]
 
 
@@ -38,14 +74,27 @@ def any_of(flag: bool) -> bool:
     return bool(t.item())
 
 
-def gather_rows(meta: np.ndarray, rows: np.ndarray, world: int):
-    """Every rank's ``meta`` (float64) and ``rows`` (float32), equal shapes on every rank."""
-    m, r = torch.from_numpy(meta), torch.from_numpy(rows)
+def _on_gpus(device: str) -> bool:
+    """Whether a job computing on ``device`` exchanges on its GPUs over NCCL: every rank
+    computes on its own GPU (asked of the ranks once per device, over gloo: a node without one
+    sends everyone to host memory)."""
+    if device not in _agreed:
+        mine = _gpu is not None and device.partition(":")[0] == "cuda"  # not MLX's "gpu"
+        mine = mine and torch.device(device).index in (None, _gpu.index)
+        _agreed[device] = not any_of(not mine)
+    return _agreed[device]
+
+
+def gather_rows(meta: np.ndarray, rows: np.ndarray, world: int, device: str = "cpu"):
+    """Every rank's ``meta`` (float64) and ``rows`` (float32), equal shapes on every rank;
+    ``device``: where the job computes (``cuda`` on every rank: the exchange is NCCL's)."""
+    on = _gpu if _on_gpus(device) else torch.device("cpu")
+    m, r = torch.from_numpy(meta).to(on), torch.from_numpy(rows).to(on)
     metas = [torch.empty_like(m) for _ in range(world)]
     all_rows = [torch.empty_like(r) for _ in range(world)]
     dist.all_gather(metas, m)
     dist.all_gather(all_rows, r)
-    return [x.numpy() for x in metas], [x.numpy() for x in all_rows]
+    return [x.cpu().numpy() for x in metas], [x.cpu().numpy() for x in all_rows]
 
 
 def collect(value, world: int) -> list:

@@ -1,0 +1,81 @@
+"""The process group's engine-free parts: which launcher started a rank, a failed collective as
+``GroupLost``'s one line, and the watchdog that bounds a collective that never returns (MLX's
+ring waits forever for a peer that stopped answering). The exchanges themselves run in
+tests/func/test_procs.py and test_procs_mlx.py, across real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from spill.errors import EXIT_PREEMPTED, UsageError
+from spill.jobs import group
+from spill.jobs.launch import launch
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, None),
+        ({"WORLD_SIZE": "1", "RANK": "0"}, None),  # torchrun --nproc-per-node 1
+        ({"WORLD_SIZE": "2", "RANK": "1"}, "torchrun"),
+        ({"MLX_RANK": "0", "MLX_HOSTFILE": "/tmp/x"}, "mlx.launch"),
+    ],
+)
+def test_the_launcher_is_read_from_the_environment(monkeypatch, env, want):
+    for name in (*group.ENV, group.MLX_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert group.launcher() == want
+
+
+def test_procs_inside_mlx_launch_is_refused(monkeypatch):
+    monkeypatch.setenv("MLX_RANK", "0")
+    with pytest.raises(UsageError, match="--procs inside mlx.launch: mlx.launch already started"):
+        launch(2, ["tune", "m", "t.jsonl", "--procs", "2"])
+
+
+class _Broken:
+    @staticmethod
+    def any_of(flag):
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+
+def test_a_failed_collective_is_group_lost_in_one_line():
+    g = group.Group(rank=1, world=2, exchange=_Broken)
+    with pytest.raises(group.GroupLost) as e:
+        g.stop_wanted(False)
+    assert e.value.exit_code == EXIT_PREEMPTED
+    assert str(e.value).startswith(
+        "rank 1: another process of this job is gone (connection to a peer was lost); "
+        "nothing half-published"
+    )
+
+
+def test_the_watchdog_ends_a_collective_that_never_returns():
+    """A real process whose collective sleeps forever: the watchdog says the line and exits 75."""
+    code = textwrap.dedent(
+        """
+        import time
+        from spill.jobs import group
+
+        class Hung:
+            @staticmethod
+            def any_of(flag):
+                time.sleep(3600)
+
+        g = group.Group(rank=0, world=2, exchange=Hung, watchdog=group.Watchdog(0, 0.5))
+        g.stop_wanted(False)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+    )  # fmt: skip
+    assert done.returncode == EXIT_PREEMPTED, done.stderr
+    assert done.stderr.strip().startswith(
+        "spill: error: rank 0: another process of this job is gone (no answer in 0.5 s)"
+    )
