@@ -37,14 +37,6 @@ class Range:
     tensors: list[tuple[int, int, str, dict]]  # (start, end) relative to the range, name, header
 
 
-def _will_need(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to read the whole range now: pages not cached are then fetched in large
-    requests at once, not a readahead window (128 KiB) at a time as the copy or the mapping
-    touches them. Nothing where the pages are cached already."""
-    if hasattr(os, "posix_fadvise"):  # not on macOS
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-
-
 class ShardFiles:
     """Open shards of one model folder and ``pread`` into caller-owned buffers."""
 
@@ -87,7 +79,6 @@ class ShardFiles:
         at once): no copy. The mapping lives exactly as long as the last view of it, so a
         streamed layer weighs in RSS only while a ring slot holds it."""
         lo = r.start - r.start % mmap.ALLOCATIONGRANULARITY
-        _will_need(r.fd, r.start, r.nbytes)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         m = mmap.mmap(r.fd, r.nbytes + r.start - lo, flags=flags, prot=mmap.PROT_READ, offset=lo)
         with self._lock:
@@ -100,7 +91,6 @@ class ShardFiles:
         views = [memoryview(b).cast("B") for b in buffers if b.nbytes]
         with self._lock:
             self.bytes_read += sum(len(v) for v in views)
-        _will_need(fd, offset, sum(len(v) for v in views))
         done = 0
         while views:
             n = os.preadv(fd, views, offset + done)
