@@ -3,9 +3,8 @@ alternate within each round; ratios are printed; nothing here asserts a time.
 
     python bench/quant.py bytes|generate|qlora|mlx|quality|float-rss [--rounds 1] [--json OUT]
 
-Models live in this bench's own ``SPILL_HOME`` (``--home``): ``spill models import
-smollm2:135m --dequantize`` (float, ``smollm2:135m@f32``), ``spill models import smollm2:135m`` (``smollm2:135m@q4_1``) and ``spill models
-quantize smollm2:135m --bits 4 --group-size 64`` (``@q4g64``), each made on first use.
+Models live in this bench's own ``SPILL_HOME`` (``--home``), made on first use: the float
+import (``--dequantize``, ``@f32``), the kept GGUF (``@q4_1``) and a 4-bit g64 copy (``@q4g64``).
 
 * ``bytes``: one scoring pass (4 x 128 tokens) of SmolLM2, ``--ring 2``, float32 compute, the
   float import vs ``@q4_1``: bytes the runner's reader took from the files during the pass
@@ -31,8 +30,7 @@ quantize smollm2:135m --bits 4 --group-size 64`` (``@q4g64``), each made on firs
 * ``float-rss``: ``bench/tune.py``'s ``peft f32`` and ``spill ring2 f32`` sides (ring-2 float
   tune peak RSS vs PEFT), called rather than copied.
 
-``--json`` merges each subcommand's result into the file under its name, so the subcommands can
-run one at a time into one report.
+``--json`` merges each subcommand's result into the file under its name (one report).
 """
 
 from __future__ import annotations
