@@ -25,7 +25,11 @@ Array = Any  # an engine's array (torch.Tensor, mx.array)
 # while training with dropout, the dropout applied to the adapter's float32 input.
 LayerLora = dict[str, tuple]
 Sampler = Callable[[np.ndarray, float, float], int]  # (float32 logits (V,), temperature, top_p)
-LOGIT_ROWS = 1024  # lm_head runs on chunks of this many rows: never (N, vocab) at once
+# lm_head runs on chunks of this many rows, never (N, vocab) at once: each float32 temporary of a
+# chunk (logits, log-softmax, their gradient) is 50 MB at SmolLM2's 49152 tokens (was 1024 rows:
+# a 4 x 128 micro-batch's head took ~300 MB on top of the recompute's kept outputs). Every walk
+# chunks alike, so the exactness between walks holds whatever the BLAS does per chunk.
+LOGIT_ROWS = 256
 
 
 class Kernel(Protocol):
