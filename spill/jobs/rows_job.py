@@ -130,13 +130,14 @@ class Outcome:
 
 
 def write_jsonl(path: Path, records: Sequence[Record]) -> None:
-    """The whole file at once through the store's atomic write: never half-written."""
+    """The whole file at once through the store's atomic write (never half-written), or into a
+    FIFO or character device as it is (``spill.store.fs.put_output``)."""
     import json
 
-    from spill.store.fs import put_bytes
+    from spill.store.fs import put_output
 
     data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
-    put_bytes(str(path), data.encode("utf-8"))
+    put_output(str(path), data.encode("utf-8"))
 
 
 def job_inputs(input_path: Path, model: str, adapter: Path | None = None) -> list[tuple[Path, str]]:

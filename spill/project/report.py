@@ -12,7 +12,6 @@ imports an engine, numpy or Hydra.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -156,21 +155,27 @@ def gather(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     }
 
 
+def target(root: Path | str, out: Path | str | None = None) -> Path:
+    """Where the page goes: ``out`` (a folder: ``report.html`` in it), else ``<root>/report.html``."""
+    path = Path(out) if out is not None else Path(root).resolve() / FILE
+    return path / FILE if path.is_dir() else path
+
+
 def write(root: Path | str, state_root: str | None = None, out: Path | str | None = None) -> dict:
-    """Gather the report and write its page to ``out`` (default ``<root>/report.html``) through
-    a temp file and a rename; returns the gathered report with ``path`` added."""
+    """Gather the report and write its page to ``target(root, out)`` through the store's atomic
+    write (a FIFO or character device: into it); returns the gathered report with ``path``."""
     from spill.project.report_html import page
+    from spill.store.fs import put_output
 
     report = gather(root, state_root)
-    path = Path(out) if out is not None else Path(root).resolve() / FILE
-    if path.is_dir():
-        path = path / FILE
+    path = target(root, out)
     text = page(report)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise StoreError(f"cannot write {path} ({e.strerror}); give -o a writable file") from None
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"no folder {path.parent}")
+        put_output(str(path), text.encode("utf-8"))
+    except (OSError, StoreError) as e:
+        cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
+        why = getattr(cause, "strerror", None) or str(cause)
+        raise StoreError(f"cannot write {path} ({why}); give -o a writable file") from None
     return {**report, "path": str(path)}

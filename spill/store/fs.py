@@ -6,6 +6,9 @@ go through ``os`` (no fsspec), the rest through fsspec, imported lazily, with ea
 endpoints and credentials. ``put_bytes`` is atomic: locally a ``.<name>.tmp-<random>`` beside
 the target, fsynced, renamed over it, the folder fsynced; on an object store one put. Temporary
 names are recognisable (``is_temp``), so the next write removes those a killed writer left.
+A rename replaces only a regular file (or a link): a FIFO, a device or a folder in the way is
+refused, never replaced. ``put_output`` writes a file a person named (``--out``): into a FIFO or
+a character device directly (a pipe, ``/dev/stdout``), through a link to its target.
 Listings are never served from fsspec's cache: another process may have written since.
 """
 
@@ -19,6 +22,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import PurePosixPath
+from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISLNK, S_ISREG, S_ISSOCK
 
 from spill.errors import StoreError
 from spill.store import drill
@@ -88,9 +92,12 @@ def _errors(uri: str, verb: str) -> Iterator[None]:
     except (FileNotFoundError, StoreError):
         raise
     except catch as e:
-        raise StoreError(
-            f"{uri}: cannot {verb} ({type(e).__name__}: {e}); check the location and its credentials"
-        ) from e
+        check = (
+            "the path, its permissions and the free space there"
+            if catch is OSError
+            else "the location and its credentials"
+        )
+        raise StoreError(f"{uri}: cannot {verb} ({type(e).__name__}: {e}); check {check}") from e
 
 
 def fsync(path: str | os.PathLike) -> None:  # a file or a folder, by its path
@@ -116,7 +123,23 @@ def _makedirs_durable(path: str) -> None:
         fsync(os.path.dirname(d))
 
 
+def kind_of(path: str) -> str | None:
+    """What ``path`` names when it is not a regular file, a link or missing: ``"a folder"``,
+    ``"a FIFO"``, ``"a character device"``, ... (a rename must not replace it), else None."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if S_ISREG(mode) or S_ISLNK(mode):
+        return None
+    kinds = ((S_ISDIR, "a folder"), (S_ISFIFO, "a FIFO"), (S_ISCHR, "a character device"))
+    kinds += ((S_ISBLK, "a block device"), (S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
+
+
 def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
+    if what := kind_of(path):
+        raise StoreError(f"{path} is {what}, not a file; spill replaces only regular files")
     parent = os.path.dirname(os.path.abspath(path))
     _makedirs_durable(parent)
     tmp = os.path.join(parent, f".{os.path.basename(path)}{_TMP}{uuid.uuid4().hex[:12]}")
@@ -150,6 +173,26 @@ def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> N
     with _errors(uri, "write"):
         fs.pipe_file(path, data)
         fs.invalidate_cache(path)
+
+
+STREAMS = ("a FIFO", "a character device")  # written into as they are, never replaced
+
+
+def put_output(uri: str | os.PathLike, data: bytes) -> None:
+    """Write a file a person named: a new or regular file (through a link, to its target)
+    atomically as ``put_bytes``; a FIFO or a character device (a pipe, ``/dev/stdout``,
+    ``/dev/null``) straight into it; anything else refused in one line."""
+    uri = location(uri)
+    if not uri.local:
+        return put_bytes(uri, data)
+    path = os.path.realpath(uri.path)
+    what = kind_of(path)
+    with _errors(uri, "write"):
+        if what not in STREAMS:
+            return _put_local(path, data)  # refuses a folder, a block device, a socket
+        fd = os.open(path, os.O_WRONLY)  # no O_CREAT: a node that vanished is not made a file
+        with open(fd, "wb") as f:
+            f.write(data)
 
 
 def put_fresh(uri: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> None:

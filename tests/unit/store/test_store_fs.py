@@ -71,3 +71,61 @@ def test_helpers():
     assert fs.join("s3://b/p/", "payloads", "ckpt-g1-s1-0") == "s3://b/p/payloads/ckpt-g1-s1-0"
     assert fs.is_local("/tmp/x") and fs.is_local("file:///tmp/x") and not fs.is_local("memory://x")
     assert fs.is_temp(".COMMIT.tmp-0123abcd") and not fs.is_temp("COMMIT")
+
+
+def _node(path, kind: str) -> None:
+    """A FIFO, a folder or a device node made in the test's own folder (never under /dev)."""
+    import stat
+
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        os.mkdir(path)
+    else:  # a character device like /dev/null (1, 3): needs root (CAP_MKNOD)
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("making a device node needs root")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "chardev"])
+def test_a_rename_never_replaces_what_is_not_a_regular_file(tmp_path, kind):
+    import stat
+
+    target = tmp_path / "node"
+    _node(target, kind)
+    before = os.lstat(target)
+    with pytest.raises(StoreError, match="not a file; spill replaces only regular files"):
+        fs.put_bytes(str(target), b"data")
+    after = os.lstat(target)
+    assert stat.S_IFMT(after.st_mode) == stat.S_IFMT(before.st_mode)
+    assert after.st_ino == before.st_ino
+    assert os.listdir(tmp_path) == ["node"]  # no temporary left beside it
+
+
+def test_an_output_is_written_into_a_fifo_and_a_character_device(tmp_path):
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    fs.put_output(str(fifo), b"line 1\nline 2\n")
+    reader.join(timeout=30)
+    assert got == [b"line 1\nline 2\n"] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    null = tmp_path / "null"
+    _node(null, "chardev")
+    fs.put_output(str(null), b"gone")
+    assert stat.S_ISCHR(os.lstat(null).st_mode) and sorted(os.listdir(tmp_path)) == ["null", "pipe"]
+
+
+def test_an_output_through_a_link_replaces_its_target_and_keeps_the_link(tmp_path):
+    (tmp_path / "real.jsonl").write_bytes(b"old")
+    os.symlink("real.jsonl", tmp_path / "link.jsonl")
+    fs.put_output(str(tmp_path / "link.jsonl"), b"new")
+    assert os.readlink(tmp_path / "link.jsonl") == "real.jsonl"
+    assert (tmp_path / "real.jsonl").read_bytes() == b"new"
+    with pytest.raises(StoreError, match="is a folder, not a file"):
+        fs.put_output(str(tmp_path), b"x")
