@@ -52,6 +52,63 @@ class Spec:
         return shape[0], shape[1] // self.group_size
 
 
+FLOAT_CODES = ("F32", "F16", "BF16")  # what scales and biases may be stored as
+Found = tuple[str, dict] | None  # (the file, its safetensors header entry), None: absent
+_AGAIN = "the file is damaged or not this config's: quantize, import or fetch the model again"
+
+
+def check_packed(module: str, spec: Spec, shape: tuple[int, int], found: Mapping[str, Found]):
+    """Refuse ``module`` unless its weight, scales and biases (``found``, by part) are one packed
+    linear of float shape ``shape`` (out, in): weight U32 ``spec.packed_shape``, scales and
+    biases float ``spec.group_shape``. One line naming the file and tensor: a float weight
+    beside its own scales and biases is two forms of one module, never silently one of them."""
+    for part in ("weight", "scales", "biases"):
+        if found.get(part) is None:
+            there = next(f for f in found.values() if f is not None)[0]
+            raise ModelError(
+                f"{there}: {module}.{part} is missing beside its module's other packed tensors; "
+                f"{_AGAIN}"
+            )
+    where, info = found["weight"]
+    if info["dtype"] != "U32":
+        raise ModelError(
+            f"{where}: {module}.weight is {info['dtype']} beside its own scales and biases; a "
+            "module is either float (a weight alone) or packed (a U32 weight, scales and "
+            f"biases), not both: {_AGAIN}"
+        )
+    want = {"weight": spec.packed_shape(shape)} | dict.fromkeys(
+        ("scales", "biases"), spec.group_shape(shape)
+    )
+    for part, (where, info) in ((p, found[p]) for p in ("weight", "scales", "biases")):
+        if part != "weight" and info["dtype"] not in FLOAT_CODES:
+            raise ModelError(
+                f"{where}: {module}.{part} is {info['dtype']}; scales and biases are "
+                f"{'/'.join(FLOAT_CODES)}: {_AGAIN}"
+            )
+        if tuple(info["shape"]) != want[part]:
+            raise ModelError(
+                f"{where}: {module}.{part} is {list(info['shape'])}, where {spec.bits}-bit groups "
+                f"of {spec.group_size} over the {list(shape)} linear of config.json make "
+                f"{list(want[part])}; {_AGAIN}"
+            )
+
+
+def finite(a: np.ndarray) -> bool:
+    """Whether every value of ``a`` (float32, float16, or bfloat16 as its uint16 bits) is
+    finite; a bf16's exponent bits all set is inf or NaN."""
+    if a.dtype == np.uint16:
+        return not ((a & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()
+    return bool(np.isfinite(a).all())
+
+
+def not_finite(where, name: str) -> ModelError:
+    """The refusal of a tensor holding inf or NaN (the reader found it as it loaded)."""
+    return ModelError(
+        f"{where}: {name} holds NaN or inf, so every output computed from it would too; the "
+        "model's weights are damaged: quantize, import or fetch it again"
+    )
+
+
 def spec_of(group) -> Spec | None:
     """The spec a settings group asks for (``quantize`` and ``group_size`` of
     ``spill.settings.ModelSettings``); None: the float weights, or a group without them."""

@@ -16,8 +16,9 @@ import numpy as np
 from spill.engines.base import AdamW, GenerateParams, LoadOptions, ModelSpec, Stats, TrainBatch
 from spill.engines.core.ring import EXPANDED
 from spill.errors import EngineError, ModelError
-from spill.models.config import ModelConfig
+from spill.models.config import LINEARS, ModelConfig
 from spill.models.lora import LoraConfig, module_shape, param_names
+from spill.models.quant import Spec, check_packed
 from spill.models.weights import WeightFiles
 
 # -- opening: the ring plan and the checks on the weights -------------------------------------
@@ -99,16 +100,58 @@ def plan_model_ring(
     return RingPlan(slots, False, False, packed_bytes, float_bytes)
 
 
-def check_layers(model: ModelSpec, keys: Sequence[str], has: Callable[[str], bool]) -> None:
-    """Fail at open, by name, rather than when the ring first reaches a missing tensor."""
-    cfg = model.config
-    names = [f"model.layers.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in keys]
-    missing = [n for n in names if not has(n)]
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model reads but lm_head, by name, with the shape config.json gives it (a
+    packed linear's float shape, (out, in)), decoder layers first."""
+    h = cfg.hidden_size
+    norms = ("input_layernorm.weight", "post_attention_layernorm.weight")
+    per_layer: dict[str, tuple[int, ...]] = dict.fromkeys(norms, (h,))
+    for m in LINEARS:
+        fan_in, fan_out = module_shape(cfg, m.rsplit(".", 1)[1])
+        per_layer |= {f"{m}.weight": (fan_out, fan_in), f"{m}.bias": (fan_out,)}
+    keys = cfg.layer_keys()
+    shapes = {
+        f"model.layers.{i}.{k}": per_layer[k] for i in range(cfg.num_hidden_layers) for k in keys
+    }
+    return shapes | {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+
+
+def check_layers(model: ModelSpec, files: WeightFiles) -> None:
+    """Fail at open, by name, before any tensor is read or a buffer sized: every tensor the model
+    reads exists with the shape config.json gives it, and each packed linear is one packed form
+    whose weight, scales and biases fit it (``quant.check_packed``)."""
+    cfg, have = model.config, files.tensor_shard
+    shapes = weight_shapes(cfg)
+    if not cfg.tie_word_embeddings and "lm_head.weight" in have:  # else the embedding is the head
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    missing = [n for n in shapes if n not in have]
     if missing:
         raise ModelError(
             f"{model.folder}: tensor {missing[0]!r} is missing ({len(missing)} in all); "
             "fetch the model again"
         )
+    for name, shape in shapes.items():
+        module = name.removesuffix(".weight")
+        parts = {p: f"{module}.{p}" for p in ("weight", "scales", "biases")}
+        if module != name and (parts["scales"] in have or parts["biases"] in have):
+            if not cfg.quantization:
+                raise ModelError(
+                    f"{files.folder / 'config.json'}: {module} is quantized but config.json has "
+                    "no quantization; re-import or re-quantize the model"
+                )
+            found = {
+                p: (str(files.folder / have[n]), files.tensor_info(n)) if n in have else None
+                for p, n in parts.items()
+            }
+            check_packed(module, Spec(*cfg.quant_spec(module)), shape, found)
+            continue
+        actual = tuple(files.tensor_info(name)["shape"])
+        if actual != shape:
+            raise ModelError(
+                f"{files.folder / have[name]}: {name} is {list(actual)}, where config.json makes "
+                f"it {list(shape)}; the file is damaged or not this config's: fetch, import or "
+                "quantize the model again"
+            )
 
 
 def tensor_spans(
@@ -279,31 +322,3 @@ def left_pad(rows: Sequence[np.ndarray], length: int) -> tuple[np.ndarray, np.nd
             ids[r, length - n :] = np.asarray(row, dtype=np.int64)
             valid[r, length - n :] = True
     return ids, valid
-
-
-def score_rows(
-    prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
-) -> tuple[list[np.ndarray], int, np.ndarray, np.ndarray]:
-    """(rows, width, rr, tt): each prompt + completion as one int64 row, the padded width, and
-    the (row, position) of each hidden state that predicts a completion token, in order (the
-    hidden state at position j predicts token j + 1)."""
-    rows = [
-        np.concatenate([np.asarray(p), np.asarray(c)]).astype(np.int64)
-        for p, c in zip(prompts, completions, strict=True)
-    ]
-    width = max(len(r) for r in rows)
-    where_r, where_t = [], []
-    for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        first = width - len(rows[r]) + len(p)  # position of the first completion token
-        where_r += [r] * len(c)
-        where_t += range(first - 1, first - 1 + len(c))
-    return rows, width, np.asarray(where_r, np.int64), np.asarray(where_t, np.int64)
-
-
-def split_scores(picked: np.ndarray, completions: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """The flat log-probs of all completion tokens, split back into one array per row."""
-    out, at = [], 0
-    for c in completions:
-        out.append(picked[at : at + len(c)].copy())
-        at += len(c)
-    return out

@@ -1,10 +1,11 @@
 """Opening a model on an engine: the decisions every engine makes, in one order, once.
 
-The engine places the model (device, numerics and why, a weight reader: ``Backend.place``);
-the core plans the ring from the memory budget (``common.plan_model_ring``; a quantized
-layer's slot is sized by its packed bytes, ``models.weights.layer_bytes``), checks that every
-layer's tensors exist before any is read, builds the ring with the engine's hooks, and lets the
-engine read the resident parts into its kernel. Embeddings, the final norm and lm_head are
+The core first checks that every tensor the model reads exists with the shape config.json
+gives it (a packed linear's weight, scales and biases included: ``common.check_layers``), before
+any is read. The engine places the model (device, numerics and why, a weight reader:
+``Backend.place``); the core plans the ring from the memory budget (``common.plan_model_ring``;
+a quantized layer's slot is sized by its packed bytes, ``models.weights.layer_bytes``), builds
+the ring with the engine's hooks, and lets the engine read the resident parts into its kernel. Embeddings, the final norm and lm_head are
 always resident; decoder layers stream.
 """
 
@@ -101,17 +102,17 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
             "yet: use --engine torch, or the float copy (`spill models import ... --dequantize`, "
             "smollm2:135m@f32)"
         )
+    files = weight_files(model.folder)
+    check_layers(model, files)  # before the engine places it (the int4 kernel's file reads it)
     place = engine.place(cfg, model.folder, options)
     layers = cfg.num_hidden_layers
     packed = compute = None
     if cfg.quantization and place.expands:
-        files = weight_files(model.folder)
         packed = layer_bytes(cfg, files, place.itemsize)
         if place.computes_packed is not None:
             compute = layer_bytes(cfg, files, place.itemsize, place.computes_packed)
     plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
     keys = cfg.layer_keys()
-    check_layers(model, keys, place.reader.has)
     stats = Stats()
     hooks = engine.hooks(place, plan.resident or plan.held)  # held layers: read, never mapped
     loader = layer_loader(place.reader, keys)
