@@ -15,6 +15,8 @@ into an ``ops.Packed`` under the weight's name, and the families multiply it wit
 ``ops``). mlx's kernels take groups of 32, 64 and 128 only, so a group-16 tensor
 (GGUF Q6_K) is dequantized on load, ``scale * q + bias`` in float32 as ``models.quant`` and the
 torch engine compute it, then held in the compute dtype (``dequantized`` names them).
+Every load refuses scales, biases and 1-D tensors (norms, linear biases) that hold inf or NaN,
+as the torch engine's reader does.
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ class WeightReader:
             self._shards.pread(r.fd, [buf], r.start, r.shard)
             for lo, hi, name, info in r.tensors:
                 raw[name] = buf[lo:hi].copy().view(_PACKED[info["dtype"]]).reshape(info["shape"])
+                if not name.endswith(".weight"):  # scales, biases: small, checked every load
+                    self._check_finite(name, raw[name])
         out = {}
         for name, m in zip(names, modules, strict=True):
             bits, group = self.quantized[name]
@@ -175,10 +179,16 @@ class WeightReader:
                     if self._converted.nbytes < need:
                         self._converted = np.empty(need, dtype=np.uint8)
                     data = _convert(raw[lo:hi], info["dtype"], bf16, self._converted)
+                    if len(info["shape"]) == 1:  # norms, biases: small, checked every load
+                        self._check_finite(name, data)
                     # mx.array copies out of the staging buffers, into memory MLX's allocator
                     # recycles from released slots (no fresh pages, no page faults)
                     out[name] = mx.array(data.reshape(info["shape"]))
         return out
+
+    def _check_finite(self, name: str, a: np.ndarray) -> None:
+        if not quant.finite(a):
+            raise quant.not_finite(self.files.folder / self.files.tensor_shard[name], name)
 
     def close(self) -> None:
         self._shards.close()

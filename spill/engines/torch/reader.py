@@ -14,6 +14,9 @@ gives CUDA a side stream, so layer copies overlap compute on the default stream.
 buffer, on the device), so a ring slot holds the packed bytes; ``TorchHooks.expand`` dequantizes
 a layer into the compute dtype (on the ring's prefetch thread, see ``core.ring``) into tensors
 recycled from an earlier use. ``tensor`` (the kernel's resident parts) dequantizes at once.
+Every load refuses scales, biases and 1-D tensors (norms, linear biases) holding inf or NaN:
+they are small, so one reduction a load costs little beside the read (measured in
+docs/quantized.md); a float model's large matrices are not checked here.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from spill.engines.core.reader import ShardFiles
 from spill.engines.core.ring import Hooks
 from spill.engines.torch import int4, int4_file
 from spill.engines.torch.quant import Packed, dequantize
+from spill.models.quant import not_finite
 from spill.models.weights import WeightFiles
 
 MAPPED = "_spill_mapped"  # set on a tensor that views a mapped file: read-only, never pooled
@@ -195,7 +199,20 @@ class WeightReader:
             weight, buf = raw[f"{m}.weight"]
             scales, biases = raw[f"{m}.scales"][0], raw[f"{m}.biases"][0]
             out[name] = Packed(weight, scales, biases, bits, group, buf)
+        self._check_finite({n: t for n, (t, _) in raw.items() if not n.endswith(".weight")})
         return out
+
+    def _check_finite(self, tensors: dict[str, torch.Tensor], files: WeightFiles | None = None):
+        """Refuse a load whose small tensors (scales, biases, norms: a fraction of its bytes)
+        hold inf or NaN, before anything computes on them; one reduction and one sync a load."""
+        if not tensors:
+            return
+        ok = torch.stack([torch.isfinite(t).all() for t in tensors.values()])
+        if bool(ok.all()):
+            return
+        name = next(n for n, good in zip(tensors, ok.tolist(), strict=True) if not good)
+        files = files or self.files
+        raise not_finite(files.folder / files.tensor_shard[name], name)
 
     def _kernel(self, names) -> dict[str, int4.Int4Weight]:
         """4-bit weights in the int4 kernel's layout, from its file (``int4_file``)."""
@@ -207,6 +224,8 @@ class WeightReader:
             words, buf = raw[f"{m}.{int4_file.WORDS}"]
             scale_zero = raw[f"{m}.{int4_file.SCALE_ZERO}"][0]
             out[name] = int4.Int4Weight(words, scale_zero, self.quantized[name][1], buf)
+        zeros = {n: t for n, (t, _) in raw.items() if n.endswith(int4_file.SCALE_ZERO)}
+        self._check_finite(zeros, self._kernel_files.files)
         return out
 
     def _floats(self, names) -> dict[str, torch.Tensor]:
@@ -247,6 +266,7 @@ class WeightReader:
                         raw = self._staging[: hi - lo]
                         pread(r.fd, [raw.numpy()], r.start + lo, r.shard)
                         out[name] = self._output(tuple(info["shape"])).copy_(_as(raw, info))
+        self._check_finite({n: t for n, t in out.items() if t.dim() == 1})  # norms, biases
         return out
 
     def close(self) -> None:
