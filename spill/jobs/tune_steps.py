@@ -9,6 +9,7 @@ thread count equal). ``follow`` is the whole job on a rank other than 0.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,7 +51,18 @@ class Steps:
 
     def gradients(self, step: int) -> float:
         """Accumulate step ``step``'s gradients; returns its loss (summed over micro-batches in
-        index order)."""
+        index order). A loss that is not finite stops the job here, on every rank alike, before
+        the step changes anything: its gradients would make the adapter NaN for good."""
+        loss = self._gradients(step)
+        if not math.isfinite(loss):
+            raise SpillError(
+                f"step {step + 1} of {self.tune.steps}: the loss is {loss}; the step is not "
+                "applied and nothing of it is committed (the newest checkpoint stays current): "
+                "lower --lr, or check the model's weights and the training data"
+            )
+        return loss
+
+    def _gradients(self, step: int) -> float:
         t, g = self.tune, self.group
         batches = [
             micro_batch_at(
