@@ -295,6 +295,25 @@ def test_an_out_that_is_an_input_is_a_usage_error(llama_state, tiny_models, wher
     assert not (adapter / "merged").exists()
 
 
+@pytest.mark.parametrize("name", ["tiny-llama-9-2x64", "smollm2-135m-q4_1", "link"])
+def test_an_out_inside_spill_home_is_a_usage_error(llama_state, spill_home, tmp_path, name):
+    """A new name under SPILL_HOME/models would become that model for every later run (issue
+    35, item 6); a link leading there is the same place."""
+    models = spill_home / "models"
+    models.mkdir(exist_ok=True)
+    out = models / name
+    if name == "link":
+        (tmp_path / "alias").symlink_to(models)
+        out = tmp_path / "alias" / "fresh-name"
+    before = sorted(models.rglob("*"))
+    proc = _spill("export", str(llama_state), str(out), "--format", "gguf")
+    assert proc.returncode == 2
+    line = _one_line(proc)
+    assert line.startswith("spill: error: ") and "inside SPILL_HOME" in line, line
+    assert str(out) in line and "export elsewhere" in line
+    assert sorted(models.rglob("*")) == before == []  # nothing written where models are found
+
+
 def test_an_out_that_exists_an_unfinished_tune_and_a_bad_option_are_refused(llama_state, tmp_path):
     full = tmp_path / "full"
     full.mkdir()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from spill.errors import SpillError, UsageError
 from spill.hashing import file_sha256
+from spill.paths import spill_home
 from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
 from spill.store.fs import fsync, remove_stale, same_file
 from spill.validate import validate
@@ -49,7 +50,14 @@ def _inside(a: Path, b: Path) -> bool:
 
 
 def refuse_out(out: Path, inputs: Inputs) -> None:
-    """A usage error when OUT is, holds or lies inside an input; a user error when it exists."""
+    """A usage error when OUT is, holds or lies inside an input or SPILL_HOME (a folder under
+    ``models/`` would become the model of that name); a user error when it exists."""
+    home = spill_home()
+    if _inside(out, home):
+        raise UsageError(
+            f"OUT {out} lies inside SPILL_HOME ({home.resolve()}), spill's own folder; "
+            "export elsewhere"
+        )
     for folder, what in (
         (inputs.base_folder, "the base model folder"),
         (inputs.adapter_dir, "the adapter folder"),
