@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import uuid
@@ -33,7 +34,7 @@ import numpy as np
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.hashing import file_sha256
 from spill.models import gguf_quant
-from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
+from spill.models.gguf_reader import GGUFFile, TensorInfo, Unread, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
 from spill.store.fs import fsync, remove_stale
@@ -106,7 +107,10 @@ def import_gguf(
     gguf = read_gguf(path)
     config, tokenizer_config, generation = _configs(gguf)
     plan = _tensor_plan(gguf, config)
-    tokenizer = tokenizer_json(gguf.metadata, tokenizer_config)
+    try:
+        tokenizer = tokenizer_json(gguf.metadata, tokenizer_config)
+    except ModelError as e:  # its lines name no file
+        raise type(e)(f"{path}: {e}") from None
     how = "quantization kept exactly" if keep_quantization else "dequantized exactly"
     say(f"importing {path.name}: {len(plan)} tensors, {how}")
 
@@ -140,7 +144,7 @@ def import_gguf(
             "file": path.name,
             "size": gguf.size,
             "sha256": file_sha256(path),
-            "gguf_name": gguf.metadata.get("general.name"),
+            "gguf_name": _value(gguf, "general.name", str, None),
             "dtype_rule": gguf_quant.DTYPE_RULE if specs else DTYPE_RULE,
             "dtypes": dict(sorted(Counter(r["dtype"] for r in record.values()).items())),
             "tensors": record,
@@ -170,10 +174,51 @@ def import_gguf(
     return dest
 
 
+_NEED = object()
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _value(gguf: GGUFFile, key: str, kind: type, default=_NEED, least: float | None = None):
+    """The metadata value ``key`` of type ``kind`` (``least`` or more), ``default`` when absent;
+    a missing required key or a value of another type is one line naming the file and the key."""
+    meta = gguf.metadata
+    if key not in meta:
+        if default is _NEED:
+            raise ModelError(f"{gguf.path}: GGUF metadata lacks '{key}'; re-convert the model")
+        return default
+    v = meta[key]
+    if kind is float:
+        ok = type(v) in (int, float) and math.isfinite(v)
+    else:
+        ok = type(v) is kind
+    if not ok or (least is not None and v < least):
+        shown = f"an array of {v.count}" if isinstance(v, Unread) else repr(v)[:40]
+        want = _KINDS[kind] + (f" of at least {least}" if least is not None else "")
+        raise ModelError(
+            f"{gguf.path}: GGUF metadata '{key}' is {shown}, not {want}; the file is damaged or "
+            "not a model: re-convert it or fetch it again"
+        )
+    return v
+
+
+def _strings(gguf: GGUFFile, key: str, kind: type, required: bool) -> list | None:
+    """A kept metadata array whose elements are all ``kind`` (str or int), else one line."""
+    v = gguf.metadata.get(key)
+    if v is None and not required:
+        return None
+    if not isinstance(v, list) or not v or type(v[0]) is not kind:  # GGUF arrays are uniform
+        shown = "missing" if v is None else f"{type(v).__name__} {repr(v)[:40]}"
+        raise ModelError(
+            f"{gguf.path}: GGUF metadata '{key}' is {shown}, not a list of {kind.__name__}s; "
+            "the file is damaged or not a model: re-convert it or fetch it again"
+        )
+    return v
+
+
 def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     """config.json, tokenizer_config.json and generation_config.json from the GGUF metadata."""
-    meta, where = gguf.metadata, gguf.path.name
-    arch = meta.get("general.architecture")
+    meta, where = gguf.metadata, str(gguf.path)
+    arch = _value(gguf, "general.architecture", str, None)
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(
             f"{where}: GGUF architecture {arch!r} is not supported; spill imports "
@@ -186,46 +231,62 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     ):
         raise UnsupportedModel(f"{where}: GGUF rope scaling is not supported; use the HF model")
 
-    def need(key: str):
-        if f"{arch}.{key}" not in meta:
-            raise ModelError(f"{where}: GGUF metadata lacks '{arch}.{key}'; re-convert the model")
-        return meta[f"{arch}.{key}"]
+    def need(key: str, kind: type = int, least: float | None = 1):
+        return _value(gguf, f"{arch}.{key}", kind, least=least)
 
-    def get(key: str, default):
-        return meta.get(f"{arch}.{key}", default)
+    def get(key: str, default, kind: type = int, least: float | None = 1):
+        return _value(gguf, f"{arch}.{key}", kind, default, least)
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    if int(get("attention.value_length", head_dim)) != head_dim:
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    kv_heads = get("attention.head_count_kv", heads)
+    if hidden % heads and f"{arch}.attention.key_length" not in meta:
+        raise ModelError(
+            f"{where}: {heads} heads do not divide embedding_length {hidden} and no key_length "
+            "is given; re-convert the model"
+        )
+    head_dim = get("attention.key_length", hidden // heads)
+    if head_dim % 2 or heads % kv_heads:
+        raise ModelError(
+            f"{where}: head size {head_dim} (odd) or {heads} heads over {kv_heads} key/value "
+            "heads (not a multiple) cannot be a Llama or Qwen2; re-convert the model"
+        )
+    if get("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModel(f"{where}: different key and value head sizes are not supported")
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
+    if get("rope.dimension_count", head_dim) != head_dim:
         raise UnsupportedModel(f"{where}: partial rotary embeddings are not supported")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise ModelError(f"{where}: GGUF metadata lacks 'tokenizer.ggml.tokens'; re-convert it")
+    layers = need("block_count")
+    found = {t.name.split(".")[1] for t in gguf.tensors if t.name.startswith("blk.")}
+    if len(found) != layers or found != {str(i) for i in range(layers)}:  # sized by the file
+        raise ModelError(
+            f"{where}: GGUF metadata says block_count {layers} but the file holds tensors of "
+            f"{len(found)} blocks; the file is damaged: re-convert it or fetch it again"
+        )
+    tokens = _strings(gguf, "tokenizer.ggml.tokens", str, required=True)
+    _strings(gguf, "tokenizer.ggml.merges", str, required=False)
+    _strings(gguf, "tokenizer.ggml.token_type", int, required=False)
     ids = {
-        k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding", "unknown")
+        k: _value(gguf, f"tokenizer.ggml.{k}_token_id", int, None, 0)
+        for k in ("bos", "eos", "padding", "unknown", "eot", "eom")
     }
-    ids = {k: int(v) if v is not None else None for k, v in ids.items()}
     for v in ids.values():
         if v is not None and not 0 <= v < len(tokens):
             raise ModelError(f"{where}: special token id {v} is outside the vocabulary")
     tied = not any(t.name == "output.weight" for t in gguf.tensors)
-    ctx = int(get("context_length", 2048))
+    ctx = get("context_length", 2048)
     config = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": int(get("vocab_size", len(tokens))),
+        "vocab_size": get("vocab_size", len(tokens)),
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": ctx,
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon", float, 0)),
+        "rope_theta": _f32(get("rope.freq_base", 10000.0, float, 0)),
         "tie_word_embeddings": tied,
         **({"attention_bias": False, "mlp_bias": False} if arch == "llama" else {}),
         "bos_token_id": ids["bos"],
@@ -242,24 +303,19 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         return tokens[ids[key]] if ids[key] is not None else None
 
     tokenizer_config = {
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": _value(gguf, "tokenizer.ggml.add_bos_token", bool, False),
+        "add_eos_token": _value(gguf, "tokenizer.ggml.add_eos_token", bool, False),
         "bos_token": text("bos"),
         "eos_token": text("eos"),
         "pad_token": text("padding"),
         "unk_token": text("unknown"),
-        "chat_template": meta.get("tokenizer.chat_template"),
+        "chat_template": _value(gguf, "tokenizer.chat_template", str, None),
         "clean_up_tokenization_spaces": False,
         "model_max_length": ctx,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     # llama.cpp stops on every end-of-generation token, not only eos
-    eog = [
-        ids["eos"],
-        meta.get("tokenizer.ggml.eot_token_id"),
-        meta.get("tokenizer.ggml.eom_token_id"),
-    ]
-    eog = list(dict.fromkeys(int(t) for t in eog if t is not None))
+    eog = list(dict.fromkeys(t for t in (ids["eos"], ids["eot"], ids["eom"]) if t is not None))
     generation = {
         "bos_token_id": ids["bos"],
         "eos_token_id": eog[0] if len(eog) == 1 else eog,

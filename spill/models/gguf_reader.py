@@ -1,12 +1,15 @@
-"""GGUF files through ``gguf.GGUFReader``: the key/value metadata, the tensor table, one tensor at a time.
+"""GGUF files read with a bounded parser: the key/value metadata, the tensor table, one tensor at a time.
 
-The header is parsed by the ``gguf`` package's own reader, the maintained reference. A
-hand-written ``struct`` parser was faster (SmolLM2's header 0.1 s against 2.9 s; the whole
-one-time ``spill models import smollm2:135m`` 3.6-4.6 s against 5.6-7.4 s on a loaded 2-core
-VM), but a few seconds once per model is not worth a second copy of the format. Its memmap is dropped once the table is read; tensor bytes are
-read per tensor with ``pread`` and dequantized by ``gguf.quants.dequantize``, so memory stays
-at one tensor. Only little-endian GGUF v2/v3 files are accepted; whatever ``gguf`` raises on a
-cut or corrupt file becomes one ``ModelError`` line.
+The header is parsed here, not by ``gguf.GGUFReader``: that reader makes one numpy view per
+array element (an 8 MB file with one 2M-element array took 1.44 GB and 49 s) and trusts every
+count. Here each count and length is checked against the bytes left in the file before anything
+is read or allocated; only the arrays the importer uses (``KEPT_ARRAYS``) are read, at most
+``MAX_ELEMENTS`` elements each, and any other array is skipped unread. Every tensor's shape, type
+and byte range is checked with Python integers (no wrap-around) against the file's size, so an
+offset of 2^64-32 is refused, never read from the header's own bytes. Tensor bytes are read per
+tensor with ``pread`` and dequantized by ``gguf.quants.dequantize``, so memory stays at one
+tensor. Only little-endian GGUF v2/v3 files are accepted; a cut or corrupt file is one
+``ModelError`` line naming it.
 
 ``tokenizer_json`` rebuilds the file's byte-level BPE tokenizer with ``tokenizers`` alone: tokens
 and merges as stored, control tokens added as special, user-defined ones as plain added tokens,
@@ -16,12 +19,14 @@ and BOS/EOS added on encode only where the file's flags say so. Token strings ar
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from spill.errors import ModelError, UnsupportedModel
@@ -110,6 +115,108 @@ class GGUFFile:
         return out
 
 
+# GGUF value types: scalars by struct format; 8 is a string, 9 an array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
+_SCALARS |= {11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+KEPT_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+MAX_ELEMENTS = 1 << 20  # per array read (vocabularies run 32k-262k); string arrays skipped too
+MAX_DIMS = 4  # ggml's
+_WINDOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class Unread:
+    """An array the importer does not use: its length; its bytes were skipped, not read."""
+
+    count: int
+
+
+class _Cursor:
+    """Reads a GGUF header through a 1 MiB window; every length is checked against the bytes
+    left in the file before it is read or anything is sized from it."""
+
+    def __init__(self, f, size: int, where: Path):
+        self.f, self.size, self.where = f, size, where
+        self.base, self.buf, self.i = 0, b"", 0  # file offset of buf[0]; position in buf
+
+    @property
+    def pos(self) -> int:
+        return self.base + self.i
+
+    def corrupt(self, what: str) -> ModelError:
+        return ModelError(f"{self.where}: corrupt GGUF ({what}); fetch the file again")
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise ModelError(
+                f"{self.where}: truncated or corrupt GGUF ({what} runs past the "
+                f"end of the file); fetch the file again"
+            )
+
+    def take(self, n: int, what: str) -> bytes:
+        self.need(n, what)
+        if self.i + n > len(self.buf):
+            self.base, self.i = self.pos, 0
+            self.f.seek(self.base)
+            self.buf = self.f.read(max(n, _WINDOW))
+        out = self.buf[self.i : self.i + n]
+        self.i += n
+        return out
+
+    def skip(self, n: int, what: str) -> None:
+        self.need(n, what)
+        if self.i + n <= len(self.buf):
+            self.i += n
+        else:
+            self.base, self.buf, self.i = self.pos + n, b"", 0
+
+    def scalar(self, fmt: str, what: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", what)
+        try:
+            return self.take(n, what).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.corrupt(f"{what} is not UTF-8") from None
+
+    def value(self, kind: int, key: str):
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind], key)
+        if kind == _STRING:
+            return self.string(key)
+        if kind != _ARRAY:
+            raise self.corrupt(f"{key} has unknown value type {kind}")
+        kind, count = self.scalar("<I", key), self.scalar("<Q", key)
+        if kind == _STRING:
+            self.need(count * 8, f"the {count}-element array {key}")
+            if count > MAX_ELEMENTS:
+                raise UnsupportedModel(
+                    f"{self.where}: GGUF array {key} has {count} strings, more than spill reads "
+                    f"({MAX_ELEMENTS}); this is not a model spill can import"
+                )
+            if key not in KEPT_ARRAYS:
+                for _ in range(count):
+                    self.skip(self.scalar("<Q", key), key)
+                return Unread(count)
+            return [self.string(key) for _ in range(count)]
+        if kind not in _SCALARS:  # nested arrays: no model format uses them
+            raise self.corrupt(f"{key} is an array of value type {kind}")
+        fmt = _SCALARS[kind]
+        nbytes = count * struct.calcsize(fmt)
+        if key not in KEPT_ARRAYS:
+            self.skip(nbytes, f"the {count}-element array {key}")
+            return Unread(count)
+        self.need(nbytes, f"the {count}-element array {key}")
+        if count > MAX_ELEMENTS:
+            raise UnsupportedModel(
+                f"{self.where}: GGUF array {key} has {count} elements, more than spill reads "
+                f"({MAX_ELEMENTS}); this is not a model spill can import"
+            )
+        return np.frombuffer(self.take(nbytes, key), dtype=fmt).tolist()
+
+
 def read_gguf(path: Path) -> GGUFFile:
     """Parse a GGUF file's header; a non-GGUF, truncated or corrupt file is one ``ModelError`` line."""
     path = Path(path)
@@ -119,31 +226,64 @@ def read_gguf(path: Path) -> GGUFFile:
     if size < 24:
         raise ModelError(f"{path}: not a GGUF file ({size} bytes); give a .gguf model file")
     with open(path, "rb") as f:
-        head = f.read(8)
-    if head[:4] != MAGIC:
-        raise ModelError(f"{path}: not a GGUF file (no GGUF magic); give a .gguf model file")
-    version = int.from_bytes(head[4:], "little")
-    if version not in (2, 3):
-        what = "big-endian" if version & 0xFFFF == 0 else f"version {version}"
-        raise UnsupportedModel(
-            f"{path}: {what} GGUF is not supported; re-convert it with a current llama.cpp"
-        )
-    try:
-        reader = GGUFReader(path)
-        metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-        tensors = tuple(_info(t) for t in reader.tensors)
-    except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError, MemoryError):
-        # gguf raises these for a cut or corrupt header, an unknown ggml type, a short tensor
-        raise ModelError(f"{path}: truncated or corrupt GGUF; fetch the file again") from None
+        cur = _Cursor(f, size, path)
+        head = cur.take(8, "the header")
+        if head[:4] != MAGIC:
+            raise ModelError(f"{path}: not a GGUF file (no GGUF magic); give a .gguf model file")
+        version = int.from_bytes(head[4:], "little")
+        if version not in (2, 3):
+            what = "big-endian" if version & 0xFFFF == 0 else f"version {version}"
+            raise UnsupportedModel(
+                f"{path}: {what} GGUF is not supported; re-convert it with a current llama.cpp"
+            )
+        n_tensors, n_kv = cur.scalar("<Q", "the header"), cur.scalar("<Q", "the header")
+        # the least bytes one entry takes: a key/value 8 + 4 + 1, a tensor record 8 + 4 + 8 + 4 + 8
+        cur.need(n_kv * 13 + n_tensors * 32, f"{n_kv} keys and {n_tensors} tensor records")
+        metadata: dict = {}
+        for _ in range(n_kv):
+            key = cur.string("a metadata key")
+            if key in metadata:
+                raise cur.corrupt(f"metadata key {key} appears twice")
+            metadata[key] = cur.value(cur.scalar("<I", key), key)
+        records = [_record(cur) for _ in range(n_tensors)]
+        align = metadata.get("general.alignment", 32)
+        if type(align) is not int or not 0 < align <= 1 << 16 or align & (align - 1):
+            raise cur.corrupt(f"general.alignment is {align!r}, not a power of two")
+        start = -(-cur.pos // align) * align
+    tensors = tuple(_tensor(cur, start, *r) for r in records)
+    if len({t.name for t in tensors}) != len(tensors):
+        raise cur.corrupt("a tensor name appears twice")
     return GGUFFile(path, size, version, metadata, tensors)
 
 
-def _info(t) -> TensorInfo:
-    """A ``gguf.ReaderTensor`` as spill's plain record: numpy shape order, absolute offset."""
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    return TensorInfo(
-        t.name, shape, GGMLQuantizationType(t.tensor_type), int(t.data_offset), int(t.n_bytes)
-    )
+def _record(cur: _Cursor) -> tuple[str, list[int], int, int]:
+    name = cur.string("a tensor name")
+    n_dims = cur.scalar("<I", name)
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise cur.corrupt(f"tensor {name} has {n_dims} dimensions")
+    dims = [cur.scalar("<Q", name) for _ in range(n_dims)]
+    return name, dims, cur.scalar("<I", name), cur.scalar("<Q", name)
+
+
+def _tensor(cur: _Cursor, start: int, name: str, dims: list[int], kind: int, offset: int):
+    """A tensor record checked against the file: known type, whole blocks, bytes inside it."""
+    try:
+        qtype = GGMLQuantizationType(kind)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise UnsupportedModel(
+            f"{cur.where}: tensor {name} has unknown ggml type {kind}; re-convert it with a "
+            "current llama.cpp, or pick another quantization of the model"
+        ) from None
+    if min(dims) < 1 or dims[0] % block:
+        raise cur.corrupt(f"tensor {name} has shape {dims} for {qtype.name} blocks of {block}")
+    nbytes = math.prod(dims) // block * type_size  # Python integers: nothing wraps
+    if start + offset + nbytes > cur.size:
+        raise ModelError(
+            f"{cur.where}: truncated or corrupt GGUF (tensor {name}'s {nbytes} bytes at offset "
+            f"{offset} lie past the end of the file); fetch the file again"
+        )
+    return TensorInfo(name, tuple(reversed(dims)), qtype, start + offset, nbytes)
 
 
 def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
@@ -179,11 +319,15 @@ def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
         if len(pair) != 2:
             raise ModelError(f"GGUF merge {m!r} is not a pair; re-convert the model")
         merges.append(pair)
-    tok = Tokenizer(
-        models.BPE(
+    try:
+        bpe = models.BPE(
             vocab, merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
         )
-    )
+    except Exception as e:  # tokenizers raises a bare Exception (a merge of unknown tokens)
+        raise ModelError(
+            f"the GGUF vocabulary cannot be rebuilt ({e}); re-convert the model"
+        ) from None
+    tok = Tokenizer(bpe)
     if _PRE_SPLITS[pre] is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
