@@ -1,15 +1,14 @@
 """Text <-> token ids through the ``tokenizers`` library, plus the model's chat template.
 
-The template is rendered with a sandboxed Jinja environment configured as transformers does
-(``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``), so a template copied from
-a hub model renders the same text here. Rendered chat text already carries its special tokens,
-so it is encoded without adding more.
+The template is rendered with a sandboxed Jinja environment configured as transformers does,
+so a template copied from a hub model renders the same text here, and bounded in size and time
+(``spill.models.chat_template``): a template that passes a bound fails in one line. Rendered
+chat text already carries its special tokens, so it is encoded without adding more.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
@@ -95,30 +94,16 @@ class Tokenizer:
 
     @cached_property
     def _template(self):
-        """The chat template, compiled once: a training row renders it once per turn."""
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        """The chat template, compiled once (``spill.models.chat_template``: bounded renders)."""
+        from spill.models.chat_template import ChatTemplate
 
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
-            x, ensure_ascii=False, indent=indent
-        )
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+        return ChatTemplate(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError(
                 f"{self.folder}: the model has no chat template; give rows a 'prompt' instead of 'messages'"
             )
-        from jinja2 import TemplateError
-
         try:
             return self._template.render(
                 messages=messages,
@@ -126,8 +111,35 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
-        except TemplateError as e:
-            raise TokenizerError(f"{self.folder}: chat template failed: {e}") from None
+        except RecursionError:
+            why = "it recurses too deeply"
+        except MemoryError:
+            why = "it ran out of memory"
+        except Exception as e:  # the template is someone else's code: any failure is one line
+            from jinja2 import TemplateError
+
+            text = " ".join(str(e).split()) or "no message"
+            why = text if isinstance(e, TemplateError) else f"{type(e).__name__}: {text}"
+        raise TokenizerError(
+            f"{self.folder}: chat template failed: {why[:300]}; fix or replace the model's chat template"
+        ) from None
+
+    @cached_property
+    def longest_token(self) -> int:
+        """Characters of the vocabulary's longest entry: a text's last ``n`` tokens lie
+        within its last ``n`` times this many characters."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def encode_last(
+        self, text: str, most: int, add_special_tokens: bool = True
+    ) -> tuple[list[int], bool]:
+        """The last ``most`` tokens of ``text`` and whether any were cut. Only the tail that
+        can hold them is encoded, so a text of any length costs memory in proportion to
+        ``most`` (the first of them may then differ from the whole text's encoding)."""
+        span = (most + 1) * self.longest_token
+        cut = len(text) > span
+        ids = self.encode(text[-span:] if cut else text, add_special_tokens)
+        return ids[-most:], cut or len(ids) > most
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(
