@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import re
-import string
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 from spill.errors import BadOverride, ConfigError, HydraRefused
 from spill.project import hydra_safety
+from spill.project.data import template_problem
 from spill.project.hydra_safety import SEARCH_PATH  # noqa: F401  (init writes it into projects)
 from spill.project.uptodate import compose_key  # noqa: F401  (part of this boundary's API)
 from spill.settings import (
@@ -47,7 +47,6 @@ FILE = "spill.yaml"
 CONFIG_NAME = "spill"
 SCHEMA = "spill-yaml"
 SECTIONS = ("data", "model", "teacher", "tune", "eval", "engine", "prompt", "export")
-TEMPLATE_FIELDS = ("input", "labels")
 # spill's own Hydra settings, before the user's overrides: no logging, no .hydra/ copies
 SILENT = ("hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null")
 
@@ -210,15 +209,8 @@ def validate(doc: Any, where: str, strict: bool = True) -> None:
             f"{where}: tune.keep_best picks by validation loss; set tune.valid (rows or a "
             "fraction of the training split) too"
         )
-    try:
-        fields = {f for _, f, _, _ in string.Formatter().parse(doc["prompt"]["template"]) if f}
-    except ValueError as e:
-        raise ConfigError(f"{where}: prompt.template is not a valid template ({e})") from None
-    if extra := sorted(fields - set(TEMPLATE_FIELDS)):
-        raise ConfigError(
-            f"{where}: prompt.template uses {{{extra[0]}}}; only {{input}} and {{labels}} are "
-            "filled in (write {{ and }} for literal braces)"
-        )
+    if why := template_problem(doc["prompt"]["template"]):
+        raise ConfigError(f"{where}: prompt.template {why}")
 
 
 # --- composition -------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import string
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from spill.jobs.inputs import jsonl_objects
 
 MAX_LABELS = 50
 MAX_LABEL_CHARS = 64
+TEMPLATE_FIELDS = ("input", "labels")  # what a prompt template is filled in with
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,29 @@ def carve(train: list[Row], seed: int, valid: float | None, path: Path) -> tuple
 
 def _jsonl(records: list[dict]) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+
+
+def template_problem(template: str) -> str | None:
+    """What is wrong with a prompt template, or None: it may hold ``{input}`` and ``{labels}``
+    and nothing else, no format spec (``{input:>300000000}`` pads to 300 MB) nor conversion."""
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as e:
+        return f"is not a valid template ({e}); write {{{{ and }}}} for literal braces"
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if name not in TEMPLATE_FIELDS:
+            return (
+                f"uses {{{name}}}; only {{input}} and {{labels}} are filled in (write {{{{ and "
+                "}} for literal braces)"
+            )
+        if spec or conversion:
+            shown = (
+                f"{{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
+            )
+            return f"has {shown[:40]}; write {{{name}}} alone (no format spec or conversion)"
+    return None
 
 
 def prompt_of(text: str, labels: tuple[str, ...], template: str, chat: bool) -> dict:

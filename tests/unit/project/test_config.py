@@ -161,6 +161,16 @@ BAD_FILES = {
     "batch shape": ("tune:\n  batch: 8\n  micro_batch: 3\n", "tune.batch 8 must be a multiple"),
     "template": ('prompt:\n  template: "{input} {who}"\n', "prompt.template uses {who}"),
     "no input": ('prompt:\n  template: "hello"\n', "prompt.template: 'hello' does not match"),
+    # issue 35 item 12: a format spec or conversion pads or reprs at build time: refused here
+    "padding": (
+        'prompt:\n  template: "{input} {input:>300000000}"\n',
+        "prompt.template has {input:>300000000}; write {input} alone (no format spec",
+    ),
+    "bad spec": ('prompt:\n  template: "{input} {labels:x}"\n', "prompt.template has {labels:x}"),
+    "conversion": ('prompt:\n  template: "{input} {input!r}"\n', "prompt.template has {input!r}"),
+    "positional": ('prompt:\n  template: "{input} {}"\n', "prompt.template uses {};"),
+    "attribute": ('prompt:\n  template: "{input} {input.upper}"\n', "prompt.template uses {input.upper}"),
+    "brace": ('prompt:\n  template: "{input} }"\n', "prompt.template is not a valid template"),
     "targets": ("tune:\n  targets: q_proj,foo\n", "tune.targets: 'q_proj,foo' does not match"),
     "yaml": ("tune: [1\n", "not valid YAML"),
 }
