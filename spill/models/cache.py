@@ -2,8 +2,9 @@
 
 Every folder a source writes (tiny, GGUF import, hub snapshot, staged copy) carries a
 ``spill-source.json`` marker saying where it came from. The marker also caches the weight
-fingerprint, keyed by the names, sizes and mtimes of the files the fingerprint reads, so listing a
-cache of 70B models does not re-read every safetensors header. Layout::
+fingerprint, keyed by the stat keys of the files the fingerprint reads and the sha256 recorded
+for them, so listing a cache of 70B models does not re-read every safetensors header, and a
+folder without records is hashed in full once, not at every job start. Layout::
 
     models/<safe alias>/                          imported once as floats (smollm2:135m@f32)
     models/<safe alias>-<type>/                   imported with its quantization (smollm2:135m,
@@ -92,28 +93,35 @@ def write_marker(folder: Path, **fields) -> dict:
     return doc
 
 
-def _fingerprint_key(folder: Path) -> list[list]:
-    """Name, size and mtime of every file the fingerprint reads (config, index, shards)."""
+def _fingerprint_key(folder: Path, hashes: dict[str, str]) -> list[list]:
+    """Name and stat key (size, mtime_ns, ctime_ns, inode) of every file the fingerprint reads,
+    then the recorded sha256 it used: any write moves a ctime, which userland cannot set back."""
     key = []
     for path in sorted(folder.iterdir()):
         if path.name == "config.json" or path.name.endswith(
             (".safetensors", ".safetensors.index.json")
         ):
             st = path.stat()  # follows the hub cache's symlinks to the blobs
-            key.append([path.name, st.st_size, st.st_mtime_ns])
-    return key
+            key.append([path.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+    return key + [["recorded", *(f"{n} {h}" for n, h in sorted(hashes.items()))]]
 
 
 def cached_fingerprint(folder: Path) -> str:
-    """``weights.fingerprint(folder)``, reused from the marker while the files are unchanged."""
+    """``weights.fingerprint(folder)`` over the shards' recorded sha256 (checked at every job
+    start, so free here); a folder without records is hashed once, then reused from the marker
+    while its files' stat keys are unchanged."""
     from spill.models.weights import fingerprint
 
     folder = Path(folder)
-    key = _fingerprint_key(folder)
-    cached = read_marker(folder).get("fingerprint")
+    marker = read_marker(folder)
+    hashes = {
+        n: r["sha256"] for n, r in (marker.get("files") or {}).items() if n.endswith(".safetensors")
+    }
+    key = _fingerprint_key(folder, hashes)
+    cached = marker.get("fingerprint")
     if isinstance(cached, dict) and cached.get("key") == key and cached.get("value"):
         return cached["value"]
-    value = fingerprint(folder)
+    value = fingerprint(folder, hashes)
     try:
         write_marker(folder, fingerprint={"key": key, "value": value})
     except OSError:

@@ -1,10 +1,12 @@
 """A model folder's weight files: shards, the tensor -> shard index, and the weight fingerprint.
 
-The fingerprint hashes the config, the shard names and sizes and the safetensors headers, plus
-a 64 KiB sample from the start and the end of each shard's tensor data: headers alone cannot tell
-two checkpoints of the same architecture apart (a base model and its instruct tune, two seeds of
-a tiny model). It reads well under a megabyte per shard, so it costs milliseconds on a 70B model;
-it is part of every checkpoint's identity.
+The fingerprint hashes the config, the shard names and sizes, the safetensors headers and every
+shard's full sha256, so it changes when any byte of the weights does (a sample of each shard's
+ends, its definition before, let a file with other weights in the middle pass as the genuine
+one). It is part of every checkpoint's identity, so it must cost nothing at job start: the cache
+records each file's sha256 when it arrives (``spill.models.integrity``, checked at every job
+start) and ``cache.cached_fingerprint`` passes those records in; only a folder without records
+(a user's own) is hashed here, once, and the result cached by its files' stat keys.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from spill.errors import ModelError
+from spill.hashing import file_sha256
 from spill.store.safetensors_io import read_header
 
 INDEX = "model.safetensors.index.json"
@@ -186,31 +189,19 @@ def layer_bytes(config, files: WeightFiles, itemsize: int, computes_packed=None)
     return largest
 
 
-SAMPLE = 64 * 1024
-
-
-def _sample(path: Path) -> str:
-    """sha256 of the first and the last ``SAMPLE`` bytes of a shard's tensor data."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        data_start = 8 + struct.unpack("<Q", f.read(8))[0]
-        head = f.read(min(SAMPLE, size - data_start)) if size > data_start else b""
-        f.seek(max(data_start, size - SAMPLE))
-        tail = f.read()
-    return hashlib.sha256(head + tail).hexdigest()
-
-
-def fingerprint(folder: Path) -> str:
-    """``sha256:<hex>`` of config.json, shard names and sizes, headers and a sample of the data."""
+def fingerprint(folder: Path, hashes: Mapping[str, str] | None = None) -> str:
+    """``sha256:<hex>`` of config.json, shard names and sizes, headers and each shard's sha256:
+    from ``hashes`` (shard name -> hex, the cache's records) where given, else hashed here."""
     folder = Path(folder)
     files = weight_files(folder)
+    known = hashes or {}
     doc = {
         # bytes, as load_config reads them: json accepts what it accepted (a UTF-8-encoded lone
         # surrogate, which a strict text read refuses with a traceback)
         "config": json.loads((folder / "config.json").read_bytes()),
         "shards": [[s, (folder / s).stat().st_size] for s in files.shards],
         "headers": [files.headers[s] for s in files.shards],
-        "samples": [_sample(folder / s) for s in files.shards],
+        "sha256": [known.get(s) or file_sha256(folder / s) for s in files.shards],
     }
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return "sha256:" + hashlib.sha256(raw).hexdigest()

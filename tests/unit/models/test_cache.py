@@ -67,10 +67,10 @@ def test_fingerprint_is_cached_in_the_marker_until_a_file_changes(populated, mon
 
     real = fingerprint
 
-    def boom(path):
+    def boom(path, hashes=None):
         if path == folder:
             raise AssertionError("fingerprint recomputed although nothing changed")
-        return real(path)
+        return real(path, hashes)
 
     monkeypatch.setattr("spill.models.weights.fingerprint", boom)
     assert cached_fingerprint(folder) == value
@@ -96,3 +96,47 @@ def test_a_read_only_marker_still_lists(populated, monkeypatch):
 
 def test_empty_cache_lists_nothing():
     assert list_models() == []
+
+
+def _flip_middle(path) -> None:
+    """One byte in the middle of a shard changed in place, its size and mtime set back."""
+    st = path.stat()
+    assert st.st_size > 4 * 64 * 1024  # far from the 64 KiB ends the old fingerprint sampled
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_the_fingerprint_changes_with_any_byte_of_the_weights(tmp_path):
+    """A folder without records (a user's own): a byte in the middle of a shard, same size and
+    mtime, gives another fingerprint (its cached value is keyed by the ctime that moved); the
+    same bytes elsewhere give the same one. (A recorded folder's changed byte is refused at job
+    start by ``integrity.check``, before any fingerprint is taken.)"""
+    folder = write_tiny(tmp_path / "m", "llama", seed=1, layers=2, hidden=256)
+    twin = write_tiny(tmp_path / "twin", "llama", seed=1, layers=2, hidden=256)
+    (folder / MARKER).unlink(missing_ok=True)
+    before = cached_fingerprint(folder)
+    assert before == fingerprint(folder) == fingerprint(twin)
+    _flip_middle(folder / "model.safetensors")
+    after = cached_fingerprint(folder)
+    assert after != before and after == fingerprint(folder)
+
+
+def test_a_recorded_folder_is_fingerprinted_from_its_records_without_hashing(tmp_path, monkeypatch):
+    """Recorded sha256 stand in for the shards' bytes (the job-start check holds them to the
+    files): the value equals a full hash's, and no shard is read to get it."""
+    from spill.models.integrity import record
+
+    folder = write_tiny(tmp_path / "m", "llama", seed=1, layers=2, hidden=256)
+    record(folder, source="tiny")
+    full = fingerprint(folder)
+
+    def no_hashing(path):
+        raise AssertionError(f"{path} hashed although its sha256 is recorded")
+
+    monkeypatch.setattr("spill.models.weights.file_sha256", no_hashing)
+    assert "fingerprint" not in read_marker(folder)  # no cached value to reuse
+    assert cached_fingerprint(folder) == full
