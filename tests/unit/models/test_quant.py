@@ -8,6 +8,7 @@ import pytest
 
 from spill.errors import ModelError
 from spill.models import quant
+from spill.store.safetensors_io import float32_to_bf16_bits
 
 PAIRS = [(b, g) for b in quant.BITS for g in quant.GROUP_SIZES]
 
@@ -120,3 +121,51 @@ def test_dequantize_equals_mx_dequantize_bit_for_bit(mx, bits, group):
     want = np.array(mx.dequantize(mx.array(q), mx.array(s), mx.array(b), group, bits))
     got = quant.dequantize(q, s, b, bits, group)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _found(weight=("U32", [64, 20]), scales=("BF16", [64, 5]), biases=("BF16", [64, 5])):
+    """``check_packed``'s view of a 4-bit g32 (64, 160) module's three header entries."""
+    parts = {"weight": weight, "scales": scales, "biases": biases}
+    return {
+        p: None if v is None else ("m.safetensors", {"dtype": v[0], "shape": v[1]})
+        for p, v in parts.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "found, words",
+    [
+        (_found(weight=("U32", [63, 20])), "m.weight is [63, 20], where 4-bit groups of 32"),
+        (_found(weight=("U32", [64, 19])), "make [64, 20]"),
+        (_found(scales=("BF16", [64, 4])), "m.scales is [64, 4]"),
+        (_found(biases=None), "m.biases is missing"),
+        (_found(weight=("F32", [64, 160])), "m.weight is F32 beside its own scales and biases"),
+        (_found(weight=("F32", [64, 20])), "m.weight is F32 beside its own scales and biases"),
+        (_found(scales=("U8", [64, 5])), "m.scales is U8"),
+    ],
+)
+def test_check_packed_names_the_file_and_tensor_in_one_line(found, words):
+    with pytest.raises(ModelError) as e:
+        quant.check_packed("m", quant.Spec(4, 32), (64, 160), found)
+    assert str(e.value).startswith("m.safetensors: ") and words in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_check_packed_takes_the_layout_quantize_writes():
+    quant.check_packed("m", quant.Spec(4, 32), (64, 160), _found())
+    w, s, b = quant.quantize(_matrix(3, 64, 160), 8, 32)
+    entries = {"weight": ("U32", list(w.shape)), "scales": ("F32", list(s.shape))}
+    quant.check_packed(
+        "m", quant.Spec(8, 32), (64, 160), _found(**entries, biases=("F32", [64, 5]))
+    )
+
+
+def test_finite_reads_bf16_bits_float16_and_float32():
+    w = _matrix(4)
+    assert quant.finite(w) and quant.finite(w.astype(np.float16)[:3])
+    _, s, b = quant.quantize(float32_to_bf16_bits(w), 4, 32)  # bf16 scales, as uint16 bits
+    assert s.dtype == np.uint16 and quant.finite(s) and quant.finite(b)
+    for bad in (0x7F80, 0xFF80, 0x7FC0, 0x7F81):  # +inf, -inf, NaN, another NaN
+        assert not quant.finite(np.array([0x3F80, bad], dtype=np.uint16))
+    assert not quant.finite(np.array([1.0, np.nan], np.float32))
+    assert not quant.finite(np.array([np.inf], np.float16))
