@@ -1,7 +1,8 @@
 """Writing a bundle: what goes in (project files, the run's files, model files) and the file.
 
 The project is ``snapshot.project_files``; the state (``--with-state``) is
-``snapshot.state_files`` of the current run without ``command.json``, its control object's
+``snapshot.state_files`` of the current run and its sweep jobs (each whole, as its own control
+object points; ``move_checks.sweep_jobs``) without ``command.json``, its control object's
 ``home`` reduced to ``a bundle from <host>``; the models are each one a stage loads, resolved as
 a build resolves them and checked against their cache records (a model outside the cache is
 refused). Every file is hashed before the file is written (the manifest comes first), and its
@@ -112,8 +113,10 @@ def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item]
         doc = current(state) or doc
     if doc["status"] in ("transferred", "incoming", "quiescing"):
         refuse_moving(doc, state)
+    from spill.project.move_checks import sweep_jobs
+
     out = []
-    for rel in snapshot.state_files(state, doc, exports):
+    for rel in snapshot.state_files(state, doc, exports, sweep_jobs(state)):
         if rel in SKIP_STATE or bad_path(rel):
             continue  # hidden names are a writer's leftovers, never part of a run
         src = join(state, rel)

@@ -40,7 +40,7 @@ def _places(src: str, to: str, state: str | None):
 def _claim(
     root, src_state, dst, doc, name, lease, tid=None, moving=False, exports=False
 ) -> tuple[str, float]:
-    """Checks 6 to 8, then the destination's claim: (transfer id, the quiesce's deadline).
+    """Checks 6 to 9, then the destination's claim: (transfer id, the quiesce's deadline).
     ``tid``: the transfer's id when it has one already; ``moving``: the source is in it;
     ``exports``: the exports go too (``--with-exports``)."""
     from spill.console import note

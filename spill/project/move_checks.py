@@ -17,7 +17,7 @@ from typing import Any
 from spill.errors import StoreError, UsageError
 from spill.paths import STATE_DIR
 from spill.store import snapshot
-from spill.store.fs import absolute, exists, filesystem, join, stat
+from spill.store.fs import absolute, exists, filesystem, join, listdir, stat
 from spill.store.location import location
 
 
@@ -78,13 +78,35 @@ def check_place(to: str) -> None:
         )
 
 
+SWEEP = "sweep"  # a sweep's jobs, each a state of its own (spill.project.sweep)
+
+
+def sweep_jobs(state: str) -> dict[str, dict[str, Any]]:
+    """``sweep/<job>`` -> the current control object of each sweep job under ``state`` that
+    holds a run; a job a live process holds is refused (``Busy``, exit 75): its files are
+    still changing."""
+    from spill.control.keys import current
+    from spill.control.ownership import _busy, is_held
+
+    out = {}
+    for name in listdir(join(state, SWEEP)):
+        where = join(state, SWEEP, name)
+        doc = current(where)
+        if doc is None:
+            continue
+        if is_held(doc):
+            raise _busy(doc, where, " (a job of the sweep)")
+        out[f"{SWEEP}/{name}"] = doc
+    return out
+
+
 def snapshot_files(
     root: str | None, src_state: str, doc: dict[str, Any], exports: bool = False
 ) -> list[tuple[str, str]]:
     """(source URI, path relative to the destination) of every file a move of run ``doc``
-    copies: the project's files, then the run's (``snapshot.state_files``; the exports with
-    ``exports``)."""
-    rels = snapshot.state_files(src_state, doc, exports)
+    copies: the project's files, then the run's and its sweep jobs' whole
+    (``snapshot.state_files``; the exports with ``exports``)."""
+    rels = snapshot.state_files(src_state, doc, exports, sweep_jobs(src_state))
     files = [(join(src_state, r), f"{STATE_DIR}/{r}" if root else r) for r in rels]
     if root:
         files = [(join(root, r), r) for r in snapshot.project_files(root, src_state)] + files
@@ -153,7 +175,7 @@ AGAIN = "then run the same `spill move` again (or `spill move --abort` to call i
 def check_room(
     dst_root: str, files: list[tuple[str, str]], state_rel: str, run: str, moving: bool
 ) -> None:
-    """Checks 7 and 8 of docs/move.md's list (``moving``: the source is in this move already)."""
+    """Checks 8 and 9 of docs/move.md's list (``moving``: the source is in this move already)."""
     from spill.store.probe import probe_names
 
     names = [rel for _, rel in files] + (

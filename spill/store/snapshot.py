@@ -5,8 +5,12 @@ generations wait for collection, temporary files of a killed writer lie beside t
 ``runs/`` holds this place's control objects (a copy gets its own). ``state_files`` names what a
 run at a control document ``doc`` is: every file under the state except those, so a copy taken
 while nobody writes the run (``move`` owns it; ``bundle`` checks that nobody holds it) is
-exactly the run as its pointers say it is. ``project_files`` names a project folder's files: all
-but hidden entries (``.spill/``, ``.git/``) and the state location when it lies inside.
+exactly the run as its pointers say it is. A sweep's jobs (``sweep/<job>/``, each a state of
+its own) are carried whole too: each job's payloads are kept as its own current control object
+points (``jobs``). A symbolic link under the state that leads out of it is refused in one line,
+never followed: a copy carries the state's own bytes, not a file elsewhere on the machine.
+``project_files`` names a project folder's files: all but hidden entries (``.spill/``,
+``.git/``), links, and the state location when it lies inside.
 
 ``digest`` hashes a file of any location (``spill.hashing``).
 """
@@ -18,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from spill.errors import StoreError
 from spill.hashing import stream_sha256
 from spill.store.fs import files_under, is_temp, open_read
 from spill.store.location import location
@@ -31,11 +36,20 @@ def _pointed(doc: dict[str, Any]) -> set[str]:
     return {p for rels in doc.get("pointers", {}).values() for p in rels}
 
 
-def state_files(state: str, doc: dict[str, Any], exports: bool = False) -> list[str]:
+def state_files(
+    state: str,
+    doc: dict[str, Any],
+    exports: bool = False,
+    jobs: dict[str, dict[str, Any]] | None = None,
+) -> list[str]:
     """``/``-separated paths, relative to ``state``, of the files the run ``doc`` consists of;
     the merged models under ``exports/`` only with ``exports`` (they are large, and a build
-    makes them again where they are missing)."""
+    makes them again where they are missing). ``jobs``: the current control object of each
+    sweep job's state (``sweep/<job>``, relative to ``state``), whose payloads it points at are
+    kept as the run's are."""
     keep = _pointed(doc)
+    for prefix, job in (jobs or {}).items():
+        keep |= {f"{prefix}/{p}" for p in _pointed(job)}
     skip = SKIP_TOP if exports else (*SKIP_TOP, EXPORTS)
     out = []
     for rel in files_under(state):
@@ -47,7 +61,26 @@ def state_files(state: str, doc: dict[str, Any], exports: bool = False) -> list[
             if folder not in keep:
                 continue
         out.append(rel)
+    if location(state).local:
+        _refuse_links_out(location(state).path, out)
     return out
+
+
+def _refuse_links_out(root: str, rels: list[str]) -> None:
+    """A one-line refusal of the first file among ``rels`` (under the local folder ``root``)
+    that is a symbolic link leading out of ``root``."""
+    real = os.path.realpath(root)
+    for rel in rels:
+        path = os.path.join(root, rel)
+        if not os.path.islink(path):
+            continue
+        target = os.path.realpath(path)
+        if not (target == real or target.startswith(real.rstrip(os.sep) + os.sep)):
+            raise StoreError(
+                f"{path} is a symbolic link to {os.readlink(path)}, outside {root}; a copy of "
+                "the state never follows a link out of it: put the file itself there, or "
+                "remove the link"
+            )
 
 
 def project_files(root: str | Path, state: str | None = None) -> list[str]:
