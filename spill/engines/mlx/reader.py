@@ -15,8 +15,8 @@ into an ``ops.Packed`` under the weight's name, and the families multiply it wit
 ``ops``). mlx's kernels take groups of 32, 64 and 128 only, so a group-16 tensor
 (GGUF Q6_K) is dequantized on load, ``scale * q + bias`` in float32 as ``models.quant`` and the
 torch engine compute it, then held in the compute dtype (``dequantized`` names them).
-Every load refuses scales, biases and 1-D tensors (norms, linear biases) that hold inf or NaN,
-as the torch engine's reader does.
+A load refuses scales, biases and 1-D tensors (norms, linear biases) that hold inf or NaN, the
+first time each is read in the process, as the torch engine's reader does.
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ class WeightReader:
         self._lock = threading.Lock()
         self._staging = np.empty(0, dtype=np.uint8)  # bytes as read
         self._converted = np.empty(0, dtype=np.uint8)  # one tensor in the compute dtype
+        self._checked: set[str] = set()  # tensors found finite (``_check_finite``)
 
     def has(self, name: str) -> bool:
         return self._shards.has(name)
@@ -187,8 +188,12 @@ class WeightReader:
         return out
 
     def _check_finite(self, name: str, a: np.ndarray) -> None:
+        """Refuse a small tensor holding inf or NaN, the first time the process reads it."""
+        if name in self._checked:
+            return
         if not quant.finite(a):
             raise quant.not_finite(self.files.folder / self.files.tensor_shard[name], name)
+        self._checked.add(name)
 
     def close(self) -> None:
         self._shards.close()

@@ -14,9 +14,10 @@ gives CUDA a side stream, so layer copies overlap compute on the default stream.
 buffer, on the device), so a ring slot holds the packed bytes; ``TorchHooks.expand`` dequantizes
 a layer into the compute dtype (on the ring's prefetch thread, see ``core.ring``) into tensors
 recycled from an earlier use. ``tensor`` (the kernel's resident parts) dequantizes at once.
-Every load refuses scales, biases and 1-D tensors (norms, linear biases) holding inf or NaN:
-they are small, so one reduction a load costs little beside the read (measured in
-docs/quantized.md); a float model's large matrices are not checked here.
+A load refuses scales, biases and 1-D tensors (norms, linear biases) holding inf or NaN, the
+first time each is read in the process (later loads of a streamed layer read the same bytes):
+they are small, so this costs little beside the read (measured in docs/quantized.md); a float
+model's large matrices are not checked here.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class WeightReader:
         self._pool: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> free tensors
         self._pooling = device.type == "cpu"
         self._local = threading.local()  # .mapping: this thread's loads map, not copy
+        self._checked: set[str] = set()  # tensors found finite (``_check_finite``)
 
     @contextmanager
     def mapping(self) -> Iterator[None]:
@@ -204,11 +206,14 @@ class WeightReader:
 
     def _check_finite(self, tensors: dict[str, torch.Tensor], files: WeightFiles | None = None):
         """Refuse a load whose small tensors (scales, biases, norms: a fraction of its bytes)
-        hold inf or NaN, before anything computes on them; one reduction and one sync a load."""
+        hold inf or NaN, before anything computes on them: each tensor once a process (a
+        streamed layer's later loads read the same bytes), one reduction and sync a load."""
+        tensors = {n: t for n, t in tensors.items() if n not in self._checked}
         if not tensors:
             return
         ok = torch.stack([torch.isfinite(t).all() for t in tensors.values()])
         if bool(ok.all()):
+            self._checked.update(tensors)
             return
         name = next(n for n, good in zip(tensors, ok.tolist(), strict=True) if not good)
         files = files or self.files
