@@ -12,7 +12,13 @@ with an ``"id"`` per row, in the batch's order) and each row's length in tokens.
    every 25 rows or 60 s and on stop, each commit naming the producer). ``batch`` None (the
    conf default) asks the runner for one from the memory budget and the longest row left
    (``spill.engines.core.batching``: the rows share each walk over the layers); the line
-   after the pre-run line says which batch and why. A row's result does not depend on it;
+   after the pre-run line says which batch and why. Row ``i`` of the input is always in batch
+   ``i // batch`` (``batches``), and a continued job whose batch is not set takes the batch its
+   committed rows name (``producer.batch``) while it fits, so a job stopped anywhere (a signal,
+   a SIGKILL, ``stop_after`` in the middle of a batch) continues beside the same neighbours
+   and writes the uninterrupted job's bytes. A row's log-probs do not depend on the batch
+   (each row is scored alone, ``StreamRunner.score``); a greedy token can (the padded decode
+   moves logits within ~1e-5 in float32), only where two candidates tie that closely;
 3. inside a preemption ``Guard`` (``spill.jobs.preempt``): SIGTERM/SIGINT finishes the batch in
    flight if it returns within the grace period, else abandons it, pushes what is done,
    prints ``preempted`` and exits 75;
@@ -70,7 +76,7 @@ class RowOptions:
     """Where and how a row job computes; nothing here changes a row's result, so none of it is
     pinned. ``batch`` comes from the verb's conf group (``eval.batch``, ``teacher.batch``)."""
 
-    batch: int | None  # rows computed together (speed only); None: from the memory budget
+    batch: int | None  # rows computed together (speed; see the module doc); None: from memory
     engine: EngineSettings = EngineSettings()
     weights: str | None = None
     stop_after: int | None = None  # stop when this many rows are done in all
@@ -131,10 +137,10 @@ class Outcome:
 
 def write_jsonl(path: Path, records: Sequence[Record]) -> None:
     """The whole file at once through the store's atomic write (never half-written), or into a
-    FIFO or character device as it is (``spill.store.fs.put_output``)."""
+    FIFO or character device as it is (``spill.store.output.put_output``)."""
     import json
 
-    from spill.store.fs import put_output
+    from spill.store.output import put_output
 
     data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
     put_output(str(path), data.encode("utf-8"))
@@ -201,11 +207,44 @@ def _restore(place: Place, pinned: dict[str, Any], rows: Sequence[HasId]) -> dic
     return dict(zip(got.done, got.rows, strict=True))
 
 
-def batch_plan(opts: RowOptions, runner, work: Work, todo: Sequence[HasId]) -> BatchPlan:
-    """``opts.batch`` when set, else the runner's plan for the rows left."""
+def batch_plan(
+    opts: RowOptions, runner, work: Work, todo: Sequence[HasId], before: int | None = None
+) -> BatchPlan:
+    """``opts.batch`` when set, else ``before`` (the batch of the rows committed before) when
+    the memory budget still fits it, else the runner's plan for the rows left."""
     if opts.batch is not None:
         return BatchPlan(opts.batch, f"({opts.batch_from})")
-    return runner.plan_batch(max(work.tokens(r) for r in todo), len(todo))
+    longest = max(work.tokens(r) for r in todo)
+    if before is not None:
+        plan = runner.plan_batch(longest, max(before, len(todo)))
+        if plan.rows >= before:
+            return BatchPlan(before, "(as the rows committed before, which it continues)")
+        return plan
+    return runner.plan_batch(longest, len(todo))
+
+
+def committed_batch(place: Place | None) -> int | None:
+    """The batch that the newest committed segment at ``place`` was computed at (None: none
+    committed, or made before segments named it)."""
+    from spill.payloads.rows import commit_markers
+
+    markers = commit_markers(place) if place is not None else []
+    batch = markers[-1]["producer"].get("batch") if markers else None
+    return batch if type(batch) is int and batch >= 1 else None
+
+
+def batches(todo: Sequence[HasId], index: dict, batch: int) -> list[list[HasId]]:
+    """The rows left, in input order, cut where an uninterrupted job's batches are cut: row
+    ``index[id]`` of the input is in batch ``index[id] // batch``."""
+    out: list[list[HasId]] = []
+    last = None
+    for row in todo:
+        at = index[row.id] // batch
+        if at != last:
+            out.append([])
+            last = at
+        out[-1].append(row)
+    return out
 
 
 def execute(
@@ -288,11 +327,11 @@ def _execute(
             work = prepare(loaded) if todo else None
             batch = 1
             if work is not None:
-                plan = batch_plan(opts, loaded.runner, work, todo)
+                plan = batch_plan(opts, loaded.runner, work, todo, committed_batch(place))
                 batch = group.collect(plan.rows)[0] if group.world > 1 else plan.rows
                 shared = f"; {group.world} processes, a batch each" if group.world > 1 else ""
                 note(plan.line() + shared)
-            producer = describe(loaded.runner.info)
+            producer = describe(loaded.runner.info) | {"batch": batch}
             if group.world > 1:
                 producer["procs"] = group.world
             writer = SegmentWriter(place, pinned, producer) if place else None
@@ -306,13 +345,13 @@ def _execute(
             start = time.perf_counter()
             with progress(total, job.verb, initial=len(results)) as bar:
                 try:
-                    step = batch * group.world
-                    for lo in range(0, len(todo), step):
+                    cut = batches(todo, {r.id: i for i, r in enumerate(job.rows)}, batch)
+                    for lo in range(0, len(cut), group.world):  # a round: a batch per rank
                         group.boundary(guard)
                         if not group.leader:
                             drill.at(drill.RANK_STEP)
-                        chunk = list(todo[lo : lo + step])
-                        mine = chunk[group.rank * batch : (group.rank + 1) * batch]
+                        chunk = cut[lo : lo + group.world]
+                        mine = chunk[group.rank] if group.rank < len(chunk) else []
                         records = work.compute(mine) if mine else []
                         assert [r["id"] for r in records] == [r.id for r in mine]
                         if group.world > 1:  # by rank: the round's rows in input order
@@ -324,7 +363,7 @@ def _execute(
                                     writer.add(rec["id"], rec)
                             if writer is not None and writer.tick():
                                 bar.checkpoint(f"{len(writer.done)} rows committed")
-                        bar.update(len(chunk))
+                        bar.update(sum(len(b) for b in chunk))
                 except Exception:
                     # an engine or data error: the rows already finished are worth keeping
                     if writer is not None:

@@ -165,7 +165,7 @@ def write(root: Path | str, state_root: str | None = None, out: Path | str | Non
     """Gather the report and write its page to ``target(root, out)`` through the store's atomic
     write (a FIFO or character device: into it); returns the gathered report with ``path``."""
     from spill.project.report_html import page
-    from spill.store.fs import put_output
+    from spill.store.output import put_output
 
     report = gather(root, state_root)
     path = target(root, out)

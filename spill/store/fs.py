@@ -7,8 +7,7 @@ endpoints and credentials. ``put_bytes`` is atomic: locally a ``.<name>.tmp-<ran
 the target, fsynced, renamed over it, the folder fsynced; on an object store one put. Temporary
 names are recognisable (``is_temp``), so the next write removes those a killed writer left.
 A rename replaces only a regular file (or a link): a FIFO, a device or a folder in the way is
-refused, never replaced. ``put_output`` writes a file a person named (``--out``): into a FIFO or
-a character device directly (a pipe, ``/dev/stdout``), through a link to its target.
+refused, never replaced (``spill.store.output`` writes into a FIFO or a device a person names).
 Listings are never served from fsspec's cache: another process may have written since.
 """
 
@@ -92,12 +91,8 @@ def _errors(uri: str, verb: str) -> Iterator[None]:
     except (FileNotFoundError, StoreError):
         raise
     except catch as e:
-        check = (
-            "the path, its permissions and the free space there"
-            if catch is OSError
-            else "the location and its credentials"
-        )
-        raise StoreError(f"{uri}: cannot {verb} ({type(e).__name__}: {e}); check {check}") from e
+        what = "path and its free space" if catch is OSError else "location and its credentials"
+        raise StoreError(f"{uri}: cannot {verb} ({type(e).__name__}: {e}); check the {what}") from e
 
 
 def fsync(path: str | os.PathLike) -> None:  # a file or a folder, by its path
@@ -173,26 +168,6 @@ def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> N
     with _errors(uri, "write"):
         fs.pipe_file(path, data)
         fs.invalidate_cache(path)
-
-
-STREAMS = ("a FIFO", "a character device")  # written into as they are, never replaced
-
-
-def put_output(uri: str | os.PathLike, data: bytes) -> None:
-    """Write a file a person named: a new or regular file (through a link, to its target)
-    atomically as ``put_bytes``; a FIFO or a character device (a pipe, ``/dev/stdout``,
-    ``/dev/null``) straight into it; anything else refused in one line."""
-    uri = location(uri)
-    if not uri.local:
-        return put_bytes(uri, data)
-    path = os.path.realpath(uri.path)
-    what = kind_of(path)
-    with _errors(uri, "write"):
-        if what not in STREAMS:
-            return _put_local(path, data)  # refuses a folder, a block device, a socket
-        fd = os.open(path, os.O_WRONLY)  # no O_CREAT: a node that vanished is not made a file
-        with open(fd, "wb") as f:
-            f.write(data)
 
 
 def put_fresh(uri: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from spill.errors import StoreError
 from spill.store import fs
+from spill.store.output import put_output
 
 
 def test_atomic_local_write_leaves_no_temp_litter(tmp_path):
@@ -112,20 +113,20 @@ def test_an_output_is_written_into_a_fifo_and_a_character_device(tmp_path):
     got = []
     reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
     reader.start()
-    fs.put_output(str(fifo), b"line 1\nline 2\n")
+    put_output(str(fifo), b"line 1\nline 2\n")
     reader.join(timeout=30)
     assert got == [b"line 1\nline 2\n"] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
     null = tmp_path / "null"
     _node(null, "chardev")
-    fs.put_output(str(null), b"gone")
+    put_output(str(null), b"gone")
     assert stat.S_ISCHR(os.lstat(null).st_mode) and sorted(os.listdir(tmp_path)) == ["null", "pipe"]
 
 
 def test_an_output_through_a_link_replaces_its_target_and_keeps_the_link(tmp_path):
     (tmp_path / "real.jsonl").write_bytes(b"old")
     os.symlink("real.jsonl", tmp_path / "link.jsonl")
-    fs.put_output(str(tmp_path / "link.jsonl"), b"new")
+    put_output(str(tmp_path / "link.jsonl"), b"new")
     assert os.readlink(tmp_path / "link.jsonl") == "real.jsonl"
     assert (tmp_path / "real.jsonl").read_bytes() == b"new"
     with pytest.raises(StoreError, match="is a folder, not a file"):
-        fs.put_output(str(tmp_path), b"x")
+        put_output(str(tmp_path), b"x")
