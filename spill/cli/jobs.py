@@ -102,7 +102,16 @@ def _launched(args) -> int | None:
     return launch(args.procs, args.argv)
 
 
+def _checked_out(args) -> None:
+    """Refuse an ``--out`` that would overwrite a project's files or state, before anything runs
+    (``spill.project.owned``); one that is an input is the job's own check."""
+    from spill.project.owned import refuse_output
+
+    refuse_output(args.out, "--out", states=(args.state,))
+
+
 def cmd_run(args) -> int:
+    _checked_out(args)
     if (code := _launched(args)) is not None:
         return code
     from spill.console import emit
@@ -116,6 +125,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_distill(args) -> int:
+    _checked_out(args)
     if (code := _launched(args)) is not None:
         return code
     from spill.console import emit
@@ -127,6 +137,7 @@ def cmd_distill(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    _checked_out(args)
     if (code := _launched(args)) is not None:
         return code
     from spill.console import emit

@@ -79,8 +79,10 @@ def cmd_predict(args) -> int:
         raise UsageError("give an INPUT file (CSV or JSONL) and --out, or --text")
     if not args.out:
         raise UsageError("--out is required with an INPUT file (where the answers go)")
+    from spill.project.owned import refuse_output
     from spill.project.predict import predict_file
 
+    refuse_output(args.out, "--out", projects=(project,), states=(args.state, args.build_state))
     got = predict_file(project, Path(input_path), Path(args.out), req, args.build_state)
     if args.json:
         emit(got, True)

@@ -33,8 +33,9 @@ def add_parser(sub) -> None:
 def command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from spill.project.owned import refuse_output
     from spill.project.remote import locate
-    from spill.project.report import FILE, write
+    from spill.project.report import FILE, target, write
     from spill.project.status import is_state
 
     given = args.dir
@@ -47,6 +48,8 @@ def command(args: argparse.Namespace) -> int:
         out = out or FILE
     elif "://" in given and out is None:  # a project at a URI: its working copy is spill's own
         out = FILE
+    out = target(Path(args.dir), out)
+    refuse_output(out, "-o", projects=(args.dir,), states=(args.state,))
     result = write(Path(args.dir), args.state, out)
     if args.json:
         import json

@@ -1,0 +1,98 @@
+"""The one check of an output a person names (``--out``, ``-o``, ``spill export``'s OUT), made by
+every verb that writes one before anything runs: a usage error (exit 2) when the output would
+overwrite what spill keeps, or is not something a file can be written to.
+
+What spill keeps: a project's ``spill.yaml``, its data file (``data.file`` as spill.yaml names
+it) and everything under its state folder (``.spill/``, or a ``--state`` the command names).
+The projects are every folder above the output that holds a spill.yaml, and those the command
+names (``spill predict DIR``, ``spill report DIR``); files are compared by inode as well as by
+resolved path, so a symlink or a hard link to a project's file is refused as the file is. Any
+folder named ``.spill`` above the output is a state (a project's whose spill.yaml is elsewhere,
+or spill's own home), wherever it lies.
+
+What a file cannot be written to: a folder, a block device or a socket. A FIFO or a character
+device is an output (``/dev/stdout``, a pipe a reader waits on): ``spill.store.output.put_output``
+writes into it and never renames a file over it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from spill.errors import UsageError
+from spill.paths import STATE_DIR
+from spill.store.fs import is_local, kind_of, same_file
+from spill.store.location import local_path
+from spill.store.output import STREAMS
+
+FILE = "spill.yaml"
+
+
+def refuse_output(
+    out: str | os.PathLike | None,
+    flag: str,
+    *,
+    projects: Iterable[str | os.PathLike | None] = (),
+    states: Iterable[str | None] = (),
+    folder: bool = False,
+) -> None:
+    """Raise ``UsageError`` when ``out`` is kept by spill or cannot take a file (see the module
+    doc); ``folder``: the output is a folder to fill (export), so an existing one is no refusal."""
+    if out is None or not is_local(out):
+        return
+    path = local_path(os.fspath(out))
+    real = os.path.realpath(path)
+    what = kind_of(real)
+    if not folder and what and what not in STREAMS:
+        raise UsageError(f"{flag} {out} is {what}, not a file; name a file to write")
+    named = [Path(local_path(os.fspath(p))) for p in projects if p is not None and is_local(p)]
+    kept = _kept(path, real, named, states)
+    if kept:
+        raise UsageError(f"{flag} {out} is {kept}; write the results elsewhere")
+
+
+def _kept(path: str, real: str, named: list[Path], states: Iterable[str | None]) -> str | None:
+    """What ``path`` (resolved: ``real``) is of what spill keeps, else None."""
+    above = [Path(real), *Path(real).parents]
+    for d in above:
+        if d.name == STATE_DIR and d.is_dir():
+            return _in("the state folder", d, real)
+    roots = [d for d in above[1:] if (d / FILE).is_file()]
+    for root in dict.fromkeys([*roots, *(p.resolve() for p in named)]):
+        if same_file(path, root / FILE):
+            return f"the spill.yaml of the project {root}"
+        data = data_file(root)
+        if data is not None and same_file(path, data):
+            return f"the data file of the project {root} (data.file)"
+        state = os.path.realpath(root / STATE_DIR)
+        if _inside(real, state):
+            return _in("the state folder", Path(state), real)
+    for where in states:
+        if where is not None and is_local(where):
+            state = os.path.realpath(local_path(where))
+            if _inside(real, state):
+                return _in("the state location", Path(state), real)
+    return None
+
+
+def data_file(root: Path) -> Path | None:
+    """The data file ``root/spill.yaml`` names (None when it names none it can be read for)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load((root / FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    name = data.get("file") if isinstance(data, dict) else None
+    return root / name if isinstance(name, str) and name and "\0" not in name else None
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _in(what: str, folder: Path, real: str) -> str:
+    return f"{what} {folder}" if real == str(folder) else f"inside {what} {folder}"
