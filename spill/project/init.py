@@ -40,15 +40,33 @@ _PLAIN = re.compile(r"^[A-Za-z0-9_./-]+$")
 _YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "none", "~"}
 
 
+def _escaped(text: str) -> str:
+    r"""``text`` with every character that is not printable (line breaks, YAML's own ``\x85``
+    and ``\u2028`` among them, tabs, other controls) written as its escape."""
+    return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
+
+
 def _q(text: str) -> str:
-    """A YAML scalar for ``text``: bare when unambiguous, else a JSON (= YAML) string."""
+    """A YAML scalar for ``text``: bare when unambiguous, else a JSON (= YAML) string whose
+    every line break is an escape, so no value (a column name) can end its line or be read
+    as anything but its text."""
     plain = _PLAIN.match(text) and text.lower() not in _YAML_WORDS
     try:
         float(text)
         plain = False
     except ValueError:
         pass
-    return text if plain else json.dumps(text, ensure_ascii=False)
+    if plain:
+        return text
+    # OmegaConf reads ``${...}`` as an interpolation (``${oc.env:HOME}`` would read the
+    # environment): ``\${`` keeps it text, each backslash before it doubled
+    text = re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", text)
+    return f'"{_escaped(json.dumps(text, ensure_ascii=False)[1:-1])}"'
+
+
+def _comment(text: str) -> str:
+    """``text`` to follow a ``#``: data (a label, a model name) on one line, never a key."""
+    return _escaped(text)
 
 
 def available_memory() -> int:
@@ -141,7 +159,7 @@ def _yaml(
 ) -> str:
     from spill.engines import auto_engine
 
-    where = f"{socket.gethostname()}"
+    where = _comment(socket.gethostname())
     engine = auto_engine()
     lines = [
         f"# yaml-language-server: $schema={SCHEMA_COPY}",
@@ -150,7 +168,7 @@ def _yaml(
         "defaults:",
     ]
     for group, (option, why) in picks.items():
-        lines.append(f"  - {group}: {option}" + (f"  # {why}" if why else ""))
+        lines.append(f"  - {group}: {option}" + (f"  # {_comment(why)}" if why else ""))
     lines.append(f"  - engine: {engine}  # the engine installed there; --engine overrides")
     lines += ["  - _self_", "", "hydra:", "  searchpath:", f"    - {config.SEARCH_PATH}", ""]
     lines += ["schema_version: 1", f"name: {_q(name)}", f"id: {_q(uuid.uuid4().hex[:12])}"]
@@ -158,13 +176,13 @@ def _yaml(
     lines.append("data:")
     lines += [f"  {k}: {_q(v)}" for k, v in data.items()]
     shown = ", ".join(labels[:8]) + (", ..." if len(labels) > 8 else "")
-    note = f"  # {len(labels)} labels: {shown}" if labels else "  # free-text outputs"
+    note = f"  # {len(labels)} labels: {_comment(shown)}" if labels else "  # free-text outputs"
     lines.append(f"  task: {task}{note}")
     for section, keys in values.items():
         lines += ["", f"{section}:"]
         for key, (value, why) in keys.items():
             text = "null" if value is None else _q(str(value)) if isinstance(value, str) else value
-            lines.append(f"  {key}: {text}" + (f"  # {why}" if why else ""))
+            lines.append(f"  {key}: {text}" + (f"  # {_comment(why)}" if why else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -100,3 +100,52 @@ def test_an_id_that_reads_as_a_number_stays_a_string(tmp_path, monkeypatch, draw
     data = write_csv(tmp_path / "d.csv", LABELED)
     init(data, "text", "label", tmp_path / "p")
     assert compose(tmp_path / "p").id == drawn
+
+
+HOSTILE = [  # each a label, a column name or both: data that must stay data in spill.yaml
+    "x\nexport: {formats: [hf]}",
+    "hydra:\n  run: {dir: /tmp/elsewhere}",
+    "hydra: y",
+    "a\u2028tune: {steps: 1}",  # YAML's own line breaks, which JSON leaves raw
+    "b\x85seed: 7",
+    "c\r\nname: evil",
+    "${oc.env:HOME}",
+    "\\${oc.env:HOME}\\",
+    "# not a comment",
+]
+
+
+def test_labels_and_columns_are_data_in_spill_yaml(tmp_path):
+    """A label or a column name holding a line break, ``hydra:``, ``${...}`` or ``#``: the
+    generated spill.yaml has exactly init's top-level keys, and composes to the same texts."""
+    import csv
+    import subprocess
+    import sys
+
+    import yaml
+
+    from spill.project.data import read_rows
+
+    column_in, column_out = "text\nexport: {formats: [gguf]}", "${oc.env:HOME}\u2028hydra: x"
+    data = tmp_path / "hostile.csv"
+    with data.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow([column_in, column_out])
+        w.writerows((f"row {i}", HOSTILE[i % len(HOSTILE)]) for i in range(3 * len(HOSTILE)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "spill", "init", str(data), "--input", column_in,
+         "--output", column_out, "--project", str(tmp_path / "p")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    text = (tmp_path / "p" / "spill.yaml").read_text(encoding="utf-8")
+    doc = yaml.safe_load(text)
+    keys = ["data", "defaults", "hydra", "id", "name", "schema_version", "seed", "tune"]
+    assert sorted(doc) == keys  # init's own, nothing a value injected
+    assert doc["hydra"] == {"searchpath": ["pkg://spill.conf"]}
+    assert sorted(doc["data"]) == ["file", "input", "output", "task"]
+    p = compose(tmp_path / "p")
+    assert (p.data.input, p.data.output, p.data.file) == (column_in, column_out, "hostile.csv")
+    assert p.tune.steps != 1 and p.seed == 0 and p.name == "p"
+    rows = read_rows(tmp_path / "p" / p.data.file, p.data.input, p.data.output)
+    assert {r.output for r in rows} == set(HOSTILE)
