@@ -11,7 +11,7 @@ from typing import Any
 
 from spill.control.place import Place, payload_seq
 from spill.store.fs import exists, get_bytes, join
-from spill.validate import parse_json
+from spill.validate import parse_json, validate_once
 
 KIND = "ckpt"  # the run's pointer to its checkpoint folders
 STATE = "state.json"
@@ -20,13 +20,21 @@ COMMIT = "COMMIT"
 
 def newest_commit(place: Place) -> tuple[int, dict[str, Any]] | None:
     """The newest pointed step and its ``state.json`` (``{}`` if unreadable), read without
-    hashing anything: a light progress probe (what a job trusts is ``latest_checkpoint``)."""
+    hashing the tensors: a light progress probe (what a job trusts is ``latest_checkpoint``).
+    A ``state.json`` that parses but does not match its schema (a producer range whose
+    ``to_step`` is a string, say) is refused in one line naming it (``SchemaInvalid``), so no
+    reader computes with its fields; a checked one costs one hash the next time."""
     for uri in place.pointer(KIND):
         if not exists(join(uri, COMMIT)):
             continue  # pointed at, but its folder is gone (removed by hand)
+        where = join(uri, STATE)
         try:
-            state = parse_json(get_bytes(join(uri, STATE)))
+            raw = get_bytes(where)
+            state = parse_json(raw)
         except (FileNotFoundError, ValueError):
-            state = {}
-        return payload_seq(uri), state if isinstance(state, dict) else {}
+            return payload_seq(uri), {}
+        if not isinstance(state, dict):
+            return payload_seq(uri), {}
+        validate_once(raw, state, "checkpoint-state", where)
+        return payload_seq(uri), state
     return None

@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from spill.project import series, stages
 from spill.project.report import BUILD, swept
 from spill.project.report_html import page
@@ -25,13 +27,29 @@ def test_sparkline():
     assert series.sparkline([]) == "" and series.sparkline([None, None]) == "  "
 
 
+def checkpoint_state(step: int, **given) -> dict:
+    """A tune checkpoint's ``state.json`` that its schema accepts, ``given`` over it."""
+    return {
+        "schema_version": 1,
+        "step": step,
+        "seed": 0,
+        "cursor": step,
+        "model": {"id": "tiny", "fingerprint": "sha256:" + "f" * 64},
+        "adapter": {"rank": 4, "alpha": 8.0, "targets": ["q_proj"]},
+        "hyperparameters": {"steps": step},
+        "losses": [1.0] * step,
+        "producers": [],
+        **given,
+    }
+
+
 def _checkpoint(root: str, state: dict, step: int = 6) -> None:
     from spill.control.ownership import acquire
 
     tune = acquire(root).place("stages/tune")
     d = Path(tune.payload("ckpt", step))
     d.mkdir(parents=True)
-    (d / "state.json").write_text(json.dumps(state))
+    (d / "state.json").write_text(json.dumps(checkpoint_state(step, **state)))
     (d / "COMMIT").write_text("{}")
     tune.publish("ckpt", [str(d)])
 
@@ -132,3 +150,20 @@ def test_swept_parameters_and_the_page():
     cat = [_run("a", ["tune.targets=all"], 0.2, False), _run("b", ["tune.targets=qv"], 0.4, False)]
     html = page({**report, "runs": cat, "swept": swept(cat)})
     assert ">qv</text>" in html and ">all</text>" in html
+
+
+def test_a_checkpoint_state_off_its_schema_is_one_line_naming_it(tmp_path):
+    """A producer range whose ``to_step`` is a string: every reader of the newest checkpoint
+    (ranges, losses, probe) is refused where the file is read, naming it and the field."""
+    from spill.validate import SchemaInvalid
+
+    root = str(tmp_path)
+    bad = {"from_step": 0, "to_step": "6", **LINUX, "hardware": "cpu"}
+    _checkpoint(root, {"producers": [bad]})
+    tune = stages.get("tune")
+    for read in (tune.ranges, tune.probe, series.losses):
+        with pytest.raises(SchemaInvalid) as e:
+            read(root)
+        message = str(e.value)
+        assert "\n" not in message and "ckpt-g1-s6-0/state.json" in message
+        assert "producers/0/to_step" in message and "move the file away" in message

@@ -11,6 +11,7 @@ import pytest
 from spill.errors import StoreError
 from spill.project import record, stages
 from spill.project.status import as_json, render, rows
+from tests.unit.project.test_report import checkpoint_state
 
 LINUX = {
     "engine": "torch",
@@ -78,7 +79,8 @@ def test_probes_read_commits_only(tmp_path):
     for step in (10, 20, 30):
         d = Path(tune.payload("ckpt", step))
         d.mkdir(parents=True)
-        (d / "state.json").write_text(json.dumps({"producers": [LINUX, MAC]}))
+        ranges = [{"from_step": 0, "to_step": 5, **LINUX}, {"from_step": 5, "to_step": step, **MAC}]
+        (d / "state.json").write_text(json.dumps(checkpoint_state(step, producers=ranges)))
         (d / "COMMIT").write_text("{}")
         made[step] = str(d)
     tune.publish("ckpt", [made[20], made[10]])  # 30 landed but never became current
