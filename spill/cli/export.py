@@ -1,10 +1,12 @@
 """``spill export ADAPTER OUT --format hf|gguf|mlx`` on the command line: one call of
-``spill.jobs.export.export``, then the files it wrote as a table (or export.json as JSON)."""
+``spill.jobs.export.export``, then the files it wrote as a table (or export.json as JSON). A built
+project (its folder or its build state) names the adapter its tune stage published."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from spill.errors import UsageError
 
@@ -20,7 +22,11 @@ def add_parser(sub) -> None:
         "(transformers, vLLM), gguf (llama.cpp, Ollama) or mlx (mlx-lm), with the base's "
         "tokenizer and chat template and an export.json recording every file's sha256.",
     )
-    p.add_argument("adapter", help="a finished tune's adapter folder, or its state folder")
+    p.add_argument(
+        "adapter",
+        help="a finished tune's adapter folder or its state folder, or a built project "
+        "(its folder or its .spill/): the adapter its tune stage published",
+    )
     p.add_argument("out", help="the folder to write (new, or empty)")
     p.add_argument("--format", choices=FORMATS, default="hf", help="what to write (default hf)")
     p.add_argument(
@@ -47,11 +53,41 @@ def add_parser(sub) -> None:
     p.set_defaults(func=command)
 
 
-def command(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def built_adapter(given: str) -> Path:
+    """``given``, or where a build's state (or its project folder) published its tuned adapter:
+    a finished build exports like its adapter; an unfinished one says how to finish it."""
+    from spill.errors import SpillError
+    from spill.paths import STATE_DIR
+    from spill.project import record
+    from spill.project.stages import TUNE
 
+    path = Path(given)
+    where = path / STATE_DIR if (path / "spill.yaml").is_file() else path
+    if "://" in given or not (where / "runs").is_dir():
+        return path  # an adapter folder or a tune's state: spill.jobs.export reads it
+    doc = record.read(str(where))
+    if doc is None:
+        return path
+    rec = (doc.get("stages") or {}).get(TUNE.name) or {}
+    name = doc["project"]["name"]
+    if rec.get("status") != "done":
+        progress = f"step {rec['progress']} of {rec['total']}" if "total" in rec else "not run"
+        raise SpillError(
+            f"{given}: this build's tune stage is not done ({progress}); `spill resume {given}` "
+            "finishes it, then export again"
+        )
+    if problem := TUNE.problem(str(where), name, rec.get("outputs")):
+        raise SpillError(
+            f"{given}: the build's tuned adapter: {problem}; `spill resume {given}` restores it, "
+            "then export again"
+        )
+    return where / TUNE.output(name)
+
+
+def command(args: argparse.Namespace) -> int:
     from spill.console import note, table
     from spill.jobs.export import export
+    from spill.project.owned import refuse_output
     from spill.sizes import parse_size
 
     try:
@@ -59,8 +95,9 @@ def command(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"--shard-size: {e}") from None
     options = {"shard_bytes": shard_bytes} if args.format in ("hf", "mlx") else {}
+    refuse_output(args.out, "OUT", folder=True)
     record = export(
-        Path(args.adapter), Path(args.out), args.format, args.dtype, args.quantize,
+        built_adapter(args.adapter), Path(args.out), args.format, args.dtype, args.quantize,
         model=args.model, weights=args.weights, progress=note, **options,
     )  # fmt: skip
     if args.json:
