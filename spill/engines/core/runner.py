@@ -1,6 +1,6 @@
 """``StreamRunner``, the ``base.Runner`` of every engine: KV-cached generation and scoring.
 
-Rows are left-padded; positions come from the mask, so padding shifts nothing. Generation runs
+Generated rows are left-padded; positions come from the mask, so padding shifts nothing. Generation runs
 a prefill, then one token per step, and every step walks all layers (in streaming mode each step
 streams the whole model: that is the design). Logits come back to the host as float32 numpy;
 greedy is ``argmax`` (the first index on ties); ``on_token`` (streaming: ``spill chat``) sees each
@@ -8,6 +8,12 @@ token as it is chosen, inside this one loop, and a sampled row draws from its ow
 seeded by ``seeds[r]`` (the kernel's: torch keeps ``torch.Generator``, MLX numpy's), so a row's
 draws never depend on its batch neighbours'. Sampled text is reproducible per engine; greedy
 text agrees across engines.
+
+Scoring computes each row alone at its own length inside one shared walk (``forward_each``),
+so a row's log-probs are the same bits whatever its batch. Generation keeps the padded batch
+(one row at a time, a decode step would be a matrix-vector product per row where the batch
+shares one matrix product): its logits move with the padding and the batch (within ~1e-5 in
+float32), so a greedy token changes only where two candidates tie that closely.
 """
 
 from __future__ import annotations
@@ -30,8 +36,6 @@ from spill.engines.core.common import (
     check_params,
     check_score,
     left_pad,
-    score_rows,
-    split_scores,
     sync_ring_stats,
 )
 from spill.engines.core.kernel import LOGIT_ROWS, Array, Kernel
@@ -77,6 +81,23 @@ class Model:
             x = k.layer(w, x, ctx, cache, lora.get(i) if lora else None)
             k.sync(x, *([cache] if cache is not None else []))
         return k.final_norm(x)
+
+    def forward_each(self, rows: Sequence[np.ndarray], lora: dict | None = None) -> list:
+        """Each row of ids (T_r,) -> its final-normed hidden states (1, T_r, hidden).
+
+        The rows share one walk over the layers (one read of each layer), but every layer runs
+        on each row alone at its own length: no padding and no neighbour enters a row's shapes,
+        so its numbers do not depend on what it is batched with (padding changes the attention's
+        reductions, measured up to 3e-5 in a log-prob on the tiny float32 llama).
+        """
+        k = self.kernel
+        xs = [k.embed_ids(k.array(np.asarray(r, np.int64)[None])) for r in rows]  # (1, T_r, hidden)
+        ctxs = [k.context(np.ones((1, len(r)), dtype=bool), 0, len(r)) for r in rows]
+        for i, w in self.ring.walk(range(self.cfg.num_hidden_layers)):
+            for j, ctx in enumerate(ctxs):
+                xs[j] = k.layer(w, xs[j], ctx, None, lora.get(i) if lora else None)
+                k.sync(xs[j])
+        return [k.final_norm(x) for x in xs]
 
     def close(self) -> None:
         self.ring.close()
@@ -216,22 +237,22 @@ class StreamRunner:
         self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
     ) -> list[np.ndarray]:
         check_score(prompts, completions, self.model.cfg.vocab_size)
-        if not prompts:
-            return []
         m, k = self.model, self.model.kernel
-        rows, width, rr, tt = score_rows(prompts, completions)
-        ids, valid = left_pad(rows, width)
-        picked = np.zeros(len(rr), np.float32)
+        pairs = zip(prompts, completions, strict=True)
+        rows = [np.concatenate([np.asarray(p), np.asarray(c)]).astype(np.int64) for p, c in pairs]
+        out = []
         with k.inference():
-            h = m.forward(k.array(ids), k.context(valid, 0, width), lora=self._adapter)
-            if len(rr):
-                hs = h[k.array(rr), k.array(tt)]  # (N, hidden)
-                targets = k.array(ids[rr, tt + 1])  # (N,)
-                for j in range(0, len(rr), LOGIT_ROWS):  # never (N, vocab) at once
-                    got = k.log_probs(hs[j : j + LOGIT_ROWS], targets[j : j + LOGIT_ROWS])
-                    picked[j : j + LOGIT_ROWS] = got
+            hs = m.forward_each(rows, self._adapter) if rows else []
+            for p, c, row, h in zip(prompts, completions, rows, hs, strict=True):
+                got = np.zeros(len(c), np.float32)
+                first = len(p) - 1  # the hidden state at position j predicts token j + 1
+                targets = k.array(row[len(p) :])  # (len(c),)
+                for j in range(0, len(c), LOGIT_ROWS):  # never (len(c), vocab) at once
+                    end = min(j + LOGIT_ROWS, len(c))
+                    got[j:end] = k.log_probs(h[0, first + j : first + end], targets[j:end])
+                out.append(got)
         sync_ring_stats(self.stats, m.ring)
-        return split_scores(picked, completions)
+        return out
 
     def close(self) -> None:
         if self.model is not None:
