@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,23 +21,43 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     return rows
 
 
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # an escaped UTF-16 surrogate, maybe lone
+
+
 def jsonl_objects(path: Path) -> list[tuple[int, dict]]:
-    """``(line number, object)`` for every non-blank line; none for an empty file."""
+    """``(line number, object)`` for every non-blank line; none for an empty file. A line that
+    is not UTF-8, nests too deeply for the parser or holds a lone surrogate (``"\\ud800"``: no
+    text, the tokenizer cannot take it) fails here, in one line naming it."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{where}: not UTF-8 text; save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(
-                    f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line"
+                    f"{where}: not valid JSON ({e.msg}); fix or remove that line"
+                ) from None
+            except RecursionError:
+                raise DataError(
+                    f"{where}: JSON nested too deeply to read; flatten that line"
                 ) from None
             if not isinstance(obj, dict):
-                raise DataError(
-                    f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
-                )
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            if _SURROGATE.search(raw):
+                try:
+                    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError:
+                    raise DataError(
+                        f"{where}: a string holds a lone surrogate escape (such as \\ud800), "
+                        "which is no text; fix or remove that line"
+                    ) from None
             rows.append((lineno, obj))
     return rows
 
