@@ -95,9 +95,12 @@ def _grader(
 ):
     tok = loaded.tokenizer
     apply_adapter(loaded, adapter)
-    prompts = encode_rows(tok, [r.row for r in rows], opts.chat, input_path)
     gold = {r.id: answer_ids(tok, r.answer) for r in rows}
     new = _max_new(opts, rows, tok)
+    longest = max([new, *(len(g) for g in gold.values())])  # generated, or the gold scored
+    prompts = encode_rows(
+        tok, [r.row for r in rows], opts.chat, input_path, loaded.context, longest
+    )
     params = GenerateParams(new, 0.0, 1.0, tuple(tok.eos_ids))
 
     def compute(batch: list[EvalRow]) -> list[dict]:

@@ -67,22 +67,45 @@ def row_seed(seed: int, row_id) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def encode_row(tokenizer, row: PromptRow, chat: bool) -> list[int]:
-    if row.messages is not None:
-        return tokenizer.encode_chat(row.messages)
-    if chat:
-        return tokenizer.encode_chat([{"role": "user", "content": row.prompt}])
-    return tokenizer.encode(row.prompt)
+def encode_row(tokenizer, row: PromptRow, chat: bool, most: int) -> tuple[list[int], bool]:
+    """A row's last ``most`` tokens, and whether it had more (``Tokenizer.encode_last``)."""
+    if row.messages is not None or chat:
+        messages = row.messages or [{"role": "user", "content": row.prompt}]
+        return tokenizer.encode_last(tokenizer.apply_chat_template(messages), most, False)
+    return tokenizer.encode_last(row.prompt, most)
 
 
-def encode_rows(tokenizer, rows, chat: bool, input_path: Path) -> dict:
-    """Token ids per row id; an empty prompt fails in one line naming the row."""
-    out = {}
+def encode_rows(tokenizer, rows, chat: bool, input_path: Path, context: int, new: int) -> dict:
+    """Token ids per row id; an empty prompt fails in one line naming the row.
+
+    A row holds at most the model's ``context`` tokens, ``new`` of them generated or scored
+    after its prompt, so a longer prompt keeps its last ``context - new`` tokens (one note
+    names the rows cut): the end holds the question and the chat template's turn for the
+    answer, and one over-long row does not stop the job (``spill tune`` likewise keeps a
+    row's first ``--seq-len`` tokens). Only the tail that can hold them is encoded, so a row
+    of any length costs memory in proportion to the context, never more."""
+    room = context - new
+    if room < 1:
+        raise DataError(
+            f"{input_path}: {new} new tokens (--max-new-tokens, or the longest answer scored) "
+            f"leave no room for a prompt in the model's context of {context} tokens; lower it"
+        )
+    out, cut = {}, []
     for row in rows:
-        ids = encode_row(tokenizer, row, chat)
+        ids, long = encode_row(tokenizer, row, chat, room)
         if not ids:
             raise DataError(f"{input_path}: row {row.id!r} has an empty prompt; give it some text")
+        if long:
+            cut.append(row.id)
         out[row.id] = np.asarray(ids, dtype=np.int64)
+    if cut:
+        ids = ", ".join(repr(i) for i in cut[:5]) + (
+            f" and {len(cut) - 5} more" if len(cut) > 5 else ""
+        )
+        note(
+            f"{input_path}: {len(cut)} row(s) longer than the model's context ({context} tokens, "
+            f"{new} of them new) keep their last {room} prompt tokens: {ids}"
+        )
     return out
 
 
@@ -98,7 +121,7 @@ def generator(
     "tokens"}`` per row; a row's length is its prompt plus ``max_new_tokens``."""
     tok = loaded.tokenizer
     apply_adapter(loaded, adapter)
-    encoded = encode_rows(tok, rows, opts.chat, input_path)
+    encoded = encode_rows(tok, rows, opts.chat, input_path, loaded.context, opts.max_new_tokens)
     params = GenerateParams(opts.max_new_tokens, opts.temperature, opts.top_p, tuple(tok.eos_ids))
 
     def compute(batch: list[PromptRow]) -> list[dict]:

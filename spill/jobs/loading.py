@@ -24,6 +24,7 @@ class LoadedModel:
     fingerprint: str
     tokenizer: Tokenizer
     runner: Runner
+    context: int  # tokens a row may hold in all: the model's max_position_embeddings
 
 
 def find_model(name: str, weights: str | None, quantize: Spec | None = None):
@@ -69,4 +70,4 @@ def open_model(
     config, tokenizer = load_config(folder), Tokenizer(folder)  # fail before the engine opens
     runner = resolve(engine).open(ModelSpec(folder, config), options)
     note(f"spill {verb} · model {name} ({fp[:19]}) · {runner.info.line()}")
-    return LoadedModel(name, folder, fp, tokenizer, runner)
+    return LoadedModel(name, folder, fp, tokenizer, runner, config.max_position_embeddings)

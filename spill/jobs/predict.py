@@ -60,10 +60,11 @@ class PredictOptions:
 def _predictor(loaded: LoadedModel, rows, opts: PredictOptions, where, adapter) -> Work:
     tok = loaded.tokenizer
     apply_adapter(loaded, adapter)
-    prompts = encode_rows(tok, [r.row for r in rows], False, where)
+    label_ids = [answer_ids(tok, label) for label in opts.labels]
+    longest = max((len(x) for x in label_ids), default=0)
+    new = longest if opts.labels else opts.max_new_tokens  # scored, or generated
+    prompts = encode_rows(tok, [r.row for r in rows], False, where, loaded.context, new)
     if opts.labels:
-        label_ids = [answer_ids(tok, label) for label in opts.labels]
-        longest = max(len(x) for x in label_ids)
 
         def classify(batch: list[PredictRow]) -> list[dict]:
             got = choose_labels(
