@@ -4,7 +4,9 @@ Every reply renders the whole conversation with the model's chat template and ge
 greedily through the runner's one generation loop, watching each token as it is chosen
 (``Runner.generate(on_token=...)``). The text shown is the decoded reply so far, less what was
 already shown; a tail that decodes to U+FFFD (a character cut between byte tokens) waits for
-the next token. A reply cut short (``stop()`` true) keeps what was shown as its turn.
+the next token. A reply cut short (``stop()`` true) keeps what was shown as its turn. A turn
+whose conversation and reply would pass the model's context is refused (``DataError``) before
+anything is generated, and not kept; only the tail that could fit is ever encoded.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ class Conversation:
     def __init__(self, loaded: LoadedModel, max_new_tokens: int) -> None:
         if not loaded.tokenizer.chat_template:
             raise DataError(f"{loaded.name} has no chat template; spill chat needs a chat model")
+        if max_new_tokens >= loaded.context:
+            raise DataError(
+                f"--max-new-tokens {max_new_tokens} leaves no room for a conversation in the "
+                f"model's context of {loaded.context} tokens; lower it"
+            )
         self.loaded, self.max_new_tokens = loaded, max_new_tokens
+        self.room = loaded.context - max_new_tokens  # tokens the conversation may take
         self.messages: list[dict[str, str]] = []
 
     def reset(self) -> None:
@@ -40,7 +48,14 @@ class Conversation:
         grows; returns (the reply, how it finished: stop, length or cancelled)."""
         tok = self.loaded.tokenizer
         turns = [*self.messages, {"role": "user", "content": text}]
-        prompt = np.asarray(tok.encode_chat(turns), dtype=np.int64)
+        ids, long = tok.encode_last(tok.apply_chat_template(turns), self.room, False)
+        if long:  # refused before the model sees it: the turn is not kept
+            raise DataError(
+                f"this message brings the conversation past the {self.room} tokens the model's "
+                f"context ({self.loaded.context}) leaves beside a reply of up to "
+                f"{self.max_new_tokens}; send a shorter one, or /reset"
+            )
+        prompt = np.asarray(ids, dtype=np.int64)
         params = GenerateParams(self.max_new_tokens, 0.0, 1.0, tuple(tok.eos_ids))
         ids: list[int] = []
         shown = [""]
