@@ -146,6 +146,62 @@ def test_resume_on_s3(tmp_path, job, s3_bucket):
     _check_complete(state, out, job["ref"])
 
 
+def _graded_rows(n: int) -> list[dict]:
+    """Eval rows of uneven lengths, so a batch pads its rows to different widths."""
+    rng = np.random.default_rng(5)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    return [
+        {
+            "id": f"g{i}",
+            "prompt": " ".join(rng.choice(words, size=int(rng.integers(1, 30)))),
+            "answer": " ".join(rng.choice(words, size=int(rng.integers(1, 6)))),
+        }
+        for i in range(n)
+    ]
+
+
+def test_eval_log_probs_ignore_the_batch_and_a_sigkill_resumes_to_the_same_bytes(tmp_path, job):
+    """A row's gold log-probs are the same floats at --batch 7 and 64 (each row is scored
+    alone). A job SIGKILLed mid-run (its last commit, 25 rows a segment, inside a batch) and
+    continued without --batch takes the batch its committed rows name and cuts its batches where
+    the uninterrupted job did, so the continued file is the --batch 7 file byte for byte."""
+    src = _jsonl(tmp_path / "graded.jsonl", _graded_rows(60))
+    gen = ["--max-new-tokens", "8", "--dtype", "float32"]
+    outs = {}
+    for batch in ("7", "64"):
+        outs[batch] = tmp_path / f"b{batch}.jsonl"
+        proc = _spill(
+            "eval", job["model"], str(src), "--out", str(outs[batch]), *gen, "--batch", batch
+        )
+        assert proc.returncode == 0, proc.stderr
+    seven, sixty_four = _read(outs["7"]), _read(outs["64"])
+    for key in ("gold_logprob", "gold_logprob_mean", "gold_tokens"):
+        assert [r[key] for r in seven] == [r[key] for r in sixty_four], key
+
+    state, out = tmp_path / "state", tmp_path / "resumed.jsonl"
+    args = ["eval", job["model"], str(src), "--out", str(out), *gen, "--state", str(state)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spill", *args, "--batch", "7"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **ENV},
+    )
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        if _segment(state, 0) and _committed_ids(str(state)):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)  # somewhere inside a batch after the first commit
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err
+    done = len(_committed_ids(str(state)))
+    assert 0 < done < 60  # segments hold 25 rows: the commit ends inside a batch of 7
+    again = _spill(*args)  # no --batch: the committed rows' batch, not the memory budget's
+    assert again.returncode == 0, again.stderr
+    assert "batch 7 (as the rows committed before" in again.stderr
+    assert out.read_bytes() == outs["7"].read_bytes()
+
+
 def test_other_input_or_settings_are_refused_in_one_line(tmp_path, tiny_models):
     model = str(tiny_models["qwen2"])
     src = _jsonl(tmp_path / "a.jsonl", [{"id": 1, "prompt": "one"}, {"id": 2, "prompt": "two"}])

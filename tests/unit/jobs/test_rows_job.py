@@ -47,3 +47,34 @@ def test_run_and_distill_summaries_share_the_common_keys(tmp_path, tiny_models):
     common = {"rows", "seconds", "engine", "numerics", "out", "generated_tokens"}
     assert common <= r.keys() and common <= d.keys()
     assert r["rows"] == d["rows"] == 2 and r["generated_tokens"] == d["generated_tokens"]
+
+
+def test_a_continued_job_cuts_its_batches_where_an_uninterrupted_one_does(
+    tmp_path, tiny_models, monkeypatch
+):
+    """Row i is in batch i // batch, so a job stopped inside a batch (``stop_after`` 3 at batch
+    2) continues with the rest of that batch alone, and one continued without a batch takes the
+    batch its committed rows name: every row beside the neighbours it has uninterrupted."""
+    from spill.engines.core.runner import StreamRunner
+
+    sizes: list[int] = []
+    real = StreamRunner.generate
+    monkeypatch.setattr(
+        StreamRunner,
+        "generate",
+        lambda self, prompts, *a, **k: sizes.append(len(prompts)) or real(self, prompts, *a, **k),
+    )
+    src, model = _rows(tmp_path / "in.jsonl", 7), str(tiny_models["llama"])
+    whole = tmp_path / "whole.jsonl"
+    generate(model, src, whole, GEN, RowOptions(batch=2, engine=_job(tmp_path).engine))
+    assert sizes == [2, 2, 2, 1]
+    sizes.clear()
+    generate(model, src, tmp_path / "out.jsonl", GEN, _job(tmp_path, stop_after=3))
+    assert sizes == [2, 1]  # rows 0-1, then row 2 of the batch 2-3
+    sizes.clear()
+    job = RowOptions(
+        batch=None, engine=_job(tmp_path).engine, writer=Writer(str(tmp_path / "state"))
+    )
+    generate(model, src, tmp_path / "out.jsonl", GEN, job)
+    assert sizes == [1, 2, 1]  # row 3 ends the batch 2-3; then 4-5 and 6
+    assert (tmp_path / "out.jsonl").read_bytes() == whole.read_bytes()
