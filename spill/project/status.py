@@ -263,6 +263,19 @@ def _check_outputs(doc: dict[str, Any], where: str) -> list[str]:
     return notes
 
 
+def _instead(where: str, root: Path) -> str:
+    """What to do where a build was looked for: a job's state (``--state`` of run, eval,
+    distill, predict or tune) is shown by ``spill status`` given it; else build the project."""
+    from spill.jobs.authority import read_command
+
+    if is_state(where):
+        verb = (read_command(where) or {}).get("verb")
+        if verb not in ("build", "resume"):
+            job = f"a `spill {verb}` job's" if verb else "a job's"
+            return f"it holds {job} state: `spill status {where}` shows it"
+    return f"`spill build {root}` starts one"
+
+
 def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     """Read a project's build state; refresh the progress of unfinished stages from their probes."""
     root = Path(root).resolve()
@@ -274,7 +287,7 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
             losses = {r["run"]: found for r in runs if (found := series.losses(r["state"]))}
             summary = {"project": root.name, "state": where, "runs": runs, "dry_run": False}
             return {**summary, "losses": losses}
-        raise StoreError(f"no build at {where}; `spill build {root}` starts one")
+        raise StoreError(f"no build at {where}; {_instead(where, root)}")
     notes = []
     for name, rec in (doc.get("stages") or {}).items():
         if rec["status"] in ("running", "stopped"):
