@@ -449,6 +449,36 @@ def test_a_quantized_gguf_holds_every_matrix_in_its_blocks_and_reads_back_close(
         assert (err <= step * 1.01 + 1e-6).all(), name
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+def test_a_quantized_gguf_says_how_far_the_rounding_moves_the_tune(tuned, tmp_path, kind):
+    """Issue 35, item 29: the export measures the rounding of every adapted matrix against the
+    tune's own change (Frobenius norms) and says it; recomputed here from spill's import of the
+    file, the f32 merge and the adapter. Item 28: the tiny models' merge-less tokenizer is named
+    in one note (llama.cpp refuses such a file)."""
+    from spill.jobs.adapter_files import load_adapter
+
+    out = tmp_path / "out"
+    proc = _ok(_spill("export", str(tuned["state"]), str(out), "--format", "gguf",
+                      "--quantize", kind, "--json"))  # fmt: skip
+    shift = json.loads(proc.stdout)["gguf"]["quantization_shift"]
+    adapter = load_adapter(tuned["state"] / "adapter")
+    back, merged = _imported(out / f"model-{kind}.gguf", tmp_path / "home"), _tensors(tuned["hf"])
+    tune2 = err2 = 0.0
+    for key in sorted(k for k in adapter.params if k.endswith(".lora_a")):
+        stem = key.removesuffix(".lora_a")
+        a, b = adapter.params[key], adapter.params[f"{stem}.lora_b"]
+        tune2 += float(np.sum(np.square(adapter.lora.scale * (a @ b), dtype=np.float64)))
+        name = f"model.{stem}.weight"
+        err2 += float(np.sum(np.square(back[name] - merged[name], dtype=np.float64)))
+    assert shift["matrices"] == len([k for k in adapter.params if k.endswith(".lora_a")])
+    assert shift["ratio"] == pytest.approx(np.sqrt(err2 / tune2), rel=1e-3, abs=1e-4)
+    assert shift["tune_norm"] == pytest.approx(np.sqrt(tune2), rel=1e-4)
+    lines = proc.stderr.splitlines()
+    said = [x for x in lines if x.startswith(f"{kind} moves the {shift['matrices']} adapted")]
+    assert len(said) == 1 and f"{shift['ratio']:.2f}x the tune's own change" in said[0], lines
+    assert sum("has no BPE merges: llama.cpp and Ollama refuse" in x for x in lines) == 1
+
+
 # --- mlx --------------------------------------------------------------------------------------
 
 

@@ -11,7 +11,9 @@ biases) stay F32 as llama.cpp keeps them; with ``--quantize`` every matrix whose
 byte-level BPE from ``tokenizer.json`` (tokens, merges, token types, the pre-tokenizer's
 llama.cpp name), with the chat template. Tensor infos are declared first and the data written
 one merged tensor at a time, so memory stays at one tensor. An Ollama ``Modelfile`` that names
-the file and its stop tokens is written beside it.
+the file and its stop tokens is written beside it. With ``--quantize`` the rounding of the adapted
+matrices is measured against the tune's own change (``_Shift``) and said; a tokenizer without
+merges (which llama.cpp refuses) is said in one note.
 """
 
 from __future__ import annotations
@@ -103,8 +105,13 @@ def _pre(tokenizer: dict, where: Path) -> str:
     )
 
 
-def add_tokenizer(writer, inputs: Inputs) -> list[str]:
-    """The vocabulary, merges, special ids and chat template; the texts that end generation."""
+def add_tokenizer(
+    writer, inputs: Inputs, progress: Callable[[str], object] = lambda line: None
+) -> list[str]:
+    """The vocabulary, merges, special ids and chat template; the texts that end generation.
+    A BPE without merges (the tiny test models' byte-only vocabulary) is written without the
+    merges key (gguf writes no empty array), which llama.cpp refuses ("cannot find tokenizer
+    merges"): said in one note, since transformers and spill's importer read the file."""
     folder = inputs.base_folder
     where = folder / "tokenizer.json"
     tok = json.loads(where.read_bytes())
@@ -131,6 +138,11 @@ def add_tokenizer(writer, inputs: Inputs) -> list[str]:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
+    if not merges:
+        progress(
+            f'{where} has no BPE merges: llama.cpp and Ollama refuse this GGUF ("cannot find '
+            'tokenizer merges"); transformers and spill read it, or export --format hf'
+        )
     tc_path = folder / "tokenizer_config.json"
     tc = json.loads(tc_path.read_bytes()) if tc_path.is_file() else {}
     cfg = inputs.config
@@ -206,7 +218,7 @@ def write(
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    stops = add_tokenizer(writer, inputs)
+    stops = add_tokenizer(writer, inputs, progress)
 
     stored, types = {}, Counter()
     extra = rope_freqs(cfg) if cfg.rope_scaling else None  # llama3 scaling: written first
@@ -226,6 +238,7 @@ def write(
     if extra is not None:
         writer.write_tensor_data(extra)
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    shift = _Shift(inputs)
     for name, w in merged(inputs):
         module = name.rsplit(".", 2)[-2]
         if arch == "llama" and module in heads and name.endswith(".weight"):
@@ -237,13 +250,67 @@ def write(
             data = w.astype(np.float16)
         else:
             data = ggml_quantize(w, qtype)  # BF16 and the block types, as uint8 rows
+            if quantize and qtype.name == quantize.upper():
+                shift.add(name, w, data, qtype)
         writer.write_tensor_data(np.ascontiguousarray(data))
     writer.close()
     progress(f"wrote {path.name} ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))})")
+    extra_json = {}
+    if quantize and shift.tune2 > 0:
+        extra_json["quantization_shift"] = shift.result()
+        progress(shift.line(quantize))
     modelfile = [
         f"# Ollama: ollama create NAME -f Modelfile (merged by spill from {inputs.base_name})",
         f"FROM ./{path.name}",
         *(f"PARAMETER stop {json.dumps(s)}" for s in stops),
     ]
     (dest / "Modelfile").write_text("\n".join(modelfile) + "\n", encoding="utf-8")
-    return {"gguf": {"file": path.name, "types": dict(sorted(types.items()))}}
+    return {"gguf": {"file": path.name, "types": dict(sorted(types.items())), **extra_json}}
+
+
+class _Shift:
+    """How far ``--quantize`` moves the adapted matrices, against how far the tune moved them:
+    the Frobenius norm of (dequantized - float merge) over every adapted matrix stored in the
+    block type, divided by that of the tune's own change (``scale * (A @ B).T``). Near or above
+    1, the rounding is as large as what the tune learned (a short tune's small delta)."""
+
+    def __init__(self, inputs: Inputs):
+        self.params = inputs.adapter.params
+        self.scale = np.float32(inputs.adapter.lora.scale)
+        self.tune2 = self.error2 = 0.0
+        self.matrices = 0
+
+    def add(self, name: str, w: np.ndarray, data: np.ndarray, qtype) -> None:
+        from gguf.quants import dequantize
+
+        stem = name.rsplit(".", 1)[0].removeprefix("model.")
+        if not name.endswith(".weight") or f"{stem}.lora_a" not in self.params:
+            return
+        a, b = self.params[f"{stem}.lora_a"], self.params[f"{stem}.lora_b"]
+        delta = self.scale * (a @ b)  # (in, out): the norm is the transpose's, and the
+        error = dequantize(data, qtype) - w  # q/k permutation moves rows, not their norms
+        self.tune2 += float(np.sum(np.square(delta, dtype=np.float64)))
+        self.error2 += float(np.sum(np.square(error, dtype=np.float64)))
+        self.matrices += 1
+
+    def result(self) -> dict:
+        return {
+            "matrices": self.matrices,
+            "tune_norm": round(math.sqrt(self.tune2), 6),
+            "quantization_norm": round(math.sqrt(self.error2), 6),
+            "ratio": round(math.sqrt(self.error2 / self.tune2), 4),
+        }
+
+    def line(self, quantize: str) -> str:
+        r = self.result()
+        warn = (
+            "; the rounding is at least as large as what the tune learned: check the export "
+            "on your rows, or export q8_0 or a float dtype"
+            if r["ratio"] >= 1
+            else ""
+        )
+        return (
+            f"{quantize} moves the {r['matrices']} adapted matrices by {r['ratio']:.2f}x the "
+            f"tune's own change (Frobenius norms {r['quantization_norm']:.4g} against "
+            f"{r['tune_norm']:.4g}){warn}"
+        )
