@@ -238,3 +238,23 @@ def test_bad_input_is_one_line(toy, tmp_path):
     fails(2, "--stop-after keeps the rows done only with --state", p, str(toy["csv"]),
           "--out", "o.jsonl", "--stop-after", "3")  # fmt: skip
     fails(1, "no spill.yaml", str(tmp_path), "--text", "x")
+
+
+def test_a_row_longer_than_the_context_is_cut_and_the_others_are_answered(toy, tmp_path):
+    """Issue 35 item 8: one stray row of 125 KB (near CSV's field limit; the model's context
+    is 2048 tokens) keeps its last tokens, a note names it, and every row is answered, in
+    bounded memory and time (the child's own peak RSS)."""
+    from tests.func.test_input_bombs import measured
+
+    rows = toy["csv"].read_text().splitlines()
+    big = tmp_path / "big.csv"
+    big.write_text("\n".join([*rows[:3], "huge," + "word " * 25_000, *rows[3:6]]) + "\n")
+    out = tmp_path / "out.jsonl"
+    ran = measured("predict", str(toy["project"]), str(big), "--out", str(out), home=toy["home"])
+    assert ran.code == 0 and "Traceback" not in ran.err, ran.err
+    assert "1 row(s) longer than the model's context (2048 tokens" in ran.err
+    assert "prompt tokens: 'huge'" in ran.err
+    got = _read(out)
+    ids = [r.split(",")[0] for r in rows[1:6]]
+    assert [r["id"] for r in got] == [*ids[:2], "huge", *ids[2:]]
+    assert all(r["label"] in r["logprobs"] for r in got)
