@@ -169,7 +169,10 @@ BAD_FILES = {
     "bad spec": ('prompt:\n  template: "{input} {labels:x}"\n', "prompt.template has {labels:x}"),
     "conversion": ('prompt:\n  template: "{input} {input!r}"\n', "prompt.template has {input!r}"),
     "positional": ('prompt:\n  template: "{input} {}"\n', "prompt.template uses {};"),
-    "attribute": ('prompt:\n  template: "{input} {input.upper}"\n', "prompt.template uses {input.upper}"),
+    "attribute": (
+        'prompt:\n  template: "{input} {input.upper}"\n',
+        "prompt.template uses {input.upper}",
+    ),
     "brace": ('prompt:\n  template: "{input} }"\n', "prompt.template is not a valid template"),
     "targets": ("tune:\n  targets: q_proj,foo\n", "tune.targets: 'q_proj,foo' does not match"),
     "yaml": ("tune: [1\n", "not valid YAML"),
