@@ -7,11 +7,18 @@ Params are logged once: MLflow refuses a param logged again with another value, 
 run logs only those the run lacks (``ckpt_every`` may differ between legs; the first leg's
 stays). Statuses: RUNNING while a process logs, FINISHED at the last step, KILLED when a leg
 stops early (``--stop-after``, preempted), FAILED on an error; a SIGKILLed leg stays RUNNING.
+
+MLflow's own client retries a failed request 7 times over about 4 minutes and waits 120 s for
+an answer; a run that opens MLflow sets shorter defaults (``HTTP``, each unless already set in
+the environment), so a wrong port fails the open in seconds and a server that stops answering
+is given up after ~30 s (on the tracking's sender thread: no step waits for it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import sys
 import time
 from typing import Any
@@ -20,6 +27,12 @@ from spill.errors import SpillError
 
 KEY_TAG = "spill.key"
 BATCH = 1000  # MLflow's limit of metrics per log_batch
+HTTP = {  # MLflow's variables, read at each request: 3 tries of 10 s at most, 1-2 s apart
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+}
 
 
 class MLflowRun:
@@ -30,6 +43,9 @@ class MLflowRun:
     def __init__(
         self, key: str, experiment: str, run: str, params: dict[str, Any], tags: dict[str, str]
     ) -> None:
+        for name, value in HTTP.items():
+            os.environ.setdefault(name, value)
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # its retry lines
         from mlflow.entities import RunTag
         from mlflow.tracking import MlflowClient
 

@@ -1,7 +1,11 @@
-"""TensorBoard event files, written and read back with tensorboard's own writer and reader.
+"""TensorBoard event files, written and read back with tensorboard's own record writer and reader.
 
-Each process that logs writes a new event file in the run's folder (``EventFileWriter`` names
-it by time, host and pid); on open the folder's existing files are read back with TensorBoard's
+Each process that logs writes a new event file in the run's folder, named as TensorBoard's
+``EventFileWriter`` names it (time, host, pid, a counter) and begun with the same version
+record; the records go through TensorBoard's ``RecordWriter`` onto a file opened here, on the
+tracking sender's thread, not through ``EventFileWriter``'s own thread, which prints a traceback
+of its own when the file cannot be written (a read-only folder): here that is one ``OSError``
+the tracking turns into its one-line warning. On open the folder's existing files are read back with TensorBoard's
 ``EventAccumulator``, so a resumed run knows, per tag, the newest step it holds and writes only
 later steps: no step twice, none skipped. A record a killed writer left half-written is dropped
 by the reader, so it is written again. No torch: the MLX engine may run without it.
@@ -9,10 +13,15 @@ by the reader, so it is written again. No torch: the MLX engine may run without 
 
 from __future__ import annotations
 
+import itertools
+import os
+import socket
 import time
 from pathlib import Path
 
 from spill.errors import SpillError
+
+_files = itertools.count()  # this process's event files, for unique names
 
 
 def logged(logdir: str | Path) -> dict[str, int]:
@@ -48,16 +57,28 @@ class TensorBoard:
         if not points:
             return
         from tensorboard.compat.proto import event_pb2, summary_pb2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         if self._writer is None:
-            self._writer = EventFileWriter(str(self.logdir))
+            self._writer = self._open()
         now = time.time()
         for step, tag, value in points:
             value = summary_pb2.Summary.Value(tag=tag, simple_value=float(value))
             summary = summary_pb2.Summary(value=[value])
-            self._writer.add_event(event_pb2.Event(wall_time=now, step=step, summary=summary))
+            event = event_pb2.Event(wall_time=now, step=step, summary=summary)
+            self._writer.write(event.SerializeToString())
         self._writer.flush()
+
+    def _open(self):
+        """A new event file, its version record written (what ``EventFileWriter`` begins with)."""
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        now = time.time()
+        name = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}"
+        writer = RecordWriter(open(self.logdir / f"{name}.{next(_files)}", "xb"))  # noqa: SIM115
+        version = event_pb2.Event(wall_time=now, file_version="brain.Event:2")
+        writer.write(version.SerializeToString())
+        return writer
 
     def close(self, status: str | None) -> None:
         if self._writer is not None:

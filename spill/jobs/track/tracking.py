@@ -11,13 +11,19 @@ The learning rate is recomputed (``spill.jobs.schedule.cosine_lr``): step ``s`` 
 logged) applied ``cosine_lr(s - 1, ...)`` (``tune_steps.Steps.apply``). Tokens/s is known only
 for the steps this process computed (``rates``), so a back-filled step has none.
 
-A tracker that fails after opening (a server gone) is dropped with a warning, not the run: the
-next leg back-fills what it missed. ``TRACK_LOGGED`` is a drill point between two trackers.
+Logging is off the step's path: a commit only merges its points into what is still to be sent
+(``_wanted``, per metric and step: bounded by what the state itself holds, so it never waits
+nor drops) and one sender thread writes them, tracker after tracker, in order. A tracker that
+fails (a server gone, or one that stops answering past MLflow's bounded timeout) is dropped
+with a one-line warning as soon as it fails, not the run: the next leg back-fills what it
+missed. The run's end waits at most ``FLUSH_WITHIN`` seconds for the sender, then says which
+tracker did not finish. ``TRACK_LOGGED`` is a drill point between two trackers (on the sender).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any, Protocol
 
 from spill.console import note
@@ -25,6 +31,7 @@ from spill.jobs.schedule import cosine_lr
 from spill.store import drill
 
 ORDER = ("valid/loss", "train/loss", "train/lr", "train/tokens_per_s")  # within one step
+FLUSH_WITHIN = 30.0  # seconds the run's end waits for its trackers to take what is left
 
 
 class Backend(Protocol):
@@ -65,6 +72,12 @@ class Tracking:
         self.backends = list(backends)
         self.tune = tune
         self.step = 0  # the newest committed step seen
+        self._wanted: dict[str, dict[int, float]] = {}  # points the sender has not taken yet
+        self._asked = self._done = 0  # batches handed to the sender, and sent (or dropped)
+        self._status: tuple[str | None] | None = None  # set once: close the trackers so
+        self._busy = ""  # the tracker the sender is writing to
+        self._cv = threading.Condition()
+        self._sender: threading.Thread | None = None
 
     def committed(self, state: dict, rates: dict[int, float] | None = None) -> None:
         """A checkpoint was committed: log every step of it no tracker holds yet."""
@@ -76,13 +89,75 @@ class Tracking:
         """Results (an eval's scores) at ``step``; each name logged once at a step."""
         self._log({metric_name(k): {step: float(v)} for k, v in values.items() if _number(v)})
 
+    def flush(self, within: float = FLUSH_WITHIN) -> bool:
+        """Wait (at most ``within`` seconds) until the sender has taken everything logged so
+        far; False when it has not."""
+        with self._cv:
+            asked = self._asked
+            return self._cv.wait_for(lambda: self._done >= asked, within)
+
+    def close(self, status: str | None = "FINISHED", within: float = FLUSH_WITHIN) -> None:
+        """Send what is left, then close each tracker with ``status``: MLflow's (FINISHED,
+        KILLED, FAILED; None: leave it); waits at most ``within`` seconds."""
+        if not self.backends or self._status is not None:
+            return
+        with self._cv:
+            self._status = (status,)
+            self._cv.notify()
+        sender = self._started()
+        sender.join(within)
+        if sender.is_alive():  # a daemon thread: it does not hold the process's exit
+            note(
+                f"warning: logging to {self._busy or 'the trackers'} did not finish within "
+                f"{within:g} s; the next run of the same command back-fills what it lacks"
+            )
+
     def _log(self, found: dict[str, dict[int, float]]) -> None:
+        if not self.backends or self._status is not None:
+            return
+        with self._cv:
+            for k, by in found.items():
+                self._wanted.setdefault(k, {}).update(by)
+            self._asked += 1
+            self._cv.notify()
+        self._started()
+
+    def _started(self) -> threading.Thread:
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send, name="spill-tracking", daemon=True)
+            self._sender.start()
+        return self._sender
+
+    def _send(self) -> None:
+        """The sender thread: what is wanted, tracker after tracker, until closed."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._wanted or self._status is not None)
+                found, self._wanted, asked = self._wanted, {}, self._asked
+            if found:
+                self._write(found)
+            with self._cv:
+                self._done = asked
+                self._cv.notify_all()
+                if self._status is None or self._wanted:
+                    continue
+            (status,) = self._status
+            for b in list(self.backends):
+                self._busy = b.name
+                try:
+                    b.close(status)
+                except Exception as e:
+                    note(f"warning: closing {b.name} failed ({_short(e)})")
+            return
+
+    def _write(self, found: dict[str, dict[int, float]]) -> None:
         rank = {k: i for i, k in enumerate(ORDER)}
         for b in list(self.backends):
             points = [
                 (s, k, v) for k, by in found.items() for s, v in by.items() if s > b.last.get(k, -1)
             ]
             points.sort(key=lambda p: (p[0], rank.get(p[1], len(ORDER)), p[1]))
+            self._busy = b.name
             try:
                 b.write(points)
             except Exception as e:  # never the run's end: the next leg back-fills
@@ -92,15 +167,6 @@ class Tracking:
             for s, k, _ in points:
                 b.last[k] = max(b.last.get(k, -1), s)
             drill.at(drill.TRACK_LOGGED)
-
-    def close(self, status: str | None = "FINISHED") -> None:
-        """``status``: MLflow's (FINISHED, KILLED, FAILED; None: leave it)."""
-        for b in self.backends:
-            try:
-                b.close(status)
-            except Exception as e:
-                note(f"warning: closing {b.name} failed ({_short(e)})")
-        self.backends = []
 
 
 def open_tracking(

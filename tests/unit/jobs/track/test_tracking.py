@@ -7,6 +7,8 @@ after those the tracker holds, back-filled from the state, in step order.
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 from spill.jobs.schedule import cosine_lr
@@ -55,6 +57,7 @@ def test_each_commit_logs_only_the_steps_a_tracker_lacks():
     t.committed(state(2), {1: 5.0, 2: 6.0})
     t.committed(state(4), {1: 5.0, 2: 6.0, 3: 7.0, 4: 8.0})
     t.committed(state(4), {})  # the same commit again (a resume that had nothing to run)
+    assert t.flush(10)
     steps = lambda b, k: [s for s, key, _ in b.points if key == k]  # noqa: E731
     for key in ("train/loss", "train/lr"):
         assert steps(fresh, key) == [1, 2, 3, 4]
@@ -68,6 +71,7 @@ def test_steps_committed_by_a_dead_process_are_back_filled_without_a_rate():
     b = Fake({"train/loss": 2, "train/lr": 2, "train/tokens_per_s": 2})
     t = Tracking([b], TUNE)
     t.committed(state(6, valid=[(4, 1.5)]), {5: 50.0, 6: 60.0})
+    assert t.flush(10)
     assert {(s, k) for s, k, _ in b.points} == {
         *((s, k) for s in (3, 4, 5, 6) for k in ("train/loss", "train/lr")),
         (5, "train/tokens_per_s"),
@@ -81,6 +85,7 @@ def test_a_tracker_that_fails_is_dropped_not_the_run(capsys):
     bad, good = Fake(fail=True), Fake()
     t = Tracking([bad, good], TUNE)
     t.committed(state(2), {})
+    assert t.flush(10)
     assert t.backends == [good] and len(good.points) == 4
     assert "warning: logging to fake failed (server gone)" in capsys.readouterr().err
     t.close("KILLED")
@@ -92,6 +97,7 @@ def test_results_are_logged_once_at_their_step():
     t = Tracking([b])
     t.metrics({"eval:base/accuracy": 0.5, "eval:base/rows": 3, "labels": {"a": 1}, "x": None})
     t.metrics({"eval:base/accuracy": 0.5})  # a rerun of the finished stage
+    assert t.flush(10)
     assert b.points == [(0, "eval_base/accuracy", 0.5), (0, "eval_base/rows", 3.0)]
     assert metric_name("eval:base/accuracy") == "eval_base/accuracy"
 
@@ -99,7 +105,9 @@ def test_results_are_logged_once_at_their_step():
 def test_a_drill_point_between_two_trackers():
     reached = []
     with drill.hooked(reached.append):
-        Tracking([Fake(), Fake()], TUNE).committed(state(1), {})
+        t = Tracking([Fake(), Fake()], TUNE)
+        t.committed(state(1), {})
+        t.close()
     assert reached.count(drill.TRACK_LOGGED) == 2
 
 
@@ -108,3 +116,41 @@ def test_no_tracker_needs_no_settings():
     t.committed(state(3), {1: 1.0})
     assert t.step == 3
     assert "train/lr" not in series(state(1), None, {})  # results only: no schedule
+
+
+class Hung(Fake):
+    """A tracker whose writes wait until ``release`` is set (a server that stops answering)."""
+
+    name = "hung"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def write(self, points):
+        self.entered.set()
+        self.release.wait(30)
+        super().write(points)
+
+
+def test_a_commit_never_waits_on_a_tracker_and_the_end_waits_a_bounded_time(capsys):
+    hung = Hung()
+    t = Tracking([hung], TUNE)
+    t0 = time.monotonic()
+    for step in range(1, 7):  # every commit while the tracker's first write hangs
+        t.committed(state(step), {})
+    assert hung.entered.wait(10)
+    assert time.monotonic() - t0 < 5  # (generous: the commits only merge into a dict)
+    assert not t.flush(0.2)
+    t.close("FINISHED", within=0.5)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "warning: logging to hung did not finish within 0.5 s; "
+        "the next run of the same command back-fills what it lacks"
+    ], err
+    hung.release.set()  # the late sender still writes what it took: none lost, none twice
+    assert hung.entered.wait(1) and t._started().join(10) is None
+    steps = [s for s, k, _ in hung.points if k == "train/loss"]
+    assert steps == sorted(set(steps)) and steps[-1] == 6
+    assert hung.closed == ["FINISHED"]
