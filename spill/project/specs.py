@@ -32,7 +32,8 @@ def check_model_name(name: str, key: str) -> None:
 
     The same order as ``spill.models.resolve.resolve_model``: a URI is staged (checked when it
     is); ``tiny:`` must parse; a local folder must exist (relative to here, as the jobs read it);
-    an alias must be known; a hub id is accepted as spelled (the hub cannot be asked offline).
+    a name ``spill models import`` gave names its cache folder; an alias must be known; a hub id
+    is accepted as spelled (the hub cannot be asked offline).
     """
     from pathlib import Path
 
@@ -50,6 +51,10 @@ def check_model_name(name: str, key: str) -> None:
     if not text:
         raise ModelNotFound(f"{key} is empty; name an alias, a hub id or a local model folder")
     if "://" in text:
+        return
+    from spill.models.cache import imported
+
+    if imported(text) is not None:  # the name `spill models import` gave (`<stem>@<type>`)
         return
     if not Path(text).expanduser().is_dir():
         text = split_quant(text)[0]  # a quantized copy (@q4_1, @q4g64) is checked by its base
