@@ -129,6 +129,17 @@ def cached_fingerprint(folder: Path) -> str:
     return value
 
 
+def imported(name: str) -> Path | None:
+    """The folder ``spill models import`` wrote for ``name`` (``<stem>@<type>``, ``<stem>`` or
+    its ``--name``): ``models/<safe name>`` when its marker records exactly that name."""
+    from spill.models.names import safe_name
+
+    folder = models_dir() / safe_name(name)
+    if not (folder / "config.json").is_file() or read_marker(folder).get("name") != name.strip():
+        return None
+    return folder
+
+
 def _model_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if is_model_file(p.name) and p.is_file())
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import shutil
 import uuid
@@ -34,7 +33,7 @@ import numpy as np
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.hashing import file_sha256
 from spill.models import gguf_quant
-from spill.models.gguf_reader import GGUFFile, TensorInfo, Unread, read_gguf, tokenizer_json
+from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
 from spill.store.fs import fsync, remove_stale
@@ -144,7 +143,7 @@ def import_gguf(
             "file": path.name,
             "size": gguf.size,
             "sha256": file_sha256(path),
-            "gguf_name": _value(gguf, "general.name", str, None),
+            "gguf_name": gguf.value("general.name", str, None),
             "dtype_rule": gguf_quant.DTYPE_RULE if specs else DTYPE_RULE,
             "dtypes": dict(sorted(Counter(r["dtype"] for r in record.values()).items())),
             "tensors": record,
@@ -174,51 +173,10 @@ def import_gguf(
     return dest
 
 
-_NEED = object()
-_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-
-
-def _value(gguf: GGUFFile, key: str, kind: type, default=_NEED, least: float | None = None):
-    """The metadata value ``key`` of type ``kind`` (``least`` or more), ``default`` when absent;
-    a missing required key or a value of another type is one line naming the file and the key."""
-    meta = gguf.metadata
-    if key not in meta:
-        if default is _NEED:
-            raise ModelError(f"{gguf.path}: GGUF metadata lacks '{key}'; re-convert the model")
-        return default
-    v = meta[key]
-    if kind is float:
-        ok = type(v) in (int, float) and math.isfinite(v)
-    else:
-        ok = type(v) is kind
-    if not ok or (least is not None and v < least):
-        shown = f"an array of {v.count}" if isinstance(v, Unread) else repr(v)[:40]
-        want = _KINDS[kind] + (f" of at least {least}" if least is not None else "")
-        raise ModelError(
-            f"{gguf.path}: GGUF metadata '{key}' is {shown}, not {want}; the file is damaged or "
-            "not a model: re-convert it or fetch it again"
-        )
-    return v
-
-
-def _strings(gguf: GGUFFile, key: str, kind: type, required: bool) -> list | None:
-    """A kept metadata array whose elements are all ``kind`` (str or int), else one line."""
-    v = gguf.metadata.get(key)
-    if v is None and not required:
-        return None
-    if not isinstance(v, list) or not v or type(v[0]) is not kind:  # GGUF arrays are uniform
-        shown = "missing" if v is None else f"{type(v).__name__} {repr(v)[:40]}"
-        raise ModelError(
-            f"{gguf.path}: GGUF metadata '{key}' is {shown}, not a list of {kind.__name__}s; "
-            "the file is damaged or not a model: re-convert it or fetch it again"
-        )
-    return v
-
-
 def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     """config.json, tokenizer_config.json and generation_config.json from the GGUF metadata."""
     meta, where = gguf.metadata, str(gguf.path)
-    arch = _value(gguf, "general.architecture", str, None)
+    arch = gguf.value("general.architecture", str, None)
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(
             f"{where}: GGUF architecture {arch!r} is not supported; spill imports "
@@ -232,10 +190,10 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         raise UnsupportedModel(f"{where}: GGUF rope scaling is not supported; use the HF model")
 
     def need(key: str, kind: type = int, least: float | None = 1):
-        return _value(gguf, f"{arch}.{key}", kind, least=least)
+        return gguf.value(f"{arch}.{key}", kind, least=least)
 
     def get(key: str, default, kind: type = int, least: float | None = 1):
-        return _value(gguf, f"{arch}.{key}", kind, default, least)
+        return gguf.value(f"{arch}.{key}", kind, default, least)
 
     hidden, heads = need("embedding_length"), need("attention.head_count")
     kv_heads = get("attention.head_count_kv", heads)
@@ -261,11 +219,11 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
             f"{where}: GGUF metadata says block_count {layers} but the file holds tensors of "
             f"{len(found)} blocks; the file is damaged: re-convert it or fetch it again"
         )
-    tokens = _strings(gguf, "tokenizer.ggml.tokens", str, required=True)
-    _strings(gguf, "tokenizer.ggml.merges", str, required=False)
-    _strings(gguf, "tokenizer.ggml.token_type", int, required=False)
+    tokens = gguf.array("tokenizer.ggml.tokens", str, required=True)
+    gguf.array("tokenizer.ggml.merges", str, required=False)
+    gguf.array("tokenizer.ggml.token_type", int, required=False)
     ids = {
-        k: _value(gguf, f"tokenizer.ggml.{k}_token_id", int, None, 0)
+        k: gguf.value(f"tokenizer.ggml.{k}_token_id", int, None, 0)
         for k in ("bos", "eos", "padding", "unknown", "eot", "eom")
     }
     for v in ids.values():
@@ -303,13 +261,13 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         return tokens[ids[key]] if ids[key] is not None else None
 
     tokenizer_config = {
-        "add_bos_token": _value(gguf, "tokenizer.ggml.add_bos_token", bool, False),
-        "add_eos_token": _value(gguf, "tokenizer.ggml.add_eos_token", bool, False),
+        "add_bos_token": gguf.value("tokenizer.ggml.add_bos_token", bool, False),
+        "add_eos_token": gguf.value("tokenizer.ggml.add_eos_token", bool, False),
         "bos_token": text("bos"),
         "eos_token": text("eos"),
         "pad_token": text("padding"),
         "unk_token": text("unknown"),
-        "chat_template": _value(gguf, "tokenizer.chat_template", str, None),
+        "chat_template": gguf.value("tokenizer.chat_template", str, None),
         "clean_up_tokenization_spaces": False,
         "model_max_length": ctx,
         "tokenizer_class": "PreTrainedTokenizerFast",

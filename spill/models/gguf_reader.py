@@ -1,15 +1,11 @@
-"""GGUF files read with a bounded parser: the key/value metadata, the tensor table, one tensor at a time.
+"""GGUF files through a bounded parser of spill's own: metadata, tensor table, one tensor at a time.
 
-The header is parsed here, not by ``gguf.GGUFReader``: that reader makes one numpy view per
-array element (an 8 MB file with one 2M-element array took 1.44 GB and 49 s) and trusts every
-count. Here each count and length is checked against the bytes left in the file before anything
-is read or allocated; only the arrays the importer uses (``KEPT_ARRAYS``) are read, at most
-``MAX_ELEMENTS`` elements each, and any other array is skipped unread. Every tensor's shape, type
-and byte range is checked with Python integers (no wrap-around) against the file's size, so an
-offset of 2^64-32 is refused, never read from the header's own bytes. Tensor bytes are read per
-tensor with ``pread`` and dequantized by ``gguf.quants.dequantize``, so memory stays at one
-tensor. Only little-endian GGUF v2/v3 files are accepted; a cut or corrupt file is one
-``ModelError`` line naming it.
+Not ``gguf.GGUFReader``: it makes a numpy view per array element (an 8 MB file with one 2M-element
+array took 1.44 GB and 49 s) and trusts every count. Here each count and length is checked
+against the bytes left in the file before anything is read or allocated; only ``KEPT_ARRAYS``
+are read (``MAX_ELEMENTS`` at most), others skipped unread. Each tensor's shape, type and bytes
+are checked with Python integers against the file's size (an offset of 2^64-32 is refused, not
+wrapped onto the header). Tensors are read one at a time (``pread``, ``gguf.quants``); v2/v3 only.
 
 ``tokenizer_json`` rebuilds the file's byte-level BPE tokenizer with ``tokenizers`` alone: tokens
 and merges as stored, control tokens added as special, user-defined ones as plain added tokens,
@@ -59,6 +55,17 @@ SUPPORTED = tuple(
 
 
 @dataclass(frozen=True)
+class Unread:
+    """An array the importer does not use: its length; its bytes were skipped, not read."""
+
+    count: int
+
+
+_NEED = object()
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     name: str
     shape: tuple[int, ...]  # numpy order: (out, in) for a matrix; GGUF stores it reversed
@@ -74,6 +81,37 @@ class GGUFFile:
     version: int
     metadata: dict
     tensors: tuple[TensorInfo, ...]
+
+    def value(self, key: str, kind: type, default=_NEED, least: float | None = None):
+        """Metadata ``key`` as a ``kind`` (int, float, str, bool) of ``least`` or more, else
+        ``default`` when absent; missing (no default) or of another type: one line."""
+        if key not in self.metadata:
+            if default is _NEED:
+                raise ModelError(f"{self.path}: GGUF metadata lacks '{key}'; re-convert the model")
+            return default
+        v = self.metadata[key]
+        ok = type(v) in (int, float) and math.isfinite(v) if kind is float else type(v) is kind
+        if not ok or (least is not None and v < least):
+            shown = f"an array of {v.count}" if isinstance(v, Unread) else repr(v)[:40]
+            least_ = f" of at least {least}" if least is not None else ""
+            raise ModelError(
+                f"{self.path}: GGUF metadata '{key}' is {shown}, not {_KINDS[kind]}{least_}; the "
+                "file is damaged or not a model: re-convert it or fetch it again"
+            )
+        return v
+
+    def array(self, key: str, kind: type, required: bool) -> list | None:
+        """A ``KEPT_ARRAYS`` entry whose elements are ``kind`` (str or int), else one line."""
+        v = self.metadata.get(key)
+        if v is None and not required:
+            return None
+        if not isinstance(v, list) or not v or type(v[0]) is not kind:  # GGUF arrays are uniform
+            shown = "missing" if v is None else f"{type(v).__name__} {repr(v)[:40]}"
+            raise ModelError(
+                f"{self.path}: GGUF metadata '{key}' is {shown}, not a list of {kind.__name__}s; "
+                "the file is damaged or not a model: re-convert it or fetch it again"
+            )
+        return v
 
     def check_supported(self, info: TensorInfo) -> None:
         if info.qtype not in SUPPORTED:
@@ -116,20 +154,12 @@ class GGUFFile:
 
 
 # GGUF value types: scalars by struct format; 8 is a string, 9 an array
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
-_SCALARS |= {11: "<q", 12: "<d"}
+_SCALARS = dict(enumerate("<B <b <H <h <I <i <f <?".split())) | {10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 KEPT_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
 MAX_ELEMENTS = 1 << 20  # per array read (vocabularies run 32k-262k); string arrays skipped too
 MAX_DIMS = 4  # ggml's
 _WINDOW = 1 << 20
-
-
-@dataclass(frozen=True)
-class Unread:
-    """An array the importer does not use: its length; its bytes were skipped, not read."""
-
-    count: int
 
 
 class _Cursor:

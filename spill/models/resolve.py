@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spill.errors import ModelError, ModelNotFound
+from spill.hashing import file_sha256
 from spill.models import hub
-from spill.models.cache import read_marker, write_marker
+from spill.models.cache import imported, read_marker, write_marker
 from spill.models.config import load_config
 from spill.models.names import (
     ALIASES,
@@ -27,6 +28,7 @@ from spill.models.names import (
     Alias,
     TinyName,
     alias_for_model_id,
+    alias_of_folder,
     looks_like_alias,
     looks_like_hub_id,
     lookup,
@@ -83,6 +85,27 @@ def _staged(name: str, uri: str, progress: Progress) -> ResolvedModel:
     return _checked(ResolvedModel(name or label, model_id, None, dest, "staged"))
 
 
+def _genuine(alias: Alias, folder: Path) -> dict:
+    """The marker of an alias's cache folder, once it is not a GGUF import of other bytes than the
+    alias pins (a folder imported before spill refused such imports is refused here, in one line)."""
+    marker = read_marker(folder)
+    if marker.get("source") == "gguf" and marker.get("sha256") != alias.gguf_sha256:
+        raise ModelError(
+            f"{folder} holds a GGUF import of other bytes than {alias.name} pins "
+            f"({marker.get('file', 'a file')}); delete that folder, then run "
+            f"`spill models import {alias.name}` or import the file under another --name"
+        )
+    return marker
+
+
+def _refuse_other_bytes(alias: Alias, path: Path, digest: str, what: str) -> None:
+    if digest != alias.gguf_sha256:
+        raise ModelError(
+            f"{path}: {what}, but it is not the GGUF {alias.name} pins (sha256 {digest[:12]}.., "
+            f"pinned {(alias.gguf_sha256 or 'none')[:12]}..); import it under another --name"
+        )
+
+
 def offline_folder(alias: Alias, tag: str | None) -> tuple[Path, bool]:
     """Where an offline alias's GGUF import lives, and whether it keeps the quantization: the
     bare alias and ``<alias>@<its GGUF's type>`` are the kept import (``models/<alias>-<type>``),
@@ -101,6 +124,7 @@ def import_offline(alias: Alias, dest: Path, progress: Progress, keep: bool = Fa
     from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 
     source = find_smollm2_gguf()
+    _refuse_other_bytes(alias, source, file_sha256(source), f"{alias.name}'s packaged GGUF")
     if keep and alias.kept and gguf_tag(source) != alias.kept:
         raise ModelError(
             f"{source} is {gguf_tag(source).upper()}, not the {alias.kept.upper()} that "
@@ -143,7 +167,7 @@ def _quantized_alias(alias: Alias, name: str, tag: str, progress: Progress) -> R
             hint = f"{alias.name}@{own} (its GGUF's own)" if own else alias.name
             raise ModelNotFound(f"no quantized copy {name} is cached; use {hint}")
         import_offline(alias, folder, progress, keep=keep)
-    marker = read_marker(folder)
+    marker = _genuine(alias, folder)
     return _checked(ResolvedModel(name, alias.model_id, None, folder, marker.get("source", "gguf")))
 
 
@@ -212,7 +236,7 @@ def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
     else:  # a user's own `spill models import FILE.gguf --name <alias>`
         local, keep = models_dir() / safe_name(alias.name), False
     if (local / "config.json").is_file():
-        marker = read_marker(local)
+        marker = _genuine(alias, local)
         source = marker.get("source", "local")
         return _checked(
             ResolvedModel(alias.name, alias.model_id, marker.get("revision"), local, source)
@@ -238,7 +262,7 @@ def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
             return _checked(
                 ResolvedModel(alias.name, alias.model_id, alias.revision, snapshot, "hub")
             )
-        marker = read_marker(folder)
+        marker = _genuine(alias, folder)
         return _checked(
             ResolvedModel(alias.name, alias.model_id, None, folder, marker.get("source", "gguf"))
         )
@@ -288,6 +312,12 @@ def resolve_model(
             f"{name}: no such folder; give an HF-layout model folder, an alias or a hub id"
         )
     base, tag = split_quant(name)
+    if lookup(base) is None and (folder := imported(name)) is not None:  # `models import`'s name
+        marker = read_marker(folder)
+        model = ResolvedModel(
+            name, marker.get("model_id"), None, folder, marker.get("source", "gguf")
+        )
+        return _checked(model)
     if tag and looks_like_alias(base):
         return _quantized_alias(resolve_alias(base), name, tag, progress)
     if looks_like_alias(name):
@@ -327,10 +357,25 @@ def import_model(
     tag = gguf_tag(path) if keep else "f"
     label = name or (f"{path.stem}@{tag}" if tag != "f" else path.stem)
     dest = models_dir() / safe_name(label)
+    digest, fields = file_sha256(path), {"name": label, "source": "gguf", "gguf": str(path)}
+    owner = alias_of_folder(dest.name)
+    if owner is not None:  # the alias's own folder: its pinned bytes, in their own place, only
+        _refuse_other_bytes(owner, path, digest, f"would import into {dest}, {owner.name}'s folder")
+        form = tag if keep and tag != "f" else FLOAT_TAG
+        if offline_folder(owner, form)[0] != dest:
+            raise ModelError(
+                f"{path}: is {owner.name}'s GGUF, but {dest} is not where its {form} import "
+                f"lives; run `spill models import {owner.name}{'' if keep else ' --dequantize'}`"
+            )
+        fields.update(name=f"{owner.name}@{form}", model_id=owner.model_id)
     if (dest / "config.json").is_file():
-        progress(f"{dest} already exists; delete it to import again")
+        if read_marker(dest).get("sha256") != digest:
+            raise ModelError(
+                f"{dest} already holds another model than {path} (another origin); import "
+                "it under another name with --name NAME, or delete that folder first"
+            )
+        progress(f"{dest} already exists, imported from these bytes; delete it to import again")
         return dest
-    progress(f"importing {path} into {dest}")
-    import_gguf(path, dest, progress=progress, keep_quantization=keep)
-    write_marker(dest, name=label, source="gguf", gguf=str(path))
+    import_gguf(path, dest, progress=progress, keep_quantization=keep)  # says what, once checked
+    write_marker(dest, **fields)
     return dest

@@ -1,7 +1,7 @@
 """GGUF files written byte by byte, so a test can make one that no writer would: a value of the
 wrong type, a count larger than the file, a tensor offset that wraps around 2^64.
 
-``small_llama()`` is a whole, importable one-layer Llama (hidden 8, 2 heads, float32 zeros);
+``small_llama()`` is a whole, importable one-layer Llama (hidden 32, 2 heads, random weights);
 ``write_gguf(path, metadata, tensors)`` writes any metadata and tensor table, with ``raw(type,
 bytes)`` for a value spelled out by hand.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-U8, U32, F32, BOOL, STRING, ARRAY, I64 = 0, 4, 6, 7, 8, 9, 11
-GGML_F32 = 0
+U8, U32, I32, F32, BOOL, STRING, ARRAY, I64 = 0, 4, 5, 6, 7, 8, 9, 11
+GGML_F32, GGML_Q8_0 = 0, 8
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def write_gguf(path: Path, metadata: dict, tensors: list[tuple[str, tuple, int, 
     return Path(path)
 
 
-HIDDEN, HEADS, KV, HEAD_DIM, INTER, VOCAB = 8, 2, 1, 4, 16, 5
+HIDDEN, HEADS, KV, HEAD_DIM, INTER, VOCAB = 32, 2, 1, 16, 64, 5
 
 
 def small_metadata(**changes) -> dict:
@@ -121,12 +121,21 @@ def small_tensors() -> list[tuple[str, tuple]]:
     return out
 
 
-def small_llama(path: Path, metadata: dict | None = None, seed: int = 0) -> Path:
-    """A whole one-layer Llama GGUF of float32 random weights (``seed``), importable as it is."""
+def small_llama(path: Path, metadata: dict | None = None, seed: int = 0, q8: bool = False) -> Path:
+    """A whole one-layer Llama GGUF of random weights (``seed``), importable as it is: float32,
+    or with ``q8`` its matrices as Q8_0 (so ``spill models import`` names it ``<stem>@q8_0``)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     rng = np.random.default_rng(seed)
     table, data = [], b""
     for name, shape in small_tensors():
-        table.append((name, shape, GGML_F32, len(data)))
-        data += rng.normal(0, 1, size=shape).astype("<f4").tobytes()
+        w = rng.normal(0, 1, size=shape).astype("<f4")
+        if q8 and len(shape) == 2:
+            table.append((name, shape, GGML_Q8_0, len(data)))
+            data += quantize(w, GGMLQuantizationType.Q8_0).tobytes()
+        else:
+            table.append((name, shape, GGML_F32, len(data)))
+            data += w.tobytes()
         data += b"\0" * (-len(data) % 32)
     return write_gguf(path, small_metadata() if metadata is None else metadata, table, data)

