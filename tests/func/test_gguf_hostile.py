@@ -171,3 +171,21 @@ def test_the_name_an_import_prints_is_what_verbs_take(tmp_path, spill_home):
     from spill.project.specs import check_model_name
 
     check_model_name("mine@q8_0", "model.name")  # a spill.yaml naming it validates
+
+
+def test_tune_eval_and_export_take_the_imported_name(tmp_path, spill_home):
+    path = small_llama(tmp_path / "mine.gguf", q8=True)
+    assert spill("models", "import", str(path))[0] == 0
+    train, rows = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text(json.dumps({"prompt": "ab a", "completion": " b ab"}) + "\n")
+    rows.write_text(json.dumps({"id": "a", "prompt": "ab", "answer": "b"}) + "\n")
+    state = tmp_path / "state"
+    rc, _, err, _, _ = spill(
+        "tune", "mine@q8_0", str(train), "--name", "t", "--state", str(state), "--steps", "1",
+        "--batch", "1", "--micro-batch", "1", "--seq-len", "16",
+    )  # fmt: skip
+    assert rc == 0, err
+    rc, out, err, _, _ = spill("eval", "mine@q8_0", str(rows), "--adapter", str(state / "adapter"))
+    assert rc == 0 and "accuracy" in out, err
+    rc, out, err, _, _ = spill("export", str(state / "adapter"), str(tmp_path / "merged"))
+    assert rc == 0 and (tmp_path / "merged" / "config.json").is_file(), err
