@@ -19,12 +19,20 @@ exit 75, nothing half-published (only rank 0 commits, atomically); rerun the com
 world size to continue from the last commit. An exchange that cannot notice a peer that stops
 answering (``TIMES_OUT`` false: MLX's ring) is bounded by a watchdog that ends the process with
 the same line after ``SPILL_GROUP_TIMEOUT`` seconds in one collective.
+
+A rank that spill's own launcher started (``--procs``: ``SPILL_LAUNCHER_PID`` names it) dies
+with it: on Linux it asks for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``) and checks the
+parent did not die before it asked, so a SIGKILLed launcher leaves no rank running, and rank 0
+holding the run: each stops at its next step (rank 0 commits and lets the run go), or by the
+stop's deadline. Ranks that torchrun or mlx.launch started are theirs to end.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -39,6 +47,7 @@ if TYPE_CHECKING:
 ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # what torchrun (and torch's launcher) sets
 MLX_ENV = "MLX_RANK"  # what mlx.launch sets, whatever its backend (ring, nccl, jaccl)
 TIMEOUT_ENV, TIMEOUT = "SPILL_GROUP_TIMEOUT", 1800.0  # seconds one collective may wait
+PARENT_ENV = "SPILL_LAUNCHER_PID"  # set by ``--procs``: the ranks' launcher, their parent
 
 
 class GroupLost(SpillError):
@@ -236,6 +245,23 @@ def launcher() -> str | None:
     return None
 
 
+def die_with_launcher() -> None:
+    """A rank of ``--procs`` (``PARENT_ENV`` set): SIGTERM when its launcher dies (Linux's
+    parent-death signal; the launcher starts its ranks from its main thread, so it is the
+    process's death, not a thread's); a launcher already gone ends the rank at once."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # (a kernel without it: the launcher's stop is all there is)
+    if os.getppid() != int(parent):  # it died before the request: no signal will come
+        raise GroupLost(lost(int(os.environ.get("RANK") or 0), "its launcher is gone"))
+
+
 def _exchange(name: str):
     """The exchange of the launcher ``name``: the one place that chooses between them."""
     if name == "mlx.launch":
@@ -258,6 +284,7 @@ def current() -> Group:
     if name is None:
         _current = Group()
         return _current
+    die_with_launcher()
     exchange = _exchange(name)
     seconds = float(os.environ.get(TIMEOUT_ENV) or TIMEOUT)
     watchdog = None if exchange.TIMES_OUT else Watchdog(int(os.environ.get(MLX_ENV) or 0), seconds)

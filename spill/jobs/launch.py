@@ -5,15 +5,18 @@ a rank of ``spill.jobs.group``.
 The launcher's exit status is the job's: 0 when every rank finished; 75 when the job stopped
 (a signal, a lost rank) and rank 0's last commit stands, so the same command, at any ``--procs``,
 continues; otherwise the failing ranks' status. Each rank computes on one thread unless
-``OMP_NUM_THREADS`` says otherwise (as torchrun does).
+``OMP_NUM_THREADS`` says otherwise (as torchrun does). Every socket the launcher and its ranks
+listen on is on loopback (``spill.engines.torch.dist``), and the ranks die with the launcher
+(``spill.jobs.group.die_with_launcher``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from spill.errors import EXIT_PREEMPTED, UsageError
-from spill.jobs.group import launcher
+from spill.jobs.group import PARENT_ENV, launcher
 
 
 def without_procs(argv: Sequence[str]) -> list[str]:
@@ -39,6 +42,7 @@ def launch(procs: int, argv: Sequence[str]) -> int:
         )
     from spill.engines.torch import dist
 
+    os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent: they die with it
     try:
         failed = dist.launch(procs, without_procs(argv))
     except dist.Stopped:

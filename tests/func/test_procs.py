@@ -340,6 +340,104 @@ def test_torchrun_two_nodes_on_loopback(inputs, controls, tmp_path):
     assert ranges(same_run(str(state), controls["short"], 4)) == [(0, 4, 2)]
 
 
+# --- what a --procs run opens and leaves behind (issue 35, items 15 and 16) -------------------
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int, int]]:
+    """``(address, port, pid)`` of every TCP socket in LISTEN that the processes ``pids`` hold:
+    /proc/net/tcp and tcp6 rows matched to the processes by the inodes of their socket fds."""
+    import ipaddress
+
+    inodes = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes[int(link[8:-1])] = pid
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                local, state, inode = cols[1], cols[3], int(cols[9])
+                if state != "0A" or inode not in inodes:  # 0A: TCP_LISTEN
+                    continue
+                addr, port = local.split(":")
+                raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
+                ip = ipaddress.ip_address(raw)
+                out.append((str(ip), int(port, 16), inodes[inode]))
+    return out
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_every_socket_a_procs_run_listens_on_is_on_loopback(inputs, tmp_path):
+    """The launcher's rendezvous store, the store its ranks meet at and gloo's own listeners:
+    each bound to loopback, none to every interface, while two ranks train."""
+    import psutil
+
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    lines = {**env, "SPILL_PROGRESS": "lines", "SPILL_PROGRESS_EVERY": "0"}
+    w = kit.Worker([*argv(inputs, state, LONG), "--procs", "2"], lines)
+    try:
+        assert w.wait_for("tune: step 3/")
+        family = {w.proc.pid, *(c.pid for c in psutil.Process(w.proc.pid).children(True))}
+        listening = _listening(family)
+    finally:
+        w.proc.send_signal(signal.SIGTERM)
+        done = w.finish()
+    assert done.returncode == 75, done.stderr
+    assert {pid for _, _, pid in listening} >= {w.proc.pid}, listening  # the launcher's stores
+    assert [x for x in listening if not _loopback(x[0])] == [], listening
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a parent-death signal is Linux's (prctl)")
+def test_ranks_die_with_a_sigkilled_launcher_and_leave_the_run_free(inputs, tmp_path):
+    """``spill tune --procs 2`` SIGKILLed: both ranks get their parent-death signal, stop at
+    the next step (rank 0 commits) within seconds, and the same command run again continues
+    at once from that commit: no lease is left held, no wait."""
+    import psutil
+
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    lines = {**env, "SPILL_PROGRESS": "lines", "SPILL_PROGRESS_EVERY": "0"}
+    w = kit.Worker([*argv(inputs, state, LONG), "--procs", "2"], lines)
+    assert w.wait_for("tune: step 8/")  # past the commit of step 5
+    ranks = [psutil.Process(p) for p in _rank_pids(w.proc.pid).values()]
+    assert len(ranks) == 2
+    guard = threading.Timer(60, _kill_family, (w.proc.pid,))  # a rank that never goes
+    guard.start()
+    try:
+        w.proc.kill()  # the launcher, SIGKILL: it hands nothing on
+        t0 = time.monotonic()
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        took = time.monotonic() - t0
+        for p in alive:  # (only where the test fails)
+            p.kill()
+        done = w.finish()
+    finally:
+        guard.cancel()
+    assert alive == [], (alive, done.stderr)
+    assert took < 30, took  # (a step and a commit of the tiny model: 1.7 s here)
+    assert done.returncode == -signal.SIGKILL
+    assert "Traceback" not in done.stderr, done.stderr
+    stopped = kit.committed_steps(str(state))[-1]
+    assert 5 <= stopped < LONG["steps"]  # (orphans ran on to step 200)
+    again = tune(inputs, state, LONG, env, "--procs", "2", stop_after=stopped + 5)
+    assert again.returncode == 0, again.stderr  # not 75: no owner holds the run
+    assert "is held by" not in again.stderr
+    assert resumed(again) == stopped
+    assert kit.committed_steps(str(state))[-1] == stopped + 5
+
+
 # --- row jobs: rows shared round by round, every record to every rank, rank 0 commits ---------
 
 

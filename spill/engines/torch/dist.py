@@ -8,6 +8,13 @@ tensors; when every rank of a job computes on its GPU (agreed once, ``_on_gpus``
 cross over NCCL, on that GPU; otherwise, and for every object (pickled, small), gloo in host
 memory. Either way the gather is a copy, and the fold after it is in micro-batch order, so the
 bits do not depend on the world size or on the backend.
+
+``launch`` (``--procs``: one host) listens on loopback only. torch's ``TCPStore`` binds every
+interface whatever host it is given, so the launcher's two stores (the rendezvous's and the one
+its ranks meet at) are made here on a socket already bound to 127.0.0.1 (``master_listen_fd``),
+through a rendezvous handler of spill's (``RDZV``: torch's c10d one, its stores made so), and
+the ranks' gloo and NCCL listeners are put on the loopback interface (``GLOO_SOCKET_IFNAME``,
+``NCCL_SOCKET_IFNAME``, unless the environment names another).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import sys
 import uuid
 from collections.abc import Sequence
@@ -24,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 TIMES_OUT = True  # gloo and NCCL give up on a silent peer after join's timeout
+LOOPBACK = "127.0.0.1"
+RDZV = "spill-loopback"  # the launcher's rendezvous: torch's c10d one, on loopback only
 _gpu: torch.device | None = None  # this rank's own GPU, when it has one
 _agreed: dict[str, bool] = {}  # a job's device -> whether every rank exchanges on its GPU
 
@@ -122,13 +132,19 @@ def launch(procs: int, argv: Sequence[str]) -> list[int] | None:
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the ranks' own listeners
+        os.environ.setdefault(name, _loopback_interface())
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(RDZV, _loopback_rendezvous)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=procs,
         run_id=f"spill-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        rdzv_backend=RDZV,
+        rdzv_endpoint=f"{LOOPBACK}:0",
+        local_addr=LOOPBACK,  # the ranks' MASTER_ADDR (else this host's name)
         max_restarts=0,
         monitor_interval=0.2,
     )
@@ -139,6 +155,47 @@ def launch(procs: int, argv: Sequence[str]) -> list[int] | None:
     except SignalException as e:
         raise Stopped(str(e)) from None
     return None
+
+
+def _loopback_store(port: int = 0) -> dist.TCPStore:
+    """A TCPStore server listening on 127.0.0.1 only: on a socket bound here, handed over."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, port))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(
+        LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60), master_listen_fd=sock.detach(),
+    )  # fmt: skip
+
+
+def _loopback_rendezvous(params):
+    """torch's c10d rendezvous (``dynamic_rendezvous``) over stores made by ``_loopback_store``:
+    its own store, and the one it makes for the ranks (``_create_tcp_store_server``)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    class Loopback(DynamicRendezvousHandler):
+        def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
+            return _loopback_store(master_port)
+
+        def get_backend(self) -> str:  # what the registry checks it was asked for
+            return RDZV
+
+    store = _loopback_store()
+    backend = C10dRendezvousBackend(store, params.run_id)
+    return Loopback.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, LOOPBACK
+    )
+
+
+def _loopback_interface() -> str:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS)."""
+    with_loopback = [n for _, n in socket.if_nameindex() if n.startswith("lo")]
+    return with_loopback[0] if with_loopback else "lo"
 
 
 class Stopped(Exception):  # noqa: N818 - the launcher was signalled, as KeyboardInterrupt

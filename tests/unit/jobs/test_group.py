@@ -5,6 +5,7 @@ tests/func/test_procs.py and test_procs_mlx.py, across real processes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -79,3 +80,18 @@ def test_the_watchdog_ends_a_collective_that_never_returns():
     assert done.stderr.strip().startswith(
         "spill: error: rank 0: another process of this job is gone (no answer in 0.5 s)"
     )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rank_whose_launcher_died_before_it_asked_stops_at_once(tmp_path):
+    """A rank of ``--procs`` asks for its parent-death signal, then checks its parent is still
+    the launcher that started it: one that died first (here: a pid that is not the parent)
+    would send no signal, so the rank stops with GroupLost's line."""
+    code = "from spill.jobs import group\ntry:\n    group.die_with_launcher()\n"
+    code += "except group.GroupLost as e:\n    print(e)\nelse:\n    print('alive')\n"
+    env = {**os.environ, group.PARENT_ENV: "1", "RANK": "1"}
+    gone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert gone.stdout.startswith("rank 1: another process of this job is gone (its launcher"), gone
+    env[group.PARENT_ENV] = str(os.getpid())  # the child's real parent
+    kept = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert kept.stdout.strip() == "alive", kept
