@@ -1,20 +1,26 @@
 """A model's architecture, read once from an HF ``config.json`` into a frozen dataclass.
 
-Two families share one shape (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP):
-Llama (SmolLM2, Llama 3.x) and Qwen2 (Qwen2.5, whose q/k/v projections carry biases).
-transformers 5 writes ``rope_theta`` only inside ``rope_parameters``; both places are read.
+Every family shares one shape (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP):
+Llama (SmolLM2, Llama 3.x), Qwen2 (Qwen2.5: q/k/v biases), Qwen3 (per-head q/k RMSNorm before
+the rotary, an explicit ``head_dim``), Mistral (a sliding window on every layer when
+``sliding_window`` is set) and SmolLM3 (Llama with NoPE layers). What differs is read here, once,
+into fields the family files use (``qk_norm``, ``no_rope``, ``windowed``): a family's ``read``
+turns its config.json keys into them the way transformers' config class does, defaults included.
+transformers 5 writes ``rope_theta`` only inside ``rope_parameters`` (nested per layer type for
+some families); both places are read.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from spill.errors import ModelError, UnsupportedModel
 
-FAMILIES = ("llama", "qwen2")
-# a decoder layer's linears, named as the HF weights below ``model.layers.<k>.`` (both families)
+# a decoder layer's linears, named as the HF weights below ``model.layers.<k>.`` (every family)
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 LINEARS = ATTENTION + MLP  # every linear an adapter may target
@@ -33,8 +39,8 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
-    qkv_bias: bool  # q/k/v projections have biases (always for Qwen2)
-    o_bias: bool  # o_proj has a bias (Llama ``attention_bias``)
+    qkv_bias: bool  # q/k/v projections have biases (Qwen2 always; others ``attention_bias``)
+    o_bias: bool  # o_proj has a bias (``attention_bias`` of Llama, Qwen3, SmolLM3)
     mlp_bias: bool
     max_position_embeddings: int
     rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling, as sorted (key, value)
@@ -42,6 +48,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # config.json "quantization" as sorted (module, bits, group_size); module "" is the default
     quantization: tuple[tuple[str, int, int], ...] = ()
+    qk_norm: bool = False  # per-head q_norm / k_norm RMSNorm over head_dim, before the rotary
+    no_rope: tuple[int, ...] = ()  # layers that apply no rotary embedding (SmolLM3's NoPE)
+    sliding_window: int | None = None
+    windowed: tuple[int, ...] = ()  # layers whose queries see only the last sliding_window keys
 
     def quant_spec(self, module: str) -> tuple[int, int]:
         """(bits, group_size) of a quantized module (``model.layers.0.mlp.up_proj``)."""
@@ -52,39 +62,53 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, float]:
         return dict(self.rope_scaling)
 
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One decoder layer's tensors, relative to ``model.layers.<k>.``, with their shapes."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        outs = dict(zip(LINEARS, (q, kv, kv, h, i, i, h), strict=True))
+        ins = dict(zip(LINEARS, (h, h, h, q, h, h, i), strict=True))
+        shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+        shapes |= {m + ".weight": (outs[m], ins[m]) for m in LINEARS}
+        biased = [
+            (ATTENTION[:3], self.qkv_bias),
+            (ATTENTION[3:], self.o_bias),
+            (MLP, self.mlp_bias),
+        ]
+        shapes |= {m + ".bias": (outs[m],) for group, on in biased if on for m in group}
+        if self.qk_norm:
+            shapes |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+        return shapes
+
     def layer_keys(self) -> tuple[str, ...]:
         """Names of one decoder layer's tensors, relative to ``model.layers.<k>.``."""
-        keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-        keys += [m + ".weight" for m in LINEARS]
-        if self.qkv_bias:
-            keys += [m + ".bias" for m in ATTENTION[:3]]
-        if self.o_bias:
-            keys.append("self_attn.o_proj.bias")
-        if self.mlp_bias:
-            keys += [m + ".bias" for m in MLP]
-        return tuple(keys)
+        return tuple(self.layer_shapes())
 
     def layer_params(self) -> int:
         """Number of parameters of one decoder layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        n = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
-        if self.qkv_bias:
-            n += q + 2 * kv
-        if self.o_bias:
-            n += h
-        if self.mlp_bias:
-            n += 2 * i + h
-        return n
+        return sum(math.prod(shape) for shape in self.layer_shapes().values())
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _rope(raw: dict) -> tuple[float, tuple[tuple[str, float], ...]]:
+def _rope_parameters(raw: dict) -> dict:
+    """transformers 5's ``rope_parameters``: one set, or one per layer type (all equal here)."""
     params = raw.get("rope_parameters") or {}
-    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    if params and all(isinstance(v, dict) for v in params.values()):  # keyed by layer type
+        sets = list(params.values())
+        if any(p != sets[0] for p in sets):
+            raise UnsupportedModel(
+                f"rotary parameters that differ by layer type ({', '.join(params)}) are not "
+                "supported; spill runs one rotary embedding for every layer"
+            )
+        params = sets[0]
+    return params
+
+
+def _rope(raw: dict, default_theta: float) -> tuple[float, tuple[tuple[str, float], ...]]:
+    params = _rope_parameters(raw)
+    theta = raw.get("rope_theta", params.get("rope_theta", default_theta))
     scaling = raw.get("rope_scaling") or (
         params if params.get("rope_type") not in (None, "default") else None
     )
@@ -99,6 +123,95 @@ def _rope(raw: dict) -> tuple[float, tuple[tuple[str, float], ...]]:
         )
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return float(theta), tuple(sorted((k, float(scaling[k])) for k in keys))
+
+
+# -- the families: what each one's config class derives from its config.json keys -------------
+
+
+class _Inconsistent(Exception):
+    """config.json's keys contradict each other (a per-layer list shorter than the layers)."""
+
+
+def _window(raw: dict, layers: int, sliding: Callable[[int], bool]) -> dict:
+    """``sliding_window`` and the layers it applies to: ``layer_types`` when config.json lists
+    them, else ``sliding(i)``; none without a window."""
+    window = raw.get("sliding_window")
+    if window is None:
+        return {}
+    types = raw.get("layer_types")
+    if types is not None and len(types) < layers:
+        raise _Inconsistent(f"layer_types lists {len(types)} layers for {layers}")
+    chosen = [
+        types[i] == "sliding_attention" if types is not None else sliding(i) for i in range(layers)
+    ]
+    return {"sliding_window": int(window), "windowed": tuple(i for i in range(layers) if chosen[i])}
+
+
+def _llama(raw: dict, layers: int) -> dict:
+    bias = bool(raw.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(raw.get("mlp_bias", False))}
+
+
+def _qwen_window(raw: dict, layers: int) -> dict:
+    """Qwen2/Qwen3: a window only with ``use_sliding_window``, on layers from ``max_window_layers``."""
+    if not raw.get("use_sliding_window", False):
+        return {}
+    first = int(raw.get("max_window_layers", 28))
+    return _window(raw, layers, lambda i: i >= first)
+
+
+def _qwen2(raw: dict, layers: int) -> dict:
+    return {"qkv_bias": True, "o_bias": False, "mlp_bias": False} | _qwen_window(raw, layers)
+
+
+def _qwen3(raw: dict, layers: int) -> dict:
+    bias = bool(raw.get("attention_bias", False))
+    found = {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False, "qk_norm": True}
+    return found | _qwen_window(raw, layers)
+
+
+def _mistral(raw: dict, layers: int) -> dict:
+    # every layer slides when a window is set; Mistral's attention ignores ``layer_types``
+    window = raw.get("sliding_window")
+    found = {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
+    if window is None:
+        return found
+    return found | {"sliding_window": int(window), "windowed": tuple(range(layers))}
+
+
+def _smollm3(raw: dict, layers: int) -> dict:
+    """Llama with NoPE layers: ``no_rope_layers`` (1 = rotary, 0 = none, at least one entry a
+    layer), else every ``no_rope_layer_interval``-th layer has none."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        every = int(raw.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % every != 0) for i in range(layers)]
+    if len(flags) < layers:
+        raise _Inconsistent(f"no_rope_layers lists {len(flags)} layers for {layers}")
+    found = _llama(raw, layers) | {"no_rope": tuple(i for i in range(layers) if not flags[i])}
+    if not raw.get("use_sliding_window", False):
+        return found
+    return found | _window(raw, layers, lambda i: not flags[i])
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family's defaults where its config.json may be silent, and its own keys' reading."""
+
+    examples: str  # the models people know it by, for messages
+    read: Callable[[dict, int], dict]  # (config.json, layers) -> the ModelConfig fields it sets
+    default_theta: float = 10000.0
+    default_head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    default_tied: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("SmolLM2, Llama 3.x", _llama),
+    "qwen2": Family("Qwen2.5", _qwen2),
+    "qwen3": Family("Qwen3 dense", _qwen3, default_head_dim=128),
+    "mistral": Family("Mistral", _mistral),
+    "smollm3": Family("SmolLM3", _smollm3, default_theta=2000000.0, default_tied=True),
+}
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -127,40 +240,44 @@ def _quantization(entry, where: str) -> tuple[tuple[str, int, int], ...]:
 
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type not in FAMILIES:
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        known = "; ".join(f"{n} ({f.examples})" for n, f in FAMILIES.items())
         raise UnsupportedModel(
-            f"{where}: model_type {model_type!r} is not supported; spill runs {', '.join(FAMILIES)} models (Qwen2.5, SmolLM2, Llama 3.x)"
+            f"{where}: model_type {model_type!r} is not supported; spill runs {known} models"
         )
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        theta, scaling = _rope(raw)
+        layers = int(raw["num_hidden_layers"])
+        theta, scaling = _rope(raw, family.default_theta)
+        head_dim = raw.get("head_dim") or family.default_head_dim or hidden // heads
         return ModelConfig(
             family=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            head_dim=int(head_dim),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            o_bias=model_type == "llama" and bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.default_tied)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             rope_scaling=scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_ids(raw.get("eos_token_id")),
             quantization=_quantization(raw.get("quantization"), where),
+            **family.read(raw, layers),
         )
+    except _Inconsistent as e:
+        raise ModelError(f"{where}: {e}; the model folder's config.json is inconsistent") from None
     except KeyError as e:
         raise ModelError(
             f"{where}: missing key {e.args[0]!r}; the model folder's config.json is incomplete"
         ) from None
-    except (ValueError, TypeError, ZeroDivisionError, AttributeError) as e:
+    except (ValueError, TypeError, ZeroDivisionError, AttributeError, IndexError) as e:
         raise ModelError(
             f"{where}: a value of the wrong type ({str(e)[:80]}); re-download or re-import the model"
         ) from None

@@ -16,7 +16,7 @@ import numpy as np
 from spill.engines.base import AdamW, GenerateParams, LoadOptions, ModelSpec, Stats, TrainBatch
 from spill.engines.core.ring import EXPANDED
 from spill.errors import EngineError, ModelError
-from spill.models.config import LINEARS, ModelConfig
+from spill.models.config import ModelConfig
 from spill.models.lora import LoraConfig, module_shape, param_names
 from spill.models.quant import Spec, check_packed
 from spill.models.weights import WeightFiles
@@ -104,14 +104,11 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a model reads but lm_head, by name, with the shape config.json gives it (a
     packed linear's float shape, (out, in)), decoder layers first."""
     h = cfg.hidden_size
-    norms = ("input_layernorm.weight", "post_attention_layernorm.weight")
-    per_layer: dict[str, tuple[int, ...]] = dict.fromkeys(norms, (h,))
-    for m in LINEARS:
-        fan_in, fan_out = module_shape(cfg, m.rsplit(".", 1)[1])
-        per_layer |= {f"{m}.weight": (fan_out, fan_in), f"{m}.bias": (fan_out,)}
-    keys = cfg.layer_keys()
+    per_layer = cfg.layer_shapes()
     shapes = {
-        f"model.layers.{i}.{k}": per_layer[k] for i in range(cfg.num_hidden_layers) for k in keys
+        f"model.layers.{i}.{k}": shape
+        for i in range(cfg.num_hidden_layers)
+        for k, shape in per_layer.items()
     }
     return shapes | {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
 
