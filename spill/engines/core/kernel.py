@@ -80,6 +80,7 @@ class Kernel(Protocol):
 
     def layer(
         self,
+        i: int,
         w: dict,
         x: Array,
         ctx: Any,
@@ -87,7 +88,8 @@ class Kernel(Protocol):
         lora: LayerLora | None,
         outputs: dict | None = None,
     ) -> Array:
-        """One decoder layer: x (B, T, hidden) -> (B, T, hidden). Given ``outputs`` (empty), the
+        """Decoder layer ``i`` (its weights ``w``): x (B, T, hidden) -> (B, T, hidden); the index
+        says what differs by layer (no rotary, a sliding window). Given ``outputs`` (empty), the
         base outputs of the ``kept_outputs`` linears are stored in it for ``layer_vjp``."""
         ...
 
@@ -112,6 +114,7 @@ class Kernel(Protocol):
 
     def layer_vjp(
         self,
+        i: int,
         w: dict,
         x: Array,
         ctx: Any,
@@ -121,7 +124,7 @@ class Kernel(Protocol):
         wrt_input: bool,
         outputs: dict | None = None,
     ) -> tuple[Array | None, list[Array]]:
-        """Recompute ``layer(w, x, ctx, None, lora(leaves))`` and pull ``grad`` back through it:
+        """Recompute ``layer(i, w, x, ctx, None, lora(leaves))`` and pull ``grad`` back through it:
         (gradient at x, or None without ``wrt_input``; the gradient of each leaf). ``outputs``:
         what the forward's ``layer`` kept; those linears are not computed again."""
         ...
@@ -138,7 +141,8 @@ class Kernel(Protocol):
         cols: np.ndarray,
         scale: float,
     ) -> tuple[float, list[list[Array]]]:
-        """Every layer of ``ws`` in order from x (layer ``i`` with ``loras[i](leaves[i])``), then
+        """Every layer of ``ws`` in order from x (``ws[i]`` is layer ``i``, with
+        ``loras[i](leaves[i])``), then
         ``head_vjp``'s loss, keeping what backward needs, and backward once through all of it:
         (the head's loss, each layer's leaf gradients). The same ops in the same order as
         ``layer`` forward, ``head_vjp``, then ``layer_vjp`` down the layers, so the same bits."""

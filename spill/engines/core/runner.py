@@ -78,7 +78,7 @@ class Model:
         x = k.embed_ids(ids)
         for i, w in self.ring.walk(range(self.cfg.num_hidden_layers)):
             cache = caches[i] if caches is not None else None
-            x = k.layer(w, x, ctx, cache, lora.get(i) if lora else None)
+            x = k.layer(i, w, x, ctx, cache, lora.get(i) if lora else None)
             k.sync(x, *([cache] if cache is not None else []))
         return k.final_norm(x)
 
@@ -95,7 +95,7 @@ class Model:
         ctxs = [k.context(np.ones((1, len(r)), dtype=bool), 0, len(r)) for r in rows]
         for i, w in self.ring.walk(range(self.cfg.num_hidden_layers)):
             for j, ctx in enumerate(ctxs):
-                xs[j] = k.layer(w, xs[j], ctx, None, lora.get(i) if lora else None)
+                xs[j] = k.layer(i, w, xs[j], ctx, None, lora.get(i) if lora else None)
                 k.sync(xs[j])
         return [k.final_norm(x) for x in xs]
 

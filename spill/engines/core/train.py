@@ -208,7 +208,7 @@ class StreamTrainer:
         for i, w in m.ring.walk(range(layers)):
             saved[i] = x
             names, build = self._lora(i, seed)
-            x = k.layer(w, x, ctx, None, build([self.params[n] for n in names]), outputs[i])
+            x = k.layer(i, w, x, ctx, None, build([self.params[n] for n in names]), outputs[i])
             k.sync(x)
         loss, grad = k.head_vjp(x, tokens, rows, cols, batch.scale)
         for i, w in m.ring.walk(range(layers - 1, -1, -1)):
@@ -217,7 +217,7 @@ class StreamTrainer:
             leaves = [self.params[n] for n in names]
             # nothing below layer 0 takes a gradient
             given, outputs[i] = outputs[i], None
-            grad, got = k.layer_vjp(w, x, ctx, leaves, build, grad, i > 0, given)
+            grad, got = k.layer_vjp(i, w, x, ctx, leaves, build, grad, i > 0, given)
             for name, g in zip(names, got, strict=True):
                 self.grads[name] = self.grads[name] + g
             k.sync([self.grads[n] for n in names], *([grad] if grad is not None else []))

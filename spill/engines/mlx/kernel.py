@@ -26,7 +26,7 @@ from spill.engines.base import AdamW
 from spill.engines.core.common import adamw_factors
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.runner import sample_numpy
-from spill.engines.mlx import llama, qwen2
+from spill.engines.mlx import llama, mistral, qwen2, qwen3, smollm3
 from spill.engines.mlx.ops import (
     Context,
     KVCache,
@@ -40,7 +40,13 @@ from spill.engines.mlx.ops import (
 from spill.engines.mlx.reader import WeightReader, arrays, default_budget
 from spill.models.config import ModelConfig
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
+FAMILIES: dict[str, ModuleType] = {
+    "llama": llama,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+    "mistral": mistral,
+    "smollm3": smollm3,
+}
 
 
 def dropout(p: float, seed: int):
@@ -95,8 +101,9 @@ class MLXKernel:
 
     # -- the model ---------------------------------------------------------------------------
     def context(self, valid: np.ndarray, start: int, length: int) -> Context:
-        ctx = context(mx.array(valid), start, length, self.freq, self.dtype)
-        mx.eval(ctx.cos, ctx.sin, ctx.mask)
+        window = self.cfg.sliding_window if self.cfg.windowed else None
+        ctx = context(mx.array(valid), start, length, self.freq, self.dtype, window)
+        mx.eval([a for a in (ctx.cos, ctx.sin, ctx.mask, ctx.window) if a is not None])
         return ctx
 
     def caches(self, batch: int, length: int) -> list[KVCache]:
@@ -115,9 +122,9 @@ class MLXKernel:
     def embed_ids(self, ids):
         return embedding(self.embed, ids)  # (B, T, hidden)
 
-    def layer(self, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
+    def layer(self, i: int, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
         # keeps no base outputs (``kept_outputs`` is empty): mx.vjp recomputes the whole layer
-        return self.family.layer(self.cfg, w, x, ctx, cache, lora)
+        return self.family.layer(self.cfg, i, w, x, ctx, cache, lora)
 
     def final_norm(self, x):
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
@@ -142,9 +149,9 @@ class MLXKernel:
     def dropout(self, p: float, seed: int):
         return dropout(p, seed)
 
-    def layer_vjp(self, w, x, ctx, leaves, lora, grad, wrt_input: bool, outputs=None):
+    def layer_vjp(self, i, w, x, ctx, leaves, lora, grad, wrt_input: bool, outputs=None):
         def step(h, *lv):
-            return [self.layer(w, h, ctx, None, lora(list(lv)))]
+            return [self.layer(i, w, h, ctx, None, lora(list(lv)))]
 
         if wrt_input:
             _, got = mx.vjp(step, [x, *leaves], [grad])
@@ -159,8 +166,8 @@ class MLXKernel:
 
         def run(*flat):  # head_vjp's ops: chunked cross-entropy, the sum from zero
             h, at = x, 0
-            for w, n, lora in zip(ws, sizes, loras, strict=True):
-                h = self.layer(w, h, ctx, None, lora(list(flat[at : at + n])))
+            for i, (w, n, lora) in enumerate(zip(ws, sizes, loras, strict=True)):
+                h = self.layer(i, w, h, ctx, None, lora(list(flat[at : at + n])))
                 at += n
             picked = self.final_norm(h)[r, c]  # (N, hidden)
             total = mx.zeros((), dtype=mx.float32)

@@ -207,13 +207,17 @@ class Context:
     sin: mx.array  # (B, T, D)
     mask: mx.array  # (B, 1, T, S) bool, True where a query may attend a key
     start: int  # where this chunk's keys go in a KV cache
+    window: mx.array | None = None  # ``mask`` less the keys a sliding window has left behind
 
 
-def context(valid, start: int, length: int, freq, dtype) -> Context:
+def context(valid, start: int, length: int, freq, dtype, window: int | None = None) -> Context:
     """Context for ``length`` tokens at ``start`` given valid keys (B, S), S = start + length.
 
     Positions count valid tokens, so left padding shifts nothing. A padding query may attend
     to itself only (its output is never used), which keeps the softmax free of all-masked rows.
+    With a sliding ``window``, ``Context.window`` keeps only the keys less than ``window`` places
+    back (transformers' ``kv_idx > q_idx - sliding_window``); valid tokens are contiguous (left
+    padding in a generation, right padding in training), so places count positions.
     """
     s = valid.shape[1]
     counts = mx.cumsum(valid.astype(mx.int32), axis=-1) - 1
@@ -223,7 +227,8 @@ def context(valid, start: int, length: int, freq, dtype) -> Context:
     key = mx.arange(s)[None, :]  # (1, S)
     causal = key <= query  # (T, S)
     mask = (causal[None] & valid[:, None, :]) | (key == query)[None]  # (B, T, S)
-    return Context(cos, sin, mask[:, None], start)
+    slid = None if window is None else mask & (key > query - window)[None]  # (B, T, S)
+    return Context(cos, sin, mask[:, None], start, None if slid is None else slid[:, None])
 
 
 class KVCache:

@@ -1,6 +1,6 @@
 """The torch kernel: one model's resident parts and the primitives ``spill.engines.core`` runs.
 
-The family module (``llama``, ``qwen2``) is picked once from the config; it supplies the layer
+The family module (``llama``, ``qwen3``, ...) is picked once from the config; it supplies the layer
 function. Gradients come from autograd one layer at a time (``layer_vjp``, the recompute walk)
 or from one graph over the whole resident stack (``stack_vjp``, kept activations: the same
 layer ops in the same order, then ``head_vjp``, so the same bits); the head's cross-entropy
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from spill.engines.base import AdamW
 from spill.engines.core.common import adamw_factors
 from spill.engines.core.kernel import LOGIT_ROWS
-from spill.engines.torch import llama, qwen2
+from spill.engines.torch import llama, mistral, qwen2, qwen3, smollm3
 from spill.engines.torch.ops import (
     Context,
     KVCache,
@@ -40,7 +40,13 @@ from spill.engines.torch.ops import (
 from spill.engines.torch.reader import WeightReader, default_budget
 from spill.models.config import ModelConfig
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen2}
+FAMILIES: dict[str, ModuleType] = {
+    "llama": llama,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+    "mistral": mistral,
+    "smollm3": smollm3,
+}
 # A recomputed layer's output only roots its graph: the last linear's base output, added to the
 # residual, is read by no backward formula (every family ends a layer with mlp.down_proj).
 RECOMPUTE_UNUSED = frozenset({"mlp.down_proj"})
@@ -119,7 +125,8 @@ class TorchKernel:
 
     # -- the model ---------------------------------------------------------------------------
     def context(self, valid: np.ndarray, start: int, length: int) -> Context:
-        return context(self.array(valid), start, length, self.freq, self.dtype)
+        window = self.cfg.sliding_window if self.cfg.windowed else None
+        return context(self.array(valid), start, length, self.freq, self.dtype, window)
 
     def caches(self, batch: int, length: int) -> list[KVCache]:
         c = self.cfg
@@ -136,11 +143,11 @@ class TorchKernel:
     def embed_ids(self, ids):
         return F.embedding(ids, self.embed)  # (B, T, hidden)
 
-    def layer(self, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
+    def layer(self, i: int, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
         if outputs is None:
-            return self.family.layer(self.cfg, w, x, ctx, cache, lora)
+            return self.family.layer(self.cfg, i, w, x, ctx, cache, lora)
         with base_outputs(KEPT_OUTPUTS, outputs):
-            return self.family.layer(self.cfg, w, x, ctx, cache, lora)
+            return self.family.layer(self.cfg, i, w, x, ctx, cache, lora)
 
     def final_norm(self, x):
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
@@ -165,21 +172,21 @@ class TorchKernel:
     def dropout(self, p: float, seed: int):
         return dropout(p, seed)
 
-    def layer_vjp(self, w, x, ctx, leaves, lora, grad, wrt_input: bool, outputs=None):
+    def layer_vjp(self, i, w, x, ctx, leaves, lora, grad, wrt_input: bool, outputs=None):
         with torch.enable_grad():
             leaves = [a.detach().requires_grad_() for a in leaves]
             if wrt_input:
                 x = x.detach().requires_grad_()
             with unused_outputs(RECOMPUTE_UNUSED):  # out's value is never read
-                out = self.layer(w, x, ctx, None, lora(leaves), outputs)
+                out = self.layer(i, w, x, ctx, None, lora(leaves), outputs)
             got = torch.autograd.grad(out, [*leaves, x] if wrt_input else leaves, grad)
         return (got[-1] if wrt_input else None), list(got[: len(leaves)])
 
     def stack_vjp(self, ws, x, ctx, leaves, loras, tokens, rows, cols, scale):
         with torch.enable_grad():
             leaves = [[a.detach().requires_grad_() for a in group] for group in leaves]
-            for w, group, lora in zip(ws, leaves, loras, strict=True):
-                x = self.layer(w, x, ctx, None, lora(group))
+            for i, (w, group, lora) in enumerate(zip(ws, leaves, loras, strict=True)):
+                x = self.layer(i, w, x, ctx, None, lora(group))
             loss, grad = self.head_vjp(x, tokens, rows, cols, scale)
             got = iter(torch.autograd.grad(x, [a for group in leaves for a in group], grad))
         return loss, [[next(got) for _ in group] for group in leaves]

@@ -185,13 +185,17 @@ class Context:
     sin: torch.Tensor  # (B, T, D)
     mask: torch.Tensor  # (B, 1, T, S) bool, True where a query may attend a key
     start: int  # where this chunk's keys go in a KV cache
+    window: torch.Tensor | None = None  # ``mask`` less the keys a sliding window has left behind
 
 
-def context(valid, start: int, length: int, freq, dtype) -> Context:
+def context(valid, start: int, length: int, freq, dtype, window: int | None = None) -> Context:
     """Context for ``length`` tokens at ``start`` given valid keys (B, S), S = start + length.
 
     Positions count valid tokens, so left padding shifts nothing. A padding query may attend
     to itself only (its output is never used), which keeps SDPA free of all-masked rows.
+    With a sliding ``window``, ``Context.window`` keeps only the keys less than ``window`` places
+    back (transformers' ``kv_idx > q_idx - sliding_window``); valid tokens are contiguous (left
+    padding in a generation, right padding in training), so places count positions.
     """
     s = valid.shape[1]
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, start : start + length]  # (B, T)
@@ -200,7 +204,8 @@ def context(valid, start: int, length: int, freq, dtype) -> Context:
     key = torch.arange(s, device=valid.device)[None, :]  # (1, S)
     causal = key <= query  # (T, S)
     mask = (causal[None] & valid[:, None, :]) | (key == query)[None]  # (B, T, S)
-    return Context(cos, sin, mask[:, None], start)
+    slid = None if window is None else mask & (key > query - window)[None]  # (B, T, S)
+    return Context(cos, sin, mask[:, None], start, None if slid is None else slid[:, None])
 
 
 class KVCache:

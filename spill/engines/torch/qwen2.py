@@ -2,7 +2,8 @@
 
 Weights are a dict keyed like the HF checkpoint below ``model.layers.<k>.``
 (``self_attn.q_proj.weight``, ...). Qwen2's q/k/v projections always carry biases; o_proj and
-the MLP never do. ``lora`` maps a module name (``self_attn.q_proj``) to its adapter; None runs
+the MLP never do. With ``use_sliding_window``, the layers in ``cfg.windowed`` attend within
+``sliding_window`` keys. ``lora`` maps a module name (``self_attn.q_proj``) to its adapter; None runs
 the base model. The attention block repeats Llama's on purpose: a family reads top to bottom.
 """
 
@@ -14,7 +15,7 @@ from spill.engines.torch.ops import apply_rotary, attend, proj, rms_norm
 from spill.models.config import ModelConfig
 
 
-def attention(cfg: ModelConfig, w: dict, x, ctx, cache, lora):
+def attention(cfg: ModelConfig, i: int, w: dict, x, ctx, cache, lora):
     b, t, _ = x.shape
     heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = proj(w, "self_attn.q_proj", x, lora).view(b, t, heads, d).transpose(1, 2)  # (B, H, T, D)
@@ -24,7 +25,7 @@ def attention(cfg: ModelConfig, w: dict, x, ctx, cache, lora):
     k = apply_rotary(k, ctx.cos, ctx.sin)
     if cache is not None:
         k, v = cache.update(k, v, ctx.start)  # (B, KV, S, D)
-    o = attend(q, k, v, ctx.mask)  # (B, T, H * D)
+    o = attend(q, k, v, ctx.window if i in cfg.windowed else ctx.mask)  # (B, T, H * D)
     return proj(w, "self_attn.o_proj", o, lora)
 
 
@@ -33,8 +34,8 @@ def mlp(w: dict, x, lora):
     return proj(w, "mlp.down_proj", gate * proj(w, "mlp.up_proj", x, lora), lora)
 
 
-def layer(cfg: ModelConfig, w: dict, x, ctx, cache=None, lora=None):
-    """x (B, T, hidden) -> (B, T, hidden); writes this chunk's keys/values into ``cache``."""
+def layer(cfg: ModelConfig, i: int, w: dict, x, ctx, cache=None, lora=None):
+    """Layer ``i``: x (B, T, hidden) -> (B, T, hidden); writes its keys/values into ``cache``."""
     eps = cfg.rms_norm_eps
-    x = x + attention(cfg, w, rms_norm(x, w["input_layernorm.weight"], eps), ctx, cache, lora)
+    x = x + attention(cfg, i, w, rms_norm(x, w["input_layernorm.weight"], eps), ctx, cache, lora)
     return x + mlp(w, rms_norm(x, w["post_attention_layernorm.weight"], eps), lora)

@@ -1,0 +1,47 @@
+"""Qwen3 (dense) in MLX: one decoder layer as a function of its weights.
+
+Weights are a dict keyed like the HF checkpoint below ``model.layers.<k>.``
+(``self_attn.q_proj.weight``, ``self_attn.q_norm.weight``, ...). Unlike Qwen2: ``head_dim`` is
+its own setting (never hidden / heads), q/k/v/o carry biases only with ``attention_bias``, and each
+head's queries and keys pass an RMSNorm over head_dim (``q_norm``, ``k_norm``) before the rotary.
+With ``use_sliding_window``, the layers in ``cfg.windowed`` attend within ``sliding_window`` keys.
+``lora`` maps a module name (``self_attn.q_proj``) to its adapter; None runs the base model.
+"""
+
+from __future__ import annotations
+
+from spill.engines.mlx.ops import apply_rotary, attend, proj, rms_norm, silu
+from spill.models.config import ModelConfig
+
+
+def attention(cfg: ModelConfig, i: int, w: dict, x, ctx, cache, lora):
+    b, t, _ = x.shape
+    heads, kv, d, eps = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.rms_norm_eps,
+    )
+    q = proj(w, "self_attn.q_proj", x, lora).reshape(b, t, heads, d)  # (B, T, H, D)
+    k = proj(w, "self_attn.k_proj", x, lora).reshape(b, t, kv, d)  # (B, T, KV, D)
+    q = rms_norm(q, w["self_attn.q_norm.weight"], eps).swapaxes(1, 2)  # (B, H, T, D)
+    k = rms_norm(k, w["self_attn.k_norm.weight"], eps).swapaxes(1, 2)  # (B, KV, T, D)
+    v = proj(w, "self_attn.v_proj", x, lora).reshape(b, t, kv, d).swapaxes(1, 2)
+    q = apply_rotary(q, ctx.cos, ctx.sin)
+    k = apply_rotary(k, ctx.cos, ctx.sin)
+    if cache is not None:
+        k, v = cache.update(k, v, ctx.start)  # (B, KV, S, D)
+    o = attend(q, k, v, ctx.window if i in cfg.windowed else ctx.mask)  # (B, T, H * D)
+    return proj(w, "self_attn.o_proj", o, lora)
+
+
+def mlp(w: dict, x, lora):
+    gate = silu(proj(w, "mlp.gate_proj", x, lora))
+    return proj(w, "mlp.down_proj", gate * proj(w, "mlp.up_proj", x, lora), lora)
+
+
+def layer(cfg: ModelConfig, i: int, w: dict, x, ctx, cache=None, lora=None):
+    """Layer ``i``: x (B, T, hidden) -> (B, T, hidden); writes its keys/values into ``cache``."""
+    eps = cfg.rms_norm_eps
+    x = x + attention(cfg, i, w, rms_norm(x, w["input_layernorm.weight"], eps), ctx, cache, lora)
+    return x + mlp(w, rms_norm(x, w["post_attention_layernorm.weight"], eps), lora)

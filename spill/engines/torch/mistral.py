@@ -1,0 +1,41 @@
+"""Mistral: one decoder layer as a function of its weights.
+
+Weights are a dict keyed like the HF checkpoint below ``model.layers.<k>.``
+(``self_attn.q_proj.weight``, ...). Llama's layer without biases, whose attention, when
+config.json sets ``sliding_window``, sees only the last ``sliding_window`` keys on every layer
+(``cfg.windowed``), in a forward over a whole sequence and with a KV cache alike. ``lora`` maps a
+module name (``self_attn.q_proj``) to its adapter; None runs the base model.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from spill.engines.torch.ops import apply_rotary, attend, proj, rms_norm
+from spill.models.config import ModelConfig
+
+
+def attention(cfg: ModelConfig, i: int, w: dict, x, ctx, cache, lora):
+    b, t, _ = x.shape
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = proj(w, "self_attn.q_proj", x, lora).view(b, t, heads, d).transpose(1, 2)  # (B, H, T, D)
+    k = proj(w, "self_attn.k_proj", x, lora).view(b, t, kv, d).transpose(1, 2)  # (B, KV, T, D)
+    v = proj(w, "self_attn.v_proj", x, lora).view(b, t, kv, d).transpose(1, 2)
+    q = apply_rotary(q, ctx.cos, ctx.sin)
+    k = apply_rotary(k, ctx.cos, ctx.sin)
+    if cache is not None:
+        k, v = cache.update(k, v, ctx.start)  # (B, KV, S, D): every key, the mask picks
+    o = attend(q, k, v, ctx.window if i in cfg.windowed else ctx.mask)  # (B, T, H * D)
+    return proj(w, "self_attn.o_proj", o, lora)
+
+
+def mlp(w: dict, x, lora):
+    gate = F.silu(proj(w, "mlp.gate_proj", x, lora))
+    return proj(w, "mlp.down_proj", gate * proj(w, "mlp.up_proj", x, lora), lora)
+
+
+def layer(cfg: ModelConfig, i: int, w: dict, x, ctx, cache=None, lora=None):
+    """Layer ``i``: x (B, T, hidden) -> (B, T, hidden); writes its keys/values into ``cache``."""
+    eps = cfg.rms_norm_eps
+    x = x + attention(cfg, i, w, rms_norm(x, w["input_layernorm.weight"], eps), ctx, cache, lora)
+    return x + mlp(w, rms_norm(x, w["post_attention_layernorm.weight"], eps), lora)

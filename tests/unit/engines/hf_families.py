@@ -1,0 +1,78 @@
+"""Small random models of the Qwen3, Mistral and SmolLM3 families, made and saved by transformers
+itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the tiny llama's tokenizer.
+
+Each variant shows what its family adds: Qwen3 an explicit ``head_dim`` (not hidden / heads),
+per-head q/k norms and, in ``qwen3-windowed``, ``attention_bias`` and sliding layers from
+``max_window_layers``; Mistral a ``sliding_window`` shorter than the test sequences; SmolLM3 a
+NoPE layer between rotary ones. Weights are drawn wider than transformers' initializer and every
+norm weight is moved off 1, so greedy picks are clear and the q/k norm weights matter.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+SHAPE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=112,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=256,
+    eos_token_id=258,
+    pad_token_id=256,
+    initializer_range=0.1,
+)
+VARIANTS = {
+    "qwen3": ("Qwen3", dict(num_hidden_layers=3, head_dim=24, tie_word_embeddings=False)),
+    "qwen3-windowed": (
+        "Qwen3",
+        dict(
+            num_hidden_layers=3,
+            head_dim=32,
+            attention_bias=True,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral": ("Mistral", dict(num_hidden_layers=2, sliding_window=7, rope_theta=5000.0)),
+    "smollm3": ("SmolLM3", dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1])),
+}
+TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def make(variant: str, folder: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """Save the ``variant`` model, float32, into ``folder`` beside a copy of the tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    name, extra = VARIANTS[variant]
+    kw = {**SHAPE, **extra}
+    theta = kw.pop("rope_theta", None)
+    if theta is not None:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    config = getattr(transformers, f"{name}Config")(**kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).float().eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif key.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    for f in TOKENIZER:
+        shutil.copy(tokenizer_from / f, folder / f)
+    return folder
+
+
+def load(folder: Path):
+    """The folder as transformers loads it, float32, in eval mode."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
