@@ -191,11 +191,12 @@ def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
     }
 
 
-def _restore(place: Place, pinned: dict[str, Any], rows: Sequence[HasId]) -> dict:
+def _restore(place: Place, pinned: dict[str, Any], rows: Sequence[HasId], folder: Path) -> dict:
+    from spill.models.integrity import same_weights
     from spill.payloads.rows import pin_identity, restore
 
-    uri = place.uri
-    pin_identity(uri, pinned)
+    uri, fp = place.uri, pinned["model"]["fingerprint"]
+    pin_identity(uri, pinned, lambda old: same_weights(old, folder, fp, uri, "its next commit"))
     got = restore(place)
     ids = {r.id for r in rows}
     stray = [rid for rid in got.done if rid not in ids]
@@ -274,9 +275,10 @@ def execute(
     return outcome
 
 
-def _todo(job: RowJob, held: Held | None, group: Group, fp: str, pinned: dict):
+def _todo(job: RowJob, held: Held | None, group: Group, fp: str, pinned: dict, folder: Path):
     """The rows committed (by id) and the rows left, as rank 0 found them (and handed to the
-    other ranks of a group); ``place`` is where rank 0 commits (None elsewhere)."""
+    other ranks of a group); ``place`` is where rank 0 commits (None elsewhere); ``folder``:
+    the model's."""
     opts, total = job.options, len(job.rows)
     if not group.leader:
         begin = group.start(None)
@@ -288,7 +290,7 @@ def _todo(job: RowJob, held: Held | None, group: Group, fp: str, pinned: dict):
         left = set(begin["todo"])
         return None, begin["results"], [r for r in job.rows if r.id in left]
     place = held.place if held else None
-    results: dict = _restore(place, pinned, job.rows) if place else {}
+    results: dict = _restore(place, pinned, job.rows, folder) if place else {}
     todo = [r for r in job.rows if r.id not in results]
     if opts.stop_after is not None:
         todo = todo[: max(0, opts.stop_after - len(results))]
@@ -320,7 +322,7 @@ def _execute(
     with Guard(unit="batch", signals=signals) as guard:
         resolved, fp = find_model(job.model, opts.weights, opts.quantize)
         pinned = identity(job, resolved, fp)
-        place, results, todo = _todo(job, held, group, fp, pinned)
+        place, results, todo = _todo(job, held, group, fp, pinned, Path(resolved.folder))
         total = len(job.rows)
         loaded = _open(job, resolved, fp)
         try:

@@ -161,7 +161,7 @@ def _tune(
         want["model"]["files"] = resolved.files
     ckpt = latest_checkpoint(place)
     if ckpt is not None:
-        refuse_mismatch(ckpt.state, want, ckpt.uri)
+        refuse_mismatch(ckpt.state, want, ckpt.uri, folder)
     if (ckpt.step if ckpt else 0) < (opts.stop_after or t.steps):  # steps to commit
         place = held.writable(f"its newest good checkpoint is step {ckpt.step if ckpt else 0}")
     guard.boundary()  # a stop before anything ran saves nothing and exits 75

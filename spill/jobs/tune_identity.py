@@ -5,12 +5,13 @@ deciding hyperparameters, the LoRA configuration and the validation (``spill.job
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spill.errors import SpillError
 from spill.jobs.tune_valid import identity as validation_identity
 from spill.jobs.tune_valid import refuse as refuse_validation
-from spill.models.integrity import explain
+from spill.models.integrity import explain, same_weights
 
 if TYPE_CHECKING:
     from spill.jobs.tune import TuneOptions
@@ -51,13 +52,16 @@ def identity(
 _LABELS = {"data": "training file", "steps": "total steps (--steps)", "lr": "learning rate"}
 
 
-def _refuse_model(found: dict, want: dict, where: str) -> None:
-    """Other weights than the run started with. Another model: both fingerprints and names. The
-    same model whose files changed: the first changed file where both recorded per-file sha256,
-    else the fingerprints; never "use the same settings" (the settings did not change)."""
+def _refuse_model(found: dict, want: dict, where: str, folder: Path) -> None:
+    """Other weights than the run started with (``folder``: this run's). Another model: both
+    fingerprints and names. The same model whose files changed: the first changed file where
+    both recorded per-file sha256, else the fingerprints; never "use the same settings" (the
+    settings did not change)."""
     fresh = "or start fresh with another --state (or --name)"
     changed = explain(found.get("files"), want.get("files"))
-    if found["fingerprint"] == want["fingerprint"] and not changed:
+    if not changed and same_weights(
+        found["fingerprint"], folder, want["fingerprint"], where, "its next checkpoint"
+    ):
         return
     if found.get("quantization") != want.get("quantization"):
         theirs = found.get("quantization")
@@ -86,9 +90,10 @@ def _base(model: dict) -> str:
     return f"{model['id']} ({q['format'] if q else 'float weights'})"
 
 
-def refuse_mismatch(found: dict, want: dict, where: str) -> None:
-    """One line naming the first difference between a checkpoint and this run, with both values."""
-    _refuse_model(found["model"], want["model"], where)
+def refuse_mismatch(found: dict, want: dict, where: str, folder: Path) -> None:
+    """One line naming the first difference between a checkpoint and this run, with both values;
+    ``folder``: this run's model."""
+    _refuse_model(found["model"], want["model"], where, folder)
     checks = [("seed", found["seed"], want["seed"])]
     for key, value in want["hyperparameters"].items():
         checks.append(

@@ -15,16 +15,25 @@ name of its blob and hashes the small files). Two checks read them:
 
 A folder without records (a user's own folder) is used as it is, and is reported as unrecorded;
 spill never invents a record for bytes it did not see arrive.
+
+``same_weights`` is the one place a recorded weight fingerprint (a job state's, an adapter's) is
+held against the model now: the fingerprint changed definition on 2026-12-06 (a 64 KiB sample of
+each shard's ends became its full sha256), and a record made before then still names these
+weights when it equals their fingerprint by the old definition and the files pass their records.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import struct
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spill.console import note
 from spill.errors import ModelError
 from spill.hashing import file_sha256
 from spill.models.cache import is_model_file, list_models, read_marker, write_marker
@@ -245,3 +254,51 @@ def explain(found: Mapping[str, str] | None, want: Mapping[str, str] | None) -> 
         if a != b:
             return f"the model's file {name} changed since this run started (sha256 {a[:12]}.. -> {b[:12]}..)"
     return None
+
+
+def _legacy_fingerprint(folder: Path) -> str:
+    """The weight fingerprint as spill defined it before 2026-12-06: config, shard names and
+    sizes, headers, and a sha256 of 64 KiB at each end of each shard's data. It exists only so
+    that a state recorded before then continues (``same_weights``); nothing recorded since holds
+    it, and on its own it proves nothing (other bytes in the middle of a shard pass it)."""
+    from spill.models.weights import weight_files
+
+    files = weight_files(folder)
+    samples = []
+    for shard in files.shards:
+        with open(folder / shard, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            start = 8 + struct.unpack("<Q", f.read(8))[0]
+            head = f.read(min(1 << 16, size - start)) if size > start else b""
+            f.seek(max(start, size - (1 << 16)))
+            samples.append(hashlib.sha256(head + f.read()).hexdigest())
+    doc = {
+        "config": json.loads((folder / "config.json").read_bytes()),
+        "shards": [[s, (folder / s).stat().st_size] for s in files.shards],
+        "headers": [files.headers[s] for s in files.shards],
+        "samples": samples,
+    }
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def same_weights(recorded: str | None, folder: Path, current: str, where: str, then: str) -> bool:
+    """Whether the weight fingerprint ``recorded`` at ``where`` names the weights in ``folder``,
+    whose fingerprint is ``current``: equal to it, or to the folder's legacy fingerprint while
+    every file matches its recorded sha256 (one note says so; ``then``: what records the new
+    value, e.g. "its next checkpoint"). A folder without records never matches a legacy value."""
+    if recorded == current:
+        return True
+    folder = Path(folder)
+    try:
+        if not recorded or check(folder, folder.name, remember=False) is None:
+            return False
+        if recorded != _legacy_fingerprint(folder):
+            return False
+    except (ModelError, OSError, ValueError):
+        return False
+    note(
+        f"{where} was recorded with spill's older weight fingerprint; the weights match it (and "
+        f"their recorded sha256); {then} records the new one"
+    )
+    return True

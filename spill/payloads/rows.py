@@ -76,8 +76,15 @@ def _short(v: Any) -> str:
 _MISSING = object()
 
 
-def pin_identity(root_uri: str, identity: Mapping[str, Any]) -> dict[str, Any]:
-    """Write ``rows/identity.json`` or check it: another model or input fails in one line."""
+def pin_identity(
+    root_uri: str,
+    identity: Mapping[str, Any],
+    same_weights: Callable[[str], bool] | None = None,
+) -> dict[str, Any]:
+    """Write ``rows/identity.json`` or check it: another model or input fails in one line.
+    ``same_weights(fingerprint)``: whether a pinned weight fingerprint other than this job's
+    still names its weights (one recorded by an older definition); the identity is then pinned
+    again with this job's."""
     doc = {"schema_version": SCHEMA_VERSION, **identity}
     uri = join(root_uri, ROWS, IDENTITY)
     validate(doc, "row-identity", where=uri)
@@ -95,6 +102,13 @@ def pin_identity(root_uri: str, identity: Mapping[str, Any]) -> dict[str, Any]:
     validate(pinned, "row-identity", where=uri)
     bases = [d["model"].get("quantization") for d in (pinned, doc)]
     other = pinned["model"]["fingerprint"] != doc["model"]["fingerprint"]
+    again = other and same_weights is not None and same_weights(pinned["model"]["fingerprint"])
+    if again:
+        pinned = {
+            **pinned,
+            "model": {**pinned["model"], "fingerprint": doc["model"]["fingerprint"]},
+        }
+        other = False
     if bases[0] != bases[1] and other:  # another quantization: say which, not a changed file
         there, here = (f"{q['format']} weights" if q else "float weights" for q in bases)
         raise IdentityMismatch(
@@ -122,6 +136,9 @@ def pin_identity(root_uri: str, identity: Mapping[str, Any]) -> dict[str, Any]:
                 f"{root_uri} holds rows of another job: {key} is {_short(a.get(key, _MISSING))} "
                 f"there and {_short(b.get(key, _MISSING))} here; use a new --state location"
             )
+    if again:
+        put_bytes(uri, _dump(doc))
+        return doc
     return pinned
 
 

@@ -81,6 +81,7 @@ def open_inputs(
     """Read the adapter at ``path``, resolve its base (``model`` overrides the name it
     records) and refuse a base whose fingerprint is not the adapter's, in one line."""
     from spill.jobs.loading import find_model
+    from spill.models.integrity import same_weights
     from spill.models.quantize import identity
 
     folder = adapter_folder(path)
@@ -97,7 +98,7 @@ def open_inputs(
         raise SpillError(f"{folder} {what}; give its base model with --model NAME")
     resolved, fp = find_model(name, weights)
     want = meta.get("fingerprint")
-    if want and want != fp:
+    if want and not same_weights(want, Path(resolved.folder), fp, str(folder), "the export"):
         raise SpillError(
             f"{folder} was trained on weights {want[:19]}..., but {name} is {fp[:19]}...: "
             "another model; give --model the base it was tuned on"

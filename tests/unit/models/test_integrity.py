@@ -206,3 +206,39 @@ def test_explain_names_the_first_changed_weight_file():
 def test_a_marker_written_by_a_source_validates(model):
     doc = json.loads((model / MARKER).read_text())
     validate(doc, "model-source")
+
+
+def test_a_legacy_fingerprint_names_the_same_weights_only_while_the_records_hold(
+    tmp_path, model, capsys
+):
+    """A state recorded before the fingerprint covered every byte holds the old value: it still
+    names these weights while their files pass the records (one note says so), never another
+    model's, never a folder without records, never a folder whose middle bytes changed (which
+    the old value cannot see)."""
+    from spill.models.cache import cached_fingerprint
+    from spill.models.integrity import _legacy_fingerprint, same_weights
+    from spill.models.weights import fingerprint
+
+    now = cached_fingerprint(model)
+    legacy = _legacy_fingerprint(model)
+    assert legacy.startswith("sha256:") and legacy != now
+    assert same_weights(now, model, now, "S", "its next checkpoint")
+    assert capsys.readouterr().err == ""
+    assert same_weights(legacy, model, now, "S", "its next checkpoint")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "S was recorded with spill's older weight fingerprint; the weights match it (and their "
+        "recorded sha256); its next checkpoint records the new one"
+    )
+    other = write_tiny(tmp_path / "other", family="llama", seed=8)
+    assert not same_weights(_legacy_fingerprint(other), model, now, "S", "x")
+    assert not same_weights(None, model, now, "S", "x")
+
+    own = shutil.copytree(model, tmp_path / "own")
+    (own / MARKER).unlink()
+    assert not same_weights(legacy, own, fingerprint(own), "S", "x")  # nothing to hold it to
+
+    flip(model / "model.safetensors")  # the middle: the old value is blind to it
+    assert _legacy_fingerprint(model) == legacy
+    assert not same_weights(legacy, model, now, "S", "x")
+    assert capsys.readouterr().err == ""

@@ -76,21 +76,25 @@ Q4 = {"bits": 4, "group_size": 64, "source": "spill affine", "format": "4-bit af
 Q8 = {"bits": 8, "group_size": 64, "source": "spill affine", "format": "8-bit affine g64"}
 
 
-def test_a_tune_names_the_quantization_before_the_fingerprint():
-    _refuse_model(_model("a"), _model("a"), "ckpt")  # an old float identity: continues
-    _refuse_model(_model("a"), _model("a", None, "other name"), "ckpt")
-    _refuse_model(_model("q", None, "m@q4_1"), _model("q", Q4, "m@q4_1"), "ckpt")  # same weights
+def test_a_tune_names_the_quantization_before_the_fingerprint(tmp_path):
+    _refuse_model(_model("a"), _model("a"), "ckpt", tmp_path)  # an old float identity: continues
+    _refuse_model(_model("a"), _model("a", None, "other name"), "ckpt", tmp_path)
+    _refuse_model(
+        _model("q", None, "m@q4_1"), _model("q", Q4, "m@q4_1"), "ckpt", tmp_path
+    )  # same weights
     with pytest.raises(CheckpointMismatch) as e:
-        _refuse_model(_model("q4", Q4, "m@q4g64"), _model("q8", Q8, "m@q8g64"), "ckpt")
+        _refuse_model(_model("q4", Q4, "m@q4g64"), _model("q8", Q8, "m@q8g64"), "ckpt", tmp_path)
     assert str(e.value) == (
         "ckpt was made on m@q4g64 (4-bit affine g64), this run has m@q8g64 (8-bit affine g64); "
         "continue it on that base (--quantize 4 --group-size 64), or start fresh with another "
         "--state (or --name)"
     )
     with pytest.raises(CheckpointMismatch, match=r"without --quantize\), or start fresh"):
-        _refuse_model(_model("f"), _model("q4", Q4, "m@q4g64"), "ckpt")
+        _refuse_model(_model("f"), _model("q4", Q4, "m@q4g64"), "ckpt", tmp_path)
     with pytest.raises(CheckpointMismatch, match="weights \\(fingerprint\\) 'a'"):
-        _refuse_model(_model("a", Q4, "x"), _model("b", Q4, "y"), "ckpt")  # same format, other
+        _refuse_model(
+            _model("a", Q4, "x"), _model("b", Q4, "y"), "ckpt", tmp_path
+        )  # same format, other
 
 
 def test_another_folder_of_the_same_name_gets_a_copy_of_its_own(tmp_path):
