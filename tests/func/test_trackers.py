@@ -102,8 +102,9 @@ def assert_each_step_once(got: dict, losses: list[float], float32: bool) -> None
     assert len(rates) == len(set(rates)) and set(rates) <= set(range(1, STEPS + 1))
 
 
-def check_both(tmp_path, url: str, name: str, control, tokens: tuple | None = None) -> None:
-    """Both trackers hold each step once; ``tokens``: the steps with tokens/s in each."""
+def check_both(tmp_path, url: str, name: str, control, tokens: tuple | list | None = None) -> None:
+    """Both trackers hold each step once; ``tokens``: the steps with tokens/s in each (a list:
+    any one of these)."""
     logged = tensorboard(tmp_path / "state" / "tensorboard")
     assert_each_step_once(logged, control.losses, float32=True)
     (run,) = mlflow_runs(url, name)
@@ -113,8 +114,8 @@ def check_both(tmp_path, url: str, name: str, control, tokens: tuple | None = No
     assert run.data.params["tune.lr"] == str(LR) and run.data.params["seed"] == "3"
     assert run.data.tags["spill.engine"] == "torch" and run.data.tags["spill.machine"]
     if tokens is not None:
-        for got, want in zip((logged, metrics), tokens, strict=True):
-            assert {s for s, _ in got["train/tokens_per_s"]} == want
+        got = tuple({s for s, _ in x["train/tokens_per_s"]} for x in (logged, metrics))
+        assert got in (tokens if isinstance(tokens, list) else [tokens]), got
 
 
 def test_a_run_stopped_and_resumed_logs_each_step_once_to_both(control, tmp_path, mlflow_url):
@@ -140,12 +141,16 @@ def test_a_run_stopped_and_resumed_logs_each_step_once_to_both(control, tmp_path
 # and in MLflow: a step back-filled from the state has none)
 # (the first case covers both kinds of kill; the others are slow: -m slow)
 SLOW = pytest.mark.slow
+ALL = {1, 2, 3, 4, 5, 6}
 KILLS = [
-    # killed after step 4's commit, before its log; then between TensorBoard and MLflow while
-    # back-filling 3 and 4: the next leg back-fills MLflow from the state
+    # killed after step 4's commit, before its log; then after one tracker's write while
+    # back-filling 3 and 4: the next leg back-fills the other from the state
     (["ckpt-after-commit@2", "track-logged@1"], ({1, 2, 5, 6}, {1, 2, 5, 6})),
-    # killed between the two trackers at step 4's commit: MLflow lacks 3 and 4
-    pytest.param(["track-logged@3"], ({1, 2, 3, 4, 5, 6}, {1, 2, 5, 6}), marks=SLOW),
+    # killed after the first tracker's write at step 4's commit (each has its own thread: either
+    # may be first, or the other may have written too): the one that lacks 3 and 4 back-fills
+    pytest.param(
+        ["track-logged@3"], [(ALL, {1, 2, 5, 6}), ({1, 2, 5, 6}, ALL), (ALL, ALL)], marks=SLOW
+    ),
     # the last commit made, nothing of it logged: the rerun has no step to run, only back-fills
     pytest.param(["ckpt-after-commit@3"], ({1, 2, 3, 4}, {1, 2, 3, 4}), marks=SLOW),
 ]

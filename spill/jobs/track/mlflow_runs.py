@@ -16,10 +16,8 @@ is given up after ~30 s (on the tracking's sender thread: no step waits for it).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import sys
 import time
 from typing import Any
 
@@ -45,6 +43,9 @@ class MLflowRun:
     ) -> None:
         for name, value in HTTP.items():
             os.environ.setdefault(name, value)
+        # against a server, set_terminated prints the run's link to stdout (--json's): not from
+        # the sender thread, where redirecting stdout would take the main thread's with it
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # its retry lines
         from mlflow.entities import RunTag
         from mlflow.tracking import MlflowClient
@@ -102,9 +103,7 @@ class MLflowRun:
 
     def close(self, status: str | None) -> None:
         if status is not None:  # None: as it is (a build's eval:base, before its tune)
-            # against a server MLflow prints the run's link to stdout: stderr keeps --json clean
-            with contextlib.redirect_stdout(sys.stderr):
-                self.client.set_terminated(self.run_id, status)
+            self.client.set_terminated(self.run_id, status)
 
 
 def _newest(client, run_id: str, key: str) -> int:

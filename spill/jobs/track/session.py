@@ -21,6 +21,7 @@ from spill.jobs.track.tracking import Tracking, open_tracking, where
 from spill.paths import spill_home
 
 PRODUCER_TAGS = ("engine", "machine", "os", "numerics", "hardware")
+STOPPING_WITHIN = 5.0  # seconds a stopped run waits for its trackers (its deadline is 30 s)
 
 
 class Session:
@@ -70,12 +71,13 @@ class Session:
 @contextmanager
 def session(spec: TrackSpec | None, root: str, name: str, steps: int) -> Iterator[Session]:
     """A ``Session`` closed FINISHED when the last step is committed, KILLED when the run stops
-    before it (``--stop-after``, preempted), FAILED on an error."""
+    before it (``--stop-after``, preempted: waiting at most ``STOPPING_WITHIN`` for the
+    trackers), FAILED on an error."""
     s = Session(spec, root, name)
     try:
         yield s
-    except (Preempted, KeyboardInterrupt):
-        s.tracking.close("KILLED")
+    except (Preempted, KeyboardInterrupt):  # a stop has a deadline: the trackers get a part
+        s.tracking.close("KILLED", within=STOPPING_WITHIN)
         raise
     except BaseException:
         s.tracking.close("FAILED")

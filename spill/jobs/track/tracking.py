@@ -11,19 +11,22 @@ The learning rate is recomputed (``spill.jobs.schedule.cosine_lr``): step ``s`` 
 logged) applied ``cosine_lr(s - 1, ...)`` (``tune_steps.Steps.apply``). Tokens/s is known only
 for the steps this process computed (``rates``), so a back-filled step has none.
 
-Logging is off the step's path: a commit only merges its points into what is still to be sent
-(``_wanted``, per metric and step: bounded by what the state itself holds, so it never waits
-nor drops) and one sender thread writes them, tracker after tracker, in order. A tracker that
-fails (a server gone, or one that stops answering past MLflow's bounded timeout) is dropped
-with a one-line warning as soon as it fails, not the run: the next leg back-fills what it
-missed. The run's end waits at most ``FLUSH_WITHIN`` seconds for the sender, then says which
-tracker did not finish. ``TRACK_LOGGED`` is a drill point between two trackers (on the sender).
+Logging is off the step's path: each tracker has a sender thread of its own (``_Sender``), and
+a commit only merges its points into what each is still to send (per metric and step: bounded
+by what the state itself holds, so the commit never waits and nothing is dropped). A tracker
+that hangs holds only itself. One that fails (a server gone, or one that stops answering past
+MLflow's bounded timeout) is dropped with a one-line warning as soon as it fails, not the run:
+the next leg back-fills what it missed. The run's end waits at most ``FLUSH_WITHIN`` seconds
+for the senders, then names, in one line each, a tracker that did not finish.
+``TRACK_LOGGED`` is a drill point after each tracker's write (on its sender).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
+import time
 from typing import Any, Protocol
 
 from spill.console import note
@@ -69,15 +72,11 @@ class Tracking:
     """The open trackers of one run (none: every call does nothing)."""
 
     def __init__(self, backends: list[Backend], tune: Any = None) -> None:
-        self.backends = list(backends)
+        self.backends = list(backends)  # a tracker that fails leaves it (its sender's doing)
         self.tune = tune
         self.step = 0  # the newest committed step seen
-        self._wanted: dict[str, dict[int, float]] = {}  # points the sender has not taken yet
-        self._asked = self._done = 0  # batches handed to the sender, and sent (or dropped)
-        self._status: tuple[str | None] | None = None  # set once: close the trackers so
-        self._busy = ""  # the tracker the sender is writing to
-        self._cv = threading.Condition()
-        self._sender: threading.Thread | None = None
+        self._senders: dict[int, _Sender] = {}  # by id() of the backend
+        self._closed = False
 
     def committed(self, state: dict, rates: dict[int, float] | None = None) -> None:
         """A checkpoint was committed: log every step of it no tracker holds yet."""
@@ -90,83 +89,129 @@ class Tracking:
         self._log({metric_name(k): {step: float(v)} for k, v in values.items() if _number(v)})
 
     def flush(self, within: float = FLUSH_WITHIN) -> bool:
-        """Wait (at most ``within`` seconds) until the sender has taken everything logged so
-        far; False when it has not."""
-        with self._cv:
-            asked = self._asked
-            return self._cv.wait_for(lambda: self._done >= asked, within)
+        """Wait (at most ``within`` seconds in all) until every sender has written what was
+        logged so far, or dropped its tracker; False when one has not."""
+        deadline = time.monotonic() + within
+        return all(s.flush(deadline) for s in list(self._senders.values()))
 
     def close(self, status: str | None = "FINISHED", within: float = FLUSH_WITHIN) -> None:
         """Send what is left, then close each tracker with ``status``: MLflow's (FINISHED,
-        KILLED, FAILED; None: leave it); waits at most ``within`` seconds."""
-        if not self.backends or self._status is not None:
+        KILLED, FAILED; None: leave it); waits at most ``within`` seconds in all."""
+        if self._closed:
             return
-        with self._cv:
-            self._status = (status,)
-            self._cv.notify()
-        sender = self._started()
-        sender.join(within)
-        if sender.is_alive():  # a daemon thread: it does not hold the process's exit
-            note(
-                f"warning: logging to {self._busy or 'the trackers'} did not finish within "
-                f"{within:g} s; the next run of the same command back-fills what it lacks"
-            )
+        self._closed = True
+        senders = [self._sender(b) for b in list(self.backends)]
+        for s in senders:
+            s.end(status)
+        deadline = time.monotonic() + within
+        for s in senders:
+            s.thread.join(max(0.0, deadline - time.monotonic()))
+        for s in senders:
+            s.abandon(within)
 
     def _log(self, found: dict[str, dict[int, float]]) -> None:
-        if not self.backends or self._status is not None:
+        if self._closed:
             return
-        with self._cv:
+        for b in list(self.backends):
+            self._sender(b).want(found)
+
+    def _sender(self, b: Backend) -> _Sender:
+        if id(b) not in self._senders:
+            self._senders[id(b)] = _Sender(b, self.backends)
+        return self._senders[id(b)]
+
+
+class _Sender:
+    """One tracker's thread: it writes what is wanted, in step order, until closed. Daemon: a
+    tracker that never answers does not hold the process's exit."""
+
+    def __init__(self, backend: Backend, backends: list[Backend]) -> None:
+        self.backend, self.backends = backend, backends  # the run's list, to leave on failure
+        self.wanted: dict[str, dict[int, float]] = {}
+        self.asked = self.done = 0  # batches merged into ``wanted``, and those written
+        self.status: tuple[str | None] | None = None  # once set: close the tracker so
+        self.said = False  # its one line (a failure, or not finishing) has been said
+        self.stopped = False  # its tracker failed: nothing more is written
+        self.cv = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name=f"spill-{backend.name}", daemon=True)
+        self.thread.start()
+
+    def want(self, found: dict[str, dict[int, float]]) -> None:
+        with self.cv:
             for k, by in found.items():
-                self._wanted.setdefault(k, {}).update(by)
-            self._asked += 1
-            self._cv.notify()
-        self._started()
+                self.wanted.setdefault(k, {}).update(by)
+            self.asked += 1
+            self.cv.notify()
 
-    def _started(self) -> threading.Thread:
-        if self._sender is None:
-            self._sender = threading.Thread(target=self._send, name="spill-tracking", daemon=True)
-            self._sender.start()
-        return self._sender
+    def flush(self, deadline: float) -> bool:
+        with self.cv:
+            asked = self.asked
+            return self.cv.wait_for(
+                lambda: self.done >= asked or self.stopped,
+                max(0.0, deadline - time.monotonic()),
+            )
 
-    def _send(self) -> None:
-        """The sender thread: what is wanted, tracker after tracker, until closed."""
+    def end(self, status: str | None) -> None:
+        with self.cv:
+            self.status = (status,)
+            self.cv.notify()
+
+    def abandon(self, within: float) -> None:
+        """The run's end: a sender still at work is left behind, said once."""
+        with self.cv:
+            if self.thread.is_alive() and not self.said and not self.stopped:
+                self.said = True
+                note(
+                    f"warning: logging to {self.backend.name} did not finish within "
+                    f"{within:g} s; the next run of the same command back-fills what it lacks"
+                )
+
+    def _run(self) -> None:
+        b = self.backend
         while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._wanted or self._status is not None)
-                found, self._wanted, asked = self._wanted, {}, self._asked
-            if found:
-                self._write(found)
-            with self._cv:
-                self._done = asked
-                self._cv.notify_all()
-                if self._status is None or self._wanted:
+            with self.cv:
+                self.cv.wait_for(lambda: self.wanted or self.status is not None)
+                found, self.wanted, asked = self.wanted, {}, self.asked
+            try:
+                if found:
+                    self._write(found)
+                    drill.at(drill.TRACK_LOGGED)
+            except Exception as e:  # never the run's end: the next leg back-fills
+                with contextlib.suppress(ValueError):
+                    self.backends.remove(b)
+                self._say(
+                    f"warning: logging to {b.name} failed ({_short(e)}); it stops for this leg"
+                )
+                with self.cv:
+                    self.stopped = True
+                    self.cv.notify_all()
+                return
+            with self.cv:
+                self.done = asked
+                self.cv.notify_all()
+                if self.status is None or self.wanted:
                     continue
-            (status,) = self._status
-            for b in list(self.backends):
-                self._busy = b.name
-                try:
-                    b.close(status)
-                except Exception as e:
-                    note(f"warning: closing {b.name} failed ({_short(e)})")
+            try:
+                b.close(self.status[0])
+            except Exception as e:
+                self._say(f"warning: closing {b.name} failed ({_short(e)})")
             return
 
     def _write(self, found: dict[str, dict[int, float]]) -> None:
-        rank = {k: i for i, k in enumerate(ORDER)}
-        for b in list(self.backends):
-            points = [
-                (s, k, v) for k, by in found.items() for s, v in by.items() if s > b.last.get(k, -1)
-            ]
-            points.sort(key=lambda p: (p[0], rank.get(p[1], len(ORDER)), p[1]))
-            self._busy = b.name
-            try:
-                b.write(points)
-            except Exception as e:  # never the run's end: the next leg back-fills
-                self.backends.remove(b)
-                note(f"warning: logging to {b.name} failed ({_short(e)}); it stops for this leg")
-                continue
-            for s, k, _ in points:
-                b.last[k] = max(b.last.get(k, -1), s)
-            drill.at(drill.TRACK_LOGGED)
+        b, rank = self.backend, {k: i for i, k in enumerate(ORDER)}
+        points = [
+            (s, k, v) for k, by in found.items() for s, v in by.items() if s > b.last.get(k, -1)
+        ]
+        points.sort(key=lambda p: (p[0], rank.get(p[1], len(ORDER)), p[1]))
+        b.write(points)
+        for s, k, _ in points:
+            b.last[k] = max(b.last.get(k, -1), s)
+
+    def _say(self, line: str) -> None:
+        with self.cv:
+            if not self.said:  # (not after the run's end said it did not finish)
+                self.said = True
+                note(line)
 
 
 def open_tracking(
