@@ -71,8 +71,17 @@ def rope_freqs(cfg) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+# families whose GGUF form this writer knows (llama.cpp's tensor names, Llama's q/k permutation)
+ARCHES = ("llama", "qwen2")
+
+
 def _refuse_unwritable(inputs: Inputs) -> None:
     cfg = inputs.config
+    if cfg.family not in ARCHES:
+        raise UnsupportedModel(
+            f"{inputs.base_name}: spill writes no GGUF of a {cfg.family} model yet (only "
+            f"{' and '.join(ARCHES)}); export --format hf or --format mlx"
+        )
     if cfg.rope_scaling and cfg.family != "llama":
         raise UnsupportedModel(
             f"{inputs.base_name}: rope scaling on a {cfg.family} model has no GGUF form spill "
