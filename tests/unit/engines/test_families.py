@@ -1,6 +1,6 @@
 """Qwen3, Mistral and SmolLM3 on every engine against transformers' own models of them: gold
 log-probs within 1e-5 and greedy tokens equal to ``generate`` (float32), with sequences longer
-than the sliding windows, a NoPE layer and per-head q/k norms; streamed == resident bit for bit.
+than the sliding windows, a NoPE layer and per-head q/k norms; streamed == resident bit for bit; a 4-bit copy computes as its float form.
 The models are made by transformers (``hf_families``), never by spill."""
 
 from __future__ import annotations
@@ -83,3 +83,21 @@ def test_streamed_and_resident_are_bit_identical(engine, variant):
     assert tokens(a) == tokens(b)
     streamed.close()
     resident.close()
+
+
+def test_a_quantized_copy_computes_as_its_float_form(engine, variant, tmp_path):
+    """``spill models quantize``'s 4-bit copy (the linears and embeddings packed, the q/k norms
+    kept float) scores as its dequantized float folder, bit for bit, streamed and resident."""
+    from spill.models.quantize import dequantize_folder, quantize_folder
+
+    _, folder = variant
+    packed, unpacked = tmp_path / "q4", tmp_path / "f32"
+    quantize_folder(folder, packed, 4, 32, lambda line: None)
+    dequantize_folder(packed, unpacked)
+    for options in ({"ring": 2}, {"resident": True}):
+        a = open_runner(engine, packed, dtype="float32", **options)
+        b = open_runner(engine, unpacked, dtype="float32", **options)
+        assert "4-bit" in a.info.weights
+        assert same(a.score(*ROWS), b.score(*ROWS))
+        a.close()
+        b.close()
