@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from spill.models.config import FAMILIES
+
 
 def cmd_models_import(args) -> int:
     from spill.console import note
@@ -144,7 +146,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_models_quantize)
     p = models.add_parser("tiny", help="write a deterministic tiny random model (tests, examples)")
     p.add_argument("out", help="output folder")
-    p.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    p.add_argument("--family", choices=list(FAMILIES), default="llama")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)

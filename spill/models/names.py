@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from spill.errors import ModelNotFound
+from spill.models.config import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class TinyName:
         return f"tiny:{self.family}:{self.seed}:{self.layers}x{self.hidden}"
 
 
-_TINY = re.compile(r"^tiny:(llama|qwen2):(\d+)(?::(\d+)x(\d+))?$")
+_TINY = re.compile(rf"^tiny:({'|'.join(FAMILIES)}):(\d+)(?::(\d+)x(\d+))?$")
 
 
 def parse_tiny(name: str) -> TinyName | None:
@@ -98,7 +99,8 @@ def parse_tiny(name: str) -> TinyName | None:
     m = _TINY.match(name.strip().lower())
     if not m:
         raise ModelNotFound(
-            f"{name!r} is not a tiny model name; use tiny:<llama|qwen2>:<seed>[:<layers>x<hidden>], "
+            f"{name!r} is not a tiny model name; use tiny:<{'|'.join(FAMILIES)}>:<seed>"
+            "[:<layers>x<hidden>], "
             "e.g. tiny:llama:1 or tiny:qwen2:3:2x64"
         )
     layers, hidden = (int(m[3]), int(m[4])) if m[3] else (4, 64)

@@ -1,4 +1,4 @@
-"""Deterministic tiny random models of either family, for tests and examples.
+"""Deterministic tiny random models of every family, for tests and examples.
 
 Everything comes from ``numpy.random.default_rng(seed)`` in a fixed order and is written by
 spill's own safetensors writer, so the same arguments give the same bytes on any machine. The
@@ -53,12 +53,32 @@ def tokenizer_json() -> str:
     return tok.to_str(pretty=True)
 
 
+# what each family's tiny config.json says beside the shared shape: its own keys, as
+# transformers' config class writes them (a Qwen3 head twice hidden / heads wide, as Qwen3-0.6B's;
+# a Mistral window shorter than the tests' sequences; a SmolLM3 NoPE layer every fourth)
+_FAMILY_KEYS: dict[str, dict] = {
+    "llama": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "attention_bias": False},
+    "qwen2": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    "qwen3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False},
+    "mistral": {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": 32},
+    "smollm3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False},
+}
+TINY_FAMILIES = tuple(_FAMILY_KEYS)
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+}
+
+
 def _config(family: str, layers: int, hidden: int, vocab: int) -> dict:
     heads = max(2, hidden // 16)
     kv = heads // 2 if heads % 2 == 0 else heads
     eos = vocab - 1  # <|im_end|>
     cfg = {
-        "architectures": ["LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [_ARCHITECTURES[family]],
         "model_type": family,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -66,26 +86,31 @@ def _config(family: str, layers: int, hidden: int, vocab: int) -> dict:
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
-        "head_dim": hidden // heads,
+        "head_dim": hidden // heads * (2 if family == "qwen3" else 1),
         "hidden_act": "silu",
         "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5 if family == "llama" else 1e-6,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": family == "llama",
         "bos_token_id": vocab - 3,
         "eos_token_id": eos,
         "pad_token_id": vocab - 3,
         "torch_dtype": "bfloat16",
+        **_FAMILY_KEYS[family],
     }
-    if family == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False)
+    if family in ("llama", "smollm3"):
+        cfg["mlp_bias"] = False
+    if family == "smollm3":
+        cfg["no_rope_layer_interval"] = 4
+        cfg["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
     return cfg
 
 
 def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    from spill.models.config import parse_config
+
+    shape = parse_config(cfg)
+    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], shape.head_dim
+    q = cfg["num_attention_heads"] * d
+    kv = cfg["num_key_value_heads"] * d
 
     def w(*shape, std=0.02):
         return rng.normal(0.0, std, size=shape).astype(np.float32)
@@ -99,9 +124,12 @@ def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         out[p + "input_layernorm.weight"] = norm(h)
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             out[p + f"self_attn.{name}.weight"] = w(rows, h, std=0.1)
-            if cfg["model_type"] == "qwen2":
+            if shape.qkv_bias:
                 out[p + f"self_attn.{name}.bias"] = w(rows, std=0.1)
         out[p + "self_attn.o_proj.weight"] = w(h, q, std=0.1)
+        if shape.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = norm(d)
+            out[p + "self_attn.k_norm.weight"] = norm(d)
         out[p + "post_attention_layernorm.weight"] = norm(h)
         out[p + "mlp.gate_proj.weight"] = w(i, h, std=0.1)
         out[p + "mlp.up_proj.weight"] = w(i, h, std=0.1)
@@ -121,8 +149,8 @@ def write_tiny(
     shards: int = 1,
 ) -> Path:
     """Write a tiny random HF-layout model folder to ``out`` and return it."""
-    if family not in ("llama", "qwen2"):
-        raise SpillError(f"unknown family {family!r}; use --family llama or --family qwen2")
+    if family not in TINY_FAMILIES:
+        raise SpillError(f"unknown family {family!r}; use --family {'|'.join(TINY_FAMILIES)}")
     if hidden % 16 or hidden < 32 or layers < 1 or shards < 1:
         raise SpillError(
             "tiny models need --hidden a multiple of 16 (>= 32), --layers >= 1 and --shards >= 1"

@@ -1,7 +1,8 @@
 """Qwen3, Mistral and SmolLM3 on every engine against transformers' own models of them: gold
 log-probs within 1e-5 and greedy tokens equal to ``generate`` (float32), with sequences longer
-than the sliding windows, a NoPE layer and per-head q/k norms; streamed == resident bit for bit; a 4-bit copy computes as its float form.
-The models are made by transformers (``hf_families``), never by spill."""
+than the sliding windows, a NoPE layer and per-head q/k norms; streamed == resident bit for bit;
+a 4-bit copy computes as its float form. The models are made by transformers (``hf_families``),
+never by spill."""
 
 from __future__ import annotations
 
