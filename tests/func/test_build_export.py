@@ -1,4 +1,4 @@
-"""The export stage through the real CLI: the toy build with ``export: formats: [hf, gguf]``
+"""The export stage through the real CLI: the toy build with ``export: formats: [hf, mlx]``
 merges its tuned adapter after ``tune`` and writes what ``spill export`` writes, byte for byte;
 it reruns only when the adapter or the export settings change, a deleted export is written
 again, kills at its boundaries (after a format's rename, before its commit) and a stop between
@@ -19,13 +19,14 @@ from tests.conftest import build_state_file, run_spill
 from tests.func.test_build import copy_toy, spill
 
 STEPS = "tune.steps=6"  # the toy's adapter, quickly
-FORMATS = ("hf", "gguf")
+FORMATS = ("hf", "mlx")  # the toy's byte-only tokenizer has no GGUF (see below)
+SHARD = "model-00001-of-00001.safetensors"
 
 
 def project_with_exports(where: Path) -> Path:
     project = copy_toy(where)
     text = (project / "spill.yaml").read_text()
-    (project / "spill.yaml").write_text(text + "\nexport:\n  formats: [hf, gguf]\n")
+    (project / "spill.yaml").write_text(text + "\nexport:\n  formats: [hf, mlx]\n")
     return project
 
 
@@ -80,7 +81,7 @@ def test_the_build_exports_what_spill_export_writes(built, tmp_path):
     assert set(rec["result"]["formats"]) == set(FORMATS)
     assert rec["producers"][0]["engine"] == "numpy"
     out = built["proc"].stdout
-    assert "export     done     gguf bf16, hf bf16" in out
+    assert "export     done     hf bf16, mlx bf16" in out
     assert f"exports: {state}/exports/toy/ (" in out
     made = exports(state)
     assert set(rec["outputs"]) == {f"exports/toy/{k}" for k in made}  # every file recorded
@@ -110,6 +111,25 @@ def test_transformers_reads_the_stage_s_hf_export(built):
     assert model.config.num_hidden_layers == 2
 
 
+def test_a_gguf_of_the_toy_s_byte_only_tokenizer_is_refused_in_one_line(built, tmp_path):
+    """Issue 35, item 28: the toy's tiny model has a byte-level vocabulary without merges,
+    whose GGUF llama.cpp refuses ("cannot find tokenizer merges"): the export stage says so in
+    one line and writes nothing; the stages before it stay done."""
+    home = built["home"]
+    project = tmp_path / "toy"
+    shutil.copytree(built["project"], project)
+    text = (project / "spill.yaml").read_text().replace("formats: [hf, mlx]", "formats: [gguf]")
+    (project / "spill.yaml").write_text(text)
+    proc = spill("build", str(project), STEPS, home=home, ok=False)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("spill: error: ")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and "tokenizer.json has no BPE merges" in errors[0], proc.stderr
+    assert "cannot find tokenizer merges" in errors[0] and "--format hf" in errors[0]
+    assert not (project / ".spill" / "exports" / "toy" / "gguf").exists()
+    assert not list((project / ".spill" / "exports" / "toy").glob(".*"))
+    assert actions(proc)["tune"] == "done", proc.stderr
+
+
 def test_it_reruns_only_when_the_adapter_or_its_settings_change(built, tmp_path):
     home = built["home"]
     project = copy_toy(tmp_path / "toy")
@@ -123,11 +143,11 @@ def test_it_reruns_only_when_the_adapter_or_its_settings_change(built, tmp_path)
     other = spill("build", str(project), STEPS, "eval.max_new_tokens=9", home=home)
     assert (actions(other)["eval"], actions(other)["export"]) == ("run", "done")
     # a deleted export is written again, the same bytes
-    (state / "exports" / "toy" / "gguf" / "model-bf16.gguf").unlink()
+    (state / "exports" / "toy" / "mlx" / SHARD).unlink()
     status = spill("status", str(project), home=home).stdout
-    assert "export     out of date  exports/toy/gguf/model-bf16.gguf missing" in status
+    assert f"export     out of date  exports/toy/mlx/{SHARD} missing" in status
     redo = spill("build", str(project), STEPS, "eval.max_new_tokens=9", home=home)
-    assert actions(redo)["export"] == "run" and "model-bf16.gguf missing" in redo.stderr
+    assert actions(redo)["export"] == "run" and f"{SHARD} missing" in redo.stderr
     assert exports(state) == first
     # another dtype: only the export runs
     f16 = spill(
@@ -136,7 +156,10 @@ def test_it_reruns_only_when_the_adapter_or_its_settings_change(built, tmp_path)
     assert actions(f16) == {
         "eval:base": "done", "distill": "skip", "tune": "done", "eval": "done", "export": "run",
     }  # fmt: skip
-    assert "model-f16.gguf" in "".join(exports(state))
+    assert (
+        json.loads((state / "exports" / "toy" / "mlx" / "export.json").read_text())["dtype"]
+        == "f16"
+    )
     # no formats: the stage is recorded skipped (its files stay, claimed by no record)
     off = spill(
         "build", str(project), STEPS, "eval.max_new_tokens=9", "export.formats=[]", home=home

@@ -1,6 +1,7 @@
-"""``spill export`` through the real CLI: a short tune of each tiny family, merged and written
-as an HF folder (and GGUF, and mlx-lm) that other tools load, checked against spill's own
-``run --adapter`` and ``eval --adapter`` on the base; and the one-line refusals.
+"""``spill export`` through the real CLI: a short tune of each tiny family (its tokenizer given
+one BPE merge, as llama.cpp needs of a GGUF), merged and written as an HF folder (and GGUF, and
+mlx-lm) that other tools load, checked against spill's own ``run --adapter`` and ``eval
+--adapter`` on the base; what ``--quantize`` costs the tune; and the one-line refusals.
 
 What is exact and what is close: the float32 merge is ``W + scale * (A @ B).T``; spill's own
 forward computes ``x @ W.T + scale * (x @ A) @ B`` instead, so log-probs agree to float32
@@ -98,12 +99,31 @@ def _tune(root: Path, model: Path, home: Path, *extra: str) -> Path:
     return state
 
 
+def _with_a_merge(out: Path, family: str) -> Path:
+    """A tiny model whose tokenizer has one BPE merge ("Ġ t" -> "Ġt"), as llama.cpp needs of a
+    GGUF: the token of byte 0xFF (never in UTF-8, so never produced from text) becomes the
+    merged token, keeping the vocabulary's size; the folder is recorded again."""
+    from spill.models.cache import MARKER
+    from spill.models.integrity import record
+
+    folder = write_tiny(out, family=family, seed=7)
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    vocab["Ġt"] = vocab.pop("ÿ")
+    doc["model"]["merges"] = [["Ġ", "t"]]
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+    (folder / MARKER).unlink()
+    record(folder, stat_cache=False, source="tiny", family=family, seed=7)
+    return folder
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def tuned(request, tmp_path_factory, tiny_models) -> dict:
-    """A tuned tiny model of each family, its float32 HF export, and spill's own answers."""
+def tuned(request, tmp_path_factory) -> dict:
+    """A tuned tiny model of each family (its tokenizer with a merge, so that its GGUF serves
+    llama.cpp), its float32 HF export, and spill's own answers."""
     root = tmp_path_factory.mktemp(f"export-{request.param}")
     home = root / "home"
-    model = tiny_models[request.param]
+    model = _with_a_merge(root / "base", request.param)
     state = _tune(root, model, home)
     rows = _jsonl(root / "rows.jsonl", ROWS)
     hf = root / "hf"
@@ -416,6 +436,30 @@ def test_transformers_loads_the_f32_gguf_and_answers_as_the_hf_export(tuned, tmp
     assert set(record["files"]) == {"Modelfile", record["gguf"]["file"]}
 
 
+def test_the_gguf_holds_the_merges_and_every_reader_tokenizes_as_the_base(tuned, tmp_path):
+    """Issue 35, item 28: the merges llama.cpp needs are in the file, and transformers' GGUF
+    loader and spill's import of it give the base tokenizer's ids, the merge firing."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    from spill.models.tokenizer import Tokenizer
+
+    out = tmp_path / "out"
+    record = _gguf(tuned, out, "--dtype", "f32")
+    path = out / record["gguf"]["file"]
+    field = GGUFReader(path).fields["tokenizer.ggml.merges"]
+    assert [bytes(field.parts[i]).decode() for i in field.data] == ["Ġ t"]
+    done = _ok(_spill("models", "import", str(path), "--dequantize", home=tmp_path / "home"))
+    theirs = AutoTokenizer.from_pretrained(str(out), gguf_file=path.name)
+    mine, base = Tokenizer(Path(done.stdout.strip().splitlines()[-1])), Tokenizer(tuned["model"])
+    texts = ["to the top", " t tt  t", "Ünïcödé ÿ 🙂 ж", "a\n\tb<|im_end|>", "Question 5: 13."]
+    for text in texts:
+        want = base.encode(text, add_special_tokens=False)
+        assert mine.encode(text, add_special_tokens=False) == want, text
+        assert theirs(text, add_special_tokens=False)["input_ids"] == want, text
+    assert base.encode(" to", add_special_tokens=False) == [255, 111]  # "Ġt" + "o"
+
+
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
 def test_a_quantized_gguf_holds_every_matrix_in_its_blocks_and_reads_back_close(
     tuned, tmp_path, kind
@@ -449,34 +493,113 @@ def test_a_quantized_gguf_holds_every_matrix_in_its_blocks_and_reads_back_close(
         assert (err <= step * 1.01 + 1e-6).all(), name
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
-def test_a_quantized_gguf_says_how_far_the_rounding_moves_the_tune(tuned, tmp_path, kind):
-    """Issue 35, item 29: the export measures the rounding of every adapted matrix against the
-    tune's own change (Frobenius norms) and says it; recomputed here from spill's import of the
-    file, the f32 merge and the adapter. Item 28: the tiny models' merge-less tokenizer is named
-    in one note (llama.cpp refuses such a file)."""
+def _mean_logprob(folder: Path, examples: list) -> float:
+    """The mean log-prob of the examples' trained tokens on ``folder``, float32, in this
+    process."""
+    from spill.engines import resolve
+    from spill.engines.base import LoadOptions, ModelSpec
+    from spill.models.config import load_config
+
+    spec = ModelSpec(folder, load_config(folder))
+    runner = resolve("torch").open(spec, LoadOptions(dtype="float32"))
+    try:
+        lps = runner.score([e.ids[:1] for e in examples], [e.ids[1:] for e in examples])
+    finally:
+        runner.close()
+    got = [lp[e.targets[1:]] for lp, e in zip(lps, examples, strict=True)]
+    return float(np.concatenate(got).astype(np.float64).mean())
+
+
+def test_a_quantized_gguf_says_what_the_rounding_costs_the_tune_on_rows_it_saw(tuned, tmp_path):
+    """Issue 35, item 29: a q4_0 and a q8_0 export of the same tune each score the first 8 rows
+    the tune drew (its training file, found by the name and sha256 its checkpoint records) on
+    the base, the tuned base and the file's own values, print the shifts in one line and record
+    them in export.json. The file's number is scored again here on spill's import of the GGUF
+    itself; q4_0 rounds more than q8_0."""
+    from types import SimpleNamespace
+
+    from spill.jobs.export.shift import seen_rows
+
+    got = {}
+    for kind in ("q4_0", "q8_0"):
+        out = tmp_path / kind
+        proc = _ok(_spill("export", str(tuned["state"]), str(out), "--format", "gguf",
+                          "--quantize", kind, "--json"))  # fmt: skip
+        m = got[kind] = json.loads(proc.stdout)["gguf"]["quantization_shift"]
+        assert (m["measure"], m["train_file"], m["rows"]) == ("logprob", "train.jsonl", 8), m
+        keys = ("base", "tuned", "quantized", "tune_shift", "quantization_shift", "ratio")
+        assert all(isinstance(m[k], float) and np.isfinite(m[k]) for k in keys), m
+        assert m["tune_shift"] == pytest.approx(abs(m["tuned"] - m["base"]), abs=2e-6)
+        assert m["quantization_shift"] == pytest.approx(abs(m["quantized"] - m["tuned"]), abs=2e-6)
+        assert m["ratio"] == pytest.approx(m["quantization_shift"] / m["tune_shift"], abs=1e-4)
+        said = [
+            x for x in proc.stderr.splitlines() if x.startswith(f"{kind} on 8 rows the tune saw")
+        ]
+        assert len(said) == 1 and f"{m['tuned']:.4f} tuned" in said[0], proc.stderr
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            ["Modelfile", "export.json", f"model-{kind}.gguf"]
+        )
+    assert (got["q4_0"]["base"], got["q4_0"]["tuned"]) == (
+        got["q8_0"]["base"],
+        got["q8_0"]["tuned"],
+    )
+    assert got["q4_0"]["quantization_shift"] >= got["q8_0"]["quantization_shift"] > 0
+    name, rows = seen_rows(
+        SimpleNamespace(adapter_dir=tuned["adapter"], base_folder=tuned["model"])
+    )
+    done = _ok(_spill("models", "import", str(tmp_path / "q4_0" / "model-q4_0.gguf"),
+                      "--dequantize", home=tmp_path / "home"))  # fmt: skip
+    folder = Path(done.stdout.strip().splitlines()[-1])
+    assert _mean_logprob(folder, rows) == pytest.approx(got["q4_0"]["quantized"], abs=1e-5)
+    assert _mean_logprob(tuned["model"], rows) == pytest.approx(got["q4_0"]["base"], abs=1e-5)
+
+
+def test_without_the_rows_the_tune_saw_the_rounding_is_measured_in_weight_space(tuned, tmp_path):
+    """An adapter folder on its own names no training file: the export measures the rounding of
+    every adapted matrix against the tune's own change (Frobenius norms), says so and why;
+    recomputed here from spill's import of the file, the f32 merge and the adapter."""
+    import shutil
+
     from spill.jobs.adapter_files import load_adapter
 
+    adapter = shutil.copytree(tuned["adapter"], tmp_path / "adapter")
     out = tmp_path / "out"
-    proc = _ok(_spill("export", str(tuned["state"]), str(out), "--format", "gguf",
-                      "--quantize", kind, "--json"))  # fmt: skip
+    proc = _ok(_spill("export", str(adapter), str(out), "--format", "gguf", "--quantize", "q4_0",
+                      "--json"))  # fmt: skip
     shift = json.loads(proc.stdout)["gguf"]["quantization_shift"]
-    adapter = load_adapter(tuned["state"] / "adapter")
-    back, merged = _imported(out / f"model-{kind}.gguf", tmp_path / "home"), _tensors(tuned["hf"])
+    assert shift["measure"] == "weights" and "not in a tune's state" in shift["why"]
+    params = load_adapter(adapter)
+    back, merged = _imported(out / "model-q4_0.gguf", tmp_path / "home"), _tensors(tuned["hf"])
     tune2 = err2 = 0.0
-    for key in sorted(k for k in adapter.params if k.endswith(".lora_a")):
+    for key in sorted(k for k in params.params if k.endswith(".lora_a")):
         stem = key.removesuffix(".lora_a")
-        a, b = adapter.params[key], adapter.params[f"{stem}.lora_b"]
-        tune2 += float(np.sum(np.square(adapter.lora.scale * (a @ b), dtype=np.float64)))
+        a, b = params.params[key], params.params[f"{stem}.lora_b"]
+        tune2 += float(np.sum(np.square(params.lora.scale * (a @ b), dtype=np.float64)))
         name = f"model.{stem}.weight"
         err2 += float(np.sum(np.square(back[name] - merged[name], dtype=np.float64)))
-    assert shift["matrices"] == len([k for k in adapter.params if k.endswith(".lora_a")])
+    assert shift["matrices"] == len([k for k in params.params if k.endswith(".lora_a")])
     assert shift["ratio"] == pytest.approx(np.sqrt(err2 / tune2), rel=1e-3, abs=1e-4)
     assert shift["tune_norm"] == pytest.approx(np.sqrt(tune2), rel=1e-4)
-    lines = proc.stderr.splitlines()
-    said = [x for x in lines if x.startswith(f"{kind} moves the {shift['matrices']} adapted")]
-    assert len(said) == 1 and f"{shift['ratio']:.2f}x the tune's own change" in said[0], lines
-    assert sum("has no BPE merges: llama.cpp and Ollama refuse" in x for x in lines) == 1
+    said = [x for x in proc.stderr.splitlines() if x.startswith("q4_0 moves the ")]
+    assert len(said) == 1 and "weight space, since the adapter is not in a tune's state" in said[0]
+
+
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "q4_0"]])
+def test_a_gguf_of_a_tokenizer_without_merges_is_refused_in_one_line(
+    llama_state, tmp_path, quantize
+):
+    """Issue 35, item 28: llama.cpp refuses a byte-level vocabulary without merges ("cannot
+    find tokenizer merges") and no placeholder merge serves transformers and spill as well, so
+    the plain tiny models' GGUF export is refused before anything is written."""
+    before = {p: p.read_bytes() for p in sorted(llama_state.rglob("*")) if p.is_file()}
+    out = tmp_path / "out"
+    proc = _spill("export", str(llama_state), str(out), "--format", "gguf", *quantize)
+    assert proc.returncode == 1 and not out.exists(), proc.stderr
+    line = _one_line(proc)
+    assert line.startswith("spill: error: ") and "tokenizer.json has no BPE merges" in line
+    assert "cannot find tokenizer merges" in line and line.endswith("export --format hf")
+    assert list(tmp_path.iterdir()) == []  # no temporary folder left either
+    assert before == {p: p.read_bytes() for p in sorted(llama_state.rglob("*")) if p.is_file()}
 
 
 # --- mlx --------------------------------------------------------------------------------------

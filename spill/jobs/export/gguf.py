@@ -6,14 +6,15 @@ tables, inverted, so the two cannot drift apart); Llama's attn_q/attn_k rows get
 rotary interleave (``permute``, undone by the importer's ``_unpermute``), Qwen2's do not (and
 keep their q/k/v biases); llama3 rope scaling becomes llama.cpp's ``rope_freqs.weight``
 (``rope_freqs``; spill's importer refuses such a file: rope scaling); 1-D tensors (norms,
-biases) stay F32 as llama.cpp keeps them; with ``--quantize`` every matrix whose rows split into 32-value blocks is Q8_0/Q4_0/Q4_1 by
-``gguf.quants`` (ggml's reference quantizers), any other stays in ``--dtype``. The tokenizer is
-byte-level BPE from ``tokenizer.json`` (tokens, merges, token types, the pre-tokenizer's
-llama.cpp name), with the chat template. Tensor infos are declared first and the data written
-one merged tensor at a time, so memory stays at one tensor. An Ollama ``Modelfile`` that names
-the file and its stop tokens is written beside it. With ``--quantize`` the rounding of the adapted
-matrices is measured against the tune's own change (``_Shift``) and said; a tokenizer without
-merges (which llama.cpp refuses) is said in one note.
+biases) stay F32 as llama.cpp keeps them; with ``--quantize`` every matrix whose rows split
+into 32-value blocks is Q8_0/Q4_0/Q4_1 by ``gguf.quants`` (ggml's reference quantizers), any
+other stays in ``--dtype``, and what the rounding costs the tune is measured and said
+(``spill.jobs.export.shift``). The tokenizer is byte-level BPE from ``tokenizer.json`` (tokens,
+merges, token types, the pre-tokenizer's llama.cpp name), with the chat template; one without
+merges is refused before anything is written (``read_tokenizer``: llama.cpp would refuse the
+file). Tensor infos are declared first and the data written one merged tensor at a time, so
+memory stays at one tensor. An Ollama ``Modelfile`` that names the file and its stop tokens is
+written beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
+from spill.jobs.export.shift import WeightShift, measure, seen_rows
 from spill.models.gguf_import import _BIASES, _GLOBAL, _LAYER
 from spill.models.gguf_reader import _LLAMA3_SPLIT, _QWEN2_SPLIT
 
@@ -114,15 +116,16 @@ def _pre(tokenizer: dict, where: Path) -> str:
     )
 
 
-def add_tokenizer(
-    writer, inputs: Inputs, progress: Callable[[str], object] = lambda line: None
-) -> list[str]:
-    """The vocabulary, merges, special ids and chat template; the texts that end generation.
-    A BPE without merges (the tiny test models' byte-only vocabulary) is written without the
-    merges key (gguf writes no empty array), which llama.cpp refuses ("cannot find tokenizer
-    merges"): said in one note, since transformers and spill's importer read the file."""
-    folder = inputs.base_folder
-    where = folder / "tokenizer.json"
+def read_tokenizer(inputs: Inputs) -> tuple[dict, str]:
+    """``tokenizer.json`` and its pre-tokenizer's llama.cpp name, refused in one line before
+    anything is written where a GGUF of it would not serve llama.cpp: not byte-level BPE, or a
+    BPE without merges (the tiny test models' byte-only vocabulary). llama.cpp refuses a gpt2
+    vocabulary without the merges key ("cannot find tokenizer merges") and gguf writes no empty
+    list. No placeholder merge helps: llama.cpp would load one that never fires (``ÿ ÿ``, byte
+    0xFF is never in UTF-8) and tokenize as before, but tokenizers (so transformers' GGUF loader
+    and spill's importer) refuse a merge whose result is not in the vocabulary, and a byte-only
+    vocabulary has no two-character token."""
+    where = inputs.base_folder / "tokenizer.json"
     tok = json.loads(where.read_bytes())
     model = tok.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
@@ -130,6 +133,18 @@ def add_tokenizer(
             f"{where}: not a byte-level BPE tokenizer; spill writes GGUF for gpt2-style "
             "tokenizers only, export --format hf"
         )
+    if not model.get("merges"):
+        raise UnsupportedModel(
+            f"{where} has no BPE merges (a byte-only vocabulary), which llama.cpp and Ollama "
+            'refuse in a GGUF ("cannot find tokenizer merges"); export --format hf'
+        )
+    return tok, _pre(tok, where)
+
+
+def add_tokenizer(writer, inputs: Inputs, tok: dict, pre: str) -> list[str]:
+    """The vocabulary, merges, special ids and chat template; the texts that end generation."""
+    folder = inputs.base_folder
+    model = tok["model"]
     size = max(inputs.config.vocab_size, *(t["id"] + 1 for t in tok.get("added_tokens", [])))
     tokens: list[str | None] = [None] * size
     types = [_NORMAL] * size
@@ -141,17 +156,12 @@ def add_tokenizer(
     for i, t in enumerate(tokens):
         if t is None:  # a padded embedding row (Qwen2.5): llama.cpp's own filler
             tokens[i], types[i] = f"[PAD{i}]", _UNUSED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre(tok, where))
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    if not merges:
-        progress(
-            f'{where} has no BPE merges: llama.cpp and Ollama refuse this GGUF ("cannot find '
-            'tokenizer merges"); transformers and spill read it, or export --format hf'
-        )
     tc_path = folder / "tokenizer_config.json"
     tc = json.loads(tc_path.read_bytes()) if tc_path.is_file() else {}
     cfg = inputs.config
@@ -206,6 +216,7 @@ def write(
     from gguf.quants import quantize as ggml_quantize
 
     _refuse_unwritable(inputs)
+    tok, pre = read_tokenizer(inputs)
     cfg = inputs.config
     arch = cfg.family
     kind = quantize or dtype
@@ -227,7 +238,7 @@ def write(
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    stops = add_tokenizer(writer, inputs, progress)
+    stops = add_tokenizer(writer, inputs, tok, pre)
 
     stored, types = {}, Counter()
     extra = rope_freqs(cfg) if cfg.rope_scaling else None  # llama3 scaling: written first
@@ -247,7 +258,8 @@ def write(
     if extra is not None:
         writer.write_tensor_data(extra)
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-    shift = _Shift(inputs)
+    rows = seen_rows(inputs) if quantize else ""
+    weights = WeightShift(inputs, rows) if quantize and isinstance(rows, str) else None
     for name, w in merged(inputs):
         module = name.rsplit(".", 2)[-2]
         if arch == "llama" and module in heads and name.endswith(".weight"):
@@ -259,15 +271,15 @@ def write(
             data = w.astype(np.float16)
         else:
             data = ggml_quantize(w, qtype)  # BF16 and the block types, as uint8 rows
-            if quantize and qtype.name == quantize.upper():
-                shift.add(name, w, data, qtype)
+            if weights is not None and qtype.name == quantize.upper():
+                weights.add(name, w, data, qtype)
         writer.write_tensor_data(np.ascontiguousarray(data))
     writer.close()
     progress(f"wrote {path.name} ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))})")
     extra_json = {}
-    if quantize and shift.tune2 > 0:
-        extra_json["quantization_shift"] = shift.result()
-        progress(shift.line(quantize))
+    if quantize:
+        measured = measure(inputs, dest, quantize, stored, rows, weights, progress)
+        extra_json = {"quantization_shift": measured} if measured else {}
     modelfile = [
         f"# Ollama: ollama create NAME -f Modelfile (merged by spill from {inputs.base_name})",
         f"FROM ./{path.name}",
@@ -275,51 +287,3 @@ def write(
     ]
     (dest / "Modelfile").write_text("\n".join(modelfile) + "\n", encoding="utf-8")
     return {"gguf": {"file": path.name, "types": dict(sorted(types.items())), **extra_json}}
-
-
-class _Shift:
-    """How far ``--quantize`` moves the adapted matrices, against how far the tune moved them:
-    the Frobenius norm of (dequantized - float merge) over every adapted matrix stored in the
-    block type, divided by that of the tune's own change (``scale * (A @ B).T``). Near or above
-    1, the rounding is as large as what the tune learned (a short tune's small delta)."""
-
-    def __init__(self, inputs: Inputs):
-        self.params = inputs.adapter.params
-        self.scale = np.float32(inputs.adapter.lora.scale)
-        self.tune2 = self.error2 = 0.0
-        self.matrices = 0
-
-    def add(self, name: str, w: np.ndarray, data: np.ndarray, qtype) -> None:
-        from gguf.quants import dequantize
-
-        stem = name.rsplit(".", 1)[0].removeprefix("model.")
-        if not name.endswith(".weight") or f"{stem}.lora_a" not in self.params:
-            return
-        a, b = self.params[f"{stem}.lora_a"], self.params[f"{stem}.lora_b"]
-        delta = self.scale * (a @ b)  # (in, out): the norm is the transpose's, and the
-        error = dequantize(data, qtype) - w  # q/k permutation moves rows, not their norms
-        self.tune2 += float(np.sum(np.square(delta, dtype=np.float64)))
-        self.error2 += float(np.sum(np.square(error, dtype=np.float64)))
-        self.matrices += 1
-
-    def result(self) -> dict:
-        return {
-            "matrices": self.matrices,
-            "tune_norm": round(math.sqrt(self.tune2), 6),
-            "quantization_norm": round(math.sqrt(self.error2), 6),
-            "ratio": round(math.sqrt(self.error2 / self.tune2), 4),
-        }
-
-    def line(self, quantize: str) -> str:
-        r = self.result()
-        warn = (
-            "; the rounding is at least as large as what the tune learned: check the export "
-            "on your rows, or export q8_0 or a float dtype"
-            if r["ratio"] >= 1
-            else ""
-        )
-        return (
-            f"{quantize} moves the {r['matrices']} adapted matrices by {r['ratio']:.2f}x the "
-            f"tune's own change (Frobenius norms {r['quantization_norm']:.4g} against "
-            f"{r['tune_norm']:.4g}){warn}"
-        )
