@@ -9,6 +9,7 @@ so chat templates, special tokens and decoding behave as on a hub model.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,15 +54,37 @@ def tokenizer_json() -> str:
     return tok.to_str(pretty=True)
 
 
-# what each family's tiny config.json says beside the shared shape: its own keys, as
-# transformers' config class writes them (a Qwen3 head twice hidden / heads wide, as Qwen3-0.6B's;
-# a Mistral window shorter than the tests' sequences; a SmolLM3 NoPE layer every fourth)
-_FAMILY_KEYS: dict[str, dict] = {
-    "llama": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "attention_bias": False},
-    "qwen2": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False},
-    "qwen3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False},
-    "mistral": {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": 32},
-    "smollm3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False},
+# what each family's tiny config.json says beside the shared shape, given (layers, head_dim):
+# its own keys, as transformers' config class writes them (a Qwen3 head twice hidden / heads wide,
+# as Qwen3-0.6B's; a Mistral window shorter than the tests' sequences; a SmolLM3 NoPE layer
+# every fourth)
+_FAMILY_KEYS: dict[str, Callable[[int, int], dict]] = {
+    "llama": lambda layers, head: {
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "qwen2": lambda layers, head: {"rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    "qwen3": lambda layers, head: {
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "head_dim": 2 * head,
+    },
+    "mistral": lambda layers, head: {
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "sliding_window": 32,
+    },
+    "smollm3": lambda layers, head: {
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "no_rope_layer_interval": 4,
+        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
+    },
 }
 TINY_FAMILIES = tuple(_FAMILY_KEYS)
 _ARCHITECTURES = {
@@ -77,7 +100,7 @@ def _config(family: str, layers: int, hidden: int, vocab: int) -> dict:
     heads = max(2, hidden // 16)
     kv = heads // 2 if heads % 2 == 0 else heads
     eos = vocab - 1  # <|im_end|>
-    cfg = {
+    return {
         "architectures": [_ARCHITECTURES[family]],
         "model_type": family,
         "vocab_size": vocab,
@@ -86,7 +109,7 @@ def _config(family: str, layers: int, hidden: int, vocab: int) -> dict:
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
-        "head_dim": hidden // heads * (2 if family == "qwen3" else 1),
+        "head_dim": hidden // heads,
         "hidden_act": "silu",
         "max_position_embeddings": 2048,
         "rope_theta": 10000.0,
@@ -94,14 +117,8 @@ def _config(family: str, layers: int, hidden: int, vocab: int) -> dict:
         "eos_token_id": eos,
         "pad_token_id": vocab - 3,
         "torch_dtype": "bfloat16",
-        **_FAMILY_KEYS[family],
+        **_FAMILY_KEYS[family](layers, hidden // heads),
     }
-    if family in ("llama", "smollm3"):
-        cfg["mlp_bias"] = False
-    if family == "smollm3":
-        cfg["no_rope_layer_interval"] = 4
-        cfg["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
-    return cfg
 
 
 def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
