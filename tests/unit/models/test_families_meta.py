@@ -1,6 +1,8 @@
-"""Every family has a tiny random model (``spill models tiny --family``, ``tiny:<family>:<seed>``)
-whose config.json carries what the family adds: Qwen3's explicit head_dim and q/k norms,
-Mistral's sliding window, SmolLM3's NoPE layers (issue 37)."""
+"""The families' metadata outside the engines (issue 37): every family has a tiny random model
+(``spill models tiny --family``, ``tiny:<family>:<seed>``) whose config.json carries what the
+family adds (Qwen3's explicit head_dim and q/k norms, Mistral's sliding window, SmolLM3's NoPE
+layers), and a GGUF of a family whose llama.cpp names spill does not read is refused in one
+line."""
 
 from __future__ import annotations
 
@@ -48,3 +50,22 @@ def test_spill_models_tiny_writes_the_same_bytes_and_the_engine_runs_it(family, 
     (logp,) = runner.score([np.arange(5, 45)], [np.arange(45, 60)])
     assert logp.shape == (15,) and np.isfinite(logp).all() and (logp < 0).all()
     runner.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "mistral3"])
+def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch, tmp_path):
+    """spill runs these families from HF folders; their llama.cpp tensor names are not read yet,
+    so a GGUF of one is refused before anything is written (llama.cpp names each by its arch)."""
+    from spill.errors import UnsupportedModel
+    from spill.models.gguf_import import import_gguf
+    from tests.unit.models.gguf_bytes import small_llama, small_metadata
+
+    meta = small_metadata()
+    meta = {k.replace("llama.", f"{arch}.", 1): v for k, v in meta.items()}
+    path = small_llama(tmp_path / "m.gguf", meta | {"general.architecture": arch})
+    with pytest.raises(UnsupportedModel) as err:
+        import_gguf(path, tmp_path / "out")
+    assert "\n" not in str(err.value) and f"GGUF architecture {arch!r} is not supported" in str(
+        err.value
+    )
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
