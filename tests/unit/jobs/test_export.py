@@ -97,3 +97,41 @@ def test_a_folder_that_is_no_adapter_is_refused(tmp_path):
         adapter_folder(tmp_path)
     with pytest.raises(SpillError, match="no such folder"):
         adapter_folder(tmp_path / "missing")
+
+
+def _logprob(base: float, tuned: float, quantized: float) -> dict:
+    tune, rounding = abs(tuned - base), abs(quantized - tuned)
+    ratio = round(rounding / tune, 4) if tune else None
+    return {"measure": "logprob", "train_file": "t.jsonl", "rows": 8, "tokens": 20,
+            "base": base, "tuned": tuned, "quantized": quantized, "ratio": ratio}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "numbers, said, warned",
+    [
+        ((-10.0, -9.0, -9.5), "moves them 0.50x as far as the tune did", True),
+        ((-10.0, -9.0, -9.6), "moves them 0.60x as far", True),
+        ((-10.0, -9.0, -9.4999), "moves them 0.50x as far", False),  # 0.4999: below the line
+        ((-10.0, -9.0, -9.004), "moves them 0.004x as far", False),
+        ((-10.0, -10.0, -10.5), "the tune did not move them", False),
+    ],
+)
+def test_the_quantization_line_warns_at_half_the_tune_s_shift(numbers, said, warned):
+    """Issue 35, item 29: the printed line names both shifts and their ratio, and adds the
+    advice from a ratio of 0.5 on; an adapter that moved nothing has no ratio."""
+    from spill.jobs.export.shift import line
+
+    text = line("q4_0", _logprob(*numbers))
+    assert text.startswith("q4_0 on 8 rows the tune saw (t.jsonl, 20 trained tokens)")
+    assert said in text and ("export q8_0 or a float dtype" in text) == warned, text
+
+
+def test_the_weight_space_line_says_why_it_is_in_weight_space():
+    from spill.jobs.export.shift import line
+
+    r = {"measure": "weights", "why": "the adapter is not in a tune's state", "matrices": 3,
+         "tune_norm": 2.0, "quantization_norm": 1.5, "ratio": 0.75}  # fmt: skip
+    text = line("q4_1", r)
+    assert text.startswith("q4_1 moves the 3 adapted matrices by 0.75x the tune's own change")
+    assert "weight space, since the adapter is not in a tune's state" in text
+    assert text.endswith("export q8_0 or a float dtype")
