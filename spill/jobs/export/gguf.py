@@ -84,6 +84,11 @@ def _refuse_unwritable(inputs: Inputs) -> None:
             f"{inputs.base_name}: spill writes no GGUF of a {cfg.family} model yet (only "
             f"{' and '.join(ARCHES)}); export --format hf or --format mlx"
         )
+    if cfg.windowed:  # Qwen2's use_sliding_window: llama.cpp's qwen2 attends to every key
+        raise UnsupportedModel(
+            f"{inputs.base_name}: its sliding-window layers have no GGUF form spill writes; "
+            "export --format hf or --format mlx"
+        )
     if cfg.rope_scaling and cfg.family != "llama":
         raise UnsupportedModel(
             f"{inputs.base_name}: rope scaling on a {cfg.family} model has no GGUF form spill "

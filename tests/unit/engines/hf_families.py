@@ -4,7 +4,7 @@ itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the tiny 
 Each variant shows what its family adds: Qwen3 an explicit ``head_dim`` (not hidden / heads),
 per-head q/k norms and, in ``qwen3-windowed``, ``attention_bias`` and sliding layers from
 ``max_window_layers``; Mistral a ``sliding_window`` shorter than the test sequences; SmolLM3 a
-NoPE layer between rotary ones. Weights are drawn wider than transformers' initializer and every
+NoPE layer between rotary ones; and Qwen2's ``use_sliding_window``, which spill now honours too. Weights are drawn wider than transformers' initializer and every
 norm weight is moved off 1, so greedy picks are clear and the q/k norm weights matter.
 """
 
@@ -42,6 +42,10 @@ VARIANTS = {
         ),
     ),
     "mistral": ("Mistral", dict(num_hidden_layers=2, sliding_window=7, rope_theta=5000.0)),
+    "qwen2-windowed": (
+        "Qwen2",
+        dict(num_hidden_layers=2, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    ),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1])),
 }
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
