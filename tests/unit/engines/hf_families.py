@@ -4,8 +4,9 @@ itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the tiny 
 Each variant shows what its family adds: Qwen3 an explicit ``head_dim`` (not hidden / heads),
 per-head q/k norms and, in ``qwen3-windowed``, ``attention_bias`` and sliding layers from
 ``max_window_layers``; Mistral a ``sliding_window`` shorter than the test sequences; SmolLM3 a
-NoPE layer between rotary ones; and Qwen2's ``use_sliding_window``, which spill now honours too. Weights are drawn wider than transformers' initializer and every
-norm weight is moved off 1, so greedy picks are clear and the q/k norm weights matter.
+NoPE layer between rotary ones; and Qwen2's ``use_sliding_window``, which spill now honours too.
+Weights are drawn wider than transformers' initializer and every norm weight is moved off 1, so
+greedy picks are clear and the q/k norm weights matter.
 """
 
 from __future__ import annotations
