@@ -50,6 +50,8 @@ def seen_rows(inputs: Inputs) -> tuple[str, list] | str:
     """``(training file name, examples)``: the first ``ROWS`` rows the tune drew, encoded as
     it encoded them; or why there are none (a line's end)."""
     from spill.control.place import Place
+    from spill.engines import resolve
+    from spill.errors import EngineError
     from spill.jobs.train_data import _order, data_fingerprint, load_examples
     from spill.models.tokenizer import Tokenizer
     from spill.payloads.checkpoint import latest_checkpoint
@@ -72,6 +74,10 @@ def seen_rows(inputs: Inputs) -> tuple[str, list] | str:
             else "is not where its command named it, beside the state or here"
         )
         return f"the tune's training file {name} {where}"
+    try:
+        resolve(None)  # an export needs no engine; the measurement does
+    except EngineError:
+        return "no engine to score the rows is installed here (pip install torch)"
     examples = load_examples(path, Tokenizer(inputs.base_folder), hyper["seq_len"])
     drawn = min(ROWS, len(examples), hyper["steps"] * hyper["batch"])
     return name, [examples[i] for i in _order(len(examples), st["seed"], 0)[:drawn]]
