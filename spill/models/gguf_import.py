@@ -36,6 +36,7 @@ from spill.models import gguf_quant
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
+from spill.models.scan import checked_sha256
 from spill.store.fs import fsync, remove_stale
 from spill.store.safetensors_io import write_file
 
@@ -153,7 +154,11 @@ def import_gguf(
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
         (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
         source_info["files"] = {  # every model file's sha256, as written (the marker is not one)
-            n: {"size": (tmp / n).stat().st_size, "sha256": file_sha256(tmp / n), "from": "local"}
+            n: {
+                "size": (tmp / n).stat().st_size,
+                "sha256": checked_sha256(tmp / n),
+                "from": "local",
+            }
             for n in model_files(tmp)
         }
         _write_json(tmp / "spill-source.json", source_info)

@@ -13,6 +13,10 @@ name of its blob and hashes the small files). Two checks read them:
   everything and finds it.
 * ``verify`` (``spill models verify``) re-hashes every file and reports each change.
 
+Every hash is taken by ``spill.models.scan``, which checks a safetensors file's float tensors
+for NaN and inf in the same pass: such a file is never recorded (``record`` refuses it), and a
+recorded one (an older spill's record) is named when a job start re-hashes it or by ``verify``.
+
 A folder without records (a user's own folder) is used as it is, and is reported as unrecorded;
 spill never invents a record for bytes it did not see arrive.
 
@@ -35,8 +39,8 @@ from pathlib import Path
 
 from spill.console import note
 from spill.errors import ModelError
-from spill.hashing import file_sha256
 from spill.models.cache import is_model_file, list_models, read_marker, write_marker
+from spill.models.scan import NotFinite, not_finite, scan_file
 
 SCHEMA_VERSION = 1
 CHUNK = 1 << 22
@@ -61,11 +65,21 @@ def is_weight_file(name: str) -> bool:
     return name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json"))
 
 
-def hash_now(path: Path) -> tuple[str, list[int] | None]:
-    """sha256 of ``path`` and its stat key, or None for the key when the file moved meanwhile."""
+def _hash(path: Path) -> tuple[str, list[int] | None, str | None]:
+    """sha256 of ``path``, its stat key (None when the file moved meanwhile) and the first
+    float tensor holding NaN or inf (None: none, or not a safetensors file)."""
     before = stat_key(path)
-    digest = file_sha256(path)
-    return digest, before if stat_key(path) == before else None
+    digest, bad = scan_file(path)
+    return digest, before if stat_key(path) == before else None, bad
+
+
+def hash_now(path: Path) -> tuple[str, list[int] | None]:
+    """sha256 of ``path`` and its stat key, or None for the key when the file moved meanwhile;
+    ``NotFinite`` for a float tensor holding NaN or inf."""
+    digest, key, bad = _hash(path)
+    if bad is not None:
+        raise NotFinite(f"{not_finite(path, bad)}: import, fetch or generate it again")
+    return digest, key
 
 
 def record(
@@ -123,14 +137,17 @@ def _fix(folder: Path, name: str) -> str:
 @dataclass
 class FileStatus:
     name: str
-    status: str  # ok, changed, missing, added
+    status: str  # ok, changed, missing, added, not finite
     size: int = 0
     sha256: str | None = None  # recorded
     now: str | None = None  # found
     size_now: int | None = None  # found, when the size differs (then the file is not read)
+    tensor: str | None = None  # not finite: the first float tensor holding NaN or inf
 
     def line(self, folder: Path) -> str:
         path = Path(folder) / self.name
+        if self.status == "not finite":
+            return not_finite(path, self.tensor)
         if self.status == "missing":
             return f"{path} is missing (spill recorded it when the model entered the cache)"
         if self.status == "added":
@@ -156,10 +173,12 @@ def _compare(folder: Path, files: Mapping[str, Mapping], full: bool) -> tuple[li
             continue
         if known.get(name) == key:
             continue
-        digest, key = hash_now(path)
+        digest, key, bad = _hash(path)
         nbytes += rec["size"]
         if digest != rec["sha256"]:
             diffs.append(FileStatus(name, "changed", rec["size"], rec["sha256"], digest))
+        elif bad is not None:  # recorded by a spill that did not look
+            diffs.append(FileStatus(name, "not finite", rec["size"], rec["sha256"], tensor=bad))
         elif key is not None:
             fresh[name] = key
     diffs += [FileStatus(n, "added") for n in sorted(present - set(files))]
@@ -187,7 +206,8 @@ def check(folder: Path, name: str, remember: bool = True) -> dict[str, dict] | N
     diffs, fresh, _ = _compare(folder, files, full=False)
     if diffs:
         more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-        raise ModelChanged(f"{diffs[0].line(folder)}{more}; {_fix(folder, name)}")
+        error = NotFinite if diffs[0].status == "not finite" else ModelChanged
+        raise error(f"{diffs[0].line(folder)}{more}; {_fix(folder, name)}")
     if remember:
         _remember(folder, fresh, full=False)
     return files
@@ -213,13 +233,22 @@ def verify(folder: Path) -> Verified:
     except ModelError as e:
         out.status, out.problems = "invalid record", [str(e)]
         return out
-    if files is None:
+    if files is None:  # nothing to hold the bytes to; the weights are still looked at
         out.status = "no hashes recorded"
+        for name in model_files(folder):
+            if name.endswith(".safetensors") and (bad := _hash(folder / name)[2]):
+                out.problems.append(not_finite(folder / name, bad))
+        out.seconds = time.perf_counter() - t0
         return out
     diffs, fresh, nbytes = _compare(folder, files, full=True)
     out.files, out.bytes = len(files), nbytes
     if diffs:
-        out.status = f"{len(diffs)} changed"
+        damaged = sum(d.status == "not finite" for d in diffs)
+        out.status = ", ".join(
+            f"{n} {what}"
+            for n, what in ((len(diffs) - damaged, "changed"), (damaged, "not finite"))
+            if n
+        )
         out.problems = [d.line(folder) for d in diffs]
     else:
         _remember(folder, fresh, full=True)

@@ -12,7 +12,6 @@ the last verified one) and recorded in the folder's marker.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from spill.errors import ModelNotFound, StoreError
 from spill.models.cache import is_model_file, read_marker
 from spill.models.integrity import CHUNK, hash_now, record, stat_key
+from spill.models.scan import NotFinite, Scan, not_finite
 
 
 @dataclass(frozen=True)
@@ -76,15 +76,18 @@ def _list_model_files(fs, root: str, uri: str) -> dict[str, tuple[str, int]]:
 
 
 def _copy(fs, remote: str, local: Path) -> str:
-    """Copy ``remote`` to ``local`` and return its sha256, hashed while copying."""
-    h = hashlib.sha256()
+    """Copy ``remote`` to ``local`` and return its sha256, hashed (and a safetensors file's
+    float tensors checked for NaN and inf, ``NotFinite``) while copying."""
+    scan = Scan(remote.endswith(".safetensors"))
     with fs.open(remote, "rb") as src, open(local, "wb") as dst:
         while chunk := src.read(CHUNK):
-            h.update(chunk)
+            scan.update(chunk)
             dst.write(chunk)
         dst.flush()
         os.fsync(dst.fileno())
-    return h.hexdigest()
+    if scan.bad is not None:
+        raise NotFinite(f"{not_finite(remote, scan.bad)}: repair it there, then stage it again")
+    return scan.hexdigest()
 
 
 def _local_hash(
@@ -123,7 +126,7 @@ def stage(uri: str, dest: Path, progress: Callable[[str], object] = print) -> St
                 )
             os.replace(tmp, target)
             hashed[name] = (digest, stat_key(target))
-        except StoreError:
+        except (StoreError, NotFinite):
             raise
         except Exception as e:
             raise StoreError(f"{uri}/{name}: copy failed ({type(e).__name__}: {e})") from None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spill.errors import ModelError
-from spill.hashing import file_sha256
+from spill.models.scan import checked_sha256
 from spill.store.safetensors_io import read_header
 
 INDEX = "model.safetensors.index.json"
@@ -191,7 +191,8 @@ def layer_bytes(config, files: WeightFiles, itemsize: int, computes_packed=None)
 
 def fingerprint(folder: Path, hashes: Mapping[str, str] | None = None) -> str:
     """``sha256:<hex>`` of config.json, shard names and sizes, headers and each shard's sha256:
-    from ``hashes`` (shard name -> hex, the cache's records) where given, else hashed here."""
+    from ``hashes`` (shard name -> hex, the cache's records) where given, else hashed here
+    (``NotFinite`` for a float tensor holding NaN or inf, found in the same pass)."""
     folder = Path(folder)
     files = weight_files(folder)
     known = hashes or {}
@@ -201,7 +202,7 @@ def fingerprint(folder: Path, hashes: Mapping[str, str] | None = None) -> str:
         "config": json.loads((folder / "config.json").read_bytes()),
         "shards": [[s, (folder / s).stat().st_size] for s in files.shards],
         "headers": [files.headers[s] for s in files.shards],
-        "sha256": [known.get(s) or file_sha256(folder / s) for s in files.shards],
+        "sha256": [known.get(s) or checked_sha256(folder / s) for s in files.shards],
     }
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return "sha256:" + hashlib.sha256(raw).hexdigest()

@@ -137,6 +137,6 @@ def test_a_recorded_folder_is_fingerprinted_from_its_records_without_hashing(tmp
     def no_hashing(path):
         raise AssertionError(f"{path} hashed although its sha256 is recorded")
 
-    monkeypatch.setattr("spill.models.weights.file_sha256", no_hashing)
+    monkeypatch.setattr("spill.models.weights.checked_sha256", no_hashing)
     assert "fingerprint" not in read_marker(folder)  # no cached value to reuse
     assert cached_fingerprint(folder) == full

@@ -53,15 +53,15 @@ def test_check_hashes_once_then_trusts_an_unchanged_stat(model, monkeypatch):
     def no_hashing(path):
         raise AssertionError(f"{path} re-hashed although its stat did not change")
 
-    monkeypatch.setattr(integrity, "file_sha256", no_hashing)
+    monkeypatch.setattr(integrity, "scan_file", no_hashing)
     assert check(model, "m") == files
     monkeypatch.undo()
 
     shard = model / "model.safetensors"
     os.utime(shard)  # a touch moves mtime and ctime: hashed again, still the same bytes
     hashed = []
-    real = integrity.file_sha256
-    monkeypatch.setattr(integrity, "file_sha256", lambda p: hashed.append(p.name) or real(p))
+    real = integrity.scan_file
+    monkeypatch.setattr(integrity, "scan_file", lambda p: hashed.append(p.name) or real(p))
     assert check(model, "m") == files and hashed == ["model.safetensors"]
 
 
