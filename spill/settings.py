@@ -177,6 +177,9 @@ QUANTIZATION = ("quantize", "group_size")  # inputs of a stage only when quantiz
 VALIDATION = ("valid", "eval_every", "keep_best")  # inputs of a stage only when valid is set
 
 
+LR_MAX = 1e37  # AdamW's first step is lr / (1 - beta1) = 10 x lr; float32 ends at 3.4e38
+
+
 @dataclass(frozen=True)
 class TuneSettings:
     """``tune:``, the LoRA training of the student; ``spill tune`` takes each as a flag."""
@@ -184,8 +187,9 @@ class TuneSettings:
     steps: int = setting(
         {"type": "integer", "minimum": 1}, "total optimizer steps (default %(default)s)"
     )
-    lr: float = setting(
-        {"type": "number", "exclusiveMinimum": 0}, "peak learning rate (default %(default)s)"
+    lr: float = setting(  # past LR_MAX AdamW's first step overflows float32 (a traceback)
+        {"type": "number", "exclusiveMinimum": 0, "maximum": LR_MAX},
+        "peak learning rate (default %(default)s)",
     )
     warmup: int = setting({"type": "integer", "minimum": 0}, "warmup steps before the cosine decay")
     weight_decay: float = setting({"type": "number", "minimum": 0})
@@ -264,6 +268,11 @@ class TuneSettings:
             return (
                 f"{name('batch')} {self.batch} must be a multiple of {name('micro_batch')} "
                 f"{self.micro_batch}"
+            )
+        if not 0 < self.lr <= LR_MAX:  # NaN too, which a schema's bounds let through
+            return (
+                f"{name('lr')} {self.lr:g}: a learning rate is a number above 0 and at most "
+                f"{LR_MAX:g} (AdamW's steps overflow past it); tunes use about 1e-5 to 1e-2"
             )
         if self.valid is not None and self.valid >= 1 and self.valid != int(self.valid):
             return (

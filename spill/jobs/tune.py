@@ -71,7 +71,7 @@ class TuneOptions:
         if t.micro_batch < 1 or t.batch < 1:
             raise SpillError("--batch and --micro-batch must be at least 1")
         if why := t.problem(lambda key: "--" + key.replace("_", "-")):
-            raise SpillError(why)
+            raise UsageError(why)
         if t.rank < 1 or not 0 <= t.dropout < 1:
             raise SpillError("--rank must be at least 1 and --dropout in [0, 1)")
         LoraConfig.parse_targets(t.targets)  # an unknown module fails here, in one line
@@ -79,8 +79,8 @@ class TuneOptions:
             raise SpillError(f"--stop-after must be between 1 and --steps ({t.steps})")
         if t.activations not in ACTIVATIONS:
             raise SpillError(f"--activations {t.activations!r}: use {', '.join(ACTIVATIONS)}")
-        if t.lr <= 0 or t.warmup < 0:
-            raise SpillError("--lr must be positive and --warmup zero or more")
+        if t.warmup < 0:
+            raise SpillError("--warmup must be zero or more")
         if t.eval_every < 1:
             raise SpillError("--eval-every must be at least 1")
         if t.keep_best and self.valid is None:

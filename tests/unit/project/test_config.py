@@ -159,6 +159,9 @@ BAD_FILES = {
     "range": ("tune:\n  dropout: 1.5\n", "tune.dropout: 1.5 is greater than or equal to"),
     "top level": ("colour: red\n", "colour is not a setting spill knows; allowed here: defaults"),
     "batch shape": ("tune:\n  batch: 8\n  micro_batch: 3\n", "tune.batch 8 must be a multiple"),
+    # AdamW's first step overflows float32 past 1e37 (a traceback before); NaN passes bounds
+    "lr overflow": ("tune:\n  lr: 3.0e+38\n", "tune.lr: 3e+38 is greater than the maximum"),
+    "lr nan": ("tune:\n  lr: .nan\n", "tune.lr nan: a learning rate is a number above 0"),
     "template": ('prompt:\n  template: "{input} {who}"\n', "prompt.template uses {who}"),
     "no input": ('prompt:\n  template: "hello"\n', "prompt.template: 'hello' does not match"),
     # issue 35 item 12: a format spec or conversion pads or reprs at build time: refused here
