@@ -299,7 +299,7 @@ def test_an_export_stage_on_an_object_store_state(built, tmp_path, request):
 @pytest.mark.slow  # (about a minute; CI's time budget)
 def test_sigkill_at_random_moments_of_the_export_stage_then_the_same_bytes(built, tmp_path):
     """A larger tiny llama (6 x 768) tuned and graded first; then only the export runs (hf, and
-    a Q4_0 GGUF), SIGKILLed at a uniformly random moment between a dry run's length (start-up and planning)
+    a 4-bit mlx folder), SIGKILLed at a uniformly random moment between a dry run's length (start-up and planning)
     and an uninterrupted run's, in six copies, each then rerun: the bytes of the control."""
     import os
     import random
@@ -314,7 +314,7 @@ def test_sigkill_at_random_moments_of_the_export_stage_then_the_same_bytes(built
     base = project_with_exports(tmp_path / "base")
     model = ("model.name=tiny:llama:3:6x768", STEPS)
     spill("build", str(base), *model, "export.formats=[]", home=home)
-    on = (*model, "export.quantize=q4_0")
+    on = (*model, "export.quantize=4")
 
     def copy(name: str) -> Path:
         shutil.copytree(base, tmp_path / name)
