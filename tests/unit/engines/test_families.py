@@ -1,8 +1,9 @@
 """Qwen3, Mistral and SmolLM3 on every engine against transformers' own models of them: gold
 log-probs within 1e-5 and greedy tokens equal to ``generate`` (float32), with sequences longer
 than the sliding windows, a NoPE layer and per-head q/k norms; streamed == resident bit for bit;
-a 4-bit copy computes as its float form. The models are made by transformers (``hf_families``),
-never by spill."""
+a 4-bit copy computes as its float form; training through the streamed walk and through kept
+activations bit for bit alike, and MLX's gradients within 2e-5 of torch's. The models are made
+by transformers (``hf_families``), never by spill."""
 
 from __future__ import annotations
 
@@ -102,3 +103,54 @@ def test_a_quantized_copy_computes_as_its_float_form(engine, variant, tmp_path):
         assert same(a.score(*ROWS), b.score(*ROWS))
         a.close()
         b.close()
+
+
+def test_kept_activations_and_the_recompute_walk_train_bit_identically(engine, variant):
+    """The streamed walk (recompute, kept base outputs on torch) and one graph over the resident
+    stack: the same losses, adapters and AdamW state bit for bit, with dropout, on rows past the
+    windows (up to 11 tokens against windows of 6 and 7)."""
+    from spill.models.config import load_config
+    from spill.models.lora import ALL_LINEAR, LoraConfig
+    from tests.unit.engines.kit import fresh, nudged
+    from tests.unit.engines.kit import tune as tune_steps
+
+    _, folder = variant
+    cfg = load_config(folder)
+    lora = LoraConfig(rank=4, alpha=8, dropout=0.1, targets=ALL_LINEAR)
+    runs = []
+    for options, mode in (({"ring": 2}, "auto"), ({"resident": True}, "keep")):
+        runner = open_runner(engine, folder, dtype="float32", **options)
+        trainer = fresh(runner, cfg, lora, nudged(cfg, lora))
+        assert trainer.plan(3, 8, mode).keep == (mode == "keep")
+        runs.append((tune_steps(trainer, 3), trainer.state()))
+        runner.close()
+    (losses_a, state_a), (losses_b, state_b) = runs
+    assert losses_a == losses_b and losses_a[-1] < losses_a[0]
+    assert all(
+        a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+        for a, b in zip(state_a, state_b, strict=True)
+    )
+
+
+@pytest.mark.mlx
+def test_mlx_gradients_match_the_torch_trainer(variant):
+    from spill.models.config import load_config
+    from spill.models.lora import ALL_LINEAR, LoraConfig
+    from tests.unit.engines.kit import batches, fresh, load_engine, nudged
+
+    _, folder = variant
+    cfg = load_config(folder)
+    lora = LoraConfig(rank=4, alpha=8, targets=ALL_LINEAR)
+    params, batch = nudged(cfg, lora), batches(0)[0]
+    got = []
+    for name in ("torch", "mlx"):
+        runner = open_runner(load_engine(name), folder, ring=2, dtype="float32")
+        trainer = fresh(runner, cfg, lora, params)
+        loss = trainer.accumulate(batch)
+        got.append((loss, {n: trainer.kernel.numpy(g) for n, g in trainer.grads.items()}))
+        runner.close()
+    (loss_t, grads_t), (loss_m, grads_m) = got
+    assert loss_m == pytest.approx(loss_t, rel=1e-5)
+    for name, ref in grads_t.items():
+        assert np.abs(ref).max() > 0, name
+        assert np.abs(grads_m[name] - ref).max() <= 2e-5 * np.abs(ref).max(), name
