@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import re
 import string
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -74,12 +75,68 @@ def _cell(value, path: Path, where: str, col: str) -> str:
     return text
 
 
+# characters in one CSV cell: real text (a long document) fits; memory stays bounded when a
+# quote left open would make the rest of a file one cell (Python's default is 128 KiB)
+CELL_LIMIT = 16 << 20
+
+
 def _csv_records(path: Path) -> tuple[list[str], list[tuple[str, dict]]]:
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f)
-        columns = list(reader.fieldnames or [])
-        records = [(f"line {reader.line_num}", rec) for rec in reader if any(rec.values())]
+    old = csv.field_size_limit(CELL_LIMIT)
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            reader = csv.DictReader(f)
+            columns, records, start = [], [], 1  # start: the line the next record starts on
+            try:
+                columns = list(reader.fieldnames or [])
+                start = reader.line_num + 1
+                for rec in reader:
+                    if any(rec.values()):
+                        records.append((f"line {reader.line_num}", rec))
+                    start = reader.line_num + 1
+            except csv.Error as e:
+                if "field larger than field limit" not in str(e):
+                    raise
+                raise DataError(_cell_too_long(path, start, columns)) from None
+    finally:
+        csv.field_size_limit(old)
     return columns, records
+
+
+def _cell_too_long(path: Path, line: int, columns: list[str]) -> str:
+    """The refusal of a record (starting on ``line``) with a cell over ``CELL_LIMIT``: the
+    column and size of its longest cell, counted through the record again, line by line as
+    the reader reads it, without keeping its text."""
+    col = size = 0
+    longest = (0, 0)  # (size, column)
+    quoted = False
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        for n, text in enumerate(f, 1):
+            if n < line:
+                continue
+            pos = 0
+            for m in re.finditer('""|[",]', text):
+                size += m.start() - pos
+                pos = m.end()
+                if m.group() == '""':
+                    size += quoted  # an escaped quote inside quotes; an empty cell outside
+                elif m.group() == '"':
+                    quoted = not quoted
+                elif quoted:
+                    size += 1
+                else:
+                    longest = max(longest, (size, col))
+                    col, size = col + 1, 0
+            size += len(text) - pos
+            if not quoted:  # the record ends with this line
+                size -= len(text) - len(text.rstrip("\r\n"))
+                break
+    size, col = max(longest, (size, col))
+    name = repr(columns[col]) if col < len(columns) else f"{col + 1} (the header's)"
+    return (
+        f"{path}: line {line}, column {name}: a cell of {size:,} characters, past the limit of "
+        f"{CELL_LIMIT:,} for one cell; shorten it or split the row (a quote left open before it "
+        "makes the rest of the file one cell)"
+    )
 
 
 def _jsonl_records(path: Path) -> tuple[list[str], list[tuple[str, dict]]]:

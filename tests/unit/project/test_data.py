@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 
@@ -168,3 +170,40 @@ def test_validation_settings_are_stage_inputs_only_when_validation_is_on():
     assert not {"tune.valid", "tune.eval_every", "tune.keep_best"} & set(off)
     on = stage_inputs("tune", TuneSettings(**{**defaults("tune"), "valid": 0.1}))
     assert {"tune.valid": 0.1, "tune.eval_every": 10, "tune.keep_best": False}.items() <= on.items()
+
+
+def test_a_cell_past_pythons_128_kib_default_is_read(tmp_path):
+    """Real text (a 300 KB document) fits the 16 MiB limit; the process's own limit is kept."""
+    before = csv.field_size_limit()
+    long = "word " * 60_000
+    rows = read_rows(write_csv(tmp_path / "d.csv", [("a", "x"), (long, "y")]), "text", "label")
+    assert rows[1].input == long and len(long) > 128 * 1024
+    assert csv.field_size_limit() == before
+
+
+@pytest.mark.parametrize(
+    "record, column",
+    [('a,"{cell}"\n', "label"), ('"{cell}",y\n', "text"), ('"x\n{cell}\ny""z",y\n', "text")],
+    ids=["unquoted", "quoted", "lines and an escaped quote"],
+)
+def test_a_cell_past_the_limit_names_its_line_column_and_size(
+    tmp_path, monkeypatch, record, column
+):
+    """The limit made small: the refusal counts the cell again (quotes, escaped quotes and line
+    breaks as the reader counts them) without keeping it."""
+    from spill.project import data
+
+    monkeypatch.setattr(data, "CELL_LIMIT", 100)
+    path = tmp_path / "d.csv"
+    cell = "w," * 60  # 120 characters
+    path.write_text("text,label\nhi,x\n" + record.format(cell=cell) + "ok,x\n")
+    with pytest.raises(DataError) as err:
+        read_rows(path, "text", "label")
+    (cells,) = csv.reader(io.StringIO(record.format(cell=cell), newline=""))
+    size = len(cells[0 if column == "text" else 1])
+    assert size > 100
+    assert str(err.value) == (
+        f"{path}: line 3, column {column!r}: a cell of {size:,} characters, past the limit of 100 "
+        "for one cell; shorten it or split the row (a quote left open before it makes the rest "
+        "of the file one cell)"
+    )
