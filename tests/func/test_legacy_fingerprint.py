@@ -71,6 +71,23 @@ def test_a_tune_recorded_with_the_legacy_fingerprint_continues_to_the_same_bits(
     assert kit.resumed_from(proc.stderr) == 2
     kit.assert_same_checkpoint(state, control)  # every tensor, state.json (new value), COMMIT
 
+    # an adapter published before the change records the old value: it exports onto these
+    # weights (the export records the new one), never onto another model's
+    meta = Path(state) / "adapter" / "adapter.json"
+    doc = json.loads(meta.read_bytes())
+    export = ["export", state, "--model", str(model)]
+    meta.write_text(json.dumps(doc | {"fingerprint": _legacy_fingerprint(other)}))
+    proc = run_spill(*export, str(tmp_path / "refused"), timeout=kit.TIMEOUT)
+    assert proc.returncode == 1 and "was trained on weights" in one_error(proc)
+    assert not (tmp_path / "refused").exists()
+    meta.write_text(json.dumps(doc | {"fingerprint": _legacy_fingerprint(model)}))
+    out = tmp_path / "exported"
+    proc = run_spill(*export, str(out), timeout=kit.TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(NOTE) == 1 and "the export records the new one" in proc.stderr
+    recorded = json.loads((out / "export.json").read_bytes())
+    assert recorded["base"]["fingerprint"] == cached_fingerprint(model), recorded
+
 
 def test_a_row_state_recorded_with_the_legacy_fingerprint_continues_to_the_same_rows(tmp_path):
     model, other = tiny(tmp_path / "model", 3), tiny(tmp_path / "other", 4)
