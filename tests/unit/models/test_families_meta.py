@@ -69,3 +69,77 @@ def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch
         err.value
     )
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def _raw(model_type: str, **keys) -> dict:
+    base = {
+        "model_type": model_type,
+        "vocab_size": 300,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+    }
+    return base | keys
+
+
+def test_each_family_reads_its_keys_as_its_transformers_config_class_does():
+    from spill.models.config import parse_config
+
+    qwen3 = parse_config(_raw("qwen3", head_dim=128, rope_theta=1e6, tie_word_embeddings=True))
+    assert (qwen3.head_dim, qwen3.qk_norm, qwen3.rope_theta) == (128, True, 1e6)
+    assert not (qwen3.qkv_bias or qwen3.o_bias or qwen3.windowed)
+    assert parse_config(_raw("qwen3")).head_dim == 128  # Qwen3Config's default, not 1024 / 16
+    assert parse_config(_raw("qwen3", attention_bias=True)).o_bias
+    slid = parse_config(
+        _raw("qwen3", use_sliding_window=True, sliding_window=64, max_window_layers=6)
+    )
+    assert (slid.sliding_window, slid.windowed) == (64, (6, 7))
+    assert not parse_config(_raw("qwen3", sliding_window=64)).windowed  # use_sliding_window off
+
+    assert parse_config(_raw("mistral", sliding_window=4096)).windowed == tuple(range(8))
+    plain = parse_config(_raw("mistral", sliding_window=None))
+    assert (plain.sliding_window, plain.windowed, plain.head_dim) == (None, (), 64)
+
+    smol = parse_config(_raw("smollm3"))  # SmolLM3Config's defaults: theta 2e6, tied, every 4th
+    assert (smol.rope_theta, smol.tie_word_embeddings, smol.no_rope) == (2e6, True, (3, 7))
+    listed = parse_config(_raw("smollm3", no_rope_layers=[1, 0] * 4 + [1]))
+    assert listed.no_rope == (1, 3, 5, 7)
+    assert parse_config(_raw("smollm3", no_rope_layer_interval=2)).no_rope == (1, 3, 5, 7)
+    windowed = parse_config(_raw("smollm3", use_sliding_window=True, sliding_window=32))
+    assert windowed.windowed == (3, 7)  # SmolLM3Config: the NoPE layers slide
+
+
+def test_rope_parameters_per_layer_type_are_read_when_equal_and_refused_when_not():
+    from spill.errors import UnsupportedModel
+    from spill.models.config import parse_config
+
+    same = {"rope_type": "default", "rope_theta": 5e5}
+    nested = {"full_attention": same, "sliding_attention": dict(same)}
+    assert parse_config(_raw("qwen3", rope_parameters=nested)).rope_theta == 5e5
+    assert parse_config(_raw("mistral", rope_parameters=same)).rope_theta == 5e5
+    nested["sliding_attention"] = {"rope_type": "default", "rope_theta": 1e4}
+    with pytest.raises(UnsupportedModel, match="differ by layer type") as err:
+        parse_config(_raw("qwen3", rope_parameters=nested))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "keys, says",
+    [
+        ({"no_rope_layers": [1, 0, 1]}, "no_rope_layers lists 3 layers for 8"),
+        (
+            {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention"]},
+            "layer_types lists 1 layers for 8",
+        ),
+        ({"no_rope_layers": 5}, "a value of the wrong type"),
+    ],
+)
+def test_a_per_layer_list_that_does_not_fit_the_layers_is_one_line(keys, says):
+    from spill.errors import ModelError
+    from spill.models.config import parse_config
+
+    with pytest.raises(ModelError, match=says) as err:
+        parse_config(_raw("smollm3", **keys), "m/config.json")
+    assert "\n" not in str(err.value) and str(err.value).startswith("m/config.json: ")
