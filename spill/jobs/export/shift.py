@@ -29,6 +29,9 @@ import numpy as np
 from spill.jobs.export.merge import Inputs
 
 ROWS = 8  # enough rows to see the shift, few enough to score three times in seconds
+# the scored copy is float32 on disk and is scored three times: past ~1B parameters that is more
+# disk and minutes than an export should spend unasked, so bigger models get the weight measure
+SCORED_BYTES = 4 * 1024**3
 WARN = 0.5  # the rounding undoes half of what the tune moved, or more
 _SHARD_BYTES = 256 * 1024**2  # the scratch folder's shards: memory stays near one shard
 _ADVICE = "check the export on your rows, or export q8_0 or a float dtype"
@@ -56,6 +59,12 @@ def seen_rows(inputs: Inputs) -> tuple[str, list] | str:
     from spill.models.tokenizer import Tokenizer
     from spill.payloads.checkpoint import latest_checkpoint
 
+    cfg = inputs.config
+    params = cfg.num_hidden_layers * cfg.layer_params() + cfg.vocab_size * cfg.hidden_size * (
+        1 if cfg.tie_word_embeddings else 2
+    )
+    if 4 * params > SCORED_BYTES:
+        return f"its float32 copy ({4 * params / 1e9:.1f} GB) is too big to score here"
     state = inputs.adapter_dir.parent
     if inputs.adapter_dir.name != "adapter" or not (state / "payloads").is_dir():
         return "the adapter is not in a tune's state, which names its training file"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,3 +136,20 @@ def test_the_weight_space_line_says_why_it_is_in_weight_space():
     assert text.startswith("q4_1 moves the 3 adapted matrices by 0.75x the tune's own change")
     assert "weight space, since the adapter is not in a tune's state" in text
     assert text.endswith("export q8_0 or a float dtype")
+
+
+def test_a_model_too_big_to_score_here_is_measured_in_weight_space(monkeypatch):
+    """The log-prob measure writes a float32 copy and scores it: past SCORED_BYTES (about a
+    billion parameters) seen_rows says why not, before it looks for any row."""
+    from types import SimpleNamespace
+
+    from spill.jobs.export import shift
+    from spill.models.config import parse_config
+    from spill.models.tiny import _config
+
+    cfg = parse_config(_config("llama", 2, 64, 256))
+    inputs = SimpleNamespace(config=cfg, adapter_dir=Path("/nowhere/adapter"))
+    assert "float32 copy" not in shift.seen_rows(inputs)  # small: it goes on to look for rows
+    monkeypatch.setattr(shift, "SCORED_BYTES", 1000)
+    why = shift.seen_rows(inputs)
+    assert why.startswith("its float32 copy (") and why.endswith("too big to score here")
