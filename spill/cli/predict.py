@@ -118,7 +118,12 @@ def add_parser(sub) -> None:
         metavar="N",
         help="longest generated answer (default: eval.max_new_tokens, else teacher's)",
     )
-    p.add_argument("--batch", type=int, metavar="N", help="rows computed together (speed only)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        metavar="N",
+        help="rows computed together (speed; label scores are the same bits at any batch)",
+    )
     p.add_argument(
         "--state",
         metavar="URI",

@@ -9,7 +9,9 @@ Independently of the generation, the engine scores the gold answer's tokens give
 per-token mean. A row job like run: ``--state`` commits graded rows in segments.
 
 ``--max-new-tokens`` defaults to the longest answer in the file plus 16 tokens, fixed for the
-whole file, so results do not depend on the batch. An adapter folder is spill's layout or
+whole file, so the generation budget does not depend on the batch; a row's log-probs are
+the same bits in any batch (each row scored at its own length), while a greedy answer can
+change with ``--batch`` where two tokens' logits tie within rounding. An adapter folder is spill's layout or
 PEFT's, read by ``spill.jobs.adapter_files`` (as ``spill run --adapter`` reads it).
 """
 

@@ -2,8 +2,10 @@
 
 Rows are generated in input order, ``batch`` at a time (by default as many as the memory budget
 fits: ``spill.jobs.rows_job``). A row's sampling seed is derived from
-the run seed and the row id, so a sampled answer does not depend on batch size or neighbours,
-nor on which machine continued the job. With ``--state`` the job is a portable row job
+the run seed and the row id, so a sampled answer draws the same random numbers whatever its
+batch or neighbours; the logits it samples from are padded with the batch, so a token whose
+probability ties another's within rounding can change with ``--batch`` (a resumed job keeps its
+batches: ``spill.jobs.rows_job``). With ``--state`` the job is a portable row job
 (``spill.jobs.rows_job``): results are committed in segments and a rerun continues where the
 last one stopped. The output is written under a temporary name and renamed at the end: a failed
 run leaves no half-written ``--out``. ``--adapter`` generates with a LoRA adapter (spill's or
