@@ -3,7 +3,9 @@ every verb that writes one before anything runs: a usage error (exit 2) when the
 overwrite what spill keeps, or is not something a file can be written to.
 
 What spill keeps: a project's ``spill.yaml``, its data file (``data.file`` as spill.yaml names
-it) and everything under its state folder (``.spill/``, or a ``--state`` the command names).
+it), its other config files (an existing ``*.yaml`` beside spill.yaml or in a group folder
+under it, such as ``tune/mine.yaml``, and ``spill.schema.json``) and everything under its state
+folder (``.spill/``, or a ``--state`` the command names).
 The projects are every folder above the output that holds a spill.yaml, and those the command
 names (``spill predict DIR``, ``spill report DIR``); files are compared by inode as well as by
 resolved path, so a symlink or a hard link to a project's file is refused as the file is. Any
@@ -66,6 +68,8 @@ def _kept(path: str, real: str, named: list[Path], states: Iterable[str | None])
         data = data_file(root)
         if data is not None and same_file(path, data):
             return f"the data file of the project {root} (data.file)"
+        if _config_file(Path(real), root):
+            return f"a config file of the project {root}"
         state = os.path.realpath(root / STATE_DIR)
         if _inside(real, state):
             return _in("the state folder", Path(state), real)
@@ -88,6 +92,15 @@ def data_file(root: Path) -> Path | None:
     data = doc.get("data") if isinstance(doc, dict) else None
     name = data.get("file") if isinstance(data, dict) else None
     return root / name if isinstance(name, str) and name and "\0" not in name else None
+
+
+def _config_file(real: Path, root: Path) -> bool:
+    """An existing config file of the project at ``root``: its schema copy, or a YAML file
+    beside spill.yaml or one folder down (Hydra reads group options from there)."""
+    if not real.is_file() or not _inside(str(real), str(root)):
+        return False
+    depth = len(real.relative_to(root).parts)
+    return real.name == "spill.schema.json" or (real.suffix in (".yaml", ".yml") and depth <= 2)
 
 
 def _inside(path: str, folder: str) -> bool:

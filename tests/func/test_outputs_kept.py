@@ -179,6 +179,23 @@ def test_an_output_among_a_projects_files_is_refused(home, built, inputs, linked
         assert snapshot(built) == before, argv
 
 
+def test_a_projects_config_files_are_kept_too(home, built, inputs, tmp_path):
+    """A group option beside spill.yaml (tune/mine.yaml) and the schema copy are the project's
+    own files as spill.yaml is; a new YAML name there is not."""
+    project = tmp_path / "toy"
+    shutil.copytree(built, project)
+    (project / "tune").mkdir()
+    (project / "tune" / "mine.yaml").write_text("lr: 0.001\n")
+    (project / "spill.schema.json").write_text("{}\n")
+    before = snapshot(project)
+    for out in (project / "tune" / "mine.yaml", project / "spill.schema.json"):
+        line = one_line(spill(home, "report", project, "-o", out), 2)
+        assert "a config file of the project" in line, line
+        assert snapshot(project) == before, out
+    rows = inputs / "rows.jsonl"
+    ok(spill(home, "run", MODEL, rows, "--out", project / "tune" / "answers.yaml"))
+
+
 # --- item 22: a checkpoint state with a string to_step --------------------------------------
 
 
