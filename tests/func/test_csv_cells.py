@@ -26,5 +26,5 @@ def test_a_cell_past_16_mib_is_one_line_naming_line_column_and_size(tmp_path):
         "past the limit of 16,777,216 for one cell; shorten it or split the row (a quote left "
         "open before it makes the rest of the file one cell)"
     )
-    assert not (project / ".spill").exists()
-    assert ran.rss_mb < 600, ran.rss_mb  # the cell is never held past the limit
+    assert not (project / ".spill").exists()  # peak RSS and time: measured's bounds (151 MB
+    # and 0.9 s alone here; a forked child's ru_maxrss starts from its parent's, pytest's)
