@@ -3,8 +3,11 @@
 Every family shares one shape (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP):
 Llama (SmolLM2, Llama 3.x), Qwen2 (Qwen2.5: q/k/v biases), Qwen3 (per-head q/k RMSNorm before
 the rotary, an explicit ``head_dim``), Mistral (a sliding window on every layer when
-``sliding_window`` is set) and SmolLM3 (Llama with NoPE layers). What differs is read here, once,
-into fields the family files use (``qk_norm``, ``no_rope``, ``windowed``): a family's ``read``
+``sliding_window`` is set), SmolLM3 (Llama with NoPE layers) and Gemma 3's text model
+(``gemma3_text``: norms as ``x * (offset + w)``, two more norms a layer, scaled embeddings and
+query, sliding layers with their own rotary base). What differs is read here, once, into fields
+the family files and kernels use (``qk_norm``, ``no_rope``, ``windowed``, ``norm_offset``,
+``embed_scale``, ``local_rope_theta``, ...): a family's ``read``
 turns its config.json keys into them the way transformers' config class does, defaults included.
 transformers 5 writes ``rope_theta`` only inside ``rope_parameters`` (nested per layer type for
 some families); both places are read.
@@ -23,7 +26,9 @@ from spill.errors import ModelError, UnsupportedModel
 # a decoder layer's linears, named as the HF weights below ``model.layers.<k>.`` (every family)
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-LINEARS = ATTENTION + MLP  # every linear an adapter may target
+LINEARS = ATTENTION + MLP  # every linear an adapter may target (the default ModelConfig.linears)
+# Phi-3's fused linears: q, k and v in one matrix (rows in that order), gate and up in one
+FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,19 @@ class ModelConfig:
     no_rope: tuple[int, ...] = ()  # layers that apply no rotary embedding (SmolLM3's NoPE)
     sliding_window: int | None = None
     windowed: tuple[int, ...] = ()  # layers whose queries see only the last sliding_window keys
+    linears: tuple[str, ...] = LINEARS  # a layer's linears, the modules an adapter may target
+    partial_rotary_factor: float = 1.0  # the rotary turns the first head_dim * this of a head
+    # longrope (Phi-3): inverse frequencies over short_factor, or over long_factor in a forward
+    # whose positions reach past rope_original; cos and sin times rope_attention
+    rope_short: tuple[float, ...] = ()
+    rope_long: tuple[float, ...] = ()
+    rope_original: int = 0
+    rope_attention: float = 1.0
+    norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w), in float32 when not 0
+    embed_scale: float = 1.0  # embeddings times this, cast to the model's dtype first
+    query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5
+    local_rope_theta: float | None = None  # the windowed layers' rotary base; None: rope_theta
+    feedforward_norms: bool = False  # pre_/post_feedforward_layernorm around the MLP (Gemma)
 
     def quant_spec(self, module: str) -> tuple[int, int]:
         """(bits, group_size) of a quantized module (``model.layers.0.mlp.up_proj``)."""
@@ -62,22 +80,35 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, float]:
         return dict(self.rope_scaling)
 
-    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """One decoder layer's tensors, relative to ``model.layers.<k>.``, with their shapes."""
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's leading features the rotary turns (transformers' ``dim``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each of a layer's ``linears``, relative to ``model.layers.<k>.``."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        outs = dict(zip(LINEARS, (q, kv, kv, h, i, i, h), strict=True))
-        ins = dict(zip(LINEARS, (h, h, h, q, h, h, i), strict=True))
+        known = dict(zip(LINEARS, ((h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h))))
+        known |= {"self_attn.qkv_proj": (h, q + 2 * kv), "mlp.gate_up_proj": (h, 2 * i)}
+        return {m: known[m] for m in self.linears}
+
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One decoder layer's tensors, relative to ``model.layers.<k>.``, with their shapes."""
+        h, d = self.hidden_size, self.head_dim
+        io = self.linear_shapes()
         shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-        shapes |= {m + ".weight": (outs[m], ins[m]) for m in LINEARS}
+        shapes |= {m + ".weight": (o, n) for m, (n, o) in io.items()}
         biased = [
             (ATTENTION[:3], self.qkv_bias),
             (ATTENTION[3:], self.o_bias),
             (MLP, self.mlp_bias),
         ]
-        shapes |= {m + ".bias": (outs[m],) for group, on in biased if on for m in group}
+        shapes |= {m + ".bias": (io[m][1],) for g, on in biased if on for m in g if m in io}
         if self.qk_norm:
             shapes |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+        if self.feedforward_norms:
+            shapes |= {f"{k}_feedforward_layernorm.weight": (h,) for k in ("pre", "post")}
         return shapes
 
     def layer_keys(self) -> tuple[str, ...]:
@@ -194,6 +225,111 @@ def _smollm3(raw: dict, layers: int) -> dict:
     return found | _window(raw, layers, lambda i: not flags[i])
 
 
+def _gemma3_rope_sets(raw: dict, default_theta: float) -> tuple[dict, dict]:
+    """Gemma 3's rotary sets (full layers, sliding layers) as Gemma3TextConfig derives them:
+    ``rope_parameters`` per layer type, else ``rope_theta`` and ``rope_scaling`` for the full
+    layers and ``rope_local_base_freq`` for the sliding ones."""
+    params = raw.get("rope_parameters") or {}
+    nested = params and all(isinstance(v, dict) for v in params.values())
+    full = dict((params.get("full_attention") if nested else params) or {})
+    local = dict((params.get("sliding_attention") if nested else None) or {})
+    full.update(raw.get("rope_scaling") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta", default_theta))
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10000.0))
+    return full, local
+
+
+def _gemma3_rope(raw: dict, default_theta: float) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """The full (global) layers' rotary embedding."""
+    return _rope({"rope_parameters": _gemma3_rope_sets(raw, default_theta)[0]}, default_theta)
+
+
+def _gemma3(raw: dict, layers: int) -> dict:
+    """Gemma 3 text: ``layer_types`` or every ``sliding_window_pattern``-th layer full (6), the
+    others within ``sliding_window`` (4096) on their own rotary base; queries scaled by
+    ``query_pre_attn_scalar`` ** -0.5; embeddings by sqrt(hidden); norms (1 + w)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise UnsupportedModel(f"gemma3_text with {key} is not supported; spill caps no logits")
+    if raw.get("use_bidirectional_attention") or raw.get(
+        "hidden_activation", "gelu_pytorch_tanh"
+    ) not in (
+        "gelu_pytorch_tanh",
+        "gelu_tanh",
+    ):
+        raise UnsupportedModel(
+            "gemma3_text with bidirectional attention or another hidden_activation than "
+            "gelu_pytorch_tanh is not supported; spill runs the causal Gemma 3 text models"
+        )
+    _, local = _gemma3_rope_sets(raw, 1000000.0)
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModel(
+            f"rope scaling {local['rope_type']!r} on sliding layers is not supported; spill "
+            "scales the full layers' rotary only"
+        )
+    every = int(raw.get("sliding_window_pattern", 6))
+    window = raw.get("sliding_window", 4096)  # Gemma3TextConfig's default when absent
+    found = _window({**raw, "sliding_window": window}, layers, lambda i: (i + 1) % every != 0)
+    return (
+        _llama(raw, layers)
+        | {"mlp_bias": False, **found}
+        | {
+            "qk_norm": True,
+            "norm_offset": 1.0,
+            "embed_scale": int(raw["hidden_size"]) ** 0.5,
+            "query_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "local_rope_theta": float(local["rope_theta"]),
+            "feedforward_norms": True,
+        }
+    )
+
+
+def _phi3_rope_set(raw: dict) -> dict:
+    """Phi3Config's rotary set: ``rope_scaling`` or ``rope_parameters``; "su" and "yarn" are
+    its old names of longrope."""
+    params = dict(raw.get("rope_scaling") or _rope_parameters(raw))
+    kind = params.get("rope_type", params.get("type")) or "default"
+    params["rope_type"] = "longrope" if kind in ("su", "yarn") else kind
+    if params["rope_type"] not in ("default", "longrope"):
+        raise UnsupportedModel(f"phi3 with rope scaling {kind!r}; Phi-3 has default or longrope")
+    return params
+
+
+def _phi3_rope(raw: dict, default_theta: float) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """The base only: longrope's factors are ``_phi3``'s fields."""
+    theta = raw.get("rope_theta", _phi3_rope_set(raw).get("rope_theta", default_theta))
+    return float(theta), ()
+
+
+def _phi3(raw: dict, layers: int) -> dict:
+    """Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, no biases, a window on every layer
+    when ``sliding_window`` is set, partial rotary, longrope as transformers derives it
+    (``original_max_position_embeddings`` from the top level, 4096 when absent; the attention
+    factor from max / original unless given)."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"phi3 with hidden_act {raw['hidden_act']!r}; spill runs silu")
+    params = _phi3_rope_set(raw)
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    found = _mistral(raw, layers) | {"linears": FUSED, "partial_rotary_factor": float(partial)}
+    if params["rope_type"] == "default":
+        return found
+    original = int(raw.get("original_max_position_embeddings", 4096))
+    factor = params.get("factor") or int(raw.get("max_position_embeddings", 4096)) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short, long = (tuple(float(f) for f in params[k]) for k in ("short_factor", "long_factor"))
+    half = int(raw["hidden_size"]) // int(raw["num_attention_heads"]) * float(partial) // 2
+    if len(short) != half or len(long) != half:
+        raise _Inconsistent(f"longrope lists {len(short)} short and {len(long)} long factors for {half:.0f}")
+    return found | {
+        "rope_short": short,
+        "rope_long": long,
+        "rope_original": original,
+        "rope_attention": float(attention),
+    }
+
+
 @dataclass(frozen=True)
 class Family:
     """A family's defaults where its config.json may be silent, and its own keys' reading."""
@@ -203,6 +339,7 @@ class Family:
     default_theta: float = 10000.0
     default_head_dim: int | None = None  # None: hidden_size // num_attention_heads
     default_tied: bool = False
+    rope: Callable[[dict, float], tuple[float, tuple]] = _rope  # (theta, scaling) of full layers
 
 
 FAMILIES: dict[str, Family] = {
@@ -211,7 +348,13 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3 dense", _qwen3, default_head_dim=128),
     "mistral": Family("Mistral", _mistral),
     "smollm3": Family("SmolLM3", _smollm3, default_theta=2000000.0, default_tied=True),
+    "phi3": Family("Phi-3, Phi-4-mini", _phi3, rope=_phi3_rope),
+    "gemma3_text": Family(
+        "Gemma 3 text", _gemma3, 1000000.0, 256, default_tied=True, rope=_gemma3_rope
+    ),
 }
+# model_types whose text part spill runs from a folder of its own model_type only
+TEXT_PART = {"gemma3": "gemma3_text"}
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -241,6 +384,11 @@ def _quantization(entry, where: str) -> tuple[tuple[str, int, int], ...]:
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     model_type = raw.get("model_type")
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if model_type in TEXT_PART:
+        raise UnsupportedModel(
+            f"{where}: model_type {model_type!r} holds a vision model beside the text one; spill "
+            f"runs only a {TEXT_PART[model_type]} folder (the text model, as Gemma 3 270M and 1B ship)"
+        )
     if family is None:
         known = "; ".join(f"{n} ({f.examples})" for n, f in FAMILIES.items())
         raise UnsupportedModel(
@@ -250,7 +398,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         layers = int(raw["num_hidden_layers"])
-        theta, scaling = _rope(raw, family.default_theta)
+        theta, scaling = family.rope(raw, family.default_theta)
         head_dim = raw.get("head_dim") or family.default_head_dim or hidden // heads
         return ModelConfig(
             family=model_type,
