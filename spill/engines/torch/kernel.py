@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from spill.engines.base import AdamW
 from spill.engines.core.common import adamw_factors
 from spill.engines.core.kernel import LOGIT_ROWS
-from spill.engines.torch import llama, mistral, qwen2, qwen3, smollm3
+from spill.engines.torch import gemma3_text, llama, mistral, qwen2, qwen3, smollm3
 from spill.engines.torch.ops import (
     Context,
     KVCache,
@@ -46,9 +46,11 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3": qwen3,
     "mistral": mistral,
     "smollm3": smollm3,
+    "gemma3_text": gemma3_text,
 }
 # A recomputed layer's output only roots its graph: the last linear's base output, added to the
-# residual, is read by no backward formula (every family ends a layer with mlp.down_proj).
+# residual, is read by no backward formula (every family ends a layer with mlp.down_proj), unless
+# a post-feedforward norm reads it (Gemma's, whose backward needs its input).
 RECOMPUTE_UNUSED = frozenset({"mlp.down_proj"})
 # Linears whose base outputs a streamed forward may keep for the recompute: all but down_proj
 # (whose output the recompute never reads), so a recomputed layer runs no base matmul forward,
@@ -98,6 +100,11 @@ class TorchKernel:
         tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
         self.lm_head = self.embed if tied else reader.tensor("lm_head.weight")
         self.freq = inv_freq(cfg).to(self.device)
+        local = cfg.local_rope_theta
+        self.local_freq = None if local is None else inv_freq(cfg, local).to(self.device)
+        # Gemma's sqrt(hidden) as transformers multiplies it: a float32 scalar in the model's dtype
+        self.embed_scale = torch.tensor(cfg.embed_scale).to(self.dtype)
+        self.unused = frozenset() if cfg.feedforward_norms else RECOMPUTE_UNUSED
 
     # -- arrays in and out ---------------------------------------------------------------------
     def array(self, a: np.ndarray) -> torch.Tensor:
@@ -126,7 +133,9 @@ class TorchKernel:
     # -- the model ---------------------------------------------------------------------------
     def context(self, valid: np.ndarray, start: int, length: int) -> Context:
         window = self.cfg.sliding_window if self.cfg.windowed else None
-        return context(self.array(valid), start, length, self.freq, self.dtype, window)
+        return context(
+            self.array(valid), start, length, self.freq, self.dtype, window, self.local_freq
+        )
 
     def caches(self, batch: int, length: int) -> list[KVCache]:
         c = self.cfg
@@ -141,7 +150,8 @@ class TorchKernel:
             c.k, c.v = c.k[idx], c.v[idx]  # (B', KV, L, D) copies; the old ones are freed
 
     def embed_ids(self, ids):
-        return F.embedding(ids, self.embed)  # (B, T, hidden)
+        x = F.embedding(ids, self.embed)  # (B, T, hidden)
+        return x if self.cfg.embed_scale == 1.0 else x * self.embed_scale
 
     def layer(self, i: int, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
         if outputs is None:
@@ -150,7 +160,7 @@ class TorchKernel:
             return self.family.layer(self.cfg, i, w, x, ctx, cache, lora)
 
     def final_norm(self, x):
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.cfg.norm_offset)
 
     def logits(self, h):
         """h (N, hidden) -> float32 logits (N, V)."""
@@ -177,7 +187,7 @@ class TorchKernel:
             leaves = [a.detach().requires_grad_() for a in leaves]
             if wrt_input:
                 x = x.detach().requires_grad_()
-            with unused_outputs(RECOMPUTE_UNUSED):  # out's value is never read
+            with unused_outputs(self.unused):  # out's value is never read
                 out = self.layer(i, w, x, ctx, None, lora(leaves), outputs)
             got = torch.autograd.grad(out, [*leaves, x] if wrt_input else leaves, grad)
         return (got[-1] if wrt_input else None), list(got[: len(leaves)])

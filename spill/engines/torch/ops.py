@@ -121,20 +121,25 @@ def proj(w: dict, name: str, x, lora: dict[str, Lora] | None):
     return with_adapter(y, x, lora.get(name) if lora else None)
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, offset: float = 0.0):
+    """RMSNorm scaled by ``weight``, or with an ``offset`` by ``offset + weight`` in float32
+    (Gemma's ``x * (1 + w)``), cast back last."""
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (offset + weight.float())).to(dtype)
     return weight * h.to(dtype)
 
 
-def inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies (float32), with Llama 3 scaling when the config has it."""
+def inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies (float32), with Llama 3 scaling when the config has it; a
+    ``theta`` given (the sliding layers' own base) means the plain rotary of that base."""
     dim = cfg.head_dim
-    base = cfg.rope_theta
+    base = cfg.rope_theta if theta is None else theta
     freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling_dict
-    if not scaling:
+    if not scaling or theta is not None:
         return freq
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -166,14 +171,17 @@ def apply_rotary(x, cos, sin):
     return (x * cos) + (rotate_half(x) * sin)
 
 
-def attend(q, k, v, mask):
-    """q (B, H, T, D); k, v (B, KV, S, D); mask (B, 1, T, S) bool -> (B, T, H * D)."""
+def attend(q, k, v, mask, scale: float | None = None):
+    """q (B, H, T, D); k, v (B, KV, S, D); mask (B, 1, T, S) bool -> (B, T, H * D); the scores
+    scaled by ``scale`` (None: D ** -0.5)."""
     b, heads, t, d = q.shape
     groups = heads // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=d**-0.5 if scale is None else scale
+    )
     return o.transpose(1, 2).reshape(b, t, heads * d)
 
 
@@ -186,26 +194,36 @@ class Context:
     mask: torch.Tensor  # (B, 1, T, S) bool, True where a query may attend a key
     start: int  # where this chunk's keys go in a KV cache
     window: torch.Tensor | None = None  # ``mask`` less the keys a sliding window has left behind
+    local: tuple[torch.Tensor, torch.Tensor] | None = None  # windowed layers' own (cos, sin)
+
+    def rotary(self, windowed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of a layer: the windowed layers' own when the model has them."""
+        return self.local if windowed and self.local is not None else (self.cos, self.sin)
 
 
-def context(valid, start: int, length: int, freq, dtype, window: int | None = None) -> Context:
+def context(
+    valid, start: int, length: int, freq, dtype, window: int | None = None, local_freq=None
+) -> Context:
     """Context for ``length`` tokens at ``start`` given valid keys (B, S), S = start + length.
 
     Positions count valid tokens, so left padding shifts nothing. A padding query may attend
     to itself only (its output is never used), which keeps SDPA free of all-masked rows.
     With a sliding ``window``, ``Context.window`` keeps only the keys less than ``window`` places
     back (transformers' ``kv_idx > q_idx - sliding_window``); valid tokens are contiguous (left
-    padding in a generation, right padding in training), so places count positions.
+    padding in a generation, right padding in training), so places count positions. With
+    ``local_freq``, ``Context.local`` holds the windowed layers' own rotary tables.
     """
     s = valid.shape[1]
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, start : start + length]  # (B, T)
+    local = None if local_freq is None else rotary(positions, local_freq, dtype)
     cos, sin = rotary(positions, freq, dtype)
     query = torch.arange(start, start + length, device=valid.device)[:, None]  # (T, 1)
     key = torch.arange(s, device=valid.device)[None, :]  # (1, S)
     causal = key <= query  # (T, S)
     mask = (causal[None] & valid[:, None, :]) | (key == query)[None]  # (B, T, S)
     slid = None if window is None else mask & (key > query - window)[None]  # (B, T, S)
-    return Context(cos, sin, mask[:, None], start, None if slid is None else slid[:, None])
+    slid = None if slid is None else slid[:, None]
+    return Context(cos, sin, mask[:, None], start, slid, local)
 
 
 class KVCache:
