@@ -26,7 +26,7 @@ from spill.engines.base import AdamW
 from spill.engines.core.common import adamw_factors
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.runner import sample_numpy
-from spill.engines.mlx import llama, mistral, qwen2, qwen3, smollm3
+from spill.engines.mlx import gemma3_text, llama, mistral, qwen2, qwen3, smollm3
 from spill.engines.mlx.ops import (
     Context,
     KVCache,
@@ -46,6 +46,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3": qwen3,
     "mistral": mistral,
     "smollm3": smollm3,
+    "gemma3_text": gemma3_text,
 }
 
 
@@ -77,6 +78,10 @@ class MLXKernel:
         tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
         self.lm_head = self.embed if tied else reader.tensor("lm_head.weight")
         self.freq = inv_freq(cfg)
+        local = cfg.local_rope_theta
+        self.local_freq = None if local is None else inv_freq(cfg, local)
+        # Gemma's sqrt(hidden) as transformers multiplies it: a float32 scalar in the model's dtype
+        self.embed_scale = mx.array(cfg.embed_scale, dtype=mx.float32).astype(self.dtype)
         head = {"embed": self.embed, "norm": self.norm, "lm_head": self.lm_head}
         mx.eval(arrays(head), self.freq)  # a packed embedding or head is three arrays
 
@@ -102,8 +107,11 @@ class MLXKernel:
     # -- the model ---------------------------------------------------------------------------
     def context(self, valid: np.ndarray, start: int, length: int) -> Context:
         window = self.cfg.sliding_window if self.cfg.windowed else None
-        ctx = context(mx.array(valid), start, length, self.freq, self.dtype, window)
-        mx.eval([a for a in (ctx.cos, ctx.sin, ctx.mask, ctx.window) if a is not None])
+        ctx = context(
+            mx.array(valid), start, length, self.freq, self.dtype, window, self.local_freq
+        )
+        tables = (ctx.cos, ctx.sin, ctx.mask, ctx.window, *(ctx.local or ()))
+        mx.eval([a for a in tables if a is not None])
         return ctx
 
     def caches(self, batch: int, length: int) -> list[KVCache]:
@@ -120,14 +128,15 @@ class MLXKernel:
         mx.eval([a for c in caches for a in (c.k, c.v)])
 
     def embed_ids(self, ids):
-        return embedding(self.embed, ids)  # (B, T, hidden)
+        x = embedding(self.embed, ids)  # (B, T, hidden)
+        return x if self.cfg.embed_scale == 1.0 else x * self.embed_scale
 
     def layer(self, i: int, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
         # keeps no base outputs (``kept_outputs`` is empty): mx.vjp recomputes the whole layer
         return self.family.layer(self.cfg, i, w, x, ctx, cache, lora)
 
     def final_norm(self, x):
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.cfg.norm_offset)
 
     def logits(self, h):
         """h (N, hidden) -> float32 logits (N, V)."""

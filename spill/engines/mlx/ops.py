@@ -141,20 +141,31 @@ def log_softmax(x):
     return shifted - mx.log(mx.sum(mx.exp(shifted), axis=-1, keepdims=True))
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, offset: float = 0.0):
+    """RMSNorm scaled by ``weight``, or with an ``offset`` by ``offset + weight`` in float32
+    (Gemma's ``x * (1 + w)``), cast back last."""
     dtype = x.dtype
     h = x.astype(mx.float32)
     h = h * mx.rsqrt(mx.mean(h * h, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (h * (offset + weight.astype(mx.float32))).astype(dtype)
     return weight * h.astype(dtype)
 
 
-def inv_freq(cfg: ModelConfig) -> mx.array:
-    """Rotary inverse frequencies (float32), with Llama 3 scaling when the config has it."""
+def gelu_tanh(x):
+    """gelu's tanh approximation, as torch's ``gelu(approximate="tanh")`` writes it."""
+    return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def inv_freq(cfg: ModelConfig, theta: float | None = None) -> mx.array:
+    """Rotary inverse frequencies (float32), with Llama 3 scaling when the config has it; a
+    ``theta`` given (the sliding layers' own base) means the plain rotary of that base."""
     dim = cfg.head_dim
+    base = cfg.rope_theta if theta is None else theta
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
+    freq = (np.float32(1.0) / (np.float32(base) ** exponent)).astype(np.float32)
     scaling = cfg.rope_scaling_dict
-    if scaling:
+    if scaling and theta is None:
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old = scaling["original_max_position_embeddings"]
@@ -186,14 +197,15 @@ def apply_rotary(x, cos, sin):
     return (x * cos) + (rotate_half(x) * sin)
 
 
-def attend(q, k, v, mask):
-    """q (B, H, T, D); k, v (B, KV, S, D); mask (B, 1, T, S) bool -> (B, T, H * D)."""
+def attend(q, k, v, mask, scale: float | None = None):
+    """q (B, H, T, D); k, v (B, KV, S, D); mask (B, 1, T, S) bool -> (B, T, H * D); the scores
+    scaled by ``scale`` (None: D ** -0.5)."""
     b, heads, t, d = q.shape
     groups = heads // k.shape[1]
     if groups > 1:
         k = mx.repeat(k, groups, axis=1)
         v = mx.repeat(v, groups, axis=1)
-    scores = (q @ k.swapaxes(-1, -2)) * (d**-0.5)  # (B, H, T, S)
+    scores = (q @ k.swapaxes(-1, -2)) * (d**-0.5 if scale is None else scale)  # (B, H, T, S)
     scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
     o = mx.softmax(scores, axis=-1, precise=True) @ v  # (B, H, T, D)
     return o.swapaxes(1, 2).reshape(b, t, heads * d)
@@ -208,27 +220,37 @@ class Context:
     mask: mx.array  # (B, 1, T, S) bool, True where a query may attend a key
     start: int  # where this chunk's keys go in a KV cache
     window: mx.array | None = None  # ``mask`` less the keys a sliding window has left behind
+    local: tuple[mx.array, mx.array] | None = None  # windowed layers' own (cos, sin)
+
+    def rotary(self, windowed: bool) -> tuple[mx.array, mx.array]:
+        """(cos, sin) of a layer: the windowed layers' own when the model has them."""
+        return self.local if windowed and self.local is not None else (self.cos, self.sin)
 
 
-def context(valid, start: int, length: int, freq, dtype, window: int | None = None) -> Context:
+def context(
+    valid, start: int, length: int, freq, dtype, window: int | None = None, local_freq=None
+) -> Context:
     """Context for ``length`` tokens at ``start`` given valid keys (B, S), S = start + length.
 
     Positions count valid tokens, so left padding shifts nothing. A padding query may attend
     to itself only (its output is never used), which keeps the softmax free of all-masked rows.
     With a sliding ``window``, ``Context.window`` keeps only the keys less than ``window`` places
     back (transformers' ``kv_idx > q_idx - sliding_window``); valid tokens are contiguous (left
-    padding in a generation, right padding in training), so places count positions.
+    padding in a generation, right padding in training), so places count positions. With
+    ``local_freq``, ``Context.local`` holds the windowed layers' own rotary tables.
     """
     s = valid.shape[1]
     counts = mx.cumsum(valid.astype(mx.int32), axis=-1) - 1
     positions = mx.maximum(counts, 0)[:, start : start + length]  # (B, T)
+    local = None if local_freq is None else rotary(positions, local_freq, dtype)
     cos, sin = rotary(positions, freq, dtype)
     query = mx.arange(start, start + length)[:, None]  # (T, 1)
     key = mx.arange(s)[None, :]  # (1, S)
     causal = key <= query  # (T, S)
     mask = (causal[None] & valid[:, None, :]) | (key == query)[None]  # (B, T, S)
     slid = None if window is None else mask & (key > query - window)[None]  # (B, T, S)
-    return Context(cos, sin, mask[:, None], start, None if slid is None else slid[:, None])
+    slid = None if slid is None else slid[:, None]
+    return Context(cos, sin, mask[:, None], start, slid, local)
 
 
 class KVCache:
