@@ -1,4 +1,4 @@
-"""Small random models of the Qwen3, Mistral and SmolLM3 families, made and saved by transformers
+"""Small random models of the Qwen3, Mistral, SmolLM3 and Gemma 3 (text) families, made and saved by
 itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the tiny llama's tokenizer.
 
 Each variant shows what its family adds: Qwen3 an explicit ``head_dim`` (not hidden / heads),
@@ -48,7 +48,20 @@ VARIANTS = {
         dict(num_hidden_layers=2, use_sliding_window=True, sliding_window=6, max_window_layers=1),
     ),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1])),
+    # Gemma 3 text: a full layer between sliding ones (window 6, each type its own rotary base),
+    # query_pre_attn_scalar apart from head_dim, the tied head
+    "gemma3": (
+        "Gemma3",
+        dict(
+            num_hidden_layers=3,
+            head_dim=24,
+            query_pre_attn_scalar=20,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
 }
+CONFIGS = {"Gemma3": "Gemma3TextConfig"}  # a config class not named <name>Config
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -61,7 +74,7 @@ def make(variant: str, folder: Path, tokenizer_from: Path, seed: int = 0) -> Pat
     theta = kw.pop("rope_theta", None)
     if theta is not None:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-    config = getattr(transformers, f"{name}Config")(**kw)
+    config = getattr(transformers, CONFIGS.get(name, f"{name}Config"))(**kw)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{name}ForCausalLM")(config).float().eval()
     with torch.no_grad():
