@@ -1,5 +1,6 @@
-"""Small random models of the Qwen3, Mistral, SmolLM3 and Gemma 3 (text) families, made and saved by
-itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the tiny llama's tokenizer.
+"""Small random models of the Qwen3, Mistral, SmolLM3 and Gemma 3 (text) families, made and
+saved by transformers itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the
+tiny llama's tokenizer.
 
 Each variant shows what its family adds: Qwen3 an explicit ``head_dim`` (not hidden / heads),
 per-head q/k norms and, in ``qwen3-windowed``, ``attention_bias`` and sliding layers from
