@@ -11,8 +11,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import pytest
-
 from spill.models.cache import cached_fingerprint
 from spill.models.integrity import _legacy_fingerprint
 from tests.conftest import run_spill
@@ -141,7 +139,6 @@ def _legacy_everywhere(project: Path, folder: Path) -> int:
     return 1 + len(pins)
 
 
-@pytest.mark.slow  # two small builds: about 25 s on a busy machine
 def test_a_build_recorded_with_the_legacy_fingerprint_continues_and_then_plans_nothing(tmp_path):
     from tests.func.test_build import assert_same_adapter, copy_toy, spill
 
