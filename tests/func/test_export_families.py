@@ -1,7 +1,7 @@
-"""``spill export`` of adapters tuned on Qwen3, Mistral and SmolLM3 (transformers-made folders):
-the merged HF folder loads in transformers and scores the gold answers as ``spill eval
---adapter`` does on the base (within 1e-5, float32), and a GGUF, which spill cannot write for
-these families yet, is refused in one line with nothing left at OUT."""
+"""``spill export`` of adapters tuned on Qwen3, Mistral, SmolLM3 and Gemma 3 (transformers-made
+folders): the merged HF folder loads in transformers and scores the gold answers as ``spill eval
+--adapter`` does on the base (within 1e-5, float32), and a GGUF, which spill cannot write for these
+families yet, is refused in one line with nothing left at OUT."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _gold_log_probs(folder: Path) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "mistral", "smollm3"])
+@pytest.mark.parametrize("variant", ["qwen3", "mistral", "smollm3", "gemma3"])
 def test_the_hf_export_scores_as_spill_with_the_adapter_and_a_gguf_is_refused(
     variant, tmp_path, tiny_models
 ):
@@ -98,6 +98,7 @@ def test_the_hf_export_scores_as_spill_with_the_adapter_and_a_gguf_is_refused(
     refused = _spill("export", str(state), str(gguf), "--format", "gguf", home=home)
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 1 and len(lines) == 1 and "Traceback" not in refused.stderr
-    assert lines[0].startswith("spill: error: ") and f"no GGUF of a {variant} model" in lines[0]
+    family = json.loads((model / "config.json").read_text())["model_type"]  # gemma3_text
+    assert lines[0].startswith("spill: error: ") and f"no GGUF of a {family} model" in lines[0]
     assert not gguf.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".exporting")]

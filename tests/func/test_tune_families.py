@@ -1,7 +1,8 @@
-"""``spill tune`` on the Qwen3, Mistral and SmolLM3 families (transformers-made folders, float32,
-sequences past the sliding windows): a short LoRA run trains, and one stopped with
+"""``spill tune`` on the Qwen3, Mistral, SmolLM3 and Gemma 3 families (transformers-made folders,
+float32, sequences past the sliding windows): a short LoRA run trains, and one stopped with
 ``--stop-after`` then run again continues to the very checkpoint and adapter of the run that was
-never stopped (on torch; and on MLX for Mistral, whose window slides on every layer)."""
+never stopped (on torch; and on MLX for Mistral, whose window slides on every layer, and Gemma
+3)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ STEPS = 3
         ("qwen3", "torch"),
         ("mistral", "torch"),
         ("smollm3", "torch"),
+        ("gemma3", "torch"),
+        pytest.param("gemma3", "mlx", marks=pytest.mark.mlx),
         pytest.param("mistral", "mlx", marks=pytest.mark.mlx),
     ],
 )

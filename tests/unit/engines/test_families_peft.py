@@ -1,7 +1,7 @@
-"""spill's streamed LoRA tune of Qwen3, Mistral and SmolLM3 against transformers + PEFT doing the
-same tune on the same transformers-made folders (``test_peft_parity``'s recipe: the same initial
-adapter, micro-batches, accumulation, cosine schedule and AdamW, float32, rows of up to 14 tokens
-past the 6- and 7-token windows), and the exported PEFT adapter, loaded by PEFT, scoring as
+"""spill's streamed LoRA tune of Qwen3, Mistral, SmolLM3 and Gemma 3 against transformers + PEFT
+doing the same tune on the same transformers-made folders (``test_peft_parity``'s recipe: the same
+initial adapter, micro-batches, accumulation, cosine schedule and AdamW, float32, rows of up to 14
+tokens past the 6- and 7-token windows), and the exported PEFT adapter, loaded by PEFT, scoring as
 spill does with the adapter."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tests.unit.engines.test_peft_parity import (
 peft = pytest.importorskip("peft")
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "qwen3-windowed", "mistral", "smollm3"])
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3-windowed", "mistral", "smollm3", "gemma3"])
 def test_streamed_tune_matches_peft(variant, tmp_path, tiny_models):
     folder = hf_families.make(variant, tmp_path / variant, tiny_models["llama"])
     cfg = load_config(folder)
