@@ -85,6 +85,18 @@ _FAMILY_KEYS: dict[str, Callable[[int, int], dict]] = {
         "no_rope_layer_interval": 4,
         "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
     },
+    "gemma3_text": lambda layers, head: {  # every third layer full, the others a 32-key window
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": head,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 32,
+        "layer_types": [
+            "full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)
+        ],
+    },
 }
 TINY_FAMILIES = tuple(_FAMILY_KEYS)
 _ARCHITECTURES = {
@@ -93,6 +105,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -132,8 +145,8 @@ def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     def w(*shape, std=0.02):
         return rng.normal(0.0, std, size=shape).astype(np.float32)
 
-    def norm(n):
-        return (1.0 + rng.normal(0.0, 0.1, size=(n,))).astype(np.float32)
+    def norm(n):  # a scale near 1: a weight near 1, or near 0 where norms scale by (1 + w)
+        return (1.0 - shape.norm_offset + rng.normal(0.0, 0.1, size=(n,))).astype(np.float32)
 
     out = {"model.embed_tokens.weight": w(v, h, std=0.5)}
     for k in range(cfg["num_hidden_layers"]):
@@ -148,6 +161,9 @@ def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
             out[p + "self_attn.q_norm.weight"] = norm(d)
             out[p + "self_attn.k_norm.weight"] = norm(d)
         out[p + "post_attention_layernorm.weight"] = norm(h)
+        if shape.feedforward_norms:
+            out[p + "pre_feedforward_layernorm.weight"] = norm(h)
+            out[p + "post_feedforward_layernorm.weight"] = norm(h)
         out[p + "mlp.gate_proj.weight"] = w(i, h, std=0.1)
         out[p + "mlp.up_proj.weight"] = w(i, h, std=0.1)
         out[p + "mlp.down_proj.weight"] = w(h, i, std=0.1)
