@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import SpillError
-from spill.models.lora import MODULES, LoraConfig, export_mlx, export_peft
+from spill.models.lora import KNOWN, MODULES, LoraConfig, export_mlx, export_peft
 from spill.store.fs import join, put_bytes, remove
 from spill.validate import validate
 
@@ -219,7 +219,7 @@ def _lora_config(doc: dict, where: Path) -> LoraConfig:
     try:
         targets = doc["targets"]
         targets = LoraConfig.parse_targets(
-            targets if isinstance(targets, str) else ",".join(targets)
+            targets if isinstance(targets, str) else ",".join(targets), KNOWN
         )
         return LoraConfig(
             rank=int(doc["rank"]),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from spill.console import note, progress
@@ -30,8 +30,8 @@ from spill.jobs.train_data import data_fingerprint, load_examples
 from spill.jobs.tune_identity import identity, refuse_mismatch
 from spill.jobs.tune_steps import Steps, follow, peak_rss_mb
 from spill.jobs.tune_valid import Validation
-from spill.models.config import load_config
-from spill.models.lora import LoraConfig, init_params
+from spill.models.config import LINEARS, load_config
+from spill.models.lora import KNOWN, LoraConfig, init_params
 from spill.models.quant import Spec
 from spill.models.quantize import identity as quantization_identity
 from spill.models.tokenizer import Tokenizer
@@ -58,11 +58,19 @@ class TuneOptions:
     quantize: Spec | None = None  # the model group's quantization (None: the float weights)
     valid: Path | None = None  # validation rows (JSONL, as the training file); None: none
     track: track.TrackSpec | None = None  # the trackers rank 0 logs to (tune.log)
+    linears: tuple[str, ...] = LINEARS  # the model's (ModelConfig.linears), once it is read
+    family: str | None = None
 
     @property
     def lora(self) -> LoraConfig:
         t = self.tune
-        return LoraConfig(t.rank, t.alpha, t.dropout, LoraConfig.parse_targets(t.targets))
+        targets = LoraConfig.parse_targets(t.targets, self.linears, self.family)
+        return LoraConfig(t.rank, t.alpha, t.dropout, targets)
+
+    def on(self, folder: Path) -> TuneOptions:
+        """These options on the model in ``folder``: its linears are the targets' choice."""
+        cfg = load_config(folder)
+        return replace(self, linears=cfg.linears, family=cfg.family)
 
     def check(self) -> None:
         t = self.tune
@@ -74,7 +82,7 @@ class TuneOptions:
             raise UsageError(why)
         if t.rank < 1 or not 0 <= t.dropout < 1:
             raise SpillError("--rank must be at least 1 and --dropout in [0, 1)")
-        LoraConfig.parse_targets(t.targets)  # an unknown module fails here, in one line
+        LoraConfig.parse_targets(t.targets, KNOWN)  # no family's module fails here, in one line
         if self.stop_after is not None and not 1 <= self.stop_after <= t.steps:
             raise SpillError(f"--stop-after must be between 1 and --steps ({t.steps})")
         if t.activations not in ACTIVATIONS:
@@ -152,7 +160,7 @@ def _tune(
     if opts.quantize is not None:
         model = resolved.name  # the copy's own name: tiny:llama:1:4x64@q4g64
     folder = Path(resolved.folder)
-    cfg, tok = load_config(folder), Tokenizer(folder)
+    cfg, tok, opts = load_config(folder), Tokenizer(folder), opts.on(folder)
     examples = load_examples(Path(train_path), tok, t.seq_len)
     data = data_fingerprint(train_path)
     want = identity(model, fingerprint, data, opts, quantization_identity(folder))

@@ -111,6 +111,7 @@ def follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group:
         )
     name = resolved.name if opts.quantize is not None else model
     folder = Path(resolved.folder)
+    opts = opts.on(folder)  # the targets' choice is the model's linears
     tok = Tokenizer(folder)
     examples = load_examples(Path(train_path), tok, t.seq_len)
     runner = open_model(

@@ -89,7 +89,8 @@ class ModelConfig:
         """(in, out) features of each of a layer's ``linears``, relative to ``model.layers.<k>.``."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        known = dict(zip(LINEARS, ((h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h))))
+        io = ((h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h))
+        known = dict(zip(LINEARS, io, strict=True))
         known |= {"self_attn.qkv_proj": (h, q + 2 * kv), "mlp.gate_up_proj": (h, 2 * i)}
         return {m: known[m] for m in self.linears}
 
@@ -321,7 +322,9 @@ def _phi3(raw: dict, layers: int) -> dict:
     short, long = (tuple(float(f) for f in params[k]) for k in ("short_factor", "long_factor"))
     half = int(raw["hidden_size"]) // int(raw["num_attention_heads"]) * float(partial) // 2
     if len(short) != half or len(long) != half:
-        raise _Inconsistent(f"longrope lists {len(short)} short and {len(long)} long factors for {half:.0f}")
+        raise _Inconsistent(
+            f"longrope lists {len(short)} short and {len(long)} long factors for {half:.0f}"
+        )
     return found | {
         "rope_short": short,
         "rope_long": long,

@@ -17,10 +17,24 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import SpillError
-from spill.models.config import LINEARS, ModelConfig
+from spill.models.config import FUSED, LINEARS, ModelConfig
 
-MODULES = {m.rsplit(".", 1)[1]: m for m in LINEARS}  # q_proj -> self_attn.q_proj, ...
-ALL_LINEAR = tuple(MODULES)
+
+def _merged(*orders: tuple[str, ...]) -> tuple[str, ...]:
+    """One order holding each of ``orders`` as a subsequence (a name before the next it knows)."""
+    out: list[str] = []
+    for order in orders:
+        for k, m in enumerate(order):
+            if m not in out:
+                later = [n for n in order[k + 1 :] if n in out]
+                out.insert(out.index(later[0]) if later else len(out), m)
+    return tuple(out)
+
+
+# every family's linears (q, k, v, qkv, o, gate, up, gate_up, down), by short name in MODULES
+KNOWN = _merged(LINEARS, FUSED)
+MODULES = {m.rsplit(".", 1)[1]: m for m in KNOWN}  # q_proj -> self_attn.q_proj, ...
+ALL_LINEAR = tuple(m.rsplit(".", 1)[1] for m in LINEARS)  # "all" on the families of LINEARS
 
 
 @dataclass(frozen=True)
@@ -42,16 +56,23 @@ class LoraConfig:
         return self.alpha / self.rank
 
     @classmethod
-    def parse_targets(cls, text: str) -> tuple[str, ...]:
+    def parse_targets(
+        cls, text: str, linears: tuple[str, ...] = LINEARS, family: str | None = None
+    ) -> tuple[str, ...]:
+        """Short names of ``linears`` (a model's, ``ModelConfig.linears``) that ``text`` names;
+        ``all`` names every one; ``family`` is named in the refusal."""
+        mine = tuple(m.rsplit(".", 1)[1] for m in linears)
         names = tuple(t.strip() for t in text.split(",") if t.strip())
         if names in (("all",), ("all-linear",)):
-            return ALL_LINEAR
-        unknown = [n for n in names if n not in MODULES]
+            return mine
+        unknown = [n for n in names if n not in mine]
         if unknown or not names:
+            model = f" of a {family} model" if family else ""
             raise SpillError(
-                f"unknown LoRA target(s) {unknown or text!r}; choose from {', '.join(ALL_LINEAR)} or 'all'"
+                f"unknown LoRA target(s){model} {unknown or text!r}; choose from "
+                f"{', '.join(mine)} or 'all'"
             )
-        return tuple(n for n in ALL_LINEAR if n in names)  # canonical order
+        return tuple(n for n in mine if n in names)  # canonical order
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -60,19 +81,14 @@ class LoraConfig:
 
 
 def module_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
-    """(in, out) features of a target linear."""
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }[target]
+    """(in, out) features of a target linear (``q_proj``) of the model's ``linears``."""
+    shapes = cfg.linear_shapes()
+    if MODULES.get(target) not in shapes:
+        raise SpillError(
+            f"LoRA target {target!r} is not a linear of a {cfg.family} model; its linears are "
+            f"{', '.join(m.rsplit('.', 1)[1] for m in shapes)}"
+        )
+    return shapes[MODULES[target]]
 
 
 def param_names(cfg: ModelConfig, lora: LoraConfig) -> list[str]:

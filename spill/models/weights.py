@@ -91,15 +91,9 @@ def check_shapes(config, files: WeightFiles) -> None:
             f"{where}: num_hidden_layers is {layers} but the weights hold {found}; the config and "
             "the safetensors do not belong together: fetch or import the model again"
         )
-    q, kv = (
-        config.num_attention_heads * config.head_dim,
-        config.num_key_value_heads * config.head_dim,
-    )
-    expected = {
-        "model.embed_tokens.weight": [config.vocab_size, config.hidden_size],
-        "model.layers.0.self_attn.q_proj.weight": [q, config.hidden_size],
-        "model.layers.0.self_attn.k_proj.weight": [kv, config.hidden_size],
-        "model.layers.0.mlp.up_proj.weight": [config.intermediate_size, config.hidden_size],
+    expected = {"model.embed_tokens.weight": [config.vocab_size, config.hidden_size]}
+    expected |= {  # layer 0's linears, as the family holds them (Phi-3's fused qkv_proj, ...)
+        f"model.layers.0.{m}.weight": [out, n] for m, (n, out) in config.linear_shapes().items()
     }
     for name, shape in expected.items():
         if name not in files.tensor_shard:

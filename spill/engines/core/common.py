@@ -259,12 +259,19 @@ def output_bytes(
 ) -> int:
     """What keeping the base outputs of the linears ``names`` (``mlp.gate_proj``) of every layer
     takes for a (rows, length) micro-batch."""
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    width = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h}
-    width |= {"gate_proj": inter, "up_proj": inter, "down_proj": h}
-    per_token = sum(width[n.rsplit(".", 1)[-1]] for n in names) * itemsize
+    width = {m: out for m, (_, out) in cfg.linear_shapes().items()}
+    per_token = sum(width[n] for n in names if n in width) * itemsize
     return rows * length * cfg.num_hidden_layers * per_token
+
+
+def long_rope(cfg: ModelConfig, valid: np.ndarray, start: int, length: int) -> bool:
+    """Whether a forward of ``length`` tokens at ``start`` (valid keys (B, S)) turns by longrope's
+    long factors: transformers' choice per forward, its longest position + 1 past
+    ``original_max_position_embeddings`` (positions count valid tokens, as ``context``'s)."""
+    if not cfg.rope_long:
+        return False
+    positions = np.maximum(np.cumsum(valid, axis=-1) - 1, 0)[:, start : start + length]
+    return int(positions.max(initial=0)) + 1 > cfg.rope_original
 
 
 def adamw_factors(opt: AdamW) -> tuple[float, float]:

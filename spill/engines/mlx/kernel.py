@@ -23,10 +23,10 @@ import mlx.core as mx
 import numpy as np
 
 from spill.engines.base import AdamW
-from spill.engines.core.common import adamw_factors
+from spill.engines.core.common import adamw_factors, long_rope
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.runner import sample_numpy
-from spill.engines.mlx import gemma3_text, llama, mistral, qwen2, qwen3, smollm3
+from spill.engines.mlx import gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3
 from spill.engines.mlx.ops import (
     Context,
     KVCache,
@@ -47,6 +47,7 @@ FAMILIES: dict[str, ModuleType] = {
     "mistral": mistral,
     "smollm3": smollm3,
     "gemma3_text": gemma3_text,
+    "phi3": phi3,
 }
 
 
@@ -78,6 +79,7 @@ class MLXKernel:
         tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
         self.lm_head = self.embed if tied else reader.tensor("lm_head.weight")
         self.freq = inv_freq(cfg)
+        self.long_freq = inv_freq(cfg, long=True) if cfg.rope_long else None
         local = cfg.local_rope_theta
         self.local_freq = None if local is None else inv_freq(cfg, local)
         # Gemma's sqrt(hidden) as transformers multiplies it: a float32 scalar in the model's dtype
@@ -107,8 +109,10 @@ class MLXKernel:
     # -- the model ---------------------------------------------------------------------------
     def context(self, valid: np.ndarray, start: int, length: int) -> Context:
         window = self.cfg.sliding_window if self.cfg.windowed else None
+        freq = self.long_freq if long_rope(self.cfg, valid, start, length) else self.freq
+        scale = self.cfg.rope_attention
         ctx = context(
-            mx.array(valid), start, length, self.freq, self.dtype, window, self.local_freq
+            mx.array(valid), start, length, freq, self.dtype, window, self.local_freq, scale
         )
         tables = (ctx.cos, ctx.sin, ctx.mask, ctx.window, *(ctx.local or ()))
         mx.eval([a for a in tables if a is not None])

@@ -157,12 +157,15 @@ def gelu_tanh(x):
     return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
-def inv_freq(cfg: ModelConfig, theta: float | None = None) -> mx.array:
+def inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -> mx.array:
     """Rotary inverse frequencies (float32), with Llama 3 scaling when the config has it; a
     ``theta`` given (the sliding layers' own base) means the plain rotary of that base."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim  # head_dim, or its leading part (``partial_rotary_factor``)
     base = cfg.rope_theta if theta is None else theta
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    if cfg.rope_short and theta is None:  # longrope: over short_factor, or long_factor if ``long``
+        factors = np.asarray(cfg.rope_long if long else cfg.rope_short, dtype=np.float32)
+        return mx.array(np.float32(1.0) / (factors * np.float32(base) ** exponent))
     freq = (np.float32(1.0) / (np.float32(base) ** exponent)).astype(np.float32)
     scaling = cfg.rope_scaling_dict
     if scaling and theta is None:
@@ -179,11 +182,15 @@ def inv_freq(cfg: ModelConfig, theta: float | None = None) -> mx.array:
     return mx.array(freq)
 
 
-def rotary(positions, freq, dtype):
-    """cos and sin tables for integer positions (B, T) -> (B, T, D) each, in ``dtype``."""
+def rotary(positions, freq, dtype, scale: float = 1.0):
+    """cos and sin tables for integer positions (B, T) -> (B, T, D) each, in ``dtype``; times
+    ``scale`` in float32 first (longrope's attention factor)."""
     freqs = positions[..., None].astype(mx.float32) * freq  # (B, T, D/2)
     emb = mx.concatenate([freqs, freqs], axis=-1)
-    return mx.cos(emb).astype(dtype), mx.sin(emb).astype(dtype)
+    cos, sin = mx.cos(emb), mx.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def rotate_half(x):
@@ -228,7 +235,14 @@ class Context:
 
 
 def context(
-    valid, start: int, length: int, freq, dtype, window: int | None = None, local_freq=None
+    valid,
+    start: int,
+    length: int,
+    freq,
+    dtype,
+    window: int | None = None,
+    local_freq=None,
+    scale: float = 1.0,
 ) -> Context:
     """Context for ``length`` tokens at ``start`` given valid keys (B, S), S = start + length.
 
@@ -237,13 +251,14 @@ def context(
     With a sliding ``window``, ``Context.window`` keeps only the keys less than ``window`` places
     back (transformers' ``kv_idx > q_idx - sliding_window``); valid tokens are contiguous (left
     padding in a generation, right padding in training), so places count positions. With
-    ``local_freq``, ``Context.local`` holds the windowed layers' own rotary tables.
+    ``local_freq``, ``Context.local`` holds the windowed layers' own rotary tables; ``scale``
+    multiplies the (full layers') tables.
     """
     s = valid.shape[1]
     counts = mx.cumsum(valid.astype(mx.int32), axis=-1) - 1
     positions = mx.maximum(counts, 0)[:, start : start + length]  # (B, T)
     local = None if local_freq is None else rotary(positions, local_freq, dtype)
-    cos, sin = rotary(positions, freq, dtype)
+    cos, sin = rotary(positions, freq, dtype, scale)
     query = mx.arange(start, start + length)[:, None]  # (T, 1)
     key = mx.arange(s)[None, :]  # (1, S)
     causal = key <= query  # (T, S)

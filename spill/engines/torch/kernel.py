@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from spill.engines.base import AdamW
-from spill.engines.core.common import adamw_factors
+from spill.engines.core.common import adamw_factors, long_rope
 from spill.engines.core.kernel import LOGIT_ROWS
-from spill.engines.torch import gemma3_text, llama, mistral, qwen2, qwen3, smollm3
+from spill.engines.torch import gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3
 from spill.engines.torch.ops import (
     Context,
     KVCache,
@@ -47,24 +47,17 @@ FAMILIES: dict[str, ModuleType] = {
     "mistral": mistral,
     "smollm3": smollm3,
     "gemma3_text": gemma3_text,
+    "phi3": phi3,
 }
 # A recomputed layer's output only roots its graph: the last linear's base output, added to the
 # residual, is read by no backward formula (every family ends a layer with mlp.down_proj), unless
 # a post-feedforward norm reads it (Gemma's, whose backward needs its input).
 RECOMPUTE_UNUSED = frozenset({"mlp.down_proj"})
-# Linears whose base outputs a streamed forward may keep for the recompute: all but down_proj
-# (whose output the recompute never reads), so a recomputed layer runs no base matmul forward,
-# only its adapters and the elementwise ops; ~9.4 MB a SmolLM2 layer at 4 x 128 tokens.
-KEPT_OUTPUTS = frozenset(
-    {
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-    }
-)
+# Linears whose base outputs a streamed forward may keep for the recompute: a layer's linears
+# (cfg.linears) but down_proj (whose output the recompute never reads), so a recomputed layer
+# runs no base matmul forward, only its adapters and the elementwise ops; ~9.4 MB a SmolLM2
+# layer at 4 x 128 tokens.
+UNKEPT = frozenset({"mlp.down_proj"})
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
@@ -100,6 +93,8 @@ class TorchKernel:
         tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
         self.lm_head = self.embed if tied else reader.tensor("lm_head.weight")
         self.freq = inv_freq(cfg).to(self.device)
+        self.long_freq = inv_freq(cfg, long=True).to(self.device) if cfg.rope_long else None
+        self.kept = frozenset(cfg.linears) - UNKEPT
         local = cfg.local_rope_theta
         self.local_freq = None if local is None else inv_freq(cfg, local).to(self.device)
         # Gemma's sqrt(hidden) as transformers multiplies it: a float32 scalar in the model's dtype
@@ -133,8 +128,10 @@ class TorchKernel:
     # -- the model ---------------------------------------------------------------------------
     def context(self, valid: np.ndarray, start: int, length: int) -> Context:
         window = self.cfg.sliding_window if self.cfg.windowed else None
+        freq = self.long_freq if long_rope(self.cfg, valid, start, length) else self.freq
+        scale = self.cfg.rope_attention
         return context(
-            self.array(valid), start, length, self.freq, self.dtype, window, self.local_freq
+            self.array(valid), start, length, freq, self.dtype, window, self.local_freq, scale
         )
 
     def caches(self, batch: int, length: int) -> list[KVCache]:
@@ -156,7 +153,7 @@ class TorchKernel:
     def layer(self, i: int, w: dict, x, ctx: Context, cache=None, lora=None, outputs=None):
         if outputs is None:
             return self.family.layer(self.cfg, i, w, x, ctx, cache, lora)
-        with base_outputs(KEPT_OUTPUTS, outputs):
+        with base_outputs(self.kept, outputs):
             return self.family.layer(self.cfg, i, w, x, ctx, cache, lora)
 
     def final_norm(self, x):
@@ -205,7 +202,7 @@ class TorchKernel:
         return default_budget(self.device)
 
     def kept_outputs(self) -> frozenset[str]:
-        return KEPT_OUTPUTS
+        return self.kept
 
     def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
         ids = self.array(tokens)  # (B, T)

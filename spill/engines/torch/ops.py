@@ -132,12 +132,16 @@ def rms_norm(x, weight, eps: float, offset: float = 0.0):
     return weight * h.to(dtype)
 
 
-def inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
+def inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -> torch.Tensor:
     """Rotary inverse frequencies (float32), with Llama 3 scaling when the config has it; a
     ``theta`` given (the sliding layers' own base) means the plain rotary of that base."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim  # head_dim, or its leading part (``partial_rotary_factor``)
     base = cfg.rope_theta if theta is None else theta
-    freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if cfg.rope_short and theta is None:  # longrope: over short_factor, or long_factor if ``long``
+        factors = torch.tensor(cfg.rope_long if long else cfg.rope_short, dtype=torch.float32)
+        return 1.0 / (factors * base**exponent)
+    freq = 1.0 / (base**exponent)
     scaling = cfg.rope_scaling_dict
     if not scaling or theta is not None:
         return freq
@@ -153,11 +157,15 @@ def inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotary(positions, freq, dtype):
-    """cos and sin tables for integer positions (B, T) -> (B, T, D) each, in ``dtype``."""
+def rotary(positions, freq, dtype, scale: float = 1.0):
+    """cos and sin tables for integer positions (B, T) -> (B, T, D) each, in ``dtype``; times
+    ``scale`` in float32 first (longrope's attention factor)."""
     freqs = positions[..., None].float() * freq  # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x):
@@ -202,7 +210,14 @@ class Context:
 
 
 def context(
-    valid, start: int, length: int, freq, dtype, window: int | None = None, local_freq=None
+    valid,
+    start: int,
+    length: int,
+    freq,
+    dtype,
+    window: int | None = None,
+    local_freq=None,
+    scale: float = 1.0,
 ) -> Context:
     """Context for ``length`` tokens at ``start`` given valid keys (B, S), S = start + length.
 
@@ -211,12 +226,13 @@ def context(
     With a sliding ``window``, ``Context.window`` keeps only the keys less than ``window`` places
     back (transformers' ``kv_idx > q_idx - sliding_window``); valid tokens are contiguous (left
     padding in a generation, right padding in training), so places count positions. With
-    ``local_freq``, ``Context.local`` holds the windowed layers' own rotary tables.
+    ``local_freq``, ``Context.local`` holds the windowed layers' own rotary tables; ``scale``
+    multiplies the (full layers') tables.
     """
     s = valid.shape[1]
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, start : start + length]  # (B, T)
     local = None if local_freq is None else rotary(positions, local_freq, dtype)
-    cos, sin = rotary(positions, freq, dtype)
+    cos, sin = rotary(positions, freq, dtype, scale)
     query = torch.arange(start, start + length, device=valid.device)[:, None]  # (T, 1)
     key = torch.arange(s, device=valid.device)[None, :]  # (1, S)
     causal = key <= query  # (T, S)
