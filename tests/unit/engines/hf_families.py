@@ -29,6 +29,11 @@ SHAPE = dict(
     pad_token_id=256,
     initializer_range=0.1,
 )
+LONGROPE = {"short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [1.5, 4.0, 9.0, 20.0]}
+PHI3 = dict(
+    partial_rotary_factor=0.5,
+    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE},
+)
 VARIANTS = {
     "qwen3": ("Qwen3", dict(num_hidden_layers=3, head_dim=24, tie_word_embeddings=False)),
     "qwen3-windowed": (
@@ -59,6 +64,19 @@ VARIANTS = {
             query_pre_attn_scalar=20,
             sliding_window=6,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    # Phi-3: fused qkv/gate_up, half the head rotated, longrope; "phi3-long" pretrained on 16
+    # positions, so longer forwards turn by the long factors (and a window of 7, a tied head)
+    "phi3": ("Phi3", dict(num_hidden_layers=2, original_max_position_embeddings=64, **PHI3)),
+    "phi3-long": (
+        "Phi3",
+        dict(
+            num_hidden_layers=3,
+            original_max_position_embeddings=16,
+            sliding_window=7,
+            tie_word_embeddings=True,
+            **PHI3,
         ),
     ),
 }

@@ -110,13 +110,15 @@ def test_kept_activations_and_the_recompute_walk_train_bit_identically(engine, v
     stack: the same losses, adapters and AdamW state bit for bit, with dropout, on rows past the
     windows (up to 11 tokens against windows of 6 and 7)."""
     from spill.models.config import load_config
-    from spill.models.lora import ALL_LINEAR, LoraConfig
+    from spill.models.lora import LoraConfig
     from tests.unit.engines.kit import fresh, nudged
     from tests.unit.engines.kit import tune as tune_steps
 
     _, folder = variant
     cfg = load_config(folder)
-    lora = LoraConfig(rank=4, alpha=8, dropout=0.1, targets=ALL_LINEAR)
+    lora = LoraConfig(
+        rank=4, alpha=8, dropout=0.1, targets=LoraConfig.parse_targets("all", cfg.linears)
+    )
     runs = []
     for options, mode in (({"ring": 2}, "auto"), ({"resident": True}, "keep")):
         runner = open_runner(engine, folder, dtype="float32", **options)
@@ -135,12 +137,12 @@ def test_kept_activations_and_the_recompute_walk_train_bit_identically(engine, v
 @pytest.mark.mlx
 def test_mlx_gradients_match_the_torch_trainer(variant):
     from spill.models.config import load_config
-    from spill.models.lora import ALL_LINEAR, LoraConfig
+    from spill.models.lora import LoraConfig
     from tests.unit.engines.kit import batches, fresh, load_engine, nudged
 
     _, folder = variant
     cfg = load_config(folder)
-    lora = LoraConfig(rank=4, alpha=8, targets=ALL_LINEAR)
+    lora = LoraConfig(rank=4, alpha=8, targets=LoraConfig.parse_targets("all", cfg.linears))
     params, batch = nudged(cfg, lora), batches(0)[0]
     got = []
     for name in ("torch", "mlx"):
