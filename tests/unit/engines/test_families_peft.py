@@ -6,6 +6,8 @@ spill does with the adapter."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -30,22 +32,26 @@ from tests.unit.engines.test_peft_parity import (
 peft = pytest.importorskip("peft")
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "qwen3-windowed", "mistral", "smollm3", "gemma3"])
+@pytest.mark.parametrize(
+    "variant", ["qwen3", "qwen3-windowed", "mistral", "smollm3", "gemma3", "phi3", "phi3-long"]
+)
 def test_streamed_tune_matches_peft(variant, tmp_path, tiny_models):
+    """Phi-3's adapters sit on its fused linears, named as PEFT's target_modules name them."""
     folder = hf_families.make(variant, tmp_path / variant, tiny_models["llama"])
     cfg = load_config(folder)
-    init, data = init_params(cfg, LORA, 5), examples()
-    ours, tuned = spill_tune(folder, init, data)
-    theirs, reference = hf_tune(folder, init, data)
+    lora = replace(LORA, targets=LORA.parse_targets("all", cfg.linears))
+    init, data = init_params(cfg, lora, 5), examples()
+    ours, tuned = spill_tune(folder, init, data, lora)
+    theirs, reference = hf_tune(folder, init, data, lora)
     rel = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
     assert ours[-1] < ours[0]  # it learned something
     assert rel <= 1e-5
     assert min(cosine(tuned[n], reference[n]) for n in tuned) >= 0.9999
 
-    adapter = export_peft(tuned, LORA, str(folder), tmp_path / "adapter")
+    adapter = export_peft(tuned, lora, str(folder), tmp_path / "adapter")
     loaded = peft.PeftModel.from_pretrained(hf_base(folder), str(adapter)).eval()
     runner = ENGINE.open(ModelSpec(folder, cfg), LoadOptions(ring=2, dtype="float32"))
-    runner.use_adapter(LORA, tuned)
+    runner.use_adapter(lora, tuned)
     for prompt, completion, got in zip(
         PROMPTS, COMPLETIONS, runner.score(PROMPTS, COMPLETIONS), strict=True
     ):

@@ -62,12 +62,12 @@ def hf_base(folder):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def hf_tune(folder, init: dict[str, np.ndarray], data) -> tuple[list[float], dict]:
+def hf_tune(folder, init: dict[str, np.ndarray], data, lora=LORA) -> tuple[list[float], dict]:
     config = peft.LoraConfig(
-        r=LORA.rank,
-        lora_alpha=LORA.alpha,
-        lora_dropout=LORA.dropout,
-        target_modules=list(LORA.targets),
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.targets),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -97,11 +97,11 @@ def hf_tune(folder, init: dict[str, np.ndarray], data) -> tuple[list[float], dic
     return losses, {n: named[peft_key(n)].detach().numpy().T for n in init}
 
 
-def spill_tune(folder, init, data) -> tuple[list[float], dict]:
+def spill_tune(folder, init, data, lora=LORA) -> tuple[list[float], dict]:
     runner = ENGINE.open(
         ModelSpec(folder, load_config(folder)), LoadOptions(ring=2, dtype="float32")
     )
-    trainer = runner.trainer(LORA)
+    trainer = runner.trainer(lora)
     trainer.set_state(init, {}, {})
     losses = []
     for step in range(STEPS):
