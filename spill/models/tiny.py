@@ -97,6 +97,17 @@ _FAMILY_KEYS: dict[str, Callable[[int, int], dict]] = {
             "full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)
         ],
     },
+    "phi3": lambda layers, head: {  # Phi-4-mini's 3/4 of a head rotated; longrope past 32
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 32,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.25 * j for j in range(int(head * 0.75) // 2)],
+            "long_factor": [2.0 + j for j in range(int(head * 0.75) // 2)],
+        },
+    },
 }
 TINY_FAMILIES = tuple(_FAMILY_KEYS)
 _ARCHITECTURES = {
@@ -106,6 +117,7 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -134,6 +146,17 @@ def _config(family: str, layers: int, hidden: int, vocab: int) -> dict:
     }
 
 
+def _fused(prefix: str, parts: dict, fused: str, linears) -> dict[str, np.ndarray]:
+    """``parts`` (q, k, v or gate, up) under ``prefix``, their weights stacked as ``fused`` when
+    the family holds that linear (Phi-3's qkv_proj, gate_up_proj)."""
+    if fused not in linears:
+        return {prefix + k: v for k, v in parts.items()}
+    weights = [v for k, v in parts.items() if k.endswith(".weight")]
+    return {prefix + fused + ".weight": np.concatenate(weights)} | {
+        prefix + k: v for k, v in parts.items() if not k.endswith(".weight")
+    }
+
+
 def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     from spill.models.config import parse_config
 
@@ -152,10 +175,12 @@ def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     for k in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{k}."
         out[p + "input_layernorm.weight"] = norm(h)
+        attn = {}
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            out[p + f"self_attn.{name}.weight"] = w(rows, h, std=0.1)
+            attn[f"self_attn.{name}.weight"] = w(rows, h, std=0.1)
             if shape.qkv_bias:
-                out[p + f"self_attn.{name}.bias"] = w(rows, std=0.1)
+                attn[f"self_attn.{name}.bias"] = w(rows, std=0.1)
+        out |= _fused(p, attn, "self_attn.qkv_proj", shape.linears)
         out[p + "self_attn.o_proj.weight"] = w(h, q, std=0.1)
         if shape.qk_norm:
             out[p + "self_attn.q_norm.weight"] = norm(d)
@@ -164,8 +189,8 @@ def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         if shape.feedforward_norms:
             out[p + "pre_feedforward_layernorm.weight"] = norm(h)
             out[p + "post_feedforward_layernorm.weight"] = norm(h)
-        out[p + "mlp.gate_proj.weight"] = w(i, h, std=0.1)
-        out[p + "mlp.up_proj.weight"] = w(i, h, std=0.1)
+        mlp = {"mlp.gate_proj.weight": w(i, h, std=0.1), "mlp.up_proj.weight": w(i, h, std=0.1)}
+        out |= _fused(p, mlp, "mlp.gate_up_proj", shape.linears)
         out[p + "mlp.down_proj.weight"] = w(h, i, std=0.1)
     out["model.norm.weight"] = norm(h)
     if not cfg["tie_word_embeddings"]:

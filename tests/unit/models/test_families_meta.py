@@ -33,7 +33,7 @@ def test_the_new_families_tiny_configs_say_what_the_family_adds(tmp_path):
     assert smollm3.no_rope == (3, 7)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "smollm3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "smollm3", "gemma3_text", "phi3"])
 def test_spill_models_tiny_writes_the_same_bytes_and_the_engine_runs_it(family, tmp_path):
     out = tmp_path / "cli"
     done = run_spill("models", "tiny", str(out), "--family", family, "--seed", "4", timeout=120)
@@ -52,7 +52,7 @@ def test_spill_models_tiny_writes_the_same_bytes_and_the_engine_runs_it(family, 
     runner.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "mistral3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "mistral3", "gemma3", "phi3"])
 def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch, tmp_path):
     """spill runs these families from HF folders; their llama.cpp tensor names are not read yet,
     so a GGUF of one is refused before anything is written (llama.cpp names each by its arch)."""
