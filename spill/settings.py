@@ -43,7 +43,7 @@ _LOG = {  # tune.log: a list in spill.yaml
     "mlflow (MLFLOW_TRACKING_URI); docs/watching.md",
 }
 _PATH = "^/?[^/\\u0000]{1,255}(/[^/\\u0000]{1,255})*"  # no name over 255 bytes, no NUL
-_TARGETS = "(q|k|v|o|gate|up|down)_proj"
+_TARGETS = "(q|k|v|qkv|o|gate|up|gate_up|down)_proj"
 
 
 def stage_inputs(group: str, values) -> dict[str, Any]:
@@ -207,7 +207,7 @@ class TuneSettings:
             "type": "string",
             "pattern": f"^(all|all-linear|({_TARGETS})(\\s*,\\s*{_TARGETS})*)$",
             "description": "comma-separated q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-            "down_proj, or all",
+            "down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj), or all",
         },
         "modules to adapt, comma-separated, or 'all' (default %(default)s)",
     )
