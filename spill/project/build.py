@@ -239,22 +239,24 @@ class Owner(NamedTuple):
 
 def _own(stack, ctx, specs, stop, owner: Owner):
     """Own the run at the build's state for the block of ``stack``: the current one; or, when
-    that one is complete and this build would change anything, the next one (lineage: the
-    completed run). None when the completed run already records exactly this build."""
+    that one is complete (or an installed copy, with ``--new-run``) and this build would change
+    anything, the next one (lineage: that run). None when the complete run or the copy already
+    records exactly this build (a sweep's jobs come here with no ``uptodate`` check first)."""
     from spill.control.control import RunComplete
+    from spill.control.ownership import CopiedRun
     from spill.jobs.authority import own
 
     w = owner.writer
     how = {"lease": w.lease, "wait": w.wait, "command": w.command}
-    if owner.new_run:  # an installed copy's run (or a completed one) forks; any other continues
-        return stack.enter_context(own(ctx.root, new_run=True, **how))
     try:
         return stack.enter_context(own(ctx.root, **how))
-    except RunComplete:
+    except (RunComplete, CopiedRun) as e:
         doc = record.read(ctx.root)
         decisions = _plan(ctx.project, specs, ctx.root, doc, stop)
         if not _changes(ctx, doc, decisions):
             return None
+        if isinstance(e, CopiedRun) and not owner.new_run:
+            raise  # a copy forks only when asked: its original stays the one that continues
     return stack.enter_context(own(ctx.root, new_run=True, **how))
 
 

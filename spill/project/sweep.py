@@ -51,8 +51,10 @@ def job(
     dry_run: bool,
     token: str = "",
     writer: Writer | None = None,
+    new_run: bool = False,
 ) -> dict:
-    """Hydra's task function: one build; errors come back as a status, never raised."""
+    """Hydra's task function: one build; errors come back as a status, never raised.
+    ``new_run`` (``--new-run``): a job whose run is an installed copy forks a new one."""
     from hydra.core.hydra_config import HydraConfig
 
     hydra = HydraConfig.get()
@@ -70,7 +72,7 @@ def job(
         key = config.compose_key(root, overrides)
         doc = record.read(where)
         summary = build.reconcile(
-            project, where, key, doc, stop, dry_run, writer=writer or Writer()
+            project, where, key, doc, stop, dry_run, writer=writer or Writer(), new_run=new_run
         )
     except Preempted as e:
         result = {**out, "status": "preempted", "error": str(e), **_committed(where)}
@@ -187,6 +189,7 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
         dry_run=opts.dry_run,
         token=token,
         writer=Writer(lease=opts.writer.lease, wait=opts.writer.wait),
+        new_run=opts.new_run,
     )
     # Ray relays its workers' and raylet's lines to this process's stdout: keep them off the
     # table and the --json document, and leave Ray before printing (its relay is a thread)
