@@ -81,12 +81,15 @@ def check_place(to: str) -> None:
 SWEEP = "sweep"  # a sweep's jobs, each a state of its own (spill.project.sweep)
 
 
-def sweep_jobs(state: str) -> dict[str, dict[str, Any]]:
+def sweep_jobs(state: str, finished: bool = False) -> dict[str, dict[str, Any]]:
     """``sweep/<job>`` -> the current control object of each sweep job under ``state`` that
     holds a run; a job a live process holds is refused (``Busy``, exit 75): its files are
-    still changing."""
+    still changing. ``finished`` (a move): a job whose run may still be written (not complete,
+    a copy or moved away) is refused too, in one line: its raw copy would be a second place to
+    continue the same run from."""
     from spill.control.keys import current
     from spill.control.ownership import _busy, is_held
+    from spill.control.place import FROZEN
 
     out = {}
     for name in listdir(join(state, SWEEP)):
@@ -96,6 +99,12 @@ def sweep_jobs(state: str) -> dict[str, dict[str, Any]]:
             continue
         if is_held(doc):
             raise _busy(doc, where, " (a job of the sweep)")
+        if finished and doc["status"] not in FROZEN:
+            raise StoreError(
+                f"sweep job {where} is unfinished (run {doc['run']}, {doc['status']}), and a "
+                "move carries finished jobs only, so that one place continues each run: finish "
+                "it (run the sweep again) or drop it (remove that folder), then move again"
+            )
         out[f"{SWEEP}/{name}"] = doc
     return out
 
@@ -105,8 +114,8 @@ def snapshot_files(
 ) -> list[tuple[str, str]]:
     """(source URI, path relative to the destination) of every file a move of run ``doc``
     copies: the project's files, then the run's and its sweep jobs' whole
-    (``snapshot.state_files``; the exports with ``exports``)."""
-    rels = snapshot.state_files(src_state, doc, exports, sweep_jobs(src_state))
+    (``snapshot.state_files``; the exports with ``exports``); an unfinished job is refused."""
+    rels = snapshot.state_files(src_state, doc, exports, sweep_jobs(src_state, finished=True))
     files = [(join(src_state, r), f"{STATE_DIR}/{r}" if root else r) for r in rels]
     if root:
         files = [(join(root, r), r) for r in snapshot.project_files(root, src_state)] + files
