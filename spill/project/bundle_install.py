@@ -6,7 +6,8 @@ copied and hashed as it lands (``bundle_format.Hasher.copy_into``) into two temp
 ``.<DIR name>.install-<random>`` beside ``DIR`` and ``SPILL_HOME/models/.bundle-install-<random>``;
 files not written are hashed all the same. Only when every hash matched are they renamed into
 place, so ``DIR`` is either as it was or whole. A bundled run installs as a copy
-(``ownership.as_copy``). What a user sees: docs/bundle.md.
+(``ownership.as_copy``), and so does each sweep job's run (``_install_jobs``): the original
+stays the one place that continues it. What a user sees: docs/bundle.md.
 """
 
 from __future__ import annotations
@@ -182,6 +183,33 @@ def _install_run(b: Bundle, dest: Path, dest_tmp: Path) -> None:
     control, runs = as_copy(run["control"], str(dest / STATE_DIR))
     _write_json(dest_tmp / STATE_DIR / "runs" / run["id"] / "control.json", control, "control")
     _write_json(dest_tmp / STATE_DIR / "runs" / "current.json", runs, "runs")
+    _install_jobs(b, dest, dest_tmp)
+
+
+def _install_jobs(b: Bundle, dest: Path, dest_tmp: Path) -> None:
+    """Each sweep job's run becomes a copy as the bundled run does: its ``runs/`` holds its
+    current control object (``as_copy``) and a run list naming it alone, nothing else."""
+    from spill.control.keys import parse
+    from spill.control.ownership import as_copy
+    from spill.project.move_checks import SWEEP
+
+    sweep = dest_tmp / STATE_DIR / SWEEP
+    for job in sorted(sweep.iterdir()) if sweep.is_dir() else []:
+        runs = job / "runs"
+        listing = runs / "current.json"
+        if not listing.is_file():
+            shutil.rmtree(runs, ignore_errors=True)  # no run to copy: a build starts one
+            continue
+        where = f"{b.path}: state/{SWEEP}/{job.name}/runs"
+        rid = parse(listing.read_bytes(), "runs", f"{where}/current.json")["current"]
+        control = runs / rid / "control.json"
+        doc = parse(control.read_bytes(), "control", str(control)) if control.is_file() else None
+        if doc is None or doc["run"] != rid:
+            raise BundleError(f"{where} names run {rid}, which it does not carry; bundle again")
+        copy, runlist = as_copy(doc, str(dest / STATE_DIR / SWEEP / job.name))
+        shutil.rmtree(runs)
+        _write_json(runs / rid / "control.json", copy, "control")
+        _write_json(listing, runlist, "runs")
 
 
 def _free_space(b: Bundle, dest: Path, models: Path) -> None:

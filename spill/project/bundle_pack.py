@@ -3,7 +3,9 @@
 The project is ``snapshot.project_files``; the state (``--with-state``) is
 ``snapshot.state_files`` of the current run and its sweep jobs (each whole, as its own control
 object points; ``move_checks.sweep_jobs``) without ``command.json``, its control object's
-``home`` reduced to ``a bundle from <host>``; the models are each one a stage loads, resolved as
+``home`` reduced to ``a bundle from <host>``; of each job's ``runs/`` only its run list and its
+current control object go, that ``home`` reduced too (an install makes each a copy, as the run:
+``bundle_install``); the models are each one a stage loads, resolved as
 a build resolves them and checked against their cache records (a model outside the cache is
 refused). Every file is hashed before the file is written (the manifest comes first), and its
 stat key is compared again after its bytes are copied, so a file that changes while bundling is
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,7 @@ from spill.store.fs import join
 from spill.store.location import location
 
 SKIP_STATE = ("command.json",)  # a build's record of its command line names this machine's cwd
+JOB_RUNS = re.compile(r"sweep/[^/]+/runs/.*")  # a sweep job's own control files
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Item:
     size: int
     sha256: str
     key: tuple | None = None  # local files: (size, mtime_ns, ctime_ns, inode) when hashed
+    data: bytes | None = None  # a file written from memory (a sweep job's reduced control object)
 
 
 @dataclass
@@ -115,10 +120,18 @@ def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item]
         refuse_moving(doc, state)
     from spill.project.move_checks import sweep_jobs
 
+    jobs = sweep_jobs(state)
+    controls = {f"{p}/runs/{d['run']}/control.json": d for p, d in jobs.items()}
+    lists = {f"{p}/runs/current.json" for p in jobs}
     out = []
-    for rel in snapshot.state_files(state, doc, exports, sweep_jobs(state)):
+    for rel in snapshot.state_files(state, doc, exports, jobs):
         if rel in SKIP_STATE or bad_path(rel):
             continue  # hidden names are a writer's leftovers, never part of a run
+        if rel in controls:
+            out.append(_control_item(controls[rel], "state/" + rel))
+            continue
+        if JOB_RUNS.fullmatch(rel) and rel not in lists:
+            continue  # a job's lock file and older runs: an install writes its own, as for the run
         src = join(state, rel)
         if location(state).local:
             out.append(_local_item(location(src).path, "state/" + rel, "state"))
@@ -126,6 +139,20 @@ def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item]
             size, sha = snapshot.digest(src)
             out.append(Item(src, "state/" + rel, "state", size, sha))
     return out, doc
+
+
+def _reduced(doc: dict[str, Any]) -> dict[str, Any]:
+    """A control object as a bundle carries it: its ``home`` (a path here) reduced."""
+    doc = json.loads(json.dumps(doc))
+    doc["home"] = f"a bundle from {doc['owner']['host']}"
+    return doc
+
+
+def _control_item(doc: dict[str, Any], name: str) -> Item:
+    import hashlib
+
+    raw = json.dumps(_reduced(doc), sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+    return Item(name, name, "state", len(raw), hashlib.sha256(raw).hexdigest(), data=raw)
 
 
 def _source(resolved, marker: dict[str, Any]) -> dict[str, Any]:
@@ -207,8 +234,7 @@ def manifest(project, contents: Contents) -> dict[str, Any]:
 
     run = None
     if contents.run is not None:
-        doc = json.loads(json.dumps(contents.run))
-        doc["home"] = f"a bundle from {doc['owner']['host']}"
+        doc = _reduced(contents.run)
         run = {"id": doc["run"], "status": doc["status"], "control": doc}
     return {
         "schema_version": FORMAT,
@@ -227,6 +253,9 @@ def manifest(project, contents: Contents) -> dict[str, Any]:
 
 
 def _copy(item: Item, out) -> None:
+    if item.data is not None:
+        out.write(item.data)
+        return
     if item.key is None:  # a remote state file: hashed again while copied
         from spill.project.bundle_format import Hasher
         from spill.store.fs import filesystem

@@ -125,3 +125,123 @@ def test_a_link_inside_the_state_is_carried_as_its_file(swept, tmp_path):
     copied = dest / ".spill" / "files" / "again.jsonl"
     assert not copied.is_symlink()
     assert copied.read_bytes() == (state / "files" / "train.jsonl").read_bytes()
+
+
+# --- one writer per run: a sweep job carried by bundle and move (issue 35 item 4, follow-up) ---
+
+SWEEP = ("-m", *FAST, "tune.lr=0.005,0.01")
+HALF = ("--stop-after", "tune:4")
+
+
+def _run_of(job: Path) -> tuple[list[str], dict]:
+    """A job state's run list and its current run's control object."""
+    listing = json.loads((job / "runs" / "current.json").read_text())
+    control = job / "runs" / listing["current"] / "control.json"
+    return listing["runs"], json.loads(control.read_text())
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` but the lock files a refused writer may leave."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "control.lock"
+    }
+
+
+def _sweep_rows(proc) -> dict[str, dict]:
+    """What ``spill build -m --json`` says of each job."""
+    return {r["run"]: r for r in json.loads(proc.stdout)["runs"]}
+
+
+@pytest.fixture(scope="module")
+def halfway(tmp_path_factory) -> dict:
+    """The toy project's build and its two sweep jobs, each stopped at step 4 of 8 (their runs
+    unfinished: a build there continues them)."""
+    base = tmp_path_factory.mktemp("halfway")
+    home = base / "home"
+    project = copy_toy(base / "toy")
+    ok(spill("build", str(project), *FAST, *HALF, home=home))
+    ok(spill("build", str(project), *SWEEP, *HALF, home=home))
+    runs = {job.name: _run_of(job)[1] for job in _job_states(project)}
+    assert len(runs) == 2 and {d["status"] for d in runs.values()} == {"active"}, runs
+    return {"home": home, "project": project, "runs": runs}
+
+
+def test_an_installed_sweep_job_is_a_copy_that_forks_and_the_source_continues(halfway, tmp_path):
+    home, src = halfway["home"], tmp_path / "src"
+    shutil.copytree(halfway["project"], src, symlinks=True)
+    path, dest, home2 = tmp_path / "toy.spb", tmp_path / "installed", tmp_path / "home2"
+    ok(spill("bundle", str(src), str(path), "--with-state", home=home))
+    ok(spill("bundle", "--install", str(path), str(dest), home=home2))
+    for job in _job_states(dest):
+        runs, doc = _run_of(job)
+        original = halfway["runs"][job.name]
+        # as the bundled run: a copy, released, its run list naming it alone, no source path
+        assert runs == [original["run"]] and doc["status"] == "copy", doc
+        assert doc["owner"]["released"] and doc["pointers"] == original["pointers"]
+        assert doc["lineage"]["copied_from"].startswith("a bundle from ")
+        assert sorted(p.name for p in (job / "runs").iterdir()) == sorted(
+            ["current.json", doc["run"]]
+        )
+        assert str(src) not in json.dumps(doc) and doc["home"].endswith(str(job))
+    before = {job.name: _files(job) for job in _job_states(dest)}
+    # the copy is never continued: each job refused in one line of its row, its files as they were
+    proc = spill("build", str(dest), *SWEEP, "--json", home=home2)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    rows = _sweep_rows(proc)
+    assert sorted(rows) == sorted(halfway["runs"]), rows
+    for row in rows.values():
+        assert row["status"] == "error" and "is a copy" in row["error"], row
+        assert "--new-run" in row["error"], row
+    assert {job.name: _files(job) for job in _job_states(dest)} == before
+    # the original stays the one that continues each run
+    proc = ok(spill("build", str(src), *SWEEP, "--json", home=home))
+    assert {r["status"] for r in _sweep_rows(proc).values()} == {"done"}
+    for job in _job_states(src):
+        runs, doc = _run_of(job)
+        assert runs == [halfway["runs"][job.name]["run"]] and doc["status"] == "complete"
+    # the copy forks with --new-run: a new run whose parent is the copied one, which stays a copy
+    proc = ok(spill("build", str(dest), *SWEEP, "--new-run", "--json", home=home2))
+    assert {(r["status"], r["steps"]) for r in _sweep_rows(proc).values()} == {("done", 8)}
+    for job in _job_states(dest):
+        runs, doc = _run_of(job)
+        original = halfway["runs"][job.name]["run"]
+        assert len(runs) == 2 and runs[0] == original and doc["run"] != original, runs
+        assert doc["lineage"]["parent"] == original and doc["status"] == "complete"
+        copied = json.loads((job / "runs" / original / "control.json").read_text())
+        assert copied["status"] == "copy"
+
+
+def test_a_finished_sweep_job_installed_is_done_and_writes_no_run(swept, tmp_path):
+    path, dest, home2 = tmp_path / "toy.spb", tmp_path / "installed", tmp_path / "home2"
+    ok(spill("bundle", str(swept["project"]), str(path), "--with-state", home=swept["home"]))
+    ok(spill("bundle", "--install", str(path), str(dest), home=home2))
+    before = {job.name: _run_of(job) for job in _job_states(dest)}
+    assert {doc["status"] for _, doc in before.values()} == {"copy"}
+    proc = ok(spill("build", str(dest), *SWEEP, "--json", home=home2))
+    assert {r["status"] for r in _sweep_rows(proc).values()} == {"done"}
+    assert {job.name: _run_of(job) for job in _job_states(dest)} == before
+
+
+def test_move_refuses_an_unfinished_sweep_job_and_carries_finished_ones(halfway, tmp_path):
+    home, src, dest = halfway["home"], tmp_path / "src", tmp_path / "moved"
+    shutil.copytree(halfway["project"], src, symlinks=True)
+    before = _files(src / ".spill")
+    line = refused(spill("move", str(src), str(dest), home=home), "unfinished", "sweep job")
+    assert str(_job_states(src)[0]) in line and "finish it" in line
+    assert not dest.exists() and _files(src / ".spill") == before
+    # finished at the source (the same runs continued there), then moved: read-only at both
+    # places, so a sweep at either is done and writes no run, and the build's run is fenced
+    ok(spill("build", str(src), *SWEEP, home=home))
+    ok(spill("move", str(src), str(dest), home=home))
+    refused(spill("build", str(src), *FAST, home=home), "moved to")
+    for place in (src, dest):
+        runs = {job.name: _run_of(job) for job in _job_states(place)}
+        assert {doc["status"] for _, doc in runs.values()} == {"complete"}
+        assert {n: r[0] for n, r in runs.items()} == {
+            n: [d["run"]] for n, d in halfway["runs"].items()
+        }
+        proc = ok(spill("build", str(place), *SWEEP, "--json", home=home))
+        assert {r["status"] for r in _sweep_rows(proc).values()} == {"done"}
+        assert {job.name: _run_of(job) for job in _job_states(place)} == runs
