@@ -57,7 +57,7 @@ def _gold_log_probs(folder: Path) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "mistral", "smollm3", "gemma3"])
+@pytest.mark.parametrize("variant", ["qwen3", "mistral", "smollm3", "gemma3", "phi3", "phi3-long"])
 def test_the_hf_export_scores_as_spill_with_the_adapter_and_a_gguf_is_refused(
     variant, tmp_path, tiny_models
 ):
