@@ -144,3 +144,30 @@ def test_lora_targets_are_the_models_own_linears():
     with pytest.raises(SpillError, match="unknown LoRA target"):
         LoraConfig.parse_targets("qkv_proj", LINEARS, "llama")
     assert LoraConfig.parse_targets("qkv_proj,q_proj", KNOWN) == ("q_proj", "qkv_proj")
+
+
+@pytest.mark.parametrize("engine", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
+def test_qlora_on_a_4bit_phi3_trains_as_its_dequantized_float_form(engine, tmp_path, tiny_models):
+    """The fused linears packed to 4 bits (``spill models quantize``): a LoRA tune on them gives
+    the losses and adapters, bit for bit, of the same tune on the dequantized float folder."""
+    from spill.models.config import load_config
+    from spill.models.quantize import dequantize_folder, quantize_folder
+    from tests.unit.engines import hf_families
+    from tests.unit.engines.kit import equal_states, fresh, load_engine, open_runner, tune
+
+    runtime = load_engine(engine)
+    folder = hf_families.make("phi3-long", tmp_path / "phi3", tiny_models["llama"])
+    packed, unpacked = tmp_path / "q4", tmp_path / "f32"
+    quantize_folder(folder, packed, 4, 32, lambda line: None)
+    dequantize_folder(packed, unpacked)
+    cfg = load_config(folder)
+    lora = LoraConfig(rank=4, alpha=8, dropout=0.1, targets=LoraConfig.parse_targets("all", FUSED))
+    got = []
+    for weights in (packed, unpacked):
+        runner = open_runner(runtime, weights, dtype="float32", ring=2)
+        trainer = fresh(runner, cfg, lora)
+        got.append((runner.info.weights, tune(trainer, 2), trainer.state()))
+        runner.close()
+    assert "4-bit" in got[0][0] and "4-bit" not in got[1][0]
+    assert got[0][1] == got[1][1] and got[0][1][-1] < got[0][1][0]
+    assert equal_states(got[0][2], got[1][2])
