@@ -1,5 +1,5 @@
-"""Small random models of the Qwen3, Mistral, SmolLM3 and Gemma 3 (text) families, made and
-saved by transformers itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the
+"""Small random models of the Qwen3, Mistral, SmolLM3, Gemma 3 (text) and Phi-3 families, made
+and saved by transformers itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the
 tiny llama's tokenizer.
 
 Each variant shows what its family adds: Qwen3 an explicit ``head_dim`` (not hidden / heads),
