@@ -519,6 +519,7 @@ def test_a_quantized_gguf_says_what_the_rounding_costs_the_tune_on_rows_it_saw(t
     from types import SimpleNamespace
 
     from spill.jobs.export.shift import seen_rows
+    from spill.models.config import load_config
 
     got = {}
     for kind in ("q4_0", "q8_0"):
@@ -544,8 +545,9 @@ def test_a_quantized_gguf_says_what_the_rounding_costs_the_tune_on_rows_it_saw(t
         got["q8_0"]["tuned"],
     )
     assert got["q4_0"]["quantization_shift"] >= got["q8_0"]["quantization_shift"] > 0
+    config = load_config(tuned["model"])
     name, rows = seen_rows(
-        SimpleNamespace(adapter_dir=tuned["adapter"], base_folder=tuned["model"])
+        SimpleNamespace(adapter_dir=tuned["adapter"], base_folder=tuned["model"], config=config)
     )
     done = _ok(_spill("models", "import", str(tmp_path / "q4_0" / "model-q4_0.gguf"),
                       "--dequantize", home=tmp_path / "home"))  # fmt: skip
