@@ -42,6 +42,14 @@ def _llama(size: str, sha: str) -> Alias:
     return Alias(f"llama3.2:{size.lower()}", f"meta-llama/Llama-3.2-{size}-Instruct", sha)
 
 
+def _qwen3(size: str, sha: str) -> Alias:  # Qwen3's post-trained (chat) model has no suffix
+    return Alias(f"qwen3:{size.lower()}", f"Qwen/Qwen3-{size}", sha)
+
+
+def _gemma3(size: str, sha: str) -> Alias:
+    return Alias(f"gemma3:{size.lower()}", f"google/gemma-3-{size.lower()}-it", sha)
+
+
 _TABLE = (
     # Qwen2.5 Instruct: all seven SHAs appear together in one public model catalog (sizes and
     # byte counts alongside), each also in HF cache snapshot paths of unrelated projects.
@@ -68,6 +76,24 @@ _TABLE = (
     # are listed in a public model registry and appear in many HF cache snapshot paths.
     _llama("1B", "9213176726f574b556790deb65791e0c5aa438b6"),
     _llama("3B", "0cb88a4f764b7a12671c53f0838cd831a0843b95"),
+    # Qwen3 (the chat models; the -Base repos are the pretrained ones): both SHAs are pinned as
+    # `revision=` in several public projects and appear in many HF cache snapshot paths; public
+    # notes give each as read from the hub (0.6B: its API; 1.7B: main's "Create LICENSE" commit).
+    _qwen3("0.6B", "c1899de289a04d12100db370d81485cdf75e47ca"),
+    _qwen3("1.7B", "70d244cc86ccca08cf5af4e1e306ecf908b1ad5e"),
+    # Gemma 3 instruction-tuned text models (gated: accept the license on the hub, then `hf auth
+    # login`): each SHA is pinned as `revision=` in several public projects and appears in HF
+    # cache snapshot paths (270M also in a hub URL of a gated-repo error; 1B in a table of the
+    # "current HF revisions").
+    _gemma3("270M", "ac82b4e820549b854eebf28ce6dedaf9fdfa17b3"),
+    _gemma3("1B", "dcc83ea841ab6100d6b47a070329e1ba4cf78752"),
+    # SmolLM3 3B (the instruct model; -Base is the pretrained one): its `main` commit as read from
+    # the hub's API in a public model survey, also in HF cache snapshot paths of other projects.
+    Alias("smollm3:3b", "HuggingFaceTB/SmolLM3-3B", "a07cc9a04f16550a088caea529712d1d335b0ac1"),
+    # Phi-4-mini instruct: the `main` commit ("Update README.md (#43)"; weights unchanged since
+    # their upload) as public notes read it from the hub, pinned as `revision=` in several public
+    # projects and in HF cache snapshot paths. Named as Ollama names it: no size after a colon.
+    Alias("phi4-mini", "microsoft/Phi-4-mini-instruct", "cfbefacb99257ffa30c83adab238a50856ac3083"),
 )
 
 ALIASES: dict[str, Alias] = {a.name: a for a in _TABLE}
@@ -124,7 +150,10 @@ def split_quant(name: str) -> tuple[str, str | None]:
 
 
 def looks_like_alias(name: str) -> bool:
-    """``family:size``: one colon, no path separator, no URI scheme."""
+    """``family:size`` (one colon, no path separator, no URI scheme), or a known alias without a
+    size (``phi4-mini``)."""
+    if lookup(name) is not None:
+        return True
     return name.count(":") == 1 and "/" not in name and "\\" not in name
 
 
