@@ -1,8 +1,9 @@
-"""Import a llama- or qwen2-architecture GGUF file as an HF-layout model folder.
+"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3 or smollm3 architecture (``gguf_arch``)
+as an HF-layout model folder.
 
-Every tensor is dequantized exactly as ggml does (``gguf.quants``) and a Llama's attn_q/attn_k
-get llama.cpp's row permutation undone (a Qwen2's rotary halves are not interleaved, and its
-q/k/v biases come along). Storage is chosen per tensor so that nothing is rounded:
+Every tensor is dequantized exactly as ggml does (``gguf.quants``) and a Llama's or SmolLM3's
+attn_q/attn_k get llama.cpp's row permutation undone (Qwen's rotary halves are not interleaved;
+a Qwen2's q/k/v biases and a Qwen3's q/k norms come along). Storage is chosen per tensor so that nothing is rounded:
 BF16 where every value survives the round trip, else F16 if that is exact, else F32. A Q4_1
 weight (fp16 scale * nibble + fp16 min) almost never fits in bf16, so quantized weights usually
 land as F32; the norms, stored as F32 that came from bf16, land as BF16.
@@ -33,6 +34,8 @@ import numpy as np
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.hashing import file_sha256
 from spill.models import gguf_quant
+from spill.models.config import parse_config
+from spill.models.gguf_arch import ARCHES, BIASES, GLOBAL, LAYER, Arch
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
@@ -45,28 +48,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCHEMA_VERSION = 1
 DTYPE_RULE = "per tensor: BF16 if every value round-trips exactly, else F16 if exact, else F32"
 
-_LAYER = {  # GGUF per-layer tensor -> HF name under model.layers.{i}.
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_BIASES = {  # a Qwen2's: llama.cpp keeps them F32
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_GLOBAL, _LAYER, _BIASES = GLOBAL, LAYER, BIASES  # the names the exporter and tests read
 
 
 def find_smollm2_gguf() -> Path:
@@ -182,10 +164,10 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     """config.json, tokenizer_config.json and generation_config.json from the GGUF metadata."""
     meta, where = gguf.metadata, str(gguf.path)
     arch = gguf.value("general.architecture", str, None)
-    if arch not in ARCHITECTURES:
+    if arch not in ARCHES:
         raise UnsupportedModel(
             f"{where}: GGUF architecture {arch!r} is not supported; spill imports "
-            f"{' and '.join(ARCHITECTURES)} GGUFs"
+            f"{', '.join(ARCHES)} GGUFs"
         )
     if meta.get(f"{arch}.expert_count"):
         raise UnsupportedModel(f"{where}: mixture-of-experts GGUFs are not supported")
@@ -211,7 +193,7 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     if head_dim % 2 or heads % kv_heads:
         raise ModelError(
             f"{where}: head size {head_dim} (odd) or {heads} heads over {kv_heads} key/value "
-            "heads (not a multiple) cannot be a Llama or Qwen2; re-convert the model"
+            f"heads (not a multiple) cannot be a {arch} model; re-convert it"
         )
     if get("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModel(f"{where}: different key and value head sizes are not supported")
@@ -237,8 +219,8 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     tied = not any(t.name == "output.weight" for t in gguf.tensors)
     ctx = get("context_length", 2048)
     config = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [ARCHES[arch].architecture],
+        "model_type": ARCHES[arch].family,
         "vocab_size": get("vocab_size", len(tokens)),
         "hidden_size": hidden,
         "intermediate_size": need("feed_forward_length"),
@@ -251,7 +233,7 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon", float, 0)),
         "rope_theta": _f32(get("rope.freq_base", 10000.0, float, 0)),
         "tie_word_embeddings": tied,
-        **({"attention_bias": False, "mlp_bias": False} if arch == "llama" else {}),
+        **ARCHES[arch].config_keys(layers),
         "bos_token_id": ids["bos"],
         "eos_token_id": ids["eos"],
         "pad_token_id": ids["padding"],
@@ -288,36 +270,19 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
 
 
 def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, int]]:
-    """``(hf_name, tensor info, heads to unpermute or 0)`` in file order; refuses strays and bad shapes."""
-    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    q, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    d = config["head_dim"]
-    layer_shapes = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q * d, h),
-        "self_attn.k_proj.weight": (kv * d, h),
-        "self_attn.v_proj.weight": (kv * d, h),
-        "self_attn.o_proj.weight": (h, q * d),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (inter, h),
-        "mlp.up_proj.weight": (inter, h),
-        "mlp.down_proj.weight": (h, inter),
-    }
-    qwen2 = config["model_type"] == "qwen2"
-    if qwen2:  # q/k/v biases; rotary halves not interleaved, so nothing to unpermute
-        layer_shapes.update(
-            {
-                "self_attn.q_proj.bias": (q * d,),
-                "self_attn.k_proj.bias": (kv * d,),
-                "self_attn.v_proj.bias": (kv * d,),
-            }
-        )
-    names = {**_LAYER, **_BIASES} if qwen2 else _LAYER
+    """``(hf_name, tensor info, heads to unpermute or 0)`` in file order; refuses strays and bad
+    shapes. The shapes are the family's own (``ModelConfig.layer_shapes``) for the config read."""
+    cfg = parse_config(config, str(gguf.path))
+    arch: Arch = ARCHES[gguf.value("general.architecture", str)]
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    names = arch.layer_names()
     expected = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
-    if not config["tie_word_embeddings"]:
+    if not cfg.tie_word_embeddings:
         expected["lm_head.weight"] = (vocab, h)
-    for i in range(config["num_hidden_layers"]):
-        expected.update({f"model.layers.{i}.{k}": s for k, s in layer_shapes.items()})
+    layer = cfg.layer_shapes()
+    for i in range(cfg.num_hidden_layers):
+        expected.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    q, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     plan, where = [], gguf.path.name
     for info in gguf.tensors:
         hf_name, heads = _GLOBAL.get(info.name), 0
@@ -325,12 +290,11 @@ def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, in
             _, idx, rest = info.name.split(".", 2)
             if rest in names and idx.isdigit():
                 hf_name = f"model.layers.{int(idx)}.{names[rest]}"
-                if not qwen2:
+                if arch.permute:
                     heads = {"attn_q.weight": q, "attn_k.weight": kv}.get(rest, 0)
         if hf_name is None or hf_name not in expected:
-            family = "Qwen2" if qwen2 else "Llama"
             raise UnsupportedModel(
-                f"{where}: tensor {info.name} is not part of a plain {family} model; spill "
+                f"{where}: tensor {info.name} is not part of a plain {arch.family} model; spill "
                 "cannot import it"
             )
         if info.shape != expected[hf_name]:

@@ -1,10 +1,13 @@
 """``spill export --format gguf``: the merged model as one GGUF file for llama.cpp and Ollama.
 
 Written through ``gguf.GGUFWriter`` as llama.cpp's ``convert_hf_to_gguf.py`` writes it:
-tensor names are the exact inverse of spill's importer (``spill.models.gguf_import``: its own
-tables, inverted, so the two cannot drift apart); Llama's attn_q/attn_k rows get llama.cpp's
-rotary interleave (``permute``, undone by the importer's ``_unpermute``), Qwen2's do not (and
-keep their q/k/v biases); llama3 rope scaling becomes llama.cpp's ``rope_freqs.weight``
+tensor names are the exact inverse of spill's importer (``spill.models.gguf_arch``: one table,
+read both ways, so the two cannot drift apart); each family is written as llama.cpp's
+architecture for it (Mistral as ``llama``), and what that architecture cannot express (a
+sliding window, biases it has no tensor for, NoPE layers off llama.cpp's fixed step, Gemma 3 and
+Phi-3 as a whole) is refused in one line before anything is written. Llama's and SmolLM3's
+attn_q/attn_k rows get llama.cpp's rotary interleave (``permute``, undone by the importer's
+``_unpermute``), Qwen's do not (Qwen2 keeps its q/k/v biases, Qwen3 its attn_q_norm/attn_k_norm); llama3 rope scaling becomes llama.cpp's ``rope_freqs.weight``
 (``rope_freqs``; spill's importer refuses such a file: rope scaling); 1-D tensors (norms,
 biases) stay F32 as llama.cpp keeps them; with ``--quantize`` every matrix whose rows split
 into 32-value blocks is Q8_0/Q4_0/Q4_1 by ``gguf.quants`` (ggml's reference quantizers), any
@@ -29,11 +32,11 @@ import numpy as np
 from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
 from spill.jobs.export.shift import WeightShift, measure, seen_rows
-from spill.models.gguf_import import _BIASES, _GLOBAL, _LAYER
+from spill.models.gguf_arch import ARCHES, BIASES, GLOBAL, LAYER, QK_NORMS, WRITTEN_AS
 from spill.models.gguf_reader import _LLAMA3_SPLIT, _QWEN2_SPLIT
 
-NAMES = {hf: g for g, hf in _GLOBAL.items()}
-LAYER_NAMES = {hf: g for g, hf in {**_LAYER, **_BIASES}.items()}
+NAMES = {hf: g for g, hf in GLOBAL.items()}
+LAYER_NAMES = {hf: g for g, hf in {**LAYER, **BIASES, **QK_NORMS}.items()}
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp token types
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}
 
@@ -73,31 +76,35 @@ def rope_freqs(cfg) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-# families whose GGUF form this writer knows (llama.cpp's tensor names, Llama's q/k permutation)
-ARCHES = ("llama", "qwen2")
-
-
 def _refuse_unwritable(inputs: Inputs) -> None:
+    """One line, before anything is written, for what llama.cpp's architecture of the family
+    (``gguf_arch.WRITTEN_AS``) cannot express."""
     cfg = inputs.config
-    if cfg.family not in ARCHES:
+    if cfg.family not in WRITTEN_AS:
         raise UnsupportedModel(
             f"{inputs.base_name}: spill writes no GGUF of a {cfg.family} model yet (only "
-            f"{' and '.join(ARCHES)}); export --format hf or --format mlx"
+            f"{', '.join(WRITTEN_AS)}); export --format hf or --format mlx"
         )
-    if cfg.windowed:  # Qwen2's use_sliding_window: llama.cpp's qwen2 attends to every key
+    arch = ARCHES[WRITTEN_AS[cfg.family]]
+    if cfg.windowed:  # Qwen's use_sliding_window, Mistral's window: llama.cpp attends to all keys
         raise UnsupportedModel(
-            f"{inputs.base_name}: its sliding-window layers have no GGUF form spill writes; "
-            "export --format hf or --format mlx"
+            f"{inputs.base_name}: its sliding-window layers have no GGUF form spill writes "
+            f"(llama.cpp's {arch.family} attends to every key); export --format hf or --format mlx"
         )
-    if cfg.rope_scaling and cfg.family != "llama":
+    if cfg.rope_scaling and arch.family != "llama":
         raise UnsupportedModel(
             f"{inputs.base_name}: rope scaling on a {cfg.family} model has no GGUF form spill "
             "writes; export --format hf"
         )
-    if cfg.o_bias or cfg.mlp_bias or (cfg.family == "llama" and cfg.qkv_bias):
+    if cfg.o_bias or cfg.mlp_bias or (cfg.qkv_bias and not arch.biases):
         raise UnsupportedModel(
-            f"{inputs.base_name} has attention or MLP biases that a llama GGUF does not hold; "
-            "export --format hf"
+            f"{inputs.base_name} has attention or MLP biases that a {arch.family} GGUF does not "
+            "hold; export --format hf"
+        )
+    if cfg.no_rope != arch.no_rope(cfg.num_hidden_layers):  # llama.cpp's step is fixed
+        raise UnsupportedModel(
+            f"{inputs.base_name}: its layers without rotary {list(cfg.no_rope)} are not "
+            f"llama.cpp's {arch.family}'s (every {arch.no_rope_step}th); export --format hf"
         )
 
 
@@ -223,10 +230,10 @@ def write(
     _refuse_unwritable(inputs)
     tok, pre = read_tokenizer(inputs)
     cfg = inputs.config
-    arch = cfg.family
+    arch = ARCHES[WRITTEN_AS[cfg.family]]
     kind = quantize or dtype
     path = dest / f"model-{kind}.gguf"
-    writer = GGUFWriter(path, arch)
+    writer = GGUFWriter(path, arch.family)
     writer.add_name(Path(inputs.base_name).name + "-spill-lora")
     writer.add_file_type(_FILE_TYPES[kind])
     if quantize:
@@ -267,7 +274,7 @@ def write(
     weights = WeightShift(inputs, rows) if quantize and isinstance(rows, str) else None
     for name, w in merged(inputs):
         module = name.rsplit(".", 2)[-2]
-        if arch == "llama" and module in heads and name.endswith(".weight"):
+        if arch.permute and module in heads and name.endswith(".weight"):
             w = permute(w, heads[module])
         qtype = stored[name]
         if qtype.name == "F32":

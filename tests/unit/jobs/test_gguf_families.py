@@ -1,6 +1,8 @@
-"""The GGUF writer refuses, in one line and before writing anything, what it has no GGUF form
-for: a family other than llama and qwen2, and a Qwen2 whose layers slide (``use_sliding_window``),
-which llama.cpp's qwen2 would run attending to every key (issue 37)."""
+"""The GGUF writer refuses, in one line and before writing anything, what llama.cpp's
+architecture for the family cannot express: Gemma 3 and Phi-3 (no GGUF form spill writes yet),
+layers that slide (Qwen2/Qwen3's ``use_sliding_window``, Mistral's window: llama.cpp runs them
+attending to every key), a Qwen3 with biases, SmolLM3 NoPE layers off llama.cpp's fixed step
+(every 4th); the same families without those are written (issue 37)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,34 @@ def _refusal(cfg) -> str:
     return str(err.value)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "smollm3"])
-def test_a_family_without_a_gguf_form_is_refused(family, tmp_path):
+def _config(tmp_path, family: str, **keys):
     raw = json.loads((write_tiny(tmp_path / family, family) / "config.json").read_text())
-    said = _refusal(parse_config(raw))
-    assert f"no GGUF of a {family} model yet (only llama and qwen2)" in said
+    return parse_config(raw | keys)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3"])
+def test_a_family_without_a_gguf_form_is_refused(family, tmp_path):
+    said = _refusal(_config(tmp_path, family))
+    assert f"no GGUF of a {family} model yet (only llama, qwen2, qwen3, smollm3, mistral)" in said
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3"])
+def test_the_written_families_pass(family, tmp_path):
+    _refuse_unwritable(SimpleNamespace(config=_config(tmp_path, family), base_name="base"))
+
+
+def test_a_mistral_is_written_without_its_window_only(tmp_path):
+    cfg = _config(tmp_path, "mistral")  # tiny's mistral slides (32 keys)
+    assert "llama.cpp's llama attends to every key" in _refusal(cfg)
+    cfg = _config(tmp_path / "2", "mistral", sliding_window=None)
+    _refuse_unwritable(SimpleNamespace(config=cfg, base_name="base"))
+
+
+def test_a_qwen3_with_biases_and_a_smollm3_off_the_nope_step_are_refused(tmp_path):
+    said = _refusal(_config(tmp_path, "qwen3", attention_bias=True))
+    assert "biases that a qwen3 GGUF does not hold" in said
+    said = _refusal(_config(tmp_path / "2", "smollm3", no_rope_layers=[1, 0, 1, 0]))
+    assert "its layers without rotary [1, 3] are not llama.cpp's smollm3's (every 4th)" in said
 
 
 def test_a_qwen2_with_sliding_layers_is_refused_and_one_without_is_not(tmp_path):

@@ -7,6 +7,7 @@ line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,10 +53,11 @@ def test_spill_models_tiny_writes_the_same_bytes_and_the_engine_runs_it(family, 
     runner.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "mistral3", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["mistral3", "gemma3", "phi3"])
 def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch, tmp_path):
     """spill runs these families from HF folders; their llama.cpp tensor names are not read yet,
-    so a GGUF of one is refused before anything is written (llama.cpp names each by its arch)."""
+    so a GGUF of one is refused before anything is written (llama.cpp names each by its arch;
+    qwen3 and smollm3 GGUFs import: tests/func/test_export_families.py)."""
     from spill.errors import UnsupportedModel
     from spill.models.gguf_import import import_gguf
     from tests.unit.models.gguf_bytes import small_llama, small_metadata
@@ -69,6 +71,31 @@ def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch
         err.value
     )
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_qwen3_gguf_needs_its_q_k_norms_and_a_smollm3_gguf_has_llama_cpps_nope_step(tmp_path):
+    """A qwen3 GGUF holding a Llama's tensors lacks attn_q_norm/attn_k_norm: refused in one line
+    naming the first missing one; a smollm3 GGUF imports as SmolLM3 with llama.cpp's NoPE step
+    (every 4th layer; no GGUF key holds it) and its q/k rows unpermuted as a Llama's."""
+    from spill.errors import ModelError
+    from spill.models.config import load_config
+    from spill.models.gguf_import import import_gguf
+    from tests.unit.models.gguf_bytes import small_llama, small_metadata
+
+    def of(arch: str) -> Path:
+        meta = {k.replace("llama.", f"{arch}.", 1): v for k, v in small_metadata().items()}
+        return small_llama(tmp_path / f"{arch}.gguf", meta | {"general.architecture": arch})
+
+    with pytest.raises(ModelError) as err:
+        import_gguf(of("qwen3"), tmp_path / "q")
+    said = str(err.value)
+    assert "\n" not in said and "missing (first model.layers.0.self_attn.k_norm.weight)" in said
+    assert not (tmp_path / "q").exists()
+    llama = import_gguf(small_llama(tmp_path / "llama.gguf"), tmp_path / "l")
+    smol = import_gguf(of("smollm3"), tmp_path / "s")
+    cfg = load_config(smol)
+    assert cfg.family == "smollm3" and cfg.no_rope == () and cfg.num_hidden_layers == 1
+    assert (smol / "model.safetensors").read_bytes() == (llama / "model.safetensors").read_bytes()
 
 
 def _raw(model_type: str, **keys) -> dict:

@@ -1,0 +1,84 @@
+"""llama.cpp's GGUF architectures that spill reads and writes, as one table both ways.
+
+An ``Arch`` says what a GGUF of that architecture holds beyond a Llama's tensors, the way
+llama.cpp's ``convert_hf_to_gguf.py`` writes it and its loader reads it: whether attn_q/attn_k
+rows are interleaved for its rotary (``permute``: llama.cpp's NORM rope; NEOX families such as
+Qwen keep HF's halves), q/k/v biases (Qwen2), per-head q/k norms (Qwen3's attn_q_norm /
+attn_k_norm), and llama.cpp's NoPE step (SmolLM3: every fourth layer has no rotary, a step
+llama.cpp fixes in code and reads from no key). ``WRITTEN_AS`` names the architecture each
+spill family is written as: Mistral is written as ``llama``, as llama.cpp converts it (without
+a sliding window, which llama.cpp's llama does not run), so its GGUF imports as a Llama.
+Gemma 3 and Phi-3 have no entry yet: their GGUFs are refused in one line both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GLOBAL = {  # GGUF tensor -> HF name
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER = {  # GGUF per-layer tensor -> HF name under model.layers.{i}.
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+BIASES = {  # a Qwen2's: llama.cpp keeps them F32
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+QK_NORMS = {  # a Qwen3's, over head_dim
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    family: str  # the model_type its GGUF imports as
+    architecture: str  # config.json's architectures entry
+    permute: bool  # attn_q/attn_k rows interleaved for llama.cpp's NORM rotary
+    biases: bool = False  # attn_q/attn_k/attn_v biases
+    qk_norm: bool = False  # attn_q_norm / attn_k_norm
+    no_rope_step: int = 0  # every no_rope_step-th layer has no rotary (llama.cpp's fixed step)
+    bias_keys: bool = True  # config.json says attention_bias/mlp_bias (Qwen2's class has none)
+
+    def layer_names(self) -> dict[str, str]:
+        """GGUF per-layer tensor -> HF name under ``model.layers.{i}.``."""
+        return LAYER | (BIASES if self.biases else {}) | (QK_NORMS if self.qk_norm else {})
+
+    def no_rope(self, layers: int) -> tuple[int, ...]:
+        """The layers llama.cpp runs without a rotary."""
+        step = self.no_rope_step
+        return tuple(i for i in range(layers) if step and (i + 1) % step == 0)
+
+    def config_keys(self, layers: int) -> dict:
+        """config.json keys beyond the shared ones, as this family's config class reads them."""
+        keys = {"attention_bias": False, "mlp_bias": False} if self.bias_keys else {}
+        if self.no_rope_step:
+            skip = self.no_rope(layers)
+            keys |= {
+                "no_rope_layers": [int(i not in skip) for i in range(layers)],
+                "no_rope_layer_interval": self.no_rope_step,
+                "use_sliding_window": False,
+            }
+        return keys
+
+
+ARCHES = {
+    "llama": Arch("llama", "LlamaForCausalLM", permute=True),
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", False, biases=True, bias_keys=False),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", permute=False, qk_norm=True),
+    "smollm3": Arch("smollm3", "SmolLM3ForCausalLM", permute=True, no_rope_step=4),
+}
+# spill family -> the llama.cpp architecture its GGUF is written as
+WRITTEN_AS = {name: name for name in ARCHES} | {"mistral": "llama"}
