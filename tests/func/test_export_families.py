@@ -1,7 +1,11 @@
-"""``spill export`` of adapters tuned on Qwen3, Mistral, SmolLM3 and Gemma 3 (transformers-made
-folders): the merged HF folder loads in transformers and scores the gold answers as ``spill eval
---adapter`` does on the base (within 1e-5, float32), and a GGUF, which spill cannot write for these
-families yet, is refused in one line with nothing left at OUT."""
+"""``spill export`` of adapters tuned on Qwen3, Mistral, SmolLM3, Gemma 3 and Phi-3
+(transformers-made folders): the merged HF folder loads in transformers and scores the gold
+answers as ``spill eval --adapter`` does on the base (within 1e-5, float32); a GGUF llama.cpp
+cannot hold (Gemma 3 and Phi-3 as a whole, a window, NoPE layers off llama.cpp's step, a
+tokenizer without merges) is refused in one line with nothing left at OUT. A GGUF of Qwen3,
+Mistral (written as llama) and SmolLM3 imports back through spill's importer to the HF export's
+tensors bit for bit, scores the same, and loads in transformers' GGUF loader where it reads the
+architecture (qwen3, llama), within 1e-5 of spill."""
 
 from __future__ import annotations
 
@@ -40,13 +44,14 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def _gold_log_probs(folder: Path) -> list[float]:
-    """transformers' summed log-prob of each row's answer after its prompt (spill's tokenizer)."""
+def _gold_log_probs(folder: Path, model=None) -> list[float]:
+    """transformers' summed log-prob of each row's answer after its prompt (spill's tokenizer of
+    ``folder``; the model loaded from it unless given)."""
     import torch
 
     from spill.models.tokenizer import Tokenizer
 
-    model, tok = hf_families.load(folder), Tokenizer(folder)
+    model, tok = model or hf_families.load(folder), Tokenizer(folder)
     out = []
     for row in ROWS:
         prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], False)
@@ -57,7 +62,17 @@ def _gold_log_probs(folder: Path) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "mistral", "smollm3", "gemma3", "phi3", "phi3-long"])
+REFUSED = {  # why each variant's GGUF is refused
+    "qwen3": "has no BPE merges",  # the tiny tokenizer; test_a_gguf_... gives it a merge
+    "mistral": "its sliding-window layers have no GGUF form",
+    "smollm3": "its layers without rotary [1] are not llama.cpp's smollm3's (every 4th)",
+    "gemma3": "no GGUF of a gemma3_text model",
+    "phi3": "no GGUF of a phi3 model",
+    "phi3-long": "no GGUF of a phi3 model",
+}
+
+
+@pytest.mark.parametrize("variant", list(REFUSED))
 def test_the_hf_export_scores_as_spill_with_the_adapter_and_a_gguf_is_refused(
     variant, tmp_path, tiny_models
 ):
@@ -98,7 +113,114 @@ def test_the_hf_export_scores_as_spill_with_the_adapter_and_a_gguf_is_refused(
     refused = _spill("export", str(state), str(gguf), "--format", "gguf", home=home)
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 1 and len(lines) == 1 and "Traceback" not in refused.stderr
-    family = json.loads((model / "config.json").read_text())["model_type"]  # gemma3_text
-    assert lines[0].startswith("spill: error: ") and f"no GGUF of a {family} model" in lines[0]
+    assert lines[0].startswith("spill: error: ") and REFUSED[variant] in lines[0], lines
     assert not gguf.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".exporting")]
+
+
+# the families whose GGUF spill writes, as transformers makes them: Mistral without a window
+# (llama.cpp's llama has none), SmolLM3 with its default NoPE step (every 4th layer)
+GGUF_VARIANTS = {
+    # head_dim 128: transformers' GGUF loader reads no key_length for qwen3 (Qwen3Config's default)
+    "qwen3-128": ("Qwen3", dict(num_hidden_layers=2, head_dim=128, tie_word_embeddings=False)),
+    "mistral-full": ("Mistral", dict(num_hidden_layers=2, sliding_window=None)),
+    "smollm3-step": ("SmolLM3", dict(num_hidden_layers=4)),
+}
+
+
+def _with_a_merge(folder: Path) -> Path:
+    """The tokenizer gets one BPE merge ("Ġ t", in place of byte 0xFF's token, which text never
+    produces), as a GGUF needs; everything else is unchanged."""
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    vocab["Ġt"] = vocab.pop("ÿ")
+    doc["model"]["merges"] = [["Ġ", "t"]]
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+    return folder
+
+
+def _tensors(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        out |= {k: v.float().numpy() for k, v in load_file(shard).items()}
+    return out
+
+
+@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
+def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
+    variant, tmp_path, tiny_models, monkeypatch
+):
+    from spill.models.gguf_import import import_gguf
+
+    home = tmp_path / "home"
+    name, extra = GGUF_VARIANTS[variant]
+    if variant not in hf_families.VARIANTS:
+        monkeypatch.setitem(hf_families.VARIANTS, variant, (name, extra))
+    model = _with_a_merge(hf_families.make(variant, tmp_path / variant, tiny_models["llama"]))
+    train = _jsonl(
+        tmp_path / "train.jsonl",
+        [
+            {"prompt": f"Question {i}: what is {i} plus 3?", "completion": f" {i + 3}."}
+            for i in range(8)
+        ],
+    )
+    state = tmp_path / "state"
+    argv = ["tune", str(model), str(train), "--name", "t", "--state", str(state)]
+    _ok(_spill(*argv, *TUNE, "--targets", "all", *FLOAT, home=home))
+    hf, out = tmp_path / "hf", tmp_path / "gguf"
+    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
+    _ok(_spill("export", str(state), str(out), "--format", "gguf", "--dtype", "f32", home=home))
+    gguf = out / "model-f32.gguf"
+    back = import_gguf(gguf, tmp_path / "back")
+    want, got = _tensors(hf), _tensors(back)
+    assert set(got) == set(want)
+    for key, w in want.items():
+        assert np.array_equal(got[key], w), key
+
+    rows = _jsonl(tmp_path / "rows.jsonl", ROWS)
+    scores = {}
+    for label, folder, extra_args in (
+        ("adapter", model, ["--adapter", str(state / "adapter")]),
+        ("gguf", back, []),
+    ):
+        graded = tmp_path / f"{label}.jsonl"
+        _ok(
+            _spill(
+                "eval", str(folder), str(rows), "--out", str(graded), *extra_args, *FLOAT, home=home
+            )
+        )
+        scores[label] = [
+            json.loads(line)["gold_logprob"] for line in graded.read_text().splitlines()
+        ]
+    assert np.allclose(scores["gguf"], scores["adapter"], rtol=0, atol=1e-5)
+
+    # Q4_0 (the matrices whose rows split into 32-value blocks), imported kept packed and
+    # dequantized: the packed folder scores as its float form
+    q4 = tmp_path / "q4"
+    _ok(_spill("export", str(state), str(q4), "--format", "gguf", "--quantize", "q4_0", home=home))
+    kept = import_gguf(q4 / "model-q4_0.gguf", tmp_path / "kept", keep_quantization=True)
+    floats = import_gguf(q4 / "model-q4_0.gguf", tmp_path / "floats")
+    assert json.loads((kept / "config.json").read_text())["quantization"]
+    for label, folder in (("kept", kept), ("floats", floats)):
+        graded = tmp_path / f"{label}.jsonl"
+        _ok(_spill("eval", str(folder), str(rows), "--out", str(graded), *FLOAT, home=home))
+        scores[label] = [
+            json.loads(line)["gold_logprob"] for line in graded.read_text().splitlines()
+        ]
+    assert np.allclose(scores["kept"], scores["floats"], rtol=0, atol=1e-5)
+    assert not np.allclose(scores["floats"], scores["gguf"], rtol=0, atol=1e-5)  # it rounded
+
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    written = {"qwen3-128": "qwen3", "mistral-full": "llama", "smollm3-step": "smollm3"}[variant]
+    if written in GGUF_CONFIG_MAPPING:  # transformers' own GGUF loader (not smollm3's)
+        import torch
+        import transformers
+
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            str(out), gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
+        lp = _gold_log_probs(model, theirs)
+        assert np.allclose(lp, scores["adapter"], rtol=0, atol=1e-5)
