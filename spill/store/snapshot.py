@@ -28,7 +28,10 @@ from spill.store.fs import files_under, is_temp, open_read
 from spill.store.location import location
 
 _PAYLOAD_DIR = re.compile(r"(?:(.*)/)?payloads/([a-z]+-g\d+-s\d+-\d+)(?:/.*)?")
-SKIP_TOP = ("runs",)  # the place's own control objects: a copy writes its own
+# "runs": the place's own control objects (a copy writes its own); "hydra": a sweep launcher's
+# working folder (its multirun.yaml and job records name this machine's paths, host and pids,
+# and nothing reads them once the sweep has returned)
+SKIP_TOP = ("runs", "hydra")
 EXPORTS = "exports"  # the export stage's merged models: carried only when asked for
 
 

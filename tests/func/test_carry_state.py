@@ -76,6 +76,9 @@ def test_bundle_with_state_carries_each_sweep_job_whole(swept, tmp_path):
     dest = tmp_path / "installed"
     ok(spill("bundle", "--install", str(path), str(dest), home=tmp_path / "home2"))
     _assert_jobs_whole(dest, tmp_path / "home2", swept["runs"])
+    # the sweep launcher's folder names this machine's paths and pids: never carried
+    assert (swept["project"] / ".spill" / "hydra").is_dir()
+    assert not (dest / ".spill" / "hydra").exists()
 
 
 def test_move_carries_each_sweep_job_whole(swept, tmp_path):
