@@ -4,11 +4,13 @@ An ``Arch`` says what a GGUF of that architecture holds beyond a Llama's tensors
 llama.cpp's ``convert_hf_to_gguf.py`` writes it and its loader reads it: whether attn_q/attn_k
 rows are interleaved for its rotary (``permute``: llama.cpp's NORM rope; NEOX families such as
 Qwen keep HF's halves), q/k/v biases (Qwen2), per-head q/k norms (Qwen3's attn_q_norm /
-attn_k_norm), and llama.cpp's NoPE step (SmolLM3: every fourth layer has no rotary, a step
-llama.cpp fixes in code and reads from no key). ``WRITTEN_AS`` names the architecture each
+attn_k_norm), Phi-3's fused attn_qkv and gate+up ffn_up with a partial rotary
+(``rope.dimension_count``), and llama.cpp's NoPE step (SmolLM3: every fourth layer has no
+rotary, a step llama.cpp fixes in code and reads from no key). ``WRITTEN_AS`` names the architecture each
 spill family is written as: Mistral is written as ``llama``, as llama.cpp converts it (without
 a sliding window, which llama.cpp's llama does not run), so its GGUF imports as a Llama.
-Gemma 3 and Phi-3 have no entry yet: their GGUFs are refused in one line both ways.
+Gemma 3 has no entry yet, nor Phi-3's longrope (its rope_factors_long/short tensors): those
+GGUFs are refused in one line both ways.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ QK_NORMS = {  # a Qwen3's, over head_dim
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+FUSED = {  # a Phi-3's: q, k, v rows in one matrix; ffn_up holds gate's rows, then up's
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+_SPLIT = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight")
 
 
 @dataclass(frozen=True)
@@ -51,10 +58,13 @@ class Arch:
     qk_norm: bool = False  # attn_q_norm / attn_k_norm
     no_rope_step: int = 0  # every no_rope_step-th layer has no rotary (llama.cpp's fixed step)
     bias_keys: bool = True  # config.json says attention_bias/mlp_bias (Qwen2's class has none)
+    fused: bool = False  # attn_qkv and a gate+up ffn_up in place of the five split matrices
+    partial_rotary: bool = False  # rope.dimension_count may be less than the head size
 
     def layer_names(self) -> dict[str, str]:
         """GGUF per-layer tensor -> HF name under ``model.layers.{i}.``."""
-        return LAYER | (BIASES if self.biases else {}) | (QK_NORMS if self.qk_norm else {})
+        names = {k: v for k, v in LAYER.items() if k not in _SPLIT} | FUSED if self.fused else LAYER
+        return names | (BIASES if self.biases else {}) | (QK_NORMS if self.qk_norm else {})
 
     def no_rope(self, layers: int) -> tuple[int, ...]:
         """The layers llama.cpp runs without a rotary."""
@@ -79,6 +89,9 @@ ARCHES = {
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM", False, biases=True, bias_keys=False),
     "qwen3": Arch("qwen3", "Qwen3ForCausalLM", permute=False, qk_norm=True),
     "smollm3": Arch("smollm3", "SmolLM3ForCausalLM", permute=True, no_rope_step=4),
+    "phi3": Arch(
+        "phi3", "Phi3ForCausalLM", False, bias_keys=False, fused=True, partial_rotary=True
+    ),
 }
 # spill family -> the llama.cpp architecture its GGUF is written as
 WRITTEN_AS = {name: name for name in ARCHES} | {"mistral": "llama"}

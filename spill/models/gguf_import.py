@@ -172,7 +172,7 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     if meta.get(f"{arch}.expert_count"):
         raise UnsupportedModel(f"{where}: mixture-of-experts GGUFs are not supported")
     if meta.get(f"{arch}.rope.scaling.type", "none") != "none" or any(
-        t.name == "rope_freqs.weight" for t in gguf.tensors
+        t.name in ("rope_freqs.weight", "rope_factors_long.weight") for t in gguf.tensors
     ):
         raise UnsupportedModel(f"{where}: GGUF rope scaling is not supported; use the HF model")
 
@@ -197,7 +197,8 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         )
     if get("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModel(f"{where}: different key and value head sizes are not supported")
-    if get("rope.dimension_count", head_dim) != head_dim:
+    rotary = get("rope.dimension_count", head_dim)
+    if rotary != head_dim and not (ARCHES[arch].partial_rotary and 0 < rotary < head_dim):
         raise UnsupportedModel(f"{where}: partial rotary embeddings are not supported")
     layers = need("block_count")
     found = {t.name.split(".")[1] for t in gguf.tensors if t.name.startswith("blk.")}
@@ -234,6 +235,12 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         "rope_theta": _f32(get("rope.freq_base", 10000.0, float, 0)),
         "tie_word_embeddings": tied,
         **ARCHES[arch].config_keys(layers),
+        **({"partial_rotary_factor": rotary / head_dim} if rotary != head_dim else {}),
+        **(
+            {"sliding_window": window}
+            if (window := get("attention.sliding_window", 0, int, 0))
+            else {}
+        ),
         "bos_token_id": ids["bos"],
         "eos_token_id": ids["eos"],
         "pad_token_id": ids["padding"],

@@ -1,11 +1,12 @@
 """``spill export`` of adapters tuned on Qwen3, Mistral, SmolLM3, Gemma 3 and Phi-3
 (transformers-made folders): the merged HF folder loads in transformers and scores the gold
-answers as ``spill eval --adapter`` does on the base (within 1e-5, float32); a GGUF llama.cpp
-cannot hold (Gemma 3 and Phi-3 as a whole, a window, NoPE layers off llama.cpp's step, a
-tokenizer without merges) is refused in one line with nothing left at OUT. A GGUF of Qwen3,
-Mistral (written as llama) and SmolLM3 imports back through spill's importer to the HF export's
-tensors bit for bit, scores the same, and loads in transformers' GGUF loader where it reads the
-architecture (qwen3, llama), within 1e-5 of spill."""
+answers as ``spill eval --adapter`` does on the base (within 1e-5, float32); a GGUF spill's
+writer cannot hold (Gemma 3 as a whole, Phi-3's longrope, a window, NoPE layers off llama.cpp's
+step, a tokenizer without merges) is refused in one line with nothing left at OUT. A GGUF of
+Qwen3, Mistral (written as llama), SmolLM3 and Phi-3 (fused, partial rotary) imports back through
+spill's importer to the HF export's tensors bit for bit, scores the same, and loads in
+transformers' GGUF loader where it reads the architecture (qwen3 of head size 128, llama, phi3
+rotating the whole head), within 1e-5 of spill; its Q4_0 form imports packed."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ REFUSED = {  # why each variant's GGUF is refused
     "mistral": "its sliding-window layers have no GGUF form",
     "smollm3": "its layers without rotary [1] are not llama.cpp's smollm3's (every 4th)",
     "gemma3": "no GGUF of a gemma3_text model",
-    "phi3": "no GGUF of a phi3 model",
-    "phi3-long": "no GGUF of a phi3 model",
+    "phi3": "longrope on a phi3 model has no GGUF form spill writes",
+    "phi3-long": "its sliding-window layers have no GGUF form",
 }
 
 
@@ -125,6 +126,10 @@ GGUF_VARIANTS = {
     "qwen3-128": ("Qwen3", dict(num_hidden_layers=2, head_dim=128, tie_word_embeddings=False)),
     "mistral-full": ("Mistral", dict(num_hidden_layers=2, sliding_window=None)),
     "smollm3-step": ("SmolLM3", dict(num_hidden_layers=4)),
+    # Phi-3 without longrope: half the head rotated (rope.dimension_count), and whole, which
+    # transformers' GGUF loader reads (it ignores rope.dimension_count for phi3)
+    "phi3-half": ("Phi3", dict(num_hidden_layers=2, partial_rotary_factor=0.5)),
+    "phi3-whole": ("Phi3", dict(num_hidden_layers=2)),
 }
 
 
@@ -214,8 +219,8 @@ def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
 
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    written = {"qwen3-128": "qwen3", "mistral-full": "llama", "smollm3-step": "smollm3"}[variant]
-    if written in GGUF_CONFIG_MAPPING:  # transformers' own GGUF loader (not smollm3's)
+    written = {"qwen3-128": "qwen3", "mistral-full": "llama", "phi3-whole": "phi3"}.get(variant)
+    if written in GGUF_CONFIG_MAPPING:  # transformers' own GGUF loader (none for smollm3)
         import torch
         import transformers
 

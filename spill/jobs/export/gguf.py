@@ -32,11 +32,11 @@ import numpy as np
 from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
 from spill.jobs.export.shift import WeightShift, measure, seen_rows
-from spill.models.gguf_arch import ARCHES, BIASES, GLOBAL, LAYER, QK_NORMS, WRITTEN_AS
+from spill.models.gguf_arch import ARCHES, BIASES, FUSED, GLOBAL, LAYER, QK_NORMS, WRITTEN_AS
 from spill.models.gguf_reader import _LLAMA3_SPLIT, _QWEN2_SPLIT
 
 NAMES = {hf: g for g, hf in GLOBAL.items()}
-LAYER_NAMES = {hf: g for g, hf in {**LAYER, **BIASES, **QK_NORMS}.items()}
+LAYER_NAMES = {hf: g for g, hf in {**LAYER, **BIASES, **QK_NORMS, **FUSED}.items()}
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp token types
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}
 
@@ -100,6 +100,11 @@ def _refuse_unwritable(inputs: Inputs) -> None:
         raise UnsupportedModel(
             f"{inputs.base_name} has attention or MLP biases that a {arch.family} GGUF does not "
             "hold; export --format hf"
+        )
+    if cfg.rope_long:  # Phi-3's longrope: rope_factors_long/short, which spill does not write
+        raise UnsupportedModel(
+            f"{inputs.base_name}: longrope on a {cfg.family} model has no GGUF form spill writes "
+            "yet; export --format hf or --format mlx"
         )
     if cfg.no_rope != arch.no_rope(cfg.num_hidden_layers):  # llama.cpp's step is fixed
         raise UnsupportedModel(
@@ -246,7 +251,7 @@ def write(
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.rotary_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)

@@ -1,8 +1,8 @@
 """The GGUF writer refuses, in one line and before writing anything, what llama.cpp's
-architecture for the family cannot express: Gemma 3 and Phi-3 (no GGUF form spill writes yet),
+architecture for the family cannot express: Gemma 3 (no GGUF form spill writes yet),
 layers that slide (Qwen2/Qwen3's ``use_sliding_window``, Mistral's window: llama.cpp runs them
 attending to every key), a Qwen3 with biases, SmolLM3 NoPE layers off llama.cpp's fixed step
-(every 4th); the same families without those are written (issue 37)."""
+(every 4th), Phi-3's longrope; the same families without those are written (issue 37)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,20 @@ def _config(tmp_path, family: str, **keys):
     return parse_config(raw | keys)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "phi3"])
-def test_a_family_without_a_gguf_form_is_refused(family, tmp_path):
-    said = _refusal(_config(tmp_path, family))
-    assert f"no GGUF of a {family} model yet (only llama, qwen2, qwen3, smollm3, mistral)" in said
+def test_a_family_without_a_gguf_form_is_refused(tmp_path):
+    said = _refusal(_config(tmp_path, "gemma3_text"))
+    assert (
+        "no GGUF of a gemma3_text model yet (only llama, qwen2, qwen3, smollm3, phi3, mistral)"
+        in said
+    )
+
+
+def test_a_phi3_is_written_without_longrope_only(tmp_path):
+    cfg = _config(tmp_path, "phi3")  # tiny's phi3 has longrope past 32 positions
+    assert cfg.rope_long and "longrope on a phi3 model has no GGUF form" in _refusal(cfg)
+    cfg = _config(tmp_path / "2", "phi3", rope_scaling=None)
+    assert cfg.rotary_dim < cfg.head_dim and not cfg.rope_long
+    _refuse_unwritable(SimpleNamespace(config=cfg, base_name="base"))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3"])

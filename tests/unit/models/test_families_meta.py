@@ -53,11 +53,11 @@ def test_spill_models_tiny_writes_the_same_bytes_and_the_engine_runs_it(family, 
     runner.close()
 
 
-@pytest.mark.parametrize("arch", ["mistral3", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["mistral3", "gemma3"])
 def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch, tmp_path):
     """spill runs these families from HF folders; their llama.cpp tensor names are not read yet,
     so a GGUF of one is refused before anything is written (llama.cpp names each by its arch;
-    qwen3 and smollm3 GGUFs import: tests/func/test_export_families.py)."""
+    qwen3, smollm3 and phi3 GGUFs import: tests/func/test_export_families.py)."""
     from spill.errors import UnsupportedModel
     from spill.models.gguf_import import import_gguf
     from tests.unit.models.gguf_bytes import small_llama, small_metadata
@@ -77,7 +77,7 @@ def test_a_qwen3_gguf_needs_its_q_k_norms_and_a_smollm3_gguf_has_llama_cpps_nope
     """A qwen3 GGUF holding a Llama's tensors lacks attn_q_norm/attn_k_norm: refused in one line
     naming the first missing one; a smollm3 GGUF imports as SmolLM3 with llama.cpp's NoPE step
     (every 4th layer; no GGUF key holds it) and its q/k rows unpermuted as a Llama's."""
-    from spill.errors import ModelError
+    from spill.errors import ModelError, UnsupportedModel
     from spill.models.config import load_config
     from spill.models.gguf_import import import_gguf
     from tests.unit.models.gguf_bytes import small_llama, small_metadata
@@ -96,6 +96,9 @@ def test_a_qwen3_gguf_needs_its_q_k_norms_and_a_smollm3_gguf_has_llama_cpps_nope
     cfg = load_config(smol)
     assert cfg.family == "smollm3" and cfg.no_rope == () and cfg.num_hidden_layers == 1
     assert (smol / "model.safetensors").read_bytes() == (llama / "model.safetensors").read_bytes()
+    with pytest.raises(UnsupportedModel) as err:  # a phi3 holds attn_qkv, not split matrices
+        import_gguf(of("phi3"), tmp_path / "p")
+    assert "tensor blk.0.attn_q.weight is not part of a plain phi3 model" in str(err.value)
 
 
 def _raw(model_type: str, **keys) -> dict:
