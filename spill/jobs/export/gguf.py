@@ -36,7 +36,8 @@ from spill.models.gguf_arch import ARCHES, BIASES, FUSED, GLOBAL, LAYER, QK_NORM
 from spill.models.gguf_reader import _LLAMA3_SPLIT, _QWEN2_SPLIT
 
 NAMES = {hf: g for g, hf in GLOBAL.items()}
-LAYER_NAMES = {hf: g for g, hf in {**LAYER, **BIASES, **QK_NORMS, **FUSED}.items()}
+# each table inverted on its own: LAYER's and FUSED's ffn_up are the same GGUF name
+LAYER_NAMES = {hf: g for table in (LAYER, BIASES, QK_NORMS, FUSED) for g, hf in table.items()}
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp token types
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}
 

@@ -71,3 +71,19 @@ def test_a_qwen2_with_sliding_layers_is_refused_and_one_without_is_not(tmp_path)
     cfg = parse_config(raw)
     assert cfg.windowed == (2, 3)
     assert "sliding-window layers have no GGUF form" in _refusal(cfg)
+
+
+def test_split_and_fused_linears_get_llama_cpps_names():
+    """A Llama's up_proj and a Phi-3's gate_up_proj are both llama.cpp's ffn_up; each keeps it."""
+    from spill.jobs.export.gguf import gguf_name
+
+    names = {
+        "mlp.up_proj": "ffn_up",
+        "mlp.gate_up_proj": "ffn_up",
+        "mlp.gate_proj": "ffn_gate",
+        "self_attn.qkv_proj": "attn_qkv",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.q_norm": "attn_q_norm",
+    }
+    for hf, g in names.items():
+        assert gguf_name(f"model.layers.2.{hf}.weight") == f"blk.2.{g}.weight"
