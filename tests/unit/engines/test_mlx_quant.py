@@ -36,7 +36,9 @@ from tests.unit.engines.kit import equal_states, fresh, tune  # noqa: E402
 pytestmark = pytest.mark.mlx
 
 PROMPTS = [np.arange(3, 12, dtype=np.int64), np.arange(40, 45, dtype=np.int64)]
-COMPLETIONS = [np.arange(7, 11, dtype=np.int64)] * 2  # 8 scored rows: the head dequantized
+# each row scored alone (its own length) with 8 scored positions: every product of the layers and
+# the head has >= DENSE_ROWS rows, so MLX dequantizes it as the float folder multiplies
+COMPLETIONS = [np.arange(7, 15, dtype=np.int64)] * 2
 LORA = LoraConfig(rank=4, alpha=8, targets=("q_proj", "v_proj", "o_proj", "down_proj"))
 # torch and MLX on the same quantized folder in float32: the float engines' rounding distance
 # (measured 5.7e-6 on the tiny llama q4g32, 9.5e-7 on the tiny qwen2 q8g64)
@@ -215,7 +217,8 @@ def test_dequantized_per_use_streamed_equals_resident_equals_the_float_folder(tm
     folder = quantize_model("tiny:llama:2", 4, 32, progress=lambda _: None)
     plain = dequantize_folder(folder, tmp_path / "plain")
     prompts = [np.arange(3 + k, 9 + 2 * k, dtype=np.int64) for k in range(9)]
-    completions = [np.arange(20 + k, 30, dtype=np.int64) for k in range(9)]
+    # 8 scored positions a row: each row's head product (scored alone) has DENSE_ROWS rows
+    completions = [np.arange(20 + k, 28 + k, dtype=np.int64) for k in range(9)]
     got = {}
     for side, f, opts in (
         ("resident", folder, {"resident": True}),
