@@ -311,7 +311,7 @@ class LoadOptions:
     @property
     def budget(self) -> int | None:
         """``memory`` in bytes."""
-        from spill.sizes import parse_size
+        from spill.ground.sizes import parse_size
 
         return parse_size(self.memory) if isinstance(self.memory, str) else self.memory
 

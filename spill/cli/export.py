@@ -57,7 +57,7 @@ def built_adapter(given: str) -> Path:
     """``given``, or where a build's state (or its project folder) published its tuned adapter:
     a finished build exports like its adapter; an unfinished one says how to finish it."""
     from spill.errors import SpillError
-    from spill.paths import STATE_DIR
+    from spill.ground.paths import STATE_DIR
     from spill.project import record
     from spill.project.stages import TUNE
 
@@ -86,9 +86,9 @@ def built_adapter(given: str) -> Path:
 
 def command(args: argparse.Namespace) -> int:
     from spill.console import note, table
+    from spill.ground.sizes import parse_size
     from spill.jobs.export import export
     from spill.project.owned import refuse_output
-    from spill.sizes import parse_size
 
     try:
         shard_bytes = parse_size(args.shard_size)

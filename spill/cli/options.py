@@ -19,8 +19,8 @@ ENGINE_FLAGS = ("engine", "device", "dtype", "ring", "memory")
 
 
 def parse_size(text: str) -> int:
-    """``--memory``: ``8G``, ``512MiB``, ``1.5g`` or a plain byte count (``spill.sizes``)."""
-    from spill.sizes import parse_size as parse
+    """``--memory``: ``8G``, ``512MiB``, ``1.5g`` or a plain byte count (``spill.ground.sizes``)."""
+    from spill.ground.sizes import parse_size as parse
 
     try:
         return parse(text)

@@ -22,11 +22,11 @@ from spill.control.owner import home_of, host, me
 from spill.control.ownership import _holder
 from spill.control.transfer import _read, _record, _write, pending
 from spill.errors import StoreError
+from spill.ground.validate import parse_json, validate
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
 from spill.store.fs import files_under, get_bytes, join, listdir, remove
 from spill.store.location import location
-from spill.validate import parse_json, validate
 
 _ELSEWHERE = "move to a new or empty location"
 

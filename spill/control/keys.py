@@ -12,10 +12,10 @@ import re
 from typing import Any
 
 from spill.errors import StoreError
+from spill.ground.validate import parse_json, validate_once
 from spill.store import cas
 from spill.store.cas import Layout, Store
 from spill.store.fs import join, listdir
-from spill.validate import parse_json, validate_once
 
 RUNS = "runs"
 CURRENT = "current.json"

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from spill.errors import UsageError
+from spill.ground.paths import STATE_DIR
 from spill.jobs.producer import os_name
-from spill.paths import STATE_DIR
 from spill.project import record
 from spill.project.stages import EVAL, EVAL_BASE, TUNE, RowStage
 from spill.store.fs import exists, get_bytes, join

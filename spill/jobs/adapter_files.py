@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import SpillError
+from spill.ground.validate import validate
 from spill.models.lora import KNOWN, MODULES, LoraConfig, export_mlx, export_peft
 from spill.store.fs import join, put_bytes, remove
-from spill.validate import validate
 
 ADAPTER = "adapter"
 SCHEMA_VERSION = 1

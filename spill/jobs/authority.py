@@ -92,8 +92,8 @@ def record_command(state: str, argv: Sequence[str]) -> None:
     import time
 
     from spill.control.owner import host
+    from spill.ground.validate import remember, validate
     from spill.store.fs import join, put_bytes
-    from spill.validate import remember, validate
 
     words = [a for a in argv if not a.startswith("-")]
     doc = {
@@ -113,8 +113,8 @@ def record_command(state: str, argv: Sequence[str]) -> None:
 
 def read_command(state: str) -> dict | None:
     """``<state>/command.json`` validated, or None when there is none."""
+    from spill.ground.validate import parse_json, validate_once
     from spill.store.fs import get_bytes, join
-    from spill.validate import parse_json, validate_once
 
     uri = join(state, COMMAND)
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from spill import __version__
-from spill.machine import cpu_model
+from spill.ground.machine import cpu_model
 
 # The distribution whose version pins an engine's numerics (same versions: bit-exact resume).
 ENGINE_DISTRIBUTIONS = {"torch": "torch", "mlx": "mlx"}

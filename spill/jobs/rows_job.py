@@ -50,7 +50,7 @@ from spill.console import note, progress
 from spill.control.place import Place
 from spill.engines.base import BatchPlan, EngineInfo
 from spill.errors import DataError, StoreError, UsageError
-from spill.hashing import file_sha256
+from spill.ground.hashing import file_sha256
 from spill.jobs.authority import Held, Writer, hold
 from spill.jobs.group import Group
 from spill.jobs.group import current as current_group

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import DataError
-from spill.hashing import file_sha256
+from spill.ground.hashing import file_sha256
 from spill.jobs.inputs import read_jsonl
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from spill.console import note, progress
 from spill.engines.base import ACTIVATIONS
 from spill.errors import SpillError, UsageError
+from spill.ground.paths import spill_home
 from spill.jobs import producer, track
 from spill.jobs.authority import Held, Writer, hold
 from spill.jobs.group import Group
@@ -35,7 +36,6 @@ from spill.models.lora import KNOWN, LoraConfig, init_params
 from spill.models.quant import Spec
 from spill.models.quantize import identity as quantization_identity
 from spill.models.tokenizer import Tokenizer
-from spill.paths import spill_home
 from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.settings import EngineSettings, TuneSettings
 from spill.store import drill

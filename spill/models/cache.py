@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from spill.errors import ModelError
-from spill.paths import models_dir
+from spill.ground.paths import models_dir
 
 MARKER = "spill-source.json"
 # The files a model folder needs; hub downloads and staging copy only these.
@@ -56,7 +56,7 @@ class MarkerInvalid(ModelError):
 def read_marker(folder: Path) -> dict:
     """The folder's marker, or ``{}`` when it has none (a user's own folder); raises
     ``MarkerInvalid`` for one that cannot be read or does not match its schema."""
-    from spill.validate import SchemaInvalid, parse_json, short, validate
+    from spill.ground.validate import SchemaInvalid, parse_json, short, validate
 
     path = Path(folder) / MARKER
     try:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
-from spill.hashing import file_sha256
+from spill.ground.hashing import file_sha256
 from spill.models import gguf_quant
 from spill.models.config import parse_config
 from spill.models.gguf_arch import ARCHES, BIASES, GLOBAL, LAYER, Arch

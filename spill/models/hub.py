@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spill.errors import ModelNotFound
+from spill.ground.paths import models_dir
 from spill.models.cache import MODEL_FILES, is_model_file, read_marker, write_marker
 from spill.models.integrity import record
-from spill.paths import models_dir
 
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -168,7 +168,7 @@ def _offline_gguf(alias, source: Mapping[str, Any], tmp: Path, progress, tag: st
     """The offline GGUF imported again into ``tmp`` as the name's tag asks (its quantization
     kept, or the float import); the source's ``gguf_sha256`` must be the installed file's."""
     from spill.errors import ModelNotFound
-    from spill.hashing import file_sha256
+    from spill.ground.hashing import file_sha256
     from spill.models.gguf_import import find_smollm2_gguf
     from spill.models.resolve import import_offline, offline_folder
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import ModelError
+from spill.ground.paths import models_dir
 from spill.models.cache import is_model_file, read_marker
 from spill.models.config import load_config
 from spill.models.integrity import record
@@ -40,7 +41,6 @@ from spill.models.quant import (
 )
 from spill.models.resolve import ResolvedModel
 from spill.models.weights import INDEX, check_shapes, weight_files
-from spill.paths import models_dir
 from spill.store.safetensors_io import read_header, write_file
 
 _STORED = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32}

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spill.errors import ModelError, ModelNotFound
-from spill.hashing import file_sha256
+from spill.ground.hashing import file_sha256
+from spill.ground.paths import models_dir
 from spill.models import hub
 from spill.models.cache import imported, read_marker, write_marker
 from spill.models.config import load_config
@@ -38,7 +39,6 @@ from spill.models.names import (
     split_quant,
 )
 from spill.models.weights import check_shapes, weight_files
-from spill.paths import models_dir
 
 Progress = Callable[[str], object]
 

@@ -26,13 +26,13 @@ import numpy as np
 
 from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
-from spill.hashing import buffers_sha256
+from spill.ground.hashing import buffers_sha256
+from spill.ground.validate import SchemaInvalid, parse_json, validate
 from spill.payloads.newest import COMMIT, KIND, STATE
 from spill.payloads.newest import newest_commit as newest_commit  # its old home
 from spill.store import drill
 from spill.store.fs import get_bytes, join, put_bytes, put_fresh, sync_fresh
 from spill.store.safetensors_io import encode
-from spill.validate import SchemaInvalid, parse_json, validate
 
 PARAMS = "params.safetensors"
 OPT = "opt.safetensors"

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from spill.control.place import Place, payload_seq
+from spill.ground.validate import parse_json, validate_once
 from spill.store.fs import exists, get_bytes, join
-from spill.validate import parse_json, validate_once
 
 KIND = "ckpt"  # the run's pointer to its checkpoint folders
 STATE = "state.json"

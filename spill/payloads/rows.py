@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
+from spill.ground.validate import SchemaInvalid, parse_json, validate
 from spill.store import drill
 from spill.store.fs import get_bytes, join, put_bytes
-from spill.validate import SchemaInvalid, parse_json, validate
 
 ROWS = "rows"
 IDENTITY = "identity.json"

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from spill.errors import StoreError
+from spill.ground.paths import STATE_DIR
 from spill.jobs.authority import Writer
-from spill.paths import STATE_DIR
 from spill.project import record, uptodate
 from spill.project.stages import STAGES, finished, get
 from spill.store.fs import listdir

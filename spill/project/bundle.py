@@ -21,7 +21,7 @@ from typing import Any
 
 from spill.console import note
 from spill.errors import UsageError
-from spill.paths import STATE_DIR
+from spill.ground.paths import STATE_DIR
 from spill.project.bundle_format import BundleError
 from spill.store.fs import absolute
 from spill.store.location import location

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from spill.console import progress
-from spill.paths import STATE_DIR
+from spill.ground.paths import STATE_DIR
 from spill.project.bundle_format import BundleError, Hasher
 from spill.project.bundle_read import Bundle, damaged, free_space_ok, open_bundle
 
@@ -30,7 +30,7 @@ def _check_dest(dest: Path, force: bool, bundle: Path) -> bool:
     """Whether ``dest`` holds a previous install that ``--force`` replaces; refused in one line:
     a file, a folder inside or above ``SPILL_HOME``, one inside a run's state location, one that
     holds the bundle itself, and (even with ``--force``) a non-empty folder no bundle installed."""
-    from spill.paths import spill_home
+    from spill.ground.paths import spill_home
     from spill.project.installed import FILE, read
 
     if dest.exists() and not dest.is_dir() or dest.is_symlink():
@@ -167,7 +167,7 @@ def _targets(b: Bundle, dest_tmp: Path, model_tmp: Path, placements: list) -> di
 
 
 def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
-    from spill.validate import validate
+    from spill.ground.validate import validate
 
     validate(doc, schema, where=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -238,7 +238,7 @@ def _existing(path: Path) -> Path:
 def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
     """Install the bundle at ``path`` into ``dest`` and the model cache; returns a summary."""
     from spill.console import note
-    from spill.paths import models_dir
+    from spill.ground.paths import models_dir
     from spill.project import bundle_models, installed
 
     b = open_bundle(path)

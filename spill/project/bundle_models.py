@@ -51,7 +51,7 @@ def key(files: dict[str, str]) -> str:
 def _held(folder: Path) -> dict[str, str] | None:
     """name -> sha256 of the model files ``folder`` holds (its records, once they check out, or
     hashed now), or None when it holds no model."""
-    from spill.hashing import file_sha256
+    from spill.ground.hashing import file_sha256
     from spill.models.integrity import check, model_files
 
     if not (folder / "config.json").is_file():
@@ -66,7 +66,7 @@ def _held(folder: Path) -> dict[str, str] | None:
 
 
 def _own(pin: dict[str, Any], why: str) -> Placement:
-    from spill.paths import models_dir
+    from spill.ground.paths import models_dir
 
     files = {f["name"]: f["sha256"] for f in pin["files"]}
     folder = models_dir() / OWN / key(files)[:16]

@@ -74,7 +74,7 @@ def _key(path: str) -> tuple:
 
 
 def _local_item(path: str, name: str, role: str, sha: str | None = None) -> Item:
-    from spill.hashing import file_sha256
+    from spill.ground.hashing import file_sha256
 
     key = _key(path)
     digest = sha or file_sha256(path)
@@ -178,10 +178,10 @@ def _source(resolved, marker: dict[str, Any]) -> dict[str, Any]:
 def model_items(project) -> tuple[list[Item], list[dict[str, Any]]]:
     """The model files of every stage's model, each model pinned once (a model an install
     gave this project a folder of its own for is that folder, as the project's builds load)."""
+    from spill.ground.paths import models_dir
     from spill.models.cache import read_marker
     from spill.models.integrity import check, model_files, stat_key
     from spill.models.resolve import resolve_model
-    from spill.paths import models_dir
     from spill.project.installed import model_folder
     from spill.project.stages import STAGES
 

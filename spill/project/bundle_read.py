@@ -108,7 +108,7 @@ def _check_member(path: Path, m: tarfile.TarInfo, seen: set[str]) -> None:
 
 
 def _manifest(path: Path, first: tarfile.TarInfo, size: int) -> tuple[dict[str, Any], str]:
-    from spill.validate import SchemaInvalid, parse_json, validate
+    from spill.ground.validate import SchemaInvalid, parse_json, validate
 
     if first.name != MANIFEST:
         raise _refuse(path, f"its first entry is {first.name!r}, not the manifest {MANIFEST}")
@@ -181,7 +181,7 @@ def _consistent(path: Path, doc: dict[str, Any]) -> list[Entry]:
         raise _refuse(path, f"its manifest lists {stray[0]!r}, a model file no model pins")
     run = doc["run"]
     if run is not None:
-        from spill.validate import SchemaInvalid, validate
+        from spill.ground.validate import SchemaInvalid, validate
 
         try:
             validate(run["control"], "control", where="its run's control object")

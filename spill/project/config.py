@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from spill.errors import BadOverride, ConfigError, HydraRefused
+from spill.ground.validate import short
 from spill.project import hydra_safety
 from spill.project.data import template_problem
 from spill.project.hydra_safety import SEARCH_PATH  # noqa: F401  (init writes it into projects)
@@ -41,7 +42,6 @@ from spill.settings import (
     TeacherSettings,
     TuneSettings,
 )
-from spill.validate import short
 
 FILE = "spill.yaml"
 CONFIG_NAME = "spill"
@@ -189,7 +189,7 @@ def validate(doc: Any, where: str, strict: bool = True) -> None:
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import best_match
 
-    from spill.validate import load_schema
+    from spill.ground.validate import load_schema
 
     schema = load_schema(SCHEMA)
     checked = _strict(schema) if strict else schema
@@ -228,7 +228,7 @@ def hydra_line(e: BaseException) -> str:
     if text.startswith("Could not override '"):
         key = text.split("'")[1]
         section = key.split(".")[0]
-        from spill.validate import load_schema
+        from spill.ground.validate import load_schema
 
         known = load_schema(SCHEMA)["properties"].get(section, {}).get("properties")
         allowed = f"; allowed in {section}: {', '.join(known)}" if known else ""

@@ -95,9 +95,9 @@ def _option(group: str, name: str) -> str:
 
 def _offline(name: str) -> bool:
     """Whether an alias is usable here without the network (imported, cached or packaged)."""
+    from spill.ground.paths import models_dir
     from spill.models import hub
     from spill.models.names import lookup, safe_name
-    from spill.paths import models_dir
 
     alias = lookup(name)
     if alias is None:

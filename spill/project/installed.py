@@ -25,7 +25,7 @@ KIND = "spill-installed-bundle"
 
 def read(root: Path | str) -> dict[str, Any] | None:
     """The project's record (validated), or None when no bundle installed it."""
-    from spill.validate import SchemaInvalid, parse_json, validate
+    from spill.ground.validate import SchemaInvalid, parse_json, validate
 
     path = Path(root) / FILE
     try:
@@ -47,7 +47,7 @@ def read(root: Path | str) -> dict[str, Any] | None:
 
 def model_folder(root: Path | str, name: str | None) -> str | None:
     """The cache folder this project loads ``name`` from, when a bundle install pinned one."""
-    from spill.paths import models_dir
+    from spill.ground.paths import models_dir
 
     doc = read(root) if name else None
     pin = (doc or {}).get("models", {}).get(name)
@@ -63,7 +63,7 @@ def model_folder(root: Path | str, name: str | None) -> str | None:
 
 
 def encode(doc: dict[str, Any]) -> bytes:
-    from spill.validate import validate
+    from spill.ground.validate import validate
 
     validate(doc, "installed-bundle", where=FILE)
     return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from spill.errors import StoreError, UsageError
-from spill.paths import STATE_DIR
+from spill.ground.paths import STATE_DIR
 from spill.project import move_checks as checks
 from spill.project.move_checks import locations
 from spill.project.move_copy import copy_snapshot, verify
@@ -221,8 +221,8 @@ def abort(
 
 def _read_manifest(dst_state: str, run: str, tid: str) -> dict[str, Any]:
     from spill.control.arrival import manifest_uri
+    from spill.ground.validate import parse_json, validate
     from spill.store.fs import get_bytes
-    from spill.validate import parse_json, validate
 
     uri = manifest_uri(dst_state, run, tid)
     doc = parse_json(get_bytes(uri))

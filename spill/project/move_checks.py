@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from spill.errors import StoreError, UsageError
-from spill.paths import STATE_DIR
+from spill.ground.paths import STATE_DIR
 from spill.store import snapshot
 from spill.store.fs import absolute, exists, filesystem, join, listdir, stat
 from spill.store.location import location

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from spill.errors import StoreError
-from spill.hashing import CHUNK
+from spill.ground.hashing import CHUNK
 from spill.project import move_checks as checks
 from spill.store import snapshot
 from spill.store.fs import exists, get_bytes, join, open_read, put_bytes, stat
@@ -76,7 +76,7 @@ def _errno(e: BaseException | None) -> int | None:
 
 
 def _put_manifest(uri: str, manifest: dict[str, Any]) -> None:
-    from spill.validate import validate
+    from spill.ground.validate import validate
 
     validate(manifest, "move-manifest", where=uri)
     put_bytes(uri, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from spill.errors import UsageError
-from spill.paths import STATE_DIR
+from spill.ground.paths import STATE_DIR
 from spill.store.fs import is_local, kind_of, same_file
 from spill.store.location import local_path
 from spill.store.output import STREAMS

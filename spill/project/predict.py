@@ -18,10 +18,10 @@ from typing import Any
 
 from spill.console import note
 from spill.errors import DataError, StoreError
+from spill.ground.paths import STATE_DIR
 from spill.jobs.inputs import PromptRow
 from spill.jobs.predict import PredictOptions, PredictRow, predict, predict_one
 from spill.jobs.rows_job import RowOptions
-from spill.paths import STATE_DIR
 from spill.project import record, uptodate
 from spill.project.build import with_engine
 from spill.project.config import Project, from_record

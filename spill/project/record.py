@@ -10,7 +10,7 @@ Layout under ``--state`` (default ``<project>/.spill``)::
     adapters/<name>/      the tuned adapter (spill, PEFT and MLX-LM layouts)
 
 ``write`` (the owner only) publishes ``state.json`` (schema ``build-state``) after everything it
-names; ``read`` follows the pointer and validates once per bytes (``spill.validate.validate_once``).
+names; ``read`` follows the pointer and validates once per bytes (``spill.ground.validate.validate_once``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def read(root: str) -> dict[str, Any] | None:
     """The current ``state.json`` of the build at ``root`` (None when there is none), validated
     against the ``build-state`` schema, its ``config`` against the strict spill.yaml schema."""
     from spill.control.place import Place
-    from spill.validate import parse_json, short, validate_once
+    from spill.ground.validate import parse_json, short, validate_once
 
     pointed = Place(root).pointer(KIND_POINTER)
     if not pointed:
@@ -69,8 +69,8 @@ def read(root: str) -> dict[str, Any] | None:
 
 def _check_more(doc: dict[str, Any], uri: str) -> None:
     """What the schema leaves open: the config (strict spill.yaml) and each stage's result."""
+    from spill.ground.validate import short
     from spill.project.config import ConfigError, validate
-    from spill.validate import short
 
     try:
         validate(doc["config"], "config")
@@ -88,7 +88,7 @@ def _check_more(doc: dict[str, Any], uri: str) -> None:
 
 def write(run: Ownership, doc: dict[str, Any]) -> None:
     """Write ``doc`` as a new payload and make it current (fenced: only the run's owner can)."""
-    from spill.validate import remember, validate
+    from spill.ground.validate import remember, validate
 
     place = run.place()
     target = place.payload(KIND_POINTER, run.doc["seq"])

@@ -14,7 +14,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from spill.paths import STATE_DIR, spill_home
+from spill.ground.paths import STATE_DIR, spill_home
 from spill.store.fs import absolute, exists, get_bytes, join
 from spill.store.location import location
 from spill.store.snapshot import project_files

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spill.errors import StoreError
-from spill.paths import STATE_DIR
+from spill.ground.paths import STATE_DIR
 from spill.project import record, status
 from spill.project.stages import STAGES, EvalStage, distinct
 

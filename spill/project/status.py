@@ -17,7 +17,7 @@ from typing import Any
 
 from spill.console import table
 from spill.errors import StoreError
-from spill.paths import STATE_DIR
+from spill.ground.paths import STATE_DIR
 from spill.project import record, series, uptodate
 from spill.project.stages import EXPORT, STAGES, TUNE, get
 from spill.project.stages import finished as stages_finished

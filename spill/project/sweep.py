@@ -25,9 +25,9 @@ from typing import Any
 
 from spill.control.control import Busy
 from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
+from spill.ground.paths import STATE_DIR
 from spill.jobs.authority import Writer
 from spill.jobs.preempt import Preempted
-from spill.paths import STATE_DIR
 from spill.project import build, config, hydra_safety, record, stages
 from spill.project.plan import StopAfter
 from spill.project.status import score

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from spill.paths import STATE_DIR
+from spill.ground.paths import STATE_DIR
 
 if TYPE_CHECKING:
     from spill.jobs.track import TrackSpec

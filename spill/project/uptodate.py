@@ -18,7 +18,7 @@ from pathlib import Path
 
 from spill import __version__
 from spill.errors import DataError
-from spill.hashing import file_sha256
+from spill.ground.hashing import file_sha256
 from spill.project.stages import finished as every_stage_finished
 from spill.project.stages import get
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
+from spill.ground.validate import remember, validate
 from spill.store.fs import get_bytes, is_temp, join, mount_type, put_bytes
 from spill.store.location import Location, location
-from spill.validate import remember, validate
 
 LOCK_WAIT = 10.0  # seconds a transition waits for the local lock before saying so
 ATTEMPTS = 50  # conditional writes lost to others (or uncertain) before a transition gives up

@@ -12,7 +12,7 @@ never followed: a copy carries the state's own bytes, not a file elsewhere on th
 ``project_files`` names a project folder's files: all but hidden entries (``.spill/``,
 ``.git/``), links, and the state location when it lies inside.
 
-``digest`` hashes a file of any location (``spill.hashing``).
+``digest`` hashes a file of any location (``spill.ground.hashing``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from spill.errors import StoreError
-from spill.hashing import stream_sha256
+from spill.ground.hashing import stream_sha256
 from spill.store.fs import files_under, is_temp, open_read
 from spill.store.location import location
 

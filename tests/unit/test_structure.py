@@ -33,21 +33,9 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "examples": ("project",),  # the relay: run by the cli only
     "cli": ("examples",),  # argument parsing and printing: nothing imports it
 }
-GROUND = {  # spill/<name>.py, and the data packages installed beside them
-    *(
-        "__init__",
-        "errors",
-        "paths",
-        "hashing",
-        "sizes",
-        "console",
-        "machine",
-        "validate",
-        "settings",
-        "settings_field",
-        "settings_export",
-        "settings_schema",
-    ),
+GROUND = {  # spill/<name>.py or spill/<name>/, and the data packages installed beside them
+    *("__init__", "errors", "console", "ground"),
+    *("settings", "settings_field", "settings_export", "settings_schema"),
     *("conf", "schemas", "projects", "reports"),
 }
 CLI = {"cli", "__main__"}

@@ -13,7 +13,7 @@ chose bf16 at ratio 0.66, another float32 at 12.0 with jobs running beside it), 
   busy machine, which the reason (the pre-run line) says.
 
 Each engine times its own linear and keeps the measurement per machine (CPU model and flags,
-``spill.machine``); this module times and turns the timings into a choice and its reason.
+``spill.ground.machine``); this module times and turns the timings into a choice and its reason.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import mlx.core as mx
 from spill.engines.core.numerics import ROUNDS, SHAPE, measure, verdict
 from spill.engines.mlx import blas
 from spill.errors import EngineError
-from spill.machine import cached_measurement, cpu_key
+from spill.ground.machine import cached_measurement, cpu_key
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 CACHE = "numerics-mlx.json"

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from spill import paths
 from spill.engines.torch import int4
 from spill.engines.torch.quant import Packed
-from spill.hashing import file_sha256
+from spill.ground import paths
+from spill.ground.hashing import file_sha256
 from spill.models.config import ModelConfig
 from spill.models.weights import WeightFiles, weight_files
 from spill.store.fs import fsync

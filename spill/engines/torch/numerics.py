@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from spill.engines.core.numerics import ROUNDS, SHAPE, measure, verdict
 from spill.errors import EngineError
-from spill.machine import cached_measurement, cpu_key, cpu_model  # noqa: F401 (tests read it)
+from spill.ground.machine import cached_measurement, cpu_key, cpu_model  # noqa: F401 (tests read it)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CACHE = "numerics-torch.json"

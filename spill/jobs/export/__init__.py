@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spill.errors import SpillError, UsageError
-from spill.hashing import file_sha256
-from spill.paths import spill_home
+from spill.ground.hashing import file_sha256
+from spill.ground.paths import spill_home
+from spill.ground.validate import validate
 from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
 from spill.store.fs import fsync, remove_stale, same_file
-from spill.validate import validate
 
 if TYPE_CHECKING:  # the merge imports numpy and safetensors: not at `spill --help`
     from spill.jobs.export.merge import Inputs

@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from spill.console import note
+from spill.ground.paths import spill_home
 from spill.jobs.preempt import Preempted
 from spill.jobs.track.spec import TrackSpec, logdir_for
 from spill.jobs.track.tracking import Tracking, open_tracking, where
-from spill.paths import spill_home
 
 PRODUCER_TAGS = ("engine", "machine", "os", "numerics", "hardware")
 STOPPING_WITHIN = 5.0  # seconds a stopped run waits for its trackers (its deadline is 30 s)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spill.errors import SpillError
-from spill.paths import spill_home
+from spill.ground.paths import spill_home
 from spill.settings import TRACKERS
 from spill.store.location import location
 

@@ -110,7 +110,7 @@ class ExportStage(Stage):
 
     def _records(self, place: Place) -> dict[str, dict[str, Any]]:
         """Format -> its committed record (``uri``: the payload holding it), in commit order."""
-        from spill.validate import parse_json
+        from spill.ground.validate import parse_json
 
         out = {}
         for uri in place.pointer(POINTER):

@@ -58,9 +58,9 @@ class RowStage(Stage):
         return out
 
     def pinned(self, root: str) -> dict[str, Any] | None:
+        from spill.ground.validate import parse_json
         from spill.payloads.rows import IDENTITY, ROWS
         from spill.store.fs import get_bytes
-        from spill.validate import parse_json
 
         try:
             doc = parse_json(get_bytes(join(self.uri(root), ROWS, IDENTITY)))

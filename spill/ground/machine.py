@@ -21,8 +21,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from spill.paths import machine_cache
-from spill.validate import SchemaInvalid, parse_json, validate, validate_once
+from spill.ground.paths import machine_cache
+from spill.ground.validate import SchemaInvalid, parse_json, validate, validate_once
 
 SCHEMA = "machine"
 

@@ -1,5 +1,5 @@
 """JSON Schema validation of every document spill writes and reads (ground floor: it imports
-only ``spill.errors``, ``spill.paths`` and the schema files).
+only ``spill.errors``, ``spill.ground.paths`` and the schema files).
 
 Schemas are draft 2020-12 files in the repository's ``schemas/``, installed as the package
 ``spill.schemas`` and read from its folder (``spill.schemas.DIR``). A document that
@@ -23,7 +23,7 @@ from functools import cache
 from typing import Any
 
 from spill.errors import StoreError
-from spill.paths import spill_home
+from spill.ground.paths import spill_home
 
 SUFFIX = ".schema.json"
 KEEP_MARKERS = 512
