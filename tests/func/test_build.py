@@ -127,7 +127,7 @@ def test_toy_build_solves_the_task(reference):
         for v in result["labels"].values()
     )
     assert sum(v["support"] for v in result["labels"].values()) == result["rows"]
-    from spill.validate import validate
+    from spill.ground.validate import validate
 
     validate(doc, "build-state")
 

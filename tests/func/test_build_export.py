@@ -99,7 +99,7 @@ def test_the_build_exports_what_spill_export_writes(built, tmp_path):
             for k, v in made.items()
             if k.startswith(fmt + "/") and not k.endswith("/export.json")
         }
-    from spill.validate import validate
+    from spill.ground.validate import validate
 
     validate(mine, "export", where="export.json")
 

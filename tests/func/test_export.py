@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spill.hashing import file_sha256
+from spill.ground.hashing import file_sha256
+from spill.ground.validate import validate
 from spill.models.tiny import write_tiny
 from spill.models.weights import fingerprint
 from spill.store.safetensors_io import bf16_bits_to_float32, float32_to_bf16_bits
-from spill.validate import validate
 from tests.conftest import run_spill
 
 ENV = {"OMP_NUM_THREADS": "1"}

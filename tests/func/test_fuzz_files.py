@@ -395,8 +395,8 @@ def test_machine_cache(world, examples):
     cache is measured again and replaced with one that matches its schema."""
     import torch
 
-    from spill.machine import cpu_key
-    from spill.validate import validate
+    from spill.ground.machine import cpu_key
+    from spill.ground.validate import validate
 
     key = f"{cpu_key()} | torch {torch.__version__}"
     good = {key: {"shape": [64, 1024, 1024], "float32_s": 0.001, "bfloat16_s": 0.1, "ratio": 100.0}}

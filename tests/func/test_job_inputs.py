@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from spill.validate import validate
+from spill.ground.validate import validate
 from tests.conftest import run_spill
 
 ENV = {"OMP_NUM_THREADS": "1"}

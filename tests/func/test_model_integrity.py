@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from spill.paths import models_dir
+from spill.ground.paths import models_dir
 from tests.conftest import run_spill
 from tests.func import tune_kit as kit
 

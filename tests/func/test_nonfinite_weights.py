@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spill.paths import models_dir
+from spill.ground.paths import models_dir
 from spill.store.safetensors_io import (
     bf16_bits_to_float32,
     float32_to_bf16_bits,

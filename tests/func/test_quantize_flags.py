@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
 
 
 def test_the_copy_is_made_once_and_named_in_the_checkpoint(runs):
-    from spill.validate import validate
+    from spill.ground.validate import validate
 
     made = runs["made"].stderr
     making = [line for line in made.splitlines() if line.startswith("making ")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from spill.paths import models_dir
+from spill.ground.paths import models_dir
 from tests.conftest import run_spill
 from tests.func import tune_kit as kit
 from tests.func.test_model_integrity import one_error

@@ -97,7 +97,7 @@ def test_installed_wheel_inits_plans_and_validates(wheel, tmp_path):
     assert (where / "relay" / "noise-floor.json").is_file()
 
     check = (
-        "from spill.validate import validate, SchemaInvalid\n"
+        "from spill.ground.validate import validate, SchemaInvalid\n"
         "try:\n    validate({'nonsense': 1}, 'build-state')\nexcept SchemaInvalid as e:\n"
         "    print('refused', e)\n"
     )

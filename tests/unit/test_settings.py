@@ -63,7 +63,7 @@ def cli_defaults(verb: str) -> dict:
 
 
 def schema_section(group: str) -> dict:
-    from spill.validate import load_schema
+    from spill.ground.validate import load_schema
 
     return load_schema("spill-yaml")["properties"][group]["properties"]
 
@@ -90,7 +90,7 @@ def test_schema_and_project_dataclass_name_every_setting_with_the_conf_default(g
 def test_the_shipped_schema_is_what_the_settings_make():
     """The group sections of spill-yaml.schema.json are generated from spill.settings (types,
     bounds, descriptions) and conf/ (defaults): `python -m spill.settings` writes them."""
-    from spill.validate import load_schema
+    from spill.ground.validate import load_schema
 
     shipped = load_schema("spill-yaml")["properties"]
     made = settings_schema.schema_sections()
@@ -229,7 +229,7 @@ def test_a_setting_is_one_field_and_one_conf_line(monkeypatch):
 def test_the_schema_admits_exactly_the_sizes_spill_sizes_reads(text):
     import re
 
-    from spill.sizes import parse_size
+    from spill.ground.sizes import parse_size
 
     pattern = schema_section("engine")["memory"]["pattern"]
     try:

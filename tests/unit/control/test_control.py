@@ -27,10 +27,10 @@ from spill.control.keys import current
 from spill.control.owner import _pid_state
 from spill.control.ownership import acquire
 from spill.errors import EXIT_PREEMPTED
+from spill.ground.validate import load_schema
 from spill.store import cas
 from spill.store.cas import Unsupported
 from spill.store.fs import exists, get_bytes, join, listdir, mount_type, put_bytes
-from spill.validate import load_schema
 
 WORKER = Path(__file__).parents[2] / "func" / "control_worker.py"
 HOST = socket.gethostname()

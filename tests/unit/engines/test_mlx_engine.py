@@ -19,9 +19,9 @@ from spill.engines.base import GenerateParams  # noqa: E402
 from spill.engines.mlx import blas, numerics  # noqa: E402
 from spill.engines.torch import ENGINE as TORCH  # noqa: E402
 from spill.errors import EngineError  # noqa: E402
+from spill.ground.paths import machine_cache  # noqa: E402
 from spill.models.config import load_config  # noqa: E402
 from spill.models.lora import LoraConfig, init_params  # noqa: E402
-from spill.paths import machine_cache  # noqa: E402
 from tests.unit.engines import kit  # noqa: E402
 from tests.unit.engines.kit import COMPLETIONS, PROMPTS, llama3_scaled, same, tokens  # noqa: E402
 

@@ -10,8 +10,8 @@ import torch
 from spill.engines.base import LoadOptions, ModelSpec
 from spill.engines.torch import ENGINE, numerics
 from spill.errors import EngineError
+from spill.ground.paths import machine_cache
 from spill.models.config import load_config
-from spill.paths import machine_cache
 
 CPU = torch.device("cpu")
 

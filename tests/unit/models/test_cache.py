@@ -3,12 +3,12 @@ import shutil
 
 import pytest
 
+from spill.ground.paths import models_dir
 from spill.models import cache
 from spill.models.cache import MARKER, cached_fingerprint, list_models, read_marker
 from spill.models.staging import stage
 from spill.models.tiny import write_tiny
 from spill.models.weights import fingerprint
-from spill.paths import models_dir
 from tests.unit.models.test_hub import SHA, lay_out_snapshot
 
 

@@ -23,12 +23,12 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
+from spill.ground.validate import validate
 from spill.models import gguf_import
 from spill.models.config import load_config
 from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 from spill.models.tokenizer import Tokenizer
 from spill.store.safetensors_io import read_header
-from spill.validate import validate
 from tests.conftest import assert_not_imported
 
 Q = gguf.GGMLQuantizationType

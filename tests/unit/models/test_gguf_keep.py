@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spill.errors import ModelError
-from spill.hashing import file_sha256
+from spill.ground.hashing import file_sha256
 from spill.models import gguf_quant, quant
 from spill.models.config import load_config
 from spill.models.gguf_import import import_gguf

@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 
+from spill.ground.paths import models_dir
+from spill.ground.validate import validate
 from spill.models import integrity
 from spill.models.cache import MARKER, MarkerInvalid, list_models, read_marker
 from spill.models.integrity import ModelChanged, check, explain, record, verify, weight_hashes
 from spill.models.tiny import write_tiny
-from spill.paths import models_dir
-from spill.validate import validate
 
 
 def sha(path):

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from spill.ground.paths import models_dir
 from spill.models import provenance
 from spill.models.quantize import quantize_model, quantized_folder
-from spill.paths import models_dir
 
 GGUF = {"kind": "gguf", "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 

@@ -11,7 +11,7 @@ import pytest
 
 from spill.engines.base import GenerateParams, LoadOptions, ModelSpec
 from spill.errors import ModelError, ModelNotFound
-from spill.hashing import file_sha256
+from spill.ground.hashing import file_sha256
 from spill.models import quant
 from spill.models.config import load_config
 from spill.models.quantize import _read, dequantize_folder, quantize_model

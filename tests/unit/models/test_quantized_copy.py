@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from spill.errors import ModelError
-from spill.hashing import file_sha256
+from spill.ground.hashing import file_sha256
 from spill.jobs.tune_identity import CheckpointMismatch, _refuse_model
 from spill.models.quant import Spec
 from spill.models.quantize import identity, quantize_model, quantized_copy, quantized_folder

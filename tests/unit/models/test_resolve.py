@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from spill.errors import ModelError, ModelNotFound
+from spill.ground.paths import models_dir
 from spill.models.cache import read_marker, write_marker
 from spill.models.names import ALIASES
 from spill.models.resolve import ResolvedModel, resolve_model
 from spill.models.tiny import write_tiny
 from spill.models.weights import fingerprint
-from spill.paths import models_dir
 from tests.unit.models.test_hub import SHA, lay_out_snapshot
 
 

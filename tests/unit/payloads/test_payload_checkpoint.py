@@ -14,6 +14,7 @@ from spill.control.control import Superseded
 from spill.control.ownership import acquire
 from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
+from spill.ground.validate import SchemaInvalid
 from spill.payloads.checkpoint import (
     CheckpointInvalid,
     latest_checkpoint,
@@ -23,7 +24,6 @@ from spill.payloads.checkpoint import (
     settle,
 )
 from spill.store import fs
-from spill.validate import SchemaInvalid
 
 
 def writer(root: str) -> Place:

@@ -155,7 +155,7 @@ def test_swept_parameters_and_the_page():
 def test_a_checkpoint_state_off_its_schema_is_one_line_naming_it(tmp_path):
     """A producer range whose ``to_step`` is a string: every reader of the newest checkpoint
     (ranges, losses, probe) is refused where the file is read, naming it and the field."""
-    from spill.validate import SchemaInvalid
+    from spill.ground.validate import SchemaInvalid
 
     root = str(tmp_path)
     bad = {"from_step": 0, "to_step": "6", **LINUX, "hardware": "cpu"}

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from spill.machine import cached_measurement
-from spill.paths import machine_cache
+from spill.ground.machine import cached_measurement
+from spill.ground.paths import machine_cache
 
 GOOD = {"shape": [64, 1024, 1024], "float32_s": 0.002, "bfloat16_s": 0.2, "ratio": 100.0}
 
@@ -82,7 +82,7 @@ def test_every_home_on_a_machine_shares_one_cache(tmp_path, monkeypatch):
 
 
 def test_the_key_names_the_cpu_and_its_flags():
-    from spill.machine import cpu_flags, cpu_key, cpu_model
+    from spill.ground.machine import cpu_flags, cpu_key, cpu_model
 
     key = cpu_key()
     assert key.startswith(cpu_model() + " | flags ") and len(key.rsplit(" ", 1)[1]) == 12

@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from spill import validate as validation
-from spill.validate import (
+from spill.ground import validate as validation
+from spill.ground.validate import (
     SchemaInvalid,
     load_schema,
     parse_json,
