@@ -132,6 +132,69 @@ def test_no_circle_between_floors():
     assert not circles, circles[0]
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of spill/ with the modules it imports (a package is its ``__init__``; a name
+    imported from a module counts as that module), in functions and under TYPE_CHECKING too."""
+    mods = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in _modules()
+    }
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, p in mods.items():
+        for _, name in _imports(p):
+            while name and name not in mods:
+                name = name.rpartition(".")[0]
+            if name and name != m:
+                graph[m].add(name)
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of two or more modules (Tarjan's walk, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                part = stack[stack.index(v) :]
+                del stack[stack.index(v) :]
+                if len(part) > 1:
+                    out.append(sorted(part))
+    return out
+
+
+def test_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_circle_between_modules():
+    """No two modules of spill/ import each other, directly or round a longer path (STYLE.md: a
+    circle means two modules are one concept, or a third is missing)."""
+    circles = _circles(_module_graph())
+    assert not circles, f"{len(circles)} circles: {circles}"
+
+
 def test_store_imports_no_floor_above_it():
     above = {"control", "models", "payloads", "jobs", "project", "engines", "examples", "cli"}
     bad = [w for a, b, w in _arrows() if a == "store" and b in above]
