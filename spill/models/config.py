@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from spill.errors import ModelError, UnsupportedModel
@@ -80,6 +80,7 @@ class ModelConfig:
     query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5
     local_rope_theta: float | None = None  # the windowed layers' rotary base; None: rope_theta
     feedforward_norms: bool = False  # pre_/post_feedforward_layernorm around the MLP (Gemma)
+    text_of: str | None = None  # the multimodal model_type (gemma3) whose text part this is
 
     def quant_spec(self, module: str) -> tuple[int, int]:
         """(bits, group_size) of a quantized module (``model.layers.0.mlp.up_proj``)."""
@@ -157,7 +158,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "phi3": Family("Phi-3, Phi-4-mini", phi3, rope=phi3_rope),
 }
-# model_types whose text part spill runs from a folder of its own model_type only
+# multimodal model_types whose text part spill runs (its text_config; the weights under
+# models/weights.TEXT_PREFIXES), the vision tower left aside
 TEXT_PART = {"gemma3": "gemma3_text"}
 
 
@@ -185,14 +187,27 @@ def _quantization(entry, where: str) -> tuple[tuple[str, int, int], ...]:
     return tuple((m, s.bits, s.group_size) for m, s in specs)
 
 
+def text_config(raw: dict, where: str = "config.json") -> dict:
+    """A multimodal config.json's text model as its own config.json (``text_config``, with the
+    top level's tied head and quantization where it alone has them); a text model's as it is."""
+    model_type = raw.get("model_type")
+    if model_type not in TEXT_PART:
+        return raw
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelError(
+            f"{where}: model_type {model_type!r} without a text_config object; the model "
+            "folder's config.json is incomplete"
+        )
+    top = {k: raw[k] for k in ("tie_word_embeddings", "quantization") if k in raw}
+    return top | text | {"model_type": TEXT_PART[model_type]}
+
+
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     model_type = raw.get("model_type")
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if model_type in TEXT_PART:
-        raise UnsupportedModel(
-            f"{where}: model_type {model_type!r} holds a vision model beside the text one; spill "
-            f"runs only a {TEXT_PART[model_type]} folder (the text model, as Gemma 3 270M and 1B ship)"
-        )
+        return replace(parse_config(text_config(raw, where), where), text_of=model_type)
     if family is None:
         known = "; ".join(f"{n} ({f.examples})" for n, f in FAMILIES.items())
         raise UnsupportedModel(

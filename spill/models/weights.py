@@ -23,6 +23,15 @@ from spill.models.scan import checked_sha256
 from spill.store.safetensors_io import read_header
 
 INDEX = "model.safetensors.index.json"
+# where a multimodal folder (Gemma 3's gemma3) keeps its text model's tensors, by the names the
+# text model has on its own: transformers 5's save_pretrained and the hub's originals write
+# language_model.model.*, transformers 4.52-4.57 wrote model.language_model.* beside lm_head
+TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+    "lm_head.": "lm_head.",
+}
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,9 @@ class WeightFiles:
     shards: tuple[str, ...]
     tensor_shard: dict[str, str]  # tensor name -> shard file name
     headers: dict[str, dict]  # shard file name -> safetensors header
+    # tensors of a multimodal folder beside its text model (a vision tower, its projector), which
+    # no reader sees: tensor_shard and headers name the text model's by their own names
+    ignored: int = 0
 
     def tensor_info(self, name: str) -> dict:
         return self.headers[self.tensor_shard[name]][name]
@@ -73,7 +85,29 @@ def weight_files(folder: Path) -> WeightFiles:
                 raise ModelError(
                     f"{folder / shard}: tensor {name!r} listed in {INDEX} is not in that shard; fetch the model again"
                 )
-    return WeightFiles(folder, shards, tensor_shard, headers)
+    return _text_part(WeightFiles(folder, shards, tensor_shard, headers))
+
+
+def _text_part(files: WeightFiles) -> WeightFiles:
+    """The text model of a multimodal folder under its own names (``TEXT_PREFIXES``), the other
+    tensors left out; a text model's folder as it is."""
+    if "model.embed_tokens.weight" in files.tensor_shard:
+        return files
+    renamed = {}
+    for name in files.tensor_shard:
+        prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            renamed[name] = TEXT_PREFIXES[prefix] + name[len(prefix) :]
+    if "model.embed_tokens.weight" not in renamed.values():
+        return files  # not a multimodal folder either: check_shapes names what is missing
+    headers = {
+        shard: {renamed[n]: info for n, info in header.items() if n in renamed}
+        | {k: v for k, v in header.items() if k == "__metadata__"}
+        for shard, header in files.headers.items()
+    }
+    tensor_shard = {renamed[n]: s for n, s in files.tensor_shard.items() if n in renamed}
+    ignored = len(files.tensor_shard) - len(tensor_shard)
+    return WeightFiles(files.folder, files.shards, tensor_shard, headers, ignored)
 
 
 def check_shapes(config, files: WeightFiles) -> None:

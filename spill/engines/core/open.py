@@ -23,7 +23,7 @@ from spill.engines.core.ring import Hooks, Ring, Weights
 from spill.engines.core.runner import Model, StreamRunner
 from spill.errors import UnsupportedModel
 from spill.models.config import ModelConfig
-from spill.models.weights import layer_bytes, weight_files
+from spill.models.weights import WeightFiles, layer_bytes, weight_files
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,13 @@ def layer_loader(reader, keys: Sequence[str]) -> Callable[[int], Weights]:
         return {k: found[f"model.layers.{i}.{k}"] for k in keys}
 
     return load
+
+
+def _text_part(cfg: ModelConfig, files: WeightFiles) -> str:
+    """The pre-run line's words for a multimodal folder of which spill runs the text model."""
+    if cfg.text_of is None:
+        return ""
+    return f"the text model of a {cfg.text_of} folder, its vision tower ignored ({files.ignored} tensors)"
 
 
 def _weights(model: ModelSpec, place: Placement, plan: RingPlan) -> str:
@@ -125,7 +132,11 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         ring=plan.slots,
         layers=layers,
         resident=plan.resident or plan.held,
-        weights=", ".join(w for w in (_weights(model, place, plan), place.weights_note) if w),
+        weights=", ".join(
+            w
+            for w in (_text_part(cfg, files), _weights(model, place, plan), place.weights_note)
+            if w
+        ),
     )
     kernel = engine.kernel(cfg, place)
     return StreamRunner(Model(kernel, ring), info, stats, options.budget, plan.layer_memory())

@@ -2,8 +2,9 @@
 
 Sharded safetensors named as transformers names them (``model-0000K-of-0000N.safetensors``,
 always with ``model.safetensors.index.json``, one shard too), shards cut before a tensor that
-would take one past ``shard_bytes``; the base's ``config.json`` without its ``quantization`` and
-with the output dtype; and the base's tokenizer, generation config and chat template, copied.
+would take one past ``shard_bytes``; the base's ``config.json`` (a multimodal base's text
+model's) without its ``quantization`` and with the output dtype; and the base's tokenizer,
+generation config and chat template, copied.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from spill.jobs.export.merge import Inputs, merged, plan
 from spill.models.cache import is_model_file
+from spill.models.config import text_config
 from spill.store.safetensors_io import float32_to_bf16_bits, write_file
 
 TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -51,11 +53,10 @@ def shards(inputs: Inputs, dtype: str, shard_bytes: int) -> list[list[str]]:
 
 
 def config_json(inputs: Inputs, dtype: str) -> dict:
-    config = {
-        k: v
-        for k, v in inputs.raw_config.items()
-        if k not in ("quantization", "quantization_config")
-    }
+    """The base's config.json for the merged folder: a multimodal base's text model's own (the
+    merge holds only the text model's tensors, by its own names)."""
+    raw = text_config(inputs.raw_config)
+    config = {k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")}
     config["torch_dtype"] = TORCH_DTYPES[dtype]
     if "dtype" in config:  # transformers 5 writes this name
         config["dtype"] = TORCH_DTYPES[dtype]

@@ -6,6 +6,7 @@ Each variant shows what its family adds: Qwen3 an explicit ``head_dim`` (not hid
 per-head q/k norms and, in ``qwen3-windowed``, ``attention_bias`` and sliding layers from
 ``max_window_layers``; Mistral a ``sliding_window`` shorter than the test sequences; SmolLM3 a
 NoPE layer between rotary ones; and Qwen2's ``use_sliding_window``, which spill now honours too.
+``make_vision`` wraps the Gemma 3 text model in a ``gemma3`` (vision) folder.
 Weights are drawn wider than transformers' initializer and every norm weight is moved off 1, so
 greedy picks are clear and the q/k norm weights matter.
 """
@@ -102,6 +103,39 @@ def make(variant: str, folder: Path, tokenizer_from: Path, seed: int = 0) -> Pat
                 p.add_(torch.randn_like(p) * 0.2)
             elif key.endswith(".bias"):
                 p.copy_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    for f in TOKENIZER:
+        shutil.copy(tokenizer_from / f, folder / f)
+    return folder
+
+
+# a vision tower as small as SigLIP allows: two 14-pixel patches a side, one layer
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+
+
+def make_vision(folder: Path, tokenizer_from: Path, tied: bool = True, seed: int = 0) -> Path:
+    """A ``gemma3`` folder: ``Gemma3ForConditionalGeneration`` around the ``gemma3`` variant's
+    text model (its tied head, or an untied one) and a random vision tower, saved by
+    transformers (its text weights as ``language_model.model.*``)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    text = {**SHAPE, **VARIANTS["gemma3"][1], "tie_word_embeddings": tied}
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=VISION, mm_tokens_per_image=4, tie_word_embeddings=tied
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(folder)
     for f in TOKENIZER:
         shutil.copy(tokenizer_from / f, folder / f)
