@@ -108,7 +108,7 @@ def gcs_bucket(gcs_endpoint, monkeypatch) -> str:
     import gcsfs
     from google.cloud import storage
 
-    from spill.store import cloud
+    from spill.store.cas import cloud
 
     gcsfs.GCSFileSystem.clear_instance_cache()  # one made for another endpoint (a proxy)
     monkeypatch.setattr(cloud, "_clients", {})
@@ -139,7 +139,7 @@ def azure_container(azure_endpoint, monkeypatch) -> str:
     import adlfs
     from azure.storage.blob import BlobServiceClient
 
-    from spill.store import cloud
+    from spill.store.cas import cloud
 
     adlfs.AzureBlobFileSystem.clear_instance_cache()  # one made for another endpoint (a proxy)
     monkeypatch.setattr(cloud, "_clients", {})

@@ -9,7 +9,7 @@ a state walks down the layers parsed once. A scheme that is no place for runs (`
 ``http://``) is refused when parsed, before any backend is made or connects.
 
 A new store changes this module (its scheme in ``SCHEMES``; how its control keys are written,
-``WRITES``) and ``spill.store.objstore`` (its answers; its probe, run once per bucket, refuses a
+``WRITES``) and ``spill.store.cas.objects`` (its answers; its probe, run once per bucket, refuses a
 store whose conditional writes do not hold).
 """
 

@@ -10,7 +10,7 @@ ways:
 * default retries: the client retries by itself (aiohttp on a reused connection, botocore,
   s3fs); the retried conditional PUT gets a 412, and the transition reads again;
 * retries off (``AWS_MAX_ATTEMPTS=1``, s3fs ``retries = 1``, and aiohttp's one retry dropped
-  too): the write is ``Uncertain`` in ``spill.store.objstore``, and ``_transact`` (or
+  too): the write is ``Uncertain`` in ``spill.store.cas.objects``, and ``_transact`` (or
   ``acquire``) recognises its own landed write by ``last.op``.
 
 The server's side is counted by the proxy: exactly one write of the control key landed per
@@ -127,7 +127,7 @@ def test_lost_answer_resolved_once(state, proxy, mode, fault, transition, caplog
     """The faulted control write landed once, the transition took effect exactly once (seq
     +1, ``last.op`` ours, pointers and generation as they should be), and there is one run."""
     key = "/current.json" if transition == "create-current" else "/control.json"
-    caplog.set_level(logging.INFO, logger="spill.store.objstore")
+    caplog.set_level(logging.INFO, logger="spill.store.cas.objects")
     before, gen, ops, since = None, 1, 0, 0
     if transition.startswith("create"):
         arm(proxy, key, fault, mode)

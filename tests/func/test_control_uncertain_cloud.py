@@ -57,7 +57,7 @@ def state(cloud, monkeypatch):
     scheme, proxy, env = cloud
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    from spill.store import cloud as clients
+    from spill.store.cas import cloud as clients
 
     monkeypatch.setattr(clients, "_clients", {})  # a client for this proxy
     import adlfs

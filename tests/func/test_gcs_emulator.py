@@ -5,7 +5,7 @@ first suspected of it; the cause was spill's: ``spill.control.runlist.START_WAIT
   object as fast as it can, two others reading it by name never get a 404 or a torn body. Real
   GCS promises the same (strongly consistent reads after a write).
 * A ``Blob`` that has been downloaded remembers the generation it got, and its next download asks
-  for that generation: 404 once the object was replaced. ``spill.store.cloud.GcsObjects.read``
+  for that generation: 404 once the object was replaced. ``spill.store.cas.cloud.GcsObjects.read``
   makes a fresh ``Blob`` per read for this reason.
 """
 

@@ -7,8 +7,7 @@ import uuid
 
 import pytest
 
-from spill.store import objstore
-from spill.store.cas import Layout, Unsupported, store_for
+from spill.store.cas import Layout, Unsupported, objects, store_for
 from spill.store.fs import join, listdir
 
 LAYOUT = Layout("runs", "lock", "the folder", "a folder in it", "an object")
@@ -16,13 +15,13 @@ LAYOUT = Layout("runs", "lock", "the folder", "a folder in it", "an object")
 
 def test_the_probe_refuses_a_store_that_ignores_preconditions():
     # memory:// refuses a second create but ignores If-Match and reports no ETag
-    store = objstore.ObjectStore(f"memory://spill-probe-{uuid.uuid4().hex[:8]}/state", LAYOUT)
+    store = objects.ObjectStore(f"memory://spill-probe-{uuid.uuid4().hex[:8]}/state", LAYOUT)
     with pytest.raises(Unsupported) as e:
-        objstore.probe(store)
+        objects.probe(store)
     assert "cannot make conditional writes" in str(e.value) and "\n" not in str(e.value)
     assert listdir(join(store.state, "runs")) == []  # its scratch key is gone
 
 
 def test_the_probe_accepts_the_s3_server(s3_bucket):
     store = store_for(f"s3://{s3_bucket}/state", LAYOUT)
-    assert isinstance(store, objstore.ObjectStore)
+    assert isinstance(store, objects.ObjectStore)

@@ -8,8 +8,7 @@ import pytest
 
 from spill.control.keys import run_list
 from spill.errors import StoreError
-from spill.store import cloud, objstore
-from spill.store.cas import Conflict, Layout, Unsupported, store_for
+from spill.store.cas import Conflict, Layout, Unsupported, cloud, objects, store_for
 from spill.store.fs import listdir
 from tests.conftest import bucket_uri
 
@@ -24,7 +23,7 @@ def state(request) -> str:
 
 def test_the_probe_accepts_the_emulator(state):
     store = store_for(state, LAYOUT)
-    assert isinstance(store, objstore.ObjectStore) and store.cloud is not None
+    assert isinstance(store, objects.ObjectStore) and store.cloud is not None
     assert [n for n in listdir(store.uri("")) if n.startswith(".probe")] == []
 
 
@@ -35,7 +34,7 @@ def test_create_once_then_replace_only_the_tag_read(state):
     with pytest.raises(Conflict):  # a second create
         store.write("a/obj", b"two", None)
     with pytest.raises(Conflict):  # a wrong tag
-        store.write("a/obj", b"two", objstore._wrong(first))
+        store.write("a/obj", b"two", objects._wrong(first))
     second = store.write("a/obj", b"three", first)
     assert second != first and store.read("a/obj") == (b"three", second)
     with pytest.raises(Conflict):  # a stale tag
@@ -78,10 +77,10 @@ class _AcceptsAll(cloud.Objects):
 
 
 def test_the_probe_refuses_a_cloud_that_ignores_preconditions(gcs_bucket):
-    store = objstore.ObjectStore(f"gs://{gcs_bucket}/state", LAYOUT)
+    store = objects.ObjectStore(f"gs://{gcs_bucket}/state", LAYOUT)
     store.cloud = _AcceptsAll()
     with pytest.raises(Unsupported, match="a second create of one key succeeded") as e:
-        objstore.probe(store)
+        objects.probe(store)
     assert "\n" not in str(e.value)
 
 

@@ -1,23 +1,14 @@
-"""Conditional writes on Google Cloud Storage and Azure Blob, through each cloud's own client.
+"""Conditional writes on Google Cloud Storage and Azure Blob through each cloud's own client
+(gcsfs and adlfs carry every other byte, but take no replace precondition).
 
-fsspec's gcsfs and adlfs carry the bytes of everything else (``spill.store.fs``), but neither
-takes a replace precondition (gcsfs knows only ``mode="create"``), so the control objects go
-through the official clients that gcsfs and adlfs themselves depend on (the cloud extra):
+* GCS (``gs://``, ``gcs://``): the tag is the generation; ``ifGenerationMatch`` (0 to create).
+  Application default credentials; ``STORAGE_EMULATOR_HOST`` for an emulator.
+* Azure (``az://``, ``abfs://``, ``abfss://``): the tag is the ETag; ``If-None-Match: *`` /
+  ``If-Match``. ``AZURE_STORAGE_CONNECTION_STRING``, else ``AZURE_STORAGE_ACCOUNT_NAME`` with
+  ``AZURE_STORAGE_ACCOUNT_KEY`` or ``DefaultAzureCredential`` (as adlfs reads them).
 
-* GCS (``gs://``, ``gcs://``): the tag is the object's generation. Create with
-  ``ifGenerationMatch=0``, replace with ``ifGenerationMatch=<generation read>``; a read gets the
-  body and its generation in one GET. Credentials and endpoint the client's way: application
-  default credentials, ``STORAGE_EMULATOR_HOST`` for an emulator (then anonymous).
-* Azure Blob (``az://``, ``abfs://``, ``abfss://``): the tag is the ETag (quotes stripped, as on
-  S3). Create with ``If-None-Match: *``, replace with ``If-Match: <etag>``; a read gets the body
-  and its ETag in one GET. Credentials: ``AZURE_STORAGE_CONNECTION_STRING``, else the account
-  ``AZURE_STORAGE_ACCOUNT_NAME`` with ``AZURE_STORAGE_ACCOUNT_KEY`` or ``DefaultAzureCredential``
-  (the variables adlfs reads too).
-
-A refused precondition (GCS 412; Azure 412, or 409 BlobAlreadyExists for a second create) is a
-``Conflict``, told by the exception's type; any other failure of a write is ``Uncertain`` (it may
-have landed; each client retries a conditional write by itself, for about 15 s, not GCS's
-default two minutes, and a retry after a landed write is refused as stale). Clients are made once per process (a forked racer makes its own).
+A refused precondition is a ``Conflict`` (by exception type); any other failed write is
+``Uncertain``, retried by the client for about 15 s first. One client per process.
 """
 
 from __future__ import annotations
@@ -26,7 +17,7 @@ import logging
 import os
 
 from spill.errors import StoreError
-from spill.store.cas import Conflict, Uncertain
+from spill.store.cas.store import Conflict, Uncertain
 from spill.store.location import CLOUD_HINT, BackendMissing
 
 log = logging.getLogger(__name__)

@@ -1,19 +1,11 @@
-"""Conditional writes on an object store: s3://, gs:// and az:// (each if the probe accepts it).
+"""Conditional writes on an object store (s3://, gs://, az://), refused unless ``probe`` accepts it.
 
-On S3 create with ``If-None-Match: *`` (fsspec's ``mode="create"``), replace with
-``If-Match: <etag>``; on GCS and Azure Blob through their own clients (``spill.store.cloud``:
-generation preconditions, ETags);
-this module never deletes (an aborted move's claim is the one control object removed:
-``spill.control.arrival``). A 412 (or 409 for a racing one) is a ``Conflict``, told by the store's answer,
-never by "412" in an error's text; any other failure of a write is ``Uncertain`` (it may have
-landed): the caller reads again either way. On S3 a read gets the body and its ETag in one
-GET; elsewhere the ETag before and after the body must agree.
-
-``probe`` refuses a store that does not refuse stale writes: under a scratch key of the state's
-bucket it creates twice, replaces with a wrong tag and with a stale one; the second create and
-both bad replaces must fail, the good replace must land. A store that accepts any of them (or
-reports no ETag, or takes no preconditions) is refused in one line before anything is
-published, once per bucket and process; a bucket that does not exist is named as such.
+S3: create with ``If-None-Match: *``, replace with ``If-Match: <etag>``, read body and ETag in
+one GET; GCS and Azure through their own clients (``cloud``). A 412 (409 for a racing create)
+is a ``Conflict``, told by the store's answer, never by "412" in an error's text; any other
+failed write is ``Uncertain`` (it may have landed). ``probe`` creates twice and replaces with a
+wrong and a stale tag under a scratch key, once per bucket and process: a store that accepts
+any of them is refused in one line before anything is published. Nothing here deletes.
 """
 
 from __future__ import annotations
@@ -24,8 +16,8 @@ import logging
 import secrets
 
 from spill.errors import StoreError
-from spill.store.cas import ATTEMPTS, Conflict, Layout, Store, Uncertain, Unsupported
-from spill.store.cloud import objects_for
+from spill.store.cas.cloud import objects_for
+from spill.store.cas.store import ATTEMPTS, Conflict, Layout, Store, Uncertain, Unsupported
 from spill.store.fs import filesystem
 
 log = logging.getLogger(__name__)

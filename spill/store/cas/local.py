@@ -1,114 +1,31 @@
-"""Conditional writes of the objects under one folder of a location: a write creates an object
-or replaces the one last read, or raises ``Conflict`` (it changed since) or ``Uncertain`` (its
-outcome is unknown); the caller reads again either way.
+"""Conditional writes on a local disk and in ``memory://``.
 
 * local: a transition holds an exclusive ``flock`` on the folder's lock file (``exclusive``)
-  and each write replaces the file atomically (``spill.store.fs.put_bytes``). Only file systems known to honour
-  flock are accepted; a network or unknown file system is refused in one line. A fixed name
-  that holds what spill did not put there (a folder or a link where a file belongs) is refused
-  in one line that names what to remove (in the words of the folder's ``Layout``).
+  and each write replaces the file atomically (``spill.store.fs.put_bytes``). Only file systems
+  known to honour flock are accepted (``FLOCK_FS``); a network or unknown one is refused in one
+  line. A fixed name that holds what spill did not put there (a folder or a link where a file
+  belongs) is refused in one line that names what to remove (in the words of the ``Layout``).
 * ``memory://`` (tests): one store per process, so a lock in this process is enough.
-* object stores (``spill.store.objstore``): create with ``If-None-Match: *`` (GCS:
-  ``ifGenerationMatch=0``), replace with ``If-Match: <etag>`` (GCS: the generation read), never
-  delete. ``store_for`` probes a store once per bucket and process and refuses one that
-  accepts a second create, a wrong or a stale replace.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator
 
-from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
-from spill.ground.validate import remember, validate
-from spill.store.fs import get_bytes, is_temp, join, mount_type, put_bytes
-from spill.store.location import Location, location
+from spill.errors import StoreError
+from spill.store.cas.store import Conflict, Layout, LockHeld, Store, Unsupported
+from spill.store.fs import get_bytes, is_temp, mount_type, put_bytes
 
 LOCK_WAIT = 10.0  # seconds a transition waits for the local lock before saying so
-ATTEMPTS = 50  # conditional writes lost to others (or uncertain) before a transition gives up
 FLOCK_FS = frozenset(
     "ext2 ext3 ext4 xfs btrfs tmpfs ramfs zfs overlay apfs hfs f2fs bcachefs jfs".split()
 )
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The folder a store keeps under its location, and what its refusals call the things in it."""
-
-    folder: str  # under the location
-    lock: str  # the local lock file, in the folder
-    folder_is: str  # the folder itself, in words
-    subfolder_is: str  # a folder in it
-    object_is: str  # an object in it, unless ``named`` has a word for its key
-    named: Mapping[str, str] = field(default_factory=dict)
-    then: Mapping[str, str] = field(default_factory=dict)  # by name: what removing it leads to
-
-
-class LockHeld(SpillError):
-    """The local lock stays held (its holder was stopped mid-transition): try again later."""
-
-    exit_code = EXIT_PREEMPTED
-
-
-class Unsupported(StoreError):
-    """A location whose transitions cannot be made safe (file system or object store)."""
-
-
-class Conflict(Exception):
-    """A conditional write lost: the object changed since it was read (412)."""
-
-
-class Uncertain(Exception):
-    """A conditional write whose outcome is unknown (timeout, dropped connection, 5xx)."""
-
-
-class Store:
-    """Read and conditionally write the objects under ``layout.folder`` of the location ``state``."""
-
-    # whether ``exclusive`` keeps whole transitions apart (a lock): then no reader ever sees
-    # what another transition made between two of its writes (an object store: False)
-    serialized = False
-
-    def put(self, key: str, doc: dict[str, Any], schema: str, tag: str | None) -> str:
-        """Validate ``doc`` against ``schema`` and ``write`` it; returns the new object's tag.
-        Its bytes are remembered as valid, so that the next read (``spill status``, a finished
-        build) costs one hash."""
-        raw = json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
-        validate(doc, schema, where=self.uri(key))
-        new = self.write(key, raw, tag)
-        remember(raw, schema)
-        return new or self.tag_of(raw)
-
-    def tag_of(self, data: bytes) -> str:
-        """The tag ``read`` reports for an object holding ``data``."""
-        return hashlib.sha256(data).hexdigest()
-
-    def __init__(self, state: str, layout: Layout):
-        self.state: Location = location(state)
-        self.layout = layout
-
-    def uri(self, key: str) -> str:
-        return join(self.state, self.layout.folder, key)
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        yield
-
-    def read(self, key: str) -> tuple[bytes | None, str | None]:
-        raise NotImplementedError
-
-    def write(self, key: str, data: bytes, tag: str | None) -> str | None:
-        """Create (``tag`` None) or replace the object last read with ``tag``; the new object's
-        tag where the store reports it (GCS, Azure), else None (``tag_of`` tells it)."""
-        raise NotImplementedError
 
 
 def _foreign(path: str, wants: str, layout: Layout) -> StoreError:
@@ -124,7 +41,7 @@ def _foreign(path: str, wants: str, layout: Layout) -> StoreError:
     return StoreError(f"{path} is {kind}, not {wants}; remove it (rm -r {path}){then}")
 
 
-class _LocalStore(Store):
+class LocalStore(Store):
     serialized = True
 
     def __init__(self, state: str, layout: Layout):
@@ -217,7 +134,7 @@ class _LocalStore(Store):
 _MEMORY_LOCK = threading.RLock()
 
 
-class _MemoryStore(Store):
+class MemoryStore(Store):
     """``memory://`` is one store per process: a lock in this process makes it conditional."""
 
     serialized = True
@@ -238,29 +155,3 @@ class _MemoryStore(Store):
         if self.read(key)[1] != tag:
             raise Conflict()
         put_bytes(self.uri(key), data)
-
-
-def open_store(state: str, layout: Layout) -> Store:
-    """The store of ``layout`` at ``state``, unchecked: enough to read (reads take no lock); the
-    kind is the location's (``Location.writes``)."""
-    state = location(state)
-    if state.writes == "flock":
-        return _LocalStore(state, layout)
-    if state.writes == "process":
-        return _MemoryStore(state, layout)
-    from spill.store.objstore import ObjectStore
-
-    return ObjectStore(state, layout)
-
-
-def store_for(state: str, layout: Layout) -> Store:
-    """The store of ``layout`` at ``state``, checked (a local one honours flock, an object store
-    refuses stale writes)."""
-    s = open_store(state, layout)
-    if isinstance(s, _LocalStore):
-        s.check()
-    elif not isinstance(s, _MemoryStore):
-        from spill.store.objstore import probe
-
-        probe(s)
-    return s
