@@ -217,7 +217,7 @@ def assert_not_imported(
 
 def build_state_file(where: Path) -> Path:
     """The current ``state.json`` of the build state folder ``where``: the payload the run's
-    ``state`` pointer names (``spill.project.record``)."""
+    ``state`` pointer names (``spill.project.build.record``)."""
     from spill.control.place import Place
 
     pointed = Place(str(where)).pointer("state")

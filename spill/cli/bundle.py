@@ -1,5 +1,5 @@
 """``spill bundle`` on the command line: which of its three modes the words name (write, verify,
-install), one call of ``spill.project.bundle``, and its one-row table (or ``--json``)."""
+install), one call of ``spill.project.bundle.bundle``, and its one-row table (or ``--json``)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
 
 def command(args: argparse.Namespace) -> int:
     from spill.console import emit, note
-    from spill.project import bundle
+    from spill.project.bundle import bundle
     from spill.store.fs import absolute
 
     modes = sum(bool(x) for x in (args.args, args.verify, args.install))

@@ -58,8 +58,8 @@ def built_adapter(given: str) -> Path:
     a finished build exports like its adapter; an unfinished one says how to finish it."""
     from spill.errors import SpillError
     from spill.ground.paths import STATE_DIR
-    from spill.project import record
-    from spill.project.stages import TUNE
+    from spill.project.build import record
+    from spill.project.build.stages import TUNE
 
     path = Path(given)
     where = path / STATE_DIR if (path / "spill.yaml").is_file() else path

@@ -1,5 +1,5 @@
 """``spill move [DIR] URI`` and ``spill move --abort [DIR]`` on the command line: which places
-the words name, then one call of ``spill.project.move`` (``move`` or ``abort``)."""
+the words name, then one call of ``spill.project.move.move`` (``move`` or ``abort``)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
 
 def command(args: argparse.Namespace) -> int:
     from spill.console import emit
-    from spill.project.move import abort, move
+    from spill.project.move.move import abort, move
 
     if args.abort:
         if len(args.where) > 2:

@@ -2,7 +2,7 @@
 
 Each command turns its arguments into one call of ``spill.project.init``, ``build``, ``sweep`` or
 ``status`` and prints the summary; ``resume`` and ``status`` given a state location instead of
-a project go to ``spill.cli.resume`` and ``spill.project.status.run_summary``. Everything heavy
+a project go to ``spill.cli.resume`` and ``spill.project.report.status.run_summary``. Everything heavy
 is imported inside the commands, so ``spill --help`` stays light. Arguments argparse does not
 know are Hydra overrides (``tune.lr=3e-4``; with ``-m`` a sweep).
 """
@@ -42,7 +42,7 @@ def _procs(args) -> list[str]:
 def _relaunched(args, run) -> int:
     """``run()``; a build that asks for more processes than it has is started again as that
     many by torch's elastic launcher (the same command line; each rank reads the same config)."""
-    from spill.project.follow import Relaunch
+    from spill.project.build.follow import Relaunch
 
     try:
         return run()
@@ -58,8 +58,8 @@ def _emit_build(summary: dict, as_json: bool, args=None) -> None:
     import json
 
     from spill.console import speaking
-    from spill.project.status import adapter, exports, render, with_losses
-    from spill.project.status import as_json as to_json
+    from spill.project.report.status import adapter, exports, render, with_losses
+    from spill.project.report.status import as_json as to_json
 
     if not speaking():  # a rank other than 0: rank 0 prints the build
         return
@@ -148,7 +148,7 @@ def _writer(args):
 
 
 def _build(args) -> int:
-    from spill.project.build import BuildOptions, build
+    from spill.project.build.build import BuildOptions, build
 
     _at_uri(args)
     opts = BuildOptions(
@@ -176,8 +176,8 @@ def _build(args) -> int:
 
 def cmd_resume(args) -> int:
     from spill.cli.resume import resume_state
-    from spill.project.build import BuildOptions, build
-    from spill.project.status import is_state
+    from spill.project.build.build import BuildOptions, build
+    from spill.project.report.status import is_state
 
     _at_uri(args)
     if args.state is None and not args.overrides and is_state(args.dir):
@@ -203,12 +203,12 @@ def cmd_resume(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from spill.project.status import is_state, status
+    from spill.project.report.status import is_state, status
 
     _at_uri(args)
     if args.state is None and is_state(args.dir):  # a job's (or a build's) state location
         from spill.console import emit
-        from spill.project.status import run_summary
+        from spill.project.report.status import run_summary
 
         view = run_summary(args.dir)
         keys = ("state", "id", "status", "generation", "owner", "progress")
@@ -222,7 +222,7 @@ def cmd_status(args) -> int:
     if "runs" in summary:  # a sweep's folder: its runs, as the sweep printed them
         import json
 
-        from spill.project.series import lines
+        from spill.project.report.series import lines
         from spill.project.sweep import render
 
         print(json.dumps(summary, indent=2, sort_keys=True) if args.json else render(summary))

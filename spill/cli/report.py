@@ -1,5 +1,5 @@
 """``spill report [DIR] [--state URI] [-o FILE] [--json]`` on the command line: one call of
-``spill.project.report.write``, then the path it wrote (or, with ``--json``, what it shows).
+``spill.project.report.report.write``, then the path it wrote (or, with ``--json``, what it shows).
 
 The page lands in the project folder (``DIR/report.html``) unless ``-o`` says otherwise; for a
 project at a URI, or a state location named instead of a project, in the current folder. A
@@ -35,8 +35,8 @@ def command(args: argparse.Namespace) -> int:
 
     from spill.project.owned import refuse_output
     from spill.project.remote import locate
-    from spill.project.report import FILE, target, write
-    from spill.project.status import is_state
+    from spill.project.report.report import FILE, target, write
+    from spill.project.report.status import is_state
 
     given = args.dir
     args.dir, args.state = locate(args.dir, args.state, build=False)

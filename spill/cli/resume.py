@@ -1,10 +1,10 @@
 """``spill resume <state>``: continue whatever run a state location holds, from the location alone.
 
-``spill resume DIR`` with a project folder continues its build (``spill.project.build``). Given a
+``spill resume DIR`` with a project folder continues its build (``spill.project.build.build``). Given a
 state location instead (a folder or a URI holding ``runs/``), this module reads the run's control
 object and ``command.json`` (the command line that last owned the run, recorded at acquisition
 by ``spill.jobs.authority``), prints the last committed step or row count
-(``spill.project.status.progress``), and runs that command again through ``spill.cli.main`` in
+(``spill.project.report.status.progress``), and runs that command again through ``spill.cli.main`` in
 the folder it was typed in, with ``--state`` set to the location given, its own
 ``--stop-after`` dropped (a resume continues), and the resume's ``--stop-after``, ``--wait``,
 ``--lease`` and engine options applied. The command itself acquires the run (exit 75 naming the
@@ -53,7 +53,7 @@ def resume_state(where: str, args) -> int:
     from spill.cli import build_parser, main  # the floor's own entry: a replay is a command line
     from spill.control.keys import current
     from spill.jobs.authority import read_command
-    from spill.project.status import progress
+    from spill.project.report.status import progress
 
     where = absolute(where)  # file:///p is the path /p
     doc = current(where)

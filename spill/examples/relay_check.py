@@ -21,8 +21,8 @@ from typing import Any
 from spill.errors import UsageError
 from spill.ground.paths import STATE_DIR
 from spill.jobs.producer import os_name
-from spill.project import record
-from spill.project.stages import EVAL, EVAL_BASE, TUNE, RowStage
+from spill.project.build import record
+from spill.project.build.stages import EVAL, EVAL_BASE, TUNE, RowStage
 from spill.store.fs import exists, get_bytes, join
 
 SCORE = "accuracy"
@@ -147,7 +147,7 @@ def check(
     where = join(relay_root, STATE_DIR)
     doc = record.read(where) if exists(where) else None
     ref, got = reference.get("stages") or {}, (doc or {}).get("stages") or {}
-    from spill.project.status import run_view
+    from spill.project.report.status import run_view
 
     run = run_view(where) if doc else None
     out = [

@@ -22,12 +22,12 @@ from spill.ground.paths import STATE_DIR
 from spill.jobs.inputs import PromptRow
 from spill.jobs.predict import PredictOptions, PredictRow, predict, predict_one
 from spill.jobs.rows_job import RowOptions
-from spill.project import record, uptodate
-from spill.project.build import with_engine
+from spill.project.build import record, uptodate
+from spill.project.build.build import with_engine
+from spill.project.build.stages import TUNE
+from spill.project.bundle.installed import model_folder
 from spill.project.config import Project, from_record
 from spill.project.data import prompt_of, read_inputs
-from spill.project.installed import model_folder
-from spill.project.stages import TUNE
 from spill.store.fs import get_bytes, join
 from spill.store.location import location
 

@@ -26,7 +26,7 @@ def locate(where: str, state: str | None, *, build: bool) -> tuple[str, str | No
     ``<URI>/.spill`` unless given; a state location is kept as it is, except by ``build``
     (resume and status take those)."""
     from spill.errors import UsageError
-    from spill.project.status import is_state
+    from spill.project.report.status import is_state
 
     where, state = (
         absolute(w) if w and "://" in w and location(w).local else w for w in (where, state)

@@ -28,10 +28,11 @@ from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 from spill.ground.paths import STATE_DIR
 from spill.jobs.authority import Writer
 from spill.jobs.preempt import Preempted
-from spill.project import build, config, hydra_safety, record, stages
-from spill.project.plan import StopAfter
-from spill.project.status import score
-from spill.project.tracking import run_name  # a job's state folder and its tracked run's name
+from spill.project import config, hydra_safety
+from spill.project.build import build, record, stages
+from spill.project.build.plan import StopAfter
+from spill.project.build.tracking import run_name  # a job's state folder and its tracked run's name
+from spill.project.report.status import score
 from spill.store.fs import get_bytes, join, listdir, put_bytes
 from spill.store.location import location
 

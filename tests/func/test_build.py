@@ -279,8 +279,8 @@ def test_data_edited_during_a_build(home, tmp_path, monkeypatch):
     """In-process, a memory:// state: the data file changes while tune runs."""
     from spill.errors import DataError
     from spill.jobs.authority import Writer
-    from spill.project.build import BuildOptions, build
-    from spill.project.record import read
+    from spill.project.build.build import BuildOptions, build
+    from spill.project.build.record import read
     from spill.store import drill
 
     monkeypatch.setenv("SPILL_HOME", str(home))

@@ -307,7 +307,7 @@ def test_sigkill_at_random_moments_of_the_export_stage_then_the_same_bytes(built
     import sys
     import time
 
-    from spill.project.stages import EXPORT
+    from spill.project.build.stages import EXPORT
 
     home = built["home"]
     env = {**os.environ, "SPILL_HOME": str(home), "HF_HUB_OFFLINE": "1"}

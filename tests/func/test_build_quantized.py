@@ -19,7 +19,7 @@ COPY = "tiny:llama:2:2x64@q4g64"
 def newest_checkpoint(where) -> tuple[int, dict]:
     """(step, state.json) of the tune stage's newest committed checkpoint."""
     from spill.payloads.checkpoint import newest_commit
-    from spill.project.stages import TUNE
+    from spill.project.build.stages import TUNE
 
     return newest_commit(TUNE.place(str(where)))
 
@@ -106,9 +106,9 @@ def test_another_quantization_replans_and_reruns_tune(built, tmp_path):
 def test_a_float_builds_inputs_do_not_name_the_quantization(tmp_path):
     """The toy build without model.quantize: every stage's inputs are what they were before
     quantized bases, so a state built then is still done."""
-    from spill.project.build import prepare
+    from spill.project.build.build import prepare
+    from spill.project.build.specs import specs
     from spill.project.config import compose
-    from spill.project.specs import specs
 
     project = copy_toy(tmp_path / "toy")
     p = compose(project)

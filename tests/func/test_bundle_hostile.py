@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from spill.project.bundle_format import MANIFEST, MAX_ENTRIES
+from spill.project.bundle.format import MANIFEST, MAX_ENTRIES
 from tests.conftest import build_state_file
 from tests.func.test_bundle import ROOT, copy_project, spill
 
@@ -30,7 +30,7 @@ def _sha(data: bytes) -> str:
 
 
 def read_entries(path: Path) -> tuple[dict, dict[str, bytes]]:
-    from spill.project.bundle_read import open_bundle
+    from spill.project.bundle.read import open_bundle
 
     b = open_bundle(path)
     out = {}
@@ -44,7 +44,7 @@ def read_entries(path: Path) -> tuple[dict, dict[str, bytes]]:
 def forge(src: Path, dst: Path, edit: Callable[[dict[str, bytes]], None]) -> Path:
     """A self-consistent bundle: ``src``'s entries as ``edit`` changed them, with a manifest
     whose sizes, hashes and model pins agree with the new bytes (what an attacker writes)."""
-    from spill.project import bundle_pack
+    from spill.project.bundle import pack as bundle_pack
 
     doc, data = read_entries(src)
     edit(data)

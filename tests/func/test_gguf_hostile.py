@@ -168,7 +168,7 @@ def test_the_name_an_import_prints_is_what_verbs_take(tmp_path, spill_home):
         )
         assert rc == 0, err
         assert json.loads(out.read_text())["id"] == "a"
-    from spill.project.specs import check_model_name
+    from spill.project.build.specs import check_model_name
 
     check_model_name("mine@q8_0", "model.name")  # a spill.yaml naming it validates
 

@@ -8,8 +8,8 @@ run mid-move at either place, a second destination, a held run without ``--wait`
 location without a run, a destination holding another run, and a transfer id that is not the
 destination's. The abort after each step before ``fence`` (the source returned at a new
 generation, the claim removed; a stale mover fenced), its refusals, a claim's adoption and an
-abandoned claim. What is copied between the steps is ``spill.project.move``'s
-(tests/unit/project/test_move.py); real processes and SIGKILL are tests/func/test_move.py.
+abandoned claim. What is copied between the steps is ``spill.project.move.move``'s
+(tests/unit/project/move/test_move.py); real processes and SIGKILL are tests/func/test_move.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,131 @@
+"""``spill bundle``: one file holding a project, its model files and optionally its run state.
+
+* ``spill bundle DIR PATH [--with-state] [--state URI] [--wait]`` writes the bundle
+  (``spill.project.bundle.pack``; the format is in ``spill.project.bundle.format``);
+* ``spill bundle --verify PATH`` checks the manifest and every checksum, one line per bad file
+  (``spill.project.bundle.read``);
+* ``spill bundle --install PATH DIR [--force]`` installs it with no network: the project into
+  ``DIR``, the model files into ``SPILL_HOME/models`` where the same names find them
+  (``spill.project.bundle.install``).
+
+Each says a pre-run line and progress on stderr and returns its one-row result, which the
+command line (``spill.cli.bundle``) prints as a table or ``--json``. No engine is imported:
+bundling resolves models through ``spill.models`` only.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from spill.console import note
+from spill.errors import UsageError
+from spill.ground.paths import STATE_DIR
+from spill.project.bundle.format import BundleError
+from spill.store.fs import absolute
+from spill.store.location import location
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s"
+
+
+def _project(where: str, state: str | None) -> tuple[Path, str]:
+    """(the project folder to read, its state): a local folder, or a project at a URI read from
+    its working copy (``spill.project.remote``) with its state at the URI."""
+
+    if not location(where).local:
+        from spill.project.remote import checkout
+
+        root, there = checkout(where)
+        return root, state or there
+    root = Path(absolute(where))
+    if not (root / "spill.yaml").is_file():
+        raise UsageError(f"{root} holds no spill.yaml; give a project folder")
+    return root, state or str(root / STATE_DIR)
+
+
+def pack(
+    where: str,
+    path: Path,
+    *,
+    state: str | None = None,
+    with_state: bool = False,
+    wait: bool = False,
+    force: bool = False,
+    with_exports: bool = False,
+) -> dict[str, Any]:
+    """Write the bundle of the project at ``where`` to ``path``: its one-row result (the
+    state's merged models under ``exports/`` only ``with_exports``)."""
+    from spill.control.keys import current
+    from spill.project.bundle import pack as bp
+
+    if path.exists() and not force:
+        raise BundleError(f"{path} exists; give another PATH, or --force to replace it")
+    if not path.parent.is_dir():
+        raise BundleError(f"{path.parent} is not a folder; create it first")
+    root, state = _project(where, state)
+    t0 = time.perf_counter()
+    project, contents = bp.collect(root, state, with_state, wait, with_exports)
+    n_models = len(contents.models)
+    run = f" · run {contents.run['run']}" if contents.run else ""
+    note(
+        f"spill bundle · project {project.name} · {len(contents.items)} files, "
+        f"{n_models} model{'s' * (n_models != 1)}{run} · {contents.bytes / 1e6:.1f} MB -> {path}"
+    )
+    doc = bp.manifest(project, contents)
+    size = bp.write(path, doc, contents.items)
+    if contents.run is not None and current(state) != contents.run:
+        path.unlink(missing_ok=True)
+        raise BundleError(
+            f"run {contents.run['run']} at {state} changed while bundling; bundle again"
+        )
+    seconds = time.perf_counter() - t0
+    return {
+        "bundle": str(path),
+        "files": len(contents.items),
+        "models": ", ".join(m["name"] for m in contents.models) or "-",
+        "run": contents.run["run"] if contents.run else "-",
+        "MB": round(size / 1e6, 1),
+        "seconds": round(seconds, 2),
+        "rate": _rate(size, seconds),
+    }
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Check the bundle at ``path``: its one-row result, ``bad`` the number of ``problems``
+    (one line per bad file)."""
+    from spill.console import progress
+    from spill.project.bundle.read import open_bundle
+    from spill.project.bundle.read import verify as check
+
+    t0 = time.perf_counter()
+    b = open_bundle(path)
+    note(f"spill bundle --verify · {path} · {len(b.entries)} files, {b.bytes / 1e6:.1f} MB")
+    with progress(b.bytes, "verifying", unit="B") as bar:
+        bar.unit_scale = True
+        problems = check(b, bar)
+    seconds = time.perf_counter() - t0
+    return {
+        "bundle": str(path),
+        "files": len(b.entries),
+        "bad": len(problems),
+        "MB": round(b.bytes / 1e6, 1),
+        "seconds": round(seconds, 2),
+        "rate": _rate(b.bytes, seconds),
+        "problems": problems,
+    }
+
+
+def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
+    """Install the bundle at ``path``: the project into ``dest``, its models into the cache;
+    the one-row result."""
+    from spill.project.bundle.install import install as run_install
+
+    t0 = time.perf_counter()
+    note(f"spill bundle --install · {path} -> {dest} and the model cache")
+    result = run_install(path, dest, force)
+    seconds = time.perf_counter() - t0
+    result.update(seconds=round(seconds, 2), rate=_rate(result["bytes"], seconds))
+    return result
