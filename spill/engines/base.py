@@ -80,7 +80,7 @@ class Stats:
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """One micro-batch for LoRA training (see ``spill.jobs.train_data.micro_batch``)."""
+    """One micro-batch for LoRA training (see ``spill.jobs.tune.data.micro_batch``)."""
 
     tokens: np.ndarray  # (B, T) int64, right-padded
     attention: np.ndarray  # (B, T) bool, real tokens

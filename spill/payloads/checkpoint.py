@@ -4,7 +4,7 @@ written last, ``COMMIT`` (schema ``commit``: size and sha256 of the three).
 
 Tensors are float32 in ``safetensors.numpy.save``'s layout (``safetensors_io.encode``), so equal
 inputs give equal bytes; optimizer tensors are ``m::<name>`` and ``v::<name>`` (and
-``best::<name>``, the best adapter so far of a run that keeps it: ``spill.jobs.tune_valid``).
+``best::<name>``, the best adapter so far of a run that keeps it: ``spill.jobs.tune.validation``).
 ``save_checkpoint`` writes a new folder and publishes it on the run's ``ckpt`` pointer;
 ``latest_checkpoint`` follows the pointer (never "the highest step folder") and skips a folder
 that fails verification; ``load_checkpoint`` reads it; ``settle`` waits for the removal of old

@@ -343,7 +343,7 @@ def test_distill_writes_training_rows_and_resumes(tmp_path, greedy):
     assert again.returncode == 0 and json.loads(again.stdout)["ran"] == 0
     assert _read(out) == rows
 
-    from spill.jobs.train_data import load_examples
+    from spill.jobs.tune.data import load_examples
     from spill.models.tokenizer import Tokenizer
 
     assert len(load_examples(out, Tokenizer(Path(greedy["model"])), 64)) == len(rows)

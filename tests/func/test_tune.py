@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from spill.control.place import Place
-from spill.jobs.train_data import data_fingerprint
+from spill.jobs.tune.data import data_fingerprint
 from spill.models.tiny import write_tiny
 from spill.models.weights import fingerprint
 from spill.payloads.checkpoint import COMMIT, PARAMS, latest_checkpoint

@@ -99,7 +99,7 @@ def test_the_shipped_schema_is_what_the_settings_make():
 
 def test_the_checkpoint_identity_pins_every_tune_setting_that_decides_the_result():
     """A stage's inputs and a checkpoint's identity both name the deciding tune settings."""
-    from spill.jobs.tune_identity import IDENTITY, IDENTITY_LORA
+    from spill.jobs.tune.identity import IDENTITY, IDENTITY_LORA
 
     decides = set(settings.deciding(settings.TuneSettings))
     # the validation settings: the file's fingerprint, --eval-every and --keep-best
@@ -138,7 +138,7 @@ def test_lora_config_defaults_are_the_tune_group():
 
 def test_a_cli_tune_and_a_build_tune_are_the_same_run():
     """Identical options from ``spill tune`` with no flags and from a build with tune/default."""
-    from spill.jobs.tune_identity import identity as _identity
+    from spill.jobs.tune.identity import identity as _identity
 
     args = build_parser().parse_args(["tune", "m", "t.jsonl", "--name", "x"])
     flags = settings.TuneSettings(**{k: getattr(args, k) for k in base("tune")})

@@ -55,7 +55,7 @@ def seen_rows(inputs: Inputs) -> tuple[str, list] | str:
     from spill.control.place import Place
     from spill.engines import resolve
     from spill.errors import EngineError
-    from spill.jobs.train_data import _order, data_fingerprint, load_examples
+    from spill.jobs.tune.data import _order, data_fingerprint, load_examples
     from spill.models.tokenizer import Tokenizer
     from spill.payloads.checkpoint import latest_checkpoint
 

@@ -13,7 +13,7 @@ import pytest
 
 from spill.engines.base import AdamW, GenerateParams, LoadOptions, ModelSpec, TrainBatch
 from spill.jobs.schedule import cosine_lr
-from spill.jobs.train_data import Example, micro_batch_at
+from spill.jobs.tune.data import Example, micro_batch_at
 from spill.models.config import load_config
 from spill.models.lora import init_params
 

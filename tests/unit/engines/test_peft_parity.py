@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from spill.engines.base import AdamW, LoadOptions, ModelSpec, TrainBatch
 from spill.engines.torch import ENGINE
 from spill.jobs.schedule import cosine_lr
-from spill.jobs.train_data import Example, micro_batch_at
+from spill.jobs.tune.data import Example, micro_batch_at
 from spill.models.config import load_config
 from spill.models.lora import ALL_LINEAR, LoraConfig, export_peft, init_params
 

@@ -10,7 +10,7 @@ import pytest
 
 from spill.errors import ModelError
 from spill.ground.hashing import file_sha256
-from spill.jobs.tune_identity import CheckpointMismatch, _refuse_model
+from spill.jobs.tune.identity import CheckpointMismatch, _refuse_model
 from spill.models.quant import Spec
 from spill.models.quantize import identity, quantize_model, quantized_copy, quantized_folder
 from spill.models.resolve import resolve_model

@@ -1,6 +1,6 @@
 """What a tune checkpoint must share with the run that continues it, and the one-line refusal
 naming the first difference: the base (its fingerprint, files and quantization), the seed, the
-deciding hyperparameters, the LoRA configuration and the validation (``spill.jobs.tune_valid``).
+deciding hyperparameters, the LoRA configuration and the validation (``spill.jobs.tune.validation``).
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spill.errors import SpillError
-from spill.jobs.tune_valid import identity as validation_identity
-from spill.jobs.tune_valid import refuse as refuse_validation
+from spill.jobs.tune.validation import identity as validation_identity
+from spill.jobs.tune.validation import refuse as refuse_validation
 from spill.models.integrity import explain, same_weights
 
 if TYPE_CHECKING:
-    from spill.jobs.tune import TuneOptions
+    from spill.jobs.tune.job import TuneOptions
 
 
 class CheckpointMismatch(SpillError):

@@ -27,10 +27,10 @@ from spill.jobs.group import Group
 from spill.jobs.group import current as current_group
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
-from spill.jobs.train_data import data_fingerprint, load_examples
-from spill.jobs.tune_identity import identity, refuse_mismatch
-from spill.jobs.tune_steps import Steps, follow, peak_rss_mb
-from spill.jobs.tune_valid import Validation
+from spill.jobs.tune.data import data_fingerprint, load_examples
+from spill.jobs.tune.identity import identity, refuse_mismatch
+from spill.jobs.tune.steps import Steps, follow, peak_rss_mb
+from spill.jobs.tune.validation import Validation
 from spill.models.config import LINEARS, load_config
 from spill.models.lora import KNOWN, LoraConfig, init_params
 from spill.models.quant import Spec

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import SpillError
-from spill.jobs.train_data import Example, data_fingerprint, load_examples
+from spill.jobs.tune.data import Example, data_fingerprint, load_examples
 
 
 def identity(path: Path | None, every: int, keep_best: bool) -> dict | None:

@@ -19,16 +19,16 @@ from spill.jobs.group import Group
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
 from spill.jobs.schedule import cosine_lr
-from spill.jobs.train_data import load_examples, micro_batch_at
+from spill.jobs.tune.data import load_examples, micro_batch_at
 from spill.models.tokenizer import Tokenizer
 from spill.store import drill
 
 if TYPE_CHECKING:
-    from spill.jobs.tune import TuneOptions
+    from spill.jobs.tune.job import TuneOptions
 
 
 class Steps:
-    """The step loop's work for ``spill.jobs.tune``: ``gradients`` and ``apply`` (the boundary
+    """The step loop's work for ``spill.jobs.tune.job``: ``gradients`` and ``apply`` (the boundary
     between steps is the group's: ``Group.boundary``)."""
 
     def __init__(self, trainer: Trainer, examples, pad_id: int, opts, group: Group, device: str):

@@ -6,7 +6,7 @@ import pytest
 
 from spill.errors import DataError
 from spill.jobs.schedule import cosine_lr
-from spill.jobs.train_data import load_examples, micro_batch_at
+from spill.jobs.tune.data import load_examples, micro_batch_at
 from spill.models.tokenizer import Tokenizer
 
 

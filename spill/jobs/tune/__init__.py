@@ -1,0 +1,7 @@
+"""``spill tune``: a LoRA run whose every optimizer step can be the last (``job``), its options,
+the identity a checkpoint must share to be continued, the step's gradients at any world size,
+the validation loss and the training rows."""
+
+from spill.jobs.tune.job import TuneOptions, tune
+
+__all__ = ["TuneOptions", "tune"]
