@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from spill.cli.options import ENGINE_FLAGS, JOB_VERBS
+from spill.cli.options import JOB_VERBS, engine_argv
 from spill.console import note
 from spill.errors import StoreError
 from spill.store.fs import absolute
@@ -79,9 +79,7 @@ def resume_state(where: str, args) -> int:
         recorded, _ = build_parser(cmd["verb"]).parse_known_args(cmd["argv"])
         project = os.path.join(cmd["cwd"], recorded.dir)
         argv = ["resume", project, "--state", where]
-    argv += [f"--{k}={getattr(args, k)}" for k in ENGINE_FLAGS if getattr(args, k) is not None]
-    argv += ["--resident"] if args.resident else []
-    argv += ["--packed-matmul"] if args.packed_matmul else []
+    argv += engine_argv(args)
     argv += ["--json"] if args.json else []
     os.chdir(cmd["cwd"])  # the recorded arguments are relative to it
     return main([*argv, *_extra(args)])

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from spill.errors import ModelError
+from spill.settings import BITS, GROUP_SIZES
 
-BITS = (4, 8)  # bit widths spill writes and reads (whole words of 8 or 4 values)
-GROUP_SIZES = (32, 64, 128)  # what mlx's kernels take; 16 is read too (GGUF Q6_K, see gguf_quant)
-READ_GROUP_SIZES = (16, *GROUP_SIZES)
+READ_GROUP_SIZES = (16, *GROUP_SIZES)  # 16 is read too (GGUF Q6_K, see gguf_quant)
 _EPS = np.float32(1e-7)  # mlx's floor on a group's scale (a constant group)
 
 

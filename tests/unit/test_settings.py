@@ -16,13 +16,14 @@ import pytest
 import spill.conf
 import yaml
 
-from spill import settings, settings_schema
+from spill import settings
 from spill.cli import build_parser
 from spill.jobs.eval import EvalOptions
 from spill.jobs.generate import GenerateOptions
 from spill.jobs.rows_job import RowOptions
 from spill.jobs.tune import TuneOptions
 from spill.models.lora import LoraConfig
+from spill.settings import schema as settings_schema
 
 CONF = Path(spill.conf.__file__).parent
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ GROUPS = {
 }
 SECTIONS = {g: settings.GROUPS[g] for g in GROUPS}
 ENGINE_FLAGS = {"engine": "name", "device": "device", "dtype": "dtype", "ring": "ring"}
-ENGINE_FLAGS |= {"resident": "resident", "memory": "memory"}
+ENGINE_FLAGS |= {"resident": "resident", "memory": "memory", "packed_matmul": "packed_matmul"}
 
 
 def raw(group: str, option: str) -> dict:
@@ -169,8 +170,7 @@ def test_row_verbs_read_the_teacher_eval_and_engine_groups():
 
 def test_the_job_verbs_take_the_model_groups_quantization_flags():
     """``--quantize``/``--group-size`` on run, eval, distill and tune default to conf/model's
-    base option; the schema's choices are spill.models.quant's (the settings keep a light copy:
-    they import nothing of models/)."""
+    base option; the schema's choices are spill.models.quant's (declared in the settings)."""
     from spill.models import quant
 
     model = base("model")
@@ -178,7 +178,6 @@ def test_the_job_verbs_take_the_model_groups_quantization_flags():
     for verb in ("run", "eval", "distill", "tune"):
         cli = cli_defaults(verb)
         assert (cli["quantize"], cli["group_size"]) == (None, 64), verb
-    assert (settings.BITS, settings.GROUP_SIZES) == (quant.BITS, quant.GROUP_SIZES)
     section = schema_section("model")
     assert section["quantize"]["enum"] == [None, *quant.BITS]
     assert section["group_size"]["enum"] == list(quant.GROUP_SIZES)
@@ -199,6 +198,38 @@ def test_job_options_keep_no_copy_of_a_group_default():
         for f in dataclasses.fields(cls):
             if f.name in known and not unset(f) and f.default != known[f.name]:
                 pytest.fail(f"{cls.__name__}.{f.name} has a default of its own: {f.default!r}")
+
+
+def test_the_engine_seams_defaults_are_the_engine_group():
+    """``LoadOptions`` is built without conf/ (engines, benches): its defaults are
+    conf/engine/auto.yaml's, as are those of the name and procs."""
+    fields = dataclasses.fields(settings.EngineSettings)
+    assert {f.name: f.default for f in fields} == base("engine")
+    assert settings.EngineSettings().load() == settings.LoadOptions()
+
+
+def test_the_engine_flags_are_the_engine_settings():
+    """Every engine setting but procs is a flag; on a build they are the ``engine.*``
+    overrides they stand for, and a resume passes them on as the same flags."""
+    from spill.cli.options import engine_argv, engine_overrides
+
+    build = subparsers()["build"]
+    given = ["--engine", "torch", "--device", "cpu", "--dtype", "float32", "--resident"]
+    args = build.parse_args([*given, "--memory", "1G", "--packed-matmul"])
+    assert engine_overrides(args) == [
+        "engine.name=torch",
+        "engine.device=cpu",
+        "engine.dtype=float32",
+        f"engine.memory={2**30}",
+        "engine.packed_matmul=true",
+        "engine.resident=true",
+        "engine.ring=null",
+    ]
+    assert vars(build.parse_args(engine_argv(args))) == vars(args)
+    ring = build.parse_args(["--ring", "2"])
+    assert engine_overrides(ring) == ["engine.ring=2", "engine.resident=false"]
+    named = {f.name for f in dataclasses.fields(settings.EngineSettings)}
+    assert set(ENGINE_FLAGS.values()) == named - {"procs"}  # the defaults test reads them all
 
 
 def test_a_setting_is_one_field_and_one_conf_line(monkeypatch):

@@ -35,7 +35,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
 }
 GROUND = {  # spill/<name>.py or spill/<name>/, and the data packages installed beside them
     *("__init__", "errors", "console", "ground"),
-    *("settings", "settings_field", "settings_export", "settings_schema"),
+    "settings",
     *("conf", "schemas", "projects", "reports"),
 }
 CLI = {"cli", "__main__"}

@@ -1,15 +1,17 @@
-"""``export:``, the group of the build's export stage (``spill.settings`` lists it with the
-others): the merged models to write after ``tune``, with ``spill export``'s options."""
+"""``export:``, the group of the build's export stage: the merged models to write after
+``tune``, with ``spill export``'s options (``spill.jobs.export`` and the verb read these)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spill.settings_field import setting
+from spill.settings.field import setting
+from spill.settings.model import BITS
 
 EXPORT_FORMATS = ("hf", "gguf", "mlx")  # what spill.jobs.export writes (``spill export`` too)
 EXPORT_DTYPES = ("f32", "bf16", "f16")
-EXPORT_QUANTIZE = {"gguf": ("q8_0", "q4_0", "q4_1"), "mlx": (4, 8)}  # the formats that take each
+# the formats that take a quantization: the GGUF's block kinds; mlx-lm's affine bits, spill's own
+EXPORT_QUANTIZE = {"gguf": ("q8_0", "q4_0", "q4_1"), "mlx": BITS}
 
 
 @dataclass(frozen=True)
