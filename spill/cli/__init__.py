@@ -15,7 +15,7 @@ import os
 import sys
 
 from spill import __version__
-from spill.cli.options import JOB_VERBS
+from spill.cli.options import JOB_VERBS, Replay
 from spill.errors import EXIT_USAGE, SpillError
 
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = extra
     args.argv = argv  # what a run records, so that `spill resume <state>` can continue it
     try:
-        return args.func(args)
+        code = args.func(args)
     except SpillError as e:
         if not e.said:  # a preempted job already said so, in one line
             print(f"spill: error: {e}", file=sys.stderr)
@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return EXIT_USAGE
+    if isinstance(code, Replay):  # a verb handed back the command to run in its place
+        os.chdir(code.cwd)
+        return main(code.argv)
+    return code
 
 
 def entry() -> None:

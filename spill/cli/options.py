@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 
 from spill import conf
 from spill.errors import UsageError
@@ -20,6 +21,15 @@ JOB_VERBS = ("run", "eval", "distill", "tune", "train", "predict")  # train: tun
 # build and resume turn into engine.* overrides, and what a resume passes on to the command it
 # replays; each an engine setting's flag (spill.settings.engine)
 ENGINE_FLAGS = tuple(f.name for f in engine_flags() if f.type != "bool")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a verb may return in place of an exit code: a command line for ``spill.cli.main``
+    to run instead, in folder ``cwd`` (``spill resume`` of a state location)."""
+
+    cwd: str
+    argv: list[str]
 
 
 def _dest(f) -> str:

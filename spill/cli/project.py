@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from spill.cli.options import authority_options, engine_options, engine_overrides
+from spill.cli.options import Replay, authority_options, engine_options, engine_overrides
 from spill.errors import UsageError
 
 
@@ -174,14 +174,14 @@ def _build(args) -> int:
     return 0
 
 
-def cmd_resume(args) -> int:
-    from spill.cli.resume import resume_state
+def cmd_resume(args) -> int | Replay:
+    from spill.cli.resume import replay
     from spill.project.build.build import BuildOptions, build
     from spill.project.report.status import is_state
 
     _at_uri(args)
     if args.state is None and not args.overrides and is_state(args.dir):
-        return resume_state(args.dir, args)
+        return replay(args.dir, args, _project_dir)
     if args.overrides:
         if args.overrides[0].startswith("-"):
             raise UsageError(
@@ -231,6 +231,13 @@ def cmd_status(args) -> int:
         return 0
     _emit_build(summary, args.json)
     return 0
+
+
+def _project_dir(argv: list[str]) -> str:
+    """The project folder (DIR) a recorded ``spill build`` or ``spill resume`` names."""
+    parser = argparse.ArgumentParser(prog="spill")
+    add_parsers(parser.add_subparsers(dest="command"))
+    return parser.parse_known_args(argv)[0].dir
 
 
 def add_parsers(sub) -> None:

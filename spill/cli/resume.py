@@ -1,21 +1,20 @@
 """``spill resume <state>``: continue whatever run a state location holds, from the location alone.
 
-``spill resume DIR`` with a project folder continues its build (``spill.project.build.build``). Given a
-state location instead (a folder or a URI holding ``runs/``), this module reads the run's control
-object and ``command.json`` (the command line that last owned the run, recorded at acquisition
-by ``spill.jobs.authority``), prints the last committed step or row count
-(``spill.project.report.status.progress``), and runs that command again through ``spill.cli.main`` in
-the folder it was typed in, with ``--state`` set to the location given, its own
-``--stop-after`` dropped (a resume continues), and the resume's ``--stop-after``, ``--wait``,
-``--lease`` and engine options applied. The command itself acquires the run (exit 75 naming the
-owner while another process holds it), restores from the pointed payloads and continues.
+Given a state location (a folder or a URI holding ``runs/``), ``replay`` reads the run's control
+object and ``command.json`` (the command line that last owned the run), prints the last
+committed step or row count, and hands back that command for ``spill.cli.main`` to run in the
+folder it was typed in: ``--state`` set to the location given, its own ``--stop-after`` dropped
+(a resume continues), the resume's ``--stop-after``, ``--wait``, ``--lease`` and engine options
+applied. The command itself acquires the run (exit 75 while another process holds it),
+restores from the pointed payloads and continues.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
-from spill.cli.options import JOB_VERBS, engine_argv
+from spill.cli.options import JOB_VERBS, Replay, engine_argv
 from spill.console import note
 from spill.errors import StoreError
 from spill.store.fs import absolute
@@ -48,9 +47,9 @@ def _extra(args) -> list[str]:
     return out
 
 
-def resume_state(where: str, args) -> int:
-    """Continue the run at state location ``where``; see the module doc."""
-    from spill.cli import build_parser, main  # the floor's own entry: a replay is a command line
+def replay(where: str, args, project_dir: Callable[[list[str]], str]) -> Replay:
+    """The command that continues the run at state location ``where``; see the module doc.
+    ``project_dir(argv)``: the project folder a recorded build or resume names."""
     from spill.control.keys import current
     from spill.jobs.authority import read_command
     from spill.project.report.status import progress
@@ -76,10 +75,7 @@ def resume_state(where: str, args) -> int:
         )
     argv = [*_drop(_drop(list(cmd["argv"]), "--stop-after"), "--state"), "--state", where]
     if cmd["verb"] in BUILD_VERBS:
-        recorded, _ = build_parser(cmd["verb"]).parse_known_args(cmd["argv"])
-        project = os.path.join(cmd["cwd"], recorded.dir)
-        argv = ["resume", project, "--state", where]
+        argv = ["resume", os.path.join(cmd["cwd"], project_dir(cmd["argv"])), "--state", where]
     argv += engine_argv(args)
     argv += ["--json"] if args.json else []
-    os.chdir(cmd["cwd"])  # the recorded arguments are relative to it
-    return main([*argv, *_extra(args)])
+    return Replay(cmd["cwd"], [*argv, *_extra(args)])  # the recorded arguments are relative to it
