@@ -9,11 +9,15 @@ import json
 from pathlib import Path
 
 from spill.errors import UsageError
+from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
+
+
+def _either(kinds: tuple[str, ...]) -> str:
+    return ", ".join(kinds[:-1]) + " or " + kinds[-1]
 
 
 def add_parser(sub) -> None:
-    from spill.jobs.export import DTYPES, FORMATS, QUANTIZE
-
+    gguf, mlx = (tuple(map(str, EXPORT_QUANTIZE[f])) for f in ("gguf", "mlx"))
     p = sub.add_parser(
         "export",
         help="merge a tuned adapter into its base and write a model to deploy (hf, gguf, mlx)",
@@ -28,15 +32,18 @@ def add_parser(sub) -> None:
         "(its folder or its .spill/): the adapter its tune stage published",
     )
     p.add_argument("out", help="the folder to write (new, or empty)")
-    p.add_argument("--format", choices=FORMATS, default="hf", help="what to write (default hf)")
     p.add_argument(
-        "--dtype", choices=DTYPES, help="the output's float dtype (default: the base's, else bf16)"
+        "--format", choices=EXPORT_FORMATS, default="hf", help="what to write (default hf)"
     )
-    kinds = sorted({q for qs in QUANTIZE.values() for q in qs})
+    p.add_argument(
+        "--dtype",
+        choices=EXPORT_DTYPES,
+        help="the output's float dtype (default: the base's, else bf16)",
+    )
     p.add_argument(
         "--quantize",
-        choices=kinds,
-        help="gguf: q8_0, q4_0 or q4_1 for the matrices (norms stay F32); mlx: 4 or 8 bits",
+        choices=sorted({*gguf, *mlx}),
+        help=f"gguf: {_either(gguf)} for the matrices (norms stay F32); mlx: {_either(mlx)} bits",
     )
     p.add_argument(
         "--model",

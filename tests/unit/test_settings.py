@@ -232,6 +232,15 @@ def test_the_engine_flags_are_the_engine_settings():
     assert set(ENGINE_FLAGS.values()) == named - {"procs"}  # the defaults test reads them all
 
 
+def test_the_export_record_names_the_export_groups_formats_and_dtypes():
+    """export.json's schema lists the formats and dtypes literally: the export group's."""
+    from spill.ground.validate import load_schema
+
+    record = load_schema("export")["properties"]
+    assert record["format"]["enum"] == list(settings.EXPORT_FORMATS)
+    assert record["dtype"]["enum"] == list(settings.EXPORT_DTYPES)
+
+
 def test_a_setting_is_one_field_and_one_conf_line(monkeypatch):
     """Adding a setting to a group: its field in spill.settings (type, schema fragment, help),
     its line in the group's base option in conf/, and `python -m spill.settings` for the
