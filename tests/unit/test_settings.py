@@ -76,6 +76,7 @@ def unset(f: dataclasses.Field) -> bool:
 @pytest.mark.parametrize("group", GROUPS)
 def test_the_reader_is_the_files(group):
     assert spill.conf.defaults(group) == base(group)
+    assert spill.conf.BASE[group] == GROUPS[group]
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -206,6 +207,13 @@ def test_the_engine_seams_defaults_are_the_engine_group():
     fields = dataclasses.fields(settings.EngineSettings)
     assert {f.name: f.default for f in fields} == base("engine")
     assert settings.EngineSettings().load() == settings.LoadOptions()
+
+
+def test_the_engine_names_are_the_engines_spill_picks_from():
+    """``engine.name``'s choices (the settings import no engine) are ``auto`` and the engines."""
+    from spill.engines import ENGINES
+
+    assert settings.ENGINE_NAMES == ("auto", *ENGINES)
 
 
 def test_the_engine_flags_are_the_engine_settings():
