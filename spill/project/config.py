@@ -10,7 +10,7 @@ Errors from Hydra, OmegaConf, YAML and the schema all become one ``ConfigError``
 key path and what is allowed. Before validation, ``hydra_safety`` refuses a ``hydra:`` tree (or
 a ``_target_`` anywhere) that could run code or write files, here and in every sweep.
 
-``compose_key`` (``spill.project.build.uptodate``) hashes everything composition reads. A build
+``compose_key`` (``spill.project.sources``) hashes everything composition reads. A build
 records it next to the composed config; a later build with the same key rebuilds the
 ``Project`` from that record with ``from_record`` instead of composing again.
 """
@@ -27,9 +27,13 @@ from typing import Any
 from spill.errors import BadOverride, ConfigError, HydraRefused
 from spill.ground.validate import short
 from spill.project import hydra_safety
-from spill.project.build.uptodate import compose_key  # noqa: F401  (part of this boundary's API)
 from spill.project.data import template_problem
 from spill.project.hydra_safety import SEARCH_PATH  # noqa: F401  (init writes it into projects)
+from spill.project.sources import (
+    FILE,
+    compose_key,  # noqa: F401  (part of this boundary's API)
+    project_files,
+)
 from spill.settings import (
     GROUPS,
     VALIDATION,
@@ -43,7 +47,6 @@ from spill.settings import (
     TuneSettings,
 )
 
-FILE = "spill.yaml"
 CONFIG_NAME = "spill"
 SCHEMA = "spill-yaml"
 SECTIONS = ("data", "model", "teacher", "tune", "eval", "engine", "prompt", "export")
@@ -351,8 +354,6 @@ def _listed(root: Path) -> set[str]:
 def check_encoding(root: Path) -> None:
     """Refuse, naming the file and the byte, a project file that is not UTF-8 (Hydra would
     raise a traceback from deep inside its config source); cheap: these files are small."""
-    from spill.project.build.uptodate import _project_files as project_files
-
     for path in project_files(root):
         try:
             path.read_bytes().decode("utf-8")

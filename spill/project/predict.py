@@ -22,7 +22,8 @@ from spill.ground.paths import STATE_DIR
 from spill.jobs.inputs import PromptRow
 from spill.jobs.predict import PredictOptions, PredictRow, predict, predict_one
 from spill.jobs.rows_job import RowOptions
-from spill.project.build import record, uptodate
+from spill.project import sources
+from spill.project.build import record
 from spill.project.build.build import with_engine
 from spill.project.build.stages import TUNE
 from spill.project.bundle.installed import model_folder
@@ -45,7 +46,7 @@ class Built:
 def built(root: Path | str, state_root: str | None = None) -> Built:
     """The recorded build of the project at ``root``; see the module doc for what is refused."""
     root = Path(root).resolve()
-    if not (root / uptodate.FILE).is_file():
+    if not (root / sources.FILE).is_file():
         from spill.project.config import compose
 
         compose(root)  # raises the one-line "no spill.yaml here" error
@@ -62,7 +63,7 @@ def built(root: Path | str, state_root: str | None = None) -> Built:
     problem = stage.problem(where, name, rec.get("outputs"))
     if problem:
         raise StoreError(f"{root.name}'s tuned adapter: {problem}; {run} to publish it again")
-    if uptodate.compose_key(root, tuple(doc.get("overrides") or ())) != doc["compose_key"]:
+    if sources.compose_key(root, tuple(doc.get("overrides") or ())) != doc["compose_key"]:
         note("spill.yaml changed since the build; predicting with the built adapter and its config")
     project = from_record(doc["config"], root, tuple(doc.get("overrides") or ()))
     labels = tuple(doc["data"]["labels"]) if doc["data"]["task"] == "classification" else ()

@@ -1,8 +1,8 @@
 """``spill build`` and ``spill resume``: plan, then hand the stages that need work to the executor.
 
-Order: read the state; if ``uptodate.finished`` says the recorded build is complete, nothing
-it was made from changed and its outputs are still there, answer from ``state.json`` (the
-make-style shortcut: no Hydra, no jsonschema, no engine). Otherwise get the ``Project`` (the
+Order: read the state; if ``finished`` says the recorded build is complete, nothing it was made
+from changed (``spill.project.sources``) and its outputs are still there, answer from
+``state.json`` (make's shortcut: no Hydra, no jsonschema, no dataclasses, no engine). Otherwise get the ``Project`` (the
 recorded config when the compose key matches, else ``config.compose``), derive the stage specs
 from the data, plan against the recorded state, check the model names of the stages that are
 not done (spelling, aliases, local folders; no weights are loaded, the hub is not asked), and
@@ -21,8 +21,10 @@ from typing import Any, NamedTuple
 from spill.errors import StoreError
 from spill.ground.paths import STATE_DIR
 from spill.jobs.authority import Writer
-from spill.project.build import record, uptodate
-from spill.project.build.stages import STAGES, finished, get
+from spill.project import sources
+from spill.project.build import record
+from spill.project.build.stages import STAGES, get
+from spill.project.build.stages import finished as every_stage_finished
 from spill.store.fs import listdir
 from spill.store.location import location
 
@@ -51,6 +53,26 @@ def _done_plan(doc: dict) -> list[dict[str, str]]:
     return out
 
 
+def finished(doc: dict | None, key: str, root: Path, state_root: str) -> bool:
+    """Whether the recorded build is complete, nothing it was made from has changed and every
+    stage's outputs are still what it recorded (``Stage.problem``: stats, a hash only for a
+    file whose mtime moved)."""
+    if doc is None or doc.get("compose_key") != key:
+        return False
+    stages = doc.get("stages") or {}
+    if not every_stage_finished(stages):
+        return False
+    data = Path(root) / doc["config"]["data"]["file"]
+    if sources.data_sha256(data) != doc["data"]["sha256"]:
+        return False
+    name = doc["project"]["name"]
+    return not any(
+        get(stage).problem(state_root, name, rec.get("outputs"))
+        for stage, rec in stages.items()
+        if rec["status"] == "done"
+    )
+
+
 def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
     """``spill build`` / ``spill resume`` on a project folder; returns the summary to print. As
     a rank other than 0 of a process group it runs rank 0's jobs with it (``follow``); asked for
@@ -69,7 +91,7 @@ def build(root: Path | str, opts: BuildOptions) -> dict[str, Any]:
 
 def _build(root: Path | str, opts: BuildOptions, group) -> dict[str, Any]:
     root = Path(root).resolve()
-    if not (root / uptodate.FILE).is_file():
+    if not (root / sources.FILE).is_file():
         from spill.project.config import compose
 
         compose(root)  # raises the one-line "no spill.yaml here" error
@@ -84,12 +106,12 @@ def _build(root: Path | str, opts: BuildOptions, group) -> dict[str, Any]:
         key = doc["compose_key"]
         if opts.engine:  # where the stages compute may change; what they mean may not
             overrides = (*overrides, *opts.engine)
-            key = uptodate.compose_key(root, overrides)
+            key = sources.compose_key(root, overrides)
     else:
         overrides = tuple(opts.overrides)
-        key = uptodate.compose_key(root, overrides)
+        key = sources.compose_key(root, overrides)
     summary = {"project": root.name, "state": state_root, "dry_run": opts.dry_run}
-    if not opts.dry_run and uptodate.finished(doc, key, root, state_root):
+    if not opts.dry_run and finished(doc, key, root, state_root):
         if opts.stop_after:  # a typo still fails, even with nothing to do
             from spill.project.build.plan import StopAfter, check_stop
 
@@ -102,7 +124,7 @@ def _build(root: Path | str, opts: BuildOptions, group) -> dict[str, Any]:
     stop = StopAfter.parse(opts.stop_after) if opts.stop_after else None
     if opts.resume:
         project = with_engine(config.from_record(doc["config"], root, overrides), opts.engine)
-        if uptodate.compose_key(root, overrides) != key:
+        if sources.compose_key(root, overrides) != key:
             from spill.console import note
 
             note(
@@ -204,7 +226,7 @@ def reconcile(
     from spill.project.build.specs import specs as stage_specs
 
     check_location(project, doc, state_root)
-    data_sha = uptodate.data_sha256(project.data_path)
+    data_sha = sources.data_sha256(project.data_path)
     ctx = BuildContext(project, state_root, prepare(project), data_sha, key)
     specs = stage_specs(project, ctx.prepared)
     decisions = _plan(project, specs, state_root, doc, stop)
@@ -225,7 +247,7 @@ def reconcile(
         summary["plan"] = [d.to_dict() for d in decisions]
         summary["doc"] = _execute(ctx, doc, decisions, specs)
         recs = (summary["doc"] or {}).get("stages") or {}
-        if finished(recs):
+        if every_stage_finished(recs):
             ctx.run.complete()
     return summary
 
@@ -241,7 +263,7 @@ def _own(stack, ctx, specs, stop, owner: Owner):
     """Own the run at the build's state for the block of ``stack``: the current one; or, when
     that one is complete (or an installed copy, with ``--new-run``) and this build would change
     anything, the next one (lineage: that run). None when the complete run or the copy already
-    records exactly this build (a sweep's jobs come here with no ``uptodate`` check first)."""
+    records exactly this build (a sweep's jobs come here with no ``finished`` check first)."""
     from spill.control.control import RunComplete
     from spill.control.ownership import CopiedRun
     from spill.jobs.authority import own

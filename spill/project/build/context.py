@@ -1,6 +1,6 @@
 """One build as the stages see it: the project, its state, its prepared data, its run, and the
-few services a stage's job needs (where a job writes a file of ``files/``, the options of a job
-that commits under the build's run, the tuned adapter as a local folder)."""
+few services a stage's job needs (where a job writes a file of ``files/``, the tuned adapter as
+a local folder, its scores in the build's trackers)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from spill.store.location import location
 if TYPE_CHECKING:
     from spill.control.control import Ownership
     from spill.jobs.track import TrackSpec
-    from spill.project.build.stages.base import Stage
     from spill.project.config import Project
     from spill.project.data import Prepared
 
@@ -48,31 +47,6 @@ class BuildContext:
         if not local.is_file():
             local.write_bytes(get_bytes(join(self.root, rel)))
         return local
-
-    def job_options(self, batch: int | None, stop: int | None, stage: Stage, setting: str = ""):
-        """A job's ``RowOptions``: the engine settings, the group's batch (``setting`` names it
-        for the pre-run line; None: from the memory budget), the model folder a bundle install
-        gave this project (None: the name's own), where it commits, and the quantized copy its
-        model computes on (``model.quantize``)."""
-        from spill.jobs.authority import Writer
-        from spill.jobs.rows_job import RowOptions
-
-        return RowOptions(
-            batch=batch,
-            batch_from=setting or "--batch",
-            engine=self.project.engine,
-            weights=self.weights(stage),
-            stop_after=stop,
-            writer=Writer(state=stage.uri(self.root), place=stage.place(self.root, self.run)),
-            quantize=stage.quantization(self.project),
-        )
-
-    def weights(self, stage: Stage) -> str | None:
-        """The model folder a bundle install gave this project for ``stage``'s model (None: the
-        name's own)."""
-        from spill.project.bundle.installed import model_folder
-
-        return model_folder(self.project.root, stage.model(self.project))
 
     def log_scores(self, stage: str, scores: dict, step: int) -> None:
         """An eval stage's scores as metrics ``<stage>/<score>`` of the build's run at ``step``

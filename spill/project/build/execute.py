@@ -35,8 +35,8 @@ from spill.project.build.context import BuildContext
 from spill.project.build.follow import context_of
 from spill.project.build.plan import Decision
 from spill.project.build.stages import STAGES, get
-from spill.project.build.uptodate import data_sha256
 from spill.project.config import Project
+from spill.project.sources import data_sha256
 from spill.store.fs import join, put_bytes, remove
 
 
@@ -180,7 +180,7 @@ class Executor:
                 self.shared = True
             self.group.share(("stage", d))
         try:
-            result, complete = stage.execute(self.ctx, d)
+            result, complete = stage.execute(self.ctx, d.stop)
         except Preempted:
             self._preempted(stop_requested() or "a stop request", d.stage)
         except Interrupted as e:

@@ -46,5 +46,5 @@ def follow(group: Group) -> dict:
                 for name, data in ctx.prepared.files().items():
                     (ctx.work / name).write_bytes(data)
             else:
-                get(value.stage).execute(ctx, value)
+                get(value.stage).execute(ctx, value.stop)
     return {"rank": group.rank}

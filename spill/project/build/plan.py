@@ -139,11 +139,12 @@ def _decide(
     if not spec.enabled:
         return "skip", f"skipped: {spec.why_off}", False, None, False
     same = rec is not None and rec.fingerprint == spec.fingerprint
-    unit = spec.stage.unit
+    stage = get(spec.name)
+    unit = stage.unit
     upstream = " and ".join(d.stage for d in behind)
     if same and rec.status == "done" and not behind:
         if not rec.problem:
-            done = spec.stage.summarize(rec.result)
+            done = stage.summarize(rec.result)
             return "done", "done" + (f": {done}" if done else ""), False, None, False
         if rec.source:  # repairing is not computing: it happens even past --stop-after
             return "restore", f"{rec.problem}; restored from {rec.source}", False, None, False

@@ -305,7 +305,7 @@ def project_config(root: Path, state: str):
     from spill.errors import StoreError
     from spill.project import config
     from spill.project.build import record
-    from spill.project.build.uptodate import compose_key
+    from spill.project.sources import compose_key
 
     try:
         doc = record.read(state)

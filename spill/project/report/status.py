@@ -18,7 +18,8 @@ from typing import Any
 from spill.console import table
 from spill.errors import StoreError
 from spill.ground.paths import STATE_DIR
-from spill.project.build import record, uptodate
+from spill.project import sources
+from spill.project.build import record
 from spill.project.build.stages import EXPORT, STAGES, TUNE, get
 from spill.project.build.stages import finished as stages_finished
 from spill.project.report import series
@@ -294,14 +295,14 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
             rec["progress"], producers = get(name).probe(where)
             rec["producers"] = producers or rec.get("producers", [])
     notes += _check_outputs(doc, where)
-    if (root / uptodate.FILE).is_file():
-        if uptodate.compose_key(root, doc["overrides"]) != doc["compose_key"]:
+    if (root / sources.FILE).is_file():
+        if sources.compose_key(root, doc["overrides"]) != doc["compose_key"]:
             notes.append(
                 "spill.yaml or its groups changed since; `spill build --dry-run` shows what reruns"
             )
         data = root / doc["config"]["data"]["file"]
         if data.is_file():
-            if uptodate.data_sha256(data) != doc["data"]["sha256"]:
+            if sources.data_sha256(data) != doc["data"]["sha256"]:
                 notes.append(f"{data.name} changed since; the stages that read it rerun")
     from spill.control.keys import missing_note
 

@@ -45,16 +45,16 @@ DISTILL = DistillStage(
     file="teacher.jsonl",
     reads="prompts.jsonl",
 )
-TUNE = TuneStage(name="tune", folder="tune", needs=("distill",))
+TUNE = TuneStage(name="tune", folder="tune", upstream=(DISTILL,))
 EVAL = EvalStage(
     name="eval",
     folder="eval",
     file="eval.jsonl",
     reads="test.jsonl",
     adapter=True,
-    needs=("tune",),
+    upstream=(TUNE,),
 )
-EXPORT = ExportStage(name="export", folder="export", needs=("tune",))
+EXPORT = ExportStage(name="export", folder="export", upstream=(TUNE,))
 STAGES: tuple[Stage, ...] = (EVAL_BASE, DISTILL, TUNE, EVAL, EXPORT)
 NAMES = tuple(s.name for s in STAGES)
 ALIASES = {"train": "tune"}

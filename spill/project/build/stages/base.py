@@ -19,8 +19,8 @@ from spill.store.fs import join
 if TYPE_CHECKING:
     from spill.control.control import Ownership
     from spill.control.place import Place
+    from spill.jobs.rows_job import RowOptions
     from spill.project.build.context import BuildContext
-    from spill.project.build.plan import Decision
     from spill.project.build.stages.spec import StageSpec
     from spill.project.config import Project
     from spill.project.data import Prepared
@@ -74,14 +74,19 @@ class Stage:
         *,
         name: str,
         folder: str,  # its job state: stages/<folder>/ under the state location
-        needs: tuple[str, ...] = (),  # earlier stages whose output it reads
+        upstream: tuple[Stage, ...] = (),  # the stages whose output it reads
         model_key: str = "model.name",  # the setting naming the model it loads
     ) -> None:
         self.name, self.folder = name, folder
-        self.needs, self.model_key = needs, model_key
+        self.upstream, self.model_key = upstream, model_key
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The names of the stages whose output it reads."""
+        return tuple(s.name for s in self.upstream)
 
     # in one build -----------------------------------------------------------------------------
 
@@ -94,7 +99,8 @@ class Stage:
 
         why_off = self.off(project)
         inputs = self.inputs(project, prepared, earlier) if not why_off else self.off_inputs()
-        return StageSpec(self.name, inputs, self.total(project, prepared), not why_off, why_off)
+        total = self.total(project, prepared)
+        return StageSpec(self.name, inputs, total, self.needs, not why_off, why_off)
 
     def inputs(
         self, project: Project, prepared: Prepared, earlier: Mapping[str, StageSpec]
@@ -114,9 +120,37 @@ class Stage:
     def off_inputs(self) -> dict[str, Any]:
         return {}
 
-    def execute(self, ctx: BuildContext, d: Decision) -> tuple[dict[str, Any], bool]:
-        """Run its job for decision ``d``: (the result to record, whether it completed)."""
+    def execute(self, ctx: BuildContext, stop: int | None) -> tuple[dict[str, Any], bool]:
+        """Run its job, stopping after ``stop`` steps or rows (None: to the end): (the result to
+        record, whether it completed)."""
         raise NotImplementedError
+
+    def job_options(
+        self, ctx: BuildContext, batch: int | None, stop: int | None, setting: str = ""
+    ) -> RowOptions:
+        """Its job's ``RowOptions`` in build ``ctx``: the engine settings, the group's batch
+        (``setting`` names it for the pre-run line; None: from the memory budget), the model
+        folder a bundle install gave the project, where it commits, and the quantized copy its
+        model computes on (``model.quantize``)."""
+        from spill.jobs.authority import Writer
+        from spill.jobs.rows_job import RowOptions
+
+        return RowOptions(
+            batch=batch,
+            batch_from=setting or "--batch",
+            engine=ctx.project.engine,
+            weights=self.weights(ctx.project),
+            stop_after=stop,
+            writer=Writer(state=self.uri(ctx.root), place=self.place(ctx.root, ctx.run)),
+            quantize=self.quantization(ctx.project),
+        )
+
+    def weights(self, project: Project) -> str | None:
+        """The model folder a bundle install gave ``project`` for its model (None: the name's
+        own)."""
+        from spill.project.bundle.installed import model_folder
+
+        return model_folder(project.root, self.model(project))
 
     # its state and outputs --------------------------------------------------------------------
 

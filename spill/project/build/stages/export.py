@@ -25,7 +25,6 @@ from spill.store.location import location
 if TYPE_CHECKING:
     from spill.control.place import Place
     from spill.project.build.context import BuildContext
-    from spill.project.build.plan import Decision
     from spill.project.build.stages.spec import StageSpec
     from spill.project.config import Project
     from spill.project.data import Prepared
@@ -68,23 +67,22 @@ class ExportStage(Stage):
 
     # its job ----------------------------------------------------------------------------------
 
-    def execute(self, ctx: BuildContext, d: Decision) -> tuple[dict[str, Any], bool]:
+    def execute(self, ctx: BuildContext, stop: int | None) -> tuple[dict[str, Any], bool]:
         from spill.console import note
         from spill.jobs.group import current
-        from spill.project.build.stages import get
         from spill.store import drill
 
         if not current().leader:  # one process merges; the others of a group have nothing to do
             return {}, True
-        p, tuned = ctx.project, get(self.needs[0])
+        p, tuned = ctx.project, self.upstream[0]
         adapter = ctx.local_folder(tuned.output(p.name), tuned.files)
         place = self.place(ctx.root, ctx.run)
         done = self.committed(place, ctx.root, p.name)
-        weights = ctx.weights(tuned)
+        weights = tuned.weights(p)
         for fmt in p.export.formats:
             if fmt in done:
                 continue
-            if d.stop is not None and len(done) >= d.stop:
+            if stop is not None and len(done) >= stop:
                 return self._result(done), False
             dest = join(ctx.root, self.output(p.name), fmt)
             remove(dest)  # written by a build killed before its commit

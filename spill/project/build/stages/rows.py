@@ -14,7 +14,6 @@ from spill.store.fs import join
 
 if TYPE_CHECKING:
     from spill.project.build.context import BuildContext
-    from spill.project.build.plan import Decision
     from spill.project.build.stages.spec import StageSpec
     from spill.project.config import Project
     from spill.project.data import Prepared
@@ -105,19 +104,18 @@ class EvalStage(RowStage):
     def total(self, project: Project, prepared: Prepared) -> int:
         return prepared.n_test
 
-    def execute(self, ctx: BuildContext, d: Decision) -> tuple[dict[str, Any], bool]:
+    def execute(self, ctx: BuildContext, stop: int | None) -> tuple[dict[str, Any], bool]:
         from spill.jobs.eval import EvalOptions, evaluate
-        from spill.project.build.stages import get
 
         p = ctx.project
         adapter = None
         if self.adapter:
-            tuned = get(self.needs[0])
+            tuned = self.upstream[0]
             adapter = ctx.local_folder(tuned.output(p.name), tuned.files)
         out = ctx.output(self.file)
         classes = ctx.prepared.labels if ctx.prepared.task == "classification" else ()
         opts = EvalOptions(max_new_tokens=p.eval.max_new_tokens, adapter=adapter, labels=classes)
-        job = ctx.job_options(p.eval.batch, d.stop, self, "eval.batch")
+        job = self.job_options(ctx, p.eval.batch, stop, "eval.batch")
         s = evaluate(p.model.name, ctx.work / self.reads, out, opts, job)
         complete = s.get("complete", True)
         result = {k: s[k] for k in (*self.KEYS, "labels", "confusion") if k in s}
@@ -169,7 +167,7 @@ class DistillStage(RowStage):
     def total(self, project: Project, prepared: Prepared) -> int:
         return prepared.n_train
 
-    def execute(self, ctx: BuildContext, d: Decision) -> tuple[dict[str, Any], bool]:
+    def execute(self, ctx: BuildContext, stop: int | None) -> tuple[dict[str, Any], bool]:
         from spill.jobs.distill import distill
         from spill.jobs.generate import GenerateOptions
 
@@ -181,7 +179,7 @@ class DistillStage(RowStage):
             seed=p.seed,
             chat=self.chat,
         )
-        job = ctx.job_options(t.batch, d.stop, self, "teacher.batch")
+        job = self.job_options(ctx, t.batch, stop, "teacher.batch")
         s = distill(t.name, ctx.work / self.reads, out, opts, job)
         complete = s.get("complete", True)
         if complete:

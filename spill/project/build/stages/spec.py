@@ -6,10 +6,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from spill.project.build.stages.base import Stage
+from typing import Any
 
 
 def fingerprint(inputs: Mapping[str, Any]) -> str:
@@ -24,18 +21,9 @@ class StageSpec:
     name: str
     inputs: Mapping[str, Any]  # key path -> value: everything that decides the stage's result
     total: int  # steps or rows
+    needs: tuple[str, ...] = ()  # the earlier stages whose output it reads
     enabled: bool = True
     why_off: str = ""  # reason when not enabled
-
-    @property
-    def stage(self) -> Stage:
-        from spill.project.build.stages import get
-
-        return get(self.name)
-
-    @property
-    def needs(self) -> tuple[str, ...]:
-        return self.stage.needs
 
     @property
     def fingerprint(self) -> str:

@@ -13,7 +13,6 @@ from spill.store.fs import join
 
 if TYPE_CHECKING:
     from spill.project.build.context import BuildContext
-    from spill.project.build.plan import Decision
     from spill.project.build.stages.spec import StageSpec
     from spill.project.config import Project
     from spill.project.data import Prepared
@@ -46,11 +45,11 @@ class TuneStage(Stage):
     def total(self, project: Project, prepared: Prepared) -> int:
         return project.tune.steps
 
-    def execute(self, ctx: BuildContext, d: Decision) -> tuple[dict[str, Any], bool]:
+    def execute(self, ctx: BuildContext, stop: int | None) -> tuple[dict[str, Any], bool]:
         from spill.jobs.tune import TuneOptions, tune
 
         p, t = ctx.project, ctx.project.tune
-        job = ctx.job_options(t.batch, d.stop, self)
+        job = self.job_options(ctx, t.batch, stop)
         opts = TuneOptions(
             tune=t,
             seed=p.seed,
@@ -69,9 +68,8 @@ class TuneStage(Stage):
 
     def train_file(self, ctx: BuildContext) -> Path:
         """The rows it trains on: the split's training rows, or the teacher's answers."""
-        from spill.project.build.stages import get
 
-        teacher = get(self.needs[0])
+        teacher = self.upstream[0]
         if teacher.off(ctx.project):
             return ctx.work / "train.jsonl"
         return ctx.fetch(teacher.output(ctx.project.name))

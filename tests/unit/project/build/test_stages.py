@@ -97,7 +97,10 @@ def _imports(path: Path) -> set[str]:
         if id(node) in skip or not isinstance(node, ast.ImportFrom) or not node.module:
             continue
         if node.module.startswith("spill.project."):
-            out.add(_short(node.module))
+            for a in node.names:  # a module of a package counts as that module
+                sub = PROJECT.parent.parent.joinpath(*node.module.split("."), a.name)
+                named = f"{node.module}.{a.name}" if sub.with_suffix(".py").is_file() else ""
+                out.add(_short(named or node.module))
     return out - {_short(_name(path))}
 
 
@@ -131,4 +134,4 @@ def test_project_imports_form_no_circle():
     for name in sorted(graph):
         visit(name, [])
     assert "build.record" not in graph["build.plan"]
-    assert graph["build.stages"] <= {"build.outputs", "data"}
+    assert graph["build.stages"] <= {"build.outputs", "data", "bundle.installed"}

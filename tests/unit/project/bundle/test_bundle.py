@@ -346,8 +346,8 @@ def test_pack_takes_the_config_from_a_matching_build_record(tmp_path, monkeypatc
     """A record whose compose key matches is used as is (no Hydra); any other is not."""
     from spill.project import config
     from spill.project.build import record
-    from spill.project.build.uptodate import compose_key
     from spill.project.bundle import pack as bundle_pack
+    from spill.project.sources import compose_key
 
     root = tmp_path / "toy"
     shutil.copytree(ROOT / "projects" / "toy", root, ignore=shutil.ignore_patterns(".spill"))
