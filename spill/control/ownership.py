@@ -5,7 +5,7 @@ is free (no owner, released, lease expired, or a gone process on this host and b
 raises ``Busy`` (exit 75) or, with ``wait``, polls. The first run of a location and a new run
 after a completed one (``acquire(new_run=True)``) are created by a conditional write of
 ``runs/current.json``, so two processes never start two runs in one place; a missing list is rebuilt
-(``runlist.restore``), never started afresh. A state copied from elsewhere may not continue while
+(``keys.restore``), never started afresh. A state copied from elsewhere may not continue while
 the original's owner holds it, where the original can be read. docs/authority.md.
 """
 
@@ -24,14 +24,17 @@ from spill.control.control import SCHEMA_VERSION, Busy, Ownership, RunComplete, 
 from spill.control.keys import (
     CONTROL,
     CURRENT,
+    controls,
     current,
+    has_runs,
     read_control,
     read_runs,
+    restore,
     run_list,
     store_for,
 )
 from spill.control.owner import describe, gone, home_of, host, lease_seconds, me
-from spill.control.runlist import has_runs, next_generation, restore
+from spill.control.place import generations
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, LockHeld, Store, Uncertain
@@ -40,6 +43,13 @@ from spill.store.location import location
 
 def _new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def next_generation(store: Store) -> int:
+    """A new run's generation: above every control object's and every payload folder's here."""
+    docs = controls(store)
+    gens = [d["generation"] for d in docs.values()] + generations(store.state)
+    return max(gens, default=0) + 1
 
 
 def _fresh(

@@ -12,24 +12,32 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from spill.control.keys import CONTROL, current, read_control, run_ids
+from spill.control.keys import CONTROL, FROZEN, current, read_control, run_ids
 from spill.errors import StoreError
 from spill.store.cas import Store
 from spill.store.fs import join, listdir, remove
 from spill.store.location import location
 
-if TYPE_CHECKING:
-    from spill.control.control import Ownership
-
 PAYLOADS = "payloads"
 STAGES = "stages"  # a build's job places, stages/<stage>/, each with payloads of its own
 _PAYLOAD = re.compile(r"([a-z]+)-g(\d+)-s(\d+)-(\d+)")
-FROZEN = ("complete", "transferred", "copy")  # statuses a control object never leaves
 
 log = logging.getLogger(__name__)
 _frozen: dict[str, frozenset[str]] = {}  # a frozen run's control object URI -> its pointers
+
+
+class Run(Protocol):
+    """What a place needs of the run that owns it (``spill.control.control.Ownership``, which
+    makes its places)."""
+
+    id: str
+    gen: int
+    doc: dict[str, Any]
+    store: Store
+
+    def publish(self, pointers: dict[str, list[str] | None], what: str = ...) -> None: ...
 
 
 class Place:
@@ -38,7 +46,7 @@ class Place:
     With a ``run`` it can allocate payloads and publish; without one it only reads the current
     control object (status, probes)."""
 
-    def __init__(self, state: str, prefix: str = "", run: Ownership | None = None):
+    def __init__(self, state: str, prefix: str = "", run: Run | None = None):
         self.state, self.prefix, self.run = location(state), prefix.strip("/"), run
         self._doc: dict[str, Any] | None = None
 

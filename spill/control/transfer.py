@@ -20,10 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from spill.control.control import Ownership, _iso
-from spill.control.keys import CONTROL, CURRENT, read_control
+from spill.control.keys import CONTROL, CURRENT, read_control, restore
 from spill.control.owner import home_of, lease_seconds, me
 from spill.control.ownership import CopiedRun, _busy, _holder
-from spill.control.runlist import restore
 from spill.errors import StoreError, UsageError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain

@@ -94,7 +94,7 @@ def _local(tmp_path: Path) -> str:
 # The gs flake of issue 26 (a loser exiting 1 with UnclearRuns, "more than one run there is
 # unfinished") was spill's: on an object store a racer read no run list while two others had made
 # their runs' control objects and not yet the list, and refused that as a lost list. A run list
-# still to come is now waited for (runlist.START_WAIT; tests/unit/control/test_runlist.py), and
+# still to come is now waited for (keys.START_WAIT; tests/unit/control/test_runlist.py), and
 # gs races in the default run again (about 10 s on two cores), az with -m slow (17 s, CI time).
 ROUNDS = [("local", 20), ("s3", 4), ("gs", 4), pytest.param("az", 4, marks=pytest.mark.slow)]
 

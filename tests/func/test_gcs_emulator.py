@@ -1,5 +1,5 @@
 """What fake-gcs-server does when an object is replaced under a reader (issue 26's gs flake was
-first suspected of it; the cause was spill's: ``spill.control.runlist.START_WAIT``).
+first suspected of it; the cause was spill's: ``spill.control.keys.START_WAIT``).
 
 * A replace with ``ifGenerationMatch`` is atomic to readers: while one thread replaces a small
   object as fast as it can, two others reading it by name never get a 404 or a torn body. Real

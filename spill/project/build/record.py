@@ -88,10 +88,9 @@ def _check_more(doc: dict[str, Any], uri: str) -> None:
 
 def write(run: Ownership, doc: dict[str, Any]) -> None:
     """Write ``doc`` as a new payload and make it current (fenced: only the run's owner can)."""
-    from spill.control.place import Place
     from spill.ground.validate import remember, validate
 
-    place = Place(run.state, run=run)
+    place = run.place()
     target = place.payload(KIND_POINTER, run.doc["seq"])
     uri = join(target, STATE)
     validate(doc, "build-state", where=uri)

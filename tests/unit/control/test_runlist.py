@@ -16,17 +16,16 @@ import time
 
 import pytest
 
+from spill.control import keys
 from spill.control import place as place_mod
-from spill.control import runlist
 from spill.control.control import Busy, Ownership, RunComplete
-from spill.control.keys import CURRENT, current, run_list, store_for
+from spill.control.keys import CURRENT, UnclearRuns, current, restore, run_list, store_for
 from spill.control.owner import home_of, me
 from spill.control.ownership import _fresh, acquire
-from spill.control.runlist import UnclearRuns, restore
 from spill.store.fs import exists, get_bytes, join, listdir, put_bytes, remove
 from tests.conftest import bucket_uri
 
-REBUILT = "spill.control.runlist"
+REBUILT = "spill.control.keys"
 
 
 def _raw(state: str, key: str) -> dict:
@@ -152,12 +151,12 @@ def test_first_runs_being_started_on_an_object_store_are_waited_for(where, reque
     with pytest.raises(Busy) as e:
         acquire(state)
     lister.join()
-    assert 0.4 < time.monotonic() - t0 < runlist.START_WAIT
+    assert 0.4 < time.monotonic() - t0 < keys.START_WAIT
     assert f"run {a} at {state} is held by {socket.gethostname()} pid " in str(e.value)
     assert _raw(state, CURRENT)["runs"] == [a]
 
     # a list that never comes: after START_WAIT the runs are what a lost list left (refused)
-    monkeypatch.setattr(runlist, "START_WAIT", 0.3)
+    monkeypatch.setattr(keys, "START_WAIT", 0.3)
     other = join(bucket_uri(request, where), "other")
     for rid in (a, b):
         _other_run(other, rid, used=False)
