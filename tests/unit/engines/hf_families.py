@@ -6,13 +6,15 @@ Each variant shows what its family adds: Qwen3 an explicit ``head_dim`` (not hid
 per-head q/k norms and, in ``qwen3-windowed``, ``attention_bias`` and sliding layers from
 ``max_window_layers``; Mistral a ``sliding_window`` shorter than the test sequences; SmolLM3 a
 NoPE layer between rotary ones; and Qwen2's ``use_sliding_window``, which spill now honours too.
-``make_vision`` wraps the Gemma 3 text model in a ``gemma3`` (vision) folder.
-Weights are drawn wider than transformers' initializer and every norm weight is moved off 1, so
+``MLX_LM`` names a variant of each family that mlx-lm runs as transformers does, and
+``for_mlx_lm`` adds the config.json keys mlx-lm reads. ``make_vision`` wraps the Gemma 3 text
+model in a ``gemma3`` (vision) folder. Weights are drawn wider than transformers' initializer and every norm weight is moved off 1, so
 greedy picks are clear and the q/k norm weights matter.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -81,15 +83,38 @@ VARIANTS = {
         ),
     ),
 }
+# what mlx-lm (0.32) runs as transformers does, each family once: its llama.py has no layer that
+# slides without a full one (so Mistral comes without a window) and its qwen3.py no biases;
+# "phi3-long" turns by the long factors past its original length of 16, where mlx-lm turns by them
+# at every length (so the two agree on rows past 16 tokens only)
+MLX_LM = {
+    "qwen3": VARIANTS["qwen3"],
+    "mistral-full": ("Mistral", dict(num_hidden_layers=2, sliding_window=None, rope_theta=5000.0)),
+    "smollm3": VARIANTS["smollm3"],
+    "gemma3": VARIANTS["gemma3"],
+    "phi3-half": ("Phi3", dict(num_hidden_layers=2, partial_rotary_factor=0.5)),
+    "phi3-long": (
+        "Phi3",
+        dict(
+            num_hidden_layers=3,
+            original_max_position_embeddings=16,
+            tie_word_embeddings=True,
+            **PHI3,
+        ),
+    ),
+}
 CONFIGS = {"Gemma3": "Gemma3TextConfig"}  # a config class not named <name>Config
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def make(variant: str, folder: Path, tokenizer_from: Path, seed: int = 0) -> Path:
-    """Save the ``variant`` model, float32, into ``folder`` beside a copy of the tokenizer."""
+def make(
+    variant: str, folder: Path, tokenizer_from: Path, seed: int = 0, spec: tuple | None = None
+) -> Path:
+    """Save the ``variant`` model (or ``spec``: a (class name, config keys) pair as VARIANTS
+    holds), float32, into ``folder`` beside a copy of the tokenizer."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    name, extra = VARIANTS[variant]
+    name, extra = spec or VARIANTS[variant]
     kw = {**SHAPE, **extra}
     theta = kw.pop("rope_theta", None)
     if theta is not None:
@@ -139,6 +164,34 @@ def make_vision(folder: Path, tokenizer_from: Path, tied: bool = True, seed: int
     model.save_pretrained(folder)
     for f in TOKENIZER:
         shutil.copy(tokenizer_from / f, folder / f)
+    return folder
+
+
+def for_mlx_lm(folder: Path) -> Path:
+    """config.json with the older keys mlx-lm 0.32 reads beside transformers 5's nested
+    ``rope_parameters`` (which its qwen3.py alone reads): ``rope_theta`` at the top level, Gemma 3's
+    ``rope_local_base_freq`` and ``sliding_window_pattern`` (its layer_types periodic), Phi-3's
+    longrope as ``rope_scaling`` and its ``partial_rotary_factor``; the same model for spill."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params:
+        config["rope_theta"] = params["full_attention"]["rope_theta"]
+        config["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        every = config["layer_types"].index("full_attention") + 1
+        assert all(
+            (t == "full_attention") == ((i + 1) % every == 0)
+            for i, t in enumerate(config["layer_types"])
+        )
+        config["sliding_window_pattern"] = every
+    else:
+        config["rope_theta"] = params["rope_theta"]
+        if params.get("rope_type") == "longrope":
+            factors = {k: params[k] for k in ("short_factor", "long_factor")}
+            config["rope_scaling"] = {"type": "longrope", **factors}
+        if "partial_rotary_factor" in params:
+            config["partial_rotary_factor"] = params["partial_rotary_factor"]
+    path.write_text(json.dumps(config, indent=2))
     return folder
 
 
