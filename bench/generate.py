@@ -256,7 +256,7 @@ def bench_bound(
 def profile_decode(runner, prompts, batch: int, new: int, top: int) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from spill.engines.core.runner import Model
+    from spill.engines.core.model import Model
 
     forward = Model.forward
     sched = schedule(wait=1, warmup=1, active=new - 2, repeat=1)  # the prefill is forward 1

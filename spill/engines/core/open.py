@@ -19,8 +19,9 @@ from typing import Any, Protocol
 from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
 from spill.engines.core.common import RingPlan, check_layers, plan_model_ring
 from spill.engines.core.kernel import Kernel
+from spill.engines.core.model import Model
 from spill.engines.core.ring import Hooks, Ring, Weights
-from spill.engines.core.runner import Model, StreamRunner
+from spill.engines.core.runner import StreamRunner
 from spill.errors import UnsupportedModel
 from spill.models.config import ModelConfig
 from spill.models.weights import WeightFiles, layer_bytes, weight_files

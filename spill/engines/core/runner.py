@@ -38,8 +38,8 @@ from spill.engines.core.common import (
     left_pad,
     sync_ring_stats,
 )
-from spill.engines.core.kernel import LOGIT_ROWS, Array, Kernel
-from spill.engines.core.ring import Ring
+from spill.engines.core.kernel import LOGIT_ROWS
+from spill.engines.core.model import Model
 from spill.engines.core.train import StreamTrainer, layer_adapters
 from spill.models.lora import LoraConfig
 
@@ -59,49 +59,6 @@ def sample_numpy(logits: np.ndarray, temperature: float, top_p: float, rng) -> i
     cdf = np.cumsum(p)
     at = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return int(order[min(at, len(order) - 1)])
-
-
-class Model:
-    """A kernel's resident parts around a ring of decoder layers."""
-
-    def __init__(self, kernel: Kernel, ring: Ring):
-        self.kernel, self.ring, self.cfg = kernel, ring, kernel.cfg
-
-    def forward(self, ids: Array, ctx, caches: list | None = None, lora: dict | None = None):
-        """ids (B, T) -> final-normed hidden states (B, T, hidden), walking every layer.
-
-        ``lora``, when given, maps a layer index to that layer's adapters. Each layer's output
-        (and its cache) is computed before the ring moves on: a lazy graph that still referenced
-        a released slot would keep its weights alive and run the whole model at the end.
-        """
-        k = self.kernel
-        x = k.embed_ids(ids)
-        for i, w in self.ring.walk(range(self.cfg.num_hidden_layers)):
-            cache = caches[i] if caches is not None else None
-            x = k.layer(i, w, x, ctx, cache, lora.get(i) if lora else None)
-            k.sync(x, *([cache] if cache is not None else []))
-        return k.final_norm(x)
-
-    def forward_each(self, rows: Sequence[np.ndarray], lora: dict | None = None) -> list:
-        """Each row of ids (T_r,) -> its final-normed hidden states (1, T_r, hidden).
-
-        The rows share one walk over the layers (one read of each layer), but every layer runs
-        on each row alone at its own length: no padding and no neighbour enters a row's shapes,
-        so its numbers do not depend on what it is batched with (padding changes the attention's
-        reductions, measured up to 3e-5 in a log-prob on the tiny float32 llama).
-        """
-        k = self.kernel
-        xs = [k.embed_ids(k.array(np.asarray(r, np.int64)[None])) for r in rows]  # (1, T_r, hidden)
-        ctxs = [k.context(np.ones((1, len(r)), dtype=bool), 0, len(r)) for r in rows]
-        for i, w in self.ring.walk(range(self.cfg.num_hidden_layers)):
-            for j, ctx in enumerate(ctxs):
-                xs[j] = k.layer(i, w, xs[j], ctx, None, lora.get(i) if lora else None)
-                k.sync(xs[j])
-        return [k.final_norm(x) for x in xs]
-
-    def close(self) -> None:
-        self.ring.close()
-        self.kernel.close()
 
 
 SHRINK = 0.75  # a generating batch drops its finished rows once a quarter of it has finished

@@ -32,7 +32,6 @@ counters, and ``state()`` is everything needed to continue exactly.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -46,11 +45,9 @@ from spill.engines.core.common import (
     output_bytes,
 )
 from spill.engines.core.kernel import Array, LayerLora
+from spill.engines.core.model import Model
 from spill.errors import EngineError
 from spill.models.lora import MODULES, LoraConfig, param_names
-
-if TYPE_CHECKING:
-    from spill.engines.core.runner import Model
 
 
 def layer_names(lora: LoraConfig, i: int) -> list[str]:

@@ -23,10 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from spill.engines.torch.quant import Packed
+from spill.models.weights import WeightFiles
 
 NUMERICS = "bfloat16+int4mm"
 BLOCK = 64  # output rows per block of the kernel's layout
 GROUPS = (32, 64, 128, 256)
+# a module's two tensors in the kernel's file (``int4_file``): its uint8 words and bf16 scales
+# and zeros, named ``<module>.<part>``
+WORDS, SCALE_ZERO = "int4_words", "int4_scale_zero"
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,14 @@ def repack(p: Packed) -> Int4Weight:
     zero = b + 8 * s
     scale_zero = torch.stack((s.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()
     return Int4Weight(out, scale_zero, p.group_size)
+
+
+def held(kernel_file: WeightFiles, quantized: dict) -> list[str]:
+    """The weight names of ``quantized`` whose kernel layout ``kernel_file`` (the index of the
+    kernel's file) holds."""
+    return [
+        n for n in quantized if f"{n.removesuffix('.weight')}.{WORDS}" in kernel_file.tensor_shard
+    ]
 
 
 def linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 
 from spill.engines.torch import int4
 from spill.engines.torch.quant import Packed
+from spill.engines.torch.reader import WeightReader
 from spill.ground import paths
 from spill.ground.hashing import file_sha256
 from spill.models.config import ModelConfig
@@ -39,8 +40,6 @@ from spill.store.fs import fsync
 LAYOUT = 1  # this module's file layout; a change makes the files again
 FILE = "int4.safetensors"
 RECORD = "record.json"
-# a module's two tensors in the file: the kernel's uint8 words and its bf16 scales and zeros
-WORDS, SCALE_ZERO = "int4_words", "int4_scale_zero"
 
 
 def accepted(cfg: ModelConfig, files: WeightFiles, quantized: dict) -> list[str]:
@@ -55,11 +54,6 @@ def accepted(cfg: ModelConfig, files: WeightFiles, quantized: dict) -> list[str]
                 if int4.accepts(bits, group, (rows, words * 32 // bits)):
                     out.append(name)
     return out
-
-
-def held(kernel: WeightFiles, quantized: dict) -> list[str]:
-    """The weight names of ``quantized`` whose kernel layout the file ``kernel`` indexes holds."""
-    return [n for n in quantized if f"{n.removesuffix('.weight')}.{WORDS}" in kernel.tensor_shard]
 
 
 def _stat(path: Path) -> list[int]:
@@ -126,8 +120,8 @@ def _header(names: list[str], files: WeightFiles, quantized: dict, fingerprint: 
         cols = words * 32 // bits
         module = name.removesuffix(".weight")
         for part, dtype, shape, size in (
-            (WORDS, "U8", [rows, cols // 2], rows * cols // 2),
-            (SCALE_ZERO, "BF16", [cols // group, rows, 2], cols // group * rows * 4),
+            (int4.WORDS, "U8", [rows, cols // 2], rows * cols // 2),
+            (int4.SCALE_ZERO, "BF16", [cols // group, rows, 2], cols // group * rows * 4),
         ):
             header[f"{module}.{part}"] = {
                 "dtype": dtype,
@@ -140,8 +134,6 @@ def _header(names: list[str], files: WeightFiles, quantized: dict, fingerprint: 
 
 def _make(folder: Path, cfg: ModelConfig, files: WeightFiles, quantized: dict, fp: str) -> int:
     """Write the file, one layer's modules at a time; returns its size."""
-    from spill.engines.torch.reader import WeightReader
-
     names = accepted(cfg, files, quantized)
     raw = json.dumps(_header(names, files, quantized, fp), separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -31,7 +31,7 @@ import torch
 
 from spill.engines.core.reader import ShardFiles
 from spill.engines.core.ring import Hooks
-from spill.engines.torch import int4, int4_file
+from spill.engines.torch import int4
 from spill.engines.torch.quant import Packed, dequantize
 from spill.models.quant import not_finite
 from spill.models.weights import WeightFiles
@@ -90,7 +90,7 @@ class WeightReader:
         self.quantized = dict(quantized or {})
         # the int4 kernel's file (``int4_file``): the 4-bit modules it holds are read from it
         self._kernel_files = ShardFiles(kernel) if kernel is not None else None
-        self._kernel_names = frozenset(int4_file.held(kernel, self.quantized) if kernel else ())
+        self._kernel_names = frozenset(int4.held(kernel, self.quantized) if kernel else ())
         self._shards = ShardFiles(files)
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
@@ -222,14 +222,14 @@ class WeightReader:
     def _kernel(self, names) -> dict[str, int4.Int4Weight]:
         """4-bit weights in the int4 kernel's layout, from its file (``int4_file``)."""
         modules = [n.removesuffix(".weight") for n in names]
-        parts = [f"{m}.{p}" for m in modules for p in (int4_file.WORDS, int4_file.SCALE_ZERO)]
+        parts = [f"{m}.{p}" for m in modules for p in (int4.WORDS, int4.SCALE_ZERO)]
         raw = self._raw(self._kernel_files, parts, _PACKED)
         out = {}
         for name, m in zip(names, modules, strict=True):
-            words, buf = raw[f"{m}.{int4_file.WORDS}"]
-            scale_zero = raw[f"{m}.{int4_file.SCALE_ZERO}"][0]
+            words, buf = raw[f"{m}.{int4.WORDS}"]
+            scale_zero = raw[f"{m}.{int4.SCALE_ZERO}"][0]
             out[name] = int4.Int4Weight(words, scale_zero, self.quantized[name][1], buf)
-        zeros = {n: t for n, (t, _) in raw.items() if n.endswith(int4_file.SCALE_ZERO)}
+        zeros = {n: t for n, (t, _) in raw.items() if n.endswith(int4.SCALE_ZERO)}
         self._check_finite(zeros, self._kernel_files.files)
         return out
 
