@@ -229,3 +229,33 @@ def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
         ).eval()
         lp = _gold_log_probs(model, theirs)
         assert np.allclose(lp, scores["adapter"], rtol=0, atol=1e-5)
+
+
+def test_a_gemma3_vision_folders_adapter_exports_its_text_model(tmp_path, tiny_models):
+    """An adapter tuned on a ``gemma3`` (vision) folder's text model: the merged HF folder is
+    that text model, a ``gemma3_text`` folder (the vision tower is not part of it), and scores as
+    ``spill eval --adapter`` on the vision folder within 1e-5 in transformers."""
+    home = tmp_path / "home"
+    model = hf_families.make_vision(tmp_path / "gemma3", tiny_models["llama"], tied=False)
+    train = _jsonl(
+        tmp_path / "train.jsonl",
+        [
+            {"prompt": f"Question {i}: what is {i} plus 3?", "completion": f" {i + 3}."}
+            for i in range(8)
+        ],
+    )
+    state, graded = tmp_path / "state", tmp_path / "eval.jsonl"
+    argv = ["tune", str(model), str(train), "--name", "t", "--state", str(state)]
+    tuned = _ok(_spill(*argv, *TUNE, "--targets", "all", *FLOAT, home=home))
+    assert "its vision tower ignored" in tuned.stderr
+    rows = _jsonl(tmp_path / "rows.jsonl", ROWS)
+    adapter = ["--adapter", str(state / "adapter")]
+    _ok(_spill("eval", str(model), str(rows), "--out", str(graded), *adapter, *FLOAT, home=home))
+    spill_lp = [json.loads(line)["gold_logprob"] for line in graded.read_text().splitlines()]
+
+    hf = tmp_path / "hf"
+    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
+    config = json.loads((hf / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and "vision_config" not in config
+    assert not [k for k in _tensors(hf) if "vision" in k or "projector" in k]
+    assert np.allclose(_gold_log_probs(hf), spill_lp, rtol=0, atol=1e-5)
