@@ -20,6 +20,11 @@ world size to continue from the last commit. An exchange that cannot notice a pe
 answering (``TIMES_OUT`` false: MLX's ring) is bounded by a watchdog that ends the process with
 the same line after ``SPILL_GROUP_TIMEOUT`` seconds in one collective.
 
+A launcher ends the rest of a job as soon as one rank exits (torch's SIGTERMs them), so the
+rank that finds the group lost says its line at once (``say_lost``), before it winds down; under
+``--procs`` the job says it once: the first rank to claim ``SPILL_GROUP_SAID`` (a file) says it,
+and the launcher says it where a rank died and none could (``spill.jobs.launch``).
+
 A rank that spill's own launcher started (``--procs``: ``SPILL_LAUNCHER_PID`` names it) dies
 with it: on Linux it asks for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``) and checks the
 parent did not die before it asked, so a SIGKILLed launcher leaves no rank running, and rank 0
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from spill.errors import EXIT_PREEMPTED, SpillError
+from spill.store import drill
 
 if TYPE_CHECKING:
     import numpy as np
@@ -48,6 +54,7 @@ ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # what torchrun (and torch's launche
 MLX_ENV = "MLX_RANK"  # what mlx.launch sets, whatever its backend (ring, nccl, jaccl)
 TIMEOUT_ENV, TIMEOUT = "SPILL_GROUP_TIMEOUT", 1800.0  # seconds one collective may wait
 PARENT_ENV = "SPILL_LAUNCHER_PID"  # set by ``--procs``: the ranks' launcher, their parent
+SAID_ENV = "SPILL_GROUP_SAID"  # set by ``--procs``: the file whose creation claims the loss's line
 
 
 class GroupLost(SpillError):
@@ -56,11 +63,30 @@ class GroupLost(SpillError):
     exit_code = EXIT_PREEMPTED
 
 
-def lost(rank: int, why: str) -> str:
+def lost(rank: int | None, why: str) -> str:
+    """``GroupLost``'s line, said for ``rank`` (None: ``--procs``'s launcher, for its ranks)."""
+    who = "the launcher" if rank is None else f"rank {rank}"
     return (
-        f"rank {rank}: another process of this job is gone ({why}); nothing half-published: "
+        f"{who}: another process of this job is gone ({why}); nothing half-published: "
         "run the same command (any --procs) to continue from the last commit"
     )
+
+
+def say_lost(line: str) -> None:
+    """``line`` (``lost``'s) on stderr as the CLI says an error, unbuffered (a watchdog's
+    ``_exit`` or the launcher's SIGTERM may follow): once per job under ``--procs`` (the rank
+    that creates ``SAID_ENV``'s file, which then reads ``said``), by every rank otherwise."""
+    path = os.environ.get(SAID_ENV)
+    try:
+        claim = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY) if path else None
+    except FileExistsError:
+        return  # another rank said it
+    except OSError:
+        claim = None  # (its folder gone: say it anyway)
+    os.write(2, f"spill: error: {line}\n".encode())
+    if claim is not None:
+        os.write(claim, b"said")
+        os.close(claim)
 
 
 class Refused(SpillError):
@@ -90,7 +116,9 @@ class Group:
 
     # --- collectives (each one is called by every rank, in the same order) -------------------
 
-    def _call(self, what, *args):
+    def _call(self, what, *args, say: bool = True):
+        """``what(*args)``, the exchange's collective; a peer gone is ``GroupLost``, its line
+        said here unless ``say`` is false (a caller that expects the loss and swallows it)."""
         if self.world == 1:
             raise AssertionError("a world of one process exchanges nothing")
         try:
@@ -98,8 +126,13 @@ class Group:
                 return what(*args)
         except RuntimeError as e:  # gloo, MLX's ring: a peer closed its connection, timed out
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0]  # gloo's file:line
-            line = text.splitlines()[0][:160] if text else type(e).__name__
-            raise GroupLost(lost(self.rank, line)) from None
+            why = text.splitlines()[0][:160] if text else type(e).__name__
+        error = GroupLost(lost(self.rank, why))
+        if say:  # now: the launcher may end this process before the error reaches the CLI
+            drill.at(drill.GROUP_LOST)
+            say_lost(str(error))
+            error.said = True
+        raise error
 
     def share(self, payload=None):
         """Rank 0's ``payload`` on every rank (the others pass nothing)."""
@@ -127,9 +160,9 @@ class Group:
             shared = SpillError(str(error) or type(error).__name__)
             shared.exit_code = code
             try:
-                self.start(shared)
+                self._call(self.exchange.share, shared, say=False)
             except GroupLost:
-                pass
+                pass  # the others are gone: rank 0's own error is the line
 
     def boundary(self, guard) -> None:
         """Between quanta (a job's ``Guard``): stop (save, exit 75) when asked; in a group, all
@@ -155,7 +188,7 @@ class Group:
         """Every rank waits here for the others (rank 0's commit): a launcher stops the rest of
         a job when one rank exits, so none exits before rank 0 has committed and said so."""
         try:
-            self._call(self.exchange.any_of, False)
+            self._call(self.exchange.any_of, False, say=False)
         except GroupLost:
             pass  # gone already: its exit is what was waited for
 
@@ -230,8 +263,7 @@ class Watchdog:
             time.sleep(min(1.0, self.seconds / 4))
             since = self.since
             if since is not None and time.monotonic() - since > self.seconds:
-                why = f"no answer in {self.seconds:g} s"
-                os.write(2, f"spill: error: {lost(self.rank, why)}\n".encode())  # as the CLI would
+                say_lost(lost(self.rank, f"no answer in {self.seconds:g} s"))
                 os._exit(EXIT_PREEMPTED)
 
 

@@ -4,19 +4,25 @@ a rank of ``spill.jobs.group``.
 
 The launcher's exit status is the job's: 0 when every rank finished; 75 when the job stopped
 (a signal, a lost rank) and rank 0's last commit stands, so the same command, at any ``--procs``,
-continues; otherwise the failing ranks' status. Each rank computes on one thread unless
-``OMP_NUM_THREADS`` says otherwise (as torchrun does). Every socket the launcher and its ranks
-listen on is on loopback (``spill.engines.torch.dist``), and the ranks die with the launcher
+continues; otherwise the failing ranks' status. A rank that dies is said in one line, once: by
+the rank that found it gone (the first to claim ``SPILL_GROUP_SAID``, a file of the launcher's)
+or, where torch's teardown ended the others before any could, by the launcher
+(``unsaid_loss``). Each rank computes on one thread unless ``OMP_NUM_THREADS`` says otherwise (as
+torchrun does). Every socket the launcher and its ranks listen on is on loopback
+(``spill.engines.torch.dist``), and the ranks die with the launcher
 (``spill.jobs.group.die_with_launcher``).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 from spill.errors import EXIT_PREEMPTED, UsageError
-from spill.jobs.group import PARENT_ENV, launcher
+from spill.jobs.group import PARENT_ENV, SAID_ENV, launcher, lost, say_lost
 
 
 def without_procs(argv: Sequence[str]) -> list[str]:
@@ -43,11 +49,39 @@ def launch(procs: int, argv: Sequence[str]) -> int:
     from spill.engines.torch import dist
 
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent: they die with it
+    with tempfile.TemporaryDirectory(prefix="spill-procs-") as work:
+        said = Path(work) / "said"
+        os.environ[SAID_ENV] = str(said)
+        try:
+            failed = dist.launch(procs, without_procs(argv))
+        except dist.Stopped:
+            return EXIT_PREEMPTED  # the ranks were handed the signal: rank 0 saved and said so
+        finally:
+            del os.environ[SAID_ENV]
+        if failed is None:
+            return 0
+        status = _status(list(failed.values()))
+        if status == EXIT_PREEMPTED and (line := unsaid_loss(failed, procs, said)):
+            say_lost(line)
+    return status
+
+
+def unsaid_loss(failed: dict[int, int], procs: int, said: Path) -> str | None:
+    """The line of a job that lost a rank (``failed``: exit codes by rank, a signal's negative)
+    where no rank said it (``said`` never read ``said``): torch's teardown SIGTERMs every other
+    rank once one exits, and may end them before they notice. None when no rank died of a
+    signal, or one rank said it, or there was no other rank to lose."""
+    dead = {rank: code for rank, code in failed.items() if code < 0}
+    if procs < 2 or not dead or (said.exists() and said.read_bytes() == b"said"):
+        return None
+    return lost(None, ", ".join(f"rank {r} ended by {_signal(-c)}" for r, c in dead.items()))
+
+
+def _signal(number: int) -> str:
     try:
-        failed = dist.launch(procs, without_procs(argv))
-    except dist.Stopped:
-        return EXIT_PREEMPTED  # the ranks were handed the signal: rank 0 saved and said so
-    return 0 if failed is None else _status(failed)
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _status(codes: list[int]) -> int:

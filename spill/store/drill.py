@@ -30,6 +30,7 @@ TUNE_BEFORE_FORWARD = "tune-before-forward"
 TUNE_AFTER_BACKWARD = "tune-after-backward"
 TUNE_AFTER_OPTIMIZER = "tune-after-optimizer"
 RANK_STEP = "rank-step"  # a rank other than 0 of a process group, before each quantum
+GROUP_LOST = "group-lost"  # a rank of a process group that found another gone, before it says so
 CONTROL_ACQUIRE = "control-acquire"
 CONTROL_RENEW = "control-renew"
 CONTROL_PUBLISH = "control-publish"
@@ -53,6 +54,7 @@ BOUNDARIES = (
     TUNE_AFTER_BACKWARD,
     TUNE_AFTER_OPTIMIZER,
     RANK_STEP,
+    GROUP_LOST,
     CONTROL_ACQUIRE,
     CONTROL_RENEW,
     CONTROL_PUBLISH,

@@ -152,7 +152,7 @@ def test_a_run_continues_at_other_world_sizes_after_kills(inputs, controls, tmp_
     state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
     leg = tune(inputs, state, LONG, {**env, "SPILL_DRILL": "rank-step@12"}, "--procs", "2")
     assert leg.returncode == 75, leg.stderr
-    assert "another process of this job is gone" in leg.stderr
+    assert leg.stderr.count("another process of this job is gone") == 1, leg.stderr
     assert kit.committed_steps(str(state))[-1] == 10  # steps 11 and 12 were not committed
 
     leg = tune(inputs, state, LONG, {**env, "SPILL_DRILL": "ckpt-between-files@3"})
@@ -176,6 +176,21 @@ def test_a_run_continues_at_other_world_sizes_after_kills(inputs, controls, tmp_
     got = ranges(same_run(str(state), controls["long"], LONG["steps"]))
     assert got == [(0, 10, 2), (10, 20, 1), (20, stopped, 2), (stopped, LONG["steps"], 1)]
     assert kit.litter(str(state)) == []
+
+
+def test_a_lost_rank_is_said_by_the_launcher_when_no_rank_could(inputs, tmp_path):
+    """Rank 1 SIGKILLed before its 12th step, and rank 0 SIGKILLed where it finds the group lost,
+    before it says so (``group-lost``: as torch's teardown SIGTERM may end it under load): the
+    launcher says the line, once, naming how each rank ended; rank 0's commit of step 10 stands."""
+    state, env = tmp_path / "state", kit.spill_env(tmp_path / "home")
+    drills = {**env, "SPILL_DRILL": "rank-step@12,group-lost"}
+    leg = tune(inputs, state, LONG, drills, "--procs", "2")
+    assert leg.returncode == 75, leg.stderr
+    [line] = [ln for ln in leg.stderr.splitlines() if "another process of this job is gone" in ln]
+    assert line.startswith("spill: error: the launcher: another process of this job is gone (")
+    assert "rank 1 ended by SIGKILL" in line and "rank 0 ended by SIGKILL" in line, line
+    assert kit.committed_steps(str(state))[-1] == 10
+    assert tune(inputs, state, LONG, env, stop_after=12).returncode == 0  # the run was let go
 
 
 def _rank_pids(pid: int) -> dict[int, int]:
@@ -487,7 +502,8 @@ def test_a_sharded_row_job_killed_continues_at_another_world_size(inputs, rows, 
     argv = rows_argv("run", inputs, rows, out, "--batch", "1", "--state", state)
     killed = kit.run_tune([*argv, "--procs", "2"], {**env, "SPILL_DRILL": "rank-step@4"})
     assert killed.returncode == 75, killed.stderr
-    assert "another process of this job is gone" in killed.stderr and not out.exists()
+    assert killed.stderr.count("another process of this job is gone") == 1, killed.stderr
+    assert not out.exists()
     again = kit.run_tune([*argv, "--json"], env)
     assert again.returncode == 0, again.stderr
     summary = json.loads(again.stdout)

@@ -119,10 +119,11 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def launch(procs: int, argv: Sequence[str]) -> list[int] | None:
+def launch(procs: int, argv: Sequence[str]) -> dict[int, int] | None:
     """``python -m spill *argv`` as ``procs`` ranks on this host through torch's elastic
     launcher (what ``torchrun --standalone`` runs). Returns None when every rank finished, else
-    the failed ranks' exit codes (a signal death negative); raises ``KeyboardInterrupt``-like
+    the failed ranks' exit codes (a signal death negative) by rank, in the order torch found
+    them (those that ended before its teardown first); raises ``KeyboardInterrupt``-like
     ``Stopped`` when the launcher itself was signalled."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -151,7 +152,7 @@ def launch(procs: int, argv: Sequence[str]) -> list[int] | None:
     try:
         elastic_launch(config, sys.executable)("-m", "spill", *argv)
     except ChildFailedError as e:
-        return [f.exitcode for f in e.failures.values()]
+        return {rank: f.exitcode for rank, f in e.failures.items()}
     except SignalException as e:
         raise Stopped(str(e)) from None
     return None

@@ -14,7 +14,7 @@ import pytest
 
 from spill.errors import EXIT_PREEMPTED, UsageError
 from spill.jobs import group
-from spill.jobs.launch import launch
+from spill.jobs.launch import launch, unsaid_loss
 
 
 @pytest.mark.parametrize(
@@ -46,15 +46,59 @@ class _Broken:
         raise RuntimeError("[ring] connection to a peer was lost")
 
 
-def test_a_failed_collective_is_group_lost_in_one_line():
+def test_a_failed_collective_is_group_lost_in_one_line_said_at_once(capfd, monkeypatch):
+    """Said where the loss is found, not by the CLI later: a launcher ending the rest of the job
+    may end this process before the error reaches it."""
+    monkeypatch.delenv(group.SAID_ENV, raising=False)
     g = group.Group(rank=1, world=2, exchange=_Broken)
     with pytest.raises(group.GroupLost) as e:
         g.stop_wanted(False)
-    assert e.value.exit_code == EXIT_PREEMPTED
+    assert e.value.exit_code == EXIT_PREEMPTED and e.value.said
     assert str(e.value).startswith(
         "rank 1: another process of this job is gone (connection to a peer was lost); "
         "nothing half-published"
     )
+    assert capfd.readouterr().err == f"spill: error: {e.value}\n"
+
+
+def test_a_loss_a_caller_expects_is_not_said(capfd):
+    """Rank 0 telling the others of its refusal, or waiting for them at a stop: a peer gone
+    there is no news, and rank 0's own line stands alone."""
+    g = group.Group(rank=0, world=2, exchange=_Broken)
+    g._together()
+    assert capfd.readouterr().err == ""
+
+
+def test_the_loss_is_said_once_per_job_under_procs(capfd, monkeypatch, tmp_path):
+    """Under ``--procs`` the first rank to claim the launcher's file says the line; another
+    rank that finds the group lost too does not repeat it."""
+    said = tmp_path / "said"
+    monkeypatch.setenv(group.SAID_ENV, str(said))
+    for rank in (1, 2):
+        with pytest.raises(group.GroupLost) as e:
+            group.Group(rank=rank, world=3, exchange=_Broken).stop_wanted(False)
+        assert e.value.said  # the CLI does not say it either
+    err = capfd.readouterr().err
+    assert err.count("another process of this job is gone") == 1 and err.startswith(
+        "spill: error: rank 1: "
+    )
+    assert said.read_bytes() == b"said"
+
+
+def test_the_launcher_says_a_loss_no_rank_said(tmp_path):
+    """torch's teardown may end every rank before one notices the loss: the launcher says it,
+    naming how each rank ended; never where a rank said it, none died, or none was another's."""
+    said = tmp_path / "said"
+    line = unsaid_loss({1: -9, 0: -15}, 2, said)
+    assert line.startswith(
+        "the launcher: another process of this job is gone (rank 1 ended by SIGKILL, rank 0 "
+        "ended by SIGTERM); nothing half-published: run the same command (any --procs)"
+    )
+    assert unsaid_loss({1: -9, 0: 75}, 2, said) is not None  # 75 alone says nothing was said
+    assert unsaid_loss({1: 75, 0: 75}, 2, said) is None  # a stop: rank 0 said it
+    assert unsaid_loss({0: -9}, 1, said) is None  # one process: no other to lose
+    said.write_bytes(b"said")
+    assert unsaid_loss({1: -9, 0: -15}, 2, said) is None
 
 
 def test_the_watchdog_ends_a_collective_that_never_returns():
