@@ -25,8 +25,8 @@ from spill.errors import StoreError
 from spill.ground.validate import parse_json, validate
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
-from spill.store.fs import files_under, get_bytes, join, listdir, remove
-from spill.store.location import location
+from spill.store.fs import files_under, get_bytes, join, prune_empty, remove, remove_named
+from spill.store.location import from_home
 
 _ELSEWHERE = "move to a new or empty location"
 
@@ -51,10 +51,7 @@ def _what(doc: dict[str, Any]) -> str:
 
 def _source(home: str) -> str | None:
     """The state location a claim's ``from`` names, where this process can read it."""
-    if "://" in home:
-        return home
-    name, _, path = home.partition(":")
-    return path if name == host() else None
+    return from_home(home, host())
 
 
 def abandoned(doc: dict[str, Any]) -> bool:
@@ -253,22 +250,12 @@ def remove_claim(dst: Store, root: str, rid: str, tid: str) -> bool:
             rels = _claimed_paths(dst, rid, tid)
             for rel in rels:
                 remove(join(root, rel))
-            if location(root).local:  # a mover killed mid-file left `.move-<pid>-<name>` beside it
-                for folder in {os.path.dirname(r) for r in rels}:
-                    for n in listdir(join(root, folder)):
-                        if n.startswith(".move-"):
-                            remove(join(root, folder, n))
+            for folder in {os.path.dirname(r) for r in rels}:  # a mover killed mid-file left
+                remove_named(join(root, folder), ".move-")  # `.move-<pid>-<name>` beside it
             remove(join(dst.state, RUNS, rid))  # its control object and manifest
         elif runs is None or runs["current"] != rid:
             return False
         if runs is not None and runs["runs"] == [rid]:
             remove(dst.uri(CURRENT))
-    if location(root).local:
-        base = location(root).path
-        for d, _, _ in os.walk(base, topdown=False):
-            if d != base:
-                try:
-                    os.rmdir(d)  # only an emptied folder goes
-                except OSError:
-                    pass
+    prune_empty(root)
     return True

@@ -127,6 +127,4 @@ def describe(doc: dict[str, Any], now: float | None = None) -> str:
 def home_of(state: str) -> str:
     """Where a state location is, as recorded in its runs: ``host:/real/path`` or the URI."""
 
-    if location(state).local:
-        return f"{host()}:{os.path.realpath(location(state).path)}"
-    return state.rstrip("/")
+    return location(state).home(host())

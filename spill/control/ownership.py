@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from pathlib import PurePosixPath
 from typing import Any
 
 from spill.control.control import SCHEMA_VERSION, Busy, Ownership, RunComplete, Superseded, _iso
@@ -38,7 +36,7 @@ from spill.control.place import generations
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, LockHeld, Store, Uncertain
-from spill.store.location import location
+from spill.store.location import from_home, location, shown_home
 
 
 def _new_run_id() -> str:
@@ -212,14 +210,7 @@ def _refuse_nested(state: str) -> None:
 def outer_state(state: str, every: bool = False) -> str | None:
     """The location holding runs whose own folders (``stages``, ``payloads``, ``runs``; with
     ``every`` any folder, as ``spill move`` asks of a destination) hold ``state``, if any."""
-    if location(state).local:
-        full = os.path.realpath(location(state).path)
-        above = [str(p) for p in PurePosixPath(full).parents]
-    else:
-        full = state.rstrip("/")
-        scheme, _, rest = full.partition("://")
-        parts = rest.split("/")
-        above = [f"{scheme}://" + "/".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+    full, above = location(state).canonical, location(state).parents()
     for outer in above:
         inside = full[len(outer) :].strip("/").split("/")[0]
         if not every and inside not in OUTER_WRITES:  # a sweep's builds under .spill/sweep/
@@ -265,19 +256,15 @@ def refuse_moving(doc: dict[str, Any], state: str) -> None:
 
 def _check_copy(doc: dict[str, Any], home: str) -> None:
     """A state copied from elsewhere may not continue while the original's owner holds it."""
-    where = doc["home"]
-    if "://" in where:
-        original = where
-    else:
-        hostname, _, original = where.partition(":")
-        if hostname != host() or not os.path.isdir(original):
-            return  # another machine, or moved away: the copied lease decides
+    original = from_home(doc["home"], host())
+    if original is None:
+        return  # another machine: the copied lease decides (as where the original moved away)
     try:
         theirs = current(original)
     except (StoreError, OSError):
         return
     if theirs is not None and theirs["run"] == doc["run"] and _holder(theirs, "", time.time()):
-        here = home if "://" in home else home.split(":", 1)[-1]  # a URI, or host:/path
+        here = shown_home(home)
         raise _busy(theirs, original, f" (this state at {here} is a copy of it)")
 
 

@@ -61,7 +61,6 @@ from spill.models.quant import Spec
 from spill.models.quantize import identity as quantization_identity
 from spill.settings import EngineSettings
 from spill.store import drill
-from spill.store.location import location
 
 Record = dict[str, Any]
 Compute = Callable[[list[Any]], list[Record]]
@@ -158,15 +157,14 @@ def job_inputs(input_path: Path, model: str, adapter: Path | None = None) -> lis
 
 def refuse_overlap(inputs: list[tuple[Path, str]], out: Path | None, state: str | None) -> None:
     """A usage error when ``--out`` or a local ``--state`` is one of ``inputs`` or each other."""
-    from spill.store.fs import same_file
+    from spill.store.disk import same_file
 
-    local_state = state if state is not None and location(state).local else None
     for path, what in inputs:
         if out is not None and same_file(out, path):
             raise UsageError(f"--out {out} is {what}; write the results elsewhere")
-        if local_state is not None and same_file(local_state, path):
+        if state is not None and same_file(state, path):
             raise UsageError(f"--state {state} is {what}; give the state a folder of its own")
-    if out is not None and local_state is not None and same_file(out, local_state):
+    if out is not None and state is not None and same_file(out, state):
         raise UsageError(f"--out {out} is the --state location; write the results elsewhere")
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from spill.errors import UsageError
 from spill.ground.paths import STATE_DIR
-from spill.store.fs import is_local, kind_of, same_file
+from spill.store.disk import same_file
+from spill.store.fs import is_local, kind_of
 from spill.store.location import local_path
 from spill.store.output import STREAMS
 

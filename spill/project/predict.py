@@ -11,7 +11,6 @@ adapter is gone or changed, is refused in one line that says to run ``spill buil
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,8 @@ from spill.project.build.stages import TUNE
 from spill.project.bundle.installed import model_folder
 from spill.project.config import Project, from_record
 from spill.project.data import prompt_of, read_inputs
-from spill.store.fs import get_bytes, join
-from spill.store.location import location
+from spill.store.disk import local_copy
+from spill.store.fs import join
 
 
 @dataclass(frozen=True)
@@ -68,17 +67,8 @@ def built(root: Path | str, state_root: str | None = None) -> Built:
     project = from_record(doc["config"], root, tuple(doc.get("overrides") or ()))
     labels = tuple(doc["data"]["labels"]) if doc["data"]["task"] == "classification" else ()
     rel = stage.output(name)
-    return Built(project, labels, _local(join(where, rel), stage.files), join(where, rel))
-
-
-def _local(uri: str, names: tuple[str, ...]) -> Path:
-    """The adapter folder at ``uri`` as a local folder (a copy of ``names`` from a remote state)."""
-    if location(uri).local:
-        return Path(location(uri).path)
-    folder = Path(tempfile.mkdtemp(prefix="spill-adapter-"))
-    for n in names:
-        (folder / n).write_bytes(get_bytes(join(uri, n)))
-    return folder
+    # the adapter folder as a local folder (a copy of its files from a remote state)
+    return Built(project, labels, local_copy(join(where, rel), stage.files), join(where, rel))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -144,7 +144,8 @@ def _recover(logs: str, token: str, error: BaseException) -> list[dict]:
 
 def _records(logs: str, token: str) -> list[dict]:
     found = []
-    for sub in listdir(logs) if location(logs).local and os.path.isdir(logs) else []:
+    here = location(logs).on_disk()
+    for sub in listdir(logs) if here is not None and os.path.isdir(here) else []:
         try:
             doc = json.loads(get_bytes(join(logs, sub, RECORD)))
         except (OSError, ValueError, SpillError):
@@ -179,7 +180,7 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
     if opts.stop_after:
         StopAfter.parse(opts.stop_after)  # fail before any job starts
     base = opts.writer.state or str(root / STATE_DIR)
-    logs = join(base, "hydra") if location(base).local else str(root / STATE_DIR / "hydra")
+    logs = location(base).on_disk("hydra") or str(root / STATE_DIR / "hydra")
     overrides = [*config.SILENT, f"hydra.sweep.dir='{logs}'", *opts.overrides]  # later ones win
     token = uuid.uuid4().hex
     task = functools.partial(

@@ -1,14 +1,8 @@
-"""Byte-level access to a state location: a local path, ``file://``, ``memory://``, ``s3://``,
-``gs://`` or ``az://``.
-
-Every function takes a location's text or a ``Location`` (``spill.store.location``). Local paths
-go through ``os`` (no fsspec), the rest through fsspec, imported lazily, with each backend's own
-endpoints and credentials. ``put_bytes`` is atomic: locally a ``.<name>.tmp-<random>`` beside
-the target, fsynced, renamed over it, the folder fsynced; on an object store one put. Temporary
-names are recognisable (``is_temp``), so the next write removes those a killed writer left.
-A rename replaces only a regular file (or a link): a FIFO, a device or a folder in the way is
-refused, never replaced (``spill.store.output`` writes into a FIFO or a device a person names).
-Listings are never served from fsspec's cache: another process may have written since.
+"""Byte-level access to a state location (a local path, ``file://``, ``memory://``, ``s3://``,
+``gs://``, ``az://``), given as text or a ``Location``: local ones through ``os``, the rest
+through fsspec (imported lazily). ``put_bytes`` is atomic (locally a temporary name, fsynced,
+renamed over the target, never over a FIFO, device or folder). Temporary names are
+recognisable (``is_temp``). Listings never come from fsspec's cache.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import shutil
 import sys
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import PurePosixPath
 from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISLNK, S_ISREG, S_ISSOCK
 
@@ -76,8 +70,7 @@ def is_temp(name: str) -> bool:
 
 
 def filesystem(uri: str):
-    """``(fsspec filesystem, path)`` for a non-local URI; a missing backend or a scheme that is
-    not a place for runs fails in one line, before any backend is made (or connects)."""
+    """``(fsspec filesystem, path)`` for a non-local URI (``Location.remote``)."""
     return location(uri).remote
 
 
@@ -290,8 +283,7 @@ def stat(uri: str | os.PathLike) -> tuple[int, int | None] | None:
 
 
 def files_under(uri: str | os.PathLike) -> list[str]:
-    """Every file below ``uri``, ``/``-separated and relative to it, sorted; ``[""]`` when
-    ``uri`` is itself a file, ``[]`` when nothing is there."""
+    """Every file below ``uri``, relative, sorted; ``[""]`` for a file, ``[]`` for nothing."""
     uri = location(uri)
     if uri.local:
         base = uri.path
@@ -335,14 +327,21 @@ def remove(uri: str | os.PathLike) -> None:
         fs.invalidate_cache(path)
 
 
-def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    """Whether two local paths name one file: the same inode when both exist (hard links,
-    symlinks), else the same resolved path."""
-    a, b = _local(os.fspath(a)), _local(os.fspath(b))
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet)
-        return os.path.realpath(a) == os.path.realpath(b)
+def remove_named(uri: str | os.PathLike, prefix: str) -> None:
+    """Remove the files ``prefix*`` a killed writer left in the local folder ``uri``."""
+    uri = location(uri)
+    for n in listdir(uri) if uri.local else ():
+        if n.startswith(prefix):
+            remove(uri.join(n))
+
+
+def prune_empty(uri: str | os.PathLike) -> None:
+    """Remove the emptied folders below the local folder ``uri``."""
+    uri = location(uri)
+    for d, _, _ in os.walk(uri.path, topdown=False) if uri.local else ():
+        if d != uri.path:
+            with suppress(OSError):
+                os.rmdir(d)  # only an emptied folder goes
 
 
 def mount_type(path: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from functools import cached_property
+from pathlib import PurePosixPath
 
 from spill.errors import StoreError
 
@@ -89,6 +90,34 @@ class Location(str):
         except ValueError as e:
             raise StoreError(f"{self}: unsupported location ({e}); {WHERE}") from None
 
+    @property
+    def canonical(self) -> str:
+        """Its one spelling: a local one's real path (links resolved), a URI without a final ``/``."""
+        return os.path.realpath(self.path) if self.local else self.rstrip("/")
+
+    def parents(self) -> list[str]:
+        """The locations holding it, nearest first, spelled as ``canonical`` (a URI's down to
+        its bucket)."""
+        if self.local:
+            return [str(p) for p in PurePosixPath(self.canonical).parents]
+        scheme, _, rest = self.canonical.partition("://")
+        parts = rest.split("/")
+        return [f"{scheme}://" + "/".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+    def home(self, host: str) -> str:
+        """Where it is, as runs record it (``home``): ``host:/real/path``, or the URI."""
+        return f"{host}:{self.canonical}" if self.local else self.canonical
+
+    def on_disk(self, *parts: str) -> str | None:
+        """The local path of ``parts`` below it (for a tool that writes only to a disk), or
+        None for an object store's."""
+        return self.join(*parts).path if self.local else None
+
+    def check(self) -> None:
+        """Refuse now, in one line, a location whose backend is missing (nothing connects)."""
+        if not self.local:
+            self.remote  # noqa: B018  (made once, here: its errors)
+
     def join(self, *parts: str) -> Location:
         """This location with ``parts`` appended, ``/``-separated whatever the scheme."""
         text = self.rstrip("/") or "/"
@@ -113,3 +142,17 @@ def location(where: str | os.PathLike) -> Location:
             f"{WHERE}"
         )
     return Location(text, scheme, text)
+
+
+def from_home(home: str, host: str) -> str | None:
+    """The location a recorded ``home`` names, where ``host`` can read it: the URI, or the path
+    of a home on ``host``; None for a path on another machine."""
+    if "://" in home:
+        return home
+    name, _, path = home.partition(":")
+    return path if name == host else None
+
+
+def shown_home(home: str) -> str:
+    """A recorded ``home`` as a person names it: the URI, or the path without its host."""
+    return home if "://" in home else home.split(":", 1)[-1]

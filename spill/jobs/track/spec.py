@@ -66,9 +66,8 @@ def check(kinds: tuple[str, ...] | list[str]) -> None:
 def logdir_for(state: str, name: str) -> tuple[str, bool]:
     """A bare job's TensorBoard folder: ``<state>/tensorboard`` when the state is local, else
     ``$SPILL_HOME/tensorboard/<name>`` on this machine (True: it is not beside the state)."""
-    where = location(state)
-    if where.local:
-        return str(Path(where.path) / "tensorboard"), False
+    if (beside := location(state).on_disk("tensorboard")) is not None:
+        return str(Path(beside)), False
     return str(spill_home() / "tensorboard" / name), True
 
 

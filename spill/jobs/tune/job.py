@@ -39,7 +39,8 @@ from spill.models.tokenizer import Tokenizer
 from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.settings import EngineSettings, TuneSettings
 from spill.store import drill
-from spill.store.fs import exists, join, same_file
+from spill.store.disk import same_file
+from spill.store.fs import exists, join
 from spill.store.location import Location, location
 from spill.store.probe import probe_writable
 
@@ -124,7 +125,7 @@ def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
 
 def _lead(model: str, train_path: Path, name: str, opts: TuneOptions, group: Group) -> dict:
     t, w = opts.tune, opts.writer
-    if w.state is not None and location(w.state).local and same_file(w.state, train_path):
+    if w.state is not None and same_file(w.state, train_path):
         raise UsageError(
             f"--state {w.state} is the training file; give the state a folder of its own"
         )

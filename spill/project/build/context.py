@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spill.store.fs import get_bytes, join, put_bytes
+from spill.store.disk import local_copy, put_file
+from spill.store.fs import get_bytes, join
 from spill.store.location import location
 
 if TYPE_CHECKING:
@@ -33,13 +34,12 @@ class BuildContext:
 
     def output(self, name: str) -> Path:
         """Where a job writes a file of ``files/``: there directly on a local state."""
-        where = join(self.root, "files")
-        return Path(location(where).path) / name if location(where).local else self.work / name
+        here = location(self.root).on_disk("files", name)
+        return Path(here) if here is not None else self.work / name
 
     def publish(self, path: Path) -> None:
         """A file a job wrote with ``output``, under ``files/`` (a no-op on a local state)."""
-        if not location(self.root).local:
-            put_bytes(join(self.root, "files", path.name), path.read_bytes())
+        put_file(path, join(self.root, "files", path.name))
 
     def fetch(self, rel: str) -> Path:
         """A published file of the state (``files/teacher.jsonl``) as a local file."""
@@ -62,11 +62,4 @@ class BuildContext:
 
     def local_folder(self, rel: str, names: tuple[str, ...]) -> Path:
         """The state's folder ``rel`` (the tuned adapter) as a local folder holding ``names``."""
-        uri = join(self.root, rel)
-        if location(uri).local:
-            return Path(location(uri).path)
-        local = self.work / rel.rsplit("/", 1)[-1]
-        local.mkdir(exist_ok=True)
-        for name in names:
-            (local / name).write_bytes(get_bytes(join(uri, name)))
-        return local
+        return local_copy(join(self.root, rel), names, self.work / rel.rsplit("/", 1)[-1])

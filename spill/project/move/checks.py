@@ -11,18 +11,17 @@ commits more before it stops may make the copy a little longer.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from spill.errors import StoreError, UsageError
 from spill.ground.paths import STATE_DIR
 from spill.store import snapshot
-from spill.store.fs import absolute, exists, filesystem, join, listdir, stat
+from spill.store.fs import absolute, exists, join, listdir, stat
 from spill.store.location import location
 
 
 def _real(where: str) -> str:
-    return os.path.realpath(location(where).path) if location(where).local else where.rstrip("/")
+    return location(where).canonical
 
 
 def _inside(a: str, b: str) -> bool:
@@ -49,8 +48,7 @@ def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, st
         raise UsageError(
             f"{to}: memory:// lives only inside one process; move to a folder or an object store"
         )
-    if not location(to).local:
-        filesystem(to)  # a scheme that is no place for runs: one line, nothing connected
+    location(to).check()  # a backend missing: one line, nothing connected
     root, src_state = source(src, state)
     real = _real(to)
     for mine in (src_state, root) if root else (src_state,):

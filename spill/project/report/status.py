@@ -117,7 +117,7 @@ def is_state(where: str) -> bool:
     """Whether ``where`` is a state location (it holds runs), not a project folder."""
     from spill.control.keys import has_runs
 
-    if location(where).local and os.path.isfile(os.path.join(where, "spill.yaml")):
+    if (project := location(where).on_disk("spill.yaml")) and os.path.isfile(project):
         return False
     return has_runs(where)
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from spill.errors import StoreError
-from spill.store.location import Location, location
+from spill.store.location import Location, from_home, location, shown_home
 from tests.func.tune_kit import spill_env, tune_argv, write_train
 
 
@@ -99,3 +99,23 @@ def test_a_tune_job_parses_its_state_once(tmp_path, tiny_models):
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["rc"] == 0
     assert [t for t in seen["texts"] if t.startswith(state)] == [state]
+
+
+def test_a_location_spells_its_home_and_its_parents(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    here = location(str(tmp_path / "link") + "/")
+    assert here.canonical == str(real) and here.home("h1") == f"h1:{real}"
+    assert here.parents()[:2] == [str(tmp_path), str(tmp_path.parent)]
+    there = location("s3://bucket/a/b/")
+    assert there.canonical == "s3://bucket/a/b" and there.home("h1") == "s3://bucket/a/b"
+    assert there.parents() == ["s3://bucket/a", "s3://bucket"]
+
+
+def test_a_recorded_home_is_read_back_where_it_can_be():
+    assert from_home("s3://bucket/a", "h1") == "s3://bucket/a"
+    assert from_home("h1:/srv/state", "h1") == "/srv/state"
+    assert from_home("h2:/srv/state", "h1") is None
+    assert shown_home("h2:/srv/state") == "/srv/state"
+    assert shown_home("gs://bucket/a") == "gs://bucket/a"

@@ -130,3 +130,15 @@ def test_an_output_through_a_link_replaces_its_target_and_keeps_the_link(tmp_pat
     assert (tmp_path / "real.jsonl").read_bytes() == b"new"
     with pytest.raises(StoreError, match="is a folder, not a file"):
         put_output(str(tmp_path), b"x")
+
+
+def test_what_a_killed_local_writer_left_is_removed(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / ".move-12-x").write_bytes(b"half")
+    (tmp_path / "a" / "kept").write_bytes(b"whole")
+    fs.remove_named(str(tmp_path / "a"), ".move-")
+    assert sorted(os.listdir(tmp_path / "a")) == ["b", "kept"]
+    fs.prune_empty(str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "a")) == ["kept"]  # the emptied folder b went
+    fs.remove_named("memory://none/a", ".move-")  # an object store: nothing to do
+    fs.prune_empty("memory://none/a")
