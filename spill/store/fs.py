@@ -8,14 +8,13 @@ recognisable (``is_temp``). Listings never come from fsspec's cache.
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import PurePosixPath
 from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISLNK, S_ISREG, S_ISSOCK
+from typing import BinaryIO
 
 from spill.errors import StoreError
 from spill.store import drill
@@ -327,6 +326,37 @@ def remove(uri: str | os.PathLike) -> None:
         fs.invalidate_cache(path)
 
 
+@contextmanager
+def open_whole(uri: str | os.PathLike, temp: str) -> Iterator[BinaryIO]:
+    """A file to stream ``uri``'s bytes into that lands whole: locally through the temporary
+    ``<folder>/<temp><name>`` (fsynced, renamed over ``uri``; removed when the block fails), on
+    an object store one upload that completes when the block ends."""
+    uri = location(uri)
+    if not uri.local:
+        fs, path = uri.remote
+        with fs.open(path, "wb") as g:
+            yield g
+        return
+    folder = os.path.dirname(uri.path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, temp + os.path.basename(uri.path))
+    try:
+        with open(tmp, "wb") as g:
+            yield g
+            g.flush()
+            os.fsync(g.fileno())
+        os.replace(tmp, uri.path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def failed_there(uri: str | os.PathLike, e: BaseException) -> bool:
+    """Whether ``e`` is the place at ``uri`` failing (an ``OSError`` of a disk; whatever an
+    object store's backend raises), not a bug."""
+    return isinstance(e, OSError) or not location(uri).local
+
+
 def remove_named(uri: str | os.PathLike, prefix: str) -> None:
     """Remove the files ``prefix*`` a killed writer left in the local folder ``uri``."""
     uri = location(uri)
@@ -342,36 +372,6 @@ def prune_empty(uri: str | os.PathLike) -> None:
         if d != uri.path:
             with suppress(OSError):
                 os.rmdir(d)  # only an emptied folder goes
-
-
-def mount_type(path: str) -> str:
-    """The file system type of the mount holding ``path`` (``""`` when it cannot be told)."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                point = left.split()[4].encode().decode("unicode_escape")
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, right.split()[0]
-        return kind
-    except (OSError, IndexError):
-        pass
-    if sys.platform == "darwin":
-        import subprocess
-
-        try:
-            out = subprocess.run(["mount"], capture_output=True, text=True).stdout
-        except OSError:
-            return ""
-        for line in out.splitlines():
-            m = re.match(r".+ on (.+) \(([a-z0-9]+)", line)
-            inside = m and (real == m[1] or real.startswith(m[1].rstrip("/") + "/"))
-            if inside and len(m[1]) >= len(best):
-                best, kind = m[1], m[2]
-    return kind
 
 
 def remove_stale(dest, suffix: str) -> None:

@@ -108,6 +108,12 @@ class Location(str):
         """Where it is, as runs record it (``home``): ``host:/real/path``, or the URI."""
         return f"{host}:{self.canonical}" if self.local else self.canonical
 
+    @property
+    def requests(self) -> int:
+        """Requests worth having in flight at once: 1 on a disk (one stream is as fast as the
+        disk), 4 on an object store (each waits on the network)."""
+        return 1 if self.local else 4
+
     def on_disk(self, *parts: str) -> str | None:
         """The local path of ``parts`` below it (for a tool that writes only to a disk), or
         None for an object store's."""

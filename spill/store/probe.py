@@ -129,9 +129,11 @@ def check_names(root: str, rels: Sequence[str] = ()) -> None:
         )
 
 
-def probe_names(root: str, rels: Sequence[str]) -> None:
+def probe_names(root: str, rels: Sequence[str], passing: Sequence[str] = ()) -> None:
     """Refuse, in one line, a destination ``root`` (absolute) that cannot hold every one of
-    ``rels`` (``/``-separated, relative to it); see the module doc."""
+    ``rels`` (``/``-separated, relative to it), nor locally the temporary names ``passing`` a
+    copy makes on the way (an object store's writes make none); see the module doc."""
+    rels = [*rels, *passing] if location(root).local else rels
     check_names(root, rels)
     if not location(root).local or not rels:
         return

@@ -185,10 +185,7 @@ def check_room(
     """Checks 8 and 9 of docs/move.md's list (``moving``: the source is in this move already)."""
     from spill.store.probe import probe_names
 
-    names = [rel for _, rel in files] + (
-        written(files, state_rel, run) if location(dst_root).local else []
-    )
-    probe_names(dst_root, names)
+    probe_names(dst_root, [rel for _, rel in files], written(files, state_rel, run))
     room = room_needed(dst_root, still_to_copy(dst_root, files))
     if room is not None and room[0] > room[1]:
         raise full(dst_root, *room, then=AGAIN if moving else "or move to another place")

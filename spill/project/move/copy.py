@@ -4,59 +4,41 @@ read back.
 The manifest (schema ``move-manifest``, ``runs/<run>/move-<transfer>.json`` at the destination)
 is written unsealed first, naming every path the copy will write (what ``--abort`` removes), and
 sealed with each file's size and sha256 at the end; a rerun of the same transfer copies only what
-differs. A local file lands whole (``.move-<pid>-<name>``, fsynced, renamed). A failed write ends
-the copy in one line naming the file, a full destination with the bytes needed and free; the
-source stays quiescing. Verify reads every file back. docs/move.md, "The seven steps".
+differs. A file lands whole (``fs.open_whole``; locally through ``.move-<pid>-<name>``). A failed
+write ends the copy in one line naming the file, a full destination with the bytes needed and
+free; the source stays quiescing. Verify reads every file back. docs/move.md, "The seven steps".
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
-from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
 from spill.errors import StoreError
 from spill.ground.hashing import CHUNK
 from spill.project.move import checks
 from spill.store import snapshot
-from spill.store.fs import exists, get_bytes, join, open_read, put_bytes, stat
+from spill.store.fs import (
+    exists,
+    failed_there,
+    get_bytes,
+    join,
+    open_read,
+    open_whole,
+    put_bytes,
+    stat,
+)
 from spill.store.location import location
 from spill.store.probe import _reason
-
-
-@contextlib.contextmanager
-def _writer(dst: str) -> Iterator[BinaryIO]:
-    """A file to write ``dst`` through; locally it lands whole (a temporary name, fsynced,
-    renamed), on an object store the upload completes when the block ends."""
-    if not location(dst).local:
-        from spill.store.fs import filesystem
-
-        fs_, path = filesystem(dst)
-        with fs_.open(path, "wb") as g:
-            yield g
-        return
-    folder = os.path.dirname(dst)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".move-{os.getpid()}-{os.path.basename(dst)}")
-    try:
-        with open(tmp, "wb") as g:
-            yield g
-            g.flush()
-            os.fsync(g.fileno())
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _copy(src: str, dst: str) -> tuple[int, str]:
     """Copy one file, streamed, hashing the bytes as they pass: (size, sha256)."""
     h, size = hashlib.sha256(), 0
-    with open_read(src) as f, _writer(dst) as g:
+    with open_read(src) as f, open_whole(dst, f".move-{os.getpid()}-") as g:
         while chunk := f.read(CHUNK):
             h.update(chunk)
             g.write(chunk)
@@ -133,7 +115,7 @@ def copy_snapshot(
         except StoreError:
             raise
         except Exception as e:  # noqa: BLE001 - a remote backend's error, or the disk's
-            if location(dst).local and not isinstance(e, OSError):
+            if not failed_there(dst, e):
                 raise
             raise StoreError(f"{dst}: cannot write ({_reason(e)})") from e
         done.add(rel)
@@ -179,7 +161,7 @@ def verify(dst_root: str, manifest: dict[str, Any]) -> None:
 def _workers(src: str, dst: str) -> int:
     """Files copied (or read back) at once: one on local disks, where one stream is as fast as
     the disk; several when an object store is a side, whose requests wait on the network."""
-    return 1 if location(src).local and location(dst).local else 4
+    return max(location(src).requests, location(dst).requests)
 
 
 def _each(fn, items: list, workers: int) -> list:

@@ -13,19 +13,51 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import stat
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 from spill.errors import StoreError
 from spill.store.cas.store import Conflict, Layout, LockHeld, Store, Unsupported
-from spill.store.fs import get_bytes, is_temp, mount_type, put_bytes
+from spill.store.fs import get_bytes, is_temp, put_bytes
 
 LOCK_WAIT = 10.0  # seconds a transition waits for the local lock before saying so
 FLOCK_FS = frozenset(
     "ext2 ext3 ext4 xfs btrfs tmpfs ramfs zfs overlay apfs hfs f2fs bcachefs jfs".split()
 )
+
+
+def mount_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (``""`` when it cannot be told)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                point = left.split()[4].encode().decode("unicode_escape")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, right.split()[0]
+        return kind
+    except (OSError, IndexError):
+        pass
+    if sys.platform == "darwin":
+        import subprocess
+
+        try:
+            out = subprocess.run(["mount"], capture_output=True, text=True).stdout
+        except OSError:
+            return ""
+        for line in out.splitlines():
+            m = re.match(r".+ on (.+) \(([a-z0-9]+)", line)
+            inside = m and (real == m[1] or real.startswith(m[1].rstrip("/") + "/"))
+            if inside and len(m[1]) >= len(best):
+                best, kind = m[1], m[2]
+    return kind
 
 
 def _foreign(path: str, wants: str, layout: Layout) -> StoreError:

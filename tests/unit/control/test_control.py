@@ -30,7 +30,8 @@ from spill.errors import EXIT_PREEMPTED
 from spill.ground.validate import load_schema
 from spill.store import cas
 from spill.store.cas import Unsupported
-from spill.store.fs import exists, get_bytes, join, listdir, mount_type, put_bytes
+from spill.store.cas.local import mount_type
+from spill.store.fs import exists, get_bytes, join, listdir, put_bytes
 
 WORKER = Path(__file__).parents[2] / "func" / "control_worker.py"
 HOST = socket.gethostname()

@@ -119,3 +119,7 @@ def test_a_recorded_home_is_read_back_where_it_can_be():
     assert from_home("h2:/srv/state", "h1") is None
     assert shown_home("h2:/srv/state") == "/srv/state"
     assert shown_home("gs://bucket/a") == "gs://bucket/a"
+
+
+def test_requests_in_flight_one_on_a_disk_several_on_an_object_store():
+    assert location("/srv/state").requests == 1 and location("s3://b/state").requests == 4

@@ -142,3 +142,25 @@ def test_what_a_killed_local_writer_left_is_removed(tmp_path):
     assert sorted(os.listdir(tmp_path / "a")) == ["kept"]  # the emptied folder b went
     fs.remove_named("memory://none/a", ".move-")  # an object store: nothing to do
     fs.prune_empty("memory://none/a")
+
+
+def test_a_streamed_file_lands_whole_or_not_at_all(tmp_path):
+    dst = tmp_path / "d" / "f"
+    with pytest.raises(RuntimeError), fs.open_whole(str(dst), ".move-1-") as g:
+        g.write(b"half")
+        assert os.listdir(tmp_path / "d") == [".move-1-f"]  # beside it, until it is whole
+        raise RuntimeError("killed")
+    assert os.listdir(tmp_path / "d") == []
+    with fs.open_whole(str(dst), ".move-1-") as g:
+        g.write(b"whole")
+    assert dst.read_bytes() == b"whole" and os.listdir(tmp_path / "d") == ["f"]
+    uri = "memory://whole/f"
+    with fs.open_whole(uri, ".move-1-") as g:
+        g.write(b"up")
+    assert fs.get_bytes(uri) == b"up" and fs.listdir("memory://whole") == ["f"]
+
+
+def test_a_place_failing_is_told_from_a_bug(tmp_path):
+    assert fs.failed_there(str(tmp_path), OSError(28, "full"))
+    assert not fs.failed_there(str(tmp_path), KeyError("bug"))
+    assert fs.failed_there("s3://b/k", KeyError("a backend's own error"))

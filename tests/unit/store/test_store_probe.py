@@ -90,3 +90,11 @@ def test_free_space_is_told_locally_only(tmp_path):
     free, block = probe.space(str(tmp_path / "not" / "yet"))
     assert free > 0 and block > 0
     assert probe.space("s3://bucket/p") is None
+
+
+def test_a_copys_temporary_names_are_probed_on_a_disk_only(tmp_path):
+    passing = [".move-1-" + "t" * 250]  # longer than this file system takes; its file is not
+    probe.probe_names("memory://bucket/p", ["f"], passing)  # an object store makes none
+    with pytest.raises(StoreError, match="bytes long, and this file system takes at most 255"):
+        probe.probe_names(str(tmp_path / "d"), ["f"], passing)
+    assert os.listdir(tmp_path) == []
