@@ -14,7 +14,7 @@ from spill.jobs.tune.validation import refuse as refuse_validation
 from spill.models.integrity import explain, same_weights
 
 if TYPE_CHECKING:
-    from spill.jobs.tune.job import TuneOptions
+    from spill.jobs.tune.options import TuneOptions
 
 
 class CheckpointMismatch(SpillError):

@@ -4,34 +4,29 @@ In one process the step accumulates its micro-batches in index order. In a group
 (``spill.jobs.group``) each rank computes its share, every rank gathers every micro-batch's
 gradients and folds them in index order, each as one addition per tensor, exactly as one process
 adds them: so the step, and the whole run, are the same bits at any world size (the intra-op
-thread count equal). ``follow`` is the whole job on a rank other than 0.
+thread count equal).
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import TYPE_CHECKING
+import resource
 
 from spill.engines.base import AdamW, TrainBatch, Trainer
 from spill.errors import SpillError
 from spill.jobs.group import Group
-from spill.jobs.loading import find_model, open_model
-from spill.jobs.preempt import Guard
 from spill.jobs.schedule import cosine_lr
-from spill.jobs.tune.data import load_examples, micro_batch_at
-from spill.models.tokenizer import Tokenizer
-from spill.store import drill
-
-if TYPE_CHECKING:
-    from spill.jobs.tune.job import TuneOptions
+from spill.jobs.tune.data import micro_batch_at
+from spill.jobs.tune.options import TuneOptions
 
 
 class Steps:
-    """The step loop's work for ``spill.jobs.tune.job``: ``gradients`` and ``apply`` (the boundary
-    between steps is the group's: ``Group.boundary``)."""
+    """A step's work on every rank (``spill.jobs.tune.job.run``): ``gradients`` and ``apply``
+    (the boundary between steps is the group's: ``Group.boundary``)."""
 
-    def __init__(self, trainer: Trainer, examples, pad_id: int, opts, group: Group, device: str):
+    def __init__(
+        self, trainer: Trainer, examples, pad_id: int, opts: TuneOptions, group: Group, device: str
+    ):
         self.trainer, self.examples, self.pad_id = trainer, examples, pad_id
         self.tune, self.seed, self.group = opts.tune, opts.seed, group
         self.device = device  # where the trainer computes: the exchange may go there (NCCL)
@@ -97,46 +92,5 @@ class Steps:
         self.trainer.apply(AdamW(lr=lr, step=step + 1, weight_decay=t.weight_decay))
 
 
-def follow(guard: Guard, model: str, train_path: Path, opts: TuneOptions, group: Group) -> dict:
-    """A rank other than 0: start where rank 0 says, compute its share of every step, commit
-    nothing. Its model must be the one rank 0 found (every node needs the model cache)."""
-    t = opts.tune
-    begin = group.start(None)
-    resolved, fingerprint = find_model(model, opts.weights, opts.quantize)
-    if fingerprint != begin["fingerprint"]:
-        raise SpillError(
-            f"rank {group.rank} found other weights for {model} (fingerprint "
-            f"{fingerprint[7:19]}..) than rank 0 ({begin['fingerprint'][7:19]}..); give every "
-            "node the same model (its cache, or --weights URI)"
-        )
-    name = resolved.name if opts.quantize is not None else model
-    folder = Path(resolved.folder)
-    opts = opts.on(folder)  # the targets' choice is the model's linears
-    tok = Tokenizer(folder)
-    examples = load_examples(Path(train_path), tok, t.seq_len)
-    runner = open_model(
-        name, resolved, fingerprint, opts.engine.name, opts.engine, "tune", True
-    ).runner
-    trainer = runner.trainer(opts.lora)
-    trainer.set_state(*begin["state"])
-    trainer.plan(t.micro_batch, t.seq_len, t.activations)
-    step, stop = begin["step"], opts.stop_after or t.steps
-    steps = Steps(trainer, examples, tok.pad_id, opts, group, runner.info.device)
-    loss = None
-    while step < stop:
-        group.boundary(guard)
-        drill.at(drill.RANK_STEP)
-        loss = steps.gradients(step)
-        with guard.mutating():
-            steps.apply(step)
-            step += 1
-    group.collect(peak_rss_mb())  # rank 0's summary names every rank's
-    runner.close()
-    # the keys a build's tune stage reads, as rank 0's summary has them
-    return {"rank": group.rank, "step": step, "steps": t.steps, "loss": loss}
-
-
 def peak_rss_mb() -> float:
-    import resource
-
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
