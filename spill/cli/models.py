@@ -22,7 +22,7 @@ def cmd_models_import(args) -> int:
 
 def cmd_models_quantize(args) -> int:
     from spill.console import note
-    from spill.models.quantize import quantize_model
+    from spill.models.resolve import quantize_model
 
     print(quantize_model(args.name, args.bits, args.group_size, progress=note))
     return 0
@@ -73,7 +73,8 @@ def cmd_models_verify(args) -> int:
     """A table of each model verified (or JSON), one line per changed, missing or added file on
     stderr, and ``ModelChanged`` (exit 1) if there is any."""
     from spill.console import note, table
-    from spill.models.integrity import ModelChanged, verify_models
+    from spill.models.integrity import ModelChanged
+    from spill.models.resolve import verify_models
 
     results = [
         {

@@ -36,12 +36,10 @@ def find_model(name: str, weights: str | None, quantize: Spec | None = None):
 
     from spill.models.cache import cached_fingerprint
     from spill.models.integrity import check, weight_hashes
-    from spill.models.resolve import resolve_model
+    from spill.models.resolve import quantized_copy, resolve_model
 
     resolved = resolve_model(name, weights, progress=note)
     if quantize is not None:
-        from spill.models.quantize import quantized_copy
-
         resolved = quantized_copy(resolved, quantize, note)
     folder = Path(resolved.folder)
     files = weight_hashes(check(folder, name))

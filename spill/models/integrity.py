@@ -33,14 +33,15 @@ import json
 import os
 import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from spill.console import note
 from spill.errors import ModelError
-from spill.models.cache import is_model_file, list_models, read_marker, write_marker
+from spill.models.cache import is_model_file, read_marker, write_marker
 from spill.models.scan import NotFinite, not_finite, scan_file
+from spill.models.weights import weight_files
 
 SCHEMA_VERSION = 1
 CHUNK = 1 << 22
@@ -256,20 +257,6 @@ def verify(folder: Path) -> Verified:
     return out
 
 
-def verify_models(
-    name: str | None, progress: Callable[[str], object]
-) -> list[tuple[str, Verified]]:
-    """``spill models verify [NAME]``: (the name, ``verify``'s result) for ``name`` (as ``spill
-    run`` takes it) or for every cached model."""
-    from spill.models.resolve import resolve_model
-
-    if name:
-        targets = [(name, Path(resolve_model(name, progress=progress).folder))]
-    else:
-        targets = [(m["name"], Path(m["folder"])) for m in list_models()]
-    return [(label, verify(folder)) for label, folder in targets]
-
-
 def explain(found: Mapping[str, str] | None, want: Mapping[str, str] | None) -> str | None:
     """The first weight file whose sha256 differs between a run's record and the model now, as
     ``the model's file X changed since this run started (sha256 a.. -> b..)``; None if unknown."""
@@ -290,8 +277,6 @@ def _legacy_fingerprint(folder: Path) -> str:
     sizes, headers, and a sha256 of 64 KiB at each end of each shard's data. It exists only so
     that a state recorded before then continues (``same_weights``); nothing recorded since holds
     it, and on its own it proves nothing (other bytes in the middle of a shard pass it)."""
-    from spill.models.weights import weight_files
-
     files = weight_files(folder)
     samples = []
     for shard in files.shards:

@@ -28,7 +28,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from spill.errors import ModelError
+from spill.errors import ModelError, ModelNotFound
+from spill.ground.hashing import file_sha256
+from spill.models.cache import read_marker
+from spill.models.hub import git_blob_id, hub_cache, reported_files
+from spill.models.integrity import record, weight_hashes
 from spill.models.names import (
     FLOAT_TAG,
     alias_for_model_id,
@@ -37,6 +41,9 @@ from spill.models.names import (
     parse_tiny,
     split_quant,
 )
+from spill.models.offline import import_offline, offline_folder
+from spill.models.quantize import quantize_folder, quantized_folder
+from spill.models.tiny import generate_tiny, tiny_folder
 
 # a tiny model is generated only when its size is near the bytes offered for it: a hostile name
 # (tiny:llama:1:64x8192) must not make a check write gigabytes for a bundle of kilobytes
@@ -57,9 +64,6 @@ def _tiny(name: str):
 def home(name: str, source: Mapping[str, Any]) -> Path | None:
     """The cache folder ``name`` resolves to on this machine for a model from ``source`` (the
     bundle manifest's pin: kind, model_id, revision), or None when no fixed folder is its."""
-    from spill.models.hub import hub_cache
-    from spill.models.resolve import offline_folder, tiny_folder
-
     spec = _tiny(name)
     if spec is not None:
         return tiny_folder(spec)
@@ -90,8 +94,6 @@ def home(name: str, source: Mapping[str, Any]) -> Path | None:
 def _spill_copy(base: str, tag: str, kind: Any) -> Path | None:
     """Where ``spill models quantize`` keeps ``<base>@q<bits>g<group>``, for a base whose own
     source is here (a tiny seed, the offline GGUF), else None."""
-    from spill.models.quantize import quantized_folder
-
     spec, alias = _tiny(base), lookup(base)
     if kind != "imported" or (spec is None and (alias is None or not alias.offline)):
         return None
@@ -114,8 +116,6 @@ def genuine(
     """Write into the new folder ``tmp`` (on the cache's file system) the files the name's
     source gives here, with their cache record; raises ``Unverifiable`` (why, in words) when it
     cannot. ``offered``: the bytes offered for the model, which bounds what a tiny check makes."""
-    from spill.models.resolve import generate_tiny
-
     where = home(name, source)
     if where is None:
         raise Unverifiable(f"{name} has no fixed folder in the model cache")
@@ -152,10 +152,6 @@ def genuine(
 def _quantized_here(base: str, tag: str, float_dir: Path, tmp: Path, progress) -> None:
     """``spill models quantize``'s copy of the float model in ``float_dir``, written to ``tmp``
     with the record it writes (its source, the float folder of this cache)."""
-    from spill.models.integrity import record
-    from spill.models.quantize import quantize_folder
-    from spill.models.resolve import offline_folder, tiny_folder
-
     bits, group = (int(x) for x in tag[1:].split("g"))
     quantize_folder(float_dir, tmp, bits, group, progress)
     spec, alias = _tiny(base), lookup(base)
@@ -167,10 +163,7 @@ def _quantized_here(base: str, tag: str, float_dir: Path, tmp: Path, progress) -
 def _offline_gguf(alias, source: Mapping[str, Any], tmp: Path, progress, tag: str | None) -> None:
     """The offline GGUF imported again into ``tmp`` as the name's tag asks (its quantization
     kept, or the float import); the source's ``gguf_sha256`` must be the installed file's."""
-    from spill.errors import ModelNotFound
-    from spill.ground.hashing import file_sha256
-    from spill.models.gguf_import import find_smollm2_gguf
-    from spill.models.resolve import import_offline, offline_folder
+    from spill.models.gguf_import import find_smollm2_gguf  # the gguf package: only when asked
 
     try:
         gguf = find_smollm2_gguf()
@@ -189,9 +182,6 @@ def hub_differs(
     name pins, else the first difference in words; ``read(file name) -> bytes`` gives a small
     file's bytes (the hub names those by git blob id, not sha256). Raises ``Unverifiable`` when
     the hub cannot be asked."""
-    from spill.errors import ModelNotFound
-    from spill.models.hub import git_blob_id, reported_files
-
     if home(name, source) is None or source.get("kind") != "hub":
         raise Unverifiable(f"{name} is no hub snapshot at a pinned commit")
     try:
@@ -217,10 +207,6 @@ def describe_base(name: str, files: Mapping[str, str] | None) -> dict[str, Any]:
     """What a model name's weights are, for a note beside an export: the hub repository and
     commit the name pins (what PEFT can resolve), and, when ``files`` (the weight files' sha256
     a run recorded) are those of the GGUF import in this cache, that GGUF file and its sha256."""
-    from spill.models.cache import read_marker
-    from spill.models.integrity import weight_hashes
-    from spill.models.resolve import offline_folder
-
     out: dict[str, Any] = {"name": name, "hub": None, "revision": None}
     alias = lookup(name)
     model_id, _, revision = name.strip().partition("@")

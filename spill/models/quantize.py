@@ -1,4 +1,4 @@
-"""``spill models quantize``: the affine quantized copy of a float model, beside it in the cache.
+"""The affine quantized copy of a float model (``spill models quantize``), beside it in the cache.
 
 Which tensors: as mlx-lm's ``convert -q`` picks them, every linear and embedding weight whose
 rows split into whole groups (q/k/v/o, the MLP, ``embed_tokens``, an untied ``lm_head``); norms
@@ -7,14 +7,13 @@ keep the weight's dtype (bf16 stays bf16), as mlx-lm stores them. Shard names an
 are kept. The copy is written to a temporary folder and renamed, every file's sha256 recorded;
 it lives at ``models/quantized/<name>-q<bits>g<group>`` and is named ``<name>@q<bits>g<group>``.
 
-The verbs' ``--quantize`` (and spill.yaml's ``model.quantize``) ask for that copy by the float
-model's name (``quantized_copy``): it is made on first use, the same bytes ``spill models quantize``
-writes. ``identity`` is what a run's identity records about a quantized base.
+``make_copy`` writes it (``resolve.quantize_model`` and ``--quantize``'s ``resolve.quantized_copy``
+call it with a resolved model); ``identity`` is what a run's identity records about a quantized
+base.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -35,13 +34,13 @@ from spill.models.quant import (
     GROUP_SIZES,
     Spec,
     config_entry,
+    dequantize,
     describe,
     quantize,
     safetensors_entries,
 )
-from spill.models.resolve import ResolvedModel
-from spill.models.weights import INDEX, check_shapes, weight_files
-from spill.store.safetensors_io import read_header, write_file
+from spill.models.weights import INDEX, weight_files
+from spill.store.safetensors_io import bf16_bits_to_float32, read_header, write_file
 
 _STORED = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32}
 QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
@@ -126,35 +125,26 @@ def quantize_folder(
     return specs
 
 
-def quantize_model(
-    name: str, bits: int, group_size: int = 64, *, progress: Callable[[str], object] = print
+def make_copy(
+    source: Path,
+    name: str,
+    model_id: str | None,
+    spec: Spec,
+    dest: Path,
+    progress: Callable[[str], object],
 ) -> Path:
-    """``spill models quantize NAME``: its quantized copy in the cache (made once), its folder."""
-    from spill.models.resolve import resolve_model
-
-    model = resolve_model(name, progress=progress)
-    dest = quantized_folder(model.name, bits, group_size)
-    if (dest / "config.json").is_file():
-        progress(f"{model.name}@{tag(bits, group_size)} is already in the cache at {dest}")
-        return dest
-    _make(model, Spec(bits, group_size), dest, progress)
-    progress(f"wrote {model.name}@{tag(bits, group_size)} to {dest}")
-    return dest
-
-
-def _make(model: ResolvedModel, spec: Spec, dest: Path, progress: Callable[[str], object]) -> Path:
-    """Write ``model``'s ``spec`` copy to ``dest``: a temporary folder, recorded (its source
-    folder as ``uri``), then renamed (another process that renamed its own first wins, and its
-    copy is used)."""
+    """Write the ``spec`` copy of the model ``name`` in ``source`` to ``dest``: a temporary
+    folder, recorded (``source`` as its ``uri``), then renamed (another process that renamed its
+    own first wins, and its copy is used)."""
     bits, group_size = spec.bits, spec.group_size
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.quantizing"
     try:
-        quantize_folder(model.folder, tmp, bits, group_size, progress)
-        fields = {"name": f"{model.name}@{tag(bits, group_size)}", "source": "quantized"}
-        fields["uri"] = str(model.folder)
-        if model.model_id:
-            fields["model_id"] = model.model_id
+        quantize_folder(source, tmp, bits, group_size, progress)
+        fields = {"name": f"{name}@{tag(bits, group_size)}", "source": "quantized"}
+        fields["uri"] = str(source)
+        if model_id:
+            fields["model_id"] = model_id
         record(tmp, **fields)
         try:
             os.replace(tmp, dest)
@@ -164,37 +154,6 @@ def _make(model: ResolvedModel, spec: Spec, dest: Path, progress: Callable[[str]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
-
-
-def quantized_copy(
-    model: ResolvedModel, spec: Spec, progress: Callable[[str], object]
-) -> ResolvedModel:
-    """``model`` as ``--quantize``/``model.quantize`` ask for it: a float model's ``spec`` copy
-    ``<name>@q<bits>g<group>``, made on first use (one line says so); an already quantized
-    model only when it is that ``spec`` (a copy of a copy would not be the source's values)."""
-    from dataclasses import replace
-
-    if (known := identity(model.folder)) is not None:
-        have = Spec(known["bits"], known["group_size"])
-        if have == spec:
-            return model
-        raise ModelError(
-            f"{model.name} is already quantized ({known['format']}), so it cannot "
-            f"be made {spec.bits}-bit g{spec.group_size}: ask for what it is (--quantize "
-            f"{have.bits} --group-size {have.group_size}), or quantize its float model"
-        )
-    label = f"{model.name}@{tag(spec.bits, spec.group_size)}"
-    dest = quantized_folder(model.name, spec.bits, spec.group_size)
-    if (dest / "config.json").is_file() and read_marker(dest).get("uri") != str(model.folder):
-        # the name's copy came from another folder (a bundle's own weights, a staged copy)
-        digest = hashlib.sha256(str(model.folder).encode()).hexdigest()[:8]
-        dest = quantized_folder(f"{model.name}-{digest}", spec.bits, spec.group_size)
-    if not (dest / "config.json").is_file():
-        what = f"the {spec.bits}-bit g{spec.group_size} copy of {model.name}"
-        progress(f"making {label}, {what}, in {dest} (first use only)")
-        _make(model, spec, dest, lambda line: None)
-    check_shapes(load_config(dest), weight_files(dest))  # a damaged copy fails here, in one line
-    return replace(model, name=label, revision=None, folder=dest, source="quantized", files=None)
 
 
 def identity(folder: Path) -> dict | None:
@@ -221,9 +180,6 @@ def dequantize_folder(source: Path, dest: Path) -> Path:
     packed weight becomes ``scale * q + bias`` in float32 (``quant.dequantize``, the values the
     engines compute with), other tensors and the shard layout are kept and ``config.json`` loses
     its ``quantization``. What a PEFT adapter trained on a quantized base applies to."""
-    from spill.models.quant import dequantize
-    from spill.store.safetensors_io import bf16_bits_to_float32
-
     cfg = load_config(source)
     if not cfg.quantization:
         raise ModelError(f"{source}: not quantized; it is already a float folder")

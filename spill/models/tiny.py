@@ -15,8 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import SpillError
-from spill.models.cache import MARKER
+from spill.ground.paths import models_dir
+from spill.models.cache import MARKER, write_marker
+from spill.models.config import parse_config
 from spill.models.integrity import record
+from spill.models.names import TinyName, safe_name
 from spill.store.safetensors_io import float32_to_bf16_bits, write_file
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -158,8 +161,6 @@ def _fused(prefix: str, parts: dict, fused: str, linears) -> dict[str, np.ndarra
 
 
 def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    from spill.models.config import parse_config
-
     shape = parse_config(cfg)
     h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], shape.head_dim
     q = cfg["num_attention_heads"] * d
@@ -252,3 +253,16 @@ def write_tiny(
     # every file's sha256, as written; no stat keys, so the same arguments give the same bytes
     record(out, stat_cache=False, source="tiny", family=family, seed=seed)
     return out
+
+
+def tiny_folder(spec: TinyName) -> Path:
+    """Where the tiny model ``spec`` lives in the cache."""
+    return models_dir() / "tiny" / safe_name(spec.name)
+
+
+def generate_tiny(spec: TinyName, folder: Path) -> Path:
+    """Write the tiny model ``spec`` and its cache record into ``folder`` (the same bytes on
+    every machine)."""
+    write_tiny(folder, spec.family, spec.seed, spec.layers, spec.hidden)
+    write_marker(folder, name=spec.name, model_id=spec.name)
+    return folder

@@ -19,7 +19,7 @@ from spill.engines.torch import ENGINE, int4, int4_file  # noqa: E402
 from spill.engines.torch.quant import Packed, dequantize  # noqa: E402
 from spill.errors import EngineError  # noqa: E402
 from spill.models.config import load_config  # noqa: E402
-from spill.models.quantize import quantize_model  # noqa: E402
+from spill.models.resolve import quantize_model  # noqa: E402
 from spill.models.weights import quantized_weights, weight_files  # noqa: E402
 from tests.unit.engines.kit import open_runner  # noqa: E402
 

@@ -9,7 +9,8 @@ import pytest
 
 from spill.ground.paths import models_dir
 from spill.models import provenance
-from spill.models.quantize import quantize_model, quantized_folder
+from spill.models.quantize import quantized_folder
+from spill.models.resolve import quantize_model
 
 GGUF = {"kind": "gguf", "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 

@@ -12,8 +12,8 @@ from spill.errors import ModelError
 from spill.ground.hashing import file_sha256
 from spill.jobs.tune.identity import CheckpointMismatch, _refuse_model
 from spill.models.quant import Spec
-from spill.models.quantize import identity, quantize_model, quantized_copy, quantized_folder
-from spill.models.resolve import resolve_model
+from spill.models.quantize import identity, quantized_folder
+from spill.models.resolve import quantize_model, quantized_copy, resolve_model
 
 
 def _said():

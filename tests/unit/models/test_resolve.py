@@ -34,7 +34,7 @@ def fake_gguf(monkeypatch, tmp_path):
         write_marker(Path(dest), source="gguf", gguf=str(source), sha256=pinned)  # as the real one
         return Path(dest)
 
-    monkeypatch.setattr("spill.models.resolve.gguf_tag", lambda path: "q4_1")  # as the real one
+    monkeypatch.setattr("spill.models.offline.gguf_tag", lambda path: "q4_1")  # as the real one
     module = types.ModuleType("spill.models.gguf_import")
     module.import_gguf = import_gguf
     module.find_smollm2_gguf = lambda: gguf
