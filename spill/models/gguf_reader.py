@@ -27,22 +27,22 @@ from gguf.quants import dequantize
 
 from spill.errors import ModelError, UnsupportedModel
 
-# byte-level pre-tokenizers by tokenizer.ggml.pre: None is GPT-2's regex inside ByteLevel
-_LLAMA3_SPLIT = (
+# byte-level pre-tokenizers by tokenizer.ggml.pre (None: GPT-2's regex inside ByteLevel), both ways
+LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (  # Llama 3's, with single digits
+QWEN2_SPLIT = (  # Llama 3's, with single digits
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_SPLITS = {
+PRE_SPLITS = {
     "gpt2": None,
     "gpt-2": None,
     "smollm": None,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
+    "llama-bpe": LLAMA3_SPLIT,
+    "llama3": LLAMA3_SPLIT,
+    "qwen2": QWEN2_SPLIT,
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 MAGIC = b"GGUF"
@@ -333,9 +333,9 @@ def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
         raise UnsupportedModel(
             f"tokenizer model {kind!r} is not supported; spill imports byte-level BPE (gpt2) GGUF tokenizers"
         )
-    if pre not in _PRE_SPLITS:
+    if pre not in PRE_SPLITS:
         raise UnsupportedModel(
-            f"pre-tokenizer {pre!r} is not supported; spill imports {', '.join(_PRE_SPLITS)} GGUF tokenizers"
+            f"pre-tokenizer {pre!r} is not supported; spill imports {', '.join(PRE_SPLITS)} GGUF tokenizers"
         )
     tokens = meta["tokenizer.ggml.tokens"]
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -358,12 +358,12 @@ def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
             f"the GGUF vocabulary cannot be rebuilt ({e}); re-convert the model"
         ) from None
     tok = Tokenizer(bpe)
-    if _PRE_SPLITS[pre] is None:
+    if PRE_SPLITS[pre] is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.Split(Regex(PRE_SPLITS[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )

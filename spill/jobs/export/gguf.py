@@ -33,7 +33,7 @@ from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
 from spill.jobs.export.shift import WeightShift, measure, seen_rows
 from spill.models.gguf_arch import ARCHES, BIASES, FUSED, GLOBAL, LAYER, QK_NORMS, WRITTEN_AS
-from spill.models.gguf_reader import _LLAMA3_SPLIT, _QWEN2_SPLIT
+from spill.models.gguf_reader import LLAMA3_SPLIT, QWEN2_SPLIT
 
 NAMES = {hf: g for g, hf in GLOBAL.items()}
 # each table inverted on its own: LAYER's and FUSED's ffn_up are the same GGUF name
@@ -125,7 +125,7 @@ def _pre(tokenizer: dict, where: Path) -> str:
         return "smollm"
     if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
         regex = (parts[0].get("pattern") or {}).get("Regex")
-        found = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}.get(regex)
+        found = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}.get(regex)
         if found:
             return found
     raise UnsupportedModel(

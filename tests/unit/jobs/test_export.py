@@ -13,7 +13,8 @@ from spill.jobs.export import check_options
 from spill.jobs.export.gguf import _pre, gguf_name, permute
 from spill.models import gguf_import
 from spill.models.config import LINEARS
-from spill.models.gguf_reader import _LLAMA3_SPLIT
+from spill.models.gguf_arch import GLOBAL, LAYER
+from spill.models.gguf_reader import LLAMA3_SPLIT
 
 
 @pytest.mark.parametrize("heads, d", [(4, 64), (2, 32), (9, 576)])
@@ -33,9 +34,7 @@ def test_every_hf_name_maps_to_the_gguf_name_the_importer_reads_back():
     ]
     for name in hf:
         g = gguf_name(name)
-        back = (
-            gguf_import._GLOBAL.get(g) or "model.layers.3." + gguf_import._LAYER[g.split(".", 2)[2]]
-        )
+        back = GLOBAL.get(g) or "model.layers.3." + LAYER[g.split(".", 2)[2]]
         assert back == name, (name, g)
     assert gguf_name("model.layers.0.self_attn.k_proj.bias") == "blk.0.attn_k.bias"
 
@@ -58,7 +57,7 @@ def test_every_hf_name_maps_to_the_gguf_name_the_importer_reads_back():
             {
                 "type": "Sequence",
                 "pretokenizers": [
-                    {"type": "Split", "pattern": {"Regex": _LLAMA3_SPLIT}},
+                    {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}},
                     {"type": "ByteLevel", "use_regex": False},
                 ],
             },

@@ -26,6 +26,7 @@ from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.ground.validate import validate
 from spill.models import gguf_import
 from spill.models.config import load_config
+from spill.models.gguf_arch import LAYER
 from spill.models.gguf_import import find_smollm2_gguf, import_gguf
 from spill.models.tokenizer import Tokenizer
 from spill.store.safetensors_io import read_header
@@ -135,7 +136,7 @@ def test_tensors_equal_gguf_dequantize(smol, smol_gguf):
         hf = renames.get(t.name)
         if hf is None:
             _, i, rest = t.name.split(".", 2)
-            hf = f"model.layers.{i}." + gguf_import._LAYER[rest]
+            hf = f"model.layers.{i}." + LAYER[rest]
         ref = gguf.quants.dequantize(t.data, t.tensor_type)
         if t.name.endswith("attn_q.weight"):
             ref = _unpermute(ref, 9)
