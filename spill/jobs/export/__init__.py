@@ -15,25 +15,44 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from spill.errors import SpillError, UsageError
 from spill.ground.hashing import file_sha256
 from spill.ground.paths import spill_home
 from spill.ground.validate import validate
 from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
-from spill.store.fs import fsync, remove_stale, same_file
+from spill.store.fs import (
+    exists,
+    fsync,
+    get_bytes,
+    join,
+    put_bytes,
+    remove,
+    remove_stale,
+    same_file,
+    stat,
+)
+from spill.store.location import location
 
 if TYPE_CHECKING:  # the merge imports numpy and safetensors: not at `spill --help`
+    from spill.control.place import Place
+    from spill.jobs.authority import Writer
     from spill.jobs.export.merge import Inputs
+    from spill.settings import ExportSettings
 
 FORMATS = EXPORT_FORMATS  # one definition, with spill.yaml's ``export:`` (spill.settings)
 DTYPES = EXPORT_DTYPES
 QUANTIZE = {fmt: tuple(str(q) for q in kinds) for fmt, kinds in EXPORT_QUANTIZE.items()}
 RECORD = "export.json"
 SCHEMA_VERSION = 1
+POINTER = "formats"  # a build's committed formats' payloads, in the order of export.formats
+# what ``producer.describe`` reads of an engine: the merge is numpy's, on the CPU
+PRODUCER = {"engine": "numpy", "device": "cpu", "numerics": "float32 merge"}
 
 
 def default_dtype(inputs: Inputs) -> str:
@@ -167,3 +186,132 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return record
+
+
+@dataclass(frozen=True)
+class FormatsOptions:
+    """What a build's export job writes (``export.formats`` of ``settings``) and where."""
+
+    settings: ExportSettings
+    out: str  # each format's folder goes to <out>/<format> (the state's exports/<project>/)
+    adapter_name: str  # the adapter as export.json names it: relative to the state
+    model: str  # the base's name, for the note
+    work: Path  # a local folder for a format written for an object store
+    writer: Writer  # the stage's place in the build's run: where the records commit
+    weights: str | None = None  # the model folder a bundle install gave the project
+    stop_after: int | None = None  # formats, counting those committed before
+
+
+def export_formats(adapter: Path, opts: FormatsOptions) -> tuple[dict[str, Any], bool]:
+    """A build's export job: each format of ``export.formats`` not committed yet is written
+    (``export``) and uploaded where the state is remote, then its ``export.json`` is committed
+    as a payload of ``opts.writer``'s place; (the result to record, whether all are). A killed
+    build continues at the first format without a payload; a folder in place but not committed
+    is written again. One process writes (a build's rank 0)."""
+    from spill.console import note
+    from spill.store import drill
+
+    place, s = opts.writer.place, opts.settings
+    assert place is not None, "a build's export job commits in the build's run"
+    done = committed(place, opts.out)
+    for fmt in s.formats:
+        if fmt in done:
+            continue
+        if opts.stop_after is not None and len(done) >= opts.stop_after:
+            return _result(done), False
+        dest = join(opts.out, fmt)
+        remove(dest)  # written by a build killed before its commit
+        here = location(dest).local
+        local = Path(location(dest).path) if here else opts.work / f"export-{fmt}"
+        note(f"export {fmt}: merging {opts.adapter_name} into {opts.model}")
+        record = export(
+            adapter,
+            local,
+            fmt,
+            s.dtype,
+            s.quantize_for(fmt),
+            weights=opts.weights,
+            progress=note,
+            adapter_name=opts.adapter_name,
+        )
+        if not here:
+            _upload(local, dest)
+            shutil.rmtree(local)
+        drill.at(drill.EXPORT_WRITTEN)
+        done[fmt] = _commit(place, done, fmt, record)
+    return _result(done), True
+
+
+def committed(place: Place, out: str) -> dict[str, dict[str, Any]]:
+    """Format -> the committed record of each export whose folder under ``out`` is still what
+    it says."""
+    return {
+        fmt: rec
+        for fmt, rec in records(place).items()
+        if not _problem(join(out, fmt), rec["export"])
+    }
+
+
+def records(place: Place) -> dict[str, dict[str, Any]]:
+    """Format -> its committed record (``uri``: the payload holding it), in commit order."""
+    from spill.ground.validate import parse_json
+
+    out = {}
+    for uri in place.pointer(POINTER):
+        try:
+            rec = parse_json(get_bytes(join(uri, RECORD)))
+        except (FileNotFoundError, ValueError):
+            continue  # damaged: that format is written again
+        if isinstance(rec, dict) and isinstance(rec.get("export"), dict):
+            out[rec["export"].get("format")] = {**rec, "uri": uri}
+    return out
+
+
+def _commit(place: Place, done: dict, fmt: str, record: dict) -> dict[str, Any]:
+    """Publish ``fmt``'s record beside those of ``done`` (the formats still intact) and remove
+    the payloads no pointer needs any more."""
+    from spill.jobs.preempt import critical
+    from spill.jobs.producer import describe
+
+    rec = {"export": record, "producer": describe(SimpleNamespace(**PRODUCER))}
+    with critical():
+        uri = place.payload("export", len(done))
+        put_bytes(join(uri, RECORD), json.dumps(rec, indent=1, sort_keys=True).encode())
+        keep = [*(r["uri"] for r in done.values()), uri]
+        place.publish(POINTER, keep)
+        place.collect("export", set(keep))
+    return {**rec, "uri": uri}
+
+
+def _result(done: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for fmt, rec in done.items():
+        e = rec["export"]
+        out[fmt] = {
+            "dtype": e["dtype"],
+            "quantize": e["quantize"],
+            "files": len(e["files"]),
+            "bytes": sum(f["size"] for f in e["files"].values()),
+            "dequantized": bool(e["base"]["dequantized"]),
+        }
+    return {"formats": out}
+
+
+def _upload(local: Path, dest: str) -> None:
+    """A local export folder onto an object store: export.json last, so that a folder with its
+    record is a whole one."""
+    names = sorted(q.name for q in local.iterdir())
+    for name in [n for n in names if n != RECORD] + [RECORD]:
+        put_bytes(join(dest, name), (local / name).read_bytes())
+
+
+def _problem(folder: str, record: Mapping[str, Any]) -> str:
+    """What differs between the export folder and its committed record (``""``: nothing): its
+    export.json must be there, every file it lists at its size."""
+    if not exists(join(folder, RECORD)):
+        return f"{folder} missing"
+    for name, f in (record.get("files") or {}).items():
+        got = stat(join(folder, name))
+        if got is None or got[0] != f.get("size"):
+            return f"{join(folder, name)} missing or changed"
+    return ""
