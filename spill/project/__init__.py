@@ -1,7 +1,7 @@
-"""The declarative project layer: spill.yaml -> plan -> build (engine-free).
+"""The declarative project layer: spill.yaml -> plan -> build; move; bundle; report (engine-free).
 
-``config`` is the one Hydra boundary, ``data`` turns the data file into each stage's rows,
-``stages`` and ``plan`` decide (pure), ``build`` executes through ``spill.jobs``, ``state``
-reads and writes the build state, ``status`` prints it, ``sweep`` runs Hydra multiruns and
-``init`` writes a new project.
+On top: ``config`` (the one Hydra boundary), ``sources`` (the compose key and data hash a build
+is made from), ``data`` (the data file's rows and split), ``init``, ``sweep``, ``predict``,
+``owned`` and ``remote``. One room per verb family: ``build`` (stages, planner, executor,
+``state.json``), ``bundle``, ``move`` and ``report`` (``spill status`` and ``spill report``).
 """

@@ -1,18 +1,10 @@
 """``spill.yaml`` -> a frozen ``Project``: the one place that composes with Hydra and validates.
 
-``compose(root, overrides)`` runs Hydra's Compose API on the project folder (the project's own
-group folders are searched before spill's shipped ``pkg://spill.conf``), validates the composed
-config against ``schemas/spill-yaml.schema.json`` with every key required, and turns it into
-frozen dataclasses. Nothing downstream reads a config with defaults of its own: the defaults
-live in ``conf/``.
-
-Errors from Hydra, OmegaConf, YAML and the schema all become one ``ConfigError`` line naming the
-key path and what is allowed. Before validation, ``hydra_safety`` refuses a ``hydra:`` tree (or
-a ``_target_`` anywhere) that could run code or write files, here and in every sweep.
-
-``compose_key`` (``spill.project.sources``) hashes everything composition reads. A build
-records it next to the composed config; a later build with the same key rebuilds the
-``Project`` from that record with ``from_record`` instead of composing again.
+``compose(root, overrides)`` composes the project folder (its group folders before spill's
+``conf/``, where every default lives), refuses an unsafe ``hydra:`` tree (``hydra_safety``),
+validates against ``schemas/spill-yaml.schema.json`` and freezes the settings dataclasses;
+every error is one ``ConfigError`` line naming the key. ``from_record`` rebuilds the
+``Project`` a build recorded under the same ``compose_key`` (``spill.project.sources``).
 """
 
 from __future__ import annotations

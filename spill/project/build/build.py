@@ -1,15 +1,10 @@
 """``spill build`` and ``spill resume``: plan, then hand the stages that need work to the executor.
 
-Order: read the state; if ``finished`` says the recorded build is complete, nothing it was made
-from changed (``spill.project.sources``) and its outputs are still there, answer from
-``state.json`` (make's shortcut: no Hydra, no jsonschema, no dataclasses, no engine). Otherwise get the ``Project`` (the
-recorded config when the compose key matches, else ``config.compose``), derive the stage specs
-from the data, plan against the recorded state, check the model names of the stages that are
-not done (spelling, aliases, local folders; no weights are loaded, the hub is not asked), and
-unless ``--dry-run`` let ``spill.project.build.execute`` run the decisions that work.
-
-``spill resume`` builds with the recorded config and overrides (the stopped build as it was),
-whatever spill.yaml says now.
+A recorded build that is complete, made from the same sources and whose outputs are still there
+answers from ``state.json`` (``finished``: no Hydra, jsonschema or engine). Otherwise: the
+``Project`` (recorded when the compose key matches, else composed), the stage specs, the plan
+against the recorded state, the model names checked (no weights loaded), and unless
+``--dry-run`` the executor. ``spill resume`` builds the recorded config and overrides.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The thin executor of a build plan: each working decision becomes one job call.
+"""The thin executor of a build plan: each working decision becomes one job call
+(``Stage.execute`` through the build's ``BuildContext``); it branches on no stage name.
 
-``Executor.execute`` walks the decisions: for each that works it clears the stage's state when
-the plan says fresh, records the stage as running, has the stage object run its job
-(``Stage.execute``, with ``--state <state>/stages/<stage>`` and the stop count, through the
-build's ``BuildContext``) and records the result; it branches on no stage name. Stopping and
-continuing are the jobs' own. The invariant: ``state.json`` is written after what it names (the
-adapter copy, the graded rows, their hashes), so a reader never sees a result whose files are
-missing; and clearing a stage never removes a payload another run's control object points at.
-A signal between jobs stops the build at once (``preempt.stops_at_once``). docs/projects.md,
-"``spill build``".
+``state.json`` is written after what it names, so a reader never sees a result whose files are
+missing; clearing a stage never removes a payload another run's control object points at; a
+signal between jobs stops the build at once. docs/projects.md, "``spill build``".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Stage outputs: files published under the state location, what ``state.json`` records about
-them, the check that they are still what was recorded, and their restoration.
-
-The stage objects say which files a stage publishes; the functions here take each output's path
-relative to the state location, and a finished stage's record keeps ``outputs``: relative path
--> sha256, size and (local states only) mtime. The check is make's: a missing file or another
-size has changed, the recorded size and mtime has not, and only a file whose mtime moved is
-hashed. Remote states have no trustworthy mtime, so there it is existence and size; a record
-without ``outputs`` is checked by existence. Restoring uses the stage's committed state, never
-an engine (docs/projects.md, "``spill build``").
+them (relative path -> sha256, size, and mtime on local states), make's check that they are
+still that (only a file whose mtime moved is hashed; remote states: existence and size), and
+their restoration from the stage's committed state, never from an engine.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The pure planner: (stage specs, recorded state, --stop-after) -> one decision per stage.
 
-Like make (or DVC's ``plan_repro``), ``plan`` only compares each stage's inputs (the config
-values and data hashes that decide its result, and the fingerprints of the stages it reads)
-with what the state recorded (``Recorded``, probed by ``record.recorded``): no files, no engines,
-no clock; ``build`` executes the plan. A ``Decision`` is ``run`` (fresh), ``done``, ``restore``,
-``continue``, ``skip`` or ``wait``. make's rule: a stage downstream of one that is not done is
-never ``done``. ``drop`` says the recorded result no longer belongs to the current inputs, so
-the executor removes it even when the stage only waits. A value that cannot change a result is
-not among a stage's inputs. The table of findings and actions: docs/projects.md.
+Like make (DVC's ``plan_repro``) it compares each stage's inputs with what the state recorded
+(``Recorded``): no files, engines or clock. A ``Decision`` is ``run``, ``done``, ``restore``,
+``continue``, ``skip`` or ``wait``; a stage downstream of one not done is never ``done``;
+``drop``: the recorded result no longer belongs to the inputs. docs/projects.md has the table.
 """
 
 from __future__ import annotations

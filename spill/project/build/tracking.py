@@ -1,16 +1,10 @@
 """A build's trackers (``tune.log``): one run per build, the tune stage's steps and the eval
-stages' scores in it.
+stages' scores in it; the experiment is the project's name.
 
-The experiment is the project's name; the run is the build: its overrides (a sweep job's, made
-safe as ``run_name`` makes its state folder under ``sweep/``) or the project's name when it
-has none, so the jobs of a sweep are sibling runs of one experiment with their overrides as
-params. The run is keyed by the tune stage's state and its inputs' fingerprint, so a resumed
-build logs into the run it started, and a build whose tune inputs changed starts another.
-TensorBoard's files go to ``<project>/.spill/tensorboard/<run>/`` whatever the state location:
-``tensorboard --logdir <project>/.spill/tensorboard`` shows every run of the project.
-
-The executor calls ``prepare`` before any stage runs; the stages read the result from their
-``BuildContext`` (``ctx.track``, ``ctx.log_scores``), so they import nothing of this module.
+The run is named by the build's overrides (a sweep's jobs are sibling runs) and keyed by the
+tune stage's state and inputs, so a resumed build logs into the run it started. TensorBoard
+writes under ``<project>/.spill/tensorboard/<run>/``. The executor calls ``prepare``; stages
+see the result through ``BuildContext`` (``ctx.track``, ``ctx.log_scores``).
 """
 
 from __future__ import annotations
