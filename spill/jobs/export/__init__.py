@@ -26,6 +26,7 @@ from spill.ground.hashing import file_sha256
 from spill.ground.paths import spill_home
 from spill.ground.validate import validate
 from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
+from spill.store.disk import same_file
 from spill.store.fs import (
     exists,
     fsync,
@@ -34,7 +35,6 @@ from spill.store.fs import (
     put_bytes,
     remove,
     remove_stale,
-    same_file,
     stat,
 )
 from spill.store.location import location
