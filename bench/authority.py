@@ -78,7 +78,7 @@ def moto(work: Path) -> tuple[subprocess.Popen, str]:
 
 class Bench:
     def __init__(self, work: Path, steps: int):
-        from spill.models.tiny import write_tiny
+        from spill.models.sources.tiny import write_tiny
 
         self.work, self.steps, self.n = work, steps, 0
         self.model = write_tiny(work / "tiny", family="llama", seed=7)

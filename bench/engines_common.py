@@ -79,7 +79,7 @@ def tickets(n: int | None = None) -> list[dict]:
 
 
 def tiny(work: Path, name: str, family: str, **kw) -> Path:
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
 
     folder = work / "models" / name
     if not (folder / "config.json").is_file():
@@ -88,7 +88,7 @@ def tiny(work: Path, name: str, family: str, **kw) -> Path:
 
 
 def smollm2(work: Path) -> Path:
-    from spill.models.gguf_import import find_smollm2_gguf, import_gguf
+    from spill.models.gguf.importer import find_smollm2_gguf, import_gguf
 
     folder = work / "models" / "smollm2-135m"
     if not (folder / "config.json").is_file():

@@ -176,7 +176,7 @@ def bench_bound(
     layers: int, hidden: int, rows: int, new: int, rounds: int, work: Path, dtype: str
 ) -> dict:
     from spill.models.config import load_config
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
     from spill.models.weights import weight_files
 
     folder = work / f"tiny-llama-h{hidden}-l{layers}"

@@ -37,7 +37,7 @@ QUESTIONS = [
 
 
 def big_model(work: Path, hidden: int, layers: int) -> Path:
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
 
     folder = work / f"tiny-llama-h{hidden}-l{layers}"
     if not (folder / "config.json").is_file():
@@ -46,7 +46,7 @@ def big_model(work: Path, hidden: int, layers: int) -> Path:
 
 
 def smollm2(work: Path) -> Path:
-    from spill.models.gguf_import import find_smollm2_gguf, import_gguf
+    from spill.models.gguf.importer import find_smollm2_gguf, import_gguf
 
     folder = work / "smollm2-135m"
     if not (folder / "config.json").is_file():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from tests.servers import (
     azure_env,
     gcs_env,

@@ -30,7 +30,7 @@ def cmd_models_quantize(args) -> int:
 
 def cmd_models_tiny(args) -> int:
     from spill.console import note
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
     from spill.models.weights import fingerprint
 
     out = write_tiny(Path(args.out), args.family, args.seed, args.layers, args.hidden, args.shards)

@@ -91,8 +91,8 @@ def readme(
         lines.append(
             f"- quantized: {quantization['format']} ({quantization['source']}); the adapter was "
             "trained on these values, so PEFT's layout reproduces spill's numbers on their float "
-            "form (`spill.models.quantize.dequantize_folder`) and comes close on the float model "
-            "they were made from"
+            "form (`spill.models.sources.quantize.dequantize_folder`) and comes close on the "
+            "float model they were made from"
         )
     for name, sha in sorted((files or {}).items()):
         lines.append(f"- `{name}`: sha256 `{sha}`")
@@ -161,7 +161,7 @@ def publish_adapter(
 ) -> str:
     """Write the adapter tree under ``<root>/adapter`` and return its location; ``files``: the
     base's weight files and their sha256, as the run recorded them (for the README);
-    ``quantization``: a quantized base's identity (``spill.models.quantize.identity``);
+    ``quantization``: a quantized base's identity (``spill.models.sources.quantize.identity``);
     ``validation``: its losses and which step's adapter this is (``Validation.record``)."""
     target = join(root, ADAPTER)
     remove(target)  # what a publication killed midway left, its temporary files included

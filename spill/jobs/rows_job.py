@@ -58,7 +58,7 @@ from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
 from spill.models.quant import Spec
-from spill.models.quantize import identity as quantization_identity
+from spill.models.sources.quantize import identity as quantization_identity
 from spill.settings import EngineSettings
 from spill.store import drill
 

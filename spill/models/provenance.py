@@ -31,7 +31,6 @@ from typing import Any
 from spill.errors import ModelError, ModelNotFound
 from spill.ground.hashing import file_sha256
 from spill.models.cache import read_marker
-from spill.models.hub import git_blob_id, hub_cache, reported_files
 from spill.models.integrity import record, weight_hashes
 from spill.models.names import (
     FLOAT_TAG,
@@ -41,9 +40,10 @@ from spill.models.names import (
     parse_tiny,
     split_quant,
 )
-from spill.models.offline import import_offline, offline_folder
-from spill.models.quantize import quantize_folder, quantized_folder
-from spill.models.tiny import generate_tiny, tiny_folder
+from spill.models.sources.hub import git_blob_id, hub_cache, reported_files
+from spill.models.sources.offline import import_offline, offline_folder
+from spill.models.sources.quantize import quantize_folder, quantized_folder
+from spill.models.sources.tiny import generate_tiny, tiny_folder
 
 # a tiny model is generated only when its size is near the bytes offered for it: a hostile name
 # (tiny:llama:1:64x8192) must not make a check write gigabytes for a bundle of kilobytes
@@ -163,7 +163,7 @@ def _quantized_here(base: str, tag: str, float_dir: Path, tmp: Path, progress) -
 def _offline_gguf(alias, source: Mapping[str, Any], tmp: Path, progress, tag: str | None) -> None:
     """The offline GGUF imported again into ``tmp`` as the name's tag asks (its quantization
     kept, or the float import); the source's ``gguf_sha256`` must be the installed file's."""
-    from spill.models.gguf_import import find_smollm2_gguf  # the gguf package: only when asked
+    from spill.models.gguf.importer import find_smollm2_gguf  # the gguf package: only when asked
 
     try:
         gguf = find_smollm2_gguf()

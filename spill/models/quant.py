@@ -25,7 +25,7 @@ import numpy as np
 from spill.errors import ModelError
 from spill.settings import BITS, GROUP_SIZES
 
-READ_GROUP_SIZES = (16, *GROUP_SIZES)  # 16 is read too (GGUF Q6_K, see gguf_quant)
+READ_GROUP_SIZES = (16, *GROUP_SIZES)  # 16 is read too (GGUF Q6_K, see gguf.quant)
 _EPS = np.float32(1e-7)  # mlx's floor on a group's scale (a constant group)
 
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from spill.errors import ModelError, ModelNotFound
 from spill.ground.hashing import file_sha256
 from spill.ground.paths import models_dir
-from spill.models import hub
 from spill.models.cache import imported, list_models, read_marker, write_marker
 from spill.models.config import load_config
 from spill.models.integrity import Verified, verify
@@ -41,17 +40,18 @@ from spill.models.names import (
     safe_name,
     split_quant,
 )
-from spill.models.offline import (
+from spill.models.quant import Spec
+from spill.models.sources import hub
+from spill.models.sources.offline import (
     genuine_marker,
     gguf_tag,
     import_offline,
     offline_folder,
     refuse_other_bytes,
 )
-from spill.models.quant import Spec
-from spill.models.quantize import identity, make_copy, quantized_folder, tag
-from spill.models.staging import stage
-from spill.models.tiny import generate_tiny, tiny_folder
+from spill.models.sources.quantize import identity, make_copy, quantized_folder, tag
+from spill.models.sources.staging import stage
+from spill.models.sources.tiny import generate_tiny, tiny_folder
 from spill.models.weights import check_shapes, weight_files
 
 Progress = Callable[[str], object]
@@ -297,7 +297,7 @@ def import_model(
         if name is None:
             tag = (alias.kept or FLOAT_TAG) if keep else FLOAT_TAG
             return _quantized_alias(alias, f"{alias.name}@{tag}", tag, progress).folder
-    from spill.models.gguf_import import find_smollm2_gguf, import_gguf
+    from spill.models.gguf.importer import find_smollm2_gguf, import_gguf
 
     path = find_smollm2_gguf() if alias is not None else Path(source).expanduser()
     if not path.is_file():

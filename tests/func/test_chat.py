@@ -69,7 +69,7 @@ class Terminal:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> dict:
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
 
     root = tmp_path_factory.mktemp("chat")
     folder = write_tiny(root / "model", family="qwen2", seed=11)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from spill.payloads.checkpoint import PARAMS
 from tests.func import tune_kit as kit
 

@@ -21,7 +21,7 @@ import pytest
 
 from spill.ground.hashing import file_sha256
 from spill.ground.validate import validate
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from spill.models.weights import fingerprint
 from spill.store.safetensors_io import bf16_bits_to_float32, float32_to_bf16_bits
 from tests.conftest import run_spill
@@ -364,7 +364,7 @@ def test_an_empty_out_folder_is_filled_and_no_temporary_folder_is_left(llama_sta
 
 
 def test_a_quantized_base_is_dequantized_for_the_merge_and_says_so(tmp_path, tiny_models):
-    from spill.models.quantize import quantize_folder
+    from spill.models.sources.quantize import quantize_folder
 
     base = tmp_path / "tiny-q4g32"
     quantize_folder(tiny_models["llama"], base, 4, 32, progress=lambda line: None)

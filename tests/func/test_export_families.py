@@ -157,7 +157,7 @@ def _tensors(folder: Path) -> dict[str, np.ndarray]:
 def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
     variant, tmp_path, tiny_models, monkeypatch
 ):
-    from spill.models.gguf_import import import_gguf
+    from spill.models.gguf.importer import import_gguf
 
     home = tmp_path / "home"
     name, extra = GGUF_VARIANTS[variant]

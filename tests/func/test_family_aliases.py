@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 from spill.models.names import ALIASES
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from tests.conftest import run_spill
+from tests.unit.models.sources.test_hub import lay_out_snapshot
 from tests.unit.models.test_family_aliases import FAMILY
-from tests.unit.models.test_hub import lay_out_snapshot
 from tests.unit.models.test_names import PINNED
 
 

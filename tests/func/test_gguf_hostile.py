@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.models.gguf_bytes import ARRAY, I32, U8, Raw, small_llama, small_metadata
+from tests.unit.models.gguf.gguf_bytes import ARRAY, I32, U8, Raw, small_llama, small_metadata
 
 MB = 1 << 20
 

@@ -78,7 +78,7 @@ def cwd_file(home: Path, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("bombs") / "model", family="qwen2", seed=11)
 

@@ -26,7 +26,7 @@ from spill.store.safetensors_io import (
 from tests.conftest import run_spill
 from tests.func import tune_kit as kit
 from tests.func.test_model_integrity import FAST, one_error
-from tests.unit.models import gguf_bytes as gb
+from tests.unit.models.gguf import gguf_bytes as gb
 
 SHARD = "model.safetensors"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from spill.jobs.adapter_files import load_adapter
-from spill.models.quantize import dequantize_folder
+from spill.models.sources.quantize import dequantize_folder
 from tests.func import tune_kit as kit
 
 # float32, spill's streamed scoring on the packed folder vs PEFT on its float values: measured

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from spill.control.place import Place
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from spill.store import fs
 from tests.conftest import run_spill
 from tests.func.test_build import copy_toy

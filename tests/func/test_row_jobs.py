@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from tests.conftest import assert_not_imported, cli_code, run_spill
 
 ENV = {"OMP_NUM_THREADS": "1"}

@@ -28,7 +28,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    from spill.models.gguf_import import find_smollm2_gguf, import_gguf
+    from spill.models.gguf.importer import find_smollm2_gguf, import_gguf
 
     return import_gguf(find_smollm2_gguf(), tmp_path_factory.mktemp("smol") / "smollm2-135m")
 

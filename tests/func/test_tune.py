@@ -18,7 +18,7 @@ import pytest
 
 from spill.control.place import Place
 from spill.jobs.tune.data import data_fingerprint
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from spill.models.weights import fingerprint
 from spill.payloads.checkpoint import COMMIT, PARAMS, latest_checkpoint
 from tests.func import tune_kit as kit

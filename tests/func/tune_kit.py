@@ -327,7 +327,7 @@ _controls: dict[str, Control] = {}
 
 def quantized_tiny(tiny_models: dict[str, Path], dest: Path) -> Path:
     """The tiny llama's 4-bit group-32 copy (what ``spill models quantize`` writes), as a folder."""
-    from spill.models.quantize import quantize_folder
+    from spill.models.sources.quantize import quantize_folder
 
     quantize_folder(tiny_models["llama"], dest, 4, 32, progress=lambda line: None)
     return dest

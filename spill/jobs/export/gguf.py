@@ -1,7 +1,7 @@
 """``spill export --format gguf``: the merged model as one GGUF file for llama.cpp and Ollama.
 
 Written through ``gguf.GGUFWriter`` as llama.cpp's ``convert_hf_to_gguf.py`` writes it:
-tensor names are the exact inverse of spill's importer (``spill.models.gguf_arch``: one table,
+tensor names are the exact inverse of spill's importer (``spill.models.gguf.arch``: one table,
 read both ways, so the two cannot drift apart); each family is written as llama.cpp's
 architecture for it (Mistral as ``llama``), and what that architecture cannot express (a
 sliding window, biases it has no tensor for, NoPE layers off llama.cpp's fixed step, Gemma 3 and
@@ -32,8 +32,8 @@ import numpy as np
 from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
 from spill.jobs.export.shift import WeightShift, measure, seen_rows
-from spill.models.gguf_arch import ARCHES, BIASES, FUSED, GLOBAL, LAYER, QK_NORMS, WRITTEN_AS
-from spill.models.gguf_reader import LLAMA3_SPLIT, QWEN2_SPLIT
+from spill.models.gguf.arch import ARCHES, BIASES, FUSED, GLOBAL, LAYER, QK_NORMS, WRITTEN_AS
+from spill.models.gguf.reader import LLAMA3_SPLIT, QWEN2_SPLIT
 
 NAMES = {hf: g for g, hf in GLOBAL.items()}
 # each table inverted on its own: LAYER's and FUSED's ffn_up are the same GGUF name
@@ -79,7 +79,7 @@ def rope_freqs(cfg) -> np.ndarray:
 
 def _refuse_unwritable(inputs: Inputs) -> None:
     """One line, before anything is written, for what llama.cpp's architecture of the family
-    (``gguf_arch.WRITTEN_AS``) cannot express."""
+    (``models.gguf.arch.WRITTEN_AS``) cannot express."""
     cfg = inputs.config
     if cfg.family not in WRITTEN_AS:
         raise UnsupportedModel(

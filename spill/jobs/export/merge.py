@@ -44,7 +44,7 @@ class Inputs:
     fingerprint: str
     config: ModelConfig
     raw_config: dict  # config.json as stored
-    quantization: dict | None  # a quantized base's identity (spill.models.quantize.identity)
+    quantization: dict | None  # a quantized base's identity (models.sources.quantize.identity)
 
     @property
     def dequantized(self) -> bool:
@@ -82,7 +82,7 @@ def open_inputs(
     records) and refuse a base whose fingerprint is not the adapter's, in one line."""
     from spill.jobs.loading import find_model
     from spill.models.integrity import same_weights
-    from spill.models.quantize import identity
+    from spill.models.sources.quantize import identity
 
     folder = adapter_folder(path)
     meta_path = folder / "adapter.json"

@@ -19,7 +19,7 @@ from spill.jobs.export.hf import SHARD_BYTES, cast, config_json, write_config, w
 from spill.jobs.export.merge import Inputs
 from spill.models.quant import Spec, config_entry, safetensors_entries
 from spill.models.quant import quantize as affine
-from spill.models.quantize import QUANTIZABLE
+from spill.models.sources.quantize import QUANTIZABLE
 
 GROUP_SIZE = 64
 

@@ -30,7 +30,7 @@ def identity(
     model: str, fingerprint: str, data: str, opts: TuneOptions, quantization: dict | None = None
 ) -> dict:
     """The values a checkpoint must share to be continued (``stop_after``/``ckpt_every`` not);
-    ``quantization``: a quantized base's (``spill.models.quantize.identity``; a float base has
+    ``quantization``: a quantized base's (``spill.models.sources.quantize.identity``; a float base has
     none, as every checkpoint made before quantized bases existed). The validation settings
     (``spill.settings.VALIDATION``) are pinned as ``validation`` when the run has a validation
     file, absent otherwise (as in every checkpoint made before validation)."""

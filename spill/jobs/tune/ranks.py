@@ -28,8 +28,8 @@ from spill.jobs.tune.options import TuneOptions
 from spill.jobs.tune.validation import Validation
 from spill.models.config import ModelConfig
 from spill.models.lora import init_params
-from spill.models.quantize import identity as quantization_identity
 from spill.models.resolve import ResolvedModel
+from spill.models.sources.quantize import identity as quantization_identity
 from spill.models.tokenizer import Tokenizer
 from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.store import drill

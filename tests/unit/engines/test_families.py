@@ -93,7 +93,7 @@ def test_streamed_and_resident_are_bit_identical(engine, variant):
 def test_a_quantized_copy_computes_as_its_float_form(engine, variant, tmp_path):
     """``spill models quantize``'s 4-bit copy (the linears and embeddings packed, the q/k norms
     kept float) scores as its dequantized float folder, bit for bit, streamed and resident."""
-    from spill.models.quantize import dequantize_folder, quantize_folder
+    from spill.models.sources.quantize import dequantize_folder, quantize_folder
 
     _, folder = variant
     packed, unpacked = tmp_path / "q4", tmp_path / "f32"

@@ -28,8 +28,8 @@ from spill.engines.torch import ENGINE as TORCH  # noqa: E402
 from spill.models import quant  # noqa: E402
 from spill.models.config import load_config  # noqa: E402
 from spill.models.lora import LoraConfig  # noqa: E402
-from spill.models.quantize import _read, dequantize_folder  # noqa: E402
 from spill.models.resolve import quantize_model  # noqa: E402
+from spill.models.sources.quantize import _read, dequantize_folder  # noqa: E402
 from spill.store.safetensors_io import write_file  # noqa: E402
 from tests.unit.engines import kit  # noqa: E402
 from tests.unit.engines.kit import equal_states, fresh, tune  # noqa: E402

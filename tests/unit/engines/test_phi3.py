@@ -153,7 +153,7 @@ def test_qlora_on_a_4bit_phi3_trains_as_its_dequantized_float_form(engine, tmp_p
     rounding: the first step's loss bit for bit; later steps moved by 2.4e-7 in a loss on a
     machine with OpenBLAS (MLX) or with torch's threads busy, so bits are not promised here."""
     from spill.models.config import load_config
-    from spill.models.quantize import dequantize_folder, quantize_folder
+    from spill.models.sources.quantize import dequantize_folder, quantize_folder
     from tests.unit.engines import hf_families
     from tests.unit.engines.kit import fresh, load_engine, open_runner, tune
 

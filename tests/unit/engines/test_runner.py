@@ -11,7 +11,7 @@ from spill.engines.base import GenerateParams
 from spill.errors import EngineError
 from spill.models.config import load_config
 from spill.models.lora import LoraConfig, init_params
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from tests.unit.engines.kit import (
     COMPLETIONS,
     GREEDY,

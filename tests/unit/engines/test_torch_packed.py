@@ -17,8 +17,8 @@ from spill.engines.torch import ENGINE  # noqa: E402
 from spill.engines.torch.quant import Packed  # noqa: E402
 from spill.models.config import load_config  # noqa: E402
 from spill.models.lora import ALL_LINEAR, LoraConfig  # noqa: E402
-from spill.models.quantize import dequantize_folder  # noqa: E402
 from spill.models.resolve import quantize_model  # noqa: E402
+from spill.models.sources.quantize import dequantize_folder  # noqa: E402
 from spill.models.weights import layer_bytes, weight_files  # noqa: E402
 from tests.unit.engines.kit import equal_states, fresh, open_runner, tune  # noqa: E402
 

@@ -11,10 +11,10 @@ import pytest
 from spill.errors import SpillError, UnsupportedModel, UsageError
 from spill.jobs.export import check_options
 from spill.jobs.export.gguf import _pre, gguf_name, permute
-from spill.models import gguf_import
 from spill.models.config import LINEARS
-from spill.models.gguf_arch import GLOBAL, LAYER
-from spill.models.gguf_reader import LLAMA3_SPLIT
+from spill.models.gguf import importer as gguf_import
+from spill.models.gguf.arch import GLOBAL, LAYER
+from spill.models.gguf.reader import LLAMA3_SPLIT
 
 
 @pytest.mark.parametrize("heads, d", [(4, 64), (2, 32), (9, 576)])
@@ -144,7 +144,7 @@ def test_a_model_too_big_to_score_here_is_measured_in_weight_space(monkeypatch):
 
     from spill.jobs.export import shift
     from spill.models.config import parse_config
-    from spill.models.tiny import _config
+    from spill.models.sources.tiny import _config
 
     cfg = parse_config(_config("llama", 2, 64, 256))
     inputs = SimpleNamespace(config=cfg, adapter_dir=Path("/nowhere/adapter"))

@@ -14,7 +14,7 @@ import pytest
 from spill.errors import UnsupportedModel
 from spill.jobs.export.gguf import _refuse_unwritable
 from spill.models.config import parse_config
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 
 
 def _refusal(cfg) -> str:

@@ -6,10 +6,10 @@ import pytest
 from spill.ground.paths import models_dir
 from spill.models import cache
 from spill.models.cache import MARKER, cached_fingerprint, list_models, read_marker
-from spill.models.staging import stage
-from spill.models.tiny import write_tiny
+from spill.models.sources.staging import stage
+from spill.models.sources.tiny import write_tiny
 from spill.models.weights import fingerprint
-from tests.unit.models.test_hub import SHA, lay_out_snapshot
+from tests.unit.models.sources.test_hub import SHA, lay_out_snapshot
 
 
 def folder_bytes(folder):
@@ -51,7 +51,7 @@ def test_list_models_shows_name_size_source_and_fingerprint(populated):
 
 
 def test_a_resolved_hub_snapshot_lists_under_its_id(populated):
-    from spill.models import hub
+    from spill.models.sources import hub
 
     hub.download("org/tiny", SHA, progress=pytest.fail)
     assert read_marker(populated["hub"])["name"] == "org/tiny@0123456789ab"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from spill.errors import TokenizerError
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from spill.models.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -14,7 +14,7 @@ import pytest
 
 from spill.models.config import FAMILIES, load_config
 from spill.models.names import parse_tiny
-from spill.models.tiny import TINY_FAMILIES, write_tiny
+from spill.models.sources.tiny import TINY_FAMILIES, write_tiny
 from tests.conftest import run_spill
 
 
@@ -59,8 +59,8 @@ def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch
     so a GGUF of one is refused before anything is written (llama.cpp names each by its arch;
     qwen3, smollm3 and phi3 GGUFs import: tests/func/test_export_families.py)."""
     from spill.errors import UnsupportedModel
-    from spill.models.gguf_import import import_gguf
-    from tests.unit.models.gguf_bytes import small_llama, small_metadata
+    from spill.models.gguf.importer import import_gguf
+    from tests.unit.models.gguf.gguf_bytes import small_llama, small_metadata
 
     meta = small_metadata()
     meta = {k.replace("llama.", f"{arch}.", 1): v for k, v in meta.items()}
@@ -79,8 +79,8 @@ def test_a_qwen3_gguf_needs_its_q_k_norms_and_a_smollm3_gguf_has_llama_cpps_nope
     (every 4th layer; no GGUF key holds it) and its q/k rows unpermuted as a Llama's."""
     from spill.errors import ModelError, UnsupportedModel
     from spill.models.config import load_config
-    from spill.models.gguf_import import import_gguf
-    from tests.unit.models.gguf_bytes import small_llama, small_metadata
+    from spill.models.gguf.importer import import_gguf
+    from tests.unit.models.gguf.gguf_bytes import small_llama, small_metadata
 
     def of(arch: str) -> Path:
         meta = {k.replace("llama.", f"{arch}.", 1): v for k, v in small_metadata().items()}

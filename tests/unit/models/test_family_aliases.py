@@ -7,8 +7,8 @@ from spill.errors import ModelNotFound
 from spill.models.config import load_config
 from spill.models.names import ALIASES
 from spill.models.resolve import ResolvedModel, resolve_model
-from spill.models.tiny import write_tiny
-from tests.unit.models.test_hub import SHA, lay_out_snapshot
+from spill.models.sources.tiny import write_tiny
+from tests.unit.models.sources.test_hub import SHA, lay_out_snapshot
 from tests.unit.models.test_names import PINNED
 
 FAMILY = {  # the model_type each alias's hub repo declares

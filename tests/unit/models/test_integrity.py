@@ -13,7 +13,7 @@ from spill.ground.validate import validate
 from spill.models import integrity
 from spill.models.cache import MARKER, MarkerInvalid, list_models, read_marker
 from spill.models.integrity import ModelChanged, check, explain, record, verify, weight_hashes
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 
 
 def sha(path):
@@ -153,7 +153,7 @@ def test_listing_shows_an_invalid_record_as_a_problem(tiny_models):
 
 
 def test_a_hub_snapshot_records_the_sha256_its_blobs_are_named_by(tiny_models):
-    from spill.models import hub
+    from spill.models.sources import hub
 
     src = tiny_models["llama"]
     repo = hub.hub_cache() / "models--org--tiny"

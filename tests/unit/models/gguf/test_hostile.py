@@ -10,9 +10,9 @@ import tracemalloc
 import pytest
 
 from spill.errors import ModelError, SpillError
-from spill.models.gguf_import import import_gguf
-from spill.models.gguf_reader import MAX_ELEMENTS, Unread, read_gguf
-from tests.unit.models.gguf_bytes import (
+from spill.models.gguf.importer import import_gguf
+from spill.models.gguf.reader import MAX_ELEMENTS, Unread, read_gguf
+from tests.unit.models.gguf.gguf_bytes import (
     ARRAY,
     GGML_F32,
     STRING,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from spill.errors import ModelNotFound
-from spill.models import hub
 from spill.models.cache import is_model_file, read_marker
+from spill.models.sources import hub
 from spill.models.weights import fingerprint
 
 SHA = "0123456789abcdef0123456789abcdef01234567"

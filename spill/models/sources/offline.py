@@ -55,7 +55,7 @@ def import_offline(alias: Alias, dest: Path, progress: Progress, keep: bool = Fa
     """Import the packaged GGUF into ``dest`` once (the importer writes a temp folder and renames
     it, so a killed import leaves nothing that looks finished); ``keep``: its quantization too,
     which must be the one the alias names (``Alias.kept``)."""
-    from spill.models.gguf_import import find_smollm2_gguf, import_gguf
+    from spill.models.gguf.importer import find_smollm2_gguf, import_gguf
 
     source = find_smollm2_gguf()
     refuse_other_bytes(alias, source, file_sha256(source), f"{alias.name}'s packaged GGUF")
@@ -85,7 +85,7 @@ def import_offline(alias: Alias, dest: Path, progress: Progress, keep: bool = Fa
 
 def gguf_tag(path: Path) -> str:
     """The quantization tag of a GGUF file's kept copy (``q4_1``), from its header."""
-    from spill.models.gguf_quant import file_tag
-    from spill.models.gguf_reader import read_gguf
+    from spill.models.gguf.quant import file_tag
+    from spill.models.gguf.reader import read_gguf
 
     return file_tag(read_gguf(path))

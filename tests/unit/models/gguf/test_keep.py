@@ -11,12 +11,13 @@ import pytest
 
 from spill.errors import ModelError
 from spill.ground.hashing import file_sha256
-from spill.models import gguf_quant, quant
+from spill.models import quant
 from spill.models.config import load_config
-from spill.models.gguf_import import import_gguf
-from spill.models.gguf_reader import read_gguf
+from spill.models.gguf import quant as gguf_quant
+from spill.models.gguf.importer import import_gguf
+from spill.models.gguf.reader import read_gguf
 from spill.models.names import split_quant
-from tests.unit.models.test_gguf_import import _write_tiny_gguf
+from tests.unit.models.gguf.test_importer import _write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -171,7 +172,7 @@ def test_k_quant_gguf_keeps_exactly_and_computes_the_same(tmp_path, monkeypatch)
     copy dequantizes to the float import, and torch computes the same log-probs on both."""
     from spill.engines import resolve
     from spill.engines.base import GenerateParams, LoadOptions, ModelSpec
-    from tests.unit.models import test_gguf_import as kit
+    from tests.unit.models.gguf import test_importer as kit
 
     for name, value in dict(H=256, HEADS=4, KV=2, D=64, INTER=512).items():
         monkeypatch.setattr(kit, name, value)

@@ -1,4 +1,4 @@
-"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3 or smollm3 architecture (``gguf_arch``)
+"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3 or smollm3 architecture (``gguf.arch``)
 as an HF-layout model folder.
 
 Every tensor is dequantized exactly as ggml does (``gguf.quants``) and a Llama's or SmolLM3's
@@ -9,7 +9,7 @@ weight (fp16 scale * nibble + fp16 min) almost never fits in bf16, so quantized 
 land as F32; the norms, stored as F32 that came from bf16, land as BF16.
 
 With ``keep_quantization`` the quantized matrices are stored packed instead, in mlx-lm's affine
-layout (``gguf_quant``: the same float32 values, rows unpermuted the same way); a type without
+layout (``gguf.quant``: the same float32 values, rows unpermuted the same way); a type without
 an exact affine form is dequantized as above, and the line says so.
 
 The tokenizer is rebuilt from the GGUF vocabulary without transformers: byte-level BPE from
@@ -33,10 +33,10 @@ import numpy as np
 
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.ground.hashing import file_sha256
-from spill.models import gguf_quant
 from spill.models.config import parse_config
-from spill.models.gguf_arch import ARCHES, GLOBAL, Arch
-from spill.models.gguf_reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
+from spill.models.gguf import quant as gguf_quant
+from spill.models.gguf.arch import ARCHES, GLOBAL, Arch
+from spill.models.gguf.reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
 from spill.models.scan import checked_sha256
@@ -70,7 +70,7 @@ def import_gguf(
     keep_quantization: bool = False,
 ) -> Path:
     """Write the HF-layout folder for a GGUF file (or an alias such as ``smollm2:135m``) to
-    ``dest``; ``keep_quantization`` stores mapped tensors packed (``gguf_quant``), not as floats."""
+    ``dest``; ``keep_quantization`` stores mapped tensors packed (``gguf.quant``), not as floats."""
     if isinstance(source, str) and source in ALIASES:
         path = ALIASES[source]()
     elif isinstance(source, str) and ":" in source and not Path(source).exists():

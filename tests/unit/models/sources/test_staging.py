@@ -7,7 +7,7 @@ import pytest
 
 from spill.errors import ModelNotFound, StoreError
 from spill.models.cache import is_model_file, read_marker
-from spill.models.staging import stage
+from spill.models.sources.staging import stage
 from tests.conftest import bucket_uri
 
 
@@ -119,7 +119,7 @@ def test_a_file_whose_size_changed_is_copied_again(source, tmp_path):
 
 
 def test_a_shard_the_source_no_longer_has_is_removed(tiny_models, tmp_path):
-    from spill.models.tiny import write_tiny
+    from spill.models.sources.tiny import write_tiny
 
     src = write_tiny(tmp_path / "src", family="qwen2", seed=1, shards=2)
     dest = tmp_path / "dest"

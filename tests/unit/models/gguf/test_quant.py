@@ -11,8 +11,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from spill.models import gguf_quant, quant
-from spill.models.gguf_import import _unpermute
+from spill.models import quant
+from spill.models.gguf import quant as gguf_quant
+from spill.models.gguf.importer import _unpermute
 
 ROWS, COLS = 48, 512  # two K-quant super-blocks per row; 8 heads of 6 rows for the permutation
 D_AT = {T.Q6_K: (208, 210)}  # where a block keeps its fp16 d (and dmin after it, K-quants)

@@ -14,9 +14,9 @@ from spill.errors import ModelError, ModelNotFound
 from spill.ground.hashing import file_sha256
 from spill.models import quant
 from spill.models.config import load_config
-from spill.models.quantize import _read, dequantize_folder
 from spill.models.resolve import quantize_model, resolve_model
-from spill.models.tiny import write_tiny
+from spill.models.sources.quantize import _read, dequantize_folder
+from spill.models.sources.tiny import write_tiny
 from spill.store.safetensors_io import bf16_bits_to_float32
 
 

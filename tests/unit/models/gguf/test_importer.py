@@ -24,10 +24,10 @@ from tokenizers import pre_tokenizers
 
 from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.ground.validate import validate
-from spill.models import gguf_import
 from spill.models.config import load_config
-from spill.models.gguf_arch import LAYER
-from spill.models.gguf_import import find_smollm2_gguf, import_gguf
+from spill.models.gguf import importer as gguf_import
+from spill.models.gguf.arch import LAYER
+from spill.models.gguf.importer import find_smollm2_gguf, import_gguf
 from spill.models.tokenizer import Tokenizer
 from spill.store.safetensors_io import read_header
 from tests.conftest import assert_not_imported
@@ -272,7 +272,7 @@ def test_bad_gguf_files_are_refused_in_one_line(smol_gguf, tmp_path):
 def test_killed_import_leaves_no_folder(smol_gguf, tmp_path):
     """SIGKILL mid-import: nothing at dest; the next import cleans the leftover and succeeds."""
     dest = tmp_path / "killed"
-    code = f"from spill.models.gguf_import import import_gguf; import_gguf({str(smol_gguf)!r}, {str(dest)!r})"
+    code = f"from spill.models.gguf.importer import import_gguf; import_gguf({str(smol_gguf)!r}, {str(dest)!r})"
     proc = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(".killed.*.importing")) and time.monotonic() < deadline:
@@ -530,4 +530,4 @@ def test_missing_wheel_says_how_to_install(monkeypatch):
 
 
 def test_import_module_is_engine_free():
-    assert_not_imported("import spill.models.gguf_import")
+    assert_not_imported("import spill.models.gguf.importer")

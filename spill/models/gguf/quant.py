@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from spill.models.gguf_reader import GGUFFile, TensorInfo
+from spill.models.gguf.reader import GGUFFile, TensorInfo
 from spill.models.quant import Spec, exact_float16, pack, safetensors_entries
 
 T = GGMLQuantizationType
