@@ -1,6 +1,6 @@
 """The job verbs on the command line: ``run``, ``eval``, ``distill``, ``tune`` (alias ``train``).
 
-Each command turns its arguments into the options of its job module (``spill.jobs.generate``,
+Each command turns its arguments into the options of its job module (``spill.jobs.rows.generate``,
 ``eval``, ``distill``, ``tune``), makes one call and prints the summary. Every flag that is a
 setting of a conf group (``model``, ``tune``, ``eval``, ``teacher``, ``engine``) takes its default from
 ``spill.conf.defaults``, so ``spill tune`` and a build with the same values are the same run.
@@ -56,7 +56,7 @@ def _writer(args):
 
 
 def _row_options(args):
-    from spill.jobs.rows_job import RowOptions
+    from spill.jobs.rows.job import RowOptions
     from spill.models.quant import spec_of
 
     return RowOptions(
@@ -69,7 +69,7 @@ def _row_options(args):
 
 
 def _run_options(args, adapter: str | None = None):
-    from spill.jobs.generate import GenerateOptions
+    from spill.jobs.rows.generate import GenerateOptions
 
     return GenerateOptions(
         max_new_tokens=args.max_new_tokens,
@@ -115,7 +115,7 @@ def cmd_run(args) -> int:
     if (code := _launched(args)) is not None:
         return code
     from spill.console import emit
-    from spill.jobs.generate import generate
+    from spill.jobs.rows.generate import generate
 
     opts = _run_options(args, args.adapter)
     emit(
@@ -129,7 +129,7 @@ def cmd_distill(args) -> int:
     if (code := _launched(args)) is not None:
         return code
     from spill.console import emit
-    from spill.jobs.distill import distill
+    from spill.jobs.rows.distill import distill
 
     opts, job = _run_options(args), _row_options(args)
     emit(distill(args.teacher, Path(args.input), Path(args.out), opts, job), args.json)
@@ -141,7 +141,7 @@ def cmd_eval(args) -> int:
     if (code := _launched(args)) is not None:
         return code
     from spill.console import emit
-    from spill.jobs.eval import EvalOptions, evaluate
+    from spill.jobs.rows.eval import EvalOptions, evaluate
 
     opts = EvalOptions(
         max_new_tokens=args.max_new_tokens,

@@ -42,7 +42,7 @@ def _places(args) -> tuple[str, str | None]:
 
 def _request(args):
     from spill.jobs.authority import Writer
-    from spill.jobs.rows_job import RowOptions
+    from spill.jobs.rows.job import RowOptions
     from spill.project.predict import Request
 
     if args.stop_after is not None and not args.state:

@@ -98,8 +98,8 @@ def warm() -> None:
         "spill.project.build.execute",
         "spill.project.report.status",
         "spill.jobs.tune",
-        "spill.jobs.generate",
-        "spill.jobs.eval",
+        "spill.jobs.rows.generate",
+        "spill.jobs.rows.eval",
         "spill.engines.torch",
         "spill.models.resolve",
     ):

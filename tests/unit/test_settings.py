@@ -18,9 +18,9 @@ import yaml
 
 from spill import settings
 from spill.cli import build_parser
-from spill.jobs.eval import EvalOptions
-from spill.jobs.generate import GenerateOptions
-from spill.jobs.rows_job import RowOptions
+from spill.jobs.rows.eval import EvalOptions
+from spill.jobs.rows.generate import GenerateOptions
+from spill.jobs.rows.job import RowOptions
 from spill.jobs.tune import TuneOptions
 from spill.models.lora import LoraConfig
 from spill.settings import schema as settings_schema

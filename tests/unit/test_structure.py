@@ -251,7 +251,7 @@ def test_schemas_are_valid(schema):
 
 def test_engine_free_modules_import_without_torch():
     code = (
-        "import spill.cli, spill.jobs.tune, spill.jobs.generate, spill.models.resolve, spill.payloads.checkpoint\n"
+        "import spill.cli, spill.jobs.tune, spill.jobs.rows.generate, spill.models.resolve, spill.payloads.checkpoint\n"
         "import spill.engines, spill.engines.base\n"
     )
     assert_not_imported(code, (*ENGINES, "transformers"))

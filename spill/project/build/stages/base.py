@@ -19,7 +19,7 @@ from spill.store.fs import join
 if TYPE_CHECKING:
     from spill.control.control import Ownership
     from spill.control.place import Place
-    from spill.jobs.rows_job import RowOptions
+    from spill.jobs.rows.job import RowOptions
     from spill.project.build.context import BuildContext
     from spill.project.build.stages.spec import StageSpec
     from spill.project.config import Project
@@ -133,7 +133,7 @@ class Stage:
         folder a bundle install gave the project, where it commits, and the quantized copy its
         model computes on (``model.quantize``)."""
         from spill.jobs.authority import Writer
-        from spill.jobs.rows_job import RowOptions
+        from spill.jobs.rows.job import RowOptions
 
         return RowOptions(
             batch=batch,

@@ -105,7 +105,7 @@ class EvalStage(RowStage):
         return prepared.n_test
 
     def execute(self, ctx: BuildContext, stop: int | None) -> tuple[dict[str, Any], bool]:
-        from spill.jobs.eval import EvalOptions, evaluate
+        from spill.jobs.rows.eval import EvalOptions, evaluate
 
         p = ctx.project
         adapter = None
@@ -135,7 +135,7 @@ class EvalStage(RowStage):
         return text
 
     def order(self, path: Path) -> tuple[list, Callable[[dict], dict]]:
-        from spill.jobs.eval import read_eval_rows
+        from spill.jobs.rows.eval import read_eval_rows
 
         return [r.id for r in read_eval_rows(path)], dict
 
@@ -168,8 +168,8 @@ class DistillStage(RowStage):
         return prepared.n_train
 
     def execute(self, ctx: BuildContext, stop: int | None) -> tuple[dict[str, Any], bool]:
-        from spill.jobs.distill import distill
-        from spill.jobs.generate import GenerateOptions
+        from spill.jobs.rows.distill import distill
+        from spill.jobs.rows.generate import GenerateOptions
 
         p, t = ctx.project, ctx.project.teacher
         out = ctx.output(self.file)
@@ -194,7 +194,7 @@ class DistillStage(RowStage):
         )
 
     def order(self, path: Path) -> tuple[list, Callable[[dict], dict]]:
-        from spill.jobs.distill import training_row
+        from spill.jobs.rows.distill import training_row
         from spill.jobs.inputs import read_prompt_rows
 
         rows = read_prompt_rows(path)

@@ -1,12 +1,12 @@
 """``spill run``: batch generation over a JSONL file of prompts.
 
 Rows are generated in input order, ``batch`` at a time (by default as many as the memory budget
-fits: ``spill.jobs.rows_job``). A row's sampling seed is derived from
+fits: ``spill.jobs.rows.job``). A row's sampling seed is derived from
 the run seed and the row id, so a sampled answer draws the same random numbers whatever its
 batch or neighbours; the logits it samples from are padded with the batch, so a token whose
 probability ties another's within rounding can change with ``--batch`` (a resumed job keeps its
-batches: ``spill.jobs.rows_job``). With ``--state`` the job is a portable row job
-(``spill.jobs.rows_job``): results are committed in segments and a rerun continues where the
+batches: ``spill.jobs.rows.job``). With ``--state`` the job is a portable row job
+(``spill.jobs.rows.job``): results are committed in segments and a rerun continues where the
 last one stopped. The output is written under a temporary name and renamed at the end: a failed
 run leaves no half-written ``--out``. ``--adapter`` generates with a LoRA adapter (spill's or
 PEFT's layout, read as ``spill eval`` reads it); its hash joins the job's pinned settings.
@@ -27,7 +27,7 @@ from spill.jobs.adapter_files import Adapter, apply_adapter, load_adapter
 from spill.jobs.group import current as current_group
 from spill.jobs.inputs import PromptRow, read_prompt_rows
 from spill.jobs.loading import LoadedModel
-from spill.jobs.rows_job import (
+from spill.jobs.rows.job import (
     RowJob,
     RowOptions,
     Work,

@@ -16,10 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from spill.console import note
-from spill.jobs.generate import GenerateOptions, check_options, generator
 from spill.jobs.group import current as current_group
 from spill.jobs.inputs import PromptRow, read_prompt_rows
-from spill.jobs.rows_job import (
+from spill.jobs.rows.generate import GenerateOptions, check_options, generator
+from spill.jobs.rows.job import (
     RowJob,
     RowOptions,
     execute,

@@ -2,7 +2,7 @@
 
 Rows arrive already in the project's prompt shape (``spill.project.predict`` renders them).
 With ``labels`` (a classification) a row's answer is the label with the highest log-prob after
-its prompt, scored exactly as eval scores a gold answer (``spill.jobs.scoring``), and its
+its prompt, scored exactly as eval scores a gold answer (``spill.jobs.rows.scoring``), and its
 probability is the softmax of the labels' totals: ``{"id", "input", "label", "probability",
 "logprobs"}``. Without labels (free text, ``--generate``) the model answers greedily:
 ``{"id", "input", "text", "finish", "tokens"}``. ``--state`` commits rows in segments as every
@@ -19,10 +19,10 @@ from spill.console import note
 from spill.engines.base import GenerateParams
 from spill.errors import DataError
 from spill.jobs.adapter_files import Adapter, apply_adapter, load_adapter
-from spill.jobs.generate import encode_rows
 from spill.jobs.inputs import PromptRow
 from spill.jobs.loading import LoadedModel, find_model, open_model
-from spill.jobs.rows_job import (
+from spill.jobs.rows.generate import encode_rows
+from spill.jobs.rows.job import (
     RowJob,
     RowOptions,
     Work,
@@ -31,7 +31,7 @@ from spill.jobs.rows_job import (
     refuse_overlap,
     write_jsonl,
 )
-from spill.jobs.scoring import answer_ids, choose_labels
+from spill.jobs.rows.scoring import answer_ids, choose_labels
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ a training file can be graded as is). For every row the model generates greedily
 correct when the generated text equals the answer after stripping leading and trailing
 whitespace on both sides; the comparison is otherwise exact (case, inner spaces, punctuation).
 Independently of the generation, the engine scores the gold answer's tokens given the prompt
-(``spill.jobs.scoring``, as ``spill predict`` scores each label): their summed log-prob and
+(``spill.jobs.rows.scoring``, as ``spill predict`` scores each label): their summed log-prob and
 per-token mean. A row job like run: ``--state`` commits graded rows in segments.
 
 ``--max-new-tokens`` defaults to the longest answer in the file plus 16 tokens, fixed for the
@@ -25,10 +25,10 @@ from spill.console import note
 from spill.engines.base import GenerateParams
 from spill.errors import DataError
 from spill.jobs.adapter_files import Adapter, apply_adapter, load_adapter
-from spill.jobs.generate import encode_rows
 from spill.jobs.inputs import PromptRow, read_jsonl, read_prompt_rows
 from spill.jobs.loading import LoadedModel
-from spill.jobs.rows_job import (
+from spill.jobs.rows.generate import encode_rows
+from spill.jobs.rows.job import (
     RowJob,
     RowOptions,
     Work,
@@ -37,8 +37,8 @@ from spill.jobs.rows_job import (
     refuse_overlap,
     write_jsonl,
 )
-from spill.jobs.scoring import answer_ids
-from spill.jobs.scoring import total as summed
+from spill.jobs.rows.scoring import answer_ids
+from spill.jobs.rows.scoring import total as summed
 
 ANSWER_MARGIN = 16  # extra tokens past the longest answer, so a model that keeps going is wrong
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from spill.jobs.authority import Writer
-from spill.jobs.distill import distill
-from spill.jobs.generate import GenerateOptions, generate
-from spill.jobs.rows_job import RowOptions
+from spill.jobs.rows.distill import distill
+from spill.jobs.rows.generate import GenerateOptions, generate
+from spill.jobs.rows.job import RowOptions
 from spill.settings import EngineSettings
 
 GEN = GenerateOptions(max_new_tokens=3, temperature=0.0, seed=0)

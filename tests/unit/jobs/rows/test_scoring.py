@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from spill.jobs.scoring import answer_ids, choose, choose_labels, softmax, total
+from spill.jobs.rows.scoring import answer_ids, choose, choose_labels, softmax, total
 from spill.models.tokenizer import Tokenizer
 from tests.unit.engines.kit import load_engine, open_runner
 

@@ -14,9 +14,9 @@ import json
 import numpy as np
 import pytest
 
-from spill.jobs.eval import EvalOptions, evaluate
-from spill.jobs.generate import GenerateOptions, generate
-from spill.jobs.rows_job import RowOptions
+from spill.jobs.rows.eval import EvalOptions, evaluate
+from spill.jobs.rows.generate import GenerateOptions, generate
+from spill.jobs.rows.job import RowOptions
 from spill.settings import EngineSettings
 
 ROWS = 20

@@ -3,7 +3,7 @@ an answer outside the label set counted as (other)."""
 
 from __future__ import annotations
 
-from spill.jobs.eval import OTHER, label_results
+from spill.jobs.rows.eval import OTHER, label_results
 
 
 def test_per_label_precision_recall_and_confusion():
