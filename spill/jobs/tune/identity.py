@@ -6,15 +6,12 @@ deciding hyperparameters, the LoRA configuration and the validation (``spill.job
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from spill.errors import SpillError
+from spill.jobs.tune.options import TuneOptions
 from spill.jobs.tune.validation import identity as validation_identity
 from spill.jobs.tune.validation import refuse as refuse_validation
 from spill.models.integrity import explain, same_weights
-
-if TYPE_CHECKING:
-    from spill.jobs.tune.options import TuneOptions
 
 
 class CheckpointMismatch(SpillError):
