@@ -19,8 +19,8 @@ from spill.console import note
 from spill.errors import DataError, StoreError
 from spill.ground.paths import STATE_DIR
 from spill.jobs.inputs import PromptRow
-from spill.jobs.rows.predict import PredictOptions, PredictRow, predict, predict_one
 from spill.jobs.rows.job import RowOptions
+from spill.jobs.rows.predict import PredictOptions, PredictRow, predict, predict_one
 from spill.project import sources
 from spill.project.build import record
 from spill.project.build.build import with_engine
