@@ -173,3 +173,18 @@ def test_a_per_layer_list_that_does_not_fit_the_layers_is_one_line(keys, says):
     with pytest.raises(ModelError, match=says) as err:
         parse_config(_raw("smollm3", **keys), "m/config.json")
     assert "\n" not in str(err.value) and str(err.value).startswith("m/config.json: ")
+
+
+@pytest.mark.parametrize("model_type", ["ministral3", "mistral3"])
+def test_ministral_3_is_refused_in_one_line_naming_what_spill_lacks(model_type):
+    """transformers' own Ministral3Config (YaRN rope_parameters, llama_4_scaling_beta)."""
+    transformers = pytest.importorskip("transformers")
+    from spill.errors import UnsupportedModel
+    from spill.models.config import parse_config
+
+    raw = transformers.Ministral3Config().to_dict() | {"model_type": model_type}
+    with pytest.raises(UnsupportedModel) as err:
+        parse_config(raw)
+    said = str(err.value)
+    assert "\n" not in said and f"model_type {model_type!r} is not supported yet" in said
+    assert "YaRN" in said and "query scaling" in said and "mistral" in said
