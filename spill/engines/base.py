@@ -39,13 +39,15 @@ class EngineInfo:
     layers: int
     resident: bool
     weights: str = ""  # a quantized base's format ("4-bit affine g32 from Q4_1"); "" for floats
+    memory: str = ""  # the budget and its source ("memory 144 MiB (--memory)"); "" for none
 
     def line(self) -> str:
         mode = (
             "resident" if self.resident else f"streaming, ring {self.ring} of {self.layers} layers"
         )
         weights = f" · weights {self.weights}" if self.weights else ""
-        return f"engine {self.engine} · device {self.device} · numerics {self.numerics} ({self.why}) · {mode}{weights}"
+        memory = f" · {self.memory}" if self.memory else ""
+        return f"engine {self.engine} · device {self.device} · numerics {self.numerics} ({self.why}) · {mode}{weights}{memory}"
 
 
 @dataclass(frozen=True)

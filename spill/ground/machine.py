@@ -1,5 +1,6 @@
-"""Facts about this machine that need no engine: the CPU's model name, and the small JSON cache
-of per-machine measurements under ``machine_cache()``.
+"""Facts about this machine that need no engine: the CPU's model name, the memory this process
+may use (physical RAM, and the limit of the cgroup it lives in), and the small JSON cache of
+per-machine measurements under ``machine_cache()``.
 
 Engine-free (no torch or mlx): the job layer records the CPU in provenance, and each engine's
 ``numerics`` keys its cached bf16 measurement by it (model name and flags, ``cpu_key``). The
@@ -86,6 +87,45 @@ def cpu_key() -> str:
 
     digest = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
     return f"{cpu_model()} | flags {digest}"
+
+
+def physical_memory() -> int:
+    """Bytes of RAM this machine has."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+
+
+def memory_limit(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes the cgroup this process lives in may hold (anonymous memory and page cache alike):
+    the smallest limit on its path (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), as
+    a Slurm job's ``--mem`` or a container's memory limit sets it; None where none is set or
+    none can be read (macOS, a cgroup not mounted)."""
+    try:
+        lines = open(proc).read().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            folder, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        elif controllers == "":
+            folder, name = root, "memory.max"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for n in range(len(parts), -1, -1):  # a parent's limit binds its children
+            try:
+                text = open(os.path.join(folder, *parts[:n], name)).read().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < 1 << 60:  # v1 writes "no limit" as ~2**63
+                limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def cached_measurement(name: str, key: str, measure: Callable[[], dict]) -> dict:

@@ -2,19 +2,24 @@
 figures it reports add up (peak within the limit, the sampled cache and anonymous memory within
 the peak, a cold streamed run reading at least the model's bytes from disk, the bound ratio
 being the wall time over the larger bound); a limit too small for the process ends in the
-kernel's OOM kill, counted. Skipped where no cgroup memory controller is writable.
+kernel's OOM kill, counted. Then what spill promises there (issue 38): ``--memory M`` holds
+the peak under M + ``RUNTIME``, a cgroup's limit is the default budget, and a budget too small
+for the smallest plan is refused in one line naming the smallest that fits. Skipped where no
+cgroup memory controller is writable.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from bench import memory_limit as ml
-from spill.models.tiny import write_tiny
+from spill.engines.core.budget import RUNTIME
+from spill.models.sources.tiny import write_tiny
 
 MIB = 1 << 20
 
@@ -70,3 +75,56 @@ def test_limit_below_the_process_is_killed(job):
     assert r["rc"] == 137, r["output"]
     assert r["oom_kills"] >= 1
     assert r["peak_bytes"] <= 48 * MIB
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory, cgroup_ok):
+    """A model (168 MiB in 32 layers) larger than the budgets below, and a row job on it."""
+    root = tmp_path_factory.mktemp("big")
+    model = write_tiny(root / "model", seed=5, layers=32, hidden=512)
+    rows = root / "in.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "hi"}) + "\n" for i in range(2)))
+    cmd = [sys.executable, "-m", "spill", "run", str(model), str(rows), "--out"]
+    cmd += [str(root / "out.jsonl"), "--max-new-tokens", "2"]
+    # a local folder is hashed on first use (a read the cache keeps, once): not measured here
+    subprocess.run([*cmd, "--memory", "1G"], check=True, capture_output=True)
+    return cmd, sorted(model.glob("*.safetensors"))
+
+
+def test_memory_is_a_promise(big):
+    """In a cgroup with no limit of its own, ``--memory M`` holds the peak (anonymous memory
+    plus the page cache the run causes) under M + RUNTIME; without it, the cache keeps the
+    model it read and the peak passes that mark."""
+    cmd, files = big
+    model = sum(f.stat().st_size for f in files)
+    promised = ml.measure([*cmd, "--memory", "32MiB"], None, files, disk_bytes=MIB)
+    assert promised["rc"] == 0, promised["output"]
+    assert "memory 32 MiB (--memory)" in promised["output"]
+    assert promised["read_bytes"] >= model
+    assert promised["peak_bytes"] <= 32 * MIB + RUNTIME
+    free = ml.measure(cmd, None, files, disk_bytes=MIB)
+    assert free["rc"] == 0, free["output"]
+    assert free["peak_cache_bytes"] >= model
+    assert free["peak_bytes"] > 32 * MIB + RUNTIME
+
+
+def test_the_cgroup_limit_is_the_default_budget(big):
+    """No ``--memory``: the cgroup's limit, less RUNTIME, sizes the ring, and the pre-run
+    line says so; the run finishes inside the limit."""
+    cmd, files = big
+    limit = RUNTIME + 48 * MIB
+    r = ml.measure(cmd, limit, files, disk_bytes=MIB)
+    assert r["rc"] == 0, r["output"]
+    assert f"memory 48 MiB (cgroup limit {limit // MIB} MiB less" in r["output"]
+    assert "streaming, ring" in r["output"]
+    assert r["oom_kills"] == 0 and r["peak_bytes"] <= limit
+
+
+def test_too_small_is_refused_before_the_start(big):
+    cmd, _ = big
+    r = ml.run_limited([*cmd, "--memory", "4MiB"], None)
+    assert r["rc"] == 1
+    lines = [x for x in r["output"].splitlines() if x.startswith("spill: error:")]
+    assert len(lines) == 1, r["output"]
+    assert "--memory 4 MiB cannot hold" in lines[0]
+    assert "use --memory 11MiB or more (or --ring 1)" in lines[0]

@@ -12,11 +12,12 @@ always resident; decoder layers stream.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, Protocol
 
 from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
+from spill.engines.core import budget as memory
 from spill.engines.core.common import RingPlan, check_layers, plan_model_ring
 from spill.engines.core.kernel import Kernel
 from spill.engines.core.model import Model
@@ -38,7 +39,8 @@ class Placement:
     why: str  # why these numerics (a measurement, the device)
     itemsize: int  # bytes per base weight in ``dtype``
     budget: Callable[[], int]  # the default ring budget, asked only without ``options.memory``
-    reader: Any  # ``tensors(names) -> {name: array}``, ``has(name)``, ``close()``
+    # ``tensors(names) -> {name: array}``, ``has(name)``, ``drop_behind()``, ``close()``
+    reader: Any
     weights_note: str = ""  # what the engine changes about a quantized base's weights, if any
     # the engine's hooks expand a packed layer into ``dtype`` per use (torch); the plan then
     # keeps a quantized model's float form resident where it fits. False: packed is computed on
@@ -119,7 +121,16 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         packed = layer_bytes(cfg, files, place.itemsize)
         if place.computes_packed is not None:
             compute = layer_bytes(cfg, files, place.itemsize, place.computes_packed)
+    # --memory (or the cgroup's limit) is the whole budget: the ring plans from what the
+    # resident parts leave of it, and the reader leaves no page cache behind (core.budget)
+    budget = memory.resolve(options.budget)
+    resident = memory.resident_bytes(cfg, place.itemsize)
+    share = memory.ring_share(budget, resident)
+    if share is not None:
+        options = replace(options, memory=share)
+        place.reader.drop_behind()
     plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
+    memory.check_fits(budget, resident, plan.layer_memory(), plan.slots)
     keys = cfg.layer_keys()
     stats = Stats()
     hooks = engine.hooks(place, plan.resident or plan.held)  # held layers: read, never mapped
@@ -138,6 +149,7 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
             for w in (_text_part(cfg, files), _weights(model, place, plan), place.weights_note)
             if w
         ),
+        memory=budget.words(),
     )
     kernel = engine.kernel(cfg, place)
-    return StreamRunner(Model(kernel, ring), info, stats, options.budget, plan.layer_memory())
+    return StreamRunner(Model(kernel, ring), info, stats, share, plan.layer_memory())

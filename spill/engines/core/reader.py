@@ -8,6 +8,18 @@ computes in the file's dtype, it saves the copy (a warm 14 MB layer: ~0.5 ms map
 read, measured here). A layer's tensors are read in file order, one read per contiguous byte
 range (a decoder layer is usually one), so the disk sees a sequential read. What the bytes
 become (torch tensors, MLX arrays) is the engine's reader's business.
+
+Under a memory budget (``drop``: ``--memory``, or a cgroup's limit, ``core.budget``) reads
+leave nothing behind in the page cache: after each read, ``posix_fadvise(DONTNEED)`` covers
+the whole run of bytes read so far that the new range joins, not the range alone. The kernel
+drops only the cached folios a call covers whole, and readahead builds large folios (up to its
+window, 8 MiB on this machine's disk) that straddle a layer's edges: dropping each range alone
+left 75% of a streamed model cached, the run left none but the window past the last read. A
+mapped page is never dropped, so a ring slot's mapped layer stays until it is unmapped, and the
+next read's call takes it; a copied one (resident parts, held layers) is the copy's business.
+Without this the cache would keep every layer the ring has finished with, charged to the
+process's cgroup, until the kernel reclaims it at the limit; a repeated read (a decode step
+streams the model again) then comes from the disk, which is the price of the promise.
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ class ShardFiles:
         self._fds: dict[str, tuple[int, int]] = {}  # shard -> (fd, start of tensor data)
         self._lock = threading.Lock()
         self.bytes_read = 0  # tensor bytes read or mapped so far (a benchmark's per-pass count)
+        self.drop = False  # leave no read range in the page cache (a memory budget is in force)
+        self._runs: dict[int, list[list[int]]] = {}  # fd -> sorted runs [start, end) read
 
     def has(self, name: str) -> bool:
         return name in self.files.tensor_shard
@@ -83,7 +97,26 @@ class ShardFiles:
         m = mmap.mmap(r.fd, r.nbytes + r.start - lo, flags=flags, prot=mmap.PROT_READ, offset=lo)
         with self._lock:
             self.bytes_read += r.nbytes
+        self._forget(r.fd, r.start, r.nbytes)
         return memoryview(m)[r.start - lo :]
+
+    def _forget(self, fd: int, start: int, nbytes: int) -> None:
+        """Under ``drop``: record ``[start, start + nbytes)`` as read and drop the cached pages
+        of the run of read bytes it joins (see the module docstring)."""
+        if not self.drop or not hasattr(os, "posix_fadvise"):  # macOS: no fadvise
+            return
+        with self._lock:
+            runs = self._runs.setdefault(fd, [])
+            lo, hi = start, start + nbytes
+            keep = []
+            for a, b in runs:
+                if b < lo or a > hi:
+                    keep.append([a, b])
+                else:
+                    lo, hi = min(lo, a), max(hi, b)
+            keep.append([lo, hi])
+            self._runs[fd] = sorted(keep)
+        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
     def pread(self, fd: int, buffers: list, offset: int, shard: str) -> None:
         """Fill ``buffers`` (anything with the buffer protocol) from ``offset``; loops on short
@@ -104,9 +137,11 @@ class ShardFiles:
                 n -= len(views.pop(0))
             if views and n:
                 views[0] = views[0][n:]
+        self._forget(fd, offset, done)
 
     def close(self) -> None:
         with self._lock:
             for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._runs.clear()

@@ -81,7 +81,9 @@ class StreamRunner:
         layer_memory: int | None = None,
     ):
         self.model, self.info, self.stats = model, info, stats
-        self.memory = memory  # an explicit byte budget (``--memory``); None: the device decides
+        # what a budget (``--memory``, a cgroup's limit) leaves past the resident parts, for
+        # the layers, activations and the batch (``core.budget``); None: the device decides
+        self.memory = memory
         # bytes the ring's layers take once full (``RingPlan.layer_memory``: packed slots and
         # the expanded layer in use); None: ``ring`` layers in the compute dtype
         if layer_memory is None:
@@ -106,6 +108,9 @@ class StreamRunner:
             if not info.resident:  # the ring's slots fill on its first walk: count them taken
                 free = max(0, free - self.layer_memory)
             free = int(free * ROWS_FRACTION)  # resident layers were loaded at open
+        if self.memory is not None:  # the budget's share past the layers, wherever it is
+            left = int(max(0, self.memory - self.layer_memory) * ROWS_FRACTION)
+            free = left if free is None else min(free, left)
         return plan_batch(cfg, itemsize, tokens, rows, free)
 
     def use_adapter(self, lora: LoraConfig | None, params: dict[str, np.ndarray] | None) -> None:

@@ -121,6 +121,10 @@ class WeightReader:
         self._converted = np.empty(0, dtype=np.uint8)  # one tensor in the compute dtype
         self._checked: set[str] = set()  # tensors found finite (``_check_finite``)
 
+    def drop_behind(self) -> None:
+        """Leave no read range in the page cache (a memory budget is in force: ``core.reader``)."""
+        self._shards.drop = True
+
     def has(self, name: str) -> bool:
         return self._shards.has(name)
 

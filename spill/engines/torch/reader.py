@@ -138,6 +138,12 @@ class WeightReader:
         """Bytes of tensor data read or mapped so far (benchmarks count a pass with it)."""
         return self._shards.bytes_read
 
+    def drop_behind(self) -> None:
+        """Leave no read range in the page cache (a memory budget is in force: ``core.reader``)."""
+        self._shards.drop = True
+        if self._kernel_files is not None:
+            self._kernel_files.drop = True
+
     def has(self, name: str) -> bool:
         return self._shards.has(name)
 

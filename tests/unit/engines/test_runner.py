@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from spill.engines.base import GenerateParams
+from spill.engines.core.budget import resident_bytes
 from spill.errors import EngineError
 from spill.models.config import load_config
 from spill.models.lora import LoraConfig, init_params
@@ -197,16 +198,19 @@ def test_engine_sizes_the_ring_from_memory(engine, tiny_models):
     folder = tiny_models["llama"]
     cfg = load_config(folder)
     layer_bytes = cfg.layer_params() * 4
+    head = resident_bytes(cfg, 4)  # --memory holds the resident parts too (core.budget)
 
     def info(**kw):
         runner = open_runner(engine, folder, dtype="float32", **kw)
         runner.close()
         return runner.info
 
-    assert info(memory=layer_bytes * cfg.num_hidden_layers).resident
-    tight = info(memory=layer_bytes * 3 + 1)
+    assert info(memory=head + layer_bytes * cfg.num_hidden_layers).resident
+    tight = info(memory=head + layer_bytes * 3 + 1)
     assert (tight.resident, tight.ring) == (False, 3)
-    assert info(memory=1).ring == 2
+    assert info(memory=head + layer_bytes * 2).ring == 2
+    with pytest.raises(EngineError, match=r"cannot hold .* use --memory \d+MiB or more"):
+        info(memory=head + layer_bytes * 2 - 1)  # the smallest plan: two slots
     assert info(ring=2, memory=10**12).ring == 2
     assert info().resident  # the default budget (half the free RAM) holds a tiny model
     assert "streaming, ring 3 of 4 layers" in tight.line()

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from spill.engines.base import GenerateParams, LoadOptions  # noqa: E402
 from spill.engines.core import ring as ring_module  # noqa: E402
+from spill.engines.core.budget import resident_bytes  # noqa: E402
 from spill.engines.core.common import RingPlan, plan_model_ring  # noqa: E402
 from spill.engines.torch import ENGINE  # noqa: E402
 from spill.engines.torch.quant import Packed  # noqa: E402
@@ -79,13 +80,13 @@ def test_a_slot_holds_the_packed_layer_and_is_sized_by_it(folders):
 def _modes(packed, plain):
     cfg = load_config(packed)
     f, p = cfg.layer_params() * 4, layer_bytes(cfg, weight_files(packed), 4)
-    layers = cfg.num_hidden_layers
+    layers, head = cfg.num_hidden_layers, resident_bytes(cfg, 4)  # --memory holds the head too
     return [
         ("float folder", plain, {"resident": True}, "resident"),
-        ("float resident", packed, {"memory": layers * f}, "dequantized to float32 at load"),
-        ("held", packed, {"memory": layers * p + 2 * f}, "held packed"),
+        ("float resident", packed, {"memory": head + layers * f}, "dequantized to float32 at load"),
+        ("held", packed, {"memory": head + layers * p + 2 * f}, "held packed"),
         ("ring 2", packed, {"ring": 2}, "streaming, ring 2 of"),
-        ("slots", packed, {"memory": 3 * p + 2 * f}, "streaming, ring 3 of"),
+        ("slots", packed, {"memory": head + 3 * p + 2 * f}, "streaming, ring 3 of"),
     ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spill.engines.core.budget import resident_bytes
 from spill.errors import EngineError
 from spill.models.config import load_config
 from spill.models.lora import ALL_LINEAR, LoraConfig
@@ -132,6 +133,7 @@ def test_an_explicit_memory_bounds_what_activations_may_take(tiny_models):
     cfg = load_config(folder)
     lora = LoraConfig(rank=4, targets=ALL_LINEAR)
     layers = cfg.num_hidden_layers * cfg.layer_params() * 4  # float32
+    layers += resident_bytes(cfg, 4)  # --memory holds the embeddings and head too
     resident = open_runner(load_engine("torch"), folder, resident=True, dtype="float32")
     need = fresh(resident, cfg, lora).plan(4, 16)
     resident.close()

@@ -88,3 +88,37 @@ def test_the_key_names_the_cpu_and_its_flags():
     assert key.startswith(cpu_model() + " | flags ") and len(key.rsplit(" ", 1)[1]) == 12
     if cpu_flags():  # Linux: the kernel lists them
         assert cpu_flags() == " ".join(sorted(cpu_flags().split()))
+
+
+def _cgroups(tmp_path, lines: str, files: dict[str, str]):
+    tmp_path.mkdir()
+    proc = tmp_path / "cgroup"
+    proc.write_text(lines)
+    for rel, text in files.items():
+        (tmp_path / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / rel).write_text(text)
+    return str(proc), str(tmp_path / "fs")
+
+
+def test_memory_limit_reads_v1_and_v2_and_the_smallest_on_the_path(tmp_path):
+    from spill.ground.machine import memory_limit
+
+    proc, root = _cgroups(
+        tmp_path / "v1",
+        "5:cpu:/\n4:memory:/slurm/job7\n",
+        {
+            "memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+            "memory/slurm/memory.limit_in_bytes": "8589934592\n",
+            "memory/slurm/job7/memory.limit_in_bytes": "419430400\n",
+        },
+    )
+    assert memory_limit(proc, root) == 400 << 20
+    proc, root = _cgroups(
+        tmp_path / "v2",
+        "0::/box/app\n",
+        {"box/memory.max": "1073741824\n", "box/app/memory.max": "max\n"},
+    )
+    assert memory_limit(proc, root) == 1 << 30  # the parent's limit binds the child
+    proc, root = _cgroups(tmp_path / "none", "0::/\n", {"memory.max": "max\n"})
+    assert memory_limit(proc, root) is None
+    assert memory_limit(str(tmp_path / "missing"), root) is None

@@ -1,0 +1,80 @@
+"""What ``--memory M`` promises, and where M comes from when nobody gives one.
+
+M is the process's budget beside a fixed ``RUNTIME`` (the interpreter, torch or MLX, numpy,
+the tokenizer: measured at about 160 MiB on a tiny model, tests/func/test_memory_limit.py): the
+resident parts (embeddings, final norm, lm_head), the ring's layers, activations and the batch,
+and the page cache its reads cause, which the reader drops behind itself under a budget
+(``core.reader``). So the process's peak, anonymous memory plus the page cache it causes (a
+cgroup's ``max_usage``), stays under M + ``RUNTIME``; docs/memory.md says so.
+
+Without ``--memory``, a cgroup limit below the machine's RAM (a Slurm job's ``--mem``, a
+container's limit) sets M to the limit less ``RUNTIME``: the ring sizes from it exactly as
+from ``--memory``, and the pre-run line says which. Otherwise there is no promise: free RAM
+sizes the ring, and the page cache is the kernel's business, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spill.errors import EngineError
+from spill.ground.machine import memory_limit, physical_memory
+from spill.models.config import ModelConfig
+
+RUNTIME = 256 << 20  # the process beside its budget (docs/memory.md states it, a test measures it)
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Budget:
+    """M in bytes (None: no promise, free RAM decides) and where it came from."""
+
+    total: int | None
+    source: str = ""  # "--memory", "cgroup limit 400 MiB less 256 MiB for the runtime"
+
+    def words(self) -> str:
+        """The pre-run line's words: ``memory 144 MiB (cgroup limit ...)``; "" without M."""
+        if self.total is None:
+            return ""
+        return f"memory {self.total / MIB:.0f} MiB ({self.source})"
+
+
+def resolve(memory: int | None) -> Budget:
+    """``--memory`` where given, else the cgroup's limit less ``RUNTIME`` where that is below
+    the machine's RAM, else none."""
+    if memory is not None:
+        return Budget(memory, "--memory")
+    limit = memory_limit()
+    if limit is None or limit >= physical_memory():
+        return Budget(None)
+    source = f"cgroup limit {limit / MIB:.0f} MiB less {RUNTIME // MIB} MiB for the runtime"
+    return Budget(max(0, limit - RUNTIME), source)
+
+
+def resident_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes of the parts that never stream: the embeddings and lm_head (one matrix when tied)."""
+    head = cfg.vocab_size * cfg.hidden_size * itemsize
+    return head * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size * itemsize
+
+
+def ring_share(budget: Budget, resident: int) -> int | None:
+    """The bytes of M the ring plans from (M less the resident parts); None without M."""
+    if budget.total is None:
+        return None
+    return max(0, budget.total - resident)
+
+
+def check_fits(budget: Budget, resident: int, layers: int, ring: int) -> None:
+    """Refuse in one line, before anything is read, a plan whose resident parts and ring's
+    layers (``layers`` bytes once full, ``ring`` slots) exceed M, naming the smallest M."""
+    if budget.total is None or resident + layers <= budget.total:
+        return
+    need = -(-(resident + layers) // MIB)
+    where = "--memory" if budget.source == "--memory" else f"memory ({budget.source})"
+    fewer = " (or --ring 1)" if ring > 1 else ""
+    raise EngineError(
+        f"{where} {budget.total / MIB:.0f} MiB cannot hold this model's resident parts "
+        f"({resident / MIB:.0f} MiB: embeddings and head) and a ring of {ring} layers "
+        f"({layers / MIB:.0f} MiB); use --memory {need}MiB or more{fewer}, with a limit of "
+        f"{need + RUNTIME // MIB} MiB around the process"
+    )
