@@ -63,7 +63,12 @@ def _stat(path: Path) -> list[int]:
 
 def folder_for(fingerprint: str) -> Path:
     version = torch.__version__.split("+")[0]
-    return paths.spill_home() / "derived" / "int4" / f"{fingerprint[7:23]}-torch{version}-v{LAYOUT}"
+    return (
+        paths.spill_home()
+        / "derived"
+        / "int4"
+        / f"{fingerprint[7:23]}-torch{version}-v{LAYOUT}-b{int4.block()}"
+    )
 
 
 def _usable(folder: Path) -> bool:
