@@ -1,5 +1,5 @@
 """What each model family costs against a Llama of the same size (issue 37), for
-docs/reports/016-families.md. One run, one process; each round measures every family on every
+docs/reports/017-families.md. One run, one process; each round measures every family on every
 engine in turn (the sides alternate), and the table takes each figure's median over the rounds;
 nothing here asserts a time.
 
