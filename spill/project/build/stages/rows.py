@@ -194,8 +194,8 @@ class DistillStage(RowStage):
         )
 
     def order(self, path: Path) -> tuple[list, Callable[[dict], dict]]:
-        from spill.jobs.rows.distill import training_row
         from spill.jobs.inputs import read_prompt_rows
+        from spill.jobs.rows.distill import training_row
 
         rows = read_prompt_rows(path)
         prompts = {r.id: r for r in rows}
