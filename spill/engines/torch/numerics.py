@@ -21,13 +21,23 @@ CACHE = "numerics-torch.json"
 
 
 def measure_linear(shape: tuple[int, int, int] = SHAPE, rounds: int = ROUNDS) -> dict:
-    """One linear layer in float32 and in bfloat16 on this CPU, timed interleaved."""
+    """One linear layer in float32 and in bfloat16 on this CPU, timed interleaved on one thread.
+
+    One thread, because a multi-threaded matmul on a busy machine waits for its slowest thread:
+    in one CI run with a busy loop on each of 2 cores, float32's best round on 2 threads went
+    13x slower and bf16's 2.5x, and the choice flipped. One thread is slowed by the share of a
+    core it gets, the same share for both dtypes."""
     n, k, m = shape
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, k, generator=gen)
     w = torch.randn(m, k, generator=gen)
     xb, wb = x.bfloat16(), w.bfloat16()
-    return measure(lambda: F.linear(x, w), lambda: F.linear(xb, wb), shape, rounds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure(lambda: F.linear(x, w), lambda: F.linear(xb, wb), shape, rounds)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cpu_measurement() -> dict:
