@@ -11,6 +11,7 @@ cgroup memory controller is writable.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -127,4 +128,11 @@ def test_too_small_is_refused_before_the_start(big):
     lines = [x for x in r["output"].splitlines() if x.startswith("spill: error:")]
     assert len(lines) == 1, r["output"]
     assert "--memory 4 MiB cannot hold" in lines[0]
-    assert "use --memory 11MiB or more (or --ring 1)" in lines[0]
+    said = re.search(r"use --memory (\d+)MiB or more \(or --ring 1\)", lines[0])
+    assert said, lines[0]
+    # the smallest M it names is the smallest that starts: one MiB less is refused
+    need = int(said[1])
+    less = subprocess.run([*cmd, "--memory", f"{need - 1}MiB"], capture_output=True, text=True)
+    assert less.returncode == 1 and f"use --memory {need}MiB" in less.stderr, less.stderr
+    enough = subprocess.run([*cmd, "--memory", f"{need}MiB"], capture_output=True, text=True)
+    assert enough.returncode == 0, enough.stderr
