@@ -211,7 +211,10 @@ def test_the_hf_export_loads_in_transformers_and_answers_as_spill_run_with_the_a
     assert outputs == [r["output"] for r in tuned["run"]]
     assert outputs != [r["output"] for r in tuned["base"]]  # the merge changed the model
     spill_lp = [r["gold_logprob"] for r in tuned["eval"]]
-    assert np.allclose(logprobs, spill_lp, rtol=0, atol=1e-5), (logprobs, spill_lp)
+    # merged weights (W + s*B@A rounded once to float32) against the adapter applied beside W:
+    # each answer's log-prob is a sum whose rounding grows with it (on an AVX-512 CI machine
+    # 1.2e-5 on -35.6, 3.3e-7 of it), so a relative term beside the absolute one
+    assert np.allclose(logprobs, spill_lp, rtol=1e-6, atol=1e-5), (logprobs, spill_lp)
 
 
 def test_spill_runs_its_own_hf_export_as_the_base_with_the_adapter(tuned, tmp_path):
