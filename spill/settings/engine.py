@@ -45,14 +45,15 @@ class LoadOptions:
     resident: bool = setting(  # load every layer once and keep it
         {"type": "boolean"}, "load every layer once and keep it", decides=False, default=False
     )
-    memory: int | str | None = setting(  # bytes, or "8G"; None: from free RAM
+    memory: int | str | None = setting(  # bytes, or "8G"; None: a cgroup's limit, else free RAM
         {
             "type": ["string", "integer", "null"],
             "pattern": "^\\s*\\d+(\\.\\d+)?\\s*[kKmMgGtT]?[iI]?[bB]?\\s*$",  # parse_size's
             "minimum": 1,
-            "description": "e.g. 8G or 512M; null: from free RAM",
+            "description": "e.g. 8G or 512M; null: a cgroup's limit less 256 MiB, else free RAM",
         },
-        "memory budget for the layer ring, e.g. 8G (default: from free RAM)",
+        "what the job may hold beside a 256 MiB runtime, page cache included, e.g. 8G "
+        "(default: a memory limit the process runs under, else free RAM; docs/memory.md)",
         decides=False,
         metavar="SIZE",
         parse=parse_size,
