@@ -1,15 +1,19 @@
 """A location seen from this machine's disk: for the tools and checks that need a file here.
 
 ``same_file`` (two locations are one local file), ``local_copy`` (a folder of a location as a
-local folder: itself on a disk, else its named files copied), ``put_file`` (a file written on
-this disk published at a location, unless it is already there). ``Location.on_disk`` is the
-local path below a location where there is one.
+local folder: itself on a disk, else its named files copied), ``local_folder`` (a folder to
+write at a location, written on this disk: itself, else a scratch folder uploaded after),
+``put_file`` (a file written on this disk published at a location, unless it is already there).
+``Location.on_disk`` is the local path below a location where there is one.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from spill.store.fs import get_bytes, put_bytes
@@ -38,6 +42,22 @@ def local_copy(uri: str | os.PathLike, names: tuple[str, ...], into: Path | None
     for name in names:
         (into / name).write_bytes(get_bytes(location(uri).join(name)))
     return into
+
+
+@contextmanager
+def local_folder(uri: str | os.PathLike, scratch: Path, *, last: str) -> Iterator[Path]:
+    """A local path to write the flat folder at ``uri`` through: its own path on a disk, else
+    ``scratch``, whose files are put at ``uri`` when the block ends (``last`` last: the file
+    that says the folder is whole) and which is then removed. A block that raises puts nothing."""
+    where = location(uri)
+    if (here := where.on_disk()) is not None:
+        yield Path(here)
+        return
+    yield scratch
+    names = sorted(p.name for p in scratch.iterdir())
+    for name in [n for n in names if n != last] + [last]:
+        put_bytes(where.join(name), (scratch / name).read_bytes())
+    shutil.rmtree(scratch)
 
 
 def put_file(path: Path, uri: str | os.PathLike) -> None:

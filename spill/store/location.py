@@ -6,7 +6,8 @@ names (``file:///p`` and ``~`` resolved), the fsspec filesystem of a remote one 
 first use) and how its control keys are written conditionally (``writes``). ``location`` of a
 ``Location`` is the same object, and ``join`` of a ``Location`` is one without parsing again, so
 a state walks down the layers parsed once. A scheme that is no place for runs (``ftp://``,
-``http://``) is refused when parsed, before any backend is made or connects.
+``http://``) is refused when parsed, before any backend is made or connects. ``on_disk(text)``
+is the local path of text not taken as a state (an output, an adapter folder): None for any URI.
 
 A new store changes this module (its scheme in ``SCHEMES``; how its control keys are written,
 ``WRITES``) and ``spill.store.cas.objects`` (its answers; its probe, run once per bucket, refuses a
@@ -68,6 +69,17 @@ class Location(str):
     @property
     def local(self) -> bool:
         return self.scheme == ""
+
+    @property
+    def uri(self) -> bool:
+        """Whether it was given as a URI (``file://`` included), not as a path."""
+        return scheme_of(self) != ""
+
+    @property
+    def plain(self) -> str:
+        """Its text for a tool that takes paths (Hydra's sweep folder among them): a ``file://``
+        URI as the absolute path it names, any other text as given."""
+        return os.path.abspath(self.path) if self.local and self.uri else str(self)
 
     @property
     def writes(self) -> str:
@@ -148,6 +160,16 @@ def location(where: str | os.PathLike) -> Location:
             f"{WHERE}"
         )
     return Location(text, scheme, text)
+
+
+def on_disk(where: str | os.PathLike) -> str | None:
+    """The local path ``where`` names (``file://`` and ``~`` resolved), or None for a URI of any
+    scheme: not parsed as a state, so a scheme no store takes is not refused here (for a check of
+    local files that leaves a URI to whoever reads or writes it)."""
+    if isinstance(where, Location):
+        return where.path if where.local else None
+    text = os.fspath(where)
+    return local_path(text) if scheme_of(text) in ("", "file") else None
 
 
 def from_home(home: str, host: str) -> str | None:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from spill.errors import StoreError
-from spill.store.location import Location, from_home, location, shown_home
+from spill.store.location import Location, from_home, location, on_disk, shown_home
 from tests.func.tune_kit import spill_env, tune_argv, write_train
 
 
@@ -123,3 +123,27 @@ def test_a_recorded_home_is_read_back_where_it_can_be():
 
 def test_requests_in_flight_one_on_a_disk_several_on_an_object_store():
     assert location("/srv/state").requests == 1 and location("s3://b/state").requests == 4
+
+
+def test_a_file_uri_is_plain_as_the_path_it_names_other_text_as_given():
+    assert location("file:///srv/a/../state").plain == "/srv/state"
+    assert location("file:///srv/state").uri and location("s3://b/state").uri
+    for text in ("proj", "~/proj", "s3://b/proj/", "memory://b/p"):
+        assert location(text).plain == text
+        assert location(text).uri == ("://" in text)
+
+
+@pytest.mark.parametrize(
+    "text, path",
+    [
+        ("proj", "proj"),
+        ("~/proj", os.path.expanduser("~/proj")),
+        ("file:///srv/state", "/srv/state"),
+        ("s3://b/state", None),
+        ("ftp://host/state", None),  # any URI: not refused, not on this disk
+    ],
+)
+def test_on_disk_names_the_local_path_of_any_text_and_no_uris(text, path):
+    assert on_disk(text) == path
+    if "ftp" not in text:
+        assert on_disk(location(text)) == path

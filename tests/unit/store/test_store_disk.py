@@ -1,11 +1,15 @@
-"""A location seen from this disk: one local file, a local copy of a folder, a published file."""
+"""A location seen from this disk: one local file, a local copy of a folder, a folder written
+through this disk, a published file."""
 
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
-from spill.store.disk import local_copy, put_file, same_file
-from spill.store.fs import get_bytes, put_bytes
+import pytest
+
+from spill.store.disk import local_copy, local_folder, put_file, same_file
+from spill.store.fs import exists, get_bytes, put_bytes
 
 
 def test_same_file_is_one_local_file_never_an_object_stores(tmp_path):
@@ -39,3 +43,37 @@ def test_a_file_is_published_unless_it_is_there_already(tmp_path):
     uri = f"memory://disk-{uuid.uuid4().hex[:8]}/files/f"
     put_file(f, uri)
     assert (tmp_path / "g").read_bytes() == b"mine" and get_bytes(uri) == b"mine"
+
+
+def _export(folder: Path, names: tuple[str, ...]) -> None:
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_bytes(name.encode())
+
+
+def test_a_local_folder_is_written_in_place_on_a_disk(tmp_path):
+    with local_folder(str(tmp_path / "out"), tmp_path / "scratch", last="z") as folder:
+        assert folder == tmp_path / "out"
+        _export(folder, ("a", "z"))
+    assert not (tmp_path / "scratch").exists() and (tmp_path / "out" / "a").read_bytes() == b"a"
+
+
+def test_a_remote_folder_is_written_through_scratch_its_last_file_put_last(tmp_path, monkeypatch):
+    import spill.store.disk as disk
+
+    put, order = disk.put_bytes, []
+    monkeypatch.setattr(disk, "put_bytes", lambda uri, data: (order.append(uri), put(uri, data)))
+    uri = f"memory://disk-{uuid.uuid4().hex[:8]}/out"
+    with local_folder(uri, tmp_path / "scratch", last="a.json") as folder:
+        assert folder == tmp_path / "scratch"
+        _export(folder, ("a.json", "b", "c"))
+    assert order == [f"{uri}/b", f"{uri}/c", f"{uri}/a.json"]
+    assert get_bytes(f"{uri}/b") == b"b" and not (tmp_path / "scratch").exists()
+
+
+def test_a_block_that_raises_puts_nothing(tmp_path):
+    uri = f"memory://disk-{uuid.uuid4().hex[:8]}/out"
+    with pytest.raises(RuntimeError), local_folder(uri, tmp_path / "s", last="a") as folder:
+        _export(folder, ("a",))
+        raise RuntimeError("killed")
+    assert not exists(f"{uri}/a")
