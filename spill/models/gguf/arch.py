@@ -9,8 +9,13 @@ attn_k_norm), Phi-3's fused attn_qkv and gate+up ffn_up with a partial rotary
 rotary, a step llama.cpp fixes in code and reads from no key). ``WRITTEN_AS`` names the architecture each
 spill family is written as: Mistral is written as ``llama``, as llama.cpp converts it (without
 a sliding window, which llama.cpp's llama does not run), so its GGUF imports as a Llama.
-Gemma 3 has no entry yet, nor Phi-3's longrope (its rope_factors_long/short tensors): those
-GGUFs are refused in one line both ways.
+Gemma 3 (``gemma3``) stores every norm as llama.cpp multiplies by it, (1 + w) for HF's w
+(``norm_shift``), has four norms a block (its ``ffn_norm`` is the pre-feedforward one) and fixes
+in code what its config.json says in keys: with a ``sliding_window`` every sixth layer attends
+to all keys and the others slide on a rotary base of 10000 (``swa_step``, ``swa_rope_base``),
+queries are scaled by head_dim ** -0.5 except at 62 blocks (the 27B: (hidden // heads) ** -0.5,
+``wide_query_layers``), embeddings by sqrt(hidden). Phi-3's longrope (its rope_factors_long/short
+tensors) has no entry: those GGUFs are refused in one line both ways.
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ QK_NORMS = {  # a Qwen3's, over head_dim
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+GEMMA_NORMS = {  # a Gemma 3's norms around attention and MLP; its ffn_norm is the pre-MLP one
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 FUSED = {  # a Phi-3's: q, k, v rows in one matrix; ffn_up holds gate's rows, then up's
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
@@ -60,20 +70,42 @@ class Arch:
     bias_keys: bool = True  # config.json says attention_bias/mlp_bias (Qwen2's class has none)
     fused: bool = False  # attn_qkv and a gate+up ffn_up in place of the five split matrices
     partial_rotary: bool = False  # rope.dimension_count may be less than the head size
+    activation: tuple[str, str] = ("hidden_act", "silu")  # config.json's key and value
+    norm_shift: float = 0.0  # every *norm.weight is stored as norm_shift + w (Gemma's 1 + w)
+    feedforward_norms: bool = False  # post_attention_norm, ffn_norm (pre-MLP), post_ffw_norm
+    swa_step: int = 0  # with a window, every swa_step-th layer attends to all keys
+    swa_rope_base: float = 0.0  # the sliding layers' rotary base, fixed in llama.cpp's code
+    scaled_query: bool = False  # queries scaled by query_pre_attn_scalar ** -0.5 (Gemma)
+    wide_query_layers: int = 0  # at this many blocks the scalar is hidden // heads, not head_dim
 
     def layer_names(self) -> dict[str, str]:
         """GGUF per-layer tensor -> HF name under ``model.layers.{i}.``."""
         names = {k: v for k, v in LAYER.items() if k not in _SPLIT} | FUSED if self.fused else LAYER
-        return names | (BIASES if self.biases else {}) | (QK_NORMS if self.qk_norm else {})
+        names = names | (BIASES if self.biases else {}) | (QK_NORMS if self.qk_norm else {})
+        return names | (GEMMA_NORMS if self.feedforward_norms else {})
 
     def no_rope(self, layers: int) -> tuple[int, ...]:
         """The layers llama.cpp runs without a rotary."""
         step = self.no_rope_step
         return tuple(i for i in range(layers) if step and (i + 1) % step == 0)
 
-    def config_keys(self, layers: int) -> dict:
-        """config.json keys beyond the shared ones, as this family's config class reads them."""
+    def windowed(self, layers: int) -> tuple[int, ...]:
+        """The layers llama.cpp runs within the sliding window, when the GGUF gives one."""
+        step = self.swa_step
+        return tuple(i for i in range(layers) if step and (i + 1) % step != 0)
+
+    def query_pre_attn_scalar(self, hidden: int, heads: int, head_dim: int, layers: int):
+        """The query_pre_attn_scalar llama.cpp's scale amounts to; None where queries are
+        scaled by head_dim ** -0.5 with no key for it."""
+        if not self.scaled_query:
+            return None
+        return hidden // heads if layers == self.wide_query_layers else head_dim
+
+    def config_keys(self, layers: int, hidden: int, heads: int, head_dim: int, window: int) -> dict:
+        """config.json keys beyond the shared ones, as this family's config class reads them;
+        ``window`` is the GGUF's sliding_window (0: none)."""
         keys = {"attention_bias": False, "mlp_bias": False} if self.bias_keys else {}
+        keys[self.activation[0]] = self.activation[1]
         if self.no_rope_step:
             skip = self.no_rope(layers)
             keys |= {
@@ -81,6 +113,14 @@ class Arch:
                 "no_rope_layer_interval": self.no_rope_step,
                 "use_sliding_window": False,
             }
+        if self.swa_step:
+            slide = self.windowed(layers) if window else ()
+            types = ["sliding_attention" if i in slide else "full_attention" for i in range(layers)]
+            keys |= {"layer_types": types, "rope_local_base_freq": self.swa_rope_base}
+            keys |= {"sliding_window": window} if window else {}
+        if self.scaled_query:
+            scalar = self.query_pre_attn_scalar(hidden, heads, head_dim, layers)
+            keys["query_pre_attn_scalar"] = scalar
         return keys
 
 
@@ -92,6 +132,19 @@ ARCHES = {
     "phi3": Arch(
         "phi3", "Phi3ForCausalLM", False, bias_keys=False, fused=True, partial_rotary=True
     ),
+    "gemma3": Arch(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        permute=False,
+        qk_norm=True,
+        activation=("hidden_activation", "gelu_pytorch_tanh"),
+        norm_shift=1.0,
+        feedforward_norms=True,
+        swa_step=6,
+        swa_rope_base=10000.0,
+        scaled_query=True,
+        wide_query_layers=62,
+    ),
 }
 # spill family -> the llama.cpp architecture its GGUF is written as
-WRITTEN_AS = {name: name for name in ARCHES} | {"mistral": "llama"}
+WRITTEN_AS = {a.family: name for name, a in ARCHES.items()} | {"mistral": "llama"}

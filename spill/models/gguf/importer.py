@@ -1,9 +1,11 @@
-"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3 or smollm3 architecture (``gguf.arch``)
-as an HF-layout model folder.
+"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3, smollm3, phi3 or gemma3 architecture
+(``gguf.arch``) as an HF-layout model folder.
 
 Every tensor is dequantized exactly as ggml does (``gguf.quants``) and a Llama's or SmolLM3's
 attn_q/attn_k get llama.cpp's row permutation undone (Qwen's rotary halves are not interleaved;
-a Qwen2's q/k/v biases and a Qwen3's q/k norms come along). Storage is chosen per tensor so that nothing is rounded:
+a Qwen2's q/k/v biases and a Qwen3's q/k norms come along; a Gemma 3's norms, stored as 1 + w,
+get the 1 taken off in float32: exact for stored values >= 0.5, so the 1 + w spill scales by
+is the stored value bit for bit). Storage is chosen per tensor so that nothing is rounded:
 BF16 where every value survives the round trip, else F16 if that is exact, else F32. A Q4_1
 weight (fp16 scale * nibble + fp16 min) almost never fits in bf16, so quantized weights usually
 land as F32; the norms, stored as F32 that came from bf16, land as BF16.
@@ -87,6 +89,7 @@ def import_gguf(
     gguf = read_gguf(path)
     config, tokenizer_config, generation = _configs(gguf)
     plan = _tensor_plan(gguf, config)
+    shift = np.float32(ARCHES[gguf.value("general.architecture", str)].norm_shift)
     try:
         tokenizer = tokenizer_json(gguf.metadata, tokenizer_config)
     except ModelError as e:  # its lines name no file
@@ -110,6 +113,8 @@ def import_gguf(
             w = gguf.read(info)  # (out, in) float32
             if heads:
                 w = _unpermute(w, heads)
+            if shift and hf_name.endswith("norm.weight"):
+                w = w - shift  # llama.cpp's (1 + w) back to HF's w
             dtype, stored = _exact_storage(w)
             tensors[hf_name] = (dtype, stored)
             record[hf_name] = {"gguf": info.name, "ggml_type": info.qtype.name, "dtype": dtype}
@@ -217,6 +222,7 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
             raise ModelError(f"{where}: special token id {v} is outside the vocabulary")
     tied = not any(t.name == "output.weight" for t in gguf.tensors)
     ctx = get("context_length", 2048)
+    window = get("attention.sliding_window", 0, int, 0)
     config = {
         "architectures": [ARCHES[arch].architecture],
         "model_type": ARCHES[arch].family,
@@ -227,18 +233,13 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "hidden_act": "silu",
         "max_position_embeddings": ctx,
         "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon", float, 0)),
         "rope_theta": _f32(get("rope.freq_base", 10000.0, float, 0)),
         "tie_word_embeddings": tied,
-        **ARCHES[arch].config_keys(layers),
+        **({"sliding_window": window} if window else {}),
+        **ARCHES[arch].config_keys(layers, hidden, heads, head_dim, window),
         **({"partial_rotary_factor": rotary / head_dim} if rotary != head_dim else {}),
-        **(
-            {"sliding_window": window}
-            if (window := get("attention.sliding_window", 0, int, 0))
-            else {}
-        ),
         "bos_token_id": ids["bos"],
         "eos_token_id": ids["eos"],
         "pad_token_id": ids["padding"],
