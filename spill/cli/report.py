@@ -37,6 +37,7 @@ def command(args: argparse.Namespace) -> int:
     from spill.project.remote import locate
     from spill.project.report.report import FILE, target, write
     from spill.project.report.status import is_state
+    from spill.store.location import location
 
     given = args.dir
     args.dir, args.state = locate(args.dir, args.state, build=False)
@@ -46,7 +47,7 @@ def command(args: argparse.Namespace) -> int:
         home = state.parent if (state.parent / "spill.yaml").is_file() else state
         args.dir, args.state = str(home), args.dir
         out = out or FILE
-    elif "://" in given and out is None:  # a project at a URI: its working copy is spill's own
+    elif location(given).uri and out is None:  # a project at a URI: its copy here is spill's own
         out = FILE
     out = target(Path(args.dir), out)
     refuse_output(out, "-o", projects=(args.dir,), states=(args.state,))

@@ -26,8 +26,8 @@ from pathlib import Path
 from spill.errors import UsageError
 from spill.ground.paths import STATE_DIR
 from spill.store.disk import same_file
-from spill.store.fs import is_local, kind_of
-from spill.store.location import local_path
+from spill.store.fs import kind_of
+from spill.store.location import on_disk
 from spill.store.output import STREAMS
 
 FILE = "spill.yaml"
@@ -43,14 +43,14 @@ def refuse_output(
 ) -> None:
     """Raise ``UsageError`` when ``out`` is kept by spill or cannot take a file (see the module
     doc); ``folder``: the output is a folder to fill (export), so an existing one is no refusal."""
-    if out is None or not is_local(out):
-        return
-    path = local_path(os.fspath(out))
+    path = None if out is None else on_disk(out)
+    if path is None:
+        return  # a URI: no file on this disk to compare it with
     real = os.path.realpath(path)
     what = kind_of(real)
     if not folder and what and what not in STREAMS:
         raise UsageError(f"{flag} {out} is {what}, not a file; name a file to write")
-    named = [Path(local_path(os.fspath(p))) for p in projects if p is not None and is_local(p)]
+    named = [Path(p) for d in projects if d is not None and (p := on_disk(d)) is not None]
     kept = _kept(path, real, named, states)
     if kept:
         raise UsageError(f"{flag} {out} is {kept}; write the results elsewhere")
@@ -75,8 +75,8 @@ def _kept(path: str, real: str, named: list[Path], states: Iterable[str | None])
         if _inside(real, state):
             return _in("the state folder", Path(state), real)
     for where in states:
-        if where is not None and is_local(where):
-            state = os.path.realpath(local_path(where))
+        if where is not None and (here := on_disk(where)) is not None:
+            state = os.path.realpath(here)
             if _inside(real, state):
                 return _in("the state location", Path(state), real)
     return None

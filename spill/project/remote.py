@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from spill.ground.paths import STATE_DIR, spill_home
-from spill.store.fs import absolute, exists, get_bytes, join
+from spill.store.fs import exists, get_bytes, join
 from spill.store.location import location
 from spill.store.snapshot import project_files
 
@@ -28,19 +28,14 @@ def locate(where: str, state: str | None, *, build: bool) -> tuple[str, str | No
     from spill.errors import UsageError
     from spill.project.report.status import is_state
 
-    where, state = (
-        absolute(w) if w and "://" in w and location(w).local else w for w in (where, state)
-    )
-    if "://" not in where or not build and is_state(where):
+    given = location(where)
+    where, state = given.plain, state and location(state).plain
+    if given.on_disk() is not None or not build and is_state(where):
         return where, state  # a local folder, or a state location
-    if not is_remote_project(where):
+    if not exists(join(where, "spill.yaml")):
         raise UsageError(f"{where} holds no spill.yaml; give a project's location")
     local, there = checkout(where)
     return str(local), state or there
-
-
-def is_remote_project(where: str) -> bool:
-    return not location(where).local and exists(join(where, "spill.yaml"))
 
 
 def checkout(uri: str) -> tuple[Path, str]:

@@ -26,7 +26,7 @@ from spill.ground.hashing import file_sha256
 from spill.ground.paths import spill_home
 from spill.ground.validate import validate
 from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
-from spill.store.disk import same_file
+from spill.store.disk import local_folder, same_file
 from spill.store.fs import (
     exists,
     fsync,
@@ -37,7 +37,6 @@ from spill.store.fs import (
     remove_stale,
     stat,
 )
-from spill.store.location import location
 
 if TYPE_CHECKING:  # the merge imports numpy and safetensors: not at `spill --help`
     from spill.control.place import Place
@@ -221,22 +220,18 @@ def export_formats(adapter: Path, opts: FormatsOptions) -> tuple[dict[str, Any],
             return _result(done), False
         dest = join(opts.out, fmt)
         remove(dest)  # written by a build killed before its commit
-        here = location(dest).local
-        local = Path(location(dest).path) if here else opts.work / f"export-{fmt}"
         note(f"export {fmt}: merging {opts.adapter_name} into {opts.model}")
-        record = export(
-            adapter,
-            local,
-            fmt,
-            s.dtype,
-            s.quantize_for(fmt),
-            weights=opts.weights,
-            progress=note,
-            adapter_name=opts.adapter_name,
-        )
-        if not here:
-            _upload(local, dest)
-            shutil.rmtree(local)
+        with local_folder(dest, opts.work / f"export-{fmt}", last=RECORD) as local:
+            record = export(
+                adapter,
+                local,
+                fmt,
+                s.dtype,
+                s.quantize_for(fmt),
+                weights=opts.weights,
+                progress=note,
+                adapter_name=opts.adapter_name,
+            )
         drill.at(drill.EXPORT_WRITTEN)
         done[fmt] = _commit(place, done, fmt, record)
     return _result(done), True
@@ -295,14 +290,6 @@ def _result(done: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             "dequantized": bool(e["base"]["dequantized"]),
         }
     return {"formats": out}
-
-
-def _upload(local: Path, dest: str) -> None:
-    """A local export folder onto an object store: export.json last, so that a folder with its
-    record is a whole one."""
-    names = sorted(q.name for q in local.iterdir())
-    for name in [n for n in names if n != RECORD] + [RECORD]:
-        put_bytes(join(dest, name), (local / name).read_bytes())
 
 
 def _problem(folder: str, record: Mapping[str, Any]) -> str:

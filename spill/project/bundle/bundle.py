@@ -15,6 +15,7 @@ bundling resolves models through ``spill.models`` only.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,6 @@ from spill.console import note
 from spill.errors import UsageError
 from spill.ground.paths import STATE_DIR
 from spill.project.bundle.format import BundleError
-from spill.store.fs import absolute
 from spill.store.location import location
 
 
@@ -34,13 +34,13 @@ def _rate(nbytes: int, seconds: float) -> str:
 def _project(where: str, state: str | None) -> tuple[Path, str]:
     """(the project folder to read, its state): a local folder, or a project at a URI read from
     its working copy (``spill.project.remote``) with its state at the URI."""
-
-    if not location(where).local:
+    folder = location(where).on_disk()
+    if folder is None:
         from spill.project.remote import checkout
 
         root, there = checkout(where)
         return root, state or there
-    root = Path(absolute(where))
+    root = Path(os.path.abspath(folder))
     if not (root / "spill.yaml").is_file():
         raise UsageError(f"{root} holds no spill.yaml; give a project folder")
     return root, state or str(root / STATE_DIR)

@@ -123,7 +123,7 @@ def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item]
     jobs = sweep_jobs(state)
     controls = {f"{p}/runs/{d['run']}/control.json": d for p, d in jobs.items()}
     lists = {f"{p}/runs/current.json" for p in jobs}
-    out = []
+    out, here = [], location(state)
     for rel in snapshot.state_files(state, doc, exports, jobs):
         if rel in SKIP_STATE or bad_path(rel):
             continue  # hidden names are a writer's leftovers, never part of a run
@@ -132,10 +132,10 @@ def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item]
             continue
         if JOB_RUNS.fullmatch(rel) and rel not in lists:
             continue  # a job's lock file and older runs: an install writes its own, as for the run
-        src = join(state, rel)
-        if location(state).local:
-            out.append(_local_item(location(src).path, "state/" + rel, "state"))
+        if (path := here.on_disk(rel)) is not None:
+            out.append(_local_item(path, "state/" + rel, "state"))
         else:
+            src = join(state, rel)
             size, sha = snapshot.digest(src)
             out.append(Item(src, "state/" + rel, "state", size, sha))
     return out, doc
