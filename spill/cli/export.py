@@ -67,10 +67,13 @@ def built_adapter(given: str) -> Path:
     from spill.ground.paths import STATE_DIR
     from spill.project.build import record
     from spill.project.build.stages import TUNE
+    from spill.store.location import on_disk
 
-    path = Path(given)
+    if (here := on_disk(given)) is None:
+        raise SpillError(f"{given}: spill export reads a local adapter folder; copy it here first")
+    path = Path(here)
     where = path / STATE_DIR if (path / "spill.yaml").is_file() else path
-    if "://" in given or not (where / "runs").is_dir():
+    if not (where / "runs").is_dir():
         return path  # an adapter folder or a tune's state: spill.jobs.export reads it
     doc = record.read(str(where))
     if doc is None:

@@ -355,6 +355,16 @@ def test_an_out_that_exists_an_unfinished_tune_and_a_bad_option_are_refused(llam
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("given", ["s3://bucket/tune", "memory://bucket/tune/adapter"])
+def test_an_adapter_at_a_uri_is_refused_in_one_line(tmp_path, given):
+    out = tmp_path / "o"
+    proc = _spill("export", given, str(out))
+    assert proc.returncode == 1 and not out.exists()
+    assert _one_line(proc) == (
+        f"spill: error: {given}: spill export reads a local adapter folder; copy it here first"
+    )
+
+
 def test_an_empty_out_folder_is_filled_and_no_temporary_folder_is_left(llama_state, tmp_path):
     out = tmp_path / "empty"
     out.mkdir()

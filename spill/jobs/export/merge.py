@@ -54,8 +54,6 @@ class Inputs:
 def adapter_folder(path: Path) -> Path:
     """The adapter folder that ``path`` names: itself, or a tune state folder's ``adapter/``."""
     path = Path(path)
-    if "://" in str(path):
-        raise SpillError(f"{path}: spill export reads a local adapter folder; copy it here first")
     if not path.is_dir():
         raise SpillError(f"{path}: no such folder; give a tune's adapter folder or its state")
     if (path / "adapter.json").is_file() or (path / "params.safetensors").is_file():
