@@ -1,12 +1,14 @@
 """``spill export`` of adapters tuned on Qwen3, Mistral, SmolLM3, Gemma 3 and Phi-3
 (transformers-made folders): the merged HF folder loads in transformers and scores the gold
 answers as ``spill eval --adapter`` does on the base (within 1e-5, float32); a GGUF spill's
-writer cannot hold (Gemma 3 as a whole, Phi-3's longrope, a window, NoPE layers off llama.cpp's
-step, a tokenizer without merges) is refused in one line with nothing left at OUT. A GGUF of
-Qwen3, Mistral (written as llama), SmolLM3 and Phi-3 (fused, partial rotary) imports back through
-spill's importer to the HF export's tensors bit for bit, scores the same, and loads in
-transformers' GGUF loader where it reads the architecture (qwen3 of head size 128, llama, phi3
-rotating the whole head), within 1e-5 of spill; its Q4_0 form imports packed."""
+writer cannot hold (a Gemma 3 whose sliding layers are not llama.cpp's fixed pattern, Phi-3's
+longrope, a window, NoPE layers off llama.cpp's step, a tokenizer without merges) is refused in
+one line with nothing left at OUT. A GGUF of Qwen3, Mistral (written as llama), SmolLM3, Phi-3
+(fused, partial rotary) and Gemma 3 (norms as llama.cpp's 1 + w, a window shorter than the rows)
+imports back through spill's importer to the HF export's tensors bit for bit (Gemma's norms: 1 +
+w bit for bit), scores the same, and loads in transformers' GGUF loader where it reads the
+architecture (qwen3 of head size 128, llama, phi3 rotating the whole head, gemma3 of
+query_pre_attn_scalar 256, its default), within 1e-5 of spill; its Q4_0 form imports packed."""
 
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ REFUSED = {  # why each variant's GGUF is refused
     "qwen3": "has no BPE merges",  # the tiny tokenizer; test_a_gguf_... gives it a merge
     "mistral": "its sliding-window layers have no GGUF form",
     "smollm3": "its layers without rotary [1] are not llama.cpp's smollm3's (every 4th)",
-    "gemma3": "no GGUF of a gemma3_text model",
+    "gemma3": "its sliding layers [0, 2] are not llama.cpp's gemma3's (all but every 6th)",
     "phi3": "longrope on a phi3 model has no GGUF form spill writes",
     "phi3-long": "its sliding-window layers have no GGUF form",
 }
@@ -130,6 +132,12 @@ GGUF_VARIANTS = {
     # transformers' GGUF loader reads (it ignores rope.dimension_count for phi3)
     "phi3-half": ("Phi3", dict(num_hidden_layers=2, partial_rotary_factor=0.5)),
     "phi3-whole": ("Phi3", dict(num_hidden_layers=2)),
+    # Gemma 3 as llama.cpp's gemma3 computes it: all but every 6th layer slide (window 6, base
+    # 10000), query_pre_attn_scalar == head_dim == 256 (what transformers' GGUF loader assumes)
+    "gemma3-256": (
+        "Gemma3",
+        dict(num_hidden_layers=6, head_dim=256, query_pre_attn_scalar=256, sliding_window=6),
+    ),
 }
 
 
@@ -181,8 +189,11 @@ def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
     back = import_gguf(gguf, tmp_path / "back")
     want, got = _tensors(hf), _tensors(back)
     assert set(got) == set(want)
+    # llama.cpp's gemma3 holds 1 + w, which spill scales by bit for bit after the import's - 1
+    shift = np.float32(1 if name == "Gemma3" else 0)
     for key, w in want.items():
-        assert np.array_equal(got[key], w), key
+        norm = shift and key.endswith("norm.weight")
+        assert np.array_equal(got[key] + shift, w + shift) if norm else np.array_equal(got[key], w)
 
     rows = _jsonl(tmp_path / "rows.jsonl", ROWS)
     scores = {}
@@ -219,7 +230,8 @@ def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
 
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    written = {"qwen3-128": "qwen3", "mistral-full": "llama", "phi3-whole": "phi3"}.get(variant)
+    written = {"qwen3-128": "qwen3", "mistral-full": "llama", "phi3-whole": "phi3"}
+    written = (written | {"gemma3-256": "gemma3"}).get(variant)
     if written in GGUF_CONFIG_MAPPING:  # transformers' own GGUF loader (none for smollm3)
         import torch
         import transformers

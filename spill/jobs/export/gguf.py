@@ -3,9 +3,12 @@
 Written through ``gguf.GGUFWriter`` as llama.cpp's ``convert_hf_to_gguf.py`` writes it:
 tensor names are the exact inverse of spill's importer (``spill.models.gguf.arch``: one table,
 read both ways, so the two cannot drift apart); each family is written as llama.cpp's
-architecture for it (Mistral as ``llama``), and what that architecture cannot express (a
-sliding window, biases it has no tensor for, NoPE layers off llama.cpp's fixed step, Gemma 3 and
-Phi-3 as a whole) is refused in one line before anything is written. Llama's and SmolLM3's
+architecture for it (Mistral as ``llama``, Gemma 3 as ``gemma3``), and what that architecture
+cannot express (a sliding window, or for Gemma 3 sliding layers off llama.cpp's fixed pattern or
+another local rotary base, a query scale it would not infer, biases it has no tensor for, NoPE
+layers off llama.cpp's fixed step, Phi-3's longrope) is refused in one line before anything is
+written. Gemma 3's norms are written as llama.cpp multiplies by them, 1 + w in float32, and its
+window as ``sliding_window``. Llama's and SmolLM3's
 attn_q/attn_k rows get llama.cpp's rotary interleave (``permute``, undone by the importer's
 ``_unpermute``), Qwen's do not (Qwen2 keeps its q/k/v biases, Qwen3 its attn_q_norm/attn_k_norm); llama3 rope scaling becomes llama.cpp's ``rope_freqs.weight``
 (``rope_freqs``; spill's importer refuses such a file: rope scaling); 1-D tensors (norms,
@@ -32,7 +35,16 @@ import numpy as np
 from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
 from spill.jobs.export.shift import WeightShift, measure, seen_rows
-from spill.models.gguf.arch import ARCHES, BIASES, FUSED, GLOBAL, LAYER, QK_NORMS, WRITTEN_AS
+from spill.models.gguf.arch import (
+    ARCHES,
+    BIASES,
+    FUSED,
+    GLOBAL,
+    LAYER,
+    QK_NORMS,
+    WRITTEN_AS,
+    Arch,
+)
 from spill.models.gguf.reader import LLAMA3_SPLIT, QWEN2_SPLIT
 
 NAMES = {hf: g for g, hf in GLOBAL.items()}
@@ -42,11 +54,14 @@ _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp token types
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: Arch | None = None) -> str:
+    """llama.cpp's name of an HF tensor, as ``arch`` names it (Gemma 3's ffn_norm is its
+    pre-feedforward norm, not Llama's post-attention one); any family's without ``arch``."""
     if hf in NAMES:
         return NAMES[hf]
     k, rest = hf.removeprefix("model.layers.").split(".", 1)
-    return f"blk.{k}.{LAYER_NAMES[rest]}"
+    names = {h: g for g, h in arch.layer_names().items()} if arch else LAYER_NAMES
+    return f"blk.{k}.{names[rest]}"
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -86,20 +101,39 @@ def _refuse_unwritable(inputs: Inputs) -> None:
             f"{inputs.base_name}: spill writes no GGUF of a {cfg.family} model yet (only "
             f"{', '.join(WRITTEN_AS)}); export --format hf or --format mlx"
         )
-    arch = ARCHES[WRITTEN_AS[cfg.family]]
-    if cfg.windowed:  # Qwen's use_sliding_window, Mistral's window: llama.cpp attends to all keys
+    name, layers = WRITTEN_AS[cfg.family], cfg.num_hidden_layers
+    arch = ARCHES[name]
+    if cfg.windowed and not arch.swa_step:  # Qwen's use_sliding_window, Mistral's window
         raise UnsupportedModel(
             f"{inputs.base_name}: its sliding-window layers have no GGUF form spill writes "
-            f"(llama.cpp's {arch.family} attends to every key); export --format hf or --format mlx"
+            f"(llama.cpp's {name} attends to every key); export --format hf or --format mlx"
         )
-    if cfg.rope_scaling and arch.family != "llama":
+    if arch.swa_step and cfg.windowed != arch.windowed(layers):  # llama.cpp's pattern is fixed
+        raise UnsupportedModel(
+            f"{inputs.base_name}: its sliding layers {list(cfg.windowed)} are not llama.cpp's "
+            f"{name}'s (all but every {arch.swa_step}th); export --format hf or --format mlx"
+        )
+    if arch.swa_step and cfg.local_rope_theta != arch.swa_rope_base:
+        raise UnsupportedModel(
+            f"{inputs.base_name}: its sliding layers' rotary base {cfg.local_rope_theta:g} is not "
+            f"llama.cpp's {name}'s ({arch.swa_rope_base:g}); export --format hf or --format mlx"
+        )
+    scalar = arch.query_pre_attn_scalar(
+        cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, layers
+    )
+    if cfg.query_scale != (None if scalar is None else float(scalar) ** -0.5):
+        raise UnsupportedModel(
+            f"{inputs.base_name}: its query_pre_attn_scalar {cfg.query_scale**-2:g} is not the "
+            f"{scalar} llama.cpp's {name} scales queries by; export --format hf or --format mlx"
+        )
+    if cfg.rope_scaling and name != "llama":
         raise UnsupportedModel(
             f"{inputs.base_name}: rope scaling on a {cfg.family} model has no GGUF form spill "
             "writes; export --format hf"
         )
     if cfg.o_bias or cfg.mlp_bias or (cfg.qkv_bias and not arch.biases):
         raise UnsupportedModel(
-            f"{inputs.base_name} has attention or MLP biases that a {arch.family} GGUF does not "
+            f"{inputs.base_name} has attention or MLP biases that a {name} GGUF does not "
             "hold; export --format hf"
         )
     if cfg.rope_long:  # Phi-3's longrope: rope_factors_long/short, which spill does not write
@@ -110,7 +144,7 @@ def _refuse_unwritable(inputs: Inputs) -> None:
     if cfg.no_rope != arch.no_rope(cfg.num_hidden_layers):  # llama.cpp's step is fixed
         raise UnsupportedModel(
             f"{inputs.base_name}: its layers without rotary {list(cfg.no_rope)} are not "
-            f"llama.cpp's {arch.family}'s (every {arch.no_rope_step}th); export --format hf"
+            f"llama.cpp's {name}'s (every {arch.no_rope_step}th); export --format hf"
         )
 
 
@@ -239,7 +273,7 @@ def write(
     arch = ARCHES[WRITTEN_AS[cfg.family]]
     kind = quantize or dtype
     path = dest / f"model-{kind}.gguf"
-    writer = GGUFWriter(path, arch.family)
+    writer = GGUFWriter(path, WRITTEN_AS[cfg.family])
     writer.add_name(Path(inputs.base_name).name + "-spill-lora")
     writer.add_file_type(_FILE_TYPES[kind])
     if quantize:
@@ -256,6 +290,8 @@ def write(
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if cfg.windowed:  # llama.cpp's own pattern of sliding layers (checked above)
+        writer.add_sliding_window(cfg.sliding_window)
     stops = add_tokenizer(writer, inputs, tok, pre)
 
     stored, types = {}, Counter()
@@ -267,7 +303,7 @@ def write(
         qtype = _storage(name, shape, dtype, quantize)
         block, size = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape)) // block * size
-        writer.add_tensor_info(gguf_name(name), shape, np.float32, nbytes, raw_dtype=qtype)
+        writer.add_tensor_info(gguf_name(name, arch), shape, np.float32, nbytes, raw_dtype=qtype)
         stored[name] = qtype
         types[qtype.name] += 1
     writer.write_header_to_file()
@@ -282,6 +318,8 @@ def write(
         module = name.rsplit(".", 2)[-2]
         if arch.permute and module in heads and name.endswith(".weight"):
             w = permute(w, heads[module])
+        if arch.norm_shift and name.endswith("norm.weight"):
+            w = w + np.float32(arch.norm_shift)  # what llama.cpp multiplies by (Gemma's 1 + w)
         qtype = stored[name]
         if qtype.name == "F32":
             data = w

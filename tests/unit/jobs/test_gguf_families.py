@@ -1,12 +1,14 @@
 """The GGUF writer refuses, in one line and before writing anything, what llama.cpp's
-architecture for the family cannot express: Gemma 3 (no GGUF form spill writes yet),
-layers that slide (Qwen2/Qwen3's ``use_sliding_window``, Mistral's window: llama.cpp runs them
+architecture for the family cannot express: a family it has no architecture for, a Gemma 3 off
+what llama.cpp's gemma3 fixes in code (sliding layers other than all but every 6th, a local
+rotary base other than 10000, a query_pre_attn_scalar other than head_dim), layers that slide (Qwen2/Qwen3's ``use_sliding_window``, Mistral's window: llama.cpp runs them
 attending to every key), a Qwen3 with biases, SmolLM3 NoPE layers off llama.cpp's fixed step
 (every 4th), Phi-3's longrope; the same families without those are written (issue 37)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -30,11 +32,29 @@ def _config(tmp_path, family: str, **keys):
 
 
 def test_a_family_without_a_gguf_form_is_refused(tmp_path):
-    said = _refusal(_config(tmp_path, "gemma3_text"))
-    assert (
-        "no GGUF of a gemma3_text model yet (only llama, qwen2, qwen3, smollm3, phi3, mistral)"
-        in said
-    )
+    said = _refusal(replace(_config(tmp_path, "llama"), family="granite"))
+    only = "(only llama, qwen2, qwen3, smollm3, phi3, gemma3_text, mistral)"
+    assert f"no GGUF of a granite model yet {only}" in said
+
+
+def test_a_gemma3_is_written_where_llama_cpps_gemma3_computes_it(tmp_path):
+    """Every 6th layer full (tiny's full layer is every 3rd), the others on base 10000, queries
+    scaled by head_dim ** -0.5, no rope scaling."""
+    pattern = {"layer_types": None}  # sliding_window_pattern's default, 6
+    cfg = _config(tmp_path, "gemma3_text", **pattern)
+    assert cfg.windowed == (0, 1, 2, 3) and cfg.query_scale == cfg.head_dim**-0.5
+    _refuse_unwritable(SimpleNamespace(config=cfg, base_name="base"))
+    said = _refusal(_config(tmp_path / "2", "gemma3_text"))
+    assert "its sliding layers [0, 1, 3] are not llama.cpp's gemma3's (all but every 6th)" in said
+    said = _refusal(_config(tmp_path / "3", "gemma3_text", rope_local_base_freq=20000.0, **pattern))
+    assert "its sliding layers' rotary base 20000 is not llama.cpp's gemma3's (10000)" in said
+    head = cfg.head_dim
+    said = _refusal(_config(tmp_path / "4", "gemma3_text", query_pre_attn_scalar=20, **pattern))
+    assert f"its query_pre_attn_scalar 20 is not the {head} llama.cpp's gemma3 scales" in said
+    scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+    scaled |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    said = _refusal(_config(tmp_path / "5", "gemma3_text", rope_scaling=scaled, **pattern))
+    assert "rope scaling on a gemma3_text model has no GGUF form" in said
 
 
 def test_a_phi3_is_written_without_longrope_only(tmp_path):
@@ -87,3 +107,18 @@ def test_split_and_fused_linears_get_llama_cpps_names():
     }
     for hf, g in names.items():
         assert gguf_name(f"model.layers.2.{hf}.weight") == f"blk.2.{g}.weight"
+
+
+def test_gemma3s_norms_get_llama_cpps_gemma3_names():
+    """gguf-py's own map for MODEL_ARCH.GEMMA3 (what convert_hf_to_gguf names them by)."""
+    import gguf
+
+    from spill.jobs.export.gguf import gguf_name
+    from spill.models.gguf.arch import ARCHES
+
+    theirs = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, 3)
+    norms = ["input_layernorm", "post_attention_layernorm", "self_attn.q_norm"]
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm", "self_attn.k_norm"]
+    for norm in norms:
+        hf = f"model.layers.2.{norm}.weight"
+        assert gguf_name(hf, ARCHES["gemma3"]) == theirs.get_name(hf, try_suffixes=(".weight",))
