@@ -41,7 +41,9 @@ def hf_folder(tmp_path_factory, tiny_models) -> Path:
     return hf_families.make("gemma3-llama-cpp", folder, tiny_models["llama"], spec=SPEC)
 
 
-def _write_llama_cpp_gemma3(folder: Path, path: Path, matrices=Q.F32, rope_scaling=None) -> None:
+def _write_llama_cpp_gemma3(
+    folder: Path, path: Path, matrices=Q.F32, rope_scaling=None, window=True
+) -> None:
     """The GGUF llama.cpp's converter writes for ``folder`` (float32 weights, its byte-level
     tokenizer padded to the embedding's rows); the MLP matrices whose rows split into 32-value blocks stored as ``matrices``."""
     from safetensors.numpy import load_file
@@ -59,7 +61,8 @@ def _write_llama_cpp_gemma3(folder: Path, path: Path, matrices=Q.F32, rope_scali
     w.add_key_length(raw["head_dim"])
     w.add_value_length(raw["head_dim"])
     w.add_rope_freq_base(raw["rope_parameters"]["full_attention"]["rope_theta"])
-    w.add_sliding_window(raw["sliding_window"])
+    if window:
+        w.add_sliding_window(raw["sliding_window"])
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_scaling)
@@ -144,6 +147,14 @@ def test_a_quantized_gemma3_gguf_kept_packed_scores_as_its_float_import(hf_folde
     assert "model.layers.5.mlp.up_proj.scales" in packed and "model.norm.weight" in packed
     for a, b in zip(_scores(kept), _scores(floats), strict=True):
         assert np.abs(a - b).max() <= 1e-5
+
+
+def test_a_gemma3_gguf_without_a_window_imports_with_every_layer_full(hf_folder, tmp_path):
+    """llama.cpp runs such a file without sliding layers: every layer on the global base."""
+    _write_llama_cpp_gemma3(hf_folder, tmp_path / "w.gguf", window=False)
+    back = import_gguf(tmp_path / "w.gguf", tmp_path / "w")
+    assert json.loads((back / "config.json").read_text())["layer_types"] == ["full_attention"] * 6
+    assert load_config(back).windowed == ()
 
 
 def test_a_gemma3_gguf_with_rope_scaling_is_refused(hf_folder, tmp_path):
