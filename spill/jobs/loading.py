@@ -54,9 +54,11 @@ def open_model(
     options: LoadOptions,
     verb: str,
     training: bool = False,
+    tokenizer: Tokenizer | None = None,
 ) -> LoadedModel:
     """Open a resolved model on an engine and print the pre-run line. ``training``: the runner
-    trains, so no ``packed_matmul`` (the int4 kernel has no gradient; said in one line)."""
+    trains, so no ``packed_matmul`` (the int4 kernel has no gradient; said in one line).
+    ``tokenizer``: the folder's, when the caller loaded it already (one copy is ~40 MB)."""
     from dataclasses import replace
 
     from spill.engines import resolve
@@ -65,7 +67,8 @@ def open_model(
         note(f"spill {verb}: --packed-matmul is for row jobs (no gradient); dequantized per use")
         options = replace(options, packed_matmul=False)
     folder = Path(resolved.folder)
-    config, tokenizer = load_config(folder), Tokenizer(folder)  # fail before the engine opens
+    config = load_config(folder)
+    tokenizer = tokenizer or Tokenizer(folder)  # fail before the engine opens
     runner = resolve(engine).open(ModelSpec(folder, config), options)
     note(f"spill {verb} · model {name} ({fp[:19]}) · {runner.info.line()}")
     return LoadedModel(name, folder, fp, tokenizer, runner, config.max_position_embeddings)

@@ -82,7 +82,9 @@ def run(
     examples = load_examples(train_path, tok, t.seq_len)
     found = Found(model, resolved, fingerprint, cfg, tok)
     step, state = role.begin(found, opts)
-    loaded = open_model(model, resolved, fingerprint, opts.engine.name, opts.engine, "tune", True)
+    loaded = open_model(
+        model, resolved, fingerprint, opts.engine.name, opts.engine, "tune", True, tok
+    )
     runner = loaded.runner
     trainer = runner.trainer(opts.lora)
     trainer.set_state(*state)
