@@ -26,10 +26,12 @@ Array = Any  # an engine's array (torch.Tensor, mx.array)
 LayerLora = dict[str, tuple]
 Sampler = Callable[[np.ndarray, float, float], int]  # (float32 logits (V,), temperature, top_p)
 # lm_head runs on chunks of this many rows, never (N, vocab) at once: each float32 temporary of a
-# chunk (logits, log-softmax, their gradient) is 50 MB at SmolLM2's 49152 tokens (was 1024 rows:
-# a 4 x 128 micro-batch's head took ~300 MB on top of the recompute's kept outputs). Every walk
-# chunks alike, so the exactness between walks holds whatever the BLAS does per chunk.
-LOGIT_ROWS = 256
+# chunk (logits, log-softmax, their gradient) is 12.6 MB at SmolLM2's 49152 tokens. Was 1024
+# rows, then 256: a 4 x 128 micro-batch's head took ~175 MB of anonymous memory at its peak,
+# more than --memory 300MB leaves for activations; at 64 ~45 MB, for ~1.6% of a step's time
+# (the head's walk 1.0 s -> 1.4 s of a ~25 s step, SmolLM2 on 2 cores). Every walk chunks
+# alike, so the exactness between walks holds whatever the BLAS does per chunk.
+LOGIT_ROWS = 64
 
 
 class Kernel(Protocol):
