@@ -26,6 +26,7 @@ from spill.store.location import (  # noqa: F401  (BackendMissing, SCHEMES: this
     location,
     scheme_of,
 )
+from spill.store.written import synced
 
 _TMP = ".tmp-"
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
@@ -90,7 +91,7 @@ def _errors(uri: str, verb: str) -> Iterator[None]:
 def fsync(path: str | os.PathLike) -> None:  # a file or a folder, by its path
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        synced(fd)
     finally:
         os.close(fd)
 
@@ -134,7 +135,7 @@ def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            synced(f.fileno())
         if drilled:
             drill.at(drill.PUT_BEFORE_RENAME)
         os.replace(tmp, path)
@@ -344,7 +345,7 @@ def open_whole(uri: str | os.PathLike, temp: str) -> Iterator[BinaryIO]:
         with open(tmp, "wb") as g:
             yield g
             g.flush()
-            os.fsync(g.fileno())
+            synced(g.fileno())
         os.replace(tmp, uri.path)
     finally:
         if os.path.exists(tmp):

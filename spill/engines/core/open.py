@@ -26,6 +26,7 @@ from spill.engines.core.runner import StreamRunner
 from spill.errors import UnsupportedModel
 from spill.models.config import ModelConfig
 from spill.models.weights import WeightFiles, layer_bytes, weight_files
+from spill.store.written import drop_written
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,8 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
     if share is not None:
         options = replace(options, memory=share)
         place.reader.drop_behind()
+        memory.hold_heap()
+        drop_written()
     plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
     memory.check_fits(budget, resident, plan.layer_memory(), plan.slots)
     keys = cfg.layer_keys()

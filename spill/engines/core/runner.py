@@ -127,12 +127,13 @@ class StreamRunner:
         """A trainer on these base weights; the caller sets its state (``init_params`` to start)."""
         return StreamTrainer(self.model, lora, self.activation_budget)
 
-    def activation_budget(self) -> int:
+    def activation_budget(self, held: int = 0) -> int:
         """Bytes a training step's activations may take now: the kernel's budget (half the
-        memory available), and within an explicit ``--memory`` what the ring's layers leave."""
+        memory available), and within an explicit ``--memory`` what the ring's layers and the
+        trainer's ``held`` state (adapters, moments, gradients) leave."""
         budget = self.model.kernel.memory_budget()
         if self.memory is not None:
-            budget = min(budget, max(0, self.memory - self.layer_memory))
+            budget = min(budget, max(0, self.memory - self.layer_memory - held))
         return budget
 
     def _last_logits(self, h) -> np.ndarray:

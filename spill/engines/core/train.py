@@ -73,10 +73,11 @@ def layer_adapters(
 class StreamTrainer:
     """float32 LoRA parameters, AdamW moments and accumulated gradients as kernel arrays."""
 
-    def __init__(self, model: Model, lora: LoraConfig, budget: Callable[[], int] | None = None):
+    def __init__(self, model: Model, lora: LoraConfig, budget: Callable[[int], int] | None = None):
         check_lora(lora)
         self.model, self.kernel, self.lora = model, model.kernel, lora
-        self.budget = budget or model.kernel.memory_budget  # bytes activations may take now
+        # bytes activations may take now, given the bytes the trainer's own state holds
+        self.budget = budget or (lambda held: model.kernel.memory_budget())
         self.names = param_names(model.cfg, lora)
         self._ready = False
         self.params: dict[str, Array] = {}
@@ -103,6 +104,10 @@ class StreamTrainer:
         self.grads = {n: k.zeros_like(p) for n, p in self.params.items()}
         k.sync(self.params, self.m, self.v, self.grads)
         self._ready = True
+
+    def held_bytes(self) -> int:
+        """Bytes the trainer's own state takes: adapters, both moments, gradients."""
+        return sum(a.nbytes for d in (self.params, self.m, self.v, self.grads) for a in d.values())
 
     def state(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(params, m, v) as float32 numpy copies."""
@@ -144,7 +149,7 @@ class StreamTrainer:
         if activations not in ACTIVATIONS:
             raise EngineError(f"activations {activations!r}: use {', '.join(ACTIVATIONS)}")
         need = activation_bytes(m.cfg, self.lora, rows, length, k.itemsize)
-        budget = self.budget()
+        budget = self.budget(self.held_bytes())
         if activations == "keep" and not m.ring.resident:
             return ActivationPlan(False, need, budget, "layers stream")
         if activations != "auto":

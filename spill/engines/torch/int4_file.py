@@ -36,6 +36,7 @@ from spill.ground.hashing import file_sha256
 from spill.models.config import ModelConfig
 from spill.models.weights import WeightFiles, weight_files
 from spill.store.fs import fsync
+from spill.store.written import synced
 
 LAYOUT = 1  # this module's file layout; a change makes the files again
 FILE = "int4.safetensors"
@@ -161,7 +162,7 @@ def _make(folder: Path, cfg: ModelConfig, files: WeightFiles, quantized: dict, f
                         f.write(data)
                         digest.update(data)
             f.flush()
-            os.fsync(f.fileno())
+            synced(f.fileno())
         os.replace(tmp, folder / FILE)
         fsync(folder)
     finally:

@@ -127,18 +127,22 @@ def test_forward_outputs_are_reused_only_when_they_fit(tiny_models, monkeypatch)
 
 
 def test_an_explicit_memory_bounds_what_activations_may_take(tiny_models):
-    """``--memory`` is the whole budget: what the ring's layers leave of it is what a step's
-    activations may take (the device's half of available memory still caps it)."""
+    """``--memory`` is the whole budget: what the ring's layers and the trainer's own state
+    leave of it is what a step's activations may take (the device's half of available memory
+    still caps it)."""
     folder = tiny_models["llama"]
     cfg = load_config(folder)
     lora = LoraConfig(rank=4, targets=ALL_LINEAR)
     layers = cfg.num_hidden_layers * cfg.layer_params() * 4  # float32
     layers += resident_bytes(cfg, 4)  # --memory holds the embeddings and head too
     resident = open_runner(load_engine("torch"), folder, resident=True, dtype="float32")
-    need = fresh(resident, cfg, lora).plan(4, 16)
+    trainer = fresh(resident, cfg, lora)
+    need, held = trainer.plan(4, 16), trainer.held_bytes()
+    assert held == 4 * sum(p.nbytes for p in trainer.params.values())  # params, m, v, grads
     resident.close()
     for extra, keep in ((need.need, True), (need.need - 1, False)):
-        runner = open_runner(load_engine("torch"), folder, memory=layers + extra, dtype="float32")
+        memory = layers + held + extra
+        runner = open_runner(load_engine("torch"), folder, memory=memory, dtype="float32")
         assert runner.info.resident
         plan = fresh(runner, cfg, lora).plan(4, 16)
         assert plan.keep == keep and plan.budget == extra
