@@ -1,9 +1,10 @@
 """What ``--memory M`` promises, and where M comes from when nobody gives one.
 
 M is the process's budget beside a fixed ``RUNTIME`` (the interpreter, torch or MLX, numpy,
-the tokenizer: measured at about 160 MiB on a tiny model, tests/func/test_memory_limit.py): the
-resident parts (embeddings, final norm, lm_head), the ring's layers, activations and the batch,
-and the page cache its reads cause, which the reader drops behind itself under a budget
+the tokenizer, what a tune imports and writes at its end: measured at about 160 MiB for a run
+of a tiny model, 303 MiB for a tune of one and 338 MiB for SmolLM2's, docs/memory.md): the
+resident parts (embeddings, final norm, lm_head), the ring's layers, a tune's state,
+activations and the batch, and the page cache its reads and writes cause, which the reader drops behind itself under a budget
 (``core.reader``). So the process's peak, anonymous memory plus the page cache it causes (a
 cgroup's ``max_usage``), stays under M + ``RUNTIME``; docs/memory.md says so.
 
@@ -15,16 +16,13 @@ sizes the ring, and the page cache is the kernel's business, as before.
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from dataclasses import dataclass
 
 from spill.errors import EngineError
 from spill.ground.machine import memory_limit, physical_memory
 from spill.models.config import ModelConfig
 
-HEAP_MAP = 1 << 20  # under M, allocations from this size are mapped and unmapped by themselves
-RUNTIME = 256 << 20  # the process beside its budget (docs/memory.md states it, a test measures it)
+RUNTIME = 384 << 20  # the process beside its budget (docs/memory.md states it, a test measures it)
 MIB = 1 << 20
 
 
@@ -33,7 +31,7 @@ class Budget:
     """M in bytes (None: no promise, free RAM decides) and where it came from."""
 
     total: int | None
-    source: str = ""  # "--memory", "cgroup limit 400 MiB less 256 MiB for the runtime"
+    source: str = ""  # "--memory", "cgroup limit 600 MiB less 384 MiB for the runtime"
 
     def words(self) -> str:
         """The pre-run line's words: ``memory 144 MiB (cgroup limit ...)``; "" without M."""
@@ -83,23 +81,20 @@ def check_fits(budget: Budget, resident: int, layers: int, ring: int) -> None:
     )
 
 
-def hold_heap() -> None:
-    """Under M, return freed tensors to the system at once (glibc only; elsewhere nothing).
-
-    glibc serves an allocation below its mmap threshold from the heap, and raises that
-    threshold (up to 32 MiB) each time a mapped block is freed, so a tune step's head and
-    backward, allocating and freeing tens of MiB a chunk, leave their freed blocks in the heap's
-    arenas: on SmolLM2 (``--ring 2 --memory 300MB``, 4 x 128) ~100 MiB more anonymous memory
-    at the peak than with the threshold pinned. Pinned at ``HEAP_MAP`` (and the top of the heap
-    trimmed from the same size), a block that size or larger is unmapped when freed. Costs a
-    page fault per fresh page of such a block; without M nothing changes."""
-    if not sys.platform.startswith("linux"):
+def check_trainer(budget: Budget, resident: int, layers: int, held: int, inputs: int) -> None:
+    """Refuse in one line, before a step runs, a tune whose trainer state (``held``: adapters,
+    both moments, gradients) and the layer inputs a recompute keeps (``inputs``) do not fit M
+    beside the resident parts and the ring's layers, naming the smallest M."""
+    total = resident + layers + held + inputs
+    if budget.total is None or total <= budget.total:
         return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # another C library (musl): its own policy
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    mallopt(m_mmap_threshold, HEAP_MAP)
-    mallopt(m_trim_threshold, HEAP_MAP)
+    need = -(-total // MIB)
+    where = "--memory" if budget.source == "--memory" else f"memory ({budget.source})"
+    raise EngineError(
+        f"{where} {budget.total / MIB:.0f} MiB cannot hold this tune: the resident parts and "
+        f"ring ({(resident + layers) / MIB:.0f} MiB), the trainer's state ({held / MIB:.0f} "
+        f"MiB: adapters, AdamW moments, gradients) and a micro-batch's layer inputs "
+        f"({inputs / MIB:.0f} MiB); use --memory {need}MiB or more (or a smaller --rank, "
+        f"--micro-batch or --seq-len), with a limit of {need + RUNTIME // MIB} MiB around the "
+        "process"
+    )

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
 from spill.engines.core import budget as memory
+from spill.engines.core import heap
 from spill.engines.core.common import RingPlan, check_layers, plan_model_ring
 from spill.engines.core.kernel import Kernel
 from spill.engines.core.model import Model
@@ -130,7 +131,7 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
     if share is not None:
         options = replace(options, memory=share)
         place.reader.drop_behind()
-        memory.hold_heap()
+        heap.return_freed_blocks()
         drop_written()
     plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
     memory.check_fits(budget, resident, plan.layer_memory(), plan.slots)
@@ -155,4 +156,5 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         memory=budget.words(),
     )
     kernel = engine.kernel(cfg, place)
-    return StreamRunner(Model(kernel, ring), info, stats, share, plan.layer_memory())
+    layer_memory = plan.layer_memory()
+    return StreamRunner(Model(kernel, ring), info, stats, share, layer_memory, budget, resident)

@@ -11,9 +11,10 @@ import torch
 
 from spill import console
 from spill.engines.base import LoadOptions, ModelSpec
+from spill.engines.core import heap
 from spill.engines.core.open import Placement, open_runner
 from spill.engines.core.runner import StreamRunner
-from spill.engines.torch import heap, int4, int4_file, numerics
+from spill.engines.torch import int4, int4_file, numerics
 from spill.engines.torch.kernel import FAMILIES, TorchKernel
 from spill.engines.torch.reader import TorchHooks, WeightReader, default_budget
 from spill.errors import EngineError

@@ -1,5 +1,6 @@
-"""The torch engine keeps freed large CPU blocks in the heap (``spill.engines.torch.heap``):
-counted in page faults of a fresh process, never in time."""
+"""Freed large CPU blocks (``spill.engines.core.heap``): the torch engine keeps them in the heap,
+counted in page faults of a fresh process, never in time; a budget returns them, counted in
+the anonymous memory left after freeing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from spill.engines.torch import heap
+from spill.engines.core import heap
 
 BLOCK = 2**24  # float32 elements: 64 MiB, above glibc's largest adaptive mmap threshold
 ROUNDS = 10
@@ -59,3 +60,38 @@ def test_a_user_s_own_malloc_tuning_is_left_alone(monkeypatch):
         monkeypatch.setenv(name, value)
         assert heap._user_tunes_malloc()
         monkeypatch.delenv(name)
+
+
+_HEAP = """
+import re, sys
+import numpy as np
+from spill.engines.core import heap
+if sys.argv[1] == "held":
+    assert heap.return_freed_blocks()
+def anon():
+    return int(re.search(r"RssAnon:\\s+(\\d+)", open("/proc/self/status").read())[1]) << 10
+big = np.ones(16 << 18, np.float32)  # 16 MiB mapped, freed: glibc raises its threshold past it
+del big
+start = anon()
+blocks = [np.ones(2 << 18, np.float32) for _ in range(32)]  # 32 blocks of 2 MiB
+last = blocks.pop()  # the heap's top stays in use: nothing below it can be trimmed
+del blocks
+print(anon() - start)
+"""
+
+
+@pytest.mark.skipif(not heap.glibc(), reason="the thresholds are glibc's")
+def test_under_a_budget_freed_blocks_go_back_to_the_system():
+    """Without ``return_freed_blocks`` (a budget's) 31 freed 2 MiB blocks stay in the heap
+    below one still in use (the threshold rose past them when a 16 MiB block was freed); with
+    it each was its own mapping and is gone."""
+    kept = {
+        how: int(
+            subprocess.run(
+                [sys.executable, "-c", _HEAP, how], capture_output=True, text=True, check=True
+            ).stdout
+        )
+        for how in ("default", "held")
+    }
+    assert kept["default"] >= 48 << 20, kept
+    assert kept["held"] <= 8 << 20, kept
