@@ -50,9 +50,9 @@ class LoadOptions:
             "type": ["string", "integer", "null"],
             "pattern": "^\\s*\\d+(\\.\\d+)?\\s*[kKmMgGtT]?[iI]?[bB]?\\s*$",  # parse_size's
             "minimum": 1,
-            "description": "e.g. 8G or 512M; null: a cgroup's limit less 256 MiB, else free RAM",
+            "description": "e.g. 8G or 512M; null: a cgroup's limit less 384 MiB, else free RAM",
         },
-        "what the job may hold beside a 256 MiB runtime, page cache included, e.g. 8G "
+        "what the job may hold beside a 384 MiB runtime, page cache included, e.g. 8G "
         "(default: a memory limit the process runs under, else free RAM; docs/memory.md)",
         decides=False,
         metavar="SIZE",

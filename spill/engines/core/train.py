@@ -73,11 +73,19 @@ def layer_adapters(
 class StreamTrainer:
     """float32 LoRA parameters, AdamW moments and accumulated gradients as kernel arrays."""
 
-    def __init__(self, model: Model, lora: LoraConfig, budget: Callable[[int], int] | None = None):
+    def __init__(
+        self,
+        model: Model,
+        lora: LoraConfig,
+        budget: Callable[[int], int] | None = None,
+        fits: Callable[[int, int], None] | None = None,
+    ):
         check_lora(lora)
         self.model, self.kernel, self.lora = model, model.kernel, lora
         # bytes activations may take now, given the bytes the trainer's own state holds
         self.budget = budget or (lambda held: model.kernel.memory_budget())
+        # refuses, in one line, a plan whose state and kept inputs exceed --memory
+        self.fits = fits or (lambda held, inputs: None)
         self.names = param_names(model.cfg, lora)
         self._ready = False
         self.params: dict[str, Array] = {}
@@ -149,6 +157,8 @@ class StreamTrainer:
         if activations not in ACTIVATIONS:
             raise EngineError(f"activations {activations!r}: use {', '.join(ACTIVATIONS)}")
         need = activation_bytes(m.cfg, self.lora, rows, length, k.itemsize)
+        inputs = rows * length * m.cfg.num_hidden_layers * m.cfg.hidden_size * k.itemsize
+        self.fits(self.held_bytes(), inputs)
         budget = self.budget(self.held_bytes())
         if activations == "keep" and not m.ring.resident:
             return ActivationPlan(False, need, budget, "layers stream")
@@ -161,7 +171,7 @@ class StreamTrainer:
         names = k.kept_outputs()
         outputs = output_bytes(m.cfg, names, rows, length, k.itemsize) if names else 0
         # the layer inputs the recompute keeps come first out of the same budget
-        room = budget - rows * length * m.cfg.num_hidden_layers * m.cfg.hidden_size * k.itemsize
+        room = budget - inputs
         why = "" if m.ring.resident else "layers stream"
         return ActivationPlan(False, need, budget, why, outputs if outputs <= room else 0)
 
