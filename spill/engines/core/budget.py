@@ -2,7 +2,7 @@
 
 M is the process's budget beside a fixed ``RUNTIME`` (the interpreter, torch or MLX, numpy,
 the tokenizer, what a tune imports and writes at its end: measured at about 160 MiB for a run
-of a tiny model, 303 MiB for a tune of one and 338 MiB for SmolLM2's, docs/memory.md): the
+of a tiny model, 303 MiB for a tune of one and 324 MiB for SmolLM2's, docs/memory.md): the
 resident parts (embeddings, final norm, lm_head), the ring's layers, a tune's state,
 activations and the batch, and the page cache its reads and writes cause, which the reader drops behind itself under a budget
 (``core.reader``). So the process's peak, anonymous memory plus the page cache it causes (a
