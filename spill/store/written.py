@@ -13,12 +13,13 @@ import os
 _DROP_WRITTEN = False  # drop_written(): files leave no page cache once synced
 
 
-def drop_written() -> None:
-    """From now on this process's written files leave no page cache behind: each is dropped
-    from the cache once it is synced. A budget counts the cache its job's writes cause
-    (``engines.core.budget``); the bytes are on disk, a later read reads them from there."""
+def drop_written(drop: bool = True) -> None:
+    """From now on this process's written files leave no page cache behind (``drop``; False:
+    they stay, the default): each is dropped from the cache once it is synced. A budget counts
+    the cache its job's writes cause (``engines.core.budget``); the bytes are on disk, a later
+    read reads them from there. Every engine open sets it, so the last runner opened decides."""
     global _DROP_WRITTEN
-    _DROP_WRITTEN = True
+    _DROP_WRITTEN = drop
 
 
 def synced(fd: int) -> None:

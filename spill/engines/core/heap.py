@@ -22,7 +22,6 @@ at the peak of SmolLM2's ``tune --ring 2 --memory 300MB``. The price is the page
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
@@ -56,9 +55,9 @@ def _set(mmap_threshold: int, trim_threshold: int) -> bool:
     )
 
 
-@functools.cache
 def keep_freed_blocks() -> bool:
-    """Set the thresholds once per process; True when they were set."""
+    """Set the thresholds (at every CPU open, so the last runner opened decides: one opened
+    under a budget returns blocks, ``return_freed_blocks``); True when they were set."""
     return _set(MMAP_THRESHOLD, TRIM_THRESHOLD)
 
 

@@ -132,7 +132,7 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         options = replace(options, memory=share)
         place.reader.drop_behind()
         heap.return_freed_blocks()
-        drop_written()
+    drop_written(share is not None)
     plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
     memory.check_fits(budget, resident, plan.layer_memory(), plan.slots)
     keys = cfg.layer_keys()
