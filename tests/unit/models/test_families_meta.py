@@ -53,11 +53,12 @@ def test_spill_models_tiny_writes_the_same_bytes_and_the_engine_runs_it(family, 
     runner.close()
 
 
-@pytest.mark.parametrize("arch", ["mistral3", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral3"])
 def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch, tmp_path):
     """spill runs these families from HF folders; their llama.cpp tensor names are not read yet,
     so a GGUF of one is refused before anything is written (llama.cpp names each by its arch;
-    qwen3, smollm3 and phi3 GGUFs import: tests/func/test_export_families.py)."""
+    qwen3, smollm3 and phi3 GGUFs import: tests/func/test_export_families.py; gemma3's:
+    tests/unit/models/gguf/test_gemma3.py)."""
     from spill.errors import UnsupportedModel
     from spill.models.gguf.importer import import_gguf
     from tests.unit.models.gguf.gguf_bytes import small_llama, small_metadata
@@ -70,6 +71,21 @@ def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch
     assert "\n" not in str(err.value) and f"GGUF architecture {arch!r} is not supported" in str(
         err.value
     )
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_gemma3_gguf_holding_a_llamas_tensors_is_refused_in_one_line(tmp_path):
+    """A gemma3 GGUF lacks Gemma's four norms a block when it holds a Llama's tensors: refused
+    in one line naming the first missing one, nothing written."""
+    from spill.errors import ModelError
+    from spill.models.gguf.importer import import_gguf
+    from tests.unit.models.gguf.gguf_bytes import small_llama, small_metadata
+
+    meta = {k.replace("llama.", "gemma3.", 1): v for k, v in small_metadata().items()}
+    path = small_llama(tmp_path / "m.gguf", meta | {"general.architecture": "gemma3"})
+    with pytest.raises(ModelError) as err:
+        import_gguf(path, tmp_path / "out")
+    assert "\n" not in str(err.value) and "tensors missing (first model.layers.0." in str(err.value)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
