@@ -79,22 +79,3 @@ def check_fits(budget: Budget, resident: int, layers: int, ring: int) -> None:
         f"({layers / MIB:.0f} MiB); use --memory {need}MiB or more{fewer}, with a limit of "
         f"{need + RUNTIME // MIB} MiB around the process"
     )
-
-
-def check_trainer(budget: Budget, resident: int, layers: int, held: int, inputs: int) -> None:
-    """Refuse in one line, before a step runs, a tune whose trainer state (``held``: adapters,
-    both moments, gradients) and the layer inputs a recompute keeps (``inputs``) do not fit M
-    beside the resident parts and the ring's layers, naming the smallest M."""
-    total = resident + layers + held + inputs
-    if budget.total is None or total <= budget.total:
-        return
-    need = -(-total // MIB)
-    where = "--memory" if budget.source == "--memory" else f"memory ({budget.source})"
-    raise EngineError(
-        f"{where} {budget.total / MIB:.0f} MiB cannot hold this tune: the resident parts and "
-        f"ring ({(resident + layers) / MIB:.0f} MiB), the trainer's state ({held / MIB:.0f} "
-        f"MiB: adapters, AdamW moments, gradients) and a micro-batch's layer inputs "
-        f"({inputs / MIB:.0f} MiB); use --memory {need}MiB or more (or a smaller --rank, "
-        f"--micro-batch or --seq-len), with a limit of {need + RUNTIME // MIB} MiB around the "
-        "process"
-    )

@@ -156,5 +156,4 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
         memory=budget.words(),
     )
     kernel = engine.kernel(cfg, place)
-    layer_memory = plan.layer_memory()
-    return StreamRunner(Model(kernel, ring), info, stats, share, layer_memory, budget, resident)
+    return StreamRunner(Model(kernel, ring), info, stats, share, plan.layer_memory())

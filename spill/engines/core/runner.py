@@ -31,7 +31,6 @@ from spill.engines.base import (
     Stats,
 )
 from spill.engines.core.batching import ROWS_FRACTION, plan_batch
-from spill.engines.core.budget import Budget, check_trainer
 from spill.engines.core.common import (
     check_generate,
     check_params,
@@ -80,15 +79,11 @@ class StreamRunner:
         stats: Stats,
         memory: int | None = None,
         layer_memory: int | None = None,
-        budget: Budget | None = None,
-        resident: int = 0,
     ):
         self.model, self.info, self.stats = model, info, stats
         # what a budget (``--memory``, a cgroup's limit) leaves past the resident parts, for
         # the layers, activations and the batch (``core.budget``); None: the device decides
         self.memory = memory
-        # M itself and the resident parts' bytes, for the refusal of a tune that cannot fit
-        self.budget, self.resident = budget or Budget(None), resident
         # bytes the ring's layers take once full (``RingPlan.layer_memory``: packed slots and
         # the expanded layer in use); None: ``ring`` layers in the compute dtype
         if layer_memory is None:
@@ -130,11 +125,7 @@ class StreamRunner:
 
     def trainer(self, lora: LoraConfig) -> StreamTrainer:
         """A trainer on these base weights; the caller sets its state (``init_params`` to start)."""
-        return StreamTrainer(self.model, lora, self.activation_budget, self.check_trainer)
-
-    def check_trainer(self, held: int, inputs: int) -> None:
-        """Refuse a tune whose state and kept layer inputs do not fit M (``core.budget``)."""
-        check_trainer(self.budget, self.resident, self.layer_memory, held, inputs)
+        return StreamTrainer(self.model, lora, self.activation_budget)
 
     def activation_budget(self, held: int = 0) -> int:
         """Bytes a training step's activations may take now: the kernel's budget (half the

@@ -78,14 +78,11 @@ class StreamTrainer:
         model: Model,
         lora: LoraConfig,
         budget: Callable[[int], int] | None = None,
-        fits: Callable[[int, int], None] | None = None,
     ):
         check_lora(lora)
         self.model, self.kernel, self.lora = model, model.kernel, lora
         # bytes activations may take now, given the bytes the trainer's own state holds
         self.budget = budget or (lambda held: model.kernel.memory_budget())
-        # refuses, in one line, a plan whose state and kept inputs exceed --memory
-        self.fits = fits or (lambda held, inputs: None)
         self.names = param_names(model.cfg, lora)
         self._ready = False
         self.params: dict[str, Array] = {}
@@ -158,7 +155,6 @@ class StreamTrainer:
             raise EngineError(f"activations {activations!r}: use {', '.join(ACTIVATIONS)}")
         need = activation_bytes(m.cfg, self.lora, rows, length, k.itemsize)
         inputs = rows * length * m.cfg.num_hidden_layers * m.cfg.hidden_size * k.itemsize
-        self.fits(self.held_bytes(), inputs)
         budget = self.budget(self.held_bytes())
         if activations == "keep" and not m.ring.resident:
             return ActivationPlan(False, need, budget, "layers stream")
