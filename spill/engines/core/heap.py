@@ -62,6 +62,6 @@ def keep_freed_blocks() -> bool:
 
 
 def return_freed_blocks() -> bool:
-    """Under a budget: blocks from ``RETURN_FROM`` go back to the system when freed (this
-    wins over ``keep_freed_blocks`` from then on); True when the thresholds were set."""
+    """Under a budget: blocks from ``RETURN_FROM`` go back to the system when freed, until a
+    runner opens without one (``keep_freed_blocks``); True when the thresholds were set."""
     return _set(RETURN_FROM, RETURN_FROM)
