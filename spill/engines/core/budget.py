@@ -5,8 +5,9 @@ the tokenizer, what a tune imports and writes at its end: measured at about 160 
 of a tiny model, 303 MiB for a tune of one and 324 MiB for SmolLM2's, docs/memory.md): the
 resident parts (embeddings, final norm, lm_head), the ring's layers, a tune's state,
 activations and the batch, and the page cache its reads and writes cause, which the reader
-(``core.reader``) and the store (``store.written``) drop behind themselves under a budget. So the process's peak, anonymous memory plus the page cache it causes (a
-cgroup's ``max_usage``), stays under M + ``RUNTIME``; docs/memory.md says so.
+(``core.reader``) and the store (``store.written``) drop behind themselves under a budget. So
+the process's peak, anonymous memory plus the page cache it causes (a cgroup's
+``max_usage``), stays under M + ``RUNTIME``; docs/memory.md says so.
 
 Without ``--memory``, a cgroup limit below the machine's RAM (a Slurm job's ``--mem``, a
 container's limit) sets M to the limit less ``RUNTIME``: the ring sizes from it exactly as
