@@ -69,6 +69,37 @@ class Generation:
 OnToken = Callable[[int, int], bool | None]
 
 
+@dataclass(frozen=True)
+class Token:
+    """A token as a server reports it: its log-prob under the model's raw logits (log-softmax,
+    before temperature), and the ``k`` likeliest (id, log-prob), most likely first."""
+
+    id: int
+    logprob: float | None = None  # None: not asked, or a prompt's first token
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class Request:
+    """One generation that joins a running batch (``Runner.serve``); its callbacks run on the
+    thread that runs ``serve``."""
+
+    prompt: np.ndarray  # (n,) int64, n >= 1
+    params: GenerateParams
+    seed: int = 0
+    adapter: str | None = None  # a name given to ``Runner.add_adapter``; None: the base model
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the k likeliest
+    echo: bool = False  # ``on_prompt`` first sees the prompt's tokens with their log-probs
+    on_prompt: Callable[[list[Token]], None] | None = None
+    on_token: Callable[[Token], bool | None] | None = None  # True: cancel the row
+    on_done: Callable[[Generation], None] | None = None  # once, as the row finishes
+
+
+# ``Runner.serve``'s source of requests: called between decode steps with ``idle`` (no row is
+# running, so it may block); what it returns joins the batch at the next step; None: no more
+Take = Callable[[bool], Sequence[Request] | None]
+
+
 @dataclass
 class Stats:
     """Counters a runner keeps: what its ring loaded and generated (tests and benchmarks read
@@ -204,6 +235,17 @@ class Runner(Protocol):
         self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]
     ) -> list[np.ndarray]:
         """Log-prob (float32) of each completion token given its prompt and the tokens before it."""
+        ...
+
+    def serve(self, take: Take) -> None:
+        """Continuous batching: requests from ``take`` join the running batch at the next
+        decode step (their prompts computed in the same walk over the layers) and leave as they
+        finish; rows on different adapters share the batch. Returns once ``take`` gave None and
+        the running rows finished. ``generate`` is this loop with one batch."""
+        ...
+
+    def add_adapter(self, name: str, lora: LoraConfig, params: dict[str, np.ndarray]) -> None:
+        """A LoRA adapter that ``serve``'s requests name (``Request.adapter``)."""
         ...
 
     def use_adapter(self, lora: LoraConfig | None, params: dict[str, np.ndarray] | None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,6 +25,17 @@ Array = Any  # an engine's array (torch.Tensor, mx.array)
 # A layer's adapters by module name (``self_attn.q_proj``): (A (in, r), B (r, out), scale) and,
 # while training with dropout, the dropout applied to the adapter's float32 input.
 LayerLora = dict[str, tuple]
+
+
+@dataclass(frozen=True)
+class RowAdapters:
+    """One linear's adapters when a batch's rows carry different ones (``Runner.serve``):
+    ``parts`` pairs the batch rows (a kernel array of indices) with their adapter tuple; a row
+    in no part runs the base linear. Never in training."""
+
+    parts: tuple[tuple[Any, tuple], ...]
+
+
 Sampler = Callable[[np.ndarray, float, float], int]  # (float32 logits (V,), temperature, top_p)
 # lm_head runs on chunks of this many rows, never (N, vocab) at once: each float32 temporary of a
 # chunk (logits, log-softmax, their gradient) is 12.6 MB at SmolLM2's 49152 tokens. Was 1024
@@ -74,6 +86,12 @@ class Kernel(Protocol):
 
     def keep_rows(self, caches: list, rows: np.ndarray) -> None:
         """Keep only batch rows ``rows`` (ascending) of every cache, in place."""
+        ...
+
+    def rebuild(self, parts: Sequence[tuple[list, np.ndarray, int, int]], length: int) -> list:
+        """New caches of ``length`` positions holding, part after part, the rows of each part
+        ``(caches, rows, lo, at)``: positions ``lo:`` of those rows land from position ``at``
+        (as many as fit). Joins batches, drops rows, shifts and trims positions at once."""
         ...
 
     def embed_ids(self, ids: Array) -> Array:

@@ -25,13 +25,19 @@ class Model:
         (and its cache) is computed before the ring moves on: a lazy graph that still referenced
         a released slot would keep its weights alive and run the whole model at the end.
         """
+        return self.forward_many([(ids, ctx, caches, lora)])[0]
+
+    def forward_many(self, batches: Sequence[tuple]) -> list:
+        """Several ``forward`` batches ``(ids, ctx, caches, lora)`` in one walk over the layers
+        (one read of each): a decode step and the prompts joining it (``Runner.serve``)."""
         k = self.kernel
-        x = k.embed_ids(ids)
+        xs = [k.embed_ids(ids) for ids, *_ in batches]
         for i, w in self.ring.walk(range(self.cfg.num_hidden_layers)):
-            cache = caches[i] if caches is not None else None
-            x = k.layer(i, w, x, ctx, cache, lora.get(i) if lora else None)
-            k.sync(x, *([cache] if cache is not None else []))
-        return k.final_norm(x)
+            for j, (_, ctx, caches, lora) in enumerate(batches):
+                cache = caches[i] if caches is not None else None
+                xs[j] = k.layer(i, w, xs[j], ctx, cache, lora.get(i) if lora else None)
+                k.sync(xs[j], *([cache] if cache is not None else []))
+        return [k.final_norm(x) for x in xs]
 
     def forward_each(self, rows: Sequence[np.ndarray], lora: dict | None = None) -> list:
         """Each row of ids (T_r,) -> its final-normed hidden states (1, T_r, hidden).

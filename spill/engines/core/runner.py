@@ -28,19 +28,23 @@ from spill.engines.base import (
     GenerateParams,
     Generation,
     OnToken,
+    Request,
     Stats,
+    Take,
+    Token,
 )
+from spill.engines.core import decode
 from spill.engines.core.batching import ROWS_FRACTION, plan_batch
 from spill.engines.core.common import (
     check_generate,
     check_params,
     check_score,
-    left_pad,
     sync_ring_stats,
 )
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.model import Model
 from spill.engines.core.train import StreamTrainer, layer_adapters
+from spill.errors import EngineError
 from spill.models.lora import LoraConfig
 
 
@@ -59,9 +63,6 @@ def sample_numpy(logits: np.ndarray, temperature: float, top_p: float, rng) -> i
     cdf = np.cumsum(p)
     at = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return int(order[min(at, len(order) - 1)])
-
-
-SHRINK = 0.75  # a generating batch drops its finished rows once a quarter of it has finished
 
 
 def host_free() -> int:
@@ -90,6 +91,7 @@ class StreamRunner:
             layer_memory = info.ring * model.cfg.layer_params() * model.kernel.itemsize
         self.layer_memory = layer_memory
         self._adapter: dict[int, dict] | None = None  # layer -> module -> (A, B, scale)
+        self._named: dict[str, dict[int, dict]] = {}  # ``serve``'s adapters by name
         # Free device memory in bytes now; None: the host's (``host_free``), right for a CPU
         # and MLX's unified memory. A discrete GPU's opener sets it, or its batch stays fixed.
         self.free_memory: Callable[[], int] | None = None
@@ -136,8 +138,15 @@ class StreamRunner:
             budget = min(budget, max(0, self.memory - self.layer_memory - held))
         return budget
 
-    def _last_logits(self, h) -> np.ndarray:
-        return self.model.kernel.numpy(self.model.kernel.logits(h[:, -1]))  # (B, V) float32
+    def add_adapter(self, name: str, lora: LoraConfig, params: dict[str, np.ndarray]) -> None:
+        """An adapter that ``serve``'s requests name; its float32 copies stay for the runner's
+        life."""
+        cfg = self.model.cfg
+        check_params(cfg, lora, params, f"adapter {name}")
+        arrays = self.model.kernel.params(params)
+        self._named[name] = {
+            i: layer_adapters(lora, i, arrays) for i in range(cfg.num_hidden_layers)
+        }
 
     def generate(
         self,
@@ -147,54 +156,99 @@ class StreamRunner:
         on_token: OnToken | None = None,
     ) -> list[Generation]:
         check_generate(prompts, params, seeds, self.model.cfg.vocab_size)
-        batch, steps = len(prompts), params.max_new_tokens
-        if batch == 0 or steps <= 0:
+        if len(prompts) == 0 or params.max_new_tokens <= 0:
             return [Generation(np.zeros(0, np.int64), "length") for _ in prompts]
-        m, k = self.model, self.model.kernel
-        width = max(len(p) for p in prompts)
-        ids, valid_prompt = left_pad(prompts, width)
-        valid = np.zeros((batch, width + steps), dtype=bool)
-        valid[:, :width] = valid_prompt
-        samplers = [k.sampler(int(s)) for s in seeds]
-        stop = set(params.stop_ids)
-        out: list[list[int]] = [[] for _ in prompts]
-        finish: list[str | None] = [None] * batch
-        live = np.arange(batch)  # the rows still in the batch, in batch order
-        with k.inference():
-            caches = k.caches(batch, width + steps)
-            ctx = k.context(valid[:, :width], 0, width)
-            logits = self._last_logits(m.forward(k.array(ids), ctx, caches, self._adapter))
-            for step in range(steps):
-                nxt = logits.argmax(axis=-1)  # (B,) greedy; sampled rows overwrite theirs
-                for j, r in enumerate(live):
-                    if finish[r] is not None:
-                        continue  # a finished row draws nothing; its neighbours are unaffected
-                    if params.temperature > 0:
-                        nxt[j] = samplers[r](logits[j], params.temperature, params.top_p)
-                    tok = int(nxt[j])
-                    self.stats.generated_tokens += 1
-                    if tok in stop:
-                        finish[r] = "stop"
-                    else:
-                        out[r].append(tok)
-                        if on_token is not None and on_token(int(r), tok):
-                            finish[r] = "cancelled"  # the caller wants no more of this row
-                if all(f is not None for f in finish) or step == steps - 1:
-                    break
-                still = np.flatnonzero([finish[r] is None for r in live])
-                if len(still) <= SHRINK * len(live):  # finished rows stop taking compute
-                    k.keep_rows(caches, still)
-                    live, nxt, valid = live[still], nxt[still], valid[still]
-                at = width + step
-                valid[:, at] = True
-                ctx = k.context(valid[:, : at + 1], at, 1)
-                h = m.forward(k.array(nxt[:, None].astype(np.int64)), ctx, caches, self._adapter)
-                logits = self._last_logits(h)
+        done: list[Generation] = [Generation(np.zeros(0, np.int64), "length")] * len(prompts)
+
+        def request(r: int, prompt: np.ndarray, seed: int) -> Request:
+            def seen(t: Token) -> bool | None:
+                return on_token(r, t.id) if on_token is not None else None
+
+            def end(g: Generation) -> None:
+                done[r] = g
+
+            return Request(
+                np.asarray(prompt, np.int64), params, int(seed), on_token=seen, on_done=end
+            )
+
+        pending = [[request(r, p, s) for r, (p, s) in enumerate(zip(prompts, seeds, strict=True))]]
+        self._loop(lambda idle: pending.pop() if pending else None, lambda req: self._adapter)
+        return done
+
+    def serve(self, take: Take) -> None:
+        def adapter(req: Request) -> dict | None:
+            if req.adapter is None:
+                return None
+            if req.adapter not in self._named:
+                raise EngineError(f"no adapter named {req.adapter!r}; add it first (add_adapter)")
+            return self._named[req.adapter]
+
+        self._loop(take, adapter)
+
+    def _loop(self, take: Take, adapter: Callable[[Request], dict | None]) -> None:
+        """The one generation loop: admit what ``take`` gives, walk the layers once per step
+        for the running rows and the joining prompts, choose each row's token."""
+        m = self.model
+        batch, more = None, True
+        with m.kernel.inference():
+            while True:
+                joining: list[decode.Row] = []
+                if more:
+                    got = take(batch is None)
+                    more = got is not None
+                    joining = self._admit(got or (), adapter)
+                if batch is None:
+                    if not joining:
+                        if more:
+                            continue
+                        break
+                    batch, logits = decode.start(m, joining)
+                else:
+                    logits = decode.step(m, batch, joining)
+                decode.choose(batch, logits, self.stats)
+                batch = decode.shrink(m, batch)
         sync_ring_stats(self.stats, m.ring)
-        return [
-            Generation(np.asarray(toks, dtype=np.int64), f or "length")
-            for toks, f in zip(out, finish, strict=True)
-        ]
+
+    def _admit(self, reqs: Sequence[Request], adapter) -> list[decode.Row]:
+        """Rows for ``reqs``, checked; an ``echo`` request's prompt is scored first (one walk
+        for all of them), and a request for no new tokens ends there."""
+        k, vocab = self.model.kernel, self.model.cfg.vocab_size
+        rows = []
+        for req in reqs:
+            check_generate([req.prompt], req.params, [req.seed], vocab)
+            if req.logprobs is not None and req.logprobs < 0:
+                raise EngineError(f"logprobs must be 0 or more, not {req.logprobs}")
+            rows.append(decode.Row(req, adapter(req), k.sampler(int(req.seed))))
+        echoed = [r for r in rows if r.req.echo]
+        for r, tokens in zip(echoed, self._prompt_tokens(echoed), strict=True):
+            if r.req.on_prompt is not None:
+                r.req.on_prompt(tokens)
+        for r in rows:
+            if r.req.params.max_new_tokens <= 0:
+                r.end("length")
+        return [r for r in rows if r.finish is None]
+
+    def _prompt_tokens(self, rows: list[decode.Row]) -> list[list[Token]]:
+        """Each row's prompt tokens with their log-probs given the tokens before (the first has
+        none): the same bits as ``score``, and the row's ``logprobs`` likeliest beside each."""
+        if not rows:
+            return []
+        m, k = self.model, self.model.kernel
+        out = []
+        for r in rows:
+            ids, top = r.req.prompt, r.req.logprobs or 0
+            (h,) = m.forward_each([ids], r.lora)
+            tokens = [Token(int(ids[0]))]
+            targets = k.array(ids[1:])
+            for j in range(0, len(ids) - 1, LOGIT_ROWS):
+                end = min(j + LOGIT_ROWS, len(ids) - 1)
+                got = k.log_probs(h[0, j:end], targets[j:end])
+                lp = decode.log_softmax(k.numpy(k.logits(h[0, j:end]))) if top else None
+                for t in range(end - j):
+                    near = decode.likeliest(lp[t], top) if top else ()
+                    tokens.append(Token(int(ids[j + t + 1]), float(got[t]), near))
+            out.append(tokens)
+        return out
 
     def score(
         self, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray]

@@ -131,6 +131,20 @@ class MLXKernel:
             c.k, c.v = c.k[idx], c.v[idx]  # (B', KV, L, D)
         mx.eval([a for c in caches for a in (c.k, c.v)])
 
+    def rebuild(self, parts, length: int) -> list[KVCache]:
+        out = self.caches(sum(len(rows) for _, rows, _, _ in parts), length)
+        for i, new in enumerate(out):
+            first = 0
+            for caches, rows, lo, at in parts:
+                old, idx = caches[i], mx.array(rows)
+                n = min(old.k.shape[2] - lo, length - at)
+                span = slice(first, first + len(rows))
+                new.k[span, :, at : at + n] = old.k[idx, :, lo : lo + n]
+                new.v[span, :, at : at + n] = old.v[idx, :, lo : lo + n]
+                first += len(rows)
+        mx.eval([a for c in out for a in (c.k, c.v)])
+        return out
+
     def embed_ids(self, ids):
         x = embedding(self.embed, ids)  # (B, T, hidden)
         return x if self.cfg.embed_scale == 1.0 else x * self.embed_scale

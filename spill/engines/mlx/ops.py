@@ -26,6 +26,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from spill.engines.core.kernel import RowAdapters
 from spill.models.config import ModelConfig
 
 # x with at least this many rows multiplies a packed matrix dequantized, through the BLAS, on a
@@ -111,11 +112,16 @@ def embedding(table, ids):
 Lora = tuple[mx.array, mx.array, float] | tuple[mx.array, mx.array, float, Callable]
 
 
-def linear(x, w, b=None, lora: Lora | None = None):
+def linear(x, w, b=None, lora: Lora | RowAdapters | None = None):
     """``x @ w.T + b`` (``w`` float or ``Packed``), plus the low-rank update ``(drop(x) @ A @ B) * scale`` in float32."""
     y = matmul_t(x, w)
     if b is not None:
         y = y + b
+    if isinstance(lora, RowAdapters):  # per row: rows in no part add nothing
+        delta = mx.zeros(y.shape, dtype=mx.float32)
+        for rows, (a, bb, scale, *_) in lora.parts:
+            delta[rows] = ((x[rows].astype(mx.float32) @ a) @ bb) * scale
+        return y + delta.astype(y.dtype)
     if lora is not None:
         a, bb, scale, *drop = lora
         h = x.astype(mx.float32)

@@ -146,6 +146,19 @@ class TorchKernel:
         for c in caches:
             c.k, c.v = c.k[idx], c.v[idx]  # (B', KV, L, D) copies; the old ones are freed
 
+    def rebuild(self, parts, length: int) -> list[KVCache]:
+        out = self.caches(sum(len(rows) for _, rows, _, _ in parts), length)
+        for i, new in enumerate(out):
+            first = 0
+            for caches, rows, lo, at in parts:
+                old, idx = caches[i], torch.as_tensor(rows, device=self.device)
+                n = min(old.k.shape[2] - lo, length - at)
+                span = slice(first, first + len(rows))
+                new.k[span, :, at : at + n] = old.k[idx, :, lo : lo + n]
+                new.v[span, :, at : at + n] = old.v[idx, :, lo : lo + n]
+                first += len(rows)
+        return out
+
     def embed_ids(self, ids):
         x = F.embedding(ids, self.embed)  # (B, T, hidden)
         return x if self.cfg.embed_scale == 1.0 else x * self.embed_scale

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spill.engines.core.kernel import RowAdapters
 from spill.engines.torch import int4
 from spill.models.config import ModelConfig
 
@@ -94,8 +95,14 @@ def linear(x, w, b=None, lora: Lora | None = None):
     return with_adapter(base(x, w, b), x, lora)
 
 
-def with_adapter(y, x, lora: Lora | None):
-    """A linear's base output ``y`` plus its adapter's update of the input ``x``."""
+def with_adapter(y, x, lora: Lora | RowAdapters | None):
+    """A linear's base output ``y`` plus its adapter's update of the input ``x`` (per row with
+    ``RowAdapters``)."""
+    if isinstance(lora, RowAdapters):
+        delta = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+        for rows, (a, bb, scale, *_) in lora.parts:
+            delta[rows] = (x[rows].float() @ a) @ bb * scale
+        return y + delta.to(y.dtype)
     if lora is not None:
         a, bb, scale, *drop = lora
         h = x.float()
