@@ -1,19 +1,11 @@
-"""``StreamRunner``, the ``base.Runner`` of every engine: KV-cached generation and scoring.
+"""``StreamRunner``, the ``base.Runner`` of every engine: KV-cached generation (``generate``,
+and ``serve``'s continuous batching: ``core.decode``) and scoring.
 
-Generated rows are left-padded; positions come from the mask, so padding shifts nothing. Generation runs
-a prefill, then one token per step, and every step walks all layers (in streaming mode each step
-streams the whole model: that is the design). Logits come back to the host as float32 numpy;
-greedy is ``argmax`` (the first index on ties); ``on_token`` (streaming: ``spill chat``) sees each
-token as it is chosen, inside this one loop, and a sampled row draws from its own sampler
-seeded by ``seeds[r]`` (the kernel's: torch keeps ``torch.Generator``, MLX numpy's), so a row's
-draws never depend on its batch neighbours'. Sampled text is reproducible per engine; greedy
-text agrees across engines.
-
-Scoring computes each row alone at its own length inside one shared walk (``forward_each``),
-so a row's log-probs are the same bits whatever its batch. Generation keeps the padded batch
-(one row at a time, a decode step would be a matrix-vector product per row where the batch
-shares one matrix product): its logits move with the padding and the batch (within ~1e-5 in
-float32), so a greedy token changes only where two candidates tie that closely.
+Greedy is ``argmax`` (the first index on ties); a sampled row draws from its own sampler seeded
+by its seed, so its draws never depend on its neighbours'. Scoring computes each row alone at
+its own length in one shared walk, so a row's log-probs are the same bits in any batch;
+generation pads the batch (its logits move with the padding within ~1e-5 in float32, so a
+greedy token changes only where two candidates tie that closely).
 """
 
 from __future__ import annotations
