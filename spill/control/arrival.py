@@ -1,13 +1,10 @@
-"""The destination's side of a move: its claim, ``incoming``, ``activate``, and the claim's
-removal when the move is aborted. The source's side is ``spill.control.transfer``.
+"""The destination's side of a move: ``check_destination``, ``claim``, ``incoming``, ``activate``,
+and ``remove_claim`` when the move is aborted. The source's side is ``spill.control.transfer``; the
+protocol and its reasons: docs/move.md.
 
-``check_destination`` runs before anything is written: the destination is empty, or holds this
-run under a move to the same place; a claim nobody will finish (``abandoned``) is removed
-first, and anything else is ``Taken``. ``claim`` creates the destination's control object
-``incoming`` before the source is quiesced, so of two moves to one place the second loses
-before its source changes. ``incoming`` confirms it (after the take, and as step 5);
-``activate`` is step 7. ``remove_claim`` removes only the given transfer's claim, never a file
-of another run. The protocol and its reasons: docs/move.md.
+``check_destination`` runs before anything is written and refuses (``Taken``) a destination that is
+not empty and not this run's under a move to the same place. ``remove_claim`` removes only the given
+transfer's claim, never a file of another run.
 """
 
 from __future__ import annotations
@@ -81,6 +78,7 @@ def _adoptable(there: dict[str, Any], frm: str, to: str, src_tid: str | None) ->
     )
 
 
+# A claim nobody will finish (``abandoned``) is removed first; anything else is ``Taken``.
 def check_destination(
     dst: Store, root: str, src: dict[str, Any], frm: str, to: str, mine: str | None = None
 ) -> list[dict[str, Any]]:
@@ -117,6 +115,8 @@ def check_destination(
     return removed
 
 
+# The claim is made before the source is quiesced, so of two moves to one place the second loses
+# before its source changes.
 def claim(
     dst: Store,
     src: dict[str, Any],

@@ -1,14 +1,11 @@
-"""One writer per run: control objects, leases and fencing.
+"""One writer per run: control objects, leases and fencing. The protocol: docs/authority.md.
 
-A state location holds its runs under ``runs/``: ``current.json`` (which run is current, schema
-``runs``), ``control.lock`` (local locations only: the flock every transition holds) and
-``<id>/control.json`` (the run's authority, schema ``control``). A control object changes only
-by conditional transitions (``spill.store.cas``). ``spill.control.ownership.acquire`` makes this
-process the owner at the next generation when the run is free, else raises ``Busy`` (exit 75)
-or waits. The ``Ownership`` it returns renews its lease on a heartbeat, reads the control object
-every ``WATCH`` seconds so that a move's quiesce stops it soon, and publishes through fenced
-transitions: a writer whose generation is no longer the run's gets ``Superseded``, and what it
-wrote is never pointed at. The protocol: docs/authority.md.
+A state location holds ``runs/current.json`` (which run is current, schema ``runs``),
+``runs/control.lock`` (local locations only: the flock every transition holds) and
+``runs/<id>/control.json`` (the run's authority, schema ``control``), changed only by conditional
+transitions (``spill.store.cas``). ``spill.control.ownership.acquire`` returns an ``Ownership``; a
+writer whose generation is no longer the run's gets ``Superseded``, and what it wrote is never
+pointed at.
 """
 
 from __future__ import annotations
@@ -54,6 +51,10 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
+# Made by ``spill.control.ownership.acquire``, which makes this process the owner at the next
+# generation when the run is free, else raises ``Busy`` (exit 75) or waits. It renews its lease on a
+# heartbeat, reads the control object every ``WATCH`` seconds so that a move's quiesce stops it
+# soon, and publishes through fenced transitions.
 class Ownership:
     """This process's ownership of a run: transitions, heartbeat, and its places."""
 

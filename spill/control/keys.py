@@ -2,13 +2,10 @@
 ``runs/<id>/control.json`` per run, the lock ``runs/control.lock``), written through
 ``spill.store.cas`` (``store_for``) and read back validated, and the run list as a whole.
 
-Each run's control object is the authority; the list only says which run is current. ``view``
-and ``current`` (readers: ``spill status``, probes, a build's plan) see a missing list rebuilt
-in memory and write nothing; ``restore`` (a writer, under the location's lock) creates it
-conditionally, so of two rebuilders one wins, and raises ``UnclearRuns`` where which run is
-current cannot be told safely. On an object store a first run's control object may be made a
-moment before its list: ``restore`` waits for that list (``START_WAIT``). The rules ``decide``
-follows: docs/authority.md, "A lost run list, and what is never removed".
+Each run's control object is the authority; the list only says which run is current. ``view`` and
+``current`` (readers) write nothing; ``restore`` (a writer, under the location's lock) rebuilds a
+missing list, raising ``UnclearRuns`` where the current run cannot be told safely. The rules
+``decide`` follows: docs/authority.md, "A lost run list, and what is never removed".
 """
 
 from __future__ import annotations
@@ -159,6 +156,8 @@ def decide(store: Store, docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return run_list([*(d["run"] for d in order if d is not now), now["run"]])
 
 
+# Readers (``spill status``, probes, a build's plan) see a missing list rebuilt in memory and write
+# nothing.
 def view(store: Store) -> tuple[dict[str, Any] | None, str | None, bool]:
     """The run list (and its tag), rebuilt in memory when missing; whether it was rebuilt."""
     runs, tag = read_runs(store)
@@ -179,6 +178,9 @@ def starting(store: Store, docs: dict[str, dict[str, Any]], now: float) -> bool:
     return not store.serialized and bool(live) and young
 
 
+# The list is created conditionally, so of two rebuilders one wins. On an object store a first run's
+# control object may be made a moment before its list: ``restore`` waits for that list
+# (``START_WAIT``).
 def restore(store: Store) -> tuple[dict[str, Any] | None, str | None]:
     """The run list of ``store`` and its tag; a missing one is rebuilt from the control objects
     and created (None when there are none), unless it may be a first run's list still to come

@@ -1,12 +1,10 @@
-"""Starting and acquiring a state location's run: ``acquire`` and ``held``.
+"""Starting and acquiring a state location's run: ``acquire`` and ``held``. docs/authority.md.
 
-``acquire`` makes this process the owner of the current run at the next generation when the run
-is free (no owner, released, lease expired, or a gone process on this host and boot), else
-raises ``Busy`` (exit 75) or, with ``wait``, polls. The first run of a location and a new run
-after a completed one (``acquire(new_run=True)``) are created by a conditional write of
-``runs/current.json``, so two processes never start two runs in one place; a missing list is rebuilt
-(``keys.restore``), never started afresh. A state copied from elsewhere may not continue while
-the original's owner holds it, where the original can be read. docs/authority.md.
+``acquire`` makes this process the owner of the current run at the next generation when the run is
+free (no owner, released, lease expired, or a gone process on this host and boot), else raises
+``Busy`` (exit 75) or, with ``wait``, polls. Two processes never start two runs in one place; a
+missing list is rebuilt (``keys.restore``), never started afresh. A state copied from elsewhere may
+not continue while the original's owner holds it, where the original can be read.
 """
 
 from __future__ import annotations
@@ -129,6 +127,9 @@ def acquire(
         return run
 
 
+# The first run of a location and a new run after a completed one (``acquire(new_run=True)``) are
+# created by a conditional write of ``runs/current.json``, so two processes never start two runs in
+# one place.
 def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Ownership:
     home = home_of(store.state)
     for _ in range(ATTEMPTS):

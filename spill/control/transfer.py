@@ -1,14 +1,11 @@
-"""The control transitions of a move at its source; the destination's side (its claim,
-``incoming``, ``activate``) is ``spill.control.arrival``.
+"""The control transitions of a move at its source: ``check_source``, ``begin`` (quiesce), ``take``,
+``step`` (copy, verify, incoming), ``fence``, ``abort``, ``describe_move``. The destination's side
+(its claim, ``incoming``, ``activate``) is ``spill.control.arrival``.
 
-Each of a move's seven steps is a conditional transition of a control object
-(``spill.store.cas``) recorded in its ``transfer`` field, so a rerun continues where the move
-stopped: ``begin`` (quiesce), ``take``, ``step`` (copy, verify, incoming), ``fence``; the
-destination's ``activate`` is the seventh. The invariant: the source is fenced before the
-destination is activated, and nobody but a mover of the same transfer acquires a ``quiescing``
-or ``incoming`` run (``ownership.refuse_moving``), so two places are never both acquirable.
-``abort`` returns a source that has not reached ``fence`` to its status before the quiesce, at
-the next generation. The steps, the abort and the drill points: docs/move.md.
+The invariant: the source is fenced before the destination is activated, and nobody but a mover of
+the same transfer acquires a ``quiescing`` or ``incoming`` run (``ownership.refuse_moving``), so two
+places are never both acquirable. ``abort`` returns a source that has not reached ``fence`` to its
+status before the quiesce, at the next generation. Steps and drills: docs/move.md.
 """
 
 from __future__ import annotations
@@ -27,6 +24,9 @@ from spill.errors import StoreError, UsageError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
 
+# Each of a move's seven steps is a conditional transition of a control object (``spill.store.cas``)
+# recorded in its ``transfer`` field, so a rerun continues where the move stopped; the destination's
+# ``activate`` is the seventh.
 STEPS = drill.MOVE_STEPS
 
 
