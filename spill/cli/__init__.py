@@ -2,7 +2,7 @@
 it returns, and turn errors into exit codes. Nothing below imports it.
 
 One module per verb group parses and prints (``jobs``: run, eval, distill, tune; ``project``:
-init, build, resume, status; ``report``, ``predict``, ``chat``, ``move``, ``bundle``, ``models``, ``export``, ``example``; ``resume`` replays
+init, build, resume, status; ``report``, ``predict``, ``chat``, ``serve``, ``move``, ``bundle``, ``models``, ``export``, ``example``; ``resume`` replays
 a state location's recorded command); what several share is in ``options``. Imports here stay
 light (argparse and spill's engine-free modules); each verb imports its own module when it runs,
 so ``spill --help`` never imports torch or mlx.
@@ -40,6 +40,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         predict,
         project,
         report,
+        serve,
     )
 
     jobs.add_parsers(sub, full=verb is None or verb in JOB_VERBS)  # run, eval, distill, tune
@@ -47,6 +48,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     report.add_parser(sub)
     predict.add_parser(sub)
     chat.add_parser(sub, full=verb in (None, "chat"))
+    serve.add_parser(sub, full=verb in (None, "serve"))
     move.add_parser(sub)
     bundle.add_parser(sub)
     models.add_parser(sub)

@@ -31,7 +31,8 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "jobs": ("payloads", "engines"),  # tune and row jobs, preemption
     "project": ("jobs",),  # spill.yaml, plan, build, move, bundle
     "examples": ("project",),  # the relay: run by the cli only
-    "cli": ("examples",),  # argument parsing and printing: nothing imports it
+    "serve": ("project",),  # the OpenAI-compatible server: run by the cli only
+    "cli": ("examples", "serve"),  # argument parsing and printing: nothing imports it
 }
 GROUND = {  # spill/<name>.py or spill/<name>/, and the data packages installed beside them
     *("__init__", "errors", "console", "ground"),
