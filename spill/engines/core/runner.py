@@ -237,8 +237,12 @@ class StreamRunner:
                 got = k.log_probs(h[0, j:end], targets[j:end])
                 lp = decode.log_softmax(k.numpy(k.logits(h[0, j:end]))) if top else None
                 for t in range(end - j):
+                    tok, own = int(ids[j + t + 1]), float(got[t])
+                    # the token among the likeliest carries its own (score's) bits, so a
+                    # client comparing it with the largest sees them equal when it is greedy
                     near = decode.likeliest(lp[t], top) if top else ()
-                    tokens.append(Token(int(ids[j + t + 1]), float(got[t]), near))
+                    near = tuple((i, own if i == tok else v) for i, v in near)
+                    tokens.append(Token(tok, own, near))
             out.append(tokens)
         return out
 

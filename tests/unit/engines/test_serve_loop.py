@@ -115,6 +115,8 @@ def test_echo_gives_scores_bits_and_generated_tokens_their_log_probs(runner):
             (lp for _, lp in t.top), reverse=True
         )
         assert t.logprob <= t.top[0][1] + 1e-5
+        if t.id == t.top[0][0]:  # a greedy prompt token: its log-prob is the largest, exactly
+            assert t.logprob == max(lp for _, lp in t.top)
     assert len(tokens) == 6
     for t in tokens:  # greedy: the chosen token is the likeliest
         assert t.top[0][0] == t.id and t.top[0][1] == t.logprob
@@ -143,3 +145,21 @@ def test_an_unknown_adapter_is_refused(runner):
     req, _ = request(PROMPTS[0], 4, "nope")
     with pytest.raises(EngineError, match="no adapter named 'nope'"):
         serve(runner, {0: [req]})
+
+
+def test_echo_marks_a_greedy_continuation_greedy(runner):
+    """lm-eval's ``is_greedy``: each token of a greedy continuation, echoed, has the largest
+    log-prob among the likeliest exactly."""
+    prefix = np.asarray(PROMPTS[0], np.int64)
+    (gen,) = runner.generate([prefix], GenerateParams(max_new_tokens=8), [0])
+    seen: list = []
+    req = Request(
+        np.concatenate([prefix, gen.tokens]),
+        GenerateParams(max_new_tokens=0),
+        logprobs=2,
+        echo=True,
+        on_prompt=seen.append,
+    )
+    serve(runner, {0: [req]})
+    for t in seen[0][len(prefix) :]:
+        assert t.top[0][0] == t.id and t.logprob == max(lp for _, lp in t.top)
