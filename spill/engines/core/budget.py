@@ -1,18 +1,10 @@
-"""What ``--memory M`` promises, and where M comes from when nobody gives one.
+"""What ``--memory M`` promises, and where M comes from when nobody gives one (``resolve``).
 
-M is the process's budget beside a fixed ``RUNTIME`` (the interpreter, torch or MLX, numpy,
-the tokenizer, what a tune imports and writes at its end: measured at about 160 MiB for a run
-of a tiny model, 303 MiB for a tune of one and 324 MiB for SmolLM2's, docs/memory.md): the
-resident parts (embeddings, final norm, lm_head), the ring's layers, a tune's state,
-activations and the batch, and the page cache its reads and writes cause, which the reader
-(``core.reader``) and the store (``store.written``) drop behind themselves under a budget. So
-the process's peak, anonymous memory plus the page cache it causes (a cgroup's
-``max_usage``), stays under M + ``RUNTIME``; docs/memory.md says so.
-
-Without ``--memory``, a cgroup limit below the machine's RAM (a Slurm job's ``--mem``, a
-container's limit) sets M to the limit less ``RUNTIME``: the ring sizes from it exactly as
-from ``--memory``, and the pre-run line says which. Otherwise there is no promise: free RAM
-sizes the ring, and the page cache is the kernel's business, as before.
+M (bytes) is the process's budget beside a fixed ``RUNTIME``: the resident parts (embeddings, final
+norm, lm_head), the ring's layers, a tune's state, activations and the batch, and the page cache its
+reads and writes cause. The process's peak, anonymous memory plus the page cache it causes (a
+cgroup's ``max_usage``), stays under M + ``RUNTIME`` (docs/memory.md). Without ``--memory``, a
+cgroup limit below the machine's RAM sets M; otherwise there is no promise.
 """
 
 from __future__ import annotations
@@ -23,6 +15,10 @@ from spill.errors import EngineError
 from spill.ground.machine import memory_limit, physical_memory
 from spill.models.config import ModelConfig
 
+# RUNTIME is the interpreter, torch or MLX, numpy, the tokenizer, what a tune imports and writes at
+# its end: measured at about 160 MiB for a run of a tiny model, 303 MiB for a tune of one and 324
+# MiB for SmolLM2's (docs/memory.md). Under a budget the reader (``core.reader``) and the store
+# (``store.written``) drop the page cache behind themselves.
 RUNTIME = 384 << 20  # the process beside its budget (docs/memory.md states it, a test measures it)
 MIB = 1 << 20
 
@@ -41,6 +37,10 @@ class Budget:
         return f"memory {self.total / MIB:.0f} MiB ({self.source})"
 
 
+# A cgroup limit below the machine's RAM (a Slurm job's ``--mem``, a container's limit) sets M to
+# the limit less ``RUNTIME``: the ring sizes from it exactly as from ``--memory``, and the pre-run
+# line says which. Otherwise there is no promise: free RAM sizes the ring, and the page cache is the
+# kernel's business, as before.
 def resolve(memory: int | None) -> Budget:
     """``--memory`` where given, else the cgroup's limit less ``RUNTIME`` where that is below
     the machine's RAM, else none."""

@@ -1,22 +1,8 @@
-"""Where freed CPU blocks go: kept for reuse by default, returned at once under a budget.
+"""Where freed CPU blocks go: kept for reuse by default (``keep_freed_blocks``), returned at once
+under a budget (``return_freed_blocks``, for ``--memory`` or a cgroup's limit: ``core.budget``).
 
-Large CPU tensors reused instead of mapped afresh: glibc's malloc serves every block above
-its mmap threshold with a new mapping and unmaps it when freed, so each use of such a block
-zero-fills its pages again. The threshold follows the largest block freed, but only up to
-32 MiB; a row batch's temporaries are larger (96 prompts of ~150 tokens through a 1536-wide MLP
-in float32: 88 MB each), and the README's adapter eval at batch 96 spent 14.7 of its 22 s in
-the kernel faulting them in (0.9 s after ``keep_freed_blocks``).
-
-``keep_freed_blocks()`` raises the mmap threshold to 256 MiB and the top-of-heap trim threshold
-to 512 MiB, so such blocks stay in the heap and are reused. Where memory sits changes, never a
-result. A no-op where the C library is not glibc (macOS, musl) or where the user has set
-glibc's malloc tunables.
-
-Under ``--memory`` (or a cgroup's limit: ``core.budget``) the opposite: ``return_freed_blocks()``
-pins the mmap threshold at 1 MiB and trims the heap's top from the same size, so a block that
-size or larger is unmapped when freed. glibc's own adaptive threshold (up to 32 MiB) leaves a
-tune step's freed head and backward temporaries in its arenas: ~100 MiB more anonymous memory
-at the peak of SmolLM2's ``tune --ring 2 --memory 300MB``. The price is the page faults above.
+Both set glibc's mmap and trim thresholds: where memory sits changes, never a result. A no-op where
+the C library is not glibc (macOS, musl) or where the user has set glibc's malloc tunables.
 """
 
 from __future__ import annotations
@@ -55,12 +41,24 @@ def _set(mmap_threshold: int, trim_threshold: int) -> bool:
     )
 
 
+# Large CPU tensors reused instead of mapped afresh: glibc's malloc serves every block above its
+# mmap threshold with a new mapping and unmaps it when freed, so each use of such a block zero-fills
+# its pages again. The threshold follows the largest block freed, but only up to 32 MiB; a row
+# batch's temporaries are larger (96 prompts of ~150 tokens through a 1536-wide MLP in float32: 88
+# MB each), and the README's adapter eval at batch 96 spent 14.7 of its 22 s in the kernel faulting
+# them in (0.9 s after ``keep_freed_blocks``). So the mmap threshold goes to 256 MiB and the
+# top-of-heap trim threshold to 512 MiB, and such blocks stay in the heap and are reused.
 def keep_freed_blocks() -> bool:
     """Set the thresholds (at every CPU open, so the last runner opened decides: one opened
     under a budget returns blocks, ``return_freed_blocks``); True when they were set."""
     return _set(MMAP_THRESHOLD, TRIM_THRESHOLD)
 
 
+# The mmap threshold is pinned at 1 MiB and the heap's top trimmed from the same size, so a block
+# that size or larger is unmapped when freed. glibc's own adaptive threshold (up to 32 MiB) leaves a
+# tune step's freed head and backward temporaries in its arenas: ~100 MiB more anonymous memory at
+# the peak of SmolLM2's ``tune --ring 2 --memory 300MB``. The price is the page faults
+# ``keep_freed_blocks`` avoids.
 def return_freed_blocks() -> bool:
     """Under a budget: blocks from ``RETURN_FROM`` go back to the system when freed, until a
     runner opens without one (``keep_freed_blocks``); True when the thresholds were set."""

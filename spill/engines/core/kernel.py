@@ -1,12 +1,11 @@
-"""The kernel: what one engine must supply for spill's core to run a model on it.
+"""The kernel: what one engine must supply for spill's core to run a model on it (``Kernel``).
 
-The core (``spill.engines.core``) owns the ring, the KV-cached generate/score bookkeeping and
-the streamed training walk; it never imports torch or mlx. A kernel owns one model's resident
-parts (embeddings, final norm, lm_head, rotary table) and a handful of primitives over its own
-arrays. The core treats those arrays as opaque, except for basic slicing (``h[:, -1]``,
-``x[j:k]``) and indexing by two of the kernel's integer arrays (``h[rows, cols]``), which both
-torch and MLX read alike. A third engine is a kernel plus its model families, never a copy of
-the core.
+The core (``spill.engines.core``) owns the ring, the KV-cached generate/score bookkeeping and the
+streamed training walk; it never imports torch or mlx. A kernel owns one model's resident parts
+(embeddings, final norm, lm_head, rotary table) and a handful of primitives over its own arrays,
+which the core treats as opaque except for basic slicing (``h[:, -1]``, ``x[j:k]``) and indexing by
+two of the kernel's integer arrays (``h[rows, cols]``), read alike by torch and MLX. A third engine
+is a kernel plus its model families, never a copy of the core.
 """
 
 from __future__ import annotations

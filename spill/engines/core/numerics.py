@@ -1,19 +1,10 @@
 """Choosing the compute dtype of base weights from a measurement, the same way on every engine.
 
-A CPU computes in bfloat16 only where a measured linear layer shows bf16 clearly no slower than
-float32 allows: CPUs without bf16 instructions run it ~100x slower, others (AVX512-BF16, AMX)
-faster. The choice must not depend on what else the machine does while it measures (one home
-chose bf16 at ratio 0.66, another float32 at 12.0 with jobs running beside it), so:
-
-* the two dtypes are timed interleaved, ``ROUNDS`` rounds, the order flipping each round, and
-  the fastest time of each is compared: a busy moment slows some rounds, never the best one;
-* a ratio within ``MARGIN`` of ``TOLERANCE`` is a close call, and a close call keeps float32
-  (exact on every CPU): the choice flips only on a clear difference;
-* rounds of one dtype that vary more than ``DISTURBED`` times mark the measurement as made on a
-  busy machine, which the reason (the pre-run line) says.
-
-Each engine times its own linear and keeps the measurement per machine (CPU model and flags,
-``spill.ground.machine``); this module times and turns the timings into a choice and its reason.
+``measure`` times an engine's float32 and bf16 linear interleaved; ``verdict`` turns the timings
+into (compute in bf16, the reason in a few words). A CPU computes in bfloat16 only where bf16 is
+clearly no slower than float32 allows (``TOLERANCE``); a close call keeps float32 (exact on every
+CPU). Each engine times its own linear and keeps the measurement per machine (CPU model and flags,
+``spill.ground.machine``); this module times and turns the timings into a choice.
 """
 
 from __future__ import annotations
@@ -22,6 +13,15 @@ import os
 import time
 from collections.abc import Callable
 
+# CPUs without bf16 instructions run it ~100x slower, others (AVX512-BF16, AMX) faster. The choice
+# must not depend on what else the machine does while it measures (one home chose bf16 at ratio
+# 0.66, another float32 at 12.0 with jobs running beside it), so:
+# - the two dtypes are timed interleaved, ``ROUNDS`` rounds, the order flipping each round, and the
+#   fastest time of each is compared: a busy moment slows some rounds, never the best one;
+# - a ratio within ``MARGIN`` of ``TOLERANCE`` is a close call, and a close call keeps float32: the
+#   choice flips only on a clear difference;
+# - rounds of one dtype that vary more than ``DISTURBED`` times mark the measurement as made on a
+#   busy machine, which the reason (the pre-run line) says.
 TOLERANCE = 1.5  # bf16 is worth it while its linear takes at most about this many times float32's
 MARGIN = 1.25  # within this factor of TOLERANCE (1.2 .. 1.875): too close to call, float32
 ROUNDS = 7

@@ -1,12 +1,10 @@
-"""Opening a model on an engine: the decisions every engine makes, in one order, once.
-
-The core first checks that every tensor the model reads exists with the shape config.json
-gives it (a packed linear's weight, scales and biases included: ``common.check_layers``), before
-any is read. The engine places the model (device, numerics and why, a weight reader:
-``Backend.place``); the core plans the ring from the memory budget (``common.plan_model_ring``;
-a quantized layer's slot is sized by its packed bytes, ``models.weights.layer_bytes``), builds
-the ring with the engine's hooks, and lets the engine read the resident parts into its kernel. Embeddings, the final norm and lm_head are
-always resident; decoder layers stream.
+"""Opening a model on an engine (``open_runner``): the decisions every engine makes, in one order,
+once. The core first checks that every tensor the model reads exists with the shape config.json
+gives it (a packed linear's weight, scales and biases included: ``common.check_layers``), before any
+is read. The engine places the model (device, numerics and why, a weight reader: ``Backend.place``);
+the core plans the ring from the memory budget (``common.plan_model_ring``), builds it with the
+engine's hooks, and lets the engine read the resident parts into its kernel. Embeddings, the final
+norm and lm_head are always resident; decoder layers stream.
 """
 
 from __future__ import annotations
@@ -101,6 +99,7 @@ def _weights(model: ModelSpec, place: Placement, plan: RingPlan) -> str:
     return f"{text}, {held} ({plan.slot_bytes / 1e6:.1f} MB a layer), {how} per use"
 
 
+# A quantized layer's ring slot is sized by its packed bytes (``models.weights.layer_bytes``).
 def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> StreamRunner:
     cfg = model.config
     if cfg.family not in engine.families:

@@ -1,26 +1,11 @@
 """The streaming ring: decoder layers come from local safetensors into K slots, just in time.
 
-``Ring.walk(order)`` yields ``(index, weights)`` for the layers in any order (forward now,
-reversed for a backward pass). A prefetch thread loads up to K-1 layers ahead of the one being
-computed; K semaphore permits bound how many layers are alive at once, and a layer's slot is
-released (its dict cleared) when the walk moves past it, so weights are valid only until the
-next step. In resident mode every layer is loaded once and the walk only looks them up.
-
-A slot holds a layer as loaded, which for a quantized model is its packed form; ``Hooks.expand``
-gives the form compute uses (the torch engine dequantizes; an engine that computes on packed
-weights keeps the default, which changes nothing). Three modes: streaming (expand per use),
-held (every packed layer loaded once at open, expanded per use: walkers see a streaming ring,
-``resident`` is False, so nothing keeps a layer's weights past its step), and resident (every
-layer expanded once at open). The prefetch thread expands, at most ``EXPANDED`` layers alive at
-once (the one computing and the next): on torch with two threads a layer, dequantizing on the
-computing thread made a SmolLM2 decode step 6-14x slower, idle or beside a busy process (equal
-with one thread; docs/quantized.md, ``bench/quant_ring.py where``, which flips ``EXPAND_AHEAD``).
-
-The ring never touches an array: weights are whatever the loader returns. What an engine must
-do around a load lives in ``Hooks`` (a CUDA side stream for the copy, MLX's bf16 bit-cast on
-the computing thread, a CPU reader taking back a released slot's memory). Both modes hand the
-compute code the same arrays (read from the same bytes, converted the same way), which is what
-makes streamed and resident runs bit-identical.
+``Ring.walk(order)`` yields ``(index, weights)`` for the layers in any order (forward now, reversed
+for a backward pass); weights are valid only until the next step. Three modes: streaming (expand per
+use), held (every packed layer loaded once at open, expanded per use: walkers see a streaming ring,
+``resident`` is False) and resident (every layer loaded and expanded once at open). The ring never
+touches an array; what an engine does around a load lives in ``Hooks``. Streamed and resident runs
+get the same arrays, so they are bit-identical.
 """
 
 from __future__ import annotations
@@ -34,10 +19,17 @@ from typing import Any
 from spill.engines.base import Stats
 
 Weights = dict[str, Any]  # one layer's arrays, keyed like the HF checkpoint below the layer
+# The prefetch thread expands, at most ``EXPANDED`` layers alive at once (the one computing and the
+# next): on torch with two threads a layer, dequantizing on the computing thread made a SmolLM2
+# decode step 6-14x slower, idle or beside a busy process (equal with one thread; docs/quantized.md,
+# ``bench/quant_ring.py where``, which flips ``EXPAND_AHEAD``).
 EXPANDED = 2  # expanded layers alive at once when the prefetch thread expands
 EXPAND_AHEAD = True  # expand on the prefetch thread; False: on the computing thread, as it uses
 
 
+# A CUDA side stream for the copy, MLX's bf16 bit-cast on the computing thread, a CPU reader taking
+# back a released slot's memory. Both streaming and resident modes hand the compute code the same
+# arrays (read from the same bytes, converted the same way).
 class Hooks:
     """What an engine changes about loading a layer; these defaults change nothing."""
 
@@ -65,6 +57,13 @@ class Hooks:
         """A slot's arrays, just before the ring drops them."""
 
 
+# A prefetch thread loads up to K-1 layers ahead of the one being computed; K semaphore permits
+# bound how many layers are alive at once, and a layer's slot is released (its dict cleared) when
+# the walk moves past it. In resident mode every layer is loaded once and the walk only looks them
+# up; in held mode nothing keeps a layer's weights past its step. A slot holds a layer as loaded,
+# which for a quantized model is its packed form; ``Hooks.expand`` gives the form compute uses (the
+# torch engine dequantizes; an engine that computes on packed weights keeps the default, which
+# changes nothing).
 class Ring:
     """K slots of decoder layers over a loader ``load(i) -> {key: array}``."""
 

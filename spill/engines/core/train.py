@@ -1,32 +1,11 @@
 """LoRA training through the streaming ring: ``StreamTrainer``, every engine's ``base.Trainer``.
 
-Two walks give the same gradients, bit for bit; the memory budget picks one per run (``plan``):
-
-* **kept activations** (resident layers whose whole step's activations fit the budget): one
-  forward over every layer and the head records what backward needs, and backward runs once
-  through it (the kernel's ``stack_vjp``: one autograd graph on torch, one ``mx.vjp`` over the
-  stack on MLX). No layer is computed twice.
-* **recompute** (layers stream, or activations do not fit): forward keeps each layer's input
-  hidden state (and, when they fit the budget too, the base outputs of the kernel's
-  ``kept_outputs`` linears, which the recompute then takes instead of computing them again:
-  the same bits, half a layer's matmuls fewer on torch); the kernel's head (final norm,
-  lm_head, a float32 cross-entropy over the target tokens) gives the loss and its gradient at
-  the last layer's output. Backward walks the ring in reverse, recomputes each layer from its
-  saved input through the kernel's ``layer_vjp`` with respect to that input and the layer's
-  LoRA tensors, and hands the input's gradient down. So only one layer's graph exists at a time, and
-  resident mode can run the very same code (its ring just never evicts).
-
-Both run the same ops in the same order on the same inputs (the recompute's forward of a layer
-is the kept forward of that layer), so streamed, resident, kept and recomputed gradients are
-bit-identical; tests check it with exact equality. ``plan``'s ``keep`` or ``recompute`` (the
-``tune.activations`` setting, ``--activations``) forces the choice (keep still needs resident
-layers).
-
-LoRA dropout masks are a pure function of (``batch.dropout_seed``, layer, module): the module's
-seed (``common.dropout_seed``) keys the kernel's generator, so the recompute draws the forward's
-masks (each engine draws its own masks; with dropout 0 the engines compute the same function).
-``apply`` is the kernel's AdamW with the step count passed in: the trainer carries no hidden
-counters, and ``state()`` is everything needed to continue exactly.
+Two walks give the same gradients, bit for bit; the memory budget picks one per run (``plan``): kept
+activations (resident layers whose whole step's activations fit the budget: no layer is computed
+twice) or recompute (layers stream, or activations do not fit: one layer's graph at a time).
+``plan``'s ``keep`` or ``recompute`` (the ``tune.activations`` setting, ``--activations``) forces
+the choice (keep still needs resident layers). ``apply`` is the kernel's AdamW with the step count
+passed in; ``state()`` is everything needed to continue exactly.
 """
 
 from __future__ import annotations
@@ -124,6 +103,10 @@ class StreamTrainer:
 
     # -- forward and backward through the ring -----------------------------------------------
 
+    # LoRA dropout masks are a pure function of (``batch.dropout_seed``, layer, module): the
+    # module's seed (``common.dropout_seed``) keys the kernel's generator, so the recompute draws
+    # the forward's masks (each engine draws its own masks; with dropout 0 the engines compute the
+    # same function).
     def _lora(self, i: int, seed: int):
         """Layer ``i``'s adapters as a function of its leaves (in ``layer_names`` order)."""
         dropouts = None
@@ -140,6 +123,9 @@ class StreamTrainer:
 
         return names, build
 
+    # Both walks run the same ops in the same order on the same inputs (the recompute's forward of a
+    # layer is the kept forward of that layer), so streamed, resident, kept and recomputed gradients
+    # are bit-identical; tests check it with exact equality.
     def plan(self, rows: int, length: int, activations: str = "auto") -> ActivationPlan:
         """Decide, for every later micro-batch, whether activations are kept: with ``auto`` they
         are when the layers are resident and a (rows, length) micro-batch's activations fit the
@@ -185,6 +171,9 @@ class StreamTrainer:
             return self._kept(tokens, attention, rows, cols, batch)
         return self._recompute(tokens, attention, rows, cols, batch, plan.outputs > 0)
 
+    # Kept activations: one forward over every layer and the head records what backward needs, and
+    # backward runs once through it (the kernel's ``stack_vjp``: one autograd graph on torch, one
+    # ``mx.vjp`` over the stack on MLX).
     def _kept(self, tokens, attention, rows, cols, batch: TrainBatch) -> float:
         """One forward over the resident layers that keeps what backward needs, then backward."""
         m, k, seed = self.model, self.kernel, batch.dropout_seed
@@ -204,6 +193,15 @@ class StreamTrainer:
         k.sync(list(self.grads.values()))
         return loss
 
+    # Recompute: forward keeps each layer's input hidden state (and, when they fit the budget too,
+    # the base outputs of the kernel's ``kept_outputs`` linears, which the recompute then takes
+    # instead of computing them again: the same bits, half a layer's matmuls fewer on torch); the
+    # kernel's head (final norm, lm_head, a float32 cross-entropy over the target tokens) gives the
+    # loss and its gradient at the last layer's output. Backward walks the ring in reverse,
+    # recomputes each layer from its saved input through the kernel's ``layer_vjp`` with respect to
+    # that input and the layer's LoRA tensors, and hands the input's gradient down. So only one
+    # layer's graph exists at a time, and resident mode can run the very same code (its ring just
+    # never evicts).
     def _recompute(self, tokens, attention, rows, cols, batch: TrainBatch, reuse: bool) -> float:
         """Keep each layer's input (and with ``reuse`` some of its matmul outputs); backward
         recomputes each layer from them, one at a time."""
@@ -257,6 +255,7 @@ class StreamTrainer:
 
     # -- the optimizer -----------------------------------------------------------------------
 
+    # The step count is passed in: the trainer carries no hidden counters.
     def apply(self, opt: AdamW) -> None:
         """One AdamW update from the accumulated gradients, then zero them."""
         self.kernel.adamw(opt, self.names, self.params, self.m, self.v, self.grads)

@@ -1,15 +1,10 @@
-"""Which BLAS MLX's CPU matmuls run on, and a faster one where this machine has it.
+"""Which BLAS MLX's CPU matmuls run on, and a faster one where this machine has it (``preload``,
+``describe`` for the pre-run line, ``set_threads``).
 
-The Linux ``mlx[cpu]`` wheel bundles the reference (netlib) BLAS: a float32 1024^3 matmul takes
-~300-600 ms on a 2-core x86 machine, against ~10-20 ms on OpenBLAS. ``libmlx.so`` takes
-``cblas_sgemm`` from the global symbol scope first, so an OpenBLAS loaded with ``RTLD_GLOBAL``
-*before* ``mlx.core`` is imported serves every MLX matmul (the same effect as ``LD_PRELOAD``,
-without an environment variable). Loaded after, it changes nothing: the bundled one is bound.
-
-``SPILL_MLX_BLAS`` picks: a path to a ``libopenblas.so.0`` (or any CBLAS library), ``bundled``
-to keep MLX's own, or unset to try Debian/Ubuntu's ``libopenblas.so.0`` (``apt-get install
-libopenblas0-pthread``). macOS wheels use Accelerate and are left alone. This module must not
-import ``mlx``; ``spill.engines.mlx`` imports it first.
+``SPILL_MLX_BLAS`` picks: a path to a ``libopenblas.so.0`` (or any CBLAS library), ``bundled`` to
+keep MLX's own, or unset to try Debian/Ubuntu's ``libopenblas.so.0`` (``apt-get install
+libopenblas0-pthread``). macOS wheels use Accelerate and are left alone. This module must not import
+``mlx``; ``spill.engines.mlx`` imports it first.
 """
 
 from __future__ import annotations
@@ -47,6 +42,11 @@ def _config(lib) -> str:
         return os.path.basename(_state["path"] or "external BLAS")
 
 
+# The Linux ``mlx[cpu]`` wheel bundles the reference (netlib) BLAS: a float32 1024^3 matmul takes
+# ~300-600 ms on a 2-core x86 machine, against ~10-20 ms on OpenBLAS. ``libmlx.so`` takes
+# ``cblas_sgemm`` from the global symbol scope first, so an OpenBLAS loaded with ``RTLD_GLOBAL``
+# *before* ``mlx.core`` is imported serves every MLX matmul (the same effect as ``LD_PRELOAD``,
+# without an environment variable). Loaded after, it changes nothing: the bundled one is bound.
 def preload() -> None:
     """Load an optimized CBLAS into the global scope once, before ``mlx.core`` exists."""
     if _state["done"]:

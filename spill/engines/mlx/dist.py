@@ -1,13 +1,10 @@
 """``mx.distributed`` as spill's process groups use it (``spill.jobs.group``) when ``mlx.launch``
 started the ranks: the same collectives as ``spill.engines.torch.dist``, on MLX's own backends.
 
-mlx.launch tells a rank who it is in its environment: ``MLX_RANK`` always, and per backend where
-the others are (ring: ``MLX_HOSTFILE``, a JSON list of each rank's ``ip:port``, empty for one
-process; nccl: ``MLX_WORLD_SIZE``; jaccl: ``MLX_JACCL_COORDINATOR``). Objects travel pickled in
-uint8 arrays; ``all_gather`` wants one shape on every rank, so lengths go first and the bytes are
-padded to the longest. On the ring (TCP) a peer that dies fails the collective at once
-(``[ring] connection to a peer was lost``, a ``RuntimeError``); one that stops answering is never
-noticed, so ``spill.jobs.group`` bounds each collective with its own watchdog (``TIMES_OUT``).
+``join`` returns ``(rank, world)``; ``share``, ``any_of``, ``gather_rows`` and ``collect`` move
+picklable objects and arrays between ranks. On the ring (TCP) a peer that dies fails the collective
+at once (``[ring] connection to a peer was lost``, a ``RuntimeError``); one that stops answering is
+never noticed, so ``spill.jobs.group`` bounds each collective with its own watchdog (``TIMES_OUT``).
 """
 
 from __future__ import annotations
@@ -24,6 +21,9 @@ _group: mx.distributed.Group | None = None
 _stream = mx.cpu  # the ring and jaccl exchange host memory; nccl (CUDA) the GPU's
 
 
+# mlx.launch tells a rank who it is in its environment: ``MLX_RANK`` always, and per backend where
+# the others are (ring: ``MLX_HOSTFILE``, a JSON list of each rank's ``ip:port``, empty for one
+# process; nccl: ``MLX_WORLD_SIZE``; jaccl: ``MLX_JACCL_COORDINATOR``).
 def _backend() -> str:
     if os.environ.get("MLX_HOSTFILE") is not None:
         return "ring"
@@ -57,6 +57,8 @@ def _run(x: mx.array) -> np.ndarray:
     return np.array(x)
 
 
+# Objects travel pickled in uint8 arrays; ``all_gather`` wants one shape on every rank, so lengths
+# go first and the bytes are padded to the longest.
 def _gather_bytes(data: bytes) -> list[bytes]:
     """Every rank's ``data``, by rank."""
     n = np.array([len(data)], dtype=np.int64)

@@ -1,17 +1,10 @@
-"""The MLX kernel: one model's resident parts and the primitives ``spill.engines.core`` runs.
-
-The torch kernel's semantics, op for op where the engines must agree. MLX is lazy: ``sync``
-evaluates, and the core syncs after every layer, so a released ring slot is really free.
-Gradients come from ``mx.vjp`` one layer at a time (the recompute walk), or, with kept activations,
-from one ``mx.vjp`` over the whole resident stack and the head (``stack_vjp``: ``head_vjp``'s
-ops inside, the chunk losses summed from zero with ``scale`` as the cotangent, so the same bits
-as the recompute walk; MLX keeps no graph between calls, so the head must be inside). A sampled row draws from its own
-``numpy.random.Generator`` (``core.runner.sample_numpy``): its draws differ from torch's
-generator, so sampled text is reproducible per engine, greedy text agrees across engines. LoRA
-dropout masks key ``mx.random`` with the module's seed. ``adamw`` is torch.optim.AdamW's
-single-tensor update on a CPU, op for op and bit for bit in m and v: torch's ``lerp_`` and
-``addcmul_`` kernels round a fused multiply-add once, which ``fma`` reproduces through float64;
-bias corrections are Python floats; the step is passed in.
+"""The MLX kernel (``MLXKernel``): one model's resident parts and the primitives
+``spill.engines.core`` runs, with the torch kernel's semantics, op for op where the engines must
+agree. MLX is lazy: ``sync`` evaluates, and the core syncs after every layer, so a released ring
+slot is really free. A sampled row draws from its own ``numpy.random.Generator``
+(``core.runner.sample_numpy``): its draws differ from torch's generator, so sampled text is
+reproducible per engine, greedy text agrees across engines. ``adamw`` is torch.optim.AdamW's
+single-tensor update on a CPU, op for op and bit for bit in m and v; the step is passed in.
 """
 
 from __future__ import annotations
@@ -51,6 +44,7 @@ FAMILIES: dict[str, ModuleType] = {
 }
 
 
+# LoRA dropout masks key ``mx.random`` with the module's seed.
 def dropout(p: float, seed: int):
     """Inverted dropout with probability ``p`` whose mask comes from ``seed`` alone."""
 
@@ -61,6 +55,8 @@ def dropout(p: float, seed: int):
     return drop
 
 
+# torch's ``lerp_`` and ``addcmul_`` kernels round a fused multiply-add once, which ``fma``
+# reproduces through float64; ``adamw``'s bias corrections are Python floats.
 def fma(a, b, c):
     """``a * b + c`` rounded once, as torch's CPU kernels for ``lerp_`` and ``addcmul_`` compute
     it (a float32 product is exact in float64; the sum rounds to float32 as a fused op would)."""
@@ -176,6 +172,8 @@ class MLXKernel:
     def dropout(self, p: float, seed: int):
         return dropout(p, seed)
 
+    # Gradients come from ``mx.vjp`` one layer at a time (the recompute walk), or, with kept
+    # activations, from one ``mx.vjp`` over the whole resident stack and the head (``stack_vjp``).
     def layer_vjp(self, i, w, x, ctx, leaves, lora, grad, wrt_input: bool, outputs=None):
         def step(h, *lv):
             return [self.layer(i, w, h, ctx, None, lora(list(lv)))]
@@ -186,6 +184,9 @@ class MLXKernel:
         _, got = mx.vjp(lambda *lv: step(x, *lv), list(leaves), [grad])
         return None, list(got)
 
+    # ``head_vjp``'s ops inside, the chunk losses summed from zero with ``scale`` as the cotangent,
+    # so the same bits as the recompute walk; MLX keeps no graph between calls, so the head must be
+    # inside.
     def stack_vjp(self, ws, x, ctx, leaves, loras, tokens, rows, cols, scale):
         sizes = [len(group) for group in leaves]
         r, c = mx.array(rows), mx.array(cols)

@@ -1,12 +1,10 @@
-"""The compute dtype of base weights on MLX, and why.
+"""The compute dtype of base weights on MLX, and why (``choose``).
 
-A GPU (Metal on Apple silicon) computes in bfloat16; that path exists but is untested on the
-Linux machines spill is developed on. A CPU computes in bfloat16 only where a measured linear
-layer shows bf16 fast enough (``core.numerics.verdict``, as the torch engine), timed in MLX. On
-Linux MLX's float32 matmul is BLAS while its bf16 matmul is its own kernel, so the answer
-depends on the BLAS too (see ``blas``): the bundled reference BLAS makes float32 slower than
-bf16, OpenBLAS makes it much faster. The measurement is kept per machine in
-``machine_cache()/numerics-mlx.json``, keyed by CPU model and flags, MLX version and BLAS.
+A GPU (Metal on Apple silicon) computes in bfloat16; that path exists but is untested on the Linux
+machines spill is developed on. A CPU computes in bfloat16 only where a measured linear layer shows
+bf16 fast enough (``core.numerics.verdict``, as the torch engine), timed in MLX. The measurement is
+kept per machine in ``machine_cache()/numerics-mlx.json``, keyed by CPU model and flags, MLX version
+and BLAS.
 """
 
 from __future__ import annotations
@@ -22,6 +20,9 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 CACHE = "numerics-mlx.json"
 
 
+# On Linux MLX's float32 matmul is BLAS while its bf16 matmul is its own kernel, so the answer
+# depends on the BLAS too (see ``blas``): the bundled reference BLAS makes float32 slower than bf16,
+# OpenBLAS makes it much faster.
 def measure_linear(shape: tuple[int, int, int] = SHAPE, rounds: int = ROUNDS) -> dict:
     """One linear layer in float32 and in bfloat16 on MLX's CPU, timed interleaved."""
     n, k, m = shape

@@ -1,19 +1,11 @@
 """Math the families share, in MLX: RMSNorm, rotary tables, the adapter-aware linear, attention.
 
 Op for op the torch engine's ``ops`` (norm in float32, rotate_half rotary, repeated KV heads,
-softmax over a boolean mask), so float32 log-probs agree with torch to about 1e-6. Weights are
-plain dicts keyed like the HF checkpoint; the same functions run on a ring slot or a resident
-layer. MLX is lazy: callers ``mx.eval`` after each layer, so a released slot is really free.
-
-A quantized base's weight is a ``Packed`` record under the same key (``...q_proj.weight``).
-``linear`` multiplies it with ``mx.quantized_matmul`` (mlx has its vjp with respect to ``x``,
-which is all the frozen base needs), except on a CPU when ``x`` has at least ``DENSE_ROWS`` rows:
-mlx's CPU quantized kernels are not vectorized (SmolLM2's layer at 512 rows: 1437 ms against 45
-ms to dequantize and multiply through the BLAS), so there the matrix is dequantized per use
-and multiplied in float (``dense_matmul_t``, whose vjp dequantizes again: a one-graph backward
-never holds a layer's float matrix from its forward). ``embedding`` takes the packed rows of the
-ids and dequantizes only those. Every dequantization is in float32 then the compute dtype, as the
-torch engine computes every packed value.
+softmax over a boolean mask), so float32 log-probs agree with torch to about 1e-6. Weights are plain
+dicts keyed like the HF checkpoint; the same functions run on a ring slot or a resident layer. MLX
+is lazy: callers ``mx.eval`` after each layer, so a released slot is really free. A quantized base's
+weight is a ``Packed`` record under the same key (``...q_proj.weight``); every dequantization is in
+float32 then the compute dtype, as the torch engine computes every packed value.
 """
 
 from __future__ import annotations
@@ -34,6 +26,12 @@ from spill.models.config import ModelConfig
 # with ``python bench/quant_mlx.py rows`` (docs/quantized.md): from 8 rows the dequantized product
 # is no slower on any shape measured (SmolLM2's layer 0.34x, a 1B model's MLP matrix 0.65x, a
 # 49152-row 8-bit head 0.99x); at 4 the small ones win (0.50x) and the large ones lose (1.3-2.5x).
+# ``linear`` multiplies a ``Packed`` weight with ``mx.quantized_matmul`` (mlx has its vjp with
+# respect to ``x``, which is all the frozen base needs), except on a CPU when ``x`` has at least
+# ``DENSE_ROWS`` rows: mlx's CPU quantized kernels are not vectorized (SmolLM2's layer at 512 rows:
+# 1437 ms against 45 ms to dequantize and multiply through the BLAS), so there the matrix is
+# dequantized per use and multiplied in float (``dense_matmul_t``, whose vjp dequantizes again: a
+# one-graph backward never holds a layer's float matrix from its forward).
 DENSE_ROWS = 8
 
 
@@ -102,6 +100,7 @@ def matmul_t(x, w):
     return x @ w.T
 
 
+# A packed table: the packed rows of the ids are taken and only those dequantized.
 def embedding(table, ids):
     """Rows ``ids`` (B, T) of an embedding table (V, hidden) -> (B, T, hidden)."""
     return table.rows(ids) if isinstance(table, Packed) else table[ids]

@@ -1,13 +1,8 @@
-"""Phi-3 / Phi-4-mini in MLX: one decoder layer as a function of its weights.
+"""Phi-3 / Phi-4-mini in MLX: one decoder layer as a function of its weights (``layer``).
 
 Weights are a dict keyed like the HF checkpoint below ``model.layers.<k>.``
-(``self_attn.qkv_proj.weight``, ...). Llama's layer without biases, with two fused linears:
-``qkv_proj`` holds the query, key and value rows in that order, ``gate_up_proj`` the gate rows
-then the up rows; an adapter sits on a fused linear as a whole, as PEFT's does. The rotary turns
-the first ``cfg.rotary_dim`` features of each head (``partial_rotary_factor``) and passes the
-rest; its tables (longrope's short or long factors, times the attention factor) come in ``ctx``.
-With ``sliding_window`` set, every layer attends within it (``cfg.windowed``). ``lora`` maps a
-module name (``self_attn.qkv_proj``) to its adapter; None runs the base model.
+(``self_attn.qkv_proj.weight``, ...); an adapter sits on a fused linear as a whole, as PEFT's does.
+``lora`` maps a module name (``self_attn.qkv_proj``) to its adapter; None runs the base model.
 """
 
 from __future__ import annotations
@@ -18,12 +13,17 @@ from spill.engines.mlx.ops import apply_rotary, attend, proj, rms_norm, silu
 from spill.models.config import ModelConfig
 
 
+# The rotary turns the first ``cfg.rotary_dim`` features of each head (``partial_rotary_factor``)
+# and passes the rest; its tables (longrope's short or long factors, times the attention factor)
+# come in ``ctx``. With ``sliding_window`` set, every layer attends within it (``cfg.windowed``).
 def rotate(x, cos, sin):
     """The rotary on the first ``cos.shape[-1]`` features of x (B, H, T, D), the rest as is."""
     r = cos.shape[-1]
     return mx.concatenate([apply_rotary(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
 
+# Llama's layer without biases, with two fused linears: ``qkv_proj`` holds the query, key and value
+# rows in that order, ``gate_up_proj`` the gate rows then the up rows.
 def attention(cfg: ModelConfig, i: int, w: dict, x, ctx, cache, lora):
     b, t, _ = x.shape
     heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

@@ -1,22 +1,11 @@
-"""Layers from local safetensors into MLX arrays, and what the ring does around a load.
+"""Layers from local safetensors into MLX arrays (``WeightReader``), and what the ring does around a
+load (``MLXHooks``).
 
-MLX streams are per thread (an op built on the loader thread cannot be evaluated on the main
-one), so the loader only builds arrays from host memory: bytes are read through
-``core.reader.ShardFiles`` (``preadv``, never a long-lived mmap) into a reused numpy staging
-buffer, converted there (bf16 bits -> float32 is a shift, exact), and copied into ``mx.array``.
-bf16 compute keeps the bits as uint16, and ``MLXHooks.ready`` bit-casts them on the computing
-thread (``view``, no copy). Streamed and resident runs read the same bytes the same way, so they
-agree bit for bit. Memory comes from MLX's allocator, whose cache reuses a released slot's
-buffers.
-
-A packed (quantized) weight stays packed: its uint32 words, scales and biases are read as stored
-into an ``ops.Packed`` under the weight's name, and the families multiply it with
-``mx.quantized_matmul``, or dequantized per use on a CPU for many rows (``dense_rows``, see
-``ops``). mlx's kernels take groups of 32, 64 and 128 only, so a group-16 tensor
-(GGUF Q6_K) is dequantized on load, ``scale * q + bias`` in float32 as ``models.quant`` and the
-torch engine compute it, then held in the compute dtype (``dequantized`` names them).
-A load refuses scales, biases and 1-D tensors (norms, linear biases) that hold inf or NaN, the
-first time each is read in the process, as the torch engine's reader does.
+Bytes are read through ``core.reader.ShardFiles`` and copied into ``mx.array`` in the compute dtype;
+streamed and resident runs read the same bytes the same way, so they agree bit for bit. A packed
+(quantized) weight stays packed, as an ``ops.Packed`` under the weight's name. A load refuses
+scales, biases and 1-D tensors (norms, linear biases) that hold inf or NaN, the first time each is
+read in the process, as the torch engine's reader does.
 """
 
 from __future__ import annotations
@@ -46,6 +35,12 @@ _NUMPY = {
     "U8": np.uint8,
 }
 _PACKED = {**_NUMPY, "U32": np.uint32, "BF16": np.uint16}  # scales/biases kept as stored
+# A packed weight's uint32 words, scales and biases are read as stored into an ``ops.Packed``, and
+# the families multiply it with ``mx.quantized_matmul``, or dequantized per use on a CPU for many
+# rows (``dense_rows``, see ``ops``). mlx's kernels take groups of 32, 64 and 128 only, so a
+# group-16 tensor (GGUF Q6_K) is dequantized on load, ``scale * q + bias`` in float32 as
+# ``models.quant`` and the torch engine compute it, then held in the compute dtype (``dequantized``
+# names them).
 MLX_GROUPS = quant.GROUP_SIZES  # what mx.quantized_matmul takes
 
 
@@ -56,6 +51,13 @@ def default_budget() -> int:
     return int(psutil.virtual_memory().available * RESIDENT_FRACTION)
 
 
+# MLX streams are per thread (an op built on the loader thread cannot be evaluated on the main one),
+# so the loader only builds arrays from host memory: bytes are read through
+# ``core.reader.ShardFiles`` (``preadv``, never a long-lived mmap) into a reused numpy staging
+# buffer, converted there (bf16 bits -> float32 is a shift, exact), and copied into ``mx.array``.
+# bf16 compute keeps the bits as uint16, and ``MLXHooks.ready`` bit-casts them on the computing
+# thread (``view``, no copy). Memory comes from MLX's allocator, whose cache reuses a released
+# slot's buffers.
 def _convert(raw: np.ndarray, code: str, bf16: bool, out: np.ndarray) -> np.ndarray:
     """A tensor's bytes as numpy in the compute dtype (float32, or bf16 bits as uint16); a
     conversion writes into ``out`` (a reused byte buffer) instead of fresh memory."""

@@ -1,20 +1,10 @@
 """torch.distributed as spill's process groups use it (``spill.jobs.group``), and torch's elastic
 launcher (``spill.jobs.launch``): the only place either is imported.
 
-Whatever engine computes, the ranks exchange float32 numpy. A rank that has a GPU of its own
-(``LOCAL_RANK`` below the device count) makes it its current device at ``join`` (so ``cuda``
-means ``cuda:LOCAL_RANK`` for the engine) and joins gloo for host memory and NCCL for CUDA
-tensors; when every rank of a job computes on its GPU (agreed once, ``_on_gpus``) the gradients
-cross over NCCL, on that GPU; otherwise, and for every object (pickled, small), gloo in host
-memory. Either way the gather is a copy, and the fold after it is in micro-batch order, so the
-bits do not depend on the world size or on the backend.
-
-``launch`` (``--procs``: one host) listens on loopback only. torch's ``TCPStore`` binds every
-interface whatever host it is given, so the launcher's two stores (the rendezvous's and the one
-its ranks meet at) are made here on a socket already bound to 127.0.0.1 (``master_listen_fd``),
-through a rendezvous handler of spill's (``RDZV``: torch's c10d one, its stores made so), and
-the ranks' gloo and NCCL listeners are put on the loopback interface (``GLOO_SOCKET_IFNAME``,
-``NCCL_SOCKET_IFNAME``, unless the environment names another).
+``join`` returns ``(rank, world)``; ``share``, ``any_of``, ``gather_rows`` and ``collect`` move data
+between ranks, which exchange float32 numpy whatever engine computes: the gather is a copy and the
+fold after it is in micro-batch order, so the bits do not depend on the world size or on the
+backend. ``launch`` (``--procs``: one host) runs the ranks and listens on loopback only.
 """
 
 from __future__ import annotations
@@ -38,6 +28,11 @@ _gpu: torch.device | None = None  # this rank's own GPU, when it has one
 _agreed: dict[str, bool] = {}  # a job's device -> whether every rank exchanges on its GPU
 
 
+# A rank that has a GPU of its own (``LOCAL_RANK`` below the device count) makes it its current
+# device at ``join`` (so ``cuda`` means ``cuda:LOCAL_RANK`` for the engine) and joins gloo for host
+# memory and NCCL for CUDA tensors; when every rank of a job computes on its GPU (agreed once,
+# ``_on_gpus``) the gradients cross over NCCL, on that GPU; otherwise, and for every object
+# (pickled, small), gloo in host memory.
 def join(timeout_s: float) -> tuple[int, int]:
     """Join the group torchrun's environment describes (``RANK``, ``WORLD_SIZE``, ...); returns
     ``(rank, world)``. Gloo, and NCCL beside it where this rank has a GPU of its own."""
@@ -119,6 +114,11 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
+# torch's ``TCPStore`` binds every interface whatever host it is given, so the launcher's two stores
+# (the rendezvous's and the one its ranks meet at) are made here on a socket already bound to
+# 127.0.0.1 (``master_listen_fd``), through a rendezvous handler of spill's (``RDZV``: torch's c10d
+# one, its stores made so), and the ranks' gloo and NCCL listeners are put on the loopback interface
+# (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless the environment names another).
 def launch(procs: int, argv: Sequence[str]) -> dict[int, int] | None:
     """``python -m spill *argv`` as ``procs`` ranks on this host through torch's elastic
     launcher (what ``torchrun --standalone`` runs). Returns None when every rank finished, else

@@ -1,14 +1,7 @@
-"""Gemma 3 (text): one decoder layer as a function of its weights.
+"""Gemma 3 (text): one decoder layer as a function of its weights (``layer``).
 
 Weights are a dict keyed like the HF checkpoint below ``model.layers.<k>.``
-(``self_attn.q_proj.weight``, ``pre_feedforward_layernorm.weight``, ...). Every RMSNorm scales by
-``1 + w`` in float32 (``cfg.norm_offset``); four of them a layer: ``input_layernorm`` before the
-attention and ``post_attention_layernorm`` on its output, ``pre_feedforward_layernorm`` before
-the MLP and ``post_feedforward_layernorm`` on its output, each output then added to the residual.
-Queries and keys pass per-head q/k norms before the rotary; scores are scaled by
-``query_pre_attn_scalar`` ** -0.5 (``cfg.query_scale``). The layers in ``cfg.windowed`` attend
-within ``sliding_window`` keys and rotate by their own base (``ctx.rotary``); the others attend to
-every key with the global base. The MLP is gated by gelu (tanh approximation). The embedding's
+(``self_attn.q_proj.weight``, ``pre_feedforward_layernorm.weight``, ...). The embedding's
 sqrt(hidden) scale and the tied head live in the kernel (``cfg.embed_scale``). ``lora`` maps a
 module name (``self_attn.q_proj``) to its adapter; None runs the base model.
 """
@@ -21,10 +14,15 @@ from spill.engines.torch.ops import apply_rotary, attend, proj, rms_norm
 from spill.models.config import ModelConfig
 
 
+# Every RMSNorm scales by ``1 + w`` in float32 (``cfg.norm_offset``).
 def norm(cfg: ModelConfig, w: dict, name: str, x):
     return rms_norm(x, w[name + ".weight"], cfg.rms_norm_eps, cfg.norm_offset)
 
 
+# Queries and keys pass per-head q/k norms before the rotary; scores are scaled by
+# ``query_pre_attn_scalar`` ** -0.5 (``cfg.query_scale``). The layers in ``cfg.windowed`` attend
+# within ``sliding_window`` keys and rotate by their own base (``ctx.rotary``); the others attend to
+# every key with the global base.
 def attention(cfg: ModelConfig, i: int, w: dict, x, ctx, cache, lora):
     b, t, _ = x.shape
     heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -43,11 +41,15 @@ def attention(cfg: ModelConfig, i: int, w: dict, x, ctx, cache, lora):
     return proj(w, "self_attn.o_proj", o, lora)
 
 
+# The MLP is gated by gelu (tanh approximation).
 def mlp(w: dict, x, lora):
     gate = F.gelu(proj(w, "mlp.gate_proj", x, lora), approximate="tanh")
     return proj(w, "mlp.down_proj", gate * proj(w, "mlp.up_proj", x, lora), lora)
 
 
+# Four norms a layer: ``input_layernorm`` before the attention and ``post_attention_layernorm`` on
+# its output, ``pre_feedforward_layernorm`` before the MLP and ``post_feedforward_layernorm`` on its
+# output, each output then added to the residual.
 def layer(cfg: ModelConfig, i: int, w: dict, x, ctx, cache=None, lora=None):
     """Layer ``i``: x (B, T, hidden) -> (B, T, hidden); writes its keys/values into ``cache``."""
     a = attention(cfg, i, w, norm(cfg, w, "input_layernorm", x), ctx, cache, lora)

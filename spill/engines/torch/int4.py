@@ -1,19 +1,11 @@
 """A 4-bit packed layer computed without a float copy: torch's CPU int4 weight-only matmul.
 
 ``engine.packed_matmul`` (``--packed-matmul``) keeps a 4-bit module in the layout of
-``torch.ops.aten._weight_int4pack_mm_for_cpu`` instead of dequantizing it: per block of ``n``
-output rows (64 with AVX-512, 32 on AVX2: ``block`` asks torch once), for each input column ``k``,
-``n/2`` bytes, byte ``j`` holding row ``j``'s value in its low nibble and row ``j + n/2``'s in its
-high one (what ``_convert_weight_to_int4pack_for_cpu`` writes from int32 values, tested equal); ``repack`` makes it from spill's packed words with a few byte
-ops and one transpose, once per model (``int4_file`` keeps it on disk). The kernel's affine form is
-``(q - 8) * scale + zero``, so ``zero = bias + 8 * scale``, both held in bfloat16 (the kernel
-takes them in the activations' dtype; its float32 path is scalar, ~50x slower here).
-
-The numbers are not the dequantized path's: scales and biases round to bfloat16 and the kernel
-sums in its own order, so the runner names these numerics ``bfloat16+int4mm`` wherever numerics
-are recorded. The kernel has no gradient: a tune dequantizes as before (its numerics unchanged).
-A module the kernel cannot take (8-bit, output rows not a multiple of 64, a group size other
-than 32-256) is dequantized as before.
+``torch.ops.aten._weight_int4pack_mm_for_cpu`` (``repack``, ``linear``) instead of dequantizing it;
+its numbers are not the dequantized path's, and the runner names these numerics ``bfloat16+int4mm``
+wherever numerics are recorded. The kernel has no gradient: a tune dequantizes as before (its
+numerics unchanged), and so is a module the kernel cannot take (8-bit, output rows not a multiple of
+64, a group size other than 32-256).
 """
 
 from __future__ import annotations
@@ -26,6 +18,8 @@ import torch
 from spill.engines.torch.quant import Packed
 from spill.models.weights import WeightFiles
 
+# Not the dequantized path's numbers: scales and biases round to bfloat16 and the kernel sums in its
+# own order.
 NUMERICS = "bfloat16+int4mm"
 ROWS = 64  # the kernel takes a matrix whose output rows are a multiple of this
 GROUPS = (32, 64, 128, 256)
@@ -83,6 +77,13 @@ def eligible(p: Packed) -> bool:
     return accepts(p.bits, p.group_size, p.shape)
 
 
+# The layout: per block of ``n`` output rows (64 with AVX-512, 32 on AVX2: ``block`` asks torch
+# once), for each input column ``k``, ``n/2`` bytes, byte ``j`` holding row ``j``'s value in its low
+# nibble and row ``j + n/2``'s in its high one (what ``_convert_weight_to_int4pack_for_cpu`` writes
+# from int32 values, tested equal). ``repack`` makes it from spill's packed words with a few byte
+# ops and one transpose, once per model (``int4_file`` keeps it on disk). The kernel's affine form
+# is ``(q - 8) * scale + zero``, so ``zero = bias + 8 * scale``, both held in bfloat16 (the kernel
+# takes them in the activations' dtype; its float32 path is scalar, ~50x slower here).
 def repack(p: Packed) -> Int4Weight:
     """``p`` (4-bit, ``eligible``) in the kernel's layout."""
     rows, cols = p.shape

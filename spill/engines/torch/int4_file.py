@@ -1,18 +1,10 @@
-"""The int4 kernel's layout of a 4-bit model on disk, made once per model and torch version.
+"""The int4 kernel's layout of a 4-bit model on disk, made once per model and torch version
+(``ensure``), under ``SPILL_HOME/derived/int4/<fingerprint>-torch<version>/``.
 
-Repacking mlx-lm's words into the layout torch's int4 kernel reads (``int4.repack``) costs about
-as much as dequantizing (~5 ms a 1024-wide layer here, one thread), and a streamed layer would be
-repacked on every pass: a streamed generation spent most of its time there. So the first
-``--packed-matmul`` open of a model writes the decoder modules the kernel takes, in its layout,
-into one safetensors file under ``SPILL_HOME/derived/int4/<fingerprint>-torch<version>/`` (the
-layout is torch's, and has changed between torch releases), layer after layer, so a layer is still
-one read. The reader then takes a layer's modules from it as they are stored (``pread``, or a
-page-cache mapping), ready to compute on.
-
-The file is derived, not a model file: never bundled, moved or verified, made again wherever it
-is missing. Its sha256 and stat key are recorded beside it (``record.json``); a file whose stat
-key changed is hashed again and made again when its bytes differ. Writers race harmlessly: each
-writes a temporary file of its own and renames it into place, and the bytes are the same.
+The file is derived, not a model file: never bundled, moved or verified, made again wherever it is
+missing. Its sha256 and stat key are recorded beside it (``record.json``); a file whose stat key
+changed is hashed again and made again when its bytes differ. Writers race harmlessly: each writes a
+temporary file of its own and renames it into place, and the bytes are the same.
 """
 
 from __future__ import annotations
@@ -93,6 +85,13 @@ def _write_record(folder: Path, digest: str) -> None:
     os.replace(tmp, folder / RECORD)
 
 
+# Repacking mlx-lm's words into the layout torch's int4 kernel reads (``int4.repack``) costs about
+# as much as dequantizing (~5 ms a 1024-wide layer here, one thread), and a streamed layer would be
+# repacked on every pass: a streamed generation spent most of its time there. So the first
+# ``--packed-matmul`` open of a model writes the decoder modules the kernel takes, in its layout,
+# into one safetensors file (the layout is torch's, and has changed between torch releases), layer
+# after layer, so a layer is still one read. The reader then takes a layer's modules from it as they
+# are stored (``pread``, or a page-cache mapping), ready to compute on.
 def ensure(
     cfg: ModelConfig,
     files: WeightFiles,

@@ -1,19 +1,10 @@
-"""The torch kernel: one model's resident parts and the primitives ``spill.engines.core`` runs.
-
-The family module (``llama``, ``qwen3``, ...) is picked once from the config; it supplies the layer
-function. Gradients come from autograd one layer at a time (``layer_vjp``, the recompute walk)
-or from one graph over the whole resident stack (``stack_vjp``, kept activations: the same
-layer ops in the same order, then ``head_vjp``, so the same bits); the head's cross-entropy
-backs through lm_head in chunks of rows so (N, vocab) never exists at once. The budget for
-kept activations is the ring's default: half the memory available on the device now. A
-recomputed layer skips ``down_proj``'s base matmul (``ops.unused_outputs``): its output roots
-the graph only, and its input gradient keeps its bits. When the trainer gives ``layer`` a dict,
-the forward keeps every other linear's base output in it (``ops.base_outputs``) and
-``layer_vjp`` takes them from there instead of recomputing them: no base matmul is run twice.
-Sampling runs on the CPU in float32 with one ``torch.Generator`` per row. LoRA dropout masks
-come from a seeded ``torch.Generator`` on the model's device. ``adamw`` is
-torch.optim.AdamW's single-tensor update, op for op (``lerp_`` for the first moment, bias
-corrections in Python floats).
+"""The torch kernel (``TorchKernel``): one model's resident parts and the primitives
+``spill.engines.core`` runs. The family module (``llama``, ``qwen3``, ...) is picked once from the
+config; it supplies the layer function. The budget for kept activations is the ring's default: half
+the memory available on the device now. Sampling runs on the CPU in float32 with one
+``torch.Generator`` per row. LoRA dropout masks come from a seeded ``torch.Generator`` on the
+model's device. ``adamw`` is torch.optim.AdamW's single-tensor update, op for op (``lerp_`` for the
+first moment, bias corrections in Python floats).
 """
 
 from __future__ import annotations
@@ -192,6 +183,13 @@ class TorchKernel:
     def dropout(self, p: float, seed: int):
         return dropout(p, seed)
 
+    # Gradients come from autograd one layer at a time (``layer_vjp``, the recompute walk) or from
+    # one graph over the whole resident stack (``stack_vjp``, kept activations: the same layer ops
+    # in the same order, then ``head_vjp``, so the same bits). A recomputed layer skips
+    # ``down_proj``'s base matmul (``ops.unused_outputs``): its output roots the graph only, and its
+    # input gradient keeps its bits. When the trainer gives ``layer`` a dict, the forward keeps
+    # every other linear's base output in it (``ops.base_outputs``) and ``layer_vjp`` takes them
+    # from there instead of recomputing them: no base matmul is run twice.
     def layer_vjp(self, i, w, x, ctx, leaves, lora, grad, wrt_input: bool, outputs=None):
         with torch.enable_grad():
             leaves = [a.detach().requires_grad_() for a in leaves]
@@ -217,6 +215,8 @@ class TorchKernel:
     def kept_outputs(self) -> frozenset[str]:
         return self.kept
 
+    # The head's cross-entropy backs through lm_head in chunks of rows so (N, vocab) never exists at
+    # once.
     def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
         ids = self.array(tokens)  # (B, T)
         r, c = self.array(rows), self.array(cols)

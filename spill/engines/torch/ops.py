@@ -1,16 +1,10 @@
 """Math the families share: RMSNorm, rotary tables, the adapter-aware linear, attention, masks.
 
 The op order follows transformers' Llama and Qwen2 modules (norm in float32, rotate_half rotary,
-repeated KV heads into SDPA), so float32 log-probs agree with them to about 1e-6. Weights are
-plain dicts keyed like the HF checkpoint, so the same functions run on a ring slot or a resident
-layer and give bit-identical results.
-
-Two ways a recomputed layer (the backward walk's) skips base matmuls, both recording only the
-input gradient ``grad @ W``, the very ``mm`` autograd runs for ``F.linear``, so gradients keep
-their bits: ``unused_outputs`` names linears whose base output nobody reads (no backward formula
-reads ``down_proj``'s output); ``base_outputs`` records chosen linears' base outputs during the
-streamed forward and hands them to the recompute, which then takes them instead of computing
-them again (the same bits: the same matmul on the same input).
+repeated KV heads into SDPA), so float32 log-probs agree with them to about 1e-6. Weights are plain
+dicts keyed like the HF checkpoint, so the same functions run on a ring slot or a resident layer and
+give bit-identical results. ``unused_outputs`` and ``base_outputs`` let a recomputed layer (the
+backward walk's) skip base matmuls with gradients that keep their bits.
 """
 
 from __future__ import annotations
@@ -41,10 +35,16 @@ _UNUSED: ContextVar[frozenset[str]] = ContextVar("spill_unused_outputs", default
 _BASE: ContextVar[tuple[frozenset[str], dict] | None] = ContextVar("spill_base", default=None)
 
 
+# Two ways a recomputed layer skips base matmuls, both recording only the input gradient ``grad @
+# W``, the very ``mm`` autograd runs for ``F.linear``, so gradients keep their bits:
+# ``unused_outputs`` names linears whose base output nobody reads (no backward formula reads
+# ``down_proj``'s output); ``base_outputs`` records chosen linears' base outputs during the streamed
+# forward and hands them to the recompute, which then takes them instead of computing them again
+# (the same bits: the same matmul on the same input).
 @contextmanager
 def unused_outputs(names: frozenset[str]) -> Iterator[None]:
-    """Within: the base output of the linears called ``names`` is never read (see the module
-    docstring); their value is a zero placeholder, their input gradient exact."""
+    """Within: the base output of the linears called ``names`` is never read (see the comment
+    above); their value is a zero placeholder, their input gradient exact."""
     token = _UNUSED.set(names)
     try:
         yield

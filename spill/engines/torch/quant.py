@@ -1,14 +1,9 @@
 """Packed affine layers (``spill.models.quant``) and their dequantization into the compute dtype.
 
-A ``Packed`` is one quantized linear as read: the int32 words, scales and biases (views of one
-read buffer). ``dequantize_into`` writes ``scale * q + bias`` into the output tensor: the words
-are viewed as bytes (little-endian, as every machine torch runs on), a 4-bit byte holds element
-``2k`` in its low nibble and ``2k + 1`` in its high one (``& 15``, ``>> 4``), an 8-bit byte is the
-value itself. The values land in the output, which is then multiplied and added in place: two
-separate float32 ops, never a fused multiply-add (one rounding instead of two would break the
-equality with the float folder). A bf16/f16 output goes through one float32 scratch buffer per
-call, in chunks. Measured on a SmolLM2 layer (4-bit g32, float32, one thread): 3.7 ms against
-21.5 ms for the previous int32 shift-and-mask version (bench/quant_ring.py).
+A ``Packed`` is one quantized linear as read: the int32 words, scales and biases (views of one read
+buffer). ``dequantize_into`` writes ``scale * q + bias`` into the output tensor as two separate
+float32 ops, never a fused multiply-add (one rounding instead of two would break the equality with
+the float folder); ``dequantize`` returns them.
 """
 
 from __future__ import annotations
@@ -37,6 +32,9 @@ class Packed:
         return self.weight.shape[0], self.weight.shape[1] * 32 // self.bits
 
 
+# The words are viewed as bytes (little-endian, as every machine torch runs on), a 4-bit byte holds
+# element ``2k`` in its low nibble and ``2k + 1`` in its high one (``& 15``, ``>> 4``), an 8-bit
+# byte is the value itself.
 def _values(out: torch.Tensor, words: torch.Tensor, bits: int) -> None:
     """out (n, in) <- the integers of ``words`` uint8 (n, in * bits / 8)."""
     if bits == 8:
@@ -47,6 +45,10 @@ def _values(out: torch.Tensor, words: torch.Tensor, bits: int) -> None:
     pairs[..., 1].copy_(words >> 4)
 
 
+# The values land in the output, which is then multiplied and added in place. A bf16/f16 output goes
+# through one float32 scratch buffer per call, in chunks. Measured on a SmolLM2 layer (4-bit g32,
+# float32, one thread): 3.7 ms against 21.5 ms for the previous int32 shift-and-mask version
+# (bench/quant_ring.py).
 def dequantize_into(
     out: torch.Tensor,
     weight: torch.Tensor,

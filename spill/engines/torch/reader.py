@@ -1,23 +1,11 @@
-"""Layers from local safetensors into torch memory, and what the ring does around a load.
+"""Layers from local safetensors into torch memory (``WeightReader``), and what the ring does around
+a load (``TorchHooks``).
 
-``WeightReader`` reads through ``core.reader.ShardFiles`` (``pread``, never a long-lived mmap)
-into memory torch owns. On a CPU the bytes land in one reused staging buffer, or straight in
-output tensors recycled from released ring slots: fresh memory costs a page fault per 4 KiB,
-which on this kind of machine cut a warm read from ~11 GB/s to ~2 GB/s. A streamed layer on a
-CPU whose file holds the compute dtype is not copied at all: ``TorchHooks`` has the loader map
-its range (``ShardFiles.map``) and the slot's tensors are views of the page cache, unmapped
-when the ring drops the slot (they are never written: weights are frozen). spill replaces model
-files by rename, which leaves a mapping intact; a file truncated in place under a running job
-would end it with SIGBUS where a read would fail in one line. ``TorchHooks``
-gives CUDA a side stream, so layer copies overlap compute on the default stream. A packed
-(quantized) weight comes back from ``tensors`` as stored (a ``quant.Packed`` over one read
-buffer, on the device), so a ring slot holds the packed bytes; ``TorchHooks.expand`` dequantizes
-a layer into the compute dtype (on the ring's prefetch thread, see ``core.ring``) into tensors
-recycled from an earlier use. ``tensor`` (the kernel's resident parts) dequantizes at once.
-A load refuses scales, biases and 1-D tensors (norms, linear biases) holding inf or NaN, the
-first time each is read in the process (later loads of a streamed layer read the same bytes):
-they are small, so this costs little beside the read (measured in docs/quantized.md); a float
-model's large matrices are not checked here.
+A packed (quantized) weight comes back from ``tensors`` as stored (a ``quant.Packed`` over one read
+buffer, on the device), so a ring slot holds the packed bytes; ``TorchHooks.expand`` dequantizes a
+layer into the compute dtype, and ``tensor`` (the kernel's resident parts) dequantizes at once. A
+load refuses scales, biases and 1-D tensors (norms, linear biases) holding inf or NaN, the first
+time each is read in the process.
 """
 
 from __future__ import annotations
@@ -72,6 +60,15 @@ def _as(raw: torch.Tensor, info: dict) -> torch.Tensor:
 _PACKED = {**_DTYPES, "U32": torch.int32}  # a packed weight's words, read as int32 (same bits)
 
 
+# Reads go through ``core.reader.ShardFiles`` (``pread``, never a long-lived mmap) into memory torch
+# owns. On a CPU the bytes land in one reused staging buffer, or straight in output tensors recycled
+# from released ring slots: fresh memory costs a page fault per 4 KiB, which on this kind of machine
+# cut a warm read from ~11 GB/s to ~2 GB/s. A streamed layer on a CPU whose file holds the compute
+# dtype is not copied at all: ``TorchHooks`` has the loader map its range (``ShardFiles.map``) and
+# the slot's tensors are views of the page cache, unmapped when the ring drops the slot (they are
+# never written: weights are frozen). spill replaces model files by rename, which leaves a mapping
+# intact; a file truncated in place under a running job would end it with SIGBUS where a read would
+# fail in one line.
 class WeightReader:
     """Tensors by HF name from a folder's shards, on ``device`` in the compute dtype; a packed
     weight (``quantized``: name -> (bits, group_size)) comes back as a ``Packed`` from
@@ -210,6 +207,9 @@ class WeightReader:
         self._check_finite({n: t for n, (t, _) in raw.items() if not n.endswith(".weight")})
         return out
 
+    # Later loads of a streamed layer read the same bytes, so each tensor is checked the first time
+    # only. Scales, biases and 1-D tensors are small, so this costs little beside the read (measured
+    # in docs/quantized.md); a float model's large matrices are not checked here.
     def _check_finite(self, tensors: dict[str, torch.Tensor], files: WeightFiles | None = None):
         """Refuse a load whose small tensors (scales, biases, norms: a fraction of its bytes)
         hold inf or NaN, before anything computes on them: each tensor once a process (a
@@ -301,6 +301,9 @@ def _owned(tensors) -> Iterator[torch.Tensor]:
             yield t
 
 
+# ``TorchHooks`` gives CUDA a side stream, so layer copies overlap compute on the default stream.
+# ``expand`` dequantizes on the ring's prefetch thread (see ``core.ring``) into tensors recycled
+# from an earlier use.
 class TorchHooks(Hooks):
     """CPU: released slots go back to the reader's pool. CUDA (streaming): loads run on a side
     stream, and compute on the default stream marks each tensor it uses, so the caching
