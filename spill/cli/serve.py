@@ -31,7 +31,13 @@ def _adapters(given: list[str] | None) -> dict[str, Path]:
 def cmd_serve(args) -> int:
     from spill.models.quant import spec_of
     from spill.serve.open import open_served
-    from spill.serve.server import check_host, serve
+
+    try:
+        from spill.serve.server import check_host, serve
+    except ModuleNotFoundError as e:
+        raise UsageError(
+            f"spill serve needs {e.name}: pip install 'streamweights[serve]'"
+        ) from None
 
     key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV)
     if key is not None and not key.strip():

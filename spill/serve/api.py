@@ -110,7 +110,7 @@ class Api:
             while left:
                 try:
                     index, event = await asyncio.wait_for(queue.get(), POLL)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # Python 3.10: not the builtin one yet
                     if await request.is_disconnected():
                         return
                     continue
