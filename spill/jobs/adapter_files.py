@@ -1,16 +1,11 @@
-"""Adapters on disk: publishing a finished one (spill's layout, the PEFT and MLX-LM layouts and
-a loss-curve PNG under ``<state>/adapter/``) and reading one back for ``run`` and ``eval``.
+"""Adapters on disk: publishing a finished one (``publish_adapter``: spill's layout, the PEFT and
+MLX-LM layouts and a loss-curve PNG under ``<state>/adapter/``) and reading one back for ``run`` and
+``eval`` (``load_adapter``, ``apply_adapter``).
 
 spill's own layout is ``params.safetensors`` (float32, spill's names) plus ``adapter.json``
-(``schema_version``, the LoRA configuration and the base model it was trained on; validated
-against ``schemas/adapter.schema.json`` on read). An older ``adapter.json`` that is the bare LoRA
-configuration, and a tune checkpoint folder (its ``state.json``), are read too. PEFT's layout is
-``adapter_model.safetensors`` + ``adapter_config.json``, naming the hub repository and commit
-the model name pins as its base (what PEFT can resolve); a ``README.md`` beside them says which
-base weights the adapter was trained on (for an imported GGUF: the file and its sha256).
-Everything is first written to a local
-temporary folder by the exporters, then published file by file through the store, so an
-``s3://`` state gets the same tree as a local one.
+(``schema_version``, the LoRA configuration and the base model it was trained on; validated against
+``schemas/adapter.schema.json`` on read). An older ``adapter.json`` that is the bare LoRA
+configuration, and a tune checkpoint folder (its ``state.json``), are read too.
 """
 
 from __future__ import annotations
@@ -108,6 +103,10 @@ def readme(
     return "\n".join(lines) + "\n"
 
 
+# PEFT's layout is ``adapter_model.safetensors`` + ``adapter_config.json``, naming the hub
+# repository and commit the model name pins as its base (what PEFT can resolve); a ``README.md``
+# beside them says which base weights the adapter was trained on (for an imported GGUF: the file and
+# its sha256).
 def write_local(
     out: Path,
     params: dict[str, np.ndarray],
@@ -147,6 +146,8 @@ def write_local(
     return out
 
 
+# Everything is first written to a local temporary folder by the exporters, then published file by
+# file through the store, so an ``s3://`` state gets the same tree as a local one.
 def publish_adapter(
     root: str,
     params,

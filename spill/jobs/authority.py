@@ -1,15 +1,11 @@
-"""How a job holds the run it writes: one writer per state location.
+"""How a job holds the run it writes: one writer per state location (``hold``, ``own``, ``Held``).
 
 A standalone job (``spill tune``, and ``run``/``eval``/``distill`` with ``--state``) acquires the
-run at its state location before it loads anything, so a second writer fails at once with the
-owner named (exit 75) or, with ``--wait``, waits for the lease. The heartbeat renews the lease;
-if another process takes the run over (this one was stopped past its lease), the heartbeat asks
-the job to stop, and the job's next publication fails with ``Superseded`` (exit 1). The run is
-released however the job ends, and completed (read-only from then on) when the job finished its
-work. A completed run is only read: running the same command again answers from it.
-
-Inside a build, the build holds the run and hands each stage its ``Place``; the stage's job
-neither acquires nor completes.
+run at its state location before it loads anything, so a second writer fails at once with the owner
+named (exit 75) or, with ``--wait``, waits for the lease. The run is released however the job ends,
+and completed (read-only from then on) when the job finished its work; running the same command
+again answers from it. Inside a build, the build holds the run and hands each stage its ``Place``;
+the stage's job neither acquires nor completes.
 """
 
 from __future__ import annotations
@@ -70,6 +66,9 @@ class Held:
             self.run.complete()
 
 
+# The heartbeat renews the lease; if another process takes the run over (this one was stopped past
+# its lease), the heartbeat asks the job to stop, and the job's next publication fails with
+# ``Superseded`` (exit 1).
 def _stop_on_loss(lost: Superseded) -> None:
     from spill.jobs.preempt import request_stop
 

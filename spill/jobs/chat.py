@@ -1,12 +1,11 @@
-"""A conversation with a model (``spill chat``): the turns so far, and each reply streamed.
+"""A conversation with a model (``spill chat``, ``open_chat``): the turns so far, and each reply
+streamed (``Conversation``).
 
-Every reply renders the whole conversation with the model's chat template and generates
-greedily through the runner's one generation loop, watching each token as it is chosen
-(``Runner.generate(on_token=...)``). The text shown is the decoded reply so far, less what was
-already shown; a tail that decodes to U+FFFD (a character cut between byte tokens) waits for
-the next token. A reply cut short (``stop()`` true) keeps what was shown as its turn. A turn
-whose conversation and reply would pass the model's context is refused (``DataError``) before
-anything is generated, and not kept; only the tail that could fit is ever encoded.
+Every reply renders the whole conversation with the model's chat template and generates greedily
+through the runner's one generation loop (``Runner.generate(on_token=...)``). A reply cut short
+(``stop()`` true) keeps what was shown as its turn. A turn whose conversation and reply would pass
+the model's context is refused (``DataError``) before anything is generated, and not kept; only the
+tail that could fit is ever encoded.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ from spill.settings import EngineSettings
 from spill.store import drill
 
 
+# The text shown is the decoded reply so far, less what was already shown; a tail that decodes to
+# U+FFFD (a character cut between byte tokens) waits for the next token.
 class Conversation:
     def __init__(self, loaded: LoadedModel, max_new_tokens: int) -> None:
         if not loaded.tokenizer.chat_template:

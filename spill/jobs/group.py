@@ -1,35 +1,11 @@
 """One job over several processes (``torchrun ... -m spill tune``, ``spill tune --procs N``,
-``mlx.launch ... -m spill tune``): the process group as a job sees it.
+``mlx.launch ... -m spill tune``): the process group as a job sees it (``current``, ``Group``).
 
-The processes (ranks) share a step's work, never the run's state. Rank 0 leads: it alone holds
-the run, reads and commits checkpoints and prints; it hands the others the adapter and moments
-it starts from (``start``), and every step the ranks agree whether to stop (``stop_wanted``), so
-all of them stop at the same boundary. Each rank opens its own ring (``--memory`` is per rank;
-ranks on one host share the page cache) and computes the micro-batches ``j`` with
-``j % world == rank``; one all-gather (``gather``) then gives every rank every micro-batch's
-gradients, which it folds in micro-batch order: the order one process adds them in. So every
-world size takes the same steps bit for bit, and a run continues at any world size.
-
-The launcher picks the exchange, once (``current``): torch's (torchrun, ``--procs``) goes over
-torch.distributed (gloo in host memory; NCCL for the gradients when every rank computes on a GPU
-of its own), mlx.launch's over ``mx.distributed``; both behind one small interface (``join``,
-``share``, ``any_of``, ``gather_rows``, ``collect``, ``leave``: ``spill.engines.torch.dist``,
-``spill.engines.mlx.dist``). A rank that dies ends the others' next collective: ``GroupLost``,
-exit 75, nothing half-published (only rank 0 commits, atomically); rerun the command at any
-world size to continue from the last commit. An exchange that cannot notice a peer that stops
-answering (``TIMES_OUT`` false: MLX's ring) is bounded by a watchdog that ends the process with
-the same line after ``SPILL_GROUP_TIMEOUT`` seconds in one collective.
-
-A launcher ends the rest of a job as soon as one rank exits (torch's SIGTERMs them), so the
-rank that finds the group lost says its line at once (``say_lost``), before it winds down; under
-``--procs`` the job says it once: the first rank to claim ``SPILL_GROUP_SAID`` (a file) says it,
-and the launcher says it where a rank died and none could (``spill.jobs.launch``).
-
-A rank that spill's own launcher started (``--procs``: ``SPILL_LAUNCHER_PID`` names it) dies
-with it: on Linux it asks for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``) and checks the
-parent did not die before it asked, so a SIGKILLed launcher leaves no rank running, and rank 0
-holding the run: each stops at its next step (rank 0 commits and lets the run go), or by the
-stop's deadline. Ranks that torchrun or mlx.launch started are theirs to end.
+The ranks share a step's work, never the run's state: rank 0 alone holds the run, commits and
+prints. Every world size takes the same steps bit for bit, and a run continues at any world size. A
+rank that dies ends the others' next collective: ``GroupLost``, exit 75, nothing half-published
+(only rank 0 commits, atomically); rerun the command at any world size to continue from the last
+commit.
 """
 
 from __future__ import annotations
@@ -57,6 +33,12 @@ PARENT_ENV = "SPILL_LAUNCHER_PID"  # set by ``--procs``: the ranks' launcher, th
 SAID_ENV = "SPILL_GROUP_SAID"  # set by ``--procs``: the file whose creation claims the loss's line
 
 
+# Rank 0 leads: it alone holds the run, reads and commits checkpoints and prints; it hands the
+# others the adapter and moments it starts from (``start``), and every step the ranks agree whether
+# to stop (``stop_wanted``), so all of them stop at the same boundary. Each rank opens its own ring
+# (``--memory`` is per rank; ranks on one host share the page cache) and computes the micro-batches
+# ``j`` with ``j % world == rank``; one all-gather (``gather``) then gives every rank every
+# micro-batch's gradients, which it folds in micro-batch order: the order one process adds them in.
 class GroupLost(SpillError):
     """Another process of the job stopped or died: this one stops too, committing nothing."""
 
@@ -72,6 +54,10 @@ def lost(rank: int | None, why: str) -> str:
     )
 
 
+# A launcher ends the rest of a job as soon as one rank exits (torch's SIGTERMs them), so the rank
+# that finds the group lost says its line at once, before it winds down; under ``--procs`` the job
+# says it once: the first rank to claim ``SPILL_GROUP_SAID`` (a file) says it, and the launcher says
+# it where a rank died and none could (``spill.jobs.launch``).
 def say_lost(line: str) -> None:
     """``line`` (``lost``'s) on stderr as the CLI says an error, unbuffered (a watchdog's
     ``_exit`` or the launcher's SIGTERM may follow): once per job under ``--procs`` (the rank
@@ -241,6 +227,9 @@ class Group:
             self.exchange.leave()
 
 
+# An exchange that cannot notice a peer that stops answering (``TIMES_OUT`` false: MLX's ring) is
+# bounded by a watchdog that ends the process with the same line after ``SPILL_GROUP_TIMEOUT``
+# seconds in one collective.
 class Watchdog:
     """Bounds each collective of an exchange that would wait forever for a peer that stopped
     answering (``TIMES_OUT`` false: MLX's ring notices a closed connection, not a silent one).
@@ -277,6 +266,11 @@ def launcher() -> str | None:
     return None
 
 
+# A rank that spill's own launcher started (``--procs``: ``SPILL_LAUNCHER_PID`` names it) dies with
+# it: on Linux it asks for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``) and checks the parent
+# did not die before it asked, so a SIGKILLed launcher leaves no rank running, and rank 0 holding
+# the run: each stops at its next step (rank 0 commits and lets the run go), or by the stop's
+# deadline. Ranks that torchrun or mlx.launch started are theirs to end.
 def die_with_launcher() -> None:
     """A rank of ``--procs`` (``PARENT_ENV`` set): SIGTERM when its launcher dies (Linux's
     parent-death signal; the launcher starts its ranks from its main thread, so it is the
@@ -294,6 +288,11 @@ def die_with_launcher() -> None:
         raise GroupLost(lost(int(os.environ.get("RANK") or 0), "its launcher is gone"))
 
 
+# The launcher picks the exchange, once (``current``): torch's (torchrun, ``--procs``) goes over
+# torch.distributed (gloo in host memory; NCCL for the gradients when every rank computes on a GPU
+# of its own), mlx.launch's over ``mx.distributed``; both behind one small interface (``join``,
+# ``share``, ``any_of``, ``gather_rows``, ``collect``, ``leave``: ``spill.engines.torch.dist``,
+# ``spill.engines.mlx.dist``).
 def _exchange(name: str):
     """The exchange of the launcher ``name``: the one place that chooses between them."""
     if name == "mlx.launch":

@@ -1,16 +1,11 @@
-"""``spill tune --procs N``: the same command as N processes on this host, started by torch's own
-elastic launcher (what ``torchrun --standalone --nproc-per-node N -m spill ...`` runs), each one
-a rank of ``spill.jobs.group``.
+"""``spill tune --procs N`` (``launch``): the same command as N processes on this host, started by
+torch's own elastic launcher (what ``torchrun --standalone --nproc-per-node N -m spill ...`` runs),
+each one a rank of ``spill.jobs.group``.
 
-The launcher's exit status is the job's: 0 when every rank finished; 75 when the job stopped
-(a signal, a lost rank) and rank 0's last commit stands, so the same command, at any ``--procs``,
-continues; otherwise the failing ranks' status. A rank that dies is said in one line, once: by
-the rank that found it gone (the first to claim ``SPILL_GROUP_SAID``, a file of the launcher's)
-or, where torch's teardown ended the others before any could, by the launcher
-(``unsaid_loss``). Each rank computes on one thread unless ``OMP_NUM_THREADS`` says otherwise (as
-torchrun does). Every socket the launcher and its ranks listen on is on loopback
-(``spill.engines.torch.dist``), and the ranks die with the launcher
-(``spill.jobs.group.die_with_launcher``).
+The launcher's exit status is the job's: 0 when every rank finished; 75 when the job stopped (a
+signal, a lost rank) and rank 0's last commit stands, so the same command, at any ``--procs``,
+continues; otherwise the failing ranks' status. Every socket is on loopback
+(``spill.engines.torch.dist``), and the ranks die with the launcher (``group.die_with_launcher``).
 """
 
 from __future__ import annotations
@@ -38,6 +33,7 @@ def without_procs(argv: Sequence[str]) -> list[str]:
     return out
 
 
+# Each rank computes on one thread unless ``OMP_NUM_THREADS`` says otherwise (as torchrun does).
 def launch(procs: int, argv: Sequence[str]) -> int:
     """Run ``spill *argv`` as ``procs`` ranks; returns the job's exit status."""
     if procs < 1:
@@ -66,6 +62,9 @@ def launch(procs: int, argv: Sequence[str]) -> int:
     return status
 
 
+# A rank that dies is said in one line, once: by the rank that found it gone (the first to claim
+# ``SPILL_GROUP_SAID``, a file of the launcher's) or, where torch's teardown ended the others before
+# any could, by the launcher (``unsaid_loss``).
 def unsaid_loss(failed: dict[int, int], procs: int, said: Path) -> str | None:
     """The line of a job that lost a rank (``failed``: exit codes by rank, a signal's negative)
     where no rank said it (``said`` never read ``said``): torch's teardown SIGTERMs every other

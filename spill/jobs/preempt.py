@@ -1,17 +1,9 @@
 """Preemption, once for the whole process: stop at a boundary, save, say ``preempted``, exit 75.
 
-SIGTERM, SIGINT and ``request_stop()`` go to the innermost scope running: a job's ``Guard``
-finishes the quantum in progress and saves::
-
-    with Guard(save=save, unit="step") as guard:
-        for ...:
-            guard.boundary()            # stops here when asked: save, raise Preempted
-            result = compute()          # the quantum's work; nothing committed changes here
-            with guard.mutating():
-                apply(result)           # committed state changes only under this lock
-
-``stops_at_once()`` (a build between its jobs) raises ``Interrupted`` at once, except inside
-``critical()``. The grace, the deadline and who saves: docs/design.md, "Preemption".
+SIGTERM, SIGINT and ``request_stop()`` go to the innermost scope running: a job's ``Guard`` finishes
+the quantum in progress and saves (its use: the comment above ``Guard``); ``stops_at_once()`` (a
+build between its jobs) raises ``Interrupted`` at once, except inside ``critical()``. The grace, the
+deadline and who saves: docs/design.md, "Preemption".
 """
 
 from __future__ import annotations
@@ -227,6 +219,14 @@ def critical() -> Iterator[None]:
         raise Interrupted(_switch.reason)
 
 
+# Use:
+#
+#     with Guard(save=save, unit="step") as guard:
+#         for ...:
+#             guard.boundary()            # stops here when asked: save, raise Preempted
+#             result = compute()          # the quantum's work; nothing committed changes here
+#             with guard.mutating():
+#                 apply(result)           # committed state changes only under this lock
 class Guard:
     """A job's scope: a request saves at the next quantum boundary, within hard time limits.
 

@@ -1,12 +1,10 @@
-"""``spill export``: a tuned adapter merged into its base and written as a model to deploy.
+"""``spill export``: a tuned adapter merged into its base and written as a model to deploy
+(``export``; a build's export job: ``export_formats``).
 
-``export`` resolves the adapter and its base (``merge.open_inputs``: the fingerprint the
-adapter records must be the base's), refuses an OUT that is one of its inputs, has the format's
-writer fill a temporary folder beside OUT with the merged model (``merge.merged``: float32
-merge, then the output dtype), records ``export.json`` (format, dtype, adapter, base
-fingerprint, every output file's size and sha256) and renames the folder into place, so a
-killed export never leaves something at OUT that looks finished. A quantized base is
-dequantized for the merge, and export.json and the printed note say so.
+``export`` refuses an OUT that is one of its inputs, and records ``export.json`` (format, dtype,
+adapter, base fingerprint, every output file's size and sha256) beside the merged model, so a killed
+export never leaves something at OUT that looks finished. A quantized base is dequantized for the
+merge, and export.json and the printed note say so.
 """
 
 from __future__ import annotations
@@ -110,6 +108,10 @@ def check_options(fmt: str, dtype: str | None, quantize: str | None) -> None:
         raise UsageError(f"--quantize {quantize} does not apply to --format {fmt} ({which})")
 
 
+# ``export`` resolves the adapter and its base (``merge.open_inputs``: the fingerprint the adapter
+# records must be the base's), refuses an OUT that is one of its inputs, has the format's writer
+# fill a temporary folder beside OUT with the merged model (``merge.merged``: float32 merge, then
+# the output dtype), records ``export.json`` and renames the folder into place.
 def export(
     adapter: Path,
     out: Path,

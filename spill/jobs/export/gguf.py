@@ -1,26 +1,11 @@
-"""``spill export --format gguf``: the merged model as one GGUF file for llama.cpp and Ollama.
+"""``spill export --format gguf`` (``write``): the merged model as one GGUF file for llama.cpp and
+Ollama, with an Ollama ``Modelfile`` that names the file and its stop tokens beside it.
 
-Written through ``gguf.GGUFWriter`` as llama.cpp's ``convert_hf_to_gguf.py`` writes it:
-tensor names are the exact inverse of spill's importer (``spill.models.gguf.arch``: one table,
-read both ways, so the two cannot drift apart); each family is written as llama.cpp's
-architecture for it (Mistral as ``llama``, Gemma 3 as ``gemma3``), and what that architecture
-cannot express (a sliding window, or for Gemma 3 sliding layers off llama.cpp's fixed pattern or
-another local rotary base, a query scale it would not infer, biases it has no tensor for, NoPE
-layers off llama.cpp's fixed step, Phi-3's longrope) is refused in one line before anything is
-written. Gemma 3's norms are written as llama.cpp multiplies by them, 1 + w in float32, and its
-window as ``sliding_window``. Llama's and SmolLM3's
-attn_q/attn_k rows get llama.cpp's rotary interleave (``permute``, undone by the importer's
-``_unpermute``), Qwen's do not (Qwen2 keeps its q/k/v biases, Qwen3 its attn_q_norm/attn_k_norm); llama3 rope scaling becomes llama.cpp's ``rope_freqs.weight``
-(``rope_freqs``; spill's importer refuses such a file: rope scaling); 1-D tensors (norms,
-biases) stay F32 as llama.cpp keeps them; with ``--quantize`` every matrix whose rows split
-into 32-value blocks is Q8_0/Q4_0/Q4_1 by ``gguf.quants`` (ggml's reference quantizers), any
-other stays in ``--dtype``, and what the rounding costs the tune is measured and said
-(``spill.jobs.export.shift``). The tokenizer is byte-level BPE from ``tokenizer.json`` (tokens,
-merges, token types, the pre-tokenizer's llama.cpp name), with the chat template; one without
-merges is refused before anything is written (``read_tokenizer``: llama.cpp would refuse the
-file). Tensor infos are declared first and the data written one merged tensor at a time, so
-memory stays at one tensor. An Ollama ``Modelfile`` that names the file and its stop tokens is
-written beside it.
+Each family is written as llama.cpp's architecture for it (Mistral as ``llama``, Gemma 3 as
+``gemma3``); what that architecture cannot express, and a tokenizer without merges, are refused in
+one line before anything is written. With ``--quantize`` every matrix whose rows split into 32-value
+blocks is Q8_0/Q4_0/Q4_1, and what the rounding costs the tune is measured and said
+(``spill.jobs.export.shift``). Memory stays at one merged tensor.
 """
 
 from __future__ import annotations
@@ -47,6 +32,9 @@ from spill.models.gguf.arch import (
 )
 from spill.models.gguf.reader import LLAMA3_SPLIT, QWEN2_SPLIT
 
+# Written through ``gguf.GGUFWriter`` as llama.cpp's ``convert_hf_to_gguf.py`` writes it: tensor
+# names are the exact inverse of spill's importer (``spill.models.gguf.arch``: one table, read both
+# ways, so the two cannot drift apart).
 NAMES = {hf: g for g, hf in GLOBAL.items()}
 # each table inverted on its own: LAYER's and FUSED's ffn_up are the same GGUF name
 LAYER_NAMES = {hf: g for table in (LAYER, BIASES, QK_NORMS, FUSED) for g, hf in table.items()}
@@ -64,6 +52,9 @@ def gguf_name(hf: str, arch: Arch | None = None) -> str:
     return f"blk.{k}.{names[rest]}"
 
 
+# Llama's and SmolLM3's attn_q/attn_k rows get llama.cpp's rotary interleave (``permute``, undone by
+# the importer's ``_unpermute``), Qwen's do not (Qwen2 keeps its q/k/v biases, Qwen3 its
+# attn_q_norm/attn_k_norm).
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's rotary row interleave of attn_q/attn_k (``convert_hf_to_gguf`` ``permute``):
     per head, rows ``[first half; second half]`` become pairs. (d, in) -> (d, in)."""
@@ -71,6 +62,8 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, d // heads // 2, n_in).swapaxes(1, 2).reshape(d, n_in)
 
 
+# llama3 rope scaling becomes llama.cpp's ``rope_freqs.weight`` (spill's importer refuses such a
+# file: rope scaling).
 def rope_freqs(cfg) -> np.ndarray:
     """llama.cpp's ``rope_freqs.weight`` for llama3 rope scaling, as ``convert_hf_to_gguf``
     computes it: per rotary pair, the factor its frequency is divided by. (head_dim / 2,)"""
@@ -92,6 +85,10 @@ def rope_freqs(cfg) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+# Refused: a sliding window, or for Gemma 3 sliding layers off llama.cpp's fixed pattern or another
+# local rotary base, a query scale it would not infer, biases it has no tensor for, NoPE layers off
+# llama.cpp's fixed step, Phi-3's longrope. Gemma 3's norms are written as llama.cpp multiplies by
+# them, 1 + w in float32, and its window as ``sliding_window``.
 def _refuse_unwritable(inputs: Inputs) -> None:
     """One line, before anything is written, for what llama.cpp's architecture of the family
     (``models.gguf.arch.WRITTEN_AS``) cannot express."""
@@ -168,6 +165,9 @@ def _pre(tokenizer: dict, where: Path) -> str:
     )
 
 
+# The tokenizer is byte-level BPE from ``tokenizer.json`` (tokens, merges, token types, the
+# pre-tokenizer's llama.cpp name), with the chat template; one without merges is refused before
+# anything is written (llama.cpp would refuse the file).
 def read_tokenizer(inputs: Inputs) -> tuple[dict, str]:
     """``tokenizer.json`` and its pre-tokenizer's llama.cpp name, refused in one line before
     anything is written where a GGUF of it would not serve llama.cpp: not byte-level BPE, or a
@@ -240,6 +240,9 @@ def add_tokenizer(writer, inputs: Inputs, tok: dict, pre: str) -> list[str]:
     return [tokens[i] for i in eos if 0 <= i < size]
 
 
+# 1-D tensors (norms, biases) stay F32 as llama.cpp keeps them; with ``--quantize`` every matrix
+# whose rows split into 32-value blocks is Q8_0/Q4_0/Q4_1 by ``gguf.quants`` (ggml's reference
+# quantizers), any other stays in ``--dtype``.
 def _storage(name: str, shape: tuple[int, ...], dtype: str, quantize: str | None):
     """The GGML type a tensor is stored as."""
     from gguf import GGML_QUANT_SIZES
@@ -254,6 +257,8 @@ def _storage(name: str, shape: tuple[int, ...], dtype: str, quantize: str | None
     return {"f32": T.F32, "f16": T.F16, "bf16": T.BF16}[dtype]
 
 
+# Tensor infos are declared first and the data written one merged tensor at a time, so memory stays
+# at one tensor.
 def write(
     inputs: Inputs,
     dest: Path,

@@ -1,14 +1,11 @@
-"""The inputs of ``spill export`` and the merged weights they give, one tensor at a time.
+"""The inputs of ``spill export`` (``open_inputs``) and the merged weights they give (``plan``,
+``merged``), one tensor at a time: memory is one tensor, not the model.
 
-An export starts from a finished tune's adapter folder (``<state>/adapter``, spill's layout,
-whose ``adapter.json`` names the base model and its weight fingerprint), the tune's state
-folder itself, or a PEFT adapter folder (another trainer's too: its base given by ``--model``,
-unchecked, since PEFT records no fingerprint). The base is resolved by that name as ``find_model`` resolves any model (its
-files checked against their recorded sha256), and refused when its fingerprint is not the one
-the adapter was trained on. Every adapted linear becomes ``W + scale * (A @ B).T`` computed in
-float32 (``A`` ``[in, r]``, ``B`` ``[r, out]``, spill's names); a quantized weight (mlx-lm's
-affine layout) is first dequantized to the float32 values the engines compute with. Tensors are
-read with ``pread`` one at a time, so memory is one tensor, not the model.
+An export starts from a finished tune's adapter folder (``<state>/adapter``, spill's layout), the
+tune's state folder itself, or a PEFT adapter folder (another trainer's too: its base given by
+``--model``, unchecked, since PEFT records no fingerprint). The base is resolved by name as
+``find_model`` resolves any model, and refused when its fingerprint is not the one the adapter was
+trained on. Every adapted linear becomes ``W + scale * (A @ B).T`` computed in float32.
 """
 
 from __future__ import annotations
@@ -168,6 +165,10 @@ def plan(inputs: Inputs) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+# ``A`` is ``[in, r]``, ``B`` ``[r, out]``, spill's names; a quantized weight (mlx-lm's affine
+# layout) is first dequantized to the float32 values the engines compute with. Tensors are read with
+# ``pread`` one at a time. The base's files are checked against their recorded sha256 when it is
+# resolved.
 def merged(inputs: Inputs) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, float32 array)`` of every tensor of the merged model, in ``plan`` order."""
     files = weight_files(inputs.base_folder)

@@ -1,19 +1,11 @@
-"""What ``spill export --format gguf --quantize`` costs the tune, in log-prob on rows it saw.
+"""What ``spill export --format gguf --quantize`` costs the tune, in log-prob on rows it saw
+(``measure``: export.json's ``gguf.quantization_shift``, said in one line).
 
-A short tune changes the weights a little, and rounding the merged matrices to Q4 can undo most
-of it (issue 35: on SmolLM2 after 4 steps, q4_0 moved the gold answers' log-probs by 6.7 of the
-7.9 the tune moved them). So a quantized GGUF export scores the first ``ROWS`` rows the tune
-drew (``seen_rows``: its training file, found by the name and sha256 that its newest checkpoint
-records, beside the state, where the tune's command named it, or in the current folder) on the
-engine in float32, three times: (a) the base, (b) the base with the adapter (the float merge, to
-float32 rounding), (c) the merge as the file holds it: every tensor in its stored type, read
-back (``gguf.quants``' dequantize is ggml's), in a temporary HF folder inside the export's own
-temporary folder, removed before the files are listed. Quantization blocks lie along rows, so
-rounding before or after llama.cpp's q/k row interleave is the same. The tune's shift is
-``|b - a|``, the quantization's ``|c - b|``, both in mean log-prob per trained token; their ratio
-is said, with a warning at ``WARN`` or more. Without those rows (an adapter folder, a training
-file moved or changed), the rounding is measured in weight space instead (``WeightShift``), and
-the line says why.
+The tune's shift is ``|b - a|``, the quantization's ``|c - b|`` (a: the base, b: the base with the
+adapter, c: the merge as the file holds it), both in mean log-prob per trained token on the first
+``ROWS`` rows the tune drew; their ratio is said, with a warning at ``WARN`` or more. Without those
+rows (an adapter folder, a training file moved or changed), the rounding is measured in weight space
+instead (``WeightShift``), and the line says why.
 """
 
 from __future__ import annotations
@@ -28,6 +20,9 @@ import numpy as np
 
 from spill.jobs.export.merge import Inputs
 
+# A short tune changes the weights a little, and rounding the merged matrices to Q4 can undo most of
+# it (issue 35: on SmolLM2 after 4 steps, q4_0 moved the gold answers' log-probs by 6.7 of the 7.9
+# the tune moved them).
 ROWS = 8  # enough rows to see the shift, few enough to score three times in seconds
 # the scored copy is float32 on disk and is scored three times: past ~1B parameters that is more
 # disk and minutes than an export should spend unasked, so bigger models get the weight measure
@@ -49,6 +44,8 @@ def _candidates(state: Path, name: str) -> list[Path]:
     return [*out, state.parent / name, Path.cwd() / name]
 
 
+# The training file is found by the name and sha256 that the tune's newest checkpoint records,
+# beside the state, where the tune's command named it, or in the current folder.
 def seen_rows(inputs: Inputs) -> tuple[str, list] | str:
     """``(training file name, examples)``: the first ``ROWS`` rows the tune drew, encoded as
     it encoded them; or why there are none (a line's end)."""
@@ -129,6 +126,11 @@ def _as_stored(inputs: Inputs, scratch: Path, stored: dict) -> None:
     write_config(scratch, config_json(inputs, "f32"))
 
 
+# Scored on the engine in float32, three times: (a) the base, (b) the base with the adapter (the
+# float merge, to float32 rounding), (c) the merge as the file holds it: every tensor in its stored
+# type, read back (``gguf.quants``' dequantize is ggml's), in a temporary HF folder inside the
+# export's own temporary folder, removed before the files are listed. Quantization blocks lie along
+# rows, so rounding before or after llama.cpp's q/k row interleave is the same.
 def logprob_shift(inputs: Inputs, dest: Path, stored: dict, name: str, examples: list) -> dict:
     """Score ``examples`` on the base, the tuned base and the merge as stored (see above)."""
     runner = _open(inputs.base_folder)

@@ -1,14 +1,11 @@
 """``spill distill``: a teacher answers the inputs and the answers become training rows.
 
-A row job like run (same sampling, seeds, ``--state`` segments). Each input row becomes one line
-of ``--out``, ready for ``spill tune``:
-
-* ``{"id", "prompt"}``          -> ``{"id", "prompt", "completion"}``
-* ``{"id", "messages"}``        -> ``{"id", "messages": [..., {"role": "assistant", ...}]}``
-* ``{"id", "prompt"}`` with ``--chat`` -> the messages form with the prompt as the user turn, so
-  the student learns the answer in the chat format the teacher saw.
-
-Answers cut off at ``--max-new-tokens`` are kept and counted in the summary (``truncated``).
+A row job like run (same sampling, seeds, ``--state`` segments). Each input row becomes one line of
+``--out``, ready for ``spill tune`` (``training_row``): ``{"id", "prompt"}`` -> ``{"id", "prompt",
+"completion"}``; ``{"id", "messages"}`` -> ``{"id", "messages": [..., {"role": "assistant",
+...}]}``; ``{"id", "prompt"}`` with ``--chat`` -> the messages form with the prompt as the user
+turn, so the student learns the answer in the chat format the teacher saw. Answers cut off at
+``--max-new-tokens`` are kept and counted in the summary (``truncated``).
 """
 
 from __future__ import annotations

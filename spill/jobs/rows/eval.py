@@ -1,18 +1,11 @@
 """``spill eval``: grade a model (optionally with a LoRA adapter) on rows with known answers.
 
-Rows are ``{"id", "prompt"|"messages", "answer"}`` (``completion`` is accepted as the answer, so
-a training file can be graded as is). For every row the model generates greedily and the row is
-correct when the generated text equals the answer after stripping leading and trailing
-whitespace on both sides; the comparison is otherwise exact (case, inner spaces, punctuation).
-Independently of the generation, the engine scores the gold answer's tokens given the prompt
-(``spill.jobs.rows.scoring``, as ``spill predict`` scores each label): their summed log-prob and
-per-token mean. A row job like run: ``--state`` commits graded rows in segments.
-
-``--max-new-tokens`` defaults to the longest answer in the file plus 16 tokens, fixed for the
-whole file, so the generation budget does not depend on the batch; a row's log-probs are
-the same bits in any batch (each row scored at its own length), while a greedy answer can
-change with ``--batch`` where two tokens' logits tie within rounding. An adapter folder is spill's layout or
-PEFT's, read by ``spill.jobs.adapter_files`` (as ``spill run --adapter`` reads it).
+Rows are ``{"id", "prompt"|"messages", "answer"}`` (``completion`` is accepted as the answer, so a
+training file can be graded as is). A row is correct when the greedy generation equals the answer
+after stripping leading and trailing whitespace on both sides; the comparison is otherwise exact
+(case, inner spaces, punctuation). The gold answer's tokens are also scored given the prompt: their
+summed log-prob and per-token mean. A row job like run: ``--state`` commits graded rows in segments.
+An adapter folder is spill's layout or PEFT's (``spill.jobs.adapter_files``).
 """
 
 from __future__ import annotations
@@ -88,6 +81,11 @@ def read_eval_rows(path: Path) -> list[EvalRow]:
 # --- the job ----------------------------------------------------------------------------------
 
 
+# Independently of the generation, the engine scores the gold answer's tokens given the prompt
+# (``spill.jobs.rows.scoring``, as ``spill predict`` scores each label). A row's log-probs are the
+# same bits in any batch (each row scored at its own length), while a greedy answer can change with
+# ``--batch`` where two tokens' logits tie within rounding. An adapter is read as ``spill run
+# --adapter`` reads it.
 def _grader(
     loaded: LoadedModel,
     rows: list[EvalRow],
@@ -135,6 +133,8 @@ def _grader(
     return Work(compute, lambda row: len(prompts[row.id]) + max(new, len(gold[row.id])))
 
 
+# ``--max-new-tokens`` defaults to the longest answer in the file plus 16 tokens, fixed for the
+# whole file, so the generation budget does not depend on the batch.
 def _max_new(opts: EvalOptions, rows: list[EvalRow], tok) -> int:
     if opts.max_new_tokens is not None:
         return opts.max_new_tokens

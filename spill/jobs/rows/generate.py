@@ -1,15 +1,11 @@
-"""``spill run``: batch generation over a JSONL file of prompts.
+"""``spill run``: batch generation over a JSONL file of prompts (``generate``).
 
 Rows are generated in input order, ``batch`` at a time (by default as many as the memory budget
-fits: ``spill.jobs.rows.job``). A row's sampling seed is derived from
-the run seed and the row id, so a sampled answer draws the same random numbers whatever its
-batch or neighbours; the logits it samples from are padded with the batch, so a token whose
-probability ties another's within rounding can change with ``--batch`` (a resumed job keeps its
-batches: ``spill.jobs.rows.job``). With ``--state`` the job is a portable row job
-(``spill.jobs.rows.job``): results are committed in segments and a rerun continues where the
-last one stopped. The output is written under a temporary name and renamed at the end: a failed
-run leaves no half-written ``--out``. ``--adapter`` generates with a LoRA adapter (spill's or
-PEFT's layout, read as ``spill eval`` reads it); its hash joins the job's pinned settings.
+fits: ``spill.jobs.rows.job``). With ``--state`` the job is a portable row job: results are
+committed in segments and a rerun continues where the last one stopped. The output is written under
+a temporary name and renamed at the end: a failed run leaves no half-written ``--out``.
+``--adapter`` generates with a LoRA adapter (spill's or PEFT's layout, read as ``spill eval`` reads
+it); its hash joins the job's pinned settings.
 """
 
 from __future__ import annotations
@@ -64,6 +60,10 @@ class GenerateOptions:
         return out
 
 
+# A row's sampling seed is derived from the run seed and the row id, so a sampled answer draws the
+# same random numbers whatever its batch or neighbours; the logits it samples from are padded with
+# the batch, so a token whose probability ties another's within rounding can change with ``--batch``
+# (a resumed job keeps its batches: ``spill.jobs.rows.job``).
 def row_seed(seed: int, row_id) -> int:
     digest = hashlib.sha256(f"{seed}:{row_id!r}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1

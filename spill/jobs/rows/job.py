@@ -1,40 +1,11 @@
-"""The row-job driver shared by run, eval, distill and predict: quanta of rows, committed segments, resume.
-
-A verb gives its rows (anything with an ``id``), the settings that decide its results, and a
-``prepare(loaded)`` that returns a ``Work``: ``compute(batch) -> [record, ...]`` (one JSON record
-with an ``"id"`` per row, in the batch's order) and each row's length in tokens. The driver:
-
-1. resolves the model and hashes the input, and with ``--state`` pins ``rows/identity.json``
-   (job, model id + fingerprint, input sha256, settings) before the engine opens, so another
-   job is refused in one line without loading anything;
-2. restores the committed segments and runs only the rows left, in input order, ``batch`` at a
-   time; a row is done when its batch returns, and then goes to the ``SegmentWriter`` (pushes
-   every 25 rows or 60 s and on stop, each commit naming the producer). ``batch`` None (the
-   conf default) asks the runner for one from the memory budget and the longest row left
-   (``spill.engines.core.batching``: the rows share each walk over the layers); the line
-   after the pre-run line says which batch and why. Row ``i`` of the input is always in batch
-   ``i // batch`` (``batches``), and a continued job whose batch is not set takes the batch its
-   committed rows name (``producer.batch``) while it fits, so a job stopped anywhere (a signal,
-   a SIGKILL, ``stop_after`` in the middle of a batch) continues beside the same neighbours
-   and writes the uninterrupted job's bytes. A row's log-probs do not depend on the batch
-   (each row is scored alone, ``StreamRunner.score``); a greedy token can (the padded decode
-   moves logits within ~1e-5 in float32), only where two candidates tie that closely;
-3. inside a preemption ``Guard`` (``spill.jobs.preempt``): SIGTERM/SIGINT finishes the batch in
-   flight if it returns within the grace period, else abandons it, pushes what is done,
-   prints ``preempted`` and exits 75;
-4. hands every record, in input order, to the verb's ``finish`` (which writes ``--out`` whole).
-
-``stop_after`` (a build's ``--stop-after distill:5``) stops once that many rows are done in all
-(committed before plus run now), pushes them and returns an incomplete ``Outcome`` without
-calling ``finish``; running the job again continues with the rest.
-
-Without ``--state`` nothing is pinned or pushed and signals keep their default meaning. With it,
-the location is first probed for writing, so a read-only state fails before the model loads,
-and the job holds the run there (``spill.jobs.authority``): one writer per state location.
-
-``refuse_overlap`` is each verb's first check: an ``--out`` (or a local ``--state``) that is one
-of the job's inputs (the rows, an adapter's files, a local model folder's files) would destroy
-it, so it is a usage error (exit 2) before anything is read or run.
+"""The row-job driver shared by run, eval, distill and predict: quanta of rows, committed segments,
+resume (``execute``). A verb gives its rows (anything with an ``id``), the settings that decide its
+results, and a ``prepare(loaded)`` that returns a ``Work``: ``compute(batch) -> [record, ...]`` (one
+JSON record with an ``"id"`` per row, in the batch's order) and each row's length in tokens; the
+driver hands every record, in input order, to the verb's ``finish``. With ``--state`` results are
+committed in segments, a rerun writes the uninterrupted job's bytes, and SIGTERM/SIGINT exits 75.
+``refuse_overlap`` is each verb's first check: an ``--out`` (or a local ``--state``) that is one of
+the job's inputs is a usage error (exit 2) before anything is read.
 """
 
 from __future__ import annotations
@@ -155,6 +126,9 @@ def job_inputs(input_path: Path, model: str, adapter: Path | None = None) -> lis
     return found
 
 
+# An ``--out`` (or a local ``--state``) that is one of the job's inputs (the rows, an adapter's
+# files, a local model folder's files) would destroy it, so it is a usage error (exit 2) before
+# anything is read or run.
 def refuse_overlap(inputs: list[tuple[Path, str]], out: Path | None, state: str | None) -> None:
     """A usage error when ``--out`` or a local ``--state`` is one of ``inputs`` or each other."""
     from spill.store.disk import same_file
@@ -246,12 +220,38 @@ def batches(todo: Sequence[HasId], index: dict, batch: int) -> list[list[HasId]]
     return out
 
 
+# The driver:
+# 1. resolves the model and hashes the input, and with ``--state`` pins ``rows/identity.json`` (job,
+#    model id + fingerprint, input sha256, settings) before the engine opens, so another job is
+#    refused in one line without loading anything;
+# 2. restores the committed segments and runs only the rows left, in input order, ``batch`` at a
+#    time; a row is done when its batch returns, and then goes to the ``SegmentWriter`` (pushes
+#    every 25 rows or 60 s and on stop, each commit naming the producer). ``batch`` None (the conf
+#    default) asks the runner for one from the memory budget and the longest row left
+#    (``spill.engines.core.batching``: the rows share each walk over the layers); the line after the
+#    pre-run line says which batch and why. Row ``i`` of the input is always in batch ``i // batch``
+#    (``batches``), and a continued job whose batch is not set takes the batch its committed rows
+#    name (``producer.batch``) while it fits, so a job stopped anywhere (a signal, a SIGKILL,
+#    ``stop_after`` in the middle of a batch) continues beside the same neighbours and writes the
+#    uninterrupted job's bytes. A row's log-probs do not depend on the batch (each row is scored
+#    alone, ``StreamRunner.score``); a greedy token can (the padded decode moves logits within ~1e-5
+#    in float32), only where two candidates tie that closely;
+# 3. inside a preemption ``Guard`` (``spill.jobs.preempt``): SIGTERM/SIGINT finishes the batch in
+#    flight if it returns within the grace period, else abandons it, pushes what is done, prints
+#    ``preempted`` and exits 75;
+# 4. hands every record, in input order, to the verb's ``finish`` (which writes ``--out`` whole).
+# ``stop_after`` (a build's ``--stop-after distill:5``) stops once that many rows are done in all
+# (committed before plus run now), pushes them and returns an incomplete ``Outcome`` without calling
+# ``finish``; running the job again continues with the rest.
+# Without ``--state`` nothing is pinned or pushed and signals keep their default meaning. With it,
+# the location is first probed for writing, so a read-only state fails before the model loads, and
+# the job holds the run there (``spill.jobs.authority``): one writer per state location.
 def execute(
     job: RowJob,
     prepare: Callable[[LoadedModel], Work],
     finish: Callable[[list[Record]], None],
 ) -> Outcome:
-    """Run the rows left and call ``finish(records in input order)``; see the module doc."""
+    """Run the rows left and call ``finish(records in input order)``; see the comment above."""
     opts = job.options
     if opts.batch is not None and opts.batch < 1:
         raise DataError(f"{opts.batch_from} must be at least 1")

@@ -1,12 +1,11 @@
-"""``spill predict``'s job: a tuned model's answer for each new row, a row job like eval.
-
-Rows arrive already in the project's prompt shape (``spill.project.predict`` renders them).
-With ``labels`` (a classification) a row's answer is the label with the highest log-prob after
-its prompt, scored exactly as eval scores a gold answer (``spill.jobs.rows.scoring``), and its
-probability is the softmax of the labels' totals: ``{"id", "input", "label", "probability",
-"logprobs"}``. Without labels (free text, ``--generate``) the model answers greedily:
-``{"id", "input", "text", "finish", "tokens"}``. ``--state`` commits rows in segments as every
-row job does; ``predict_one`` answers one row in this process (``--text``), nothing committed.
+"""``spill predict``'s job (``predict``, ``predict_one``): a tuned model's answer for each new row,
+a row job like eval. Rows arrive already in the project's prompt shape (``spill.project.predict``
+renders them). With ``labels`` (a classification) a row's answer is the label with the highest
+log-prob after its prompt, scored exactly as eval scores a gold answer, and its probability is the
+softmax of the labels' totals: ``{"id", "input", "label", "probability", "logprobs"}``. Without
+labels (free text, ``--generate``) the model answers greedily: ``{"id", "input", "text", "finish",
+"tokens"}``. ``--state`` commits rows in segments as every row job does; ``predict_one`` answers one
+row in this process (``--text``), nothing committed.
 """
 
 from __future__ import annotations
@@ -57,6 +56,7 @@ class PredictOptions:
         return out
 
 
+# Labels are scored as ``spill.jobs.rows.scoring`` scores eval's gold answers.
 def _predictor(loaded: LoadedModel, rows, opts: PredictOptions, where, adapter) -> Work:
     tok = loaded.tokenizer
     apply_adapter(loaded, adapter)

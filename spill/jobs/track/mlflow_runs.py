@@ -1,17 +1,10 @@
-"""An MLflow run, through ``MlflowClient`` at ``MLFLOW_TRACKING_URI`` (mlflow's own default when
-unset): found again by its ``spill.key`` tag, so a resumed run (any process, any machine) logs
-into the run it started, and only the steps after those its metric history holds.
+"""An MLflow run (``MLflowRun``), through ``MlflowClient`` at ``MLFLOW_TRACKING_URI`` (mlflow's own
+default when unset): found again by its ``spill.key`` tag, so a resumed run (any process, any
+machine) logs into the run it started, and only the steps after those its metric history holds.
 
-The experiment is made on first use (sibling sweep jobs racing to make it find the winner's).
-Params are logged once: MLflow refuses a param logged again with another value, so a resumed
-run logs only those the run lacks (``ckpt_every`` may differ between legs; the first leg's
-stays). Statuses: RUNNING while a process logs, FINISHED at the last step, KILLED when a leg
-stops early (``--stop-after``, preempted), FAILED on an error; a SIGKILLed leg stays RUNNING.
-
-MLflow's own client retries a failed request 7 times over about 4 minutes and waits 120 s for
-an answer; a run that opens MLflow sets shorter defaults (``HTTP``, each unless already set in
-the environment), so a wrong port fails the open in seconds and a server that stops answering
-is given up after ~30 s (on the tracking's sender thread: no step waits for it).
+Statuses: RUNNING while a process logs, FINISHED at the last step, KILLED when a leg stops early
+(``--stop-after``, preempted), FAILED on an error; a SIGKILLed leg stays RUNNING. A wrong port fails
+the open in seconds, and a server that stops answering is given up after ~30 s.
 """
 
 from __future__ import annotations
@@ -25,6 +18,10 @@ from spill.errors import SpillError
 
 KEY_TAG = "spill.key"
 BATCH = 1000  # MLflow's limit of metrics per log_batch
+# MLflow's own client retries a failed request 7 times over about 4 minutes and waits 120 s for an
+# answer; a run that opens MLflow sets these shorter defaults (each unless already set in the
+# environment), so a wrong port fails the open in seconds and a server that stops answering is given
+# up after ~30 s (on the tracking's sender thread: no step waits for it).
 HTTP = {  # MLflow's variables, read at each request: 3 tries of 10 s at most, 1-2 s apart
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
@@ -75,6 +72,7 @@ class MLflowRun:
             raise SpillError(f"{_where()}: {_line(e)}; check MLFLOW_TRACKING_URI") from None
         self.uri = c.tracking_uri
 
+    # The experiment is made on first use (sibling sweep jobs racing to make it find the winner's).
     def _experiment(self, name: str) -> str:
         c = self.client
         if (exp := c.get_experiment_by_name(name)) is not None:
@@ -86,6 +84,9 @@ class MLflowRun:
                 raise
             return exp.experiment_id
 
+    # Params are logged once: MLflow refuses a param logged again with another value, so a resumed
+    # run logs only those the run lacks (``ckpt_every`` may differ between legs; the first leg's
+    # stays).
     def _params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 

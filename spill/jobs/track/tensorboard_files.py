@@ -1,14 +1,10 @@
 """TensorBoard event files, written and read back with tensorboard's own record writer and reader.
 
-Each process that logs writes a new event file in the run's folder, named as TensorBoard's
-``EventFileWriter`` names it (time, host, pid, a counter) and begun with the same version
-record; the records go through TensorBoard's ``RecordWriter`` onto a file opened here, on the
-tracking sender's thread, not through ``EventFileWriter``'s own thread, which prints a traceback
-of its own when the file cannot be written (a read-only folder): here that is one ``OSError``
-the tracking turns into its one-line warning. On open the folder's existing files are read back with TensorBoard's
-``EventAccumulator``, so a resumed run knows, per tag, the newest step it holds and writes only
-later steps: no step twice, none skipped. A record a killed writer left half-written is dropped
-by the reader, so it is written again. No torch: the MLX engine may run without it.
+Each process that logs writes a new event file in the run's folder (``TensorBoard``); on open the
+folder's existing files are read back (``logged``), so a resumed run knows, per tag, the newest step
+it holds and writes only later steps: no step twice, none skipped. A file that cannot be written (a
+read-only folder) is one ``OSError``, which the tracking turns into its one-line warning. No torch:
+the MLX engine may run without it.
 """
 
 from __future__ import annotations
@@ -24,6 +20,8 @@ from spill.errors import SpillError
 _files = itertools.count()  # this process's event files, for unique names
 
 
+# Read with TensorBoard's ``EventAccumulator``. A record a killed writer left half-written is
+# dropped by the reader, so it is written again.
 def logged(logdir: str | Path) -> dict[str, int]:
     """Per scalar tag, the newest step the folder's event files hold (TensorBoard's reader)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -68,6 +66,11 @@ class TensorBoard:
             self._writer.write(event.SerializeToString())
         self._writer.flush()
 
+    # Named as TensorBoard's ``EventFileWriter`` names it (time, host, pid, a counter) and begun
+    # with the same version record; the records go through TensorBoard's ``RecordWriter`` onto a
+    # file opened here, on the tracking sender's thread, not through ``EventFileWriter``'s own
+    # thread, which prints a traceback of its own when the file cannot be written (a read-only
+    # folder).
     def _open(self):
         """A new event file, its version record written (what ``EventFileWriter`` begins with)."""
         from tensorboard.compat.proto import event_pb2

@@ -1,24 +1,11 @@
-"""The trackers of one run: what a committed checkpoint adds to them, each step exactly once.
-
-Only committed steps are logged, and what is logged is read from the committed checkpoint's
-state (``losses``, ``valid``), never from the loop: so a killed and resumed run logs the same
-numbers an uninterrupted one does. On open every tracker says, per metric, the newest step it
-holds (TensorBoard: its event files read back; MLflow: the run's metric history); each commit
-then logs, per metric, the steps after that. Steps a killed process committed but never logged
-are back-filled from the next state it sees (on open: the checkpoint it continues from).
-
-The learning rate is recomputed (``spill.jobs.schedule.cosine_lr``): step ``s`` (1-based, as
-logged) applied ``cosine_lr(s - 1, ...)`` (``tune_steps.Steps.apply``). Tokens/s is known only
-for the steps this process computed (``rates``), so a back-filled step has none.
-
-Logging is off the step's path: each tracker has a sender thread of its own (``_Sender``), and
-a commit only merges its points into what each is still to send (per metric and step: bounded
-by what the state itself holds, so the commit never waits and nothing is dropped). A tracker
-that hangs holds only itself. One that fails (a server gone, or one that stops answering past
-MLflow's bounded timeout) is dropped with a one-line warning as soon as it fails, not the run:
-the next leg back-fills what it missed. The run's end waits at most ``FLUSH_WITHIN`` seconds
-for the senders, then names, in one line each, a tracker that did not finish.
-``TRACK_LOGGED`` is a drill point after each tracker's write (on its sender).
+"""The trackers of one run (``open_tracking``, ``Tracking``): what a committed checkpoint adds to
+them, each step exactly once. Only committed steps are logged, read from the committed checkpoint's
+state (``losses``, ``valid``), never from the loop, so a killed and resumed run logs the same
+numbers an uninterrupted one does. Logging is off the step's path: a tracker that hangs holds only
+itself, and one that fails is dropped with a one-line warning, not the run (the next leg back-fills
+what it missed). The run's end waits at most ``FLUSH_WITHIN`` seconds for the senders, then names,
+in one line each, a tracker that did not finish. ``TRACK_LOGGED`` is a drill point after each
+tracker's write (on its sender).
 """
 
 from __future__ import annotations
@@ -45,6 +32,9 @@ class Backend(Protocol):
     def close(self, status: str | None) -> None: ...
 
 
+# The learning rate is recomputed (``spill.jobs.schedule.cosine_lr``): step ``s`` (1-based, as
+# logged) applied ``cosine_lr(s - 1, ...)`` (``tune_steps.Steps.apply``). Tokens/s is known only for
+# the steps this process computed (``rates``), so a back-filled step has none.
 def series(state: dict, tune: Any, rates: dict[int, float]) -> dict[str, dict[int, float]]:
     """Every metric a committed ``state`` holds, by step: ``tune`` has ``lr, warmup, steps``
     (None: no learning rate)."""
@@ -68,6 +58,10 @@ def metric_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_\-./ ]", "_", text)
 
 
+# On open every tracker says, per metric, the newest step it holds (TensorBoard: its event files
+# read back; MLflow: the run's metric history); each commit then logs, per metric, the steps after
+# that. Steps a killed process committed but never logged are back-filled from the next state it
+# sees (on open: the checkpoint it continues from).
 class Tracking:
     """The open trackers of one run (none: every call does nothing)."""
 
@@ -121,6 +115,10 @@ class Tracking:
         return self._senders[id(b)]
 
 
+# Each tracker has a sender thread of its own, and a commit only merges its points into what each is
+# still to send (per metric and step: bounded by what the state itself holds, so the commit never
+# waits and nothing is dropped). One that fails (a server gone, or one that stops answering past
+# MLflow's bounded timeout) is dropped as soon as it fails.
 class _Sender:
     """One tracker's thread: it writes what is wanted, in step order, until closed. Daemon: a
     tracker that never answers does not hold the process's exit."""

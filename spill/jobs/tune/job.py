@@ -1,12 +1,10 @@
-"""``spill tune``: a LoRA run made of optimizer steps, each one a quantum that can be the last.
-
-The job's whole state is the adapter, the AdamW moments, the step and the data cursor; batches
-are a pure function of (seed, micro-batch index). Rank 0 commits a checkpoint every
-``ckpt_every`` steps, at ``stop_after``, at the end and on preemption; the same command again
-(any machine, engine or world size with the same ``--state``) continues from the newest one.
-Every rank runs ``run``: what rank 0 does beyond its share of a step (hold the run, commit,
-validate, log, publish the adapter) is its ``Leader``, the others' ``Follower``
-(``spill.jobs.tune.ranks``).
+"""``spill tune`` (``tune``): a LoRA run made of optimizer steps, each one a quantum that can be the
+last. The job's whole state is the adapter, the AdamW moments, the step and the data cursor; batches
+are a pure function of (seed, micro-batch index). Rank 0 commits a checkpoint every ``ckpt_every``
+steps, at ``stop_after``, at the end and on preemption; the same command again (any machine, engine
+or world size with the same ``--state``) continues from the newest one. Every rank runs ``run``:
+what rank 0 does beyond its share of a step (hold the run, commit, validate, log, publish the
+adapter) is its ``Leader``, the others' ``Follower`` (``spill.jobs.tune.ranks``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""Validation loss for ``spill tune``: the adapter's token-mean loss on rows it never trains on.
-
-It is computed every ``eval_every`` steps and at the last step, on rank 0, with the engine's
-scoring pass (no dropout, no gradients), over the rows in file order in chunks of
-``micro_batch`` rows: a chunking fixed by the run's settings, not by the memory budget, so the
-number at step N is the same bits whether or not the run was killed and resumed on the same
-engine. It is committed with the checkpoint (``state["valid"]``: ``[step, loss]`` pairs), and so
-is the best adapter so far when ``keep_best`` asks for it (``best::<param>`` tensors beside the
-moments, ``state["best"]``), so that the exported adapter is that one even after a resume.
+"""Validation loss for ``spill tune`` (``Validation``): the adapter's token-mean loss on rows it
+never trains on, every ``eval_every`` steps and at the last step, on rank 0. The number at step N is
+the same bits whether or not the run was killed and resumed on the same engine. It is committed with
+the checkpoint (``state["valid"]``: ``[step, loss]`` pairs), and so is the best adapter so far when
+``keep_best`` asks for it (``best::<param>`` tensors beside the moments, ``state["best"]``), so that
+the exported adapter is that one even after a resume.
 """
 
 from __future__ import annotations
@@ -46,6 +43,9 @@ def refuse(found: dict | None, want: dict | None, where: str, error: type[SpillE
     )
 
 
+# Computed with the engine's scoring pass (no dropout, no gradients), over the rows in file order in
+# chunks of ``micro_batch`` rows: a chunking fixed by the run's settings, not by the memory budget,
+# so the number at step N is the same bits whether or not the run was killed and resumed.
 @dataclass
 class Validation:
     """The validation rows and what has been measured on them so far in this run."""
