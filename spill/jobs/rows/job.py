@@ -46,7 +46,7 @@ class RowOptions:
     """Where and how a row job computes; nothing here changes a row's result, so none of it is
     pinned. ``batch`` comes from the verb's conf group (``eval.batch``, ``teacher.batch``)."""
 
-    batch: int | None  # rows computed together (speed; see the module doc); None: from memory
+    batch: int | None  # rows computed together (speed; see ``execute``); None: from memory
     engine: EngineSettings = EngineSettings()
     weights: str | None = None
     stop_after: int | None = None  # stop when this many rows are done in all
