@@ -1,21 +1,11 @@
-"""The model cache under ``SPILL_HOME/models``: source markers, cached fingerprints, the listing.
+"""The model cache under ``SPILL_HOME/models``: source markers (``read_marker``, ``write_marker``),
+cached fingerprints (``cached_fingerprint``), the listing (``list_models``).
 
 Every folder a source writes (tiny, GGUF import, hub snapshot, staged copy) carries a
-``spill-source.json`` marker saying where it came from. The marker also caches the weight
-fingerprint, keyed by the stat keys of the files the fingerprint reads and the sha256 recorded
-for them, so listing a cache of 70B models does not re-read every safetensors header, and a
-folder without records is hashed in full once, not at every job start. Layout::
-
-    models/<safe alias>/                          imported once as floats (smollm2:135m@f32)
-    models/<safe alias>-<type>/                   imported with its quantization (smollm2:135m,
-                                                  smollm2:135m@q4_1)
-    models/quantized/<safe name>-q<b>g<g>/        `spill models quantize` (tiny:llama:1:4x64@q4g64)
-    models/hub/models--<org>--<name>/snapshots/<sha>/   the hub client's own cache layout
-    models/staged/<safe name>-<uri hash>/         copied from --weights <uri>
-
-The marker validates against ``schemas/model-source.schema.json`` on every read; an invalid one is
-refused in one line (its recorded hashes are never trusted), and listing shows it as an error.
-The per-file sha256 records and their checks live in ``spill.models.integrity``.
+``spill-source.json`` marker saying where it came from (the layout: the comment at ``MARKER``). The
+marker validates against ``schemas/model-source.schema.json`` on every read; an invalid one is
+refused in one line (its recorded hashes are never trusted), and listing shows it as an error. The
+per-file sha256 records and their checks live in ``spill.models.integrity``.
 """
 
 from __future__ import annotations
@@ -28,6 +18,13 @@ from pathlib import Path
 from spill.errors import ModelError
 from spill.ground.paths import models_dir
 
+# Layout:
+#     models/<safe alias>/                          imported once as floats (smollm2:135m@f32)
+#     models/<safe alias>-<type>/                   imported with its quantization (smollm2:135m,
+#                                                   smollm2:135m@q4_1)
+#     models/quantized/<safe name>-q<b>g<g>/        `spill models quantize` (tiny:llama:1:4x64@q4g64)
+#     models/hub/models--<org>--<name>/snapshots/<sha>/   the hub client's own cache layout
+#     models/staged/<safe name>-<uri hash>/         copied from --weights <uri>
 MARKER = "spill-source.json"
 # The files a model folder needs; hub downloads and staging copy only these.
 MODEL_FILES = (
@@ -106,6 +103,9 @@ def _fingerprint_key(folder: Path, hashes: dict[str, str]) -> list[list]:
     return key + [["recorded", *(f"{n} {h}" for n, h in sorted(hashes.items()))]]
 
 
+# The marker also caches the weight fingerprint, keyed by the stat keys of the files the fingerprint
+# reads and the sha256 recorded for them, so listing a cache of 70B models does not re-read every
+# safetensors header, and a folder without records is hashed in full once, not at every job start.
 def cached_fingerprint(folder: Path) -> str:
     """``weights.fingerprint(folder)`` over the shards' recorded sha256 (checked at every job
     start, so free here); a folder without records is hashed once, then reused from the marker

@@ -1,22 +1,10 @@
-"""A model's chat template: compiled once in jinja's immutable sandbox, rendered within bounds.
+"""A model's chat template (``ChatTemplate``): compiled once in jinja's immutable sandbox, rendered
+within bounds. A chat template comes with a downloaded model, so it is someone else's code; a
+template past a bound fails with one ``TemplateError`` (the tokenizer's one line).
 
-A chat template comes with a downloaded model, so it is someone else's code. jinja's
-``ImmutableSandboxedEnvironment`` keeps it from Python's internals and from changing its
-inputs, but bounds neither what it makes nor how long it runs (``{{ 'a' * 40000000000 }}`` is a
-MemoryError, two nested ``range(100000)`` loops run for hours). Here a render is bounded, and a
-template past a bound fails with one ``TemplateError`` (the tokenizer's one line):
-
-* size: the text, and every string or list a template makes on the way, at most ``limit``
-  characters or items (a number at most ``MAX_BITS`` bits): ``MIN_CHARS`` plus ``GROWTH`` times
-  the characters it is given. An operation is checked before it runs where its size can be
-  known (``*``, ``**``, ``%``, ``+``, a numeric argument such as a width, ``replace``, ``join``,
-  ``indent``, a format spec's width), else its result right after (``~``, every filter and
-  method), so nothing grows past a small multiple of the limit;
-* time: ``SECONDS`` a render and ``MAX_STEPS`` loop iterations in all (jinja's ``MAX_RANGE``
-  bounds one range, not a nest of them), checked at every iteration, call and piece of output.
-
-Loops and ``~`` are bounded by rewriting the parsed template (each ``for``'s iterable and each
-``~`` pass through a filter) before jinja compiles it, so the compiled code is jinja's own.
+Bounds: size (the text, and every string or list a template makes on the way, at most ``limit``
+characters or items, a number at most ``MAX_BITS`` bits: ``MIN_CHARS`` plus ``GROWTH`` times the
+characters it is given) and time (``SECONDS`` a render and ``MAX_STEPS`` loop iterations in all).
 """
 
 from __future__ import annotations
@@ -34,6 +22,15 @@ from jinja2 import TemplateError, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
+# jinja's ``ImmutableSandboxedEnvironment`` keeps a template from Python's internals and from
+# changing its inputs, but bounds neither what it makes nor how long it runs (``{{ 'a' * 40000000000
+# }}`` is a MemoryError, two nested ``range(100000)`` loops run for hours). So:
+# - size: an operation is checked before it runs where its size can be known (``*``, ``**``, ``%``,
+#   ``+``, a numeric argument such as a width, ``replace``, ``join``, ``indent``, a format spec's
+#   width), else its result right after (``~``, every filter and method), so nothing grows past a
+#   small multiple of the limit;
+# - time: jinja's ``MAX_RANGE`` bounds one range, not a nest of them; the steps and seconds are
+#   checked at every iteration, call and piece of output.
 MIN_CHARS = 1_000_000  # a render's size bound beyond GROWTH x its inputs' characters
 GROWTH = 4  # a template writes each message about once; a few times is still a template
 SECONDS = 10.0  # a render's time: real templates take milliseconds
@@ -218,6 +215,8 @@ def _sized(text):
     return text
 
 
+# Loops and ``~`` are bounded by rewriting the parsed template (each ``for``'s iterable and each
+# ``~`` pass through a filter) before jinja compiles it, so the compiled code is jinja's own.
 class _Bound(NodeTransformer):
     """Every ``for`` iterates through ``LOOP``; every ``~`` is checked by ``SIZED``."""
 

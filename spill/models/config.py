@@ -1,16 +1,11 @@
-"""A model's architecture, read once from an HF ``config.json`` into a frozen dataclass.
+"""A model's architecture, read once from an HF ``config.json`` into a frozen dataclass
+(``load_config``, ``parse_config`` -> ``ModelConfig``).
 
-Every family shares one shape (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP):
-Llama (SmolLM2, Llama 3.x), Qwen2 (Qwen2.5: q/k/v biases), Qwen3 (per-head q/k RMSNorm before
-the rotary, an explicit ``head_dim``), Mistral (a sliding window on every layer when
-``sliding_window`` is set), SmolLM3 (Llama with NoPE layers) and Gemma 3's text model
-(``gemma3_text``: norms as ``x * (offset + w)``, two more norms a layer, scaled embeddings and
-query, sliding layers with their own rotary base). What differs is read once into fields the
-family files and kernels use (``qk_norm``, ``no_rope``, ``windowed``, ``norm_offset``,
-``embed_scale``, ``local_rope_theta``, ...): a family's ``read`` (in ``models/family_keys``)
-turns its config.json keys into them the way transformers' config class does, defaults included.
-transformers 5 writes ``rope_theta`` only inside ``rope_parameters`` (nested per layer type for
-some families); both places are read.
+Every family shares one shape (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP): Llama
+(SmolLM2, Llama 3.x), Qwen2 (Qwen2.5), Qwen3, Mistral, SmolLM3 and Gemma 3's text model
+(``gemma3_text``). What differs is read once into fields the family files and kernels use
+(``qk_norm``, ``no_rope``, ``windowed``, ``norm_offset``, ``embed_scale``, ``local_rope_theta``,
+...).
 """
 
 from __future__ import annotations
@@ -41,6 +36,10 @@ from spill.models.family_keys import (
 from spill.models.family_keys import FUSED as FUSED  # lora's, beside LINEARS
 
 
+# Per family: Qwen2 (Qwen2.5: q/k/v biases), Qwen3 (per-head q/k RMSNorm before the rotary, an
+# explicit ``head_dim``), Mistral (a sliding window on every layer when ``sliding_window`` is set),
+# SmolLM3 (Llama with NoPE layers), Gemma 3 (norms as ``x * (offset + w)``, two more norms a layer,
+# scaled embeddings and query, sliding layers with their own rotary base).
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -135,6 +134,9 @@ class ModelConfig:
         return asdict(self)
 
 
+# A family's ``read`` (in ``models/family_keys``) turns its config.json keys into the fields the way
+# transformers' config class does, defaults included. transformers 5 writes ``rope_theta`` only
+# inside ``rope_parameters`` (nested per layer type for some families); both places are read.
 @dataclass(frozen=True)
 class Family:
     """A family's defaults where its config.json may be silent, and its own keys' reading."""

@@ -1,29 +1,9 @@
-"""Per-file sha256 records of a cached model folder, and the checks that use them.
-
-Every source records each model file's size and sha256 in ``spill-source.json`` under ``files``
-when the folder enters the cache (tiny generation and GGUF import hash what they wrote, staging
-hashes while copying, a hub snapshot takes the sha256 the hub reported for each LFS file from the
-name of its blob and hashes the small files). Two checks read them:
-
-* ``check`` runs at every job start. A file is re-hashed in full only when its stat key (size,
-  mtime_ns, ctime_ns, inode) differs from the one recorded under ``verified`` when its hash last
-  matched; any write to a file, even a same-size byte flip, moves its ctime, which userland cannot
-  set back, so an unchanged stat key means unchanged bytes for every change made through the
-  filesystem. Silent media corruption (bit rot) keeps the stat: ``spill models verify`` re-hashes
-  everything and finds it.
-* ``verify`` (``spill models verify``) re-hashes every file and reports each change.
-
-Every hash is taken by ``spill.models.scan``, which checks a safetensors file's float tensors
-for NaN and inf in the same pass: such a file is never recorded (``record`` refuses it), and a
-recorded one (an older spill's record) is named when a job start re-hashes it or by ``verify``.
-
-A folder without records (a user's own folder) is used as it is, and is reported as unrecorded;
-spill never invents a record for bytes it did not see arrive.
-
-``same_weights`` is the one place a recorded weight fingerprint (a job state's, an adapter's) is
-held against the model now: the fingerprint changed definition on 2026-12-06 (a 64 KiB sample of
-each shard's ends became its full sha256), and a record made before then still names these
-weights when it equals their fingerprint by the old definition and the files pass their records.
+"""Per-file sha256 records of a cached model folder (``record``), and the checks that use them:
+``check`` at every job start, ``verify`` (``spill models verify``) re-hashing every file and
+reporting each change, and ``same_weights`` holding a recorded weight fingerprint (a job state's, an
+adapter's) against the model now. A safetensors file whose float tensors hold NaN or inf is never
+recorded. A folder without records (a user's own folder) is used as it is, and is reported as
+unrecorded; spill never invents a record for bytes it did not see arrive.
 """
 
 from __future__ import annotations
@@ -83,6 +63,13 @@ def hash_now(path: Path) -> tuple[str, list[int] | None]:
     return digest, key
 
 
+# Every source records each model file's size and sha256 in ``spill-source.json`` under ``files``
+# when the folder enters the cache (tiny generation and GGUF import hash what they wrote, staging
+# hashes while copying, a hub snapshot takes the sha256 the hub reported for each LFS file from the
+# name of its blob and hashes the small files). Every hash is taken by ``spill.models.scan``, which
+# checks a safetensors file's float tensors for NaN and inf in the same pass: such a file is never
+# recorded (``record`` refuses it), and a recorded one (an older spill's record) is named when a job
+# start re-hashes it or by ``verify``.
 def record(
     folder: Path,
     known: Mapping[str, str] | None = None,
@@ -196,6 +183,11 @@ def _remember(folder: Path, fresh: dict, full: bool) -> None:
         pass  # a read-only folder is checked in full each time, never refused for it
 
 
+# A file is re-hashed in full only when its stat key (size, mtime_ns, ctime_ns, inode) differs from
+# the one recorded under ``verified`` when its hash last matched; any write to a file, even a
+# same-size byte flip, moves its ctime, which userland cannot set back, so an unchanged stat key
+# means unchanged bytes for every change made through the filesystem. Silent media corruption (bit
+# rot) keeps the stat: ``spill models verify`` re-hashes everything and finds it.
 def check(folder: Path, name: str, remember: bool = True) -> dict[str, dict] | None:
     """At job start: the folder's file records once every file matches them (re-hashing only
     files whose stat changed), None when it has none; else one line naming the first change.
@@ -296,6 +288,10 @@ def _legacy_fingerprint(folder: Path) -> str:
     return "sha256:" + hashlib.sha256(raw).hexdigest()
 
 
+# The one place a recorded weight fingerprint is held against the model now: the fingerprint changed
+# definition on 2026-12-06 (a 64 KiB sample of each shard's ends became its full sha256), and a
+# record made before then still names these weights when it equals their fingerprint by the old
+# definition and the files pass their records.
 def same_weights(recorded: str | None, folder: Path, current: str, where: str, then: str) -> bool:
     """Whether the weight fingerprint ``recorded`` at ``where`` names the weights in ``folder``,
     whose fingerprint is ``current``: equal to it, or to the folder's legacy fingerprint while

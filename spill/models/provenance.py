@@ -1,24 +1,9 @@
-"""Where a model name lives in the cache, and the files its own source gives for it here.
-
-The cache folder a name resolves to (``home``) is shared by every project on the machine, so
-bytes that arrive from elsewhere (a bundle) may fill it only when they equal what the name's
-pinned source gives on this machine (``genuine``):
-
-* ``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated again from its seed (the same bytes
-  on every machine);
-* an alias served by an offline GGUF (``smollm2:135m``, ``@q4_1`` its quantization kept as
-  the bare name keeps it, ``@f32`` the float import) is imported again from the GGUF installed
-  here, when one is (the import of one GGUF always gives the same bytes);
-* ``spill models quantize``'s copy of either (``tiny:llama:1@q4g64``) is made again from that
-  source, then quantized (the quantizer is deterministic);
-* a hub snapshot at a pinned commit is compared with what the hub reports for that commit
-  (``hub_differs``: each LFS file's sha256, each small file's git blob id), when the hub can be
-  asked;
-* anything else (a user's own import, a folder outside the cache) has no source to ask: such
-  bytes never take the name.
-
-The genuine files are written to a folder the caller names, on the cache's file system, with
-the record a first use writes, so a caller whose bytes matched renames that folder into place.
+"""Where a model name lives in the cache (``home``), and the files its own source gives for it here
+(``genuine``). The cache folder is shared by every project on the machine, so bytes that arrive from
+elsewhere (a bundle) may fill it only when they equal what the name's pinned source gives on this
+machine; a name whose source cannot say is ``Unverifiable``, and such bytes never take the name. The
+genuine files are written to a folder the caller names, on the cache's file system, with the record
+a first use writes, so a caller whose bytes matched renames that folder into place.
 """
 
 from __future__ import annotations
@@ -106,6 +91,19 @@ def _estimated_tiny_bytes(spec) -> int:
     return 2 * (11 * spec.layers * spec.hidden**2 + 259 * spec.hidden)
 
 
+# What each source gives here:
+# - ``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated again from its seed (the same bytes on
+#   every machine);
+# - an alias served by an offline GGUF (``smollm2:135m``, ``@q4_1`` its quantization kept as the
+#   bare name keeps it, ``@f32`` the float import) is imported again from the GGUF installed here,
+#   when one is (the import of one GGUF always gives the same bytes);
+# - ``spill models quantize``'s copy of either (``tiny:llama:1@q4g64``) is made again from that
+#   source, then quantized (the quantizer is deterministic);
+# - a hub snapshot at a pinned commit is compared with what the hub reports for that commit
+#   (``hub_differs``: each LFS file's sha256, each small file's git blob id), when the hub can be
+#   asked;
+# - anything else (a user's own import, a folder outside the cache) has no source to ask: such bytes
+#   never take the name.
 def genuine(
     name: str,
     source: Mapping[str, Any],

@@ -1,17 +1,11 @@
 """mlx-lm's affine quantized layout: pack, unpack, dequantize and quantize, in numpy.
 
-Per group of ``G`` consecutive values along a row (the input dimension) one scale and one
-bias: ``w = scale * q + bias`` with ``q`` in ``[0, 2**bits - 1]``. A matrix ``(out, in)`` is
-stored as mlx stores it: ``weight`` uint32 ``(out, in * bits / 32)``, element ``j`` of a word
-in bits ``j * bits`` upward (little-endian within the word), ``scales`` and ``biases``
-``(out, in / G)``. ``config.json`` says ``"quantization": {"group_size": G, "bits": B}``, plus
-an entry per module path (``"model.layers.0.mlp.down_proj": {...}``) where one differs, as
-mlx-lm writes mixed quantizations. A tensor is quantized when its ``.scales`` exist.
-
-``quantize`` is mlx's affine quantizer (``mx.quantize``), step for step in float32, so it gives
-the same bits with or without MLX: the scale snaps so that the group's larger-magnitude edge is
-hit exactly; scales and biases come back in the input's dtype. ``dequantize`` computes
-``scale * q + bias`` in float32, which is how every source's exactness is proven.
+Per group of ``G`` consecutive values along a row (the input dimension) one scale and one bias: ``w
+= scale * q + bias`` with ``q`` in ``[0, 2**bits - 1]``. A matrix ``(out, in)`` is stored as mlx
+stores it: ``weight`` uint32 ``(out, in * bits / 32)``, element ``j`` of a word in bits ``j * bits``
+upward, ``scales`` and ``biases`` ``(out, in / G)``. A tensor is quantized when its ``.scales``
+exist. ``quantize`` gives the same bits as ``mx.quantize``, with or without MLX; ``dequantize``
+computes ``scale * q + bias`` in float32.
 """
 
 from __future__ import annotations
@@ -44,6 +38,7 @@ class Spec:
                 f"{'/'.join(map(str, READ_GROUP_SIZES))}"
             )
 
+    # Element ``j`` of a word sits in bits ``j * bits`` upward (little-endian within the word).
     def packed_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
         return shape[0], shape[1] * self.bits // 32
 
@@ -132,6 +127,7 @@ def unpack(weight: np.ndarray, bits: int) -> np.ndarray:
     return q.astype(np.uint8).reshape(weight.shape[0], -1)
 
 
+# In float32, which is how every source's exactness is proven.
 def dequantize(
     weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int
 ) -> np.ndarray:
@@ -164,6 +160,9 @@ def _like(x: np.ndarray, dtype) -> np.ndarray:
     return x.astype(dtype)
 
 
+# mlx's affine quantizer (``mx.quantize``), step for step in float32, so it gives the same bits with
+# or without MLX: the scale snaps so that the group's larger-magnitude edge is hit exactly; scales
+# and biases come back in the input's dtype.
 def quantize(
     w: np.ndarray, bits: int, group_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -201,6 +200,9 @@ def quantize(
     return pack(q, bits), _like(scale, w.dtype), _like(bias, w.dtype)
 
 
+# ``config.json`` says ``"quantization": {"group_size": G, "bits": B}``, plus an entry per module
+# path (``"model.layers.0.mlp.down_proj": {...}``) where one differs, as mlx-lm writes mixed
+# quantizations.
 def config_entry(specs: Mapping[str, Spec]) -> dict:
     """config.json's ``quantization`` for ``{module path: spec}``: the most common spec as the
     default, and an entry for each module that differs (mlx-lm's mixed layout)."""

@@ -1,13 +1,8 @@
-"""Turn what the user typed (a name and maybe ``--weights <uri>``) into a checked model folder.
-
-Order: ``--weights`` (or a name that is itself a URI) is staged into ``models/staged`` (a folder
-of the cache itself, such as a bundle's, is used in place); an existing folder is used in place;
-``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated on first use; an alias uses its cached
-folder, else imports its packaged GGUF (``smollm2:135m``), else downloads its pinned commit;
-``org/name[@revision]`` goes to the hub. Every answer is checked (config.json readable, every
-shard present and whole), so a broken folder fails here in one line, not mid-run. The
-``spill models`` verbs that start from a name (import, quantize, verify) and ``--quantize``'s
-copy (``quantized_copy``) resolve it here, then call the source that writes the folder.
+"""Turn what the user typed (a name and maybe ``--weights <uri>``) into a checked model folder
+(``resolve_model``). Every answer is checked (config.json readable, every shard present and whole),
+so a broken folder fails here in one line, not mid-run. The ``spill models`` verbs that start from a
+name (import, quantize, verify) and ``--quantize``'s copy (``quantized_copy``) resolve it here, then
+call the source that writes the folder.
 """
 
 from __future__ import annotations
@@ -189,6 +184,11 @@ def _from_alias(alias: Alias, progress: Progress) -> ResolvedModel:
     return _checked(ResolvedModel(alias.name, alias.model_id, alias.revision, snapshot, "hub"))
 
 
+# Order: ``--weights`` (or a name that is itself a URI) is staged into ``models/staged`` (a folder
+# of the cache itself, such as a bundle's, is used in place); an existing folder is used in place;
+# ``tiny:<family>:<seed>[:<layers>x<hidden>]`` is generated on first use; an alias uses its cached
+# folder, else imports its packaged GGUF (``smollm2:135m``), else downloads its pinned commit;
+# ``org/name[@revision]`` goes to the hub.
 def resolve_model(
     name: str, weights: str | None = None, *, progress: Progress = print
 ) -> ResolvedModel:

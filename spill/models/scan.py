@@ -1,14 +1,7 @@
-"""One pass over a model file: its sha256 and, for a safetensors file, whether every float tensor
-(F32, F16, BF16 by its header) holds only finite values.
-
-Every byte of a model file is read once already where its sha256 is taken (a source recording
-the files it wrote, a job start re-hashing a file whose stat changed, ``spill models verify``, a
-folder without records fingerprinted); the check rides on that read, in the same chunks, so a
-large matrix holding NaN or inf (an embedding, a linear: the readers check only scales, biases
-and 1-D tensors as they load) is refused before any job computes with it. A value is inf or NaN
-exactly when its exponent bits are all set: each chunk is masked as unsigned integers in scratch
-memory of the chunk's size, with no conversion (bf16 as ``spill.models.quant.finite`` reads it).
-A header that cannot be parsed is only hashed: the readers refuse such a file in one line.
+"""One pass over a model file (``scan_file``, ``checked_sha256``): its sha256 and, for a safetensors
+file, whether every float tensor (F32, F16, BF16 by its header) holds only finite values;
+``NotFinite`` names the file and the tensor. A header that cannot be parsed is only hashed: the
+readers refuse such a file in one line.
 """
 
 from __future__ import annotations
@@ -44,6 +37,13 @@ def not_finite(path: Path | str, tensor: str) -> str:
     )
 
 
+# Every byte of a model file is read once already where its sha256 is taken (a source recording the
+# files it wrote, a job start re-hashing a file whose stat changed, ``spill models verify``, a
+# folder without records fingerprinted); the check rides on that read, in the same chunks, so a
+# large matrix holding NaN or inf (an embedding, a linear: the readers check only scales, biases and
+# 1-D tensors as they load) is refused before any job computes with it. A value is inf or NaN
+# exactly when its exponent bits are all set: each chunk is masked as unsigned integers in scratch
+# memory of the chunk's size, with no conversion (bf16 as ``spill.models.quant.finite`` reads it).
 class Scan:
     """sha256 of the bytes fed in order (``update``), and the first float tensor holding NaN or
     inf (``bad``) when they are a safetensors file (``tensors=True``)."""

@@ -1,12 +1,9 @@
-"""A model folder's weight files: shards, the tensor -> shard index, and the weight fingerprint.
-
-The fingerprint hashes the config, the shard names and sizes, the safetensors headers and every
-shard's full sha256, so it changes when any byte of the weights does (a sample of each shard's
-ends, its definition before, let a file with other weights in the middle pass as the genuine
-one). It is part of every checkpoint's identity, so it must cost nothing at job start: the cache
-records each file's sha256 when it arrives (``spill.models.integrity``, checked at every job
-start) and ``cache.cached_fingerprint`` passes those records in; only a folder without records
-(a user's own) is hashed here, once, and the result cached by its files' stat keys.
+"""A model folder's weight files (``weight_files``): shards, the tensor -> shard index, and the
+weight fingerprint (``fingerprint``), which changes when any byte of the weights does and is part of
+every checkpoint's identity, so it must cost nothing at job start: the cache records each file's
+sha256 when it arrives (``spill.models.integrity``, checked at every job start) and
+``cache.cached_fingerprint`` passes those records in; only a folder without records (a user's own)
+is hashed here, once, and the result cached by its files' stat keys.
 """
 
 from __future__ import annotations
@@ -217,6 +214,9 @@ def layer_bytes(config, files: WeightFiles, itemsize: int, computes_packed=None)
     return largest
 
 
+# It hashes the config, the shard names and sizes, the safetensors headers and every shard's full
+# sha256 (a sample of each shard's ends, its definition before, let a file with other weights in the
+# middle pass as the genuine one).
 def fingerprint(folder: Path, hashes: Mapping[str, str] | None = None) -> str:
     """``sha256:<hex>`` of config.json, shard names and sizes, headers and each shard's sha256:
     from ``hashes`` (shard name -> hex, the cache's records) where given, else hashed here

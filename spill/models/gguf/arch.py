@@ -1,21 +1,10 @@
-"""llama.cpp's GGUF architectures that spill reads and writes, as one table both ways.
+"""llama.cpp's GGUF architectures that spill reads and writes, as one table both ways (``ARCHES`` of
+``Arch``; ``WRITTEN_AS``: the architecture each spill family is written as).
 
 An ``Arch`` says what a GGUF of that architecture holds beyond a Llama's tensors, the way
-llama.cpp's ``convert_hf_to_gguf.py`` writes it and its loader reads it: whether attn_q/attn_k
-rows are interleaved for its rotary (``permute``: llama.cpp's NORM rope; NEOX families such as
-Qwen keep HF's halves), q/k/v biases (Qwen2), per-head q/k norms (Qwen3's attn_q_norm /
-attn_k_norm), Phi-3's fused attn_qkv and gate+up ffn_up with a partial rotary
-(``rope.dimension_count``), and llama.cpp's NoPE step (SmolLM3: every fourth layer has no
-rotary, a step llama.cpp fixes in code and reads from no key). ``WRITTEN_AS`` names the architecture each
-spill family is written as: Mistral is written as ``llama``, as llama.cpp converts it (without
-a sliding window, which llama.cpp's llama does not run), so its GGUF imports as a Llama.
-Gemma 3 (``gemma3``) stores every norm as llama.cpp multiplies by it, (1 + w) for HF's w
-(``norm_shift``), has four norms a block (its ``ffn_norm`` is the pre-feedforward one) and fixes
-in code what its config.json says in keys: with a ``sliding_window`` every sixth layer attends
-to all keys and the others slide on a rotary base of 10000 (``swa_step``, ``swa_rope_base``),
-queries are scaled by head_dim ** -0.5 except at 62 blocks (the 27B: (hidden // heads) ** -0.5,
-``wide_query_layers``), embeddings by sqrt(hidden). Phi-3's longrope (its rope_factors_long/short
-tensors) has no entry: those GGUFs are refused in one line both ways.
+llama.cpp's ``convert_hf_to_gguf.py`` writes it and its loader reads it. Mistral is written as
+``llama`` (without a sliding window), so its GGUF imports as a Llama. Phi-3's longrope (its
+rope_factors_long/short tensors) has no entry: those GGUFs are refused in one line both ways.
 """
 
 from __future__ import annotations
@@ -59,6 +48,17 @@ FUSED = {  # a Phi-3's: q, k, v rows in one matrix; ffn_up holds gate's rows, th
 _SPLIT = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight")
 
 
+# What an architecture holds: whether attn_q/attn_k rows are interleaved for its rotary
+# (``permute``: llama.cpp's NORM rope; NEOX families such as Qwen keep HF's halves), q/k/v biases
+# (Qwen2), per-head q/k norms (Qwen3's attn_q_norm / attn_k_norm), Phi-3's fused attn_qkv and
+# gate+up ffn_up with a partial rotary (``rope.dimension_count``), and llama.cpp's NoPE step
+# (SmolLM3: every fourth layer has no rotary, a step llama.cpp fixes in code and reads from no key).
+# Gemma 3 (``gemma3``) stores every norm as llama.cpp multiplies by it, (1 + w) for HF's w
+# (``norm_shift``), has four norms a block (its ``ffn_norm`` is the pre-feedforward one) and fixes
+# in code what its config.json says in keys: with a ``sliding_window`` every sixth layer attends to
+# all keys and the others slide on a rotary base of 10000 (``swa_step``, ``swa_rope_base``), queries
+# are scaled by head_dim ** -0.5 except at 62 blocks (the 27B: (hidden // heads) ** -0.5,
+# ``wide_query_layers``), embeddings by sqrt(hidden).
 @dataclass(frozen=True)
 class Arch:
     family: str  # the model_type its GGUF imports as
@@ -147,4 +147,6 @@ ARCHES = {
     ),
 }
 # spill family -> the llama.cpp architecture its GGUF is written as
+# Mistral is written as ``llama``, as llama.cpp converts it (without a sliding window, which
+# llama.cpp's llama does not run), so its GGUF imports as a Llama.
 WRITTEN_AS = {a.family: name for name, a in ARCHES.items()} | {"mistral": "llama"}

@@ -1,23 +1,11 @@
 """Import a GGUF file of llama.cpp's llama, qwen2, qwen3, smollm3, phi3 or gemma3 architecture
-(``gguf.arch``) as an HF-layout model folder.
-
-Every tensor is dequantized exactly as ggml does (``gguf.quants``) and a Llama's or SmolLM3's
-attn_q/attn_k get llama.cpp's row permutation undone (Qwen's rotary halves are not interleaved;
-a Qwen2's q/k/v biases and a Qwen3's q/k norms come along; a Gemma 3's norms, stored as 1 + w,
-get the 1 taken off in float32: exact for stored values >= 0.5, so the 1 + w spill scales by
-is the stored value bit for bit). Storage is chosen per tensor so that nothing is rounded:
-BF16 where every value survives the round trip, else F16 if that is exact, else F32. A Q4_1
-weight (fp16 scale * nibble + fp16 min) almost never fits in bf16, so quantized weights usually
-land as F32; the norms, stored as F32 that came from bf16, land as BF16.
-
-With ``keep_quantization`` the quantized matrices are stored packed instead, in mlx-lm's affine
-layout (``gguf.quant``: the same float32 values, rows unpermuted the same way); a type without
-an exact affine form is dequantized as above, and the line says so.
-
-The tokenizer is rebuilt from the GGUF vocabulary without transformers: byte-level BPE from
-tokens and merges, control tokens added as special; for SmolLM2 the JSON equals transformers'
-own conversion. The folder is written next to ``dest`` and renamed into place at the end, so a
-crash never leaves half a model at ``dest``. The same GGUF always gives the same bytes.
+(``gguf.arch``) as an HF-layout model folder (``import_gguf``). Every tensor is dequantized exactly
+as ggml does (``gguf.quants``) and stored so that nothing is rounded; with ``keep_quantization`` the
+quantized matrices are stored packed instead, in mlx-lm's affine layout (``gguf.quant``), and a type
+without an exact affine form is dequantized, the line saying so. The tokenizer is rebuilt from the
+GGUF vocabulary without transformers. The folder is written next to ``dest`` and renamed into place
+at the end, so a crash never leaves half a model at ``dest``. The same GGUF always gives the same
+bytes.
 """
 
 from __future__ import annotations
@@ -163,6 +151,8 @@ def import_gguf(
     return dest
 
 
+# The tokenizer: byte-level BPE from tokens and merges, control tokens added as special; for SmolLM2
+# the JSON equals transformers' own conversion.
 def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     """config.json, tokenizer_config.json and generation_config.json from the GGUF metadata."""
     meta, where = gguf.metadata, str(gguf.path)
@@ -275,6 +265,11 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     return config, tokenizer_config, generation
 
 
+# A Llama's or SmolLM3's attn_q/attn_k get llama.cpp's row permutation undone (Qwen's rotary halves
+# are not interleaved; a Qwen2's q/k/v biases and a Qwen3's q/k norms come along; a Gemma 3's norms,
+# stored as 1 + w, get the 1 taken off in float32: exact for stored values >= 0.5, so the 1 + w
+# spill scales by is the stored value bit for bit). Packed matrices hold the same float32 values,
+# rows unpermuted the same way.
 def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, int]]:
     """``(hf_name, tensor info, heads to unpermute or 0)`` in file order; refuses strays and bad
     shapes. The shapes are the family's own (``ModelConfig.layer_shapes``) for the config read."""
@@ -324,6 +319,9 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, d // heads // 2, 2, n_in).swapaxes(1, 2).reshape(d, n_in)
 
 
+# BF16 where every value survives the round trip, else F16 if that is exact, else F32. A Q4_1 weight
+# (fp16 scale * nibble + fp16 min) almost never fits in bf16, so quantized weights usually land as
+# F32; the norms, stored as F32 that came from bf16, land as BF16.
 def _exact_storage(w: np.ndarray) -> tuple[str, np.ndarray]:
     """The narrowest safetensors dtype that holds every float32 value bit for bit."""
     bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)

@@ -1,27 +1,10 @@
-"""GGUF quantized blocks as spill's affine groups (``spill.models.quant``), without loss.
+"""GGUF quantized blocks as spill's affine groups (``spill.models.quant``), without loss
+(``to_affine``, ``kept_tensors``, ``file_tag``).
 
-Each supported ggml type becomes per-group ``scale * q + bias`` with the same float32 values
-that ``gguf.quants.dequantize`` computes, because every product involved is exact in float32
-(an fp16 ``d`` has 11 significant bits, a sub-scale at most 7, a quant at most 8) and the one
-rounding left, the final add or subtract, happens on the same two numbers:
-
-=======  =====  =====  ====================================  ==================================
-type     bits   group  scale                                 bias
-=======  =====  =====  ====================================  ==================================
-Q4_0     4      32     d                                     -8 d
-Q4_1     4      32     d                                     m
-Q5_0     8      32     d                                     -16 d
-Q5_1     8      32     d                                     m
-Q8_0     8      32     d                                     -128 d   (q = int8 + 128)
-Q4_K     4      32     f32(d * sc)                           -f32(dmin * m)
-Q5_K     8      32     f32(d * sc)                           -f32(dmin * m)
-Q6_K     8      16     f32(d * sc)                           -32 f32(d * sc)
-=======  =====  =====  ====================================  ==================================
-
-5- and 6-bit values are stored in 8 bits (spill packs 4 and 8 only); Q6_K keeps its groups of
-16, which mlx's kernels do not take. Other types (Q2_K, Q3_K) are not mapped: ``to_affine``
-returns None and the importer dequantizes them. Scales and biases come back as float32; the
-importer narrows them to float16 where every value survives.
+Each supported ggml type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) becomes per-group ``scale
+* q + bias`` with the same float32 values that ``gguf.quants.dequantize`` computes. Other types
+(Q2_K, Q3_K) are not mapped: ``to_affine`` returns None and the importer dequantizes them. Scales
+and biases come back as float32; the importer narrows them to float16 where every value survives.
 """
 
 from __future__ import annotations
@@ -40,6 +23,23 @@ DTYPE_RULE = (
     "quantized tensors packed as stored (U32 weight, scales and biases F16 where exact, else F32); "
     "per other tensor: BF16 if every value round-trips exactly, else F16 if exact, else F32"
 )
+# Every product involved is exact in float32 (an fp16 ``d`` has 11 significant bits, a sub-scale at
+# most 7, a quant at most 8) and the one rounding left, the final add or subtract, happens on the
+# same two numbers:
+#     =======  =====  =====  ====================================  ==================================
+#     type     bits   group  scale                                 bias
+#     =======  =====  =====  ====================================  ==================================
+#     Q4_0     4      32     d                                     -8 d
+#     Q4_1     4      32     d                                     m
+#     Q5_0     8      32     d                                     -16 d
+#     Q5_1     8      32     d                                     m
+#     Q8_0     8      32     d                                     -128 d   (q = int8 + 128)
+#     Q4_K     4      32     f32(d * sc)                           -f32(dmin * m)
+#     Q5_K     8      32     f32(d * sc)                           -f32(dmin * m)
+#     Q6_K     8      16     f32(d * sc)                           -32 f32(d * sc)
+#     =======  =====  =====  ====================================  ==================================
+# 5- and 6-bit values are stored in 8 bits (spill packs 4 and 8 only); Q6_K keeps its groups of 16,
+# which mlx's kernels do not take.
 SPECS = {
     T.Q4_0: Spec(4, 32),
     T.Q4_1: Spec(4, 32),

@@ -1,16 +1,9 @@
-"""GGUF files through a bounded parser of spill's own: metadata, tensor table, one tensor at a time.
-
-Not ``gguf.GGUFReader``: it makes a numpy view per array element (an 8 MB file with one 2M-element
-array took 1.44 GB and 49 s) and trusts every count. Here each count and length is checked
-against the bytes left in the file before anything is read or allocated; only ``KEPT_ARRAYS``
-are read (``MAX_ELEMENTS`` at most), others skipped unread. Each tensor's shape, type and bytes
-are checked with Python integers against the file's size (an offset of 2^64-32 is refused, not
-wrapped onto the header). Tensors are read one at a time (``pread``, ``gguf.quants``); v2/v3 only.
-
-``tokenizer_json`` rebuilds the file's byte-level BPE tokenizer with ``tokenizers`` alone: tokens
-and merges as stored, control tokens added as special, user-defined ones as plain added tokens,
-and BOS/EOS added on encode only where the file's flags say so. Token strings are kept as stored
-(transformers respells those outside the byte alphabet and then cannot match them whole).
+"""GGUF files through a bounded parser of spill's own (``read_gguf`` -> ``GGUFFile``): metadata,
+tensor table, one tensor at a time (``pread``, ``gguf.quants``); v2/v3 only. Each count and length
+is checked against the bytes left in the file before anything is read or allocated, and each
+tensor's shape, type and bytes against the file's size; a non-GGUF, truncated or corrupt file is one
+``ModelError`` line. ``tokenizer_json`` rebuilds the file's byte-level BPE tokenizer with
+``tokenizers`` alone.
 """
 
 from __future__ import annotations
@@ -162,6 +155,10 @@ MAX_DIMS = 4  # ggml's
 _WINDOW = 1 << 20
 
 
+# Not ``gguf.GGUFReader``: it makes a numpy view per array element (an 8 MB file with one 2M-element
+# array took 1.44 GB and 49 s) and trusts every count. Only ``KEPT_ARRAYS`` are read
+# (``MAX_ELEMENTS`` at most), others skipped unread. Shapes are checked with Python integers (an
+# offset of 2^64-32 is refused, not wrapped onto the header).
 class _Cursor:
     """Reads a GGUF header through a 1 MiB window; every length is checked against the bytes
     left in the file before it is read or anything is sized from it."""
@@ -316,6 +313,9 @@ def _tensor(cur: _Cursor, start: int, name: str, dims: list[int], kind: int, off
     return TensorInfo(name, tuple(reversed(dims)), qtype, start + offset, nbytes)
 
 
+# Tokens and merges as stored, control tokens added as special, user-defined ones as plain added
+# tokens, and BOS/EOS added on encode only where the file's flags say so. Token strings are kept as
+# stored (transformers respells those outside the byte alphabet and then cannot match them whole).
 def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
     """Byte-level BPE from the GGUF vocabulary, serialized as ``tokenizer.json``."""
     from tokenizers import (

@@ -1,15 +1,10 @@
-"""The affine quantized copy of a float model (``spill models quantize``), beside it in the cache.
-
-Which tensors: as mlx-lm's ``convert -q`` picks them, every linear and embedding weight whose
-rows split into whole groups (q/k/v/o, the MLP, ``embed_tokens``, an untied ``lm_head``); norms
-and biases stay as they are. ``quant.quantize`` gives mx.quantize's bits, and scales and biases
-keep the weight's dtype (bf16 stays bf16), as mlx-lm stores them. Shard names and the index
-are kept. The copy is written to a temporary folder and renamed, every file's sha256 recorded;
-it lives at ``models/quantized/<name>-q<bits>g<group>`` and is named ``<name>@q<bits>g<group>``.
+"""The affine quantized copy of a float model (``spill models quantize``), beside it in the cache at
+``models/quantized/<name>-q<bits>g<group>``, named ``<name>@q<bits>g<group>``.
 
 ``make_copy`` writes it (``resolve.quantize_model`` and ``--quantize``'s ``resolve.quantized_copy``
-call it with a resolved model); ``identity`` is what a run's identity records about a quantized
-base.
+call it with a resolved model): written to a temporary folder and renamed, every file's sha256
+recorded. ``identity`` is what a run's identity records about a quantized base;
+``dequantize_folder`` writes a quantized folder's float32 values.
 """
 
 from __future__ import annotations
@@ -43,6 +38,9 @@ from spill.models.weights import INDEX, weight_files
 from spill.store.safetensors_io import bf16_bits_to_float32, read_header, write_file
 
 _STORED = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32}
+# As mlx-lm's ``convert -q`` picks them: every linear and embedding weight whose rows split into
+# whole groups (q/k/v/o, the MLP, ``embed_tokens``, an untied ``lm_head``); norms and biases stay as
+# they are.
 QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 
 
@@ -76,6 +74,8 @@ def _read(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     return out
 
 
+# ``quant.quantize`` gives mx.quantize's bits, and scales and biases keep the weight's dtype (bf16
+# stays bf16), as mlx-lm stores them. Shard names and the index are kept.
 def quantize_folder(
     source: Path, dest: Path, bits: int, group_size: int, progress: Callable[[str], object]
 ) -> dict[str, Spec]:

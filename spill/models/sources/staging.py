@@ -1,13 +1,10 @@
-"""Stage a model folder from shared storage (``--weights <uri>``) onto local disk through fsspec.
-
-Any fsspec URI works: a local path, ``memory://``, ``s3://`` (endpoint and credentials come the
-standard way, ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, profiles), ``gs://`` and ``az://`` with
-the cloud extra. Only model files are copied. The destination is a mirror: a file whose size
-already matches is skipped (so a second stage copies nothing), each copy lands under a temp name and
-is renamed into place (a killed copy never leaves a short shard under the real name), and model
-files the source no longer has are removed (a stale shard would otherwise be picked up). Each
-file's sha256 is computed while it is copied (a kept file is hashed unless its stat still matches
-the last verified one) and recorded in the folder's marker.
+"""Stage a model folder from shared storage (``--weights <uri>``) onto local disk through fsspec
+(``stage``). Any fsspec URI works: a local path, ``memory://``, ``s3://`` (endpoint and credentials
+come the standard way, ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, profiles), ``gs://`` and
+``az://`` with the cloud extra. Only model files are copied. The destination is a mirror: a file
+whose size already matches is skipped (so a second stage copies nothing), and model files the source
+no longer has are removed (a stale shard would otherwise be picked up). Each file's sha256 is
+recorded in the folder's marker.
 """
 
 from __future__ import annotations
@@ -75,6 +72,8 @@ def _list_model_files(fs, root: str, uri: str) -> dict[str, tuple[str, int]]:
     return files
 
 
+# Each copy lands under a temp name and is renamed into place (a killed copy never leaves a short
+# shard under the real name); the sha256 is computed while it is copied.
 def _copy(fs, remote: str, local: Path) -> str:
     """Copy ``remote`` to ``local`` and return its sha256, hashed (and a safetensors file's
     float tensors checked for NaN and inf, ``NotFinite``) while copying."""
@@ -90,6 +89,7 @@ def _copy(fs, remote: str, local: Path) -> str:
     return scan.hexdigest()
 
 
+# A kept file is hashed unless its stat still matches the last verified one.
 def _local_hash(
     path: Path, rec: dict | None, key: list[int] | None
 ) -> tuple[str, list[int] | None]:
