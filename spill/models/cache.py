@@ -19,12 +19,12 @@ from spill.errors import ModelError
 from spill.ground.paths import models_dir
 
 # Layout:
-#     models/<safe alias>/                          imported once as floats (smollm2:135m@f32)
-#     models/<safe alias>-<type>/                   imported with its quantization (smollm2:135m,
-#                                                   smollm2:135m@q4_1)
-#     models/quantized/<safe name>-q<b>g<g>/        `spill models quantize` (tiny:llama:1:4x64@q4g64)
-#     models/hub/models--<org>--<name>/snapshots/<sha>/   the hub client's own cache layout
-#     models/staged/<safe name>-<uri hash>/         copied from --weights <uri>
+#   models/<safe alias>/                          imported once as floats (smollm2:135m@f32)
+#   models/<safe alias>-<type>/                   imported with its quantization (smollm2:135m,
+#                                                 smollm2:135m@q4_1)
+#   models/quantized/<safe name>-q<b>g<g>/        `spill models quantize` (tiny:llama:1:4x64@q4g64)
+#   models/hub/models--<org>--<name>/snapshots/<sha>/   the hub client's own cache layout
+#   models/staged/<safe name>-<uri hash>/         copied from --weights <uri>
 MARKER = "spill-source.json"
 # The files a model folder needs; hub downloads and staging copy only these.
 MODEL_FILES = (

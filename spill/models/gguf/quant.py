@@ -26,18 +26,18 @@ DTYPE_RULE = (
 # Every product involved is exact in float32 (an fp16 ``d`` has 11 significant bits, a sub-scale at
 # most 7, a quant at most 8) and the one rounding left, the final add or subtract, happens on the
 # same two numbers:
-#     =======  =====  =====  ====================================  ==================================
-#     type     bits   group  scale                                 bias
-#     =======  =====  =====  ====================================  ==================================
-#     Q4_0     4      32     d                                     -8 d
-#     Q4_1     4      32     d                                     m
-#     Q5_0     8      32     d                                     -16 d
-#     Q5_1     8      32     d                                     m
-#     Q8_0     8      32     d                                     -128 d   (q = int8 + 128)
-#     Q4_K     4      32     f32(d * sc)                           -f32(dmin * m)
-#     Q5_K     8      32     f32(d * sc)                           -f32(dmin * m)
-#     Q6_K     8      16     f32(d * sc)                           -32 f32(d * sc)
-#     =======  =====  =====  ====================================  ==================================
+#   =======  =====  =====  ====================================  ==================================
+#   type     bits   group  scale                                 bias
+#   =======  =====  =====  ====================================  ==================================
+#   Q4_0     4      32     d                                     -8 d
+#   Q4_1     4      32     d                                     m
+#   Q5_0     8      32     d                                     -16 d
+#   Q5_1     8      32     d                                     m
+#   Q8_0     8      32     d                                     -128 d   (q = int8 + 128)
+#   Q4_K     4      32     f32(d * sc)                           -f32(dmin * m)
+#   Q5_K     8      32     f32(d * sc)                           -f32(dmin * m)
+#   Q6_K     8      16     f32(d * sc)                           -32 f32(d * sc)
+#   =======  =====  =====  ====================================  ==================================
 # 5- and 6-bit values are stored in 8 bits (spill packs 4 and 8 only); Q6_K keeps its groups of 16,
 # which mlx's kernels do not take.
 SPECS = {
