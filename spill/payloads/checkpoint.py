@@ -1,14 +1,10 @@
 """Tune checkpoints: payload folders ``<job>/payloads/ckpt-g<gen>-s<step>-<attempt>/`` with
 ``params.safetensors``, ``opt.safetensors``, ``state.json`` (schema ``checkpoint-state``) and,
-written last, ``COMMIT`` (schema ``commit``: size and sha256 of the three).
-
-Tensors are float32 in ``safetensors.numpy.save``'s layout (``safetensors_io.encode``), so equal
-inputs give equal bytes; optimizer tensors are ``m::<name>`` and ``v::<name>`` (and
-``best::<name>``, the best adapter so far of a run that keeps it: ``spill.jobs.tune.validation``).
-``save_checkpoint`` writes a new folder and publishes it on the run's ``ckpt`` pointer;
-``latest_checkpoint`` follows the pointer (never "the highest step folder") and skips a folder
-that fails verification; ``load_checkpoint`` reads it; ``settle`` waits for the removal of old
-folders. Recovery and removal: docs/design.md, "Payloads".
+written last, ``COMMIT`` (schema ``commit``: size and sha256 of the three). ``save_checkpoint``
+writes a new folder and publishes it on the run's ``ckpt`` pointer; ``latest_checkpoint`` follows
+the pointer (never "the highest step folder") and skips a folder that fails verification;
+``load_checkpoint`` reads it; ``settle`` waits for the removal of old folders. Recovery and removal:
+docs/design.md, "Payloads".
 """
 
 from __future__ import annotations
@@ -80,6 +76,9 @@ def _dump(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
 
 
+# Tensors are float32 in ``safetensors.numpy.save``'s layout (``safetensors_io.encode``), so equal
+# inputs give equal bytes; optimizer tensors are ``m::<name>`` and ``v::<name>`` (and
+# ``best::<name>``, the best adapter so far of a run that keeps it: ``spill.jobs.tune.validation``).
 def _encode_tensors(tensors: Mapping[str, np.ndarray], what: str) -> list[bytes | memoryview]:
     for name, a in tensors.items():
         if not isinstance(a, np.ndarray) or a.dtype != np.float32:

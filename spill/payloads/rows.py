@@ -1,13 +1,11 @@
 """Row-job results as committed segments: payload folders
-``<job>/payloads/rows-g<gen>-s<n>-<attempt>/`` with ``rows.jsonl`` and, written second,
-``COMMIT`` (schema ``segment-commit``).
-
-A row job hands each finished row to a ``SegmentWriter``, which pushes every 25 rows or 60
-seconds and on ``flush()``/``close()``, adding each segment to the run's ``rows`` pointer by a
-fenced transition. ``restore`` returns the rows of the pointed, verified segments in order, so a
-continued job runs only the rows left: none lost, none repeated. ``pin_identity`` pins the model
-and input in ``rows/identity.json`` (schema ``row-identity``). What a push writes, and what it
-removes: docs/design.md, "Payloads".
+``<job>/payloads/rows-g<gen>-s<n>-<attempt>/`` with ``rows.jsonl`` and, written second, ``COMMIT``
+(schema ``segment-commit``). A ``SegmentWriter`` pushes every 25 rows or 60 seconds and on
+``flush()``/``close()``, adding each segment to the run's ``rows`` pointer by a fenced transition.
+``restore`` returns the rows of the pointed, verified segments in order, so a continued job runs
+only the rows left: none lost, none repeated. ``pin_identity`` pins the model and input in
+``rows/identity.json`` (schema ``row-identity``). What a push writes, and what it removes:
+docs/design.md, "Payloads".
 """
 
 from __future__ import annotations
