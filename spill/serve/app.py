@@ -27,11 +27,13 @@ def make_app(served: Served, batcher: Batcher, key: str | None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def refused(request: Request, e: ApiError):
+        note(f"spill serve: {request.method} {request.url.path} · {e.status} · {e.message}"[:300])
         return JSONResponse(e.body(), e.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         error = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+        note(f"spill serve: {error.message[:200]} · {e.status_code}")
         return JSONResponse(error.body(), e.status_code)
 
     async def guarded(route, request: Request):

@@ -2,9 +2,9 @@
 
 Every field is checked for its type and range before anything runs; a wrong one is an
 ``ApiError`` (HTTP 400, OpenAI's error shape, one sentence naming the field). Fields that
-change nothing here (``user``, penalties of 0, ``logit_bias`` empty) are accepted and ignored;
-those asking for what spill does not do (``n`` > 1, tools, images, a JSON response format) are
-refused by name. A completion's ``prompt`` is a string, a list of strings, a list of token ids
+change nothing (``user``, penalties of 0, an empty ``logit_bias``) are accepted; those asking
+for what spill does not do (``n`` or ``best_of`` > 1, penalties, a logit bias, a suffix, tools,
+images, a JSON response format) are refused by name. A completion's ``prompt`` is a string, a list of strings, a list of token ids
 or a list of such lists (what lm-evaluation-harness sends); each prompt is one choice.
 """
 
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 LOGPROBS_MAX = 20  # the most likely tokens a response may list per position
 STOPS_MAX = 16  # stop strings a request may give
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call")
+UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "suffix")
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1}  # all spill does
 
 
 class ApiError(Exception):
@@ -132,6 +133,10 @@ def _ask(body: dict, max_tokens_cap: int, token_key: str = "max_tokens") -> Ask:
     for key in UNSUPPORTED:
         if body.get(key):
             raise ApiError(400, f"'{key}' is not supported by spill serve", key, "unsupported")
+    for key, neutral in NEUTRAL.items():
+        if body.get(key) not in (None, neutral):
+            why = f"'{key}' other than {neutral} is not supported by spill serve"
+            raise ApiError(400, why, key, "unsupported")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", None)):
         raise ApiError(400, "'response_format' may only be text here", "response_format")

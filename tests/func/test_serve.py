@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ openai = pytest.importorskip("openai")
 KEY = "test-key-123"
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SPILL_PREEMPT_GRACE": "2"}
 NEW = 12  # new tokens of the answers compared with spill run
+TOY = Path(__file__).resolve().parents[2] / "projects" / "toy"
 PROMPTS = ["hello there", "the cat sat on", "a b c d e f", "1 2 3", "why?"]
 
 
@@ -63,14 +65,11 @@ def setup(tmp_path_factory) -> dict:
     return {"root": root, "model": model, "adapters": adapters, "env": env}
 
 
-@pytest.fixture(scope="module")
-def server(setup):
-    args = ["serve", str(setup["model"]), "--port", "0", "--dtype", "float32", "--api-key", KEY]
-    for name, folder in setup["adapters"].items():
-        args += ["--adapter", f"{name}={folder}"]
+def start(args: list[str], env: dict) -> tuple[subprocess.Popen, int, list[str]]:
+    """``spill serve ARGS --port 0``: the process, its port, and its stderr lines (growing)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "spill", *args],
-        env=setup["env"],
+        [sys.executable, "-m", "spill", "serve", *args, "--port", "0"],
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -84,6 +83,15 @@ def server(setup):
         if m := re.match(r"serving on http://127\.0\.0\.1:(\d+)$", line.strip()):
             port = int(m.group(1))
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    return proc, port, lines
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    args = [str(setup["model"]), "--dtype", "float32", "--api-key", KEY]
+    for name, folder in setup["adapters"].items():
+        args += ["--adapter", f"{name}={folder}"]
+    proc, port, lines = start(args, setup["env"])
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
     yield {"proc": proc, "port": port, "client": client, "log": lines, "name": str(setup["model"])}
     if proc.poll() is None:
@@ -260,6 +268,10 @@ def _malformed() -> list[tuple[str, str, bytes, dict]]:
         "stream_options": ["x", 3],
         "tools": [[{"type": "function"}]],
         "response_format": [{"type": "json_object"}, "json"],
+        "frequency_penalty": [0.5, "x"],
+        "best_of": [2],
+        "logit_bias": [{"5": 10}],
+        "suffix": ["x"],
     }
     completion = {"logprobs": [-1, 50, "2", 1.5], "echo": [1, "true"],
                   "prompt": [5, [], [[]], [-1], [10**9], {"a": 1}, None, [1, "a"], True]}  # fmt: skip
@@ -326,6 +338,34 @@ def test_another_host_without_a_key_is_refused_in_one_line(setup):
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert "needs an API key" in line
+
+
+def test_a_project_serves_its_model_and_its_built_adapters(tmp_path):
+    """A project folder: its model by its name, each adapter under .spill/adapters/ by its
+    folder's name, answering as ``spill run --adapter`` does; Ctrl-C (SIGINT) stops it, exit 0."""
+    from spill.models.resolve import resolve_model
+
+    root = tmp_path / "toy"
+    shutil.copytree(TOY, root, ignore=shutil.ignore_patterns(".spill", "__pycache__"))
+    name = "tiny:llama:2:2x64"  # the toy project's model
+    assert f"name: {name}" in (root / "spill.yaml").read_text()
+    folder = Path(resolve_model(name, None).folder)
+    adapter = write_adapter(root / ".spill" / "adapters" / "toy", folder, 3)
+    env = {**os.environ, **ENV}
+    proc, port, lines = start([str(root), "--dtype", "float32"], env)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list()] == [name, "toy"]
+        got = client.completions.create(model="toy", prompt="hello there", max_tokens=NEW)
+        src, out = tmp_path / "rows.jsonl", tmp_path / "out.jsonl"
+        src.write_text(json.dumps({"id": 0, "prompt": "hello there"}) + "\n")
+        run = run_spill("run", name, str(src), "--out", str(out), "--max-new-tokens", str(NEW),
+                        "--dtype", "float32", "--adapter", str(adapter), base=env, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert got.choices[0].text == json.loads(out.read_text())["output"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
 
 
 def test_sigterm_finishes_or_cuts_the_running_rows_and_exits_0(server):
