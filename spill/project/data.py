@@ -1,19 +1,11 @@
-"""A project's data file -> the rows each stage reads, as deterministic JSONL bytes.
+"""A project's data file -> the rows each stage reads, as deterministic JSONL bytes (``prepare``).
 
 The file is CSV (a header row) or JSONL (one object per line); ``input`` and ``output`` name a
-column or key. A row's id is its position among the data rows (1-based).
-
-Task: ``classification`` when the outputs form a closed label set (at most 50 distinct values,
-each short, and no more than half as many labels as rows), else ``generation`` (free text).
-Both are graded by exact match and by the gold answer's log-prob; the table leads with exact
-match for a classification and shows both for free text.
-
-Split: a row goes to the test side when its key ``sha256(seed, input, output, n-th repeat)``
-ranks among the lowest ``test_fraction`` of its label (classification: stratified, every label
-with two rows or more keeps one on each side) or of all rows (generation). It depends on the
-seed and the rows' content, not on their order, so moving rows changes nothing and editing one
-row moves at most that row. Validation (``tune.valid``): the training rows whose key, hashed
-once more, ranks lowest are set aside for the tune stage's validation loss; the test rows never.
+column or key. A row's id is its position among the data rows (1-based). The task is
+``classification`` or ``generation`` (``detect_task``); both are graded by exact match and by the
+gold answer's log-prob. The test split (``split``) and the validation rows (``carve``) depend on the
+seed and the rows' content, not on their order, so moving rows changes nothing and editing one row
+moves at most that row; the test rows are never validation rows.
 """
 
 from __future__ import annotations
@@ -196,6 +188,9 @@ def read_inputs(path: Path, input_col: str) -> list[tuple[str | int, str]]:
     return out
 
 
+# ``classification`` when the outputs form a closed label set (at most 50 distinct values, each
+# short, and no more than half as many labels as rows), else ``generation`` (free text). The table
+# leads with exact match for a classification and shows both for free text.
 def detect_task(rows: list[Row]) -> str:
     counts = Counter(r.output for r in rows)
     closed = (
@@ -229,10 +224,13 @@ def _keys(rows: list[Row], seed: int) -> dict[int, bytes]:
     return out
 
 
+# A row goes to the test side when its key ``sha256(seed, input, output, n-th repeat)`` ranks among
+# the lowest ``test_fraction`` of its label (classification: stratified, every label with two rows
+# or more keeps one on each side) or of all rows (generation).
 def split(
     rows: list[Row], seed: int, test_fraction: float, task: str, path: Path
 ) -> tuple[list[Row], list[Row]]:
-    """``(train, test)`` in file order; see the module doc."""
+    """``(train, test)`` in file order; see the comment above."""
     keys = _keys(rows, seed)
     groups: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
@@ -255,6 +253,8 @@ def split(
     return train, test
 
 
+# Validation (``tune.valid``): the training rows whose key, hashed once more, ranks lowest are set
+# aside for the tune stage's validation loss; the test rows never.
 def carve(train: list[Row], seed: int, valid: float | None, path: Path) -> tuple[list, list]:
     """``(train, valid)``: ``valid`` rows (a count, or a fraction below 1) of the training rows
     for validation, chosen by a seeded key of their own (not the test split's, so they are a

@@ -1,12 +1,10 @@
 """What a ``hydra:`` tree may do in spill: pick Hydra's own launchers and sweeper and give them
 settings that are data; nothing in it may run code or write files of its choosing.
 
-spill.yaml is data (a bundle brings one from elsewhere), yet Hydra runs code from ``hydra:``
-(callbacks, ``_target_``, logging's ``dictConfig``, ``job.env_set``, a ``pkg://`` search path).
-``check`` (a composed config), ``check_sources`` (spill.yaml and the overrides, before Hydra
-loads anything) and ``check_sweep`` (each job of a sweep) run before any of it does, and refuse
-in one ``HydraRefused`` naming the key. Each rule and its reason: docs/sweeps.md, "What spill
-refuses in ``hydra:``".
+``check`` (a composed config), ``check_sources`` (spill.yaml and the overrides, before Hydra loads
+anything) and ``check_sweep`` (each job of a sweep) run before any of it does, and refuse in one
+``HydraRefused`` naming the key. Each rule and its reason: docs/sweeps.md, "What spill refuses in
+``hydra:``".
 """
 
 from __future__ import annotations
@@ -18,6 +16,8 @@ from typing import Any
 
 from spill.errors import HydraRefused
 
+# spill.yaml is data (a bundle brings one from elsewhere), yet Hydra runs code from ``hydra:``
+# (callbacks, ``_target_``, logging's ``dictConfig``, ``job.env_set``, a ``pkg://`` search path).
 SEARCH_PATH = "pkg://spill.conf"  # spill's shipped groups, the one search path a project has
 
 INSTANTIATE = tuple("_target_ _args_ _partial_ _recursive_ _convert_ _call_".split())

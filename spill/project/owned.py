@@ -1,20 +1,9 @@
 """The one check of an output a person names (``--out``, ``-o``, ``spill export``'s OUT), made by
-every verb that writes one before anything runs: a usage error (exit 2) when the output would
-overwrite what spill keeps, or is not something a file can be written to.
-
-What spill keeps: a project's ``spill.yaml``, its data file (``data.file`` as spill.yaml names
-it), its other config files (an existing ``*.yaml`` beside spill.yaml or in a group folder
-under it, such as ``tune/mine.yaml``, and ``spill.schema.json``) and everything under its state
-folder (``.spill/``, or a ``--state`` the command names).
-The projects are every folder above the output that holds a spill.yaml, and those the command
-names (``spill predict DIR``, ``spill report DIR``); files are compared by inode as well as by
-resolved path, so a symlink or a hard link to a project's file is refused as the file is. Any
-folder named ``.spill`` above the output is a state (a project's whose spill.yaml is elsewhere,
-or spill's own home), wherever it lies.
-
-What a file cannot be written to: a folder, a block device or a socket. A FIFO or a character
-device is an output (``/dev/stdout``, a pipe a reader waits on): ``spill.store.output.put_output``
-writes into it and never renames a file over it.
+every verb that writes one before anything runs (``refuse_output``): a usage error (exit 2) when the
+output would overwrite what spill keeps (a project's ``spill.yaml``, its data file, its other config
+files, everything under its state folder), or is not something a file can be written to (a folder, a
+block device or a socket). A FIFO or a character device is an output (``/dev/stdout``, a pipe a
+reader waits on): ``spill.store.output.put_output`` writes into it and never renames a file over it.
 """
 
 from __future__ import annotations
@@ -33,6 +22,14 @@ from spill.store.output import STREAMS
 FILE = "spill.yaml"
 
 
+# What spill keeps: a project's ``spill.yaml``, its data file (``data.file`` as spill.yaml names
+# it), its other config files (an existing ``*.yaml`` beside spill.yaml or in a group folder under
+# it, such as ``tune/mine.yaml``, and ``spill.schema.json``) and everything under its state folder
+# (``.spill/``, or a ``--state`` the command names). The projects are every folder above the output
+# that holds a spill.yaml, and those the command names (``spill predict DIR``, ``spill report
+# DIR``); files are compared by inode as well as by resolved path, so a symlink or a hard link to a
+# project's file is refused as the file is. Any folder named ``.spill`` above the output is a state
+# (a project's whose spill.yaml is elsewhere, or spill's own home), wherever it lies.
 def refuse_output(
     out: str | os.PathLike | None,
     flag: str,
@@ -41,8 +38,8 @@ def refuse_output(
     states: Iterable[str | None] = (),
     folder: bool = False,
 ) -> None:
-    """Raise ``UsageError`` when ``out`` is kept by spill or cannot take a file (see the module
-    doc); ``folder``: the output is a folder to fill (export), so an existing one is no refusal."""
+    """Raise ``UsageError`` when ``out`` is kept by spill or cannot take a file (see the comment
+    above); ``folder``: the output is a folder to fill (export), so an existing one is no refusal."""
     path = None if out is None else on_disk(out)
     if path is None:
         return  # a URI: no file on this disk to compare it with

@@ -1,12 +1,9 @@
-"""``spill predict`` on a project: its built model, prompt and labels applied to new inputs.
-
-Everything comes from what the build recorded (``state.json``), not from spill.yaml as it is
-now: the config it composed (model, ``prompt.template``/``prompt.chat``, ``data.input``), the
-task and label set of its data, and the adapter its tune stage published under
-``adapters/<name>/``. So a prediction asks the tuned model exactly as the build trained and
-graded it; an edit of spill.yaml since then changes nothing until ``spill build`` runs (a
-note says so). A project that is not built, whose tune stage is not done, or whose published
-adapter is gone or changed, is refused in one line that says to run ``spill build``.
+"""``spill predict`` on a project (``predict_file``, ``predict_text``): its built model, prompt and
+labels applied to new inputs. Everything comes from what the build recorded (``state.json``), not
+from spill.yaml as it is now, so a prediction asks the tuned model exactly as the build trained and
+graded it; an edit of spill.yaml since then changes nothing until ``spill build`` runs (a note says
+so). A project that is not built, whose tune stage is not done, or whose published adapter is gone
+or changed, is refused in one line that says to run ``spill build``.
 """
 
 from __future__ import annotations
@@ -42,6 +39,9 @@ class Built:
     where: str  # its location, for people
 
 
+# What the build recorded: the config it composed (model, ``prompt.template``/``prompt.chat``,
+# ``data.input``), the task and label set of its data, and the adapter its tune stage published
+# under ``adapters/<name>/``.
 def built(root: Path | str, state_root: str | None = None) -> Built:
     """The recorded build of the project at ``root``; see the module doc for what is refused."""
     root = Path(root).resolve()

@@ -1,13 +1,8 @@
-"""``spill build DIR -m a=1,2 b=x,y``: a Hydra multirun, each combination its own build.
+"""``spill build DIR -m a=1,2 b=x,y``: a Hydra multirun, each combination its own build (``sweep``).
 
-``sweep`` runs Hydra's own ``multirun`` with ``job`` as the task function, so the configured
-sweeper and launcher run the jobs unchanged; each job validates the config Hydra gives it and
-builds it with the state ``<state>/sweep/<run_name(overrides)>/``. A job never raises (Hydra
-would drop every other result): it returns a small dict, and writes it to
-``<sweep dir>/<num>/spill-job.json`` too, so that when a launcher loses a job and raises, the
-finished jobs' results are read back and the unfinished one is ``lost``. ``hydra_safety``
-checks the sweep before anything is instantiated. ``render`` and ``exit_code`` make the table
-and the exit code; docs/sweeps.md says what each launcher does.
+Each job builds with the state ``<state>/sweep/<run_name(overrides)>/``; a job that a launcher loses
+is ``lost``. ``hydra_safety`` checks the sweep before anything is instantiated. ``render`` and
+``exit_code`` make the table and the exit code; docs/sweeps.md says what each launcher does.
 """
 
 from __future__ import annotations
@@ -43,6 +38,11 @@ class LauncherError(SpillError):
     """Hydra's launcher failed before any job of the sweep reported back."""
 
 
+# ``sweep`` runs Hydra's own ``multirun`` with ``job`` as the task function, so the configured
+# sweeper and launcher run the jobs unchanged; each job validates the config Hydra gives it and
+# builds it. A job never raises (Hydra would drop every other result): it returns a small dict, and
+# writes it to ``<sweep dir>/<num>/spill-job.json`` too, so that when a launcher loses a job and
+# raises, the finished jobs' results are read back and the unfinished one is ``lost``.
 def job(
     cfg: Any,
     *,

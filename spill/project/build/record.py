@@ -1,16 +1,10 @@
-"""A build's state location: ``state.json`` and light probes of each stage's job state.
-
-Layout under ``--state`` (default ``<project>/.spill``)::
-
-    runs/                 the build's runs and their control objects (``spill.control.control``)
-    payloads/state-.../   ``state.json``: the plan, every stage's status, inputs, result and
-                          producers; current when the run's ``state`` pointer names it
-    stages/<stage>/       the stage's job state (its payloads: checkpoints, row segments)
-    files/                the split, the teacher's answers, graded rows
-    adapters/<name>/      the tuned adapter (spill, PEFT and MLX-LM layouts)
+"""A build's state location: ``state.json`` and light probes of each stage's job state
+(``recorded``). Its layout under ``--state`` (default ``<project>/.spill``): the comment at
+``STATE``.
 
 ``write`` (the owner only) publishes ``state.json`` (schema ``build-state``) after everything it
-names; ``read`` follows the pointer and validates once per bytes (``spill.ground.validate.validate_once``).
+names; ``read`` follows the pointer and validates once per bytes
+(``spill.ground.validate.validate_once``).
 """
 
 from __future__ import annotations
@@ -25,6 +19,13 @@ from spill.store.fs import exists, get_bytes, join, put_bytes
 if TYPE_CHECKING:
     from spill.control.control import Ownership
 
+# Layout under ``--state``:
+#   runs/                 the build's runs and their control objects (``spill.control.control``)
+#   payloads/state-.../   ``state.json``: the plan, every stage's status, inputs, result and
+#                         producers; current when the run's ``state`` pointer names it
+#   stages/<stage>/       the stage's job state (its payloads: checkpoints, row segments)
+#   files/                the split, the teacher's answers, graded rows
+#   adapters/<name>/      the tuned adapter (spill, PEFT and MLX-LM layouts)
 STATE = "state.json"
 KIND_POINTER = "state"  # the run's pointer to the current state.json payload
 KIND = "spill-build"

@@ -1,16 +1,11 @@
 """``spill bundle``: one file holding a project, its model files and optionally its run state.
-
-* ``spill bundle DIR PATH [--with-state] [--state URI] [--wait]`` writes the bundle
-  (``spill.project.bundle.pack``; the format is in ``spill.project.bundle.format``);
-* ``spill bundle --verify PATH`` checks the manifest and every checksum, one line per bad file
-  (``spill.project.bundle.read``);
-* ``spill bundle --install PATH DIR [--force]`` installs it with no network: the project into
-  ``DIR``, the model files into ``SPILL_HOME/models`` where the same names find them
-  (``spill.project.bundle.install``).
-
-Each says a pre-run line and progress on stderr and returns its one-row result, which the
-command line (``spill.cli.bundle``) prints as a table or ``--json``. No engine is imported:
-bundling resolves models through ``spill.models`` only.
+``pack`` (``spill bundle DIR PATH [--with-state] [--state URI] [--wait]``) writes it
+(``bundle.pack``; the format: ``bundle.format``); ``verify`` (``--verify PATH``) checks the manifest
+and every checksum, one line per bad file (``bundle.read``); ``install`` (``--install PATH DIR
+[--force]``) installs it with no network: the project into ``DIR``, the model files into
+``SPILL_HOME/models`` where the same names find them (``bundle.install``). Each says a pre-run line
+and progress on stderr and returns its one-row result, which ``spill.cli.bundle`` prints as a table
+or ``--json``. No engine is imported: models resolve through ``spill.models``.
 """
 
 from __future__ import annotations

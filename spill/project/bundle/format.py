@@ -1,15 +1,10 @@
-"""The bundle file format: an uncompressed POSIX tar whose first entry is the manifest.
+"""The bundle file format: an uncompressed POSIX tar whose first entry is the manifest
+(``spill-bundle.json``, schema ``bundle``), then ``project/<path>``, ``state/<path>`` (with
+--with-state) and ``models/<folder>/<file>`` (the layout: the comment at ``MANIFEST``).
 
-Layout (every name ``/``-separated, relative)::
-
-    spill-bundle.json              the manifest (schema ``bundle``), always first
-    project/<path>                 the project folder's files (spill.yaml, data, conf groups)
-    state/<path>                   with --with-state: the run's files, relative to its state
-    models/<folder>/<file>         model files, ``<folder>`` relative to SPILL_HOME/models
-
-Entries are written here, not by ``tarfile``, and never extracted by it: the reader takes only
-the member list and writes regular files to paths it checked itself. Why the manifest comes
-first, and how the copy and hash overlap: docs/bundle.md.
+Entries are written here, not by ``tarfile``, and never extracted by it: the reader takes only the
+member list and writes regular files to paths it checked itself. Why the manifest comes first, and
+how the copy and hash overlap: docs/bundle.md.
 """
 
 from __future__ import annotations
@@ -27,6 +22,11 @@ from spill.errors import SpillError
 
 FORMAT = 1  # the manifest's schema_version this spill writes and reads
 KIND = "spill-bundle"
+# Layout (every name ``/``-separated, relative):
+#   spill-bundle.json              the manifest (schema ``bundle``), always first
+#   project/<path>                 the project folder's files (spill.yaml, data, conf groups)
+#   state/<path>                   with --with-state: the run's files, relative to its state
+#   models/<folder>/<file>         model files, ``<folder>`` relative to SPILL_HOME/models
 MANIFEST = "spill-bundle.json"
 ROLES = ("project", "state", "model")
 PREFIX = {"project": "project/", "state": "state/", "model": "models/"}

@@ -1,13 +1,10 @@
-"""``spill bundle --install PATH DIR``: a checked bundle into a project folder and the model cache.
-
-Nothing is written until ``open_bundle`` accepted the bundle (``spill.project.bundle.read``) and
-``DIR`` passed its checks; ``bundle_models`` then decides where each model goes. Every entry is
-copied and hashed as it lands (``bundle_format.Hasher.copy_into``) into two temporary folders,
-``.<DIR name>.install-<random>`` beside ``DIR`` and ``SPILL_HOME/models/.bundle-install-<random>``;
-files not written are hashed all the same. Only when every hash matched are they renamed into
-place, so ``DIR`` is either as it was or whole. A bundled run installs as a copy
-(``ownership.as_copy``), and so does each sweep job's run (``_install_jobs``): the original
-stays the one place that continues it. What a user sees: docs/bundle.md.
+"""``spill bundle --install PATH DIR`` (``install``): a checked bundle into a project folder and the
+model cache. Nothing is written until ``open_bundle`` accepted the bundle
+(``spill.project.bundle.read``) and ``DIR`` passed its checks. Files land in temporary folders and
+are renamed into place only when every hash matched, so ``DIR`` is either as it was or whole. A
+bundled run installs as a copy (``ownership.as_copy``), and so does each sweep job's run
+(``_install_jobs``): the original stays the one place that continues it. What a user sees:
+docs/bundle.md.
 """
 
 from __future__ import annotations
@@ -108,6 +105,10 @@ def _mkdirs(path: Path, made: list[Path]) -> None:
         made.append(d)
 
 
+# ``bundle_models`` decides where each model goes. Every entry is copied and hashed as it lands
+# (``bundle_format.Hasher.copy_into``) into two temporary folders, ``.<DIR name>.install-<random>``
+# beside ``DIR`` and ``SPILL_HOME/models/.bundle-install-<random>``; files not written are hashed
+# all the same.
 def _extract(b: Bundle, targets: dict[str, Path], bar) -> dict[str, list]:
     """Copy every entry named in ``targets`` to its temporary path, hashing what was written, and
     hash the others (model files the cache has or its source made) without writing them; a

@@ -1,12 +1,8 @@
-"""The record a bundle install leaves in its project folder: ``.spill-bundle.json``.
-
-It names the bundle (file name, the manifest's sha256) and every bundled model that could not
-take its own name in the model cache, with the folder of its own (``bundled/<key>``) that this
-project resolves the name to: its builds (and a bundle made of it again) load that folder, while
-every other project naming the same model gets the cache's own. The name is hidden, so it is
-no project file: composing, ``move`` and ``bundle`` never carry it, and a moved project resolves
-its models afresh (a run's weight fingerprint then says whether they are the same).
-
+"""The record a bundle install leaves in its project folder: ``.spill-bundle.json`` (``read``,
+``write``, ``model_folder``). It names the bundle (file name, the manifest's sha256) and every
+bundled model that could not take its own name in the model cache, with the folder of its own
+(``bundled/<key>``) that this project resolves the name to: its builds (and a bundle made of it
+again) load that folder, while every other project naming the same model gets the cache's own.
 ``--install --force`` replaces only a folder holding this record (a previous install).
 """
 
@@ -19,6 +15,9 @@ from typing import Any
 
 from spill.errors import ModelNotFound, StoreError
 
+# The name is hidden, so it is no project file: composing, ``move`` and ``bundle`` never carry it,
+# and a moved project resolves its models afresh (a run's weight fingerprint then says whether they
+# are the same).
 FILE = ".spill-bundle.json"
 KIND = "spill-installed-bundle"
 

@@ -1,13 +1,9 @@
-"""Where a bundle's models go in the model cache, decided before anything is written.
-
-A bundled model takes the folder its name resolves to (``provenance.home``) only on proof that
-these are its bytes: ``keep`` (the folder already holds exactly these files), ``genuine`` (no
-folder yet, and the name's own source, a tiny seed or the GGUF installed here, gives exactly
-these files), ``verified`` (no folder yet, a hub snapshot, and the hub reports these files for
-its commit); anything else is ``own``: ``bundled/<key>``, which only the installed project's
-record (``spill.project.bundle.installed``) points at. No file is ever added to or replaced in an
-existing folder; a new folder appears whole, by one rename. docs/bundle.md, "Models are
-untrusted too".
+"""Where a bundle's models go in the model cache, decided before anything is written (``plan``,
+``place``). A bundled model takes the folder its name resolves to (``provenance.home``) only on
+proof that these are its bytes (``keep``, ``genuine``, ``verified``); anything else is ``own``:
+``bundled/<key>``, which only the installed project's record (``spill.project.bundle.installed``)
+points at. No file is ever added to or replaced in an existing folder; a new folder appears whole,
+by one rename. docs/bundle.md, "Models are untrusted too".
 """
 
 from __future__ import annotations
@@ -25,6 +21,9 @@ from spill.project.bundle.format import BundleError
 OWN = "bundled"
 
 
+# ``keep``: the folder already holds exactly these files; ``genuine``: no folder yet, and the name's
+# own source, a tiny seed or the GGUF installed here, gives exactly these files; ``verified``: no
+# folder yet, a hub snapshot, and the hub reports these files for its commit.
 @dataclass
 class Placement:
     pin: dict[str, Any]  # the manifest's model entry (validated)

@@ -1,16 +1,8 @@
-"""Writing a bundle: what goes in (project files, the run's files, model files) and the file.
-
-The project is ``snapshot.project_files``; the state (``--with-state``) is
-``snapshot.state_files`` of the current run and its sweep jobs (each whole, as its own control
-object points; ``move_checks.sweep_jobs``) without ``command.json``, its control object's
-``home`` reduced to ``a bundle from <host>``; of each job's ``runs/`` only its run list and its
-current control object go, that ``home`` reduced too (an install makes each a copy, as the run:
-``bundle_install``); the models are each one a stage loads, resolved as
-a build resolves them and checked against their cache records (a model outside the cache is
-refused). Every file is hashed before the file is written (the manifest comes first), and its
-stat key is compared again after its bytes are copied, so a file that changes while bundling is
-refused rather than recorded with a stale hash. The bundle is written beside ``PATH`` under a
-temporary name and renamed at the end.
+"""Writing a bundle (``collect``, ``write``): what goes in (project files, the run's files, model
+files) and the file. Every file is hashed before the file is written (the manifest comes first), and
+its stat key is compared again after its bytes are copied, so a file that changes while bundling is
+refused rather than recorded with a stale hash. A model outside the cache is refused. The bundle is
+written beside ``PATH`` under a temporary name and renamed at the end.
 """
 
 from __future__ import annotations
@@ -90,6 +82,7 @@ def _checked_name(rel: str, where: str) -> str:
     return rel
 
 
+# The project is ``snapshot.project_files``.
 def project_items(root: Path, state: str) -> list[Item]:
     out = []
     for rel in snapshot.project_files(root, state):
@@ -98,6 +91,11 @@ def project_items(root: Path, state: str) -> list[Item]:
     return out
 
 
+# The state (``--with-state``) is ``snapshot.state_files`` of the current run and its sweep jobs
+# (each whole, as its own control object points; ``move_checks.sweep_jobs``) without
+# ``command.json``, its control object's ``home`` reduced to ``a bundle from <host>``; of each job's
+# ``runs/`` only its run list and its current control object go, that ``home`` reduced too (an
+# install makes each a copy, as the run: ``bundle_install``).
 def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item], dict[str, Any]]:
     """The run's files (its merged models too with ``exports``) and its control object, once
     no live owner holds it."""
@@ -175,6 +173,8 @@ def _source(resolved, marker: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# The models are each one a stage loads, resolved as a build resolves them and checked against their
+# cache records.
 def model_items(project) -> tuple[list[Item], list[dict[str, Any]]]:
     """The model files of every stage's model, each model pinned once (a model an install
     gave this project a folder of its own for is that folder, as the project's builds load)."""

@@ -1,16 +1,10 @@
 """Reading a bundle as untrusted input: its member list and manifest checked, its bytes verified.
 
-``open_bundle`` reads only headers and the manifest, and refuses in one line, before anything
-is written anywhere: a file that is not a tar, an entry that is not a regular file (a symlink,
-a hard link, a device, a fifo, a folder), a name that is absolute, has ``..``, a hidden part, a
-backslash, a control character, or lies outside ``project/``, ``state/`` and ``models/``, two
-names one case-insensitive file system would merge, a manifest that is missing, not first, too
-big, from a newer format, or off its schema, a manifest whose paths, roles and model folders
-disagree with each other, and an entry the manifest does not name. What is wrong with single
-files (named but not there, another size, cut short by a truncation) is returned as one line
-per file, for ``--verify`` to print all of them and ``--install`` to refuse on the first.
-
-``tarfile`` is used for its header parser only; nothing is extracted through it.
+``open_bundle`` reads only headers and the manifest, and refuses in one line, before anything is
+written anywhere, a bundle whose tar, entries, names or manifest are unsafe or inconsistent. What is
+wrong with single files (named but not there, another size, cut short by a truncation) is returned
+as one line per file (``verify``), for ``--verify`` to print all of them and ``--install`` to refuse
+on the first. ``tarfile`` is used for its header parser only; nothing is extracted through it.
 """
 
 from __future__ import annotations
@@ -192,6 +186,12 @@ def _consistent(path: Path, doc: dict[str, Any]) -> list[Entry]:
     return entries
 
 
+# Refused: a file that is not a tar, an entry that is not a regular file (a symlink, a hard link, a
+# device, a fifo, a folder), a name that is absolute, has ``..``, a hidden part, a backslash, a
+# control character, or lies outside ``project/``, ``state/`` and ``models/``, two names one
+# case-insensitive file system would merge, a manifest that is missing, not first, too big, from a
+# newer format, or off its schema, a manifest whose paths, roles and model folders disagree with
+# each other, and an entry the manifest does not name.
 def open_bundle(path: Path | str) -> Bundle:
     """The bundle at ``path``, checked as described above (no file's bytes read yet)."""
     path = Path(path)

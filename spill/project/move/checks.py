@@ -1,12 +1,11 @@
 """Where a move goes, and whether it can go there, checked before the source changes.
 
 ``locations`` (the scheme, the overlap with the project and its state), ``check_place`` (the
-destination's name, and no run-holding location around it) and ``check_room`` (names probed,
-free space) are the checks of ``spill move`` that need no control object; ``move.move`` runs them
-with the stores' check, ``transfer.check_source`` and ``arrival.check_destination`` in the order
-docs/move.md gives ("Before the source changes"). Each refusal is one line, with nothing written
-at either place. The snapshot's names and sizes are read before the quiesce, so a writer that
-commits more before it stops may make the copy a little longer.
+destination's name, and no run-holding location around it) and ``check_room`` (names probed, free
+space) are the checks of ``spill move`` that need no control object; ``move.move`` runs them with
+the stores' check, ``transfer.check_source`` and ``arrival.check_destination`` in the order
+docs/move.md gives ("Before the source changes"). Each refusal is one line, with nothing written at
+either place.
 """
 
 from __future__ import annotations
@@ -107,6 +106,8 @@ def sweep_jobs(state: str, finished: bool = False) -> dict[str, dict[str, Any]]:
     return out
 
 
+# The snapshot's names and sizes are read before the quiesce, so a writer that commits more before
+# it stops may make the copy a little longer.
 def snapshot_files(
     root: str | None, src_state: str, doc: dict[str, Any], exports: bool = False
 ) -> list[tuple[str, str]]:

@@ -1,12 +1,10 @@
-"""Steps 3 and 4 of ``spill move``: the snapshot copied to the destination under a manifest, and
-read back.
+"""Steps 3 and 4 of ``spill move``: the snapshot copied to the destination under a manifest
+(``copy_snapshot``), and read back (``verify``). docs/move.md, "The seven steps".
 
 The manifest (schema ``move-manifest``, ``runs/<run>/move-<transfer>.json`` at the destination)
-is written unsealed first, naming every path the copy will write (what ``--abort`` removes), and
-sealed with each file's size and sha256 at the end; a rerun of the same transfer copies only what
-differs. A file lands whole (``fs.open_whole``; locally through ``.move-<pid>-<name>``). A failed
-write ends the copy in one line naming the file, a full destination with the bytes needed and
-free; the source stays quiescing. Verify reads every file back. docs/move.md, "The seven steps".
+names every path the copy will write (what ``--abort`` removes); a rerun of the same transfer copies
+only what differs. A failed write ends the copy in one line naming the file, a full destination with
+the bytes needed and free; the source stays quiescing.
 """
 
 from __future__ import annotations
@@ -64,6 +62,8 @@ def _put_manifest(uri: str, manifest: dict[str, Any]) -> None:
     put_bytes(uri, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
 
 
+# The manifest is written unsealed first, and sealed with each file's size and sha256 at the end. A
+# file lands whole (``fs.open_whole``; locally through ``.move-<pid>-<name>``).
 def copy_snapshot(
     root: str | None,
     src_state: str,

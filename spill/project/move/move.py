@@ -1,12 +1,7 @@
-"""``spill move [DIR] URI``: hand a project's run (its state and its files) to another place;
-``spill move --abort [DIR]``: call off a move that cannot (or should not) finish.
-
-``move`` checks the destination (``spill.project.move.checks``), claims it
-(``arrival.claim``), then walks the control steps (``spill.control.transfer``), copying the
-snapshot under a manifest and reading it back (``spill.project.move.copy``) while the mover
-owns the run. ``abort`` returns the source (``transfer.abort``) and removes this transfer's
-claim and partial copy at the destination (``arrival.remove_claim``), never anything else
-there. A complete run is copied, not moved. What a user sees, step by step: docs/move.md.
+"""``spill move [DIR] URI`` (``move``): hand a project's run (its state and its files) to another
+place; ``spill move --abort [DIR]`` (``abort``): call off a move that cannot (or should not) finish,
+removing this transfer's claim and partial copy at the destination, never anything else there. A
+complete run is copied, not moved. What a user sees, step by step: docs/move.md.
 """
 
 from __future__ import annotations
@@ -79,6 +74,9 @@ def _gave_back(src_store, why: Exception, name: str) -> StoreError:
     )
 
 
+# ``move`` checks the destination (``spill.project.move.checks``), claims it (``arrival.claim``),
+# then walks the control steps (``spill.control.transfer``), copying the snapshot under a manifest
+# and reading it back (``spill.project.move.copy``) while the mover owns the run.
 def move(
     src: str,
     to: str,
@@ -166,6 +164,8 @@ def move(
     return _result(done, src_state, dst_root, manifest, t0)
 
 
+# ``abort`` returns the source (``transfer.abort``) and removes this transfer's claim and partial
+# copy at the destination (``arrival.remove_claim``).
 def abort(
     src: str, to: str | None = None, *, state: str | None = None, wait: bool = False
 ) -> dict[str, Any]:

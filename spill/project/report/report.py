@@ -1,11 +1,5 @@
 """``spill report``: everything a project's state knows about its builds, gathered for one page.
-
-``gather`` reads what ``spill status`` reads, through the same functions: the build and each
-sweep job under ``<state>/sweep/`` (``status.status``, ``status.sweep_runs``, ``status.rows``),
-then from each build's job state the tune stage's loss series (``series.losses``), who computed
-which steps and rows (``Stage.ranges``: tune checkpoint ranges, row segments in commit order)
-and the model each job is pinned to (``Stage.pinned``). The swept parameters are the override
-keys whose values differ between the sweep's jobs. ``write`` renders it
+``gather`` reads what ``spill status`` reads, through the same functions; ``write`` renders it
 (``spill.project.report.html``) to one self-contained HTML file. Nothing here loads a model or
 imports an engine, numpy or Hydra.
 """
@@ -111,6 +105,7 @@ def _value(text: str) -> float | str:
         return text
 
 
+# The swept parameters are the override keys whose values differ between the sweep's jobs.
 def swept(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Each swept parameter (an override key whose value differs between the sweep's jobs):
     one point per job, its value (a number where every job's is one) and its scores."""
@@ -128,6 +123,10 @@ def swept(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+# The build and each sweep job under ``<state>/sweep/`` (``status.status``, ``status.sweep_runs``,
+# ``status.rows``), then from each build's job state the tune stage's loss series
+# (``series.losses``), who computed which steps and rows (``Stage.ranges``: tune checkpoint ranges,
+# row segments in commit order) and the model each job is pinned to (``Stage.pinned``).
 def gather(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
     """The project's build (if it has one) and every sweep job with a build, as ``spill report``
     shows them; a state with neither fails as ``spill status`` does."""
