@@ -1,13 +1,11 @@
-"""Named crash points in the store's publication protocol, for kill drills.
-
-The store, the tune loop, the control objects and ``spill move`` call ``at(boundary)`` wherever
-a dying writer would leave a distinct state behind; ``BOUNDARIES`` names them all, and
-docs/design.md ("Kill drills") says what each leaves. Both ways to act there are off unless asked:
-
-* ``SPILL_DRILL=<boundary>[@<k>][:kill|stop][,...]`` in a real process's environment: at the
-  ``k``-th arrival (default the first) it sends itself ``SIGKILL`` (default) or ``SIGSTOP``. The
-  variable is read at each boundary; an unknown boundary is an error, so a typo cannot pass.
-* ``with hooked(fn):`` calls ``fn(boundary)`` at every boundary, for in-process tests.
+"""Named crash points in the store's publication protocol, for kill drills. The store, the tune
+loop, the control objects and ``spill move`` call ``at(boundary)`` wherever a dying writer would
+leave a distinct state behind; ``BOUNDARIES`` names them all, and docs/design.md ("Kill drills")
+says what each leaves. Both ways to act there are off unless asked: -
+``SPILL_DRILL=<boundary>[@<k>][:kill|stop][,...]`` in a real process's environment: at the ``k``-th
+arrival (default the first) it sends itself ``SIGKILL`` (default) or ``SIGSTOP``. The variable is
+read at each boundary; an unknown boundary is an error, so a typo cannot pass. - ``with
+hooked(fn):`` calls ``fn(boundary)`` at every boundary, for in-process tests.
 """
 
 from __future__ import annotations

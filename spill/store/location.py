@@ -1,17 +1,10 @@
-"""A state location parsed once: ``location(text)`` -> ``Location``, which every layer takes.
-
-A ``Location`` is the text a user gave (a ``str``, so messages, ``join`` and comparisons read it
-as before) plus what parsing found: its scheme (``""`` for a local path), the local path it
-names (``file:///p`` and ``~`` resolved), the fsspec filesystem of a remote one (made once, on
-first use) and how its control keys are written conditionally (``writes``). ``location`` of a
-``Location`` is the same object, and ``join`` of a ``Location`` is one without parsing again, so
-a state walks down the layers parsed once. A scheme that is no place for runs (``ftp://``,
-``http://``) is refused when parsed, before any backend is made or connects. ``on_disk(text)``
-is the local path of text not taken as a state (an output, an adapter folder): None for any URI.
-
-A new store changes this module (its scheme in ``SCHEMES``; how its control keys are written,
-``WRITES``) and ``spill.store.cas.objects`` (its answers; its probe, run once per bucket, refuses a
-store whose conditional writes do not hold).
+"""A state location parsed once: ``location(text)`` -> ``Location``, which every layer takes: the
+text a user gave (a ``str``) plus its scheme (``""`` for a local path), the local path it names
+(``file:///p`` and ``~`` resolved), the fsspec filesystem of a remote one (made once, on first use)
+and how its control keys are written conditionally (``writes``). A scheme that is no place for runs
+(``ftp://``, ``http://``) is refused when parsed, before any backend is made or connects.
+``on_disk(text)`` is the local path of text not taken as a state (an output, an adapter folder):
+None for any URI.
 """
 
 from __future__ import annotations
@@ -23,6 +16,9 @@ from pathlib import PurePosixPath
 from spill.errors import StoreError
 
 # fsspec's names of the stores spill keeps runs on (the cloud ones through the cloud extra)
+# A new store changes this module (its scheme in ``SCHEMES``; how its control keys are written,
+# ``WRITES``) and ``spill.store.cas.objects`` (its answers; its probe, run once per bucket, refuses
+# a store whose conditional writes do not hold).
 SCHEMES = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 WHERE = "use a local path, s3://, gs://, az:// or memory://"
 CLOUD_HINT = 'pip install "streamweights[cloud]"'
@@ -55,6 +51,9 @@ def local_path(text: str) -> str:
     return os.path.expanduser(text)
 
 
+# A ``str``, so messages, ``join`` and comparisons read it as before. ``location`` of a ``Location``
+# is the same object, and ``join`` of a ``Location`` is one without parsing again, so a state walks
+# down the layers parsed once.
 class Location(str):
     """The text of a location, and what it is (see the module doc)."""
 

@@ -1,12 +1,8 @@
-"""Probes of a location before anything is written there.
-
-``probe_writable``: a job's state can be written at all, found before it loads a model.
-``not_a_file``, ``check_names``, ``probe_names`` and ``space``: a move's destination is a folder
-or prefix, holds every name the copy will write, and has room, all found before the source
-changes. Locally the names are probed by writing a temporary file at the deepest folder the copy
-will make, its name as long as the longest there; on an object store each key is checked
-against 1024 bytes. Probe files are temporary names (``is_temp``): one a killed process left is
-litter the store already ignores, and the folders a probe made go with it.
+"""Probes of a location before anything is written there. ``probe_writable``: a job's state can be
+written at all, found before it loads a model. ``not_a_file``, ``check_names``, ``probe_names`` and
+``space``: a move's destination is a folder or prefix, holds every name the copy will write, and has
+room, all found before the source changes. Probe files are temporary names (``is_temp``): one a
+killed process left is litter the store already ignores, and the folders a probe made go with it.
 """
 
 from __future__ import annotations
@@ -129,6 +125,8 @@ def check_names(root: str, rels: Sequence[str] = ()) -> None:
         )
 
 
+# Locally the names are probed by writing a temporary file at the deepest folder the copy will make,
+# its name as long as the longest there; on an object store each key is checked against 1024 bytes.
 def probe_names(root: str, rels: Sequence[str], passing: Sequence[str] = ()) -> None:
     """Refuse, in one line, a destination ``root`` (absolute) that cannot hold every one of
     ``rels`` (``/``-separated, relative to it), nor locally the temporary names ``passing`` a

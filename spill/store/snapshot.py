@@ -1,18 +1,10 @@
 """What a consistent copy of a run is made of: the files ``move`` and ``bundle`` carry.
-
-A state location holds more than its run needs: payloads of aborted writes and of older
-generations wait for collection, temporary files of a killed writer lie beside the real ones, and
-``runs/`` holds this place's control objects (a copy gets its own). ``state_files`` names what a
-run at a control document ``doc`` is: every file under the state except those, so a copy taken
-while nobody writes the run (``move`` owns it; ``bundle`` checks that nobody holds it) is
-exactly the run as its pointers say it is. A sweep's jobs (``sweep/<job>/``, each a state of
-its own) are carried whole too: each job's payloads are kept as its own current control object
-points (``jobs``). A symbolic link under the state that leads out of it is refused in one line,
-never followed: a copy carries the state's own bytes, not a file elsewhere on the machine.
-``project_files`` names a project folder's files: all but hidden entries (``.spill/``,
-``.git/``), links, and the state location when it lies inside.
-
-``digest`` hashes a file of any location (``spill.ground.hashing``).
+``state_files`` names what a run at a control document ``doc`` is, so a copy taken while nobody
+writes the run (``move`` owns it; ``bundle`` checks that nobody holds it) is exactly the run as its
+pointers say it is; a symbolic link under the state that leads out of it is refused in one line,
+never followed. ``project_files`` names a project folder's files: all but hidden entries
+(``.spill/``, ``.git/``), links, and the state location when it lies inside. ``digest`` hashes a
+file of any location (``spill.ground.hashing``).
 """
 
 from __future__ import annotations
@@ -39,6 +31,12 @@ def _pointed(doc: dict[str, Any]) -> set[str]:
     return {p for rels in doc.get("pointers", {}).values() for p in rels}
 
 
+# A state location holds more than its run needs: payloads of aborted writes and of older
+# generations wait for collection, temporary files of a killed writer lie beside the real ones, and
+# ``runs/`` holds this place's control objects (a copy gets its own); the run is every file under
+# the state except those. A sweep's jobs (``sweep/<job>/``, each a state of its own) are carried
+# whole too: each job's payloads are kept as its own current control object points (``jobs``). Links
+# out are refused because a copy carries the state's own bytes, not a file elsewhere on the machine.
 def state_files(
     state: str,
     doc: dict[str, Any],

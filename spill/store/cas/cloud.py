@@ -1,14 +1,10 @@
-"""Conditional writes on Google Cloud Storage and Azure Blob through each cloud's own client
-(gcsfs and adlfs carry every other byte, but take no replace precondition).
+"""Conditional writes on Google Cloud Storage and Azure Blob through each cloud's own client (gcsfs
+and adlfs carry every other byte, but take no replace precondition): ``objects_for``.
 
-* GCS (``gs://``, ``gcs://``): the tag is the generation; ``ifGenerationMatch`` (0 to create).
-  Application default credentials; ``STORAGE_EMULATOR_HOST`` for an emulator.
-* Azure (``az://``, ``abfs://``, ``abfss://``): the tag is the ETag; ``If-None-Match: *`` /
-  ``If-Match``. ``AZURE_STORAGE_CONNECTION_STRING``, else ``AZURE_STORAGE_ACCOUNT_NAME`` with
-  ``AZURE_STORAGE_ACCOUNT_KEY`` or ``DefaultAzureCredential`` (as adlfs reads them).
-
-A refused precondition is a ``Conflict`` (by exception type); any other failed write is
-``Uncertain``, retried by the client for about 15 s first. One client per process.
+GCS (``gs://``, ``gcs://``): the tag is the generation. Azure (``az://``, ``abfs://``,
+``abfss://``): the tag is the ETag. A refused precondition is a ``Conflict`` (by exception type);
+any other failed write is ``Uncertain``, retried by the client for about 15 s first. One client per
+process.
 """
 
 from __future__ import annotations
@@ -45,6 +41,8 @@ class Objects:
         raise NotImplementedError
 
 
+# ``ifGenerationMatch`` (0 to create). Application default credentials; ``STORAGE_EMULATOR_HOST``
+# for an emulator.
 class GcsObjects(Objects):
     def __init__(self) -> None:
         try:
@@ -124,6 +122,9 @@ def _azure_service():
     return BlobServiceClient(url, credential=credential, **retry)
 
 
+# ``If-None-Match: *`` / ``If-Match``. ``AZURE_STORAGE_CONNECTION_STRING``, else
+# ``AZURE_STORAGE_ACCOUNT_NAME`` with ``AZURE_STORAGE_ACCOUNT_KEY`` or ``DefaultAzureCredential``
+# (as adlfs reads them).
 class AzureObjects(Objects):
     def __init__(self) -> None:
         try:
