@@ -1,13 +1,9 @@
-"""Facts about this machine that need no engine: the CPU's model name, the memory this process
-may use (physical RAM, and the limit of the cgroup it lives in), and the small JSON cache of
-per-machine measurements under ``machine_cache()``.
-
-Engine-free (no torch or mlx): the job layer records the CPU in provenance, and each engine's
-``numerics`` keys its cached bf16 measurement by it (model name and flags, ``cpu_key``). The
-cache is per machine, not per ``SPILL_HOME`` (``paths.machine_cache``), so every home on one
-machine computes in the same numerics. The cache matches schema ``machine`` on
-read and on write; a damaged one (not JSON, wrong types, a hand edit) is measured again and
-replaced, and a cache folder that cannot be written only means measuring again next time.
+"""Facts about this machine that need no engine: the CPU's model name (``cpu_model``, ``cpu_key``),
+the memory this process may use (``physical_memory``, and the limit of the cgroup it lives in,
+``memory_limit``), and the small JSON cache of per-machine measurements under ``machine_cache()``
+(``cached_measurement``). The cache matches schema ``machine`` on read and on write; a damaged one
+(not JSON, wrong types, a hand edit) is measured again and replaced, and a cache folder that cannot
+be written only means measuring again next time.
 """
 
 from __future__ import annotations
@@ -80,6 +76,8 @@ def cpu_flags() -> str:
     return ""
 
 
+# The job layer records the CPU in provenance, and each engine's ``numerics`` keys its cached bf16
+# measurement by it (model name and flags, ``cpu_key``).
 def cpu_key() -> str:
     """What a per-machine measurement is keyed by: the CPU's model and a digest of its flags
     (two VMs of one model name may differ in what the hypervisor passes through)."""
@@ -128,6 +126,8 @@ def memory_limit(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") 
     return min(limits) if limits else None
 
 
+# The cache is per machine, not per ``SPILL_HOME`` (``paths.machine_cache``), so every home on one
+# machine computes in the same numerics.
 def cached_measurement(name: str, key: str, measure: Callable[[], dict]) -> dict:
     """``machine_cache()/name`` maps keys to measurements: return ``key``'s, measuring and
     storing it (atomic replace) when absent. A cache that is unreadable or does not match its

@@ -1,16 +1,10 @@
-"""JSON Schema validation of every document spill writes and reads (ground floor: it imports
-only ``spill.errors``, ``spill.ground.paths`` and the schema files).
+"""JSON Schema validation of every document spill writes and reads (ground floor: it imports only
+``spill.errors``, ``spill.ground.paths`` and the schema files): ``validate``, ``validate_once``.
 
 Schemas are draft 2020-12 files in the repository's ``schemas/``, installed as the package
-``spill.schemas`` and read from its folder (``spill.schemas.DIR``). A document that
-does not validate is refused in one line that names the file kind, the failing field and why.
-
-Every file spill reads is validated on read, not only on write. Importing jsonschema costs about
-as much as the rest of a finished ``spill build`` (~70 ms here), so ``validate_once`` remembers,
-per machine, the sha256 of (schema, document bytes) that passed: the next read of the same bytes
-costs one hash and one ``stat``, and any change to the file (or to the schema) validates again.
-The record is a folder of empty marker files under ``SPILL_HOME/validated/``, pruned to the
-newest ``KEEP_MARKERS``; a marker that cannot be written only costs the next read its speed.
+``spill.schemas`` and read from its folder (``spill.schemas.DIR``). A document that does not
+validate is refused in one line that names the file kind, the failing field and why. Every file
+spill reads is validated on read, not only on write.
 """
 
 from __future__ import annotations
@@ -105,6 +99,12 @@ def _marker(raw: bytes, name: str) -> str:
     return os.path.join(spill_home(), "validated", f"{name}-{h.hexdigest()}")
 
 
+# Importing jsonschema costs about as much as the rest of a finished ``spill build`` (~70 ms here),
+# so ``validate_once`` remembers, per machine, the sha256 of (schema, document bytes) that passed:
+# the next read of the same bytes costs one hash and one ``stat``, and any change to the file (or to
+# the schema) validates again. The record is a folder of empty marker files under
+# ``SPILL_HOME/validated/``, pruned to the newest ``KEEP_MARKERS``; a marker that cannot be written
+# only costs the next read its speed.
 def validate_once(
     raw: bytes,
     doc: Any,
