@@ -1,12 +1,11 @@
 """``spill example relay [DIR]``: write a runnable relay folder (``write``; the two commands its
-``relay.sh`` calls, ``relay-leg`` and ``relay-check``, are ``spill.examples.relay_check``'s).
-
-The folder holds ``relay.sh`` (the legs and the checks, plain shell over spill's own commands),
-``project/`` (a copy of an example project: ``tickets`` by default, ``toy`` for a run of
-seconds), ``noise-floor.json`` (the measured tolerances, shipped with spill from
-``docs/reports``) and a README. ``relay.sh`` takes its stop step from the noise floor (the step
-its moved builds were stopped at), leg a's engine is torch and leg b's is MLX where MLX is
-installed, else torch again (a second ``SPILL_HOME`` is still a second machine's cache).
+``relay.sh`` calls, ``relay-leg`` and ``relay-check``, are ``spill.examples.relay_check``'s). The
+folder holds ``relay.sh`` (the legs and the checks, plain shell over spill's own commands),
+``project/`` (a copy of an example project: ``tickets`` by default, ``toy`` for a run of seconds),
+``noise-floor.json`` (the measured tolerances, shipped with spill from ``docs/reports``) and a
+README. ``relay.sh`` takes its stop step from the noise floor (the step its moved builds were
+stopped at), leg a's engine is torch and leg b's is MLX where MLX is installed, else torch again (a
+second ``SPILL_HOME`` is still a second machine's cache).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""The relay's checks: a build handed from one place to another, judged against an uninterrupted
-reference build of the same project and the measured noise floor.
-
-Each check is one row of the final table: both builds complete; each eval stage's accuracy
-within the project's tolerance in ``noise-floor.json`` (six honest builds' spread plus one row,
-``bench/noise_floor.py``; no tolerance, no pass); tuned beats base; no step or row missing or
-repeated, read from the committed state (the checkpoint's producer ranges cover ``0..steps``
-with one loss per step, each row stage holds every held-out id once); the run arrived by a
-finished ``spill move``; and each stage's recorded producers match the leg that ran it, as
-``legs.json`` (``record_leg``) wrote it on that leg's machine. One producer on both legs leaves
-one checkpoint range, which must be theirs. Everything here reads state; nothing loads a model.
+"""The relay's checks (``check``, ``check_files``): a build handed from one place to another, judged
+against an uninterrupted reference build of the same project and the measured noise floor. Each
+check is one row of the final table: both builds complete; each eval stage's accuracy within the
+project's tolerance in ``noise-floor.json`` (no tolerance, no pass); tuned beats base; no step or
+row missing or repeated; the run arrived by a finished ``spill move``; and each stage's recorded
+producers match the leg that ran it, as ``legs.json`` (``record_leg``) wrote it on that leg's
+machine. Everything here reads state; nothing loads a model.
 """
 
 from __future__ import annotations
@@ -133,6 +129,10 @@ def _ran_on(producers: list[dict[str, Any]], want: dict[str, Any]) -> str:
     return f"recorded {_show(wrong[0])}" if wrong else ""
 
 
+# The tolerance is six honest builds' spread plus one row (``bench/noise_floor.py``). Steps and rows
+# are read from the committed state: the checkpoint's producer ranges cover ``0..steps`` with one
+# loss per step, each row stage holds every held-out id once. One producer on both legs leaves one
+# checkpoint range, which must be theirs.
 def check(
     reference: dict[str, Any],
     relay_root: str,
