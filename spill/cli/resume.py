@@ -1,12 +1,11 @@
 """``spill resume <state>``: continue whatever run a state location holds, from the location alone.
-
 Given a state location (a folder or a URI holding ``runs/``), ``replay`` reads the run's control
-object and ``command.json`` (the command line that last owned the run), prints the last
-committed step or row count, and hands back that command for ``spill.cli.main`` to run in the
-folder it was typed in: ``--state`` set to the location given, its own ``--stop-after`` dropped
-(a resume continues), the resume's ``--stop-after``, ``--wait``, ``--lease`` and engine options
-applied. The command itself acquires the run (exit 75 while another process holds it),
-restores from the pointed payloads and continues.
+object and ``command.json`` (the command line that last owned the run), prints the last committed
+step or row count, and hands back that command for ``spill.cli.main`` to run in the folder it was
+typed in: ``--state`` set to the location given, its own ``--stop-after`` dropped (a resume
+continues), the resume's ``--stop-after``, ``--wait``, ``--lease`` and engine options applied. The
+command itself acquires the run (exit 75 while another process holds it), restores from the pointed
+payloads and continues.
 """
 
 from __future__ import annotations
