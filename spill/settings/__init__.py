@@ -1,14 +1,8 @@
 """One shape per settings group: the frozen dataclasses a project holds, a job embeds and the
-command line's flags are made from, each field carrying what the other readers need.
-
-A setting is one field (``field.setting``: its type, its JSON Schema fragment, whether it
-decides a result, its flag and help) plus one line in the group's base option in ``conf/``
-(its default, the only place a default lives). From these, ``spill.project.config`` freezes a
-composed spill.yaml; the jobs embed them (``TuneOptions.tune``; an engine opens a model with
-``LoadOptions``, the engine group less its name); the verbs' flags are made from the fields
-(``spill.cli.options``); ``python -m spill.settings`` writes the schema's group sections
-(``schema.schema_sections``; a test compares the shipped file); the stages take the deciding
-fields as inputs (``stage_inputs``). Engine-free and light: dataclasses only.
+command line's flags are made from, each field carrying what the other readers need. A setting is
+one field (``field.setting``: its type, its JSON Schema fragment, whether it decides a result, its
+flag and help) plus one line in the group's base option in ``conf/`` (its default, the only place a
+default lives). Engine-free and light: dataclasses only.
 
 This face re-exports the parts: ``model``, ``tune``, ``engine``, ``export`` (a group each),
 ``groups`` (the small groups and ``GROUPS``), ``field`` (what a setting is) and ``schema``.
@@ -33,6 +27,11 @@ from spill.settings.model import (
 )
 from spill.settings.tune import ACTIVATIONS, LR_MAX, TRACKERS, VALIDATION, TuneSettings
 
+# Readers: ``spill.project.config`` freezes a composed spill.yaml; the jobs embed the groups
+# (``TuneOptions.tune``; an engine opens a model with ``LoadOptions``, the engine group less its
+# name); the verbs' flags are made from the fields (``spill.cli.options``); ``python -m
+# spill.settings`` writes the schema's group sections (``schema.schema_sections``; a test compares
+# the shipped file); the stages take the deciding fields as inputs (``stage_inputs``).
 __all__ = [
     "ACTIVATIONS",
     "BITS",
