@@ -278,3 +278,14 @@ def test_a_written_usage_line_names_every_option():
     }
     assert {"move", "bundle"} <= missing.keys()
     assert not any(missing.values()), missing
+
+
+def test_module_docstrings_are_short():
+    """A module docstring says what a caller needs in at most 9 lines (issue 36); rationale and
+    measurements go in comments next to the code they explain."""
+    long = {}
+    for path in _modules():
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if doc and doc.count("\n") + 1 >= 10:
+            long[str(path.relative_to(ROOT))] = doc.count("\n") + 1
+    assert not long, f"module docstrings of 10 lines or more: {long}"
