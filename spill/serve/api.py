@@ -22,7 +22,7 @@ from spill.serve.parse import ApiError, read_json
 from spill.serve.shape import Logprobs
 
 BODY_MAX = 1 << 20  # bytes a request body may have
-POLL = 1.0  # seconds between two checks that a waiting client is still there
+POLL = 0.5  # seconds between two checks that a waiting client is still there
 
 
 def too_big() -> ApiError:
@@ -105,14 +105,18 @@ class Api:
     ) -> AsyncIterator[tuple[int, tuple]]:
         """(choice, event) until every row is done or failed; leaving early (the client left,
         or the caller stopped reading) cancels the rows still open."""
-        left = len(rows)
+        left, check = len(rows), time.monotonic() + POLL
         try:
             while left:
                 try:
                     index, event = await asyncio.wait_for(queue.get(), POLL)
                 except asyncio.TimeoutError:  # Python 3.10: not the builtin one yet
+                    index, event = None, None
+                if time.monotonic() >= check:  # tokens may flow to a client long gone
+                    check = time.monotonic() + POLL
                     if await request.is_disconnected():
                         return
+                if event is None:
                     continue
                 left -= event[0] in ("done", "error")
                 yield index, event

@@ -249,6 +249,17 @@ def test_a_client_leaving_mid_stream_frees_its_row(server):
         assert time.monotonic() < deadline, health
         time.sleep(0.2)
     assert any("client left" in line for line in server["log"])
+
+    # a client that leaves before its whole answer (not streamed) is ready
+    body = json.dumps({"prompt": "hi", "max_tokens": 2040}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=body, headers={"Authorization": f"Bearer {KEY}"})
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.sock.close()
+    while sum("client left" in line for line in server["log"]) < 2:
+        assert time.monotonic() < deadline, server["log"][-5:]
+        time.sleep(0.2)
+    assert "2040 out" not in server["log"][-1]
     out = server["client"].completions.create(model="a", prompt="hi", max_tokens=3)
     assert out.choices[0].finish_reason in ("stop", "length")
 
