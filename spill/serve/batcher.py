@@ -1,18 +1,11 @@
-"""The engine thread: one ``runner.serve(take)`` loop that every HTTP request joins as a row.
+"""The engine thread: one ``runner.serve(take)`` loop that every HTTP request joins as rows.
 
-``submit`` queues a request's ``Row``s and hands back an ``asyncio.Queue`` of their events; between decode
-steps the loop takes queued rows, at most ``max_rows`` running at once (the rest wait their
-turn). The runner's callbacks run on the engine thread; each becomes an event on the row's
-queue through ``loop.call_soon_threadsafe``, as ``(the row's index, event)``:
-
-- ``("prompt", [Token])``: the prompt's tokens with their log-probs (echo only);
-- ``("text", str, [Piece])``: new text and the tokens released with it (``spill.serve.text``);
-- ``("done", str, [Piece], Generation)``: the last text, once, as the row leaves the batch;
-- ``("error", str)``: the row will not run (the server stops, or the engine failed).
-
-A row whose ``cancel()`` was called (its client left) or whose text met a stop string ends at
-its next token. ``stop(grace)`` takes no more rows, refuses the waiting ones and cuts those
-still running ``grace`` seconds later; ``join`` waits for the loop to end.
+``submit`` queues a request's ``Row``s (at most ``max_rows`` run at once, the rest wait) and
+returns an ``asyncio.Queue`` of ``(row index, event)``: ``("prompt", [Token])`` (echo),
+``("text", str, [Piece])``, ``("done", str, [Piece], Generation)`` once, or ``("error", str)``.
+A row ends at its next token once ``cancel()``ed (its client left) or its text met a stop
+string. ``stop(grace)`` takes no more rows, refuses the waiting ones, cuts the running ones
+``grace`` seconds later; ``join`` waits for the loop to end.
 """
 
 from __future__ import annotations
