@@ -103,7 +103,7 @@ class Batcher:
             self._cond.notify()
         for row in left:
             row.emit(("error", "the server is shutting down before this request started"))
-        timer = threading.Timer(grace, self._cut)
+        timer = threading.Timer(grace, self.cut)
         timer.daemon = True
         timer.start()
 
@@ -118,10 +118,11 @@ class Batcher:
         """(rows running, rows waiting), for /health."""
         return len(self._running), len(self._waiting)
 
-    # --- the engine thread ------------------------------------------------------------------
-
-    def _cut(self) -> None:
+    def cut(self) -> None:
+        """End every running row at its next token (``finish`` "cancelled")."""
         self._cutting = True
+
+    # --- the engine thread ------------------------------------------------------------------
 
     def _take(self, idle: bool) -> list[Request] | None:
         with self._cond:

@@ -90,13 +90,20 @@ def serve(served: Served, host: str, port: int, key: str | None, max_rows: int) 
     limits = Guard(signals=())  # the preemption grace and deadline jobs use (env or default)
     grace, deadline = limits.grace, limits.deadline
     batcher = Batcher(served.loaded.runner, max_rows)
-    asked: list[float] = []
+    asked: list[float] = []  # when each stop came
+    lock = threading.Lock()
 
     def stop(reason: str) -> None:
-        if not asked:
+        """The first call stops taking rows; a later one (a second signal, or the server's
+        end, when no client is left to read them) cuts the running rows at once."""
+        with lock:
+            first = not asked
             asked.append(time.monotonic())
-            note(f"spill serve: {reason}: no new requests; running ones finish or are cut in "
-                 f"{grace:g} s")  # fmt: skip
+        if not first:
+            batcher.cut()
+            return
+        note(f"spill serve: {reason}: no new requests; running ones finish or are cut in "
+             f"{grace:g} s")  # fmt: skip
         batcher.stop(grace)
 
     app = make_app(served, batcher, key)
