@@ -47,6 +47,12 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is no TCP port; give 0 to 65535 (0: a free one)")
     check_host(args.host, key)  # before the model loads
+    if args.target is None:
+        from spill.project.sources import FILE
+
+        if not Path(FILE).is_file():
+            raise UsageError(f"no {FILE} here: give a MODEL or a project folder to serve")
+        args.target = "."
     adapters = _adapters(args.adapter)
     args.model = args.target  # what model_settings names
     quantize = spec_of(model_settings(args))
@@ -68,7 +74,7 @@ def add_parser(sub, full: bool = True) -> None:
         "/health. A request's model field picks the base model or an adapter; concurrent "
         "requests share one running batch. See docs/serve.md.",
     )
-    p.add_argument("target", nargs="?", default=".", metavar="MODEL | PROJECT_DIR",
+    p.add_argument("target", nargs="?", metavar="MODEL | PROJECT_DIR",
                    help="a model, or a project folder (default: the current folder)")  # fmt: skip
     p.add_argument("--adapter", action="append", metavar="NAME=DIR",
                    help="serve an adapter folder under NAME (repeat for more)")  # fmt: skip

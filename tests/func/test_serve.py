@@ -341,14 +341,22 @@ def test_a_request_without_the_key_is_refused(server):
         wrong.completions.create(model="a", prompt="hi", max_tokens=2)
 
 
-def test_another_host_without_a_key_is_refused_in_one_line(setup):
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["MODEL", "--host", "0.0.0.0"], "needs an API key"),
+        (["MODEL", "--adapter", "a"], "give NAME=DIR"),
+        (["MODEL", "--max-rows", "0"], "--max-rows must be at least 1"),
+        ([], "no spill.yaml here"),
+    ],
+)
+def test_refused_in_one_line_before_the_model_loads(setup, args, says, tmp_path):
     env = {k: v for k, v in setup["env"].items() if k != "SPILL_API_KEY"}
-    proc = run_spill(
-        "serve", str(setup["model"]), "--host", "0.0.0.0", "--port", "0", base=env, timeout=120
-    )
+    args = [str(setup["model"]) if a == "MODEL" else a for a in args]
+    proc = run_spill("serve", *args, base=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
-    assert "needs an API key" in line
+    assert says in line
 
 
 def test_a_project_serves_its_model_and_its_built_adapters(tmp_path):
