@@ -146,10 +146,14 @@ def test_greedy_completions_and_chat_equal_spill_run(setup, server, model, tmp_p
     (reply,) = spill_run(setup, [{"messages": messages}], tmp_path, model)
     chat = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW)
     assert chat.choices[0].message.content == reply and chat.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=NEW,
-                                                 stream=True))  # fmt: skip
+    usage = {"include_usage": True}
+    *chunks, last = client.chat.completions.create(
+        model=name, messages=messages, max_tokens=NEW, stream=True, stream_options=usage
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    assert last.choices == [] and last.usage.completion_tokens == chat.usage.completion_tokens
 
 
 def test_models_lists_the_base_and_the_adapters(server):
@@ -190,6 +194,18 @@ def test_logprobs_and_echo(server):
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+def test_a_seed_makes_sampled_text_reproducible(server):
+    client = server["client"]
+
+    def sampled(seed):
+        out = client.completions.create(model="b", prompt="the cat", max_tokens=NEW,
+                                        temperature=1.0, top_p=0.9, seed=seed)  # fmt: skip
+        return out.choices[0].text
+
+    assert sampled(5) == sampled(5)
+    assert len({sampled(s) for s in range(4)}) > 1
 
 
 def test_a_stop_string_cuts_the_text_and_ends_the_row(server):
