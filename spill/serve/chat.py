@@ -2,7 +2,7 @@
 
 The rendered conversation is encoded as ``spill chat`` encodes it (no special tokens added:
 the template wrote them); the reply ends at an end token of the model, a stop string, or
-``max_tokens`` (default: what the context leaves, at most ``open.CHAT_DEFAULT``). Streamed,
+``max_tokens`` (default: what the context leaves, at most ``CHAT_DEFAULT``). Streamed,
 the first chunk's delta names the role, the next ones carry content, the last the finish reason.
 """
 
@@ -19,10 +19,11 @@ from spill.engines.base import GenerateParams
 from spill.errors import TokenizerError
 from spill.serve.api import DONE, Api, failed, sse
 from spill.serve.batcher import Row
-from spill.serve.open import CHAT_DEFAULT
 from spill.serve.parse import ApiError, parse_chat
 from spill.serve.shape import finish_reason, head, new_id, usage
 from spill.serve.text import Text
+
+CHAT_DEFAULT = 1024  # new tokens of a reply whose request names no max_tokens (at most)
 
 
 async def _encode(api: Api, messages: list[dict], max_tokens: int | None) -> tuple[list[int], int]:

@@ -23,8 +23,6 @@ from spill.project.bundle.installed import model_folder
 from spill.project.config import compose
 from spill.settings import EngineSettings
 
-CHAT_DEFAULT = 1024  # new tokens of a chat reply whose request names no max_tokens
-
 
 @dataclass
 class Served:
