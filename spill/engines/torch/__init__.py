@@ -92,8 +92,12 @@ class TorchEngine:
         # A side stream lets CUDA copies overlap compute on the default stream.
         cuda = place.device.type == "cuda" and not resident
         stream = torch.cuda.Stream(place.device) if cuda else None
-        # streamed CPU layers are mapped, not copied; resident ones are read into owned memory
-        return TorchHooks(place.reader, stream, place.device.type == "cpu" and not resident)
+        # streamed CPU layers are mapped, not copied; resident ones are read into owned memory.
+        # Under a budget they are read too: a mapped slot is page cache the kernel may reclaim at
+        # a cgroup's limit before the layer is used, and then reads it again (a 4.6 GiB model in
+        # a 1.5 GiB cgroup read 12-14 passes for 8 with 4-7 mapped slots; docs/reports/016)
+        mapped = place.device.type == "cpu" and not resident and not place.reader.dropping
+        return TorchHooks(place.reader, stream, mapped)
 
     def kernel(self, cfg: ModelConfig, place: Placement) -> TorchKernel:
         return TorchKernel(cfg, place.reader)

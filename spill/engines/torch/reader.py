@@ -141,6 +141,11 @@ class WeightReader:
         if self._kernel_files is not None:
             self._kernel_files.drop = True
 
+    @property
+    def dropping(self) -> bool:
+        """Whether reads leave no page cache behind (``drop_behind``: a budget is in force)."""
+        return self._shards.drop
+
     def has(self, name: str) -> bool:
         return self._shards.has(name)
 
