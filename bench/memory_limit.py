@@ -19,7 +19,7 @@ Reported:
 * the disk's sequential rate, measured in the same run: ``--files`` (the model's files; else a
   file of ``--disk-bytes`` written for it) read in 8 MiB chunks with their cached pages dropped
   first (``posix_fadvise(DONTNEED)``), and dropped again so that the job starts cold;
-* this machine's float32 matmul rate (torch, 2048^3, best of 5);
+* this machine's matmul rate in `--dtype` (torch, 2048^3, best of 5), the job's numerics;
 * the ratio of the job's wall time to max(read bound, compute bound): the read bound is
   ``--passes`` reads of ``--files`` at the measured disk rate, the compute bound ``--flops`` at
   the measured matmul rate (the caller knows the job's work: 2 x params per decoded token,
@@ -157,12 +157,12 @@ def scratch_file(folder: Path, nbytes: int) -> Path:
     return path
 
 
-def matmul_rate(n: int = 2048, rounds: int = 5) -> float:
-    """float32 FLOP/s of one n^3 GEMM on this machine (torch, its default threads), best of
+def matmul_rate(n: int = 2048, rounds: int = 5, dtype: str = "float32") -> float:
+    """FLOP/s of one n^3 GEMM in ``dtype`` on this machine (torch, its default threads), best of
     ``rounds``."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
     a @ b  # warm-up: thread pool, page faults
     best = min(_timed(lambda: a @ b) for _ in range(rounds))
     return 2 * n**3 / best
@@ -238,12 +238,13 @@ def measure(
     flops: float = 0.0,
     disk_bytes: int = 512 << 20,
     env: dict | None = None,
+    dtype: str = "float32",
 ) -> dict:
     """The whole report for one command: disk and matmul rates measured now, then the job."""
     with tempfile.TemporaryDirectory() as tmp:
         probe = files or [scratch_file(Path(tmp), disk_bytes)]
         rate, probed = disk_rate(probe)
-    gemm = matmul_rate()
+    gemm = matmul_rate(dtype=dtype)
     model_bytes = sum(p.stat().st_size for p in files)
     for path in files:
         drop_cache(path)  # the job starts cold
@@ -258,6 +259,7 @@ def measure(
         "disk_bytes_per_s": rate,
         "disk_probe_bytes": probed,
         "matmul_flops_per_s": gemm,
+        "matmul_dtype": dtype,
         "read_bound_s": read_bound,
         "compute_bound_s": compute_bound,
         "bound_ratio": found["wall_s"] / bound if bound > 0 else None,
@@ -274,8 +276,8 @@ def summary(r: dict) -> str:
         f"peak {r['peak_bytes'] / mb:.0f} MiB (sampled: cache {r['peak_cache_bytes'] / mb:.0f} MiB, "
         f"anon {r['peak_anon_bytes'] / mb:.0f} MiB); read {r['read_bytes'] / mb:.0f} MiB from disk "
         f"(model {r['model_bytes'] / mb:.0f} MiB x {r['passes']:g})\n"
-        f"disk {r['disk_bytes_per_s'] / 1e9:.2f} GB/s, matmul {r['matmul_flops_per_s'] / 1e9:.0f}"
-        f" GFLOP/s; read bound {r['read_bound_s']:.1f} s, compute bound "
+        f"disk {r['disk_bytes_per_s'] / 1e9:.2f} GB/s, {r['matmul_dtype']} matmul "
+        f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; read bound {r['read_bound_s']:.1f} s, compute bound "
         f"{r['compute_bound_s']:.1f} s; time / max(bounds) {ratio}"
     )
 
@@ -290,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=float, default=1.0, help="reads of --files the job needs")
     p.add_argument("--flops", type=float, default=0.0, help="the job's float operations")
     p.add_argument("--disk-bytes", default="512MiB", help="probe size without --files")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the matmul rate's dtype: the job's numerics (its pre-run line says which)",
+    )
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command")
     args = p.parse_args(argv)
@@ -297,7 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     if not cmd:
         p.error("give the command after --")
     limit = parse_size(args.limit) if args.limit else None
-    found = measure(cmd, limit, args.files, args.passes, args.flops, parse_size(args.disk_bytes))
+    found = measure(
+        cmd,
+        limit,
+        args.files,
+        args.passes,
+        args.flops,
+        parse_size(args.disk_bytes),
+        dtype=args.dtype,
+    )
     print(found["output"], end="")
     print(summary(found))
     if args.json:
