@@ -260,7 +260,19 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class TuneShape:
+    """What a tune will train, so that the opener reserves its state and the activations of its
+    micro-batches out of a budget before the ring plans from what is left."""
+
+    lora: LoraConfig
+    rows: int  # a micro-batch's rows
+    length: int  # tokens a row may have
+
+
 class Engine(Protocol):
     name: str
 
-    def open(self, model: ModelSpec, options: LoadOptions) -> Runner: ...
+    def open(self, model: ModelSpec, options: LoadOptions, tune: TuneShape | None = None) -> Runner:
+        """``tune``: the runner will train (its needs come out of ``--memory`` first)."""
+        ...

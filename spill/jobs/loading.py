@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spill.console import note
-from spill.engines.base import LoadOptions, ModelSpec, Runner
+from spill.engines.base import LoadOptions, ModelSpec, Runner, TuneShape
 from spill.models.config import load_config
 from spill.models.tokenizer import Tokenizer
 
@@ -53,22 +53,23 @@ def open_model(
     engine: str | None,
     options: LoadOptions,
     verb: str,
-    training: bool = False,
+    tune: TuneShape | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> LoadedModel:
-    """Open a resolved model on an engine and print the pre-run line. ``training``: the runner
-    trains, so no ``packed_matmul`` (the int4 kernel has no gradient; said in one line).
+    """Open a resolved model on an engine and print the pre-run line. ``tune``: the runner
+    trains that, so no ``packed_matmul`` (the int4 kernel has no gradient; said in one line),
+    and its needs come out of the memory budget before the ring's.
     ``tokenizer``: the folder's, when the caller loaded it already (one copy is ~40 MB)."""
     from dataclasses import replace
 
     from spill.engines import resolve
 
-    if training and options.packed_matmul:
+    if tune is not None and options.packed_matmul:
         note(f"spill {verb}: --packed-matmul is for row jobs (no gradient); dequantized per use")
         options = replace(options, packed_matmul=False)
     folder = Path(resolved.folder)
     config = load_config(folder)
     tokenizer = tokenizer or Tokenizer(folder)  # fail before the engine opens
-    runner = resolve(engine).open(ModelSpec(folder, config), options)
+    runner = resolve(engine).open(ModelSpec(folder, config), options, tune)
     note(f"spill {verb} · model {name} ({fp[:19]}) · {runner.info.line()}")
     return LoadedModel(name, folder, fp, tokenizer, runner, config.max_position_embeddings)

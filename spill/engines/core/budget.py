@@ -66,17 +66,24 @@ def ring_share(budget: Budget, resident: int) -> int | None:
     return max(0, budget.total - resident)
 
 
-def check_fits(budget: Budget, resident: int, layers: int, ring: int) -> None:
-    """Refuse in one line, before anything is read, a plan whose resident parts and ring's
-    layers (``layers`` bytes once full, ``ring`` slots) exceed M, naming the smallest M."""
-    if budget.total is None or resident + layers <= budget.total:
+def check_fits(budget: Budget, resident: int, layers: int, ring: int, tune: int = 0) -> None:
+    """Refuse in one line, before anything is read, a plan whose resident parts, ring's layers
+    (``layers`` bytes once full, ``ring`` slots) and a tune's least needs (``tune`` bytes:
+    ``common.tune_bytes``) exceed M, naming the smallest M."""
+    if budget.total is None or resident + layers + tune <= budget.total:
         return
-    need = -(-(resident + layers) // MIB)
+    need = -(-(resident + layers + tune) // MIB)
     where = "--memory" if budget.source == "--memory" else f"memory ({budget.source})"
     fewer = " (or --ring 1)" if ring > 1 else ""
+    ring_words = f"a ring of {ring} layers ({layers / MIB:.0f} MiB)"
+    if tune:
+        fewer += " or a smaller --micro-batch or --seq-len"
+        ring_words += (
+            f" and a tune's state and least activations ({tune / MIB:.0f} MiB: recomputed)"
+        )
+    parts = f"({resident / MIB:.0f} MiB: embeddings and head)"
     raise EngineError(
         f"{where} {budget.total / MIB:.0f} MiB cannot hold this model's resident parts "
-        f"({resident / MIB:.0f} MiB: embeddings and head) and a ring of {ring} layers "
-        f"({layers / MIB:.0f} MiB); use --memory {need}MiB or more{fewer}, with a limit of "
-        f"{need + RUNTIME // MIB} MiB around the process"
+        f"{parts}{',' if tune else ' and'} {ring_words}; use --memory {need}MiB or more{fewer}, "
+        f"with a limit of {need + RUNTIME // MIB} MiB around the process"
     )

@@ -13,7 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spill.engines.base import AdamW, GenerateParams, LoadOptions, ModelSpec, Stats, TrainBatch
+from spill.engines.base import (
+    AdamW,
+    GenerateParams,
+    LoadOptions,
+    ModelSpec,
+    Stats,
+    TrainBatch,
+    TuneShape,
+)
+from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.ring import EXPANDED
 from spill.errors import EngineError, ModelError
 from spill.models.config import ModelConfig
@@ -252,6 +261,20 @@ def activation_bytes(
     adapters = len(lora.targets) * lora.rank * 4 + 4 * h * 2  # the float32 adapter inputs
     attention = 2 * cfg.num_attention_heads * length * 4
     return rows * length * cfg.num_hidden_layers * (base + adapters + attention)
+
+
+def tune_bytes(cfg: ModelConfig, tune: TuneShape, itemsize: int) -> int:
+    """The least a tune holds beside the layers: its state (adapters, both moments, gradients,
+    float32), the layer inputs the recompute keeps for a micro-batch, one layer's activations
+    while it is recomputed, and the head's chunk (float32 logits, their log-softmax and
+    gradient)."""
+    lora, rows, length = tune.lora, tune.rows, tune.length
+    params = sum(lora.rank * sum(module_shape(cfg, t)) for t in lora.targets)
+    state = 4 * 4 * params * cfg.num_hidden_layers
+    inputs = rows * length * cfg.num_hidden_layers * cfg.hidden_size * itemsize
+    layer = activation_bytes(cfg, lora, rows, length, itemsize) // cfg.num_hidden_layers
+    head = 3 * LOGIT_ROWS * cfg.vocab_size * 4
+    return state + inputs + layer + head
 
 
 def output_bytes(

@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, Protocol
 
-from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats
+from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats, TuneShape
 from spill.engines.core import budget as memory
 from spill.engines.core import heap
-from spill.engines.core.common import RingPlan, check_layers, plan_model_ring
+from spill.engines.core.common import RingPlan, check_layers, plan_model_ring, tune_bytes
 from spill.engines.core.kernel import Kernel
 from spill.engines.core.model import Model
 from spill.engines.core.ring import Hooks, Ring, Weights
@@ -100,7 +100,9 @@ def _weights(model: ModelSpec, place: Placement, plan: RingPlan) -> str:
 
 
 # A quantized layer's ring slot is sized by its packed bytes (``models.weights.layer_bytes``).
-def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> StreamRunner:
+def open_runner(
+    engine: Backend, model: ModelSpec, options: LoadOptions, tune: TuneShape | None = None
+) -> StreamRunner:
     cfg = model.config
     if cfg.family not in engine.families:
         raise UnsupportedModel(
@@ -126,14 +128,16 @@ def open_runner(engine: Backend, model: ModelSpec, options: LoadOptions) -> Stre
     # resident parts leave of it, and the reader leaves no page cache behind (core.budget)
     budget = memory.resolve(options.budget)
     resident = memory.resident_bytes(cfg, place.itemsize)
-    share = memory.ring_share(budget, resident)
+    # a tune's state and its micro-batch's least activations (recomputed) come out of M first
+    reserve = 0 if tune is None else tune_bytes(cfg, tune, place.itemsize)
+    share = memory.ring_share(budget, resident + reserve)
     if share is not None:
         options = replace(options, memory=share)
         place.reader.drop_behind()
         heap.return_freed_blocks()
     drop_written(share is not None)
     plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
-    memory.check_fits(budget, resident, plan.layer_memory(), plan.slots)
+    memory.check_fits(budget, resident, plan.layer_memory(), plan.slots, reserve)
     keys = cfg.layer_keys()
     stats = Stats()
     hooks = engine.hooks(place, plan.resident or plan.held)  # held layers: read, never mapped

@@ -15,7 +15,7 @@ blas.preload()  # before anything imports mlx.core
 
 import mlx.core as mx  # noqa: E402
 
-from spill.engines.base import LoadOptions, ModelSpec  # noqa: E402
+from spill.engines.base import LoadOptions, ModelSpec, TuneShape  # noqa: E402
 from spill.engines.core.open import Placement, open_runner  # noqa: E402
 from spill.engines.core.runner import StreamRunner  # noqa: E402
 from spill.engines.mlx import numerics, ops  # noqa: E402
@@ -63,8 +63,10 @@ class MLXEngine:
     # dequantized on load)
     quantized = True
 
-    def open(self, model: ModelSpec, options: LoadOptions) -> StreamRunner:
-        return open_runner(self, model, options)
+    def open(
+        self, model: ModelSpec, options: LoadOptions, tune: TuneShape | None = None
+    ) -> StreamRunner:
+        return open_runner(self, model, options, tune)
 
     def place(self, cfg: ModelConfig, folder, options: LoadOptions) -> Placement:
         device = pick_device(options.device)

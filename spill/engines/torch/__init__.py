@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from spill import console
-from spill.engines.base import LoadOptions, ModelSpec
+from spill.engines.base import LoadOptions, ModelSpec, TuneShape
 from spill.engines.core import heap
 from spill.engines.core.open import Placement, open_runner
 from spill.engines.core.runner import StreamRunner
@@ -48,8 +48,10 @@ class TorchEngine:
     families = FAMILIES
     quantized = True  # computes on packed layers, dequantized per use (or once, resident)
 
-    def open(self, model: ModelSpec, options: LoadOptions) -> StreamRunner:
-        runner = open_runner(self, model, options)
+    def open(
+        self, model: ModelSpec, options: LoadOptions, tune: TuneShape | None = None
+    ) -> StreamRunner:
+        runner = open_runner(self, model, options, tune)
         if runner.info.device.startswith("cuda"):  # row jobs size their batch from it
             device = torch.device(runner.info.device)
             runner.free_memory = lambda: int(torch.cuda.mem_get_info(device)[0])

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from spill.console import note, progress
+from spill.engines.base import TuneShape
 from spill.errors import UsageError
 from spill.jobs import track
 from spill.jobs.authority import hold
@@ -80,8 +81,9 @@ def run(
     examples = load_examples(train_path, tok, t.seq_len)
     found = Found(model, resolved, fingerprint, cfg, tok)
     step, state = role.begin(found, opts)
+    shape = TuneShape(opts.lora, t.micro_batch, t.seq_len)
     loaded = open_model(
-        model, resolved, fingerprint, opts.engine.name, opts.engine, "tune", True, tok
+        model, resolved, fingerprint, opts.engine.name, opts.engine, "tune", shape, tok
     )
     runner = loaded.runner
     trainer = runner.trainer(opts.lora)

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from spill.engines.base import LoadOptions, ModelSpec, TuneShape
 from spill.engines.core import budget
+from spill.engines.core.common import tune_bytes
 from spill.errors import EngineError
+from spill.models.config import load_config
+from spill.models.lora import LoraConfig
 
 MIB = 1 << 20
 
@@ -45,3 +49,39 @@ def test_a_plan_past_the_budget_is_refused_naming_the_smallest():
         f"a limit of {136 + budget.RUNTIME // MIB} MiB around the process"
     )
     budget.check_fits(budget.Budget(None), 10**12, 10**12, 2)  # no budget: nothing to refuse
+
+
+def test_a_tunes_reserve_counts_and_is_named():
+    m = budget.Budget(100 * MIB, "--memory")
+    budget.check_fits(m, 50 * MIB, 30 * MIB, 2, 20 * MIB)  # exactly fits
+    with pytest.raises(EngineError) as e:
+        budget.check_fits(m, 50 * MIB, 30 * MIB, 2, 20 * MIB + 1)
+    assert str(e.value) == (
+        "--memory 100 MiB cannot hold this model's resident parts (50 MiB: embeddings and "
+        "head), a ring of 2 layers (30 MiB) and a tune's state and least activations (20 MiB: "
+        "recomputed); use --memory 101MiB or more (or --ring 1) or a smaller --micro-batch or "
+        f"--seq-len, with a limit of {101 + budget.RUNTIME // MIB} MiB around the process"
+    )
+
+
+def test_the_opener_reserves_a_tune_before_the_ring(engine, tiny_models):
+    """Under M a tune's state and least activations come out of M before the ring plans: the
+    same M streams fewer slots for a tune than for a run, and M too small for the tune is
+    refused naming it, where the same M still opens a run."""
+    folder = tiny_models["llama"]
+    cfg = load_config(folder)
+    spec, shape = ModelSpec(folder, cfg), TuneShape(LoraConfig(rank=8), 4, 128)
+    layer = cfg.layer_params() * 4
+    resident = budget.resident_bytes(cfg, 4)
+    need = tune_bytes(cfg, shape, 4)
+    assert need > layer  # the run's room for its 4 layers is the tune's reserve
+    opts = LoadOptions(dtype="float32", memory=resident + need + 3 * layer)
+    run, tune = engine.open(spec, opts), engine.open(spec, opts, shape)
+    try:
+        assert run.info.resident and (tune.info.ring, tune.info.resident) == (3, False)
+    finally:
+        run.close(), tune.close()
+    small = LoadOptions(dtype="float32", memory=resident + need + layer)
+    with pytest.raises(EngineError, match="a tune's state and least activations"):
+        engine.open(spec, small, shape)
+    engine.open(spec, small).close()
