@@ -62,8 +62,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling the batcher when a signal asks it to stop, and not raising
-    the signal again once stopped (uvicorn does, which would end the process by SIGTERM)."""
+    """uvicorn's server on a thread of its own: the main thread computes (``Batcher.run``) and
+    takes the signals, telling the batcher and this server to stop; uvicorn neither installs
+    handlers nor raises the signal again once stopped (which would end the process by it)."""
 
     def __init__(self, config: uvicorn.Config, on_stop: Callable[[str], None]) -> None:
         super().__init__(config)
@@ -76,6 +77,11 @@ class _Server(uvicorn.Server):
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
+        yield  # the main thread's handlers (``serve``) call handle_exit
+
+    @contextmanager
+    def signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM stop the server, on the main thread, for the block."""
         before = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
@@ -113,21 +119,27 @@ def serve(served: Served, host: str, port: int, key: str | None, max_rows: int) 
         timeout_graceful_shutdown=max(1, int(deadline - 2)),
     )  # fmt: skip
     server = _Server(config, stop)
-    batcher.start()
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            stop("the server stopped")  # the engine loop ends with it
+
     names = ", ".join(served.adapters) or "none"
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     note(f"spill serve: {served.name} · adapters {names} · up to {max_rows} rows at once")
-    note(f"serving on http://{shown}:{bound}")
-    try:
-        server.run(sockets=[sock])
-    finally:
-        stop("the server stopped")
-        sock.close()
+    with server.signals():
+        web = threading.Thread(target=http, name="spill-serve-http", daemon=True)
+        web.start()
+        note(f"serving on http://{shown}:{bound}")
+        batcher.run()  # the engine, on this thread, until a stop and the rows end
+        while web.is_alive():  # an engine that failed leaves the server answering 500s
+            web.join(0.5)
+    sock.close()
     left = deadline - (time.monotonic() - asked[0])
     if batcher.join(max(0.0, left)):
         served.loaded.runner.close()
-    else:
-        note(f"spill serve: the engine did not finish within {deadline:g} s; leaving it")
     note("spill serve: stopped")
     return 0
