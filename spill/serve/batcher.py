@@ -1,5 +1,4 @@
-"""The engine loop: one ``runner.serve(take)`` (``run``, on the main thread) that every HTTP
-request joins as rows.
+"""The engine loop (``run``, on the main thread): one ``runner.serve(take)`` for every request.
 
 ``submit`` queues a request's ``Row``s (at most ``max_rows`` run at once, the rest wait) and
 returns an ``asyncio.Queue`` of ``(row index, event)``: ``("prompt", [Token])`` (echo),
