@@ -152,6 +152,8 @@ class WeightReader:
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor in the compute dtype (a packed weight dequantized, into memory of its own)."""
         t = self.tensors([name])[name]
+        with self._read_lock:  # a one-off (an embedding: 108 MiB of float32 staged for SmolLM2)
+            self._staging = torch.empty(0, dtype=torch.uint8)  # is not kept for the layers
         if isinstance(t, Packed):
             return dequantize(t, torch.empty(t.shape, dtype=self.dtype, device=self.device))
         return t
