@@ -2,8 +2,8 @@
 (``load_config``, ``parse_config`` -> ``ModelConfig``).
 
 Every family shares one shape (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP): Llama
-(SmolLM2, Llama 3.x), Qwen2 (Qwen2.5), Qwen3, Mistral, SmolLM3 and Gemma 3's text model
-(``gemma3_text``). What differs is read once into fields the family files and kernels use
+(SmolLM2, Llama 3.x), Qwen2 (Qwen2.5), Qwen3, Mistral, SmolLM3, Gemma 3's text model
+(``gemma3_text``), Phi-3 and Ministral 3's text model (``ministral3``). What differs is read once into fields the family files and kernels use
 (``qk_norm``, ``no_rope``, ``windowed``, ``norm_offset``, ``embed_scale``, ``local_rope_theta``,
 ...).
 """
@@ -25,6 +25,8 @@ from spill.models.family_keys import (
     gemma3,
     gemma3_rope,
     llama,
+    ministral3,
+    ministral3_rope,
     mistral,
     phi3,
     phi3_rope,
@@ -39,7 +41,8 @@ from spill.models.family_keys import FUSED as FUSED  # lora's, beside LINEARS
 # Per family: Qwen2 (Qwen2.5: q/k/v biases), Qwen3 (per-head q/k RMSNorm before the rotary, an
 # explicit ``head_dim``), Mistral (a sliding window on every layer when ``sliding_window`` is set),
 # SmolLM3 (Llama with NoPE layers), Gemma 3 (norms as ``x * (offset + w)``, two more norms a layer,
-# scaled embeddings and query, sliding layers with their own rotary base).
+# scaled embeddings and query, sliding layers with their own rotary base), Ministral 3 (Mistral
+# with YaRN and position-dependent query scaling).
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -72,8 +75,10 @@ class ModelConfig:
     # whose positions reach past rope_original; cos and sin times rope_attention
     rope_short: tuple[float, ...] = ()
     rope_long: tuple[float, ...] = ()
-    rope_original: int = 0
-    rope_attention: float = 1.0
+    rope_original: int = 0  # also the length llama 4 query scaling counts positions in
+    rope_attention: float = 1.0  # longrope's and YaRN's attention factor
+    # Ministral 3 (llama 4 scaling): queries times 1 + query_beta * log(1 + floor(p / rope_original))
+    query_beta: float = 0.0
     norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w), in float32 when not 0
     embed_scale: float = 1.0  # embeddings times this, cast to the model's dtype first
     query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5
@@ -89,6 +94,14 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, float]:
         return dict(self.rope_scaling)
+
+    @property
+    def rope_kind(self) -> str:
+        """How ``rope_scaling`` turns the inverse frequencies: "yarn" (its keys have beta_fast),
+        "llama3", or "default" (none)."""
+        if not self.rope_scaling:
+            return "default"
+        return "yarn" if "beta_fast" in self.rope_scaling_dict else "llama3"
 
     @property
     def rotary_dim(self) -> int:
@@ -159,17 +172,11 @@ FAMILIES: dict[str, Family] = {
         "Gemma 3 text", gemma3, 1000000.0, 256, default_tied=True, rope=gemma3_rope
     ),
     "phi3": Family("Phi-3, Phi-4-mini", phi3, rope=phi3_rope),
+    "ministral3": Family("Ministral 3 text", ministral3, 1000000.0, 128, rope=ministral3_rope),
 }
 # multimodal model_types whose text part spill runs (its text_config; the weights under
 # models/weights.TEXT_PREFIXES), the vision tower left aside
-TEXT_PART = {"gemma3": "gemma3_text"}
-# model_types people bring that spill does not run yet, and what it lacks for them
-NOT_YET = {
-    "ministral3": "Ministral 3's YaRN rope_parameters and position-dependent query scaling "
-    "(llama_4_scaling_beta)",
-    "mistral3": "Mistral 3 / Ministral 3 (a vision folder around a ministral3 text model: YaRN "
-    "rope_parameters and position-dependent query scaling)",
-}
+TEXT_PART = {"gemma3": "gemma3_text", "mistral3": "ministral3"}
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -209,7 +216,8 @@ def text_config(raw: dict, where: str = "config.json") -> dict:
             "folder's config.json is incomplete"
         )
     top = {k: raw[k] for k in ("tie_word_embeddings", "quantization") if k in raw}
-    return top | text | {"model_type": TEXT_PART[model_type]}
+    own = text.get("model_type")  # a mistral3 folder's text is ministral3 or mistral
+    return top | text | {"model_type": own if own in FAMILIES else TEXT_PART[model_type]}
 
 
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
@@ -217,11 +225,6 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if model_type in TEXT_PART:
         return replace(parse_config(text_config(raw, where), where), text_of=model_type)
-    if model_type in NOT_YET:
-        raise UnsupportedModel(
-            f"{where}: model_type {model_type!r} is not supported yet: spill does not implement "
-            f"{NOT_YET[model_type]}; spill runs {', '.join(FAMILIES)} models"
-        )
     if family is None:
         known = "; ".join(f"{n} ({f.examples})" for n, f in FAMILIES.items())
         raise UnsupportedModel(

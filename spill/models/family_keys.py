@@ -228,3 +228,83 @@ def phi3(raw: dict, layers: int) -> dict:
         "rope_original": original,
         "rope_attention": float(attention),
     }
+
+
+# Ministral3Config's rotary set when config.json has none
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1000000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 16384,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+
+
+def ministral3_rope_set(raw: dict) -> dict:
+    """Ministral3Config's rotary set as transformers standardizes it: ``rope_parameters`` (its
+    YaRN default when absent), ``type`` an old name of ``rope_type``, YaRN's original length
+    ``max_position_embeddings`` when not given."""
+    params = dict(rope_parameters(raw) or MINISTRAL3_ROPE)
+    params.setdefault("rope_type", params.get("type") or "default")
+    if params["rope_type"] not in ("default", "yarn"):
+        raise UnsupportedModel(
+            f"ministral3 with rope scaling {params['rope_type']!r}; spill runs its yarn and default"
+        )
+    if params["rope_type"] == "yarn":
+        original = raw.get("max_position_embeddings", 262144)
+        params.setdefault("original_max_position_embeddings", original)
+    return params
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def ministral3_rope(raw: dict, default_theta: float) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """The base and YaRN's keys (none for the default rotary), as ``_compute_yarn_parameters``
+    reads them: ``factor`` from max / original when null, beta_fast 32 and beta_slow 1 when
+    null, ``truncate`` true unless given."""
+    params = ministral3_rope_set(raw)
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
+    if params["rope_type"] == "default":
+        return theta, ()
+    original = float(params["original_max_position_embeddings"])
+    factor = params.get("factor") or int(raw.get("max_position_embeddings", 262144)) / original
+    found = {
+        "factor": float(factor),
+        "original_max_position_embeddings": original,
+        "beta_fast": float(params.get("beta_fast") or 32),
+        "beta_slow": float(params.get("beta_slow") or 1),
+        "truncate": float(bool(params.get("truncate", True))),
+    }
+    return theta, tuple(sorted(found.items()))
+
+
+def ministral3(raw: dict, layers: int) -> dict:
+    """Ministral 3 text: Mistral's layer, YaRN's attention factor on cos and sin, and queries
+    times ``1 + llama_4_scaling_beta * log(1 + floor(position / original))`` after the rotary
+    (``original_max_position_embeddings`` of ``rope_parameters``; transformers needs both)."""
+    params = ministral3_rope_set(raw)
+    beta, original = (
+        params.get(k) for k in ("llama_4_scaling_beta", "original_max_position_embeddings")
+    )
+    if beta is None or original is None:
+        raise UnsupportedModel(
+            "ministral3 without llama_4_scaling_beta and original_max_position_embeddings in "
+            "rope_parameters; transformers' Ministral3 needs both: add them to config.json"
+        )
+    found = mistral(raw, layers) | {"query_beta": float(beta), "rope_original": int(original)}
+    if params["rope_type"] == "default":
+        return found
+    factor = dict(ministral3_rope(raw, 0.0)[1])["factor"]
+    attention = params.get("attention_factor")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None and mscale and all_dim:
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    elif attention is None:
+        attention = yarn_mscale(factor)
+    return found | {"rope_attention": float(attention)}

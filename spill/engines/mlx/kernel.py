@@ -19,7 +19,16 @@ from spill.engines.base import AdamW
 from spill.engines.core.common import adamw_factors, long_rope
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.runner import sample_numpy
-from spill.engines.mlx import gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3
+from spill.engines.mlx import (
+    gemma3_text,
+    llama,
+    ministral3,
+    mistral,
+    phi3,
+    qwen2,
+    qwen3,
+    smollm3,
+)
 from spill.engines.mlx.ops import (
     Context,
     KVCache,
@@ -41,6 +50,7 @@ FAMILIES: dict[str, ModuleType] = {
     "smollm3": smollm3,
     "gemma3_text": gemma3_text,
     "phi3": phi3,
+    "ministral3": ministral3,
 }
 
 

@@ -173,6 +173,8 @@ def inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -
         return mx.array(np.float32(1.0) / (factors * np.float32(base) ** exponent))
     freq = (np.float32(1.0) / (np.float32(base) ** exponent)).astype(np.float32)
     scaling = cfg.rope_scaling_dict
+    if scaling and theta is None and cfg.rope_kind == "yarn":
+        return mx.array(yarn(np.float32(base) ** exponent, dim, base, scaling))
     if scaling and theta is None:
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -185,6 +187,29 @@ def inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         freq = np.where(medium, smoothed, scaled).astype(np.float32)
     return mx.array(freq)
+
+
+def yarn(pos_freqs, dim: int, base: float, scaling: dict) -> np.ndarray:
+    """YaRN's inverse frequencies (float32) as transformers' ``_compute_yarn_parameters``: a
+    linear ramp between the interpolated (over ``factor``) and the plain ones across the
+    dimensions whose rotations over the original length lie between beta_slow and beta_fast;
+    ``pos_freqs`` (D/2,) is base ** (2i / dim)."""
+    old = scaling["original_max_position_embeddings"]
+
+    def dimension(rotations):
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dimension(scaling["beta_fast"]), dimension(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    steps = np.arange(dim // 2, dtype=np.float32)
+    ramp = np.clip((steps - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)  # (D/2,)
+    one = np.float32(1.0)
+    inter = one / (np.float32(scaling["factor"]) * pos_freqs)
+    return (inter * (1 - extrapolation) + (one / pos_freqs) * extrapolation).astype(np.float32)
 
 
 def rotary(positions, freq, dtype, scale: float = 1.0):
@@ -233,6 +258,7 @@ class Context:
     start: int  # where this chunk's keys go in a KV cache
     window: mx.array | None = None  # ``mask`` less the keys a sliding window has left behind
     local: tuple[mx.array, mx.array] | None = None  # windowed layers' own (cos, sin)
+    positions: mx.array | None = None  # (B, T) int32, each query's position
 
     def rotary(self, windowed: bool) -> tuple[mx.array, mx.array]:
         """(cos, sin) of a layer: the windowed layers' own when the model has them."""
@@ -270,7 +296,7 @@ def context(
     mask = (causal[None] & valid[:, None, :]) | (key == query)[None]  # (B, T, S)
     slid = None if window is None else mask & (key > query - window)[None]  # (B, T, S)
     slid = None if slid is None else slid[:, None]
-    return Context(cos, sin, mask[:, None], start, slid, local)
+    return Context(cos, sin, mask[:, None], start, slid, local, positions)
 
 
 class KVCache:

@@ -18,7 +18,16 @@ import torch.nn.functional as F
 from spill.engines.base import AdamW
 from spill.engines.core.common import adamw_factors, long_rope
 from spill.engines.core.kernel import LOGIT_ROWS
-from spill.engines.torch import gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3
+from spill.engines.torch import (
+    gemma3_text,
+    llama,
+    ministral3,
+    mistral,
+    phi3,
+    qwen2,
+    qwen3,
+    smollm3,
+)
 from spill.engines.torch.ops import (
     Context,
     KVCache,
@@ -39,6 +48,7 @@ FAMILIES: dict[str, ModuleType] = {
     "smollm3": smollm3,
     "gemma3_text": gemma3_text,
     "phi3": phi3,
+    "ministral3": ministral3,
 }
 # A recomputed layer's output only roots its graph: the last linear's base output, added to the
 # residual, is read by no backward formula (every family ends a layer with mlp.down_proj), unless

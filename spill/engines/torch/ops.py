@@ -152,6 +152,8 @@ def inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -
     scaling = cfg.rope_scaling_dict
     if not scaling or theta is not None:
         return freq
+    if cfg.rope_kind == "yarn":
+        return yarn(base**exponent, dim, base, scaling)
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old = scaling["original_max_position_embeddings"]
@@ -162,6 +164,28 @@ def inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def yarn(pos_freqs, dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN's inverse frequencies as transformers' ``_compute_yarn_parameters``: a linear ramp
+    between the interpolated (over ``factor``) and the plain frequencies across the dimensions
+    whose rotations over the original length lie between beta_slow and beta_fast; ``pos_freqs``
+    (D/2,) is base ** (2i / dim)."""
+    old = scaling["original_max_position_embeddings"]
+
+    def dimension(rotations):
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dimension(scaling["beta_fast"]), dimension(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # (D/2,)
+    return (1.0 / (scaling["factor"] * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
 
 
 def rotary(positions, freq, dtype, scale: float = 1.0):
@@ -210,6 +234,7 @@ class Context:
     start: int  # where this chunk's keys go in a KV cache
     window: torch.Tensor | None = None  # ``mask`` less the keys a sliding window has left behind
     local: tuple[torch.Tensor, torch.Tensor] | None = None  # windowed layers' own (cos, sin)
+    positions: torch.Tensor | None = None  # (B, T) int64, each query's position
 
     def rotary(self, windowed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of a layer: the windowed layers' own when the model has them."""
@@ -246,7 +271,7 @@ def context(
     mask = (causal[None] & valid[:, None, :]) | (key == query)[None]  # (B, T, S)
     slid = None if window is None else mask & (key > query - window)[None]  # (B, T, S)
     slid = None if slid is None else slid[:, None]
-    return Context(cos, sin, mask[:, None], start, slid, local)
+    return Context(cos, sin, mask[:, None], start, slid, local, positions)
 
 
 class KVCache:

@@ -111,6 +111,19 @@ _FAMILY_KEYS: dict[str, Callable[[int, int], dict]] = {
             "long_factor": [2.0 + j for j in range(int(head * 0.75) // 2)],
         },
     },
+    "ministral3": lambda layers, head: {  # YaRN and the query scaling past 32 positions
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
+    },
 }
 TINY_FAMILIES = tuple(_FAMILY_KEYS)
 _ARCHITECTURES = {
@@ -121,6 +134,7 @@ _ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
 }
 
 

@@ -1,11 +1,12 @@
-"""Small random models of the Qwen3, Mistral, SmolLM3, Gemma 3 (text) and Phi-3 families, made
-and saved by transformers itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the
+"""Small random models of the Qwen3, Mistral, SmolLM3, Gemma 3 (text), Phi-3 and Ministral 3
+families, made and saved by transformers itself (``XxxForCausalLM(XxxConfig(...))``, ``save_pretrained``), with the
 tiny llama's tokenizer.
 
 Each variant shows what its family adds: Qwen3 an explicit ``head_dim`` (not hidden / heads),
 per-head q/k norms and, in ``qwen3-windowed``, ``attention_bias`` and sliding layers from
 ``max_window_layers``; Mistral a ``sliding_window`` shorter than the test sequences; SmolLM3 a
-NoPE layer between rotary ones; and Qwen2's ``use_sliding_window``, which spill now honours too.
+NoPE layer between rotary ones; Ministral 3 YaRN and query scaling past its original 16
+positions; and Qwen2's ``use_sliding_window``, which spill now honours too.
 ``MLX_LM`` names a variant of each family that mlx-lm runs as transformers does, and
 ``for_mlx_lm`` adds the config.json keys mlx-lm reads. ``make_vision`` wraps the Gemma 3 text
 model in a ``gemma3`` (vision) folder. Weights are drawn wider than transformers' initializer and every norm weight is moved off 1, so
@@ -37,6 +38,11 @@ PHI3 = dict(
     partial_rotary_factor=0.5,
     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE},
 )
+# Ministral 3: YaRN over an original length of 16 (factor 4; its attention factor from the
+# factor, or from mscale / mscale_all_dim), so the test rows' positions past 16 turn by the ramp
+# and their queries are scaled by 1 + beta * log(1 + floor(p / 16))
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0}
+YARN |= {"beta_slow": 1.0, "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.3}
 VARIANTS = {
     "qwen3": ("Qwen3", dict(num_hidden_layers=3, head_dim=24, tie_word_embeddings=False)),
     "qwen3-windowed": (
@@ -82,6 +88,17 @@ VARIANTS = {
             **PHI3,
         ),
     ),
+    "ministral3": ("Ministral3", dict(num_hidden_layers=2, head_dim=24, rope_parameters=YARN)),
+    "ministral3-windowed": (
+        "Ministral3",
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            sliding_window=7,
+            tie_word_embeddings=True,
+            rope_parameters=YARN | {"mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 8.0},
+        ),
+    ),
 }
 # what mlx-lm (0.32) runs as transformers does, each family once: its llama.py has no layer that
 # slides without a full one (so Mistral comes without a window) and its qwen3.py no biases;
@@ -102,6 +119,7 @@ MLX_LM = {
             **PHI3,
         ),
     ),
+    "ministral3": VARIANTS["ministral3"],
 }
 CONFIGS = {"Gemma3": "Gemma3TextConfig"}  # a config class not named <name>Config
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

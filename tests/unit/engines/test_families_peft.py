@@ -33,7 +33,8 @@ peft = pytest.importorskip("peft")
 
 
 @pytest.mark.parametrize(
-    "variant", ["qwen3", "qwen3-windowed", "mistral", "smollm3", "gemma3", "phi3", "phi3-long"]
+    "variant",
+    ["qwen3", "qwen3-windowed", "mistral", "smollm3", "gemma3", "phi3", "phi3-long", "ministral3"],
 )
 def test_streamed_tune_matches_peft(variant, tmp_path, tiny_models):
     """Phi-3's adapters sit on its fused linears, named as PEFT's target_modules name them."""

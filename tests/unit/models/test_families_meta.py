@@ -34,7 +34,9 @@ def test_the_new_families_tiny_configs_say_what_the_family_adds(tmp_path):
     assert smollm3.no_rope == (3, 7)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "smollm3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "mistral", "smollm3", "gemma3_text", "phi3", "ministral3"]
+)
 def test_spill_models_tiny_writes_the_same_bytes_and_the_engine_runs_it(family, tmp_path):
     out = tmp_path / "cli"
     done = run_spill("models", "tiny", str(out), "--family", family, "--seed", "4", timeout=120)
@@ -191,16 +193,45 @@ def test_a_per_layer_list_that_does_not_fit_the_layers_is_one_line(keys, says):
     assert "\n" not in str(err.value) and str(err.value).startswith("m/config.json: ")
 
 
-@pytest.mark.parametrize("model_type", ["ministral3", "mistral3"])
-def test_ministral_3_is_refused_in_one_line_naming_what_spill_lacks(model_type):
-    """transformers' own Ministral3Config (YaRN rope_parameters, llama_4_scaling_beta)."""
+def test_ministral_3_reads_its_yarn_and_query_scaling_as_transformers_derives_them():
+    """transformers' own Ministral3Config (its default YaRN rope_parameters and
+    llama_4_scaling_beta), as a text model and inside a mistral3 folder; the attention factor
+    and inverse frequencies as its rotary embedding computes them."""
     transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from spill.engines.torch.ops import inv_freq
+    from spill.models.config import parse_config
+
+    text = transformers.Ministral3Config(num_hidden_layers=2, sliding_window=64)
+    cfg = parse_config(text.to_dict())
+    assert (cfg.family, cfg.rope_kind, cfg.query_beta, cfg.rope_original) == (
+        "ministral3",
+        "yarn",
+        0.1,
+        16384,
+    )
+    assert (cfg.head_dim, cfg.rope_theta, cfg.windowed) == (128, 1e6, (0, 1))
+    rotary = transformers.models.ministral3.modeling_ministral3.Ministral3RotaryEmbedding(text)
+    assert cfg.rope_attention == rotary.attention_scaling
+    assert torch.equal(inv_freq(cfg), rotary.inv_freq)
+    vision = transformers.Mistral3Config(text_config=text.to_dict()).to_dict()
+    nested = parse_config(vision)
+    assert (nested.family, nested.text_of, nested.query_beta) == ("ministral3", "mistral3", 0.1)
+    plain = parse_config(transformers.Mistral3Config().to_dict())  # Mistral Small 3.1's text
+    assert (plain.family, plain.text_of) == ("mistral", "mistral3")
+
+
+@pytest.mark.parametrize(
+    "keys, says",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "llama_4_scaling_beta"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 4.0}}, "'linear'"),
+    ],
+)
+def test_a_ministral_3_spill_cannot_run_is_refused_in_one_line(keys, says):
     from spill.errors import UnsupportedModel
     from spill.models.config import parse_config
 
-    raw = transformers.Ministral3Config().to_dict() | {"model_type": model_type}
-    with pytest.raises(UnsupportedModel) as err:
-        parse_config(raw)
-    said = str(err.value)
-    assert "\n" not in said and f"model_type {model_type!r} is not supported yet" in said
-    assert "YaRN" in said and "query scaling" in said and "mistral" in said
+    with pytest.raises(UnsupportedModel, match=says) as err:
+        parse_config(_raw("ministral3", **keys), "m/config.json")
+    assert "\n" not in str(err.value) and "ministral3" in str(err.value)
