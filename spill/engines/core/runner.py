@@ -25,7 +25,7 @@ from spill.engines.base import (
     Take,
     Token,
 )
-from spill.engines.core import decode
+from spill.engines.core import decode, heap
 from spill.engines.core.batching import ROWS_FRACTION, plan_batch
 from spill.engines.core.common import (
     check_generate,
@@ -271,3 +271,5 @@ class StreamRunner:
         if self.model is not None:
             self.model.close()
             self.model = None
+            if self.memory is not None:  # under a budget the next job of this process has it
+                heap.trim()
