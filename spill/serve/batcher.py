@@ -5,7 +5,7 @@ returns an ``asyncio.Queue`` of ``(row index, event)``: ``("prompt", [Token])`` 
 ``("text", str, [Piece])``, ``("done", str, [Piece], Generation)`` once, or ``("error", str)``.
 A row ends at its next token once ``cancel()``ed (its client left) or its text met a stop
 string. ``stop(grace)`` takes no more rows, refuses the waiting ones, cuts the running ones
-``grace`` seconds later; ``join`` waits for the loop to end.
+``grace`` seconds later.
 """
 
 from __future__ import annotations
@@ -71,7 +71,6 @@ class Batcher:
         self._stopping = False
         self._cutting = False  # the grace after stop() is over: every running row ends
         self.failed: str | None = None  # why the engine loop died, if it did
-        self._done = threading.Event()  # the engine loop ended
 
     def submit(self, rows: list[Row], loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
         """Queue ``rows`` (one request's choices, all or none); their events arrive on the
@@ -103,10 +102,6 @@ class Batcher:
         timer = threading.Timer(grace, self.cut)
         timer.daemon = True
         timer.start()
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for the engine loop to end; True when it did."""
-        return self._done.wait(timeout)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -172,5 +167,3 @@ class Batcher:
             for row in rows:
                 row.emit(("error", f"the engine stopped ({why})"))
             note(f"spill serve: error: the engine stopped: {why}")
-        finally:
-            self._done.set()

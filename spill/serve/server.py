@@ -138,8 +138,6 @@ def serve(served: Served, host: str, port: int, key: str | None, max_rows: int) 
         while web.is_alive():  # an engine that failed leaves the server answering 500s
             web.join(0.5)
     sock.close()
-    left = deadline - (time.monotonic() - asked[0])
-    if batcher.join(max(0.0, left)):
-        served.loaded.runner.close()
+    served.loaded.runner.close()  # the engine loop ended on this thread
     note("spill serve: stopped")
     return 0

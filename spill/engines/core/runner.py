@@ -226,10 +226,14 @@ class StreamRunner:
         if not rows:
             return []
         m, k = self.model, self.model.kernel
+        hidden: dict[int, object] = {}  # row index -> its hidden states: one walk per adapter
+        for lora in {id(r.lora): r.lora for r in rows}.values():
+            mine = [j for j, r in enumerate(rows) if r.lora is lora]
+            walked = m.forward_each([rows[j].req.prompt for j in mine], lora)
+            hidden.update(zip(mine, walked, strict=True))
         out = []
-        for r in rows:
-            ids, top = r.req.prompt, r.req.logprobs or 0
-            (h,) = m.forward_each([ids], r.lora)
+        for j, r in enumerate(rows):
+            ids, top, h = r.req.prompt, r.req.logprobs or 0, hidden[j]
             tokens = [Token(int(ids[0]))]
             targets = k.array(ids[1:])
             for j in range(0, len(ids) - 1, LOGIT_ROWS):
