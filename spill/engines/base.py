@@ -120,6 +120,18 @@ class TrainBatch:
     targets: np.ndarray  # (B, T) bool, tokens whose prediction from position t-1 counts
     scale: float  # the summed token loss is multiplied by this (1 / target tokens in the step)
     dropout_seed: int  # LoRA dropout masks are a pure function of (this, layer, module)
+    objective: Objective | None = None  # another loss of the targets' cross-entropies (DPO)
+
+
+class Objective(Protocol):
+    """A loss made from the targets' token cross-entropies other than their scaled sum (preference
+    tuning, ``spill.jobs.tune.objectives``): ``(ce, rows, cols) -> (loss, weights)``, ``ce`` the
+    float32 cross-entropy of each target in ``np.nonzero(targets[:, 1:])`` order, ``weights`` d
+    loss / d ce per target. It runs on the host in numpy, so every engine computes it alike."""
+
+    def __call__(
+        self, ce: np.ndarray, rows: np.ndarray, cols: np.ndarray
+    ) -> tuple[float, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -191,8 +203,14 @@ class Trainer(Protocol):
     def accumulate(self, batch: TrainBatch) -> float:
         """Forward and backward through the ring; add ``scale`` x d(loss sum) to the gradients.
 
-        Returns the micro-batch's summed token loss times ``scale``.
+        Returns the micro-batch's summed token loss times ``scale``; with ``batch.objective``,
+        the gradients and the loss are the objective's.
         """
+        ...
+
+    def token_losses(self, batch: TrainBatch) -> np.ndarray:
+        """Each target's cross-entropy under the base alone, float32, computed as ``accumulate``
+        computes it (the same bits at a zero adapter): DPO's reference."""
         ...
 
     def take_grads(self) -> np.ndarray:

@@ -25,7 +25,15 @@ from spill.settings.model import (
     ModelSettings,
     TeacherSettings,
 )
-from spill.settings.tune import ACTIVATIONS, LR_MAX, TRACKERS, VALIDATION, TuneSettings
+from spill.settings.tune import (
+    ACTIVATIONS,
+    LR_MAX,
+    METHODS,
+    PREFERENCE,
+    TRACKERS,
+    VALIDATION,
+    TuneSettings,
+)
 
 # Readers: ``spill.project.config`` freezes a composed spill.yaml; the jobs embed the groups
 # (``TuneOptions.tune``; an engine opens a model with ``LoadOptions``, the engine group less its
@@ -46,6 +54,8 @@ __all__ = [
     "QUANTIZATION",
     "TRACKERS",
     "VALIDATION",
+    "METHODS",
+    "PREFERENCE",
     "DataSettings",
     "EngineSettings",
     "EvalSettings",

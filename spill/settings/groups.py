@@ -10,19 +10,22 @@ from spill.settings.engine import EngineSettings
 from spill.settings.export import ExportSettings
 from spill.settings.field import PATH, deciding, setting
 from spill.settings.model import QUANTIZATION, ModelSettings, TeacherSettings
-from spill.settings.tune import VALIDATION, TuneSettings
+from spill.settings.tune import PREFERENCE, VALIDATION, TuneSettings
 
 
 def stage_inputs(group: str, values) -> dict[str, Any]:
     """The deciding settings of ``values`` (a group's dataclass) as a stage's inputs
     (``model.name``); a quantized copy's ``quantize`` and ``group_size`` only when ``quantize``
     is set, so a float model's stages keep the inputs they had before quantized bases; the
-    validation settings only when ``tune.valid`` is set, for the same reason."""
+    validation settings only when ``tune.valid`` is set, the preference ones only for a
+    preference tune, for the same reason."""
     keys = deciding(type(values))
     if getattr(values, "quantize", None) is None:
         keys = tuple(k for k in keys if k not in QUANTIZATION)
     if hasattr(values, "valid") and values.valid is None:  # no validation: the inputs of before
         keys = tuple(k for k in keys if k not in VALIDATION)
+    if getattr(values, "method", None) == "sft":  # supervised: the inputs of before preference
+        keys = tuple(k for k in keys if k not in PREFERENCE)
     return {f"{group}.{k}": getattr(values, k) for k in keys}
 
 

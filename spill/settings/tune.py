@@ -17,6 +17,8 @@ _LOG = {  # tune.log: a list in spill.yaml
 }
 _TARGETS = "(q|k|v|qkv|o|gate|up|gate_up|down)_proj"
 VALIDATION = ("valid", "eval_every", "keep_best")  # inputs of a stage only when valid is set
+METHODS = ("sft", "dpo", "orpo")  # spill.jobs.tune.objectives
+PREFERENCE = ("method", "beta")  # inputs of a stage only when method is not sft
 LR_MAX = 1e37  # AdamW's first step is lr / (1 - beta1) = 10 x lr; float32 ends at 3.4e38
 
 
@@ -94,6 +96,23 @@ class TuneSettings:
     keep_best: bool = setting(
         {"type": "boolean"},
         "export the checkpoint with the lowest validation loss, not the last (needs validation)",
+    )
+    method: str = setting(
+        {
+            "enum": list(METHODS),
+            "description": "sft: supervised on prompt/completion rows; dpo or orpo: preference "
+            "tuning on prompt/chosen/rejected rows (docs/preference.md)",
+        },
+        "sft, or dpo/orpo on prompt/chosen/rejected rows (default %(default)s)",
+    )
+    beta: float = setting(
+        {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "description": "DPO's beta (how far from the base the adapter may go), or ORPO's "
+            "weight of the odds-ratio term (TRL's beta for both)",
+        },
+        "DPO's beta, or ORPO's odds-ratio weight (default %(default)s)",
     )
 
     log: tuple[str, ...] = setting(_LOG, decides=False, flag=False)  # the verbs: --log a,b

@@ -101,11 +101,13 @@ def test_the_shipped_schema_is_what_the_settings_make():
 
 def test_the_checkpoint_identity_pins_every_tune_setting_that_decides_the_result():
     """A stage's inputs and a checkpoint's identity both name the deciding tune settings."""
-    from spill.jobs.tune.identity import IDENTITY, IDENTITY_LORA
+    from spill.jobs.tune.identity import IDENTITY, IDENTITY_LORA, IDENTITY_PREFERENCE
 
     decides = set(settings.deciding(settings.TuneSettings))
     # the validation settings: the file's fingerprint, --eval-every and --keep-best
-    assert set(IDENTITY) | set(IDENTITY_LORA) | set(settings.VALIDATION) == decides
+    pinned = set(IDENTITY) | set(IDENTITY_LORA) | set(settings.VALIDATION)
+    assert pinned | set(IDENTITY_PREFERENCE) == decides
+    assert set(IDENTITY_PREFERENCE) == set(settings.PREFERENCE)
     assert {"ckpt_every", "activations", "log"} == {
         f.name for f in dataclasses.fields(settings.TuneSettings)
     } - decides

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from spill.engines.base import AdamW
+from spill.engines.base import AdamW, Objective
 from spill.models.config import ModelConfig
 
 Array = Any  # an engine's array (torch.Tensor, mx.array)
@@ -159,6 +159,7 @@ class Kernel(Protocol):
         rows: np.ndarray,
         cols: np.ndarray,
         scale: float,
+        objective: Objective | None = None,
     ) -> tuple[float, list[list[Array]]]:
         """Every layer of ``ws`` in order from x (``ws[i]`` is layer ``i``, with
         ``loras[i](leaves[i])``), then
@@ -177,11 +178,25 @@ class Kernel(Protocol):
         ...
 
     def head_vjp(
-        self, x: Array, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float
+        self,
+        x: Array,
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        scale: float,
+        objective: Objective | None = None,
     ) -> tuple[float, Array]:
         """Cross-entropy summed over the targets (the hidden state at (rows, cols) predicts
         ``tokens[rows, cols + 1]``) times ``scale``, and its gradient at the last layer's
-        output x, through the final norm and lm_head."""
+        output x, through the final norm and lm_head. With ``objective`` the loss is its loss
+        of the targets' cross-entropies instead (``scale`` unused)."""
+        ...
+
+    def target_ces(
+        self, x: Array, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray
+    ) -> np.ndarray:
+        """Each target's cross-entropy (float32, (N,)) from the last layer's output x, with the
+        very ops ``head_vjp`` computes it with under an objective."""
         ...
 
     def adamw(

@@ -158,8 +158,9 @@ class StreamTrainer:
         return ActivationPlan(False, need, budget, why, outputs if outputs <= room else 0)
 
     def accumulate(self, batch: TrainBatch) -> float:
-        """Forward and backward through the ring; add ``scale`` x d(loss sum) to the gradients.
-        Returns the micro-batch's summed token loss times ``scale``."""
+        """Forward and backward through the ring; add ``scale`` x d(loss sum) to the gradients
+        (with ``batch.objective``: d(its loss)). Returns the micro-batch's summed token loss
+        times ``scale`` (or the objective's loss)."""
         tokens, attention, targets = check_batch(batch, self.model.cfg.vocab_size)
         if not self._ready:
             raise EngineError("the trainer has no state yet; call set_state first")
@@ -170,6 +171,21 @@ class StreamTrainer:
         if plan.keep:
             return self._kept(tokens, attention, rows, cols, batch)
         return self._recompute(tokens, attention, rows, cols, batch, plan.outputs > 0)
+
+    def token_losses(self, batch: TrainBatch) -> np.ndarray:
+        """Each target's cross-entropy under the base alone (no adapter), float32 in
+        ``np.nonzero(targets[:, 1:])`` order: the forward ``accumulate`` runs, with the very ops,
+        so at a zero adapter (a fresh run) the two give the same bits (DPO's reference)."""
+        tokens, attention, targets = check_batch(batch, self.model.cfg.vocab_size)
+        m, k = self.model, self.kernel
+        rows, cols = np.nonzero(targets[:, 1:])
+        with k.inference():
+            ctx = k.context(attention, 0, tokens.shape[1])
+            x = k.embed_ids(k.array(tokens))
+            for i, w in m.ring.walk(range(m.cfg.num_hidden_layers)):
+                x = k.layer(i, w, x, ctx, None, None)
+                k.sync(x)
+            return k.target_ces(x, tokens, rows, cols)
 
     # Kept activations: one forward over every layer and the head records what backward needs, and
     # backward runs once through it (the kernel's ``stack_vjp``: one autograd graph on torch, one
@@ -186,7 +202,9 @@ class StreamTrainer:
             leaves.append([self.params[n] for n in layer_names_i])
             builds.append(build)
         x = k.embed_ids(k.array(tokens))
-        loss, got = k.stack_vjp(ws, x, ctx, leaves, builds, tokens, rows, cols, batch.scale)
+        loss, got = k.stack_vjp(
+            ws, x, ctx, leaves, builds, tokens, rows, cols, batch.scale, batch.objective
+        )
         for layer_names_i, gs in zip(names, got, strict=True):
             for name, g in zip(layer_names_i, gs, strict=True):
                 self.grads[name] = self.grads[name] + g
@@ -216,7 +234,7 @@ class StreamTrainer:
             names, build = self._lora(i, seed)
             x = k.layer(i, w, x, ctx, None, build([self.params[n] for n in names]), outputs[i])
             k.sync(x)
-        loss, grad = k.head_vjp(x, tokens, rows, cols, batch.scale)
+        loss, grad = k.head_vjp(x, tokens, rows, cols, batch.scale, batch.objective)
         for i, w in m.ring.walk(range(layers - 1, -1, -1)):
             x, saved[i] = saved[i], None
             names, build = self._lora(i, seed)

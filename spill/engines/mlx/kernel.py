@@ -15,7 +15,7 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 
-from spill.engines.base import AdamW
+from spill.engines.base import AdamW, Objective
 from spill.engines.core.common import adamw_factors, long_rope
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.runner import sample_numpy
@@ -197,10 +197,12 @@ class MLXKernel:
     # ``head_vjp``'s ops inside, the chunk losses summed from zero with ``scale`` as the cotangent,
     # so the same bits as the recompute walk; MLX keeps no graph between calls, so the head must be
     # inside.
-    def stack_vjp(self, ws, x, ctx, leaves, loras, tokens, rows, cols, scale):
+    def stack_vjp(self, ws, x, ctx, leaves, loras, tokens, rows, cols, scale, objective=None):
         sizes = [len(group) for group in leaves]
         r, c = mx.array(rows), mx.array(cols)
         labels = mx.array(tokens[rows, cols + 1])  # (N,): position t predicts t + 1
+        if objective is not None:
+            return self._objective_stack(ws, x, ctx, leaves, loras, labels, r, c, objective)
 
         def run(*flat):  # head_vjp's ops: chunked cross-entropy, the sum from zero
             h, at = x, 0
@@ -225,18 +227,85 @@ class MLXKernel:
             at += n
         return float(total.item()), out
 
+    # mx.vjp takes its cotangents up front, and an objective's weights need every target's
+    # cross-entropy first: the stack runs forward once for them, then once more inside the vjp.
+    def _objective_stack(self, ws, x, ctx, leaves, loras, labels, r, c, objective: Objective):
+        sizes = [len(group) for group in leaves]
+
+        def run(*flat):  # every target's cross-entropy, in order
+            h, at = x, 0
+            for i, (w, n, lora) in enumerate(zip(ws, sizes, loras, strict=True)):
+                h = self.layer(i, w, h, ctx, None, lora(list(flat[at : at + n])))
+                at += n
+            picked = self.final_norm(h)[r, c]
+            return [self._ces(picked, labels)]
+
+        flat = [a for group in leaves for a in group]
+        (ce,) = run(*flat)
+        mx.eval(ce)
+        loss, weights = objective(np.array(ce), np.array(r), np.array(c))
+        _, got = mx.vjp(run, flat, [mx.array(np.asarray(weights, np.float32))])
+        mx.eval(got)
+        out, at = [], 0
+        for n in sizes:
+            out.append(list(got[at : at + n]))
+            at += n
+        return float(loss), out
+
+    def target_ces(self, x, tokens, rows, cols) -> np.ndarray:
+        labels = mx.array(tokens[rows, cols + 1])
+        ce = self._ces(self.final_norm(x)[mx.array(rows), mx.array(cols)], labels)
+        mx.eval(ce)
+        return np.array(ce)
+
+    def _ces(self, picked, labels):
+        """Each row's cross-entropy against its label, LOGIT_ROWS rows of logits at a time."""
+        parts = []
+        for j in range(0, picked.shape[0], LOGIT_ROWS):
+            logp = log_softmax(self.logits(picked[j : j + LOGIT_ROWS]))  # float32 (n, V)
+            y = labels[j : j + LOGIT_ROWS]
+            parts.append(-mx.take_along_axis(logp, y[:, None], axis=1)[:, 0])
+        return mx.concatenate(parts)
+
     def memory_budget(self) -> int:
         return default_budget()
 
     def kept_outputs(self) -> frozenset[str]:
         return frozenset()  # mx.vjp takes no given outputs: a recompute computes every linear
 
-    def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
+    def head_vjp(
+        self,
+        x,
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        scale: float,
+        objective: Objective | None = None,
+    ):
         r, c = mx.array(rows), mx.array(cols)
         labels = mx.array(tokens[rows, cols + 1])  # (N,): position t predicts t + 1
 
         def pick(h):
             return [self.final_norm(h)[r, c]]  # (N, hidden)
+
+        if objective is not None:  # the weights first, then each chunk's vjp with its weights
+            (picked,) = pick(x)
+            ce = self._ces(picked, labels)
+            mx.eval(ce)
+            loss, weights = objective(np.array(ce), rows, cols)
+            w, grads = mx.array(np.asarray(weights, np.float32)), []
+            for j in range(0, len(rows), LOGIT_ROWS):
+                y = labels[j : j + LOGIT_ROWS]
+                _, (g,) = mx.vjp(
+                    lambda p, y=y: [self._ces(p, y)],
+                    [picked[j : j + LOGIT_ROWS]],
+                    [w[j : j + LOGIT_ROWS]],
+                )
+                mx.eval(g)
+                grads.append(g)
+            _, (grad,) = mx.vjp(pick, [x], [mx.concatenate(grads, axis=0)])
+            mx.eval(grad)
+            return float(loss), grad
 
         def ce(p, y):
             logp = log_softmax(self.logits(p))  # float32 (n, V)

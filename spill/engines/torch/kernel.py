@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from spill.engines.base import AdamW
+from spill.engines.base import AdamW, Objective
 from spill.engines.core.common import adamw_factors, long_rope
 from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.torch import (
@@ -210,12 +210,12 @@ class TorchKernel:
             got = torch.autograd.grad(out, [*leaves, x] if wrt_input else leaves, grad)
         return (got[-1] if wrt_input else None), list(got[: len(leaves)])
 
-    def stack_vjp(self, ws, x, ctx, leaves, loras, tokens, rows, cols, scale):
+    def stack_vjp(self, ws, x, ctx, leaves, loras, tokens, rows, cols, scale, objective=None):
         with torch.enable_grad():
             leaves = [[a.detach().requires_grad_() for a in group] for group in leaves]
             for i, (w, group, lora) in enumerate(zip(ws, leaves, loras, strict=True)):
                 x = self.layer(i, w, x, ctx, None, lora(group))
-            loss, grad = self.head_vjp(x, tokens, rows, cols, scale)
+            loss, grad = self.head_vjp(x, tokens, rows, cols, scale, objective)
             got = iter(torch.autograd.grad(x, [a for group in leaves for a in group], grad))
         return loss, [[next(got) for _ in group] for group in leaves]
 
@@ -227,7 +227,17 @@ class TorchKernel:
 
     # The head's cross-entropy backs through lm_head in chunks of rows so (N, vocab) never exists at
     # once.
-    def head_vjp(self, x, tokens: np.ndarray, rows: np.ndarray, cols: np.ndarray, scale: float):
+    def head_vjp(
+        self,
+        x,
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        scale: float,
+        objective: Objective | None = None,
+    ):
+        if objective is not None:
+            return self._objective_vjp(x, tokens, rows, cols, objective)
         ids = self.array(tokens)  # (B, T)
         r, c = self.array(rows), self.array(cols)
         h = x.detach().requires_grad_()
@@ -243,6 +253,44 @@ class TorchKernel:
                 total += ce.detach()
             (grad,) = torch.autograd.grad(picked, h, leaf.grad)
         return float(total * scale), grad
+
+    def target_ces(self, x, tokens, rows, cols) -> np.ndarray:
+        ids = self.array(tokens)
+        r, c = self.array(rows), self.array(cols)
+        with torch.no_grad():
+            picked = self.final_norm(x)[r, c]
+            labels = ids[r, c + 1]
+            out = [
+                F.cross_entropy(
+                    self.logits(picked[j : j + LOGIT_ROWS]),
+                    labels[j : j + LOGIT_ROWS],
+                    reduction="none",
+                )
+                for j in range(0, len(labels), LOGIT_ROWS)
+            ]
+        return torch.cat(out).cpu().numpy()
+
+    # A target's cross-entropy depends on its own row of the head's input alone, so one backward
+    # of each chunk's summed cross-entropy leaves every row's own gradient; the objective's weight
+    # of each target (known once every cross-entropy is) then scales its row.
+    def _objective_vjp(self, x, tokens, rows, cols, objective: Objective):
+        ids = self.array(tokens)
+        r, c = self.array(rows), self.array(cols)
+        h = x.detach().requires_grad_()
+        with torch.enable_grad():
+            picked = self.final_norm(h)[r, c]
+            labels = ids[r, c + 1]
+            leaf = picked.detach().requires_grad_()
+            ces = []
+            for j in range(0, len(labels), LOGIT_ROWS):
+                logits = self.logits(leaf[j : j + LOGIT_ROWS])
+                ce = F.cross_entropy(logits, labels[j : j + LOGIT_ROWS], reduction="none")
+                ce.sum().backward()
+                ces.append(ce.detach())
+            loss, weights = objective(torch.cat(ces).cpu().numpy(), rows, cols)
+            w = torch.as_tensor(np.asarray(weights, np.float32), device=self.device)
+            (grad,) = torch.autograd.grad(picked, h, leaf.grad * w[:, None])
+        return float(loss), grad
 
     def adamw(self, opt: AdamW, names, params, m, v, grads) -> None:
         step_size, bc2_sqrt = adamw_factors(opt)

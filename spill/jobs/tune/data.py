@@ -62,6 +62,11 @@ def _assistant_spans(tokenizer, messages: list[dict]) -> Example:
 
 
 def encode_example(tokenizer, row: dict, where: str) -> Example:
+    if "chosen" in row or "rejected" in row:
+        raise DataError(
+            f"{where}: a preference row (chosen/rejected) in a supervised tune; tune it with "
+            "--method dpo or orpo (spill.yaml: tune.method)"
+        )
     if "messages" in row:
         msgs = row["messages"]
         if not (
@@ -117,12 +122,16 @@ def _order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
     return tuple(int(i) for i in np.random.default_rng(key).permutation(n))
 
 
+def rows_at(n: int, seed: int, index: int, size: int) -> list[int]:
+    """The data set's rows in micro-batch ``index`` of ``size``, of a set of ``n``."""
+    return [_order(n, seed, p // n)[p % n] for p in range(index * size, (index + 1) * size)]
+
+
 def micro_batch_at(
     examples: list[Example], seed: int, index: int, size: int, pad_id: int
 ) -> MicroBatch:
     """Micro-batch ``index`` of ``size`` samples: a pure function of its arguments."""
-    n = len(examples)
-    rows = [_order(n, seed, p // n)[p % n] for p in range(index * size, (index + 1) * size)]
+    rows = rows_at(len(examples), seed, index, size)
     chosen = [examples[r] for r in rows]
     t = max(len(e.ids) for e in chosen)
     tokens = np.full((size, t), pad_id, dtype=np.int64)

@@ -21,13 +21,15 @@ class CheckpointMismatch(SpillError):
 # what identity pins of the tune group: every setting that decides the result (a test checks)
 IDENTITY = ("lr", "warmup", "steps", "batch", "micro_batch", "seq_len", "weight_decay")
 IDENTITY_LORA = ("rank", "alpha", "dropout", "targets")
+# pinned only by a preference tune (``spill.settings.PREFERENCE``): an SFT checkpoint has neither
+IDENTITY_PREFERENCE = ("method", "beta")
 
 
 def identity(
     model: str, fingerprint: str, data: str, opts: TuneOptions, quantization: dict | None = None
 ) -> dict:
     """The values a checkpoint must share to be continued (``stop_after``/``ckpt_every`` not);
-    ``quantization``: a quantized base's (``spill.models.sources.quantize.identity``; a float base has
+    A preference tune pins its method and beta too. ``quantization``: a quantized base's (``spill.models.sources.quantize.identity``; a float base has
     none, as every checkpoint made before quantized bases existed). The validation settings
     (``spill.settings.VALIDATION``) are pinned as ``validation`` when the run has a validation
     file, absent otherwise (as in every checkpoint made before validation)."""
@@ -42,6 +44,7 @@ def identity(
             "data": data,
             "schedule": "cosine",
             **{k: getattr(t, k) for k in IDENTITY},
+            **({k: getattr(t, k) for k in IDENTITY_PREFERENCE} if t.method != "sft" else {}),
         },
     }
 
@@ -92,6 +95,15 @@ def refuse_mismatch(found: dict, want: dict, where: str, folder: Path) -> None:
     ``folder``: this run's model."""
     _refuse_model(found["model"], want["model"], where, folder)
     checks = [("seed", found["seed"], want["seed"])]
+    method = (
+        found["hyperparameters"].get("method", "sft"),
+        want["hyperparameters"].get("method", "sft"),
+    )
+    if method[0] != method[1]:
+        raise CheckpointMismatch(
+            f"{where} is a {method[0].upper()} run, this one {method[1].upper()} (--method); "
+            "continue it with the same method, or another --state (or --name) to start fresh"
+        )
     for key, value in want["hyperparameters"].items():
         checks.append(
             (_LABELS.get(key, key.replace("_", " ")), found["hyperparameters"].get(key), value)

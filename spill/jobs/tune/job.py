@@ -22,13 +22,18 @@ from spill.jobs.group import current as current_group
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
 from spill.jobs.tune.data import load_examples
+from spill.jobs.tune.objectives import reference_logps
 from spill.jobs.tune.options import TuneOptions, state_root
+from spill.jobs.tune.pairs import load_pairs
 from spill.jobs.tune.ranks import Follower, Found, Leader, Role
 from spill.jobs.tune.steps import Steps, peak_rss_mb
 from spill.models.config import load_config
 from spill.models.tokenizer import Tokenizer
 from spill.store.disk import same_file
 from spill.store.probe import probe_writable
+
+# a preference tune's metrics the progress line shows (every one goes to the checkpoint and trackers)
+SHOWN = {"rewards/accuracies": "acc", "rewards/margins": "margin"}
 
 
 def tune(model: str, train_path: Path, name: str, opts: TuneOptions) -> dict:
@@ -78,7 +83,10 @@ def run(
         model = resolved.name  # the copy's own name: tiny:llama:1:4x64@q4g64
     folder = Path(resolved.folder)
     cfg, tok, opts = load_config(folder), Tokenizer(folder), opts.on(folder)
-    examples = load_examples(train_path, tok, t.seq_len)
+    if t.method == "sft":
+        examples = load_examples(train_path, tok, t.seq_len)
+    else:
+        examples = load_pairs(train_path, tok, t.seq_len, bos=t.method == "orpo")
     found = Found(model, resolved, fingerprint, cfg, tok)
     step, state = role.begin(found, opts)
     shape = TuneShape(opts.lora, t.micro_batch, t.seq_len)
@@ -94,10 +102,15 @@ def run(
         f" · {group.world} processes, each its own ring and --memory" if group.world > 1 else ""
     )
     note(f"spill tune · {plan.line()}{per_rank}")  # rank 0's: the others are quiet
+    if t.method == "dpo" and role.refs is None:  # the base's log-probs, once per pair
+        with progress(len(examples), "reference (base, no adapter)", unit="pair") as bar:
+            role.refs = reference_logps(
+                trainer, examples, opts.seed, t.micro_batch, tok.pad_id, bar
+            )
     role.opened(runner, trainer)
     t0 = time.perf_counter()
     stop, loss = opts.stop_after or t.steps, None
-    steps = Steps(trainer, examples, tok.pad_id, opts, group, runner.info.device)
+    steps = Steps(trainer, examples, tok.pad_id, opts, group, runner.info.device, role.refs)
     with progress(stop, "tune", unit="step", initial=step) as bar:
         while step < stop:
             group.boundary(guard)
@@ -107,9 +120,10 @@ def run(
             with guard.mutating():
                 steps.apply(step)
                 step += 1
-                role.applied(step, loss)
+                role.applied(step, loss, steps.metrics)
             rate = steps.tokens / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{loss:.4f}", **role.shown(), tok_s=f"{rate:.0f}")
+            shown = {v: f"{steps.metrics[k]:.3f}" for k, v in SHOWN.items() if k in steps.metrics}
+            bar.set_postfix(loss=f"{loss:.4f}", **shown, **role.shown(), tok_s=f"{rate:.0f}")
             bar.update(1)
             role.stepped(step, rate, bar)
     seconds = time.perf_counter() - t0

@@ -3,6 +3,7 @@ group, where it writes, and the checks that refuse a bad combination before anyt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from spill.jobs.authority import Writer
 from spill.models.config import LINEARS, load_config
 from spill.models.lora import KNOWN, LoraConfig
 from spill.models.quant import Spec
-from spill.settings import EngineSettings, TuneSettings
+from spill.settings import METHODS, EngineSettings, TuneSettings
 from spill.store.location import Location, location
 
 
@@ -61,6 +62,15 @@ class TuneOptions:
             raise SpillError(f"--stop-after must be between 1 and --steps ({t.steps})")
         if t.activations not in ACTIVATIONS:
             raise SpillError(f"--activations {t.activations!r}: use {', '.join(ACTIVATIONS)}")
+        if t.method not in METHODS:
+            raise UsageError(f"--method {t.method!r}: use {', '.join(METHODS)}")
+        if not (0 < t.beta < math.inf):
+            raise UsageError(f"--beta {t.beta}: a number above 0 (TRL's default is 0.1)")
+        if t.method != "sft" and self.valid is not None:
+            raise UsageError(
+                f"--valid with --method {t.method}: validation on held-out pairs is not built "
+                "yet; leave --valid out (spill.yaml: tune.valid: null)"
+            )
         if t.warmup < 0:
             raise SpillError("--warmup must be zero or more")
         if t.eval_every < 1:

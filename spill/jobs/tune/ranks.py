@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from spill.console import note
 from spill.engines.base import Runner, Trainer
 from spill.errors import SpillError
@@ -50,14 +52,17 @@ class Found:
 
 
 class Role(Protocol):
+    refs: np.ndarray | None  # a DPO run's reference log-probs, (pairs, 2); None: not yet known
+
     def begin(self, found: Found, opts: TuneOptions) -> tuple[int, State]:
         """The step the run starts at and the trainer's state there."""
 
     def opened(self, runner: Runner, trainer: Trainer) -> None: ...
     def before_forward(self) -> None: ...
     def after_backward(self) -> None: ...
-    def applied(self, step: int, loss: float) -> None:
-        """Step ``step`` is applied (under the guard's ``mutating``)."""
+    def applied(self, step: int, loss: float, metrics: dict[str, float]) -> None:
+        """Step ``step`` is applied (under the guard's ``mutating``); ``metrics``: a preference
+        tune's (TRL's names), empty for SFT."""
 
     def shown(self) -> dict[str, str]:
         """What the progress line shows beside the loss."""
@@ -86,6 +91,7 @@ class Follower:
                 "node the same model (its cache, or --weights URI)"
             )
         self.steps = opts.tune.steps
+        self.refs = self.start.get("refs")  # rank 0's, continuing; None: computed by every rank
         return self.start["step"], self.start["state"]
 
     def opened(self, runner: Runner, trainer: Trainer) -> None:
@@ -97,7 +103,7 @@ class Follower:
     def after_backward(self) -> None:
         pass
 
-    def applied(self, step: int, loss: float) -> None:
+    def applied(self, step: int, loss: float, metrics: dict[str, float]) -> None:
         pass
 
     def shown(self) -> dict[str, str]:
@@ -134,6 +140,7 @@ class Leader:
         self.place = held.place
         self.root = self.place.uri
         self.rates: dict[int, float] = {}  # step -> tokens/s so far, for the trackers
+        self.refs: np.ndarray | None = None
 
     def begin(self, found: Found, opts: TuneOptions) -> tuple[int, State]:
         """Refuses a checkpoint of another run, then starts from the newest committed one (or
@@ -160,6 +167,10 @@ class Leader:
             v = {k[3:]: x for k, x in opt.items() if k.startswith("v::")}
             step, self.losses = state["step"], list(state["losses"])
             self.producers = list(state["producers"])
+            self.metrics = list(state.get("metrics", []))
+            if "reference" in state:
+                ref = state["reference"]
+                self.refs = np.array([ref["chosen"], ref["rejected"]], dtype=np.float64).T
             if self.valid is not None:
                 self.valid.restore(state, opt)
             note(
@@ -168,10 +179,15 @@ class Leader:
             )
         else:
             params, m, v = init_params(found.cfg, opts.lora, opts.seed), {}, {}
-            step, self.losses, self.producers = 0, [], []
+            step, self.losses, self.producers, self.metrics = 0, [], [], []
         if self.group.world > 1:  # the other ranks start from the same adapter, moments, step
             self.group.start(
-                {"fingerprint": found.fingerprint, "step": step, "state": (params, m, v)}
+                {
+                    "fingerprint": found.fingerprint,
+                    "step": step,
+                    "state": (params, m, v),
+                    "refs": self.refs,
+                }
             )
         self.step = self.started = step
         self.saved_at = step if ckpt is not None else None
@@ -196,6 +212,7 @@ class Leader:
             "step": step,
             "cursor": step * (t.batch // t.micro_batch),
             "losses": [_finite(x) for x in self.losses],
+            **self._preference(),
             "producers": producer.extend(self.producers, self.me, self.started, step),
             "train_file": self.train_path.name,
         }
@@ -204,14 +221,29 @@ class Leader:
         self.logs.committed(state, self.rates)
         return f"step {step} (committed)"
 
+    def _preference(self) -> dict:
+        """A preference tune's state: every step's metrics, and DPO's reference log-probs (JSON
+        keeps a float64 exactly, so a continuation uses the values every step used)."""
+        if self.opts.tune.method == "sft":
+            return {}
+        out = {"metrics": [{k: _finite(x) for k, x in m.items()} for m in self.metrics]}
+        if self.refs is not None:
+            out["reference"] = {
+                "chosen": self.refs[:, 0].tolist(),
+                "rejected": self.refs[:, 1].tolist(),
+            }
+        return out
+
     def before_forward(self) -> None:
         drill.at(drill.TUNE_BEFORE_FORWARD)
 
     def after_backward(self) -> None:
         drill.at(drill.TUNE_AFTER_BACKWARD)
 
-    def applied(self, step: int, loss: float) -> None:
+    def applied(self, step: int, loss: float, metrics: dict[str, float]) -> None:
         self.losses.append(loss)
+        if metrics:
+            self.metrics.append(dict(metrics))
         self.step = step
         if self.valid is not None and self.valid.due(step):
             params = self.trainer.state()[0]
@@ -241,6 +273,7 @@ class Leader:
             "step": step,
             "steps": t.steps,
             "loss": round(self.losses[-1], 6) if self.losses else None,
+            **({"method": t.method, **self.metrics[-1]} if self.metrics else {}),
             **(valid.summary() if valid else {}),
             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
             "seconds": round(seconds, 2),

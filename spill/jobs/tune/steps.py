@@ -12,37 +12,70 @@ from __future__ import annotations
 import math
 import resource
 
+import numpy as np
+
 from spill.engines.base import AdamW, TrainBatch, Trainer
 from spill.errors import SpillError
 from spill.jobs.group import Group
 from spill.jobs.schedule import cosine_lr
 from spill.jobs.tune.data import micro_batch_at
+from spill.jobs.tune.objectives import Dpo, Orpo, metrics
 from spill.jobs.tune.options import TuneOptions
+from spill.jobs.tune.pairs import pair_batch_at
 
 
 class Steps:
     """A step's work on every rank (``spill.jobs.tune.job.run``): ``gradients`` and ``apply``
-    (the boundary between steps is the group's: ``Group.boundary``)."""
+    (the boundary between steps is the group's: ``Group.boundary``). ``examples`` are rows, or
+    ``Pair``s for a preference tune (``refs``: the base's log-probs of every pair, for DPO)."""
 
     def __init__(
-        self, trainer: Trainer, examples, pad_id: int, opts: TuneOptions, group: Group, device: str
+        self,
+        trainer: Trainer,
+        examples,
+        pad_id: int,
+        opts: TuneOptions,
+        group: Group,
+        device: str,
+        refs: np.ndarray | None = None,
     ):
         self.trainer, self.examples, self.pad_id = trainer, examples, pad_id
         self.tune, self.seed, self.group = opts.tune, opts.seed, group
         self.device = device  # where the trainer computes: the exchange may go there (NCCL)
         self.accum = self.tune.batch // self.tune.micro_batch
+        self.method, self.refs = self.tune.method, refs
         self.tokens = 0  # tokens of every rank's micro-batches so far
         self.size: int | None = None  # the gradient vector's length
+        self.metrics: dict[str, float] = {}  # the last step's, a preference tune's (TRL's names)
 
-    def _train(self, step: int, j: int, batch, total: int) -> float:
+    def _batch(self, index: int):
+        t = self.tune
+        if self.method == "sft":
+            return micro_batch_at(self.examples, self.seed, index, t.micro_batch, self.pad_id)
+        return pair_batch_at(
+            self.examples, self.seed, index, t.micro_batch, self.pad_id, self.method == "orpo"
+        )
+
+    def _objective(self, batch):
+        share = 1.0 / self.accum  # each micro-batch's mean, as TRL's accumulation
+        if self.method == "dpo":
+            return Dpo(batch, self.tune.beta, share, self.refs[list(batch.rows)])
+        if self.method == "orpo":
+            return Orpo(batch, self.tune.beta, share)
+        return None
+
+    def _train(self, step: int, j: int, batch, total: int) -> tuple[float, np.ndarray]:
+        objective = self._objective(batch)
         tb = TrainBatch(
             batch.tokens,
             batch.attention,
             batch.targets,
             1.0 / total,
             self.seed * 1_000_003 + step * self.accum + j,
+            objective,
         )
-        return self.trainer.accumulate(tb)
+        loss = self.trainer.accumulate(tb)
+        return loss, objective.stats if objective is not None else np.zeros(0)
 
     def gradients(self, step: int) -> float:
         """Accumulate step ``step``'s gradients; returns its loss (summed over micro-batches in
@@ -58,31 +91,37 @@ class Steps:
         return loss
 
     def _gradients(self, step: int) -> float:
-        t, g = self.tune, self.group
-        batches = [
-            micro_batch_at(
-                self.examples, self.seed, step * self.accum + j, t.micro_batch, self.pad_id
-            )
-            for j in range(self.accum)
-        ]
+        g = self.group
+        batches = [self._batch(step * self.accum + j) for j in range(self.accum)]
         total = sum(b.n_targets for b in batches)
-        loss = 0.0
+        loss, sums = 0.0, None
         if g.world == 1:
             for j, b in enumerate(batches):
-                loss += self._train(step, j, b, total)
+                got, stats = self._train(step, j, b, total)
+                loss += got
+                sums = stats if sums is None else sums + stats
                 self.tokens += int(b.attention.sum())
-            return loss
-        done = []
-        for j in g.mine(self.accum):
-            got = self._train(step, j, batches[j], total)
-            done.append((j, got, int(batches[j].attention.sum()), self.trainer.take_grads()))
-        if self.size is None:
-            self.size = sum(a.size for a in self.trainer.state()[0].values())
-        everyone = g.gather(done, self.accum, self.size, self.device)
-        for _j, got, tokens, grads in everyone:
-            self.trainer.add_grads(grads)
-            loss += got
-            self.tokens += tokens
+        else:
+            done, mine = [], {}
+            for j in g.mine(self.accum):
+                got, mine[j] = self._train(step, j, batches[j], total)
+                tokens = int(batches[j].attention.sum())
+                done.append((j, got, tokens, self.trainer.take_grads()))
+            if self.size is None:
+                self.size = sum(a.size for a in self.trainer.state()[0].values())
+            everyone = g.gather(done, self.accum, self.size, self.device)
+            stats = {}
+            if self.method != "sft":  # each rank's metrics, folded in micro-batch order
+                for part in g.collect(mine):
+                    stats.update(part)
+            for j, got, tokens, grads in everyone:
+                self.trainer.add_grads(grads)
+                loss += got
+                if stats:
+                    sums = stats[j] if sums is None else sums + stats[j]
+                self.tokens += tokens
+        if self.method != "sft":
+            self.metrics = metrics(self.method, sums, self.tune.batch)
         return loss
 
     def apply(self, step: int) -> None:
