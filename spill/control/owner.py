@@ -12,6 +12,7 @@ import functools
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
 from typing import Any
@@ -31,8 +32,6 @@ def _boot_id() -> str:
     except OSError:
         pass
     if sys.platform == "darwin":
-        import subprocess
-
         try:
             out = subprocess.run(["sysctl", "-n", "kern.boottime"], capture_output=True, text=True)
             m = re.search(r"sec = (\d+)", out.stdout)

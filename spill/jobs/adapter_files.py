@@ -18,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+import spill
 from spill.errors import SpillError
 from spill.ground.validate import validate
 from spill.models.lora import KNOWN, MODULES, LoraConfig, export_mlx, export_peft
+from spill.models.provenance import describe_base
 from spill.store.fs import join, put_bytes, remove
 
 ADAPTER = "adapter"
@@ -61,8 +63,6 @@ def readme(
     quantization: dict | None = None,
 ) -> str:
     """The note beside an export: exactly which base weights the adapter was trained on."""
-    import spill
-
     lines = [
         f"# LoRA adapter for {base['name']}",
         "",
@@ -120,8 +120,6 @@ def write_local(
     validation: dict | None = None,
 ) -> Path:
     from safetensors.numpy import save_file
-
-    from spill.models.provenance import describe_base
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(dict(sorted(params.items())), str(out / "params.safetensors"))

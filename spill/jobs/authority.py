@@ -11,11 +11,21 @@ the stage's job neither acquires nor completes.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from spill.console import note
 from spill.control.control import Ownership, RunComplete, Superseded
+from spill.control.owner import host
+from spill.control.ownership import acquire
 from spill.control.place import Place
+from spill.errors import StoreError
+from spill.ground.validate import parse_json, remember, validate, validate_once
+from spill.jobs.preempt import request_stop
+from spill.store.fs import get_bytes, join
 from spill.store.location import location
 
 
@@ -55,7 +65,6 @@ class Held:
             old = self.place.doc() or {}
             self.run = self.reopen()
             self.place = self.run.place(self.place.prefix)
-            from spill.console import note
 
             note(f"run {old.get('run')} is complete but {why}; continuing in run {self.run.id}")
         return self.place
@@ -70,14 +79,10 @@ class Held:
 # its lease), the heartbeat asks the job to stop, and the job's next publication fails with
 # ``Superseded`` (exit 1).
 def _stop_on_loss(lost: Superseded) -> None:
-    from spill.jobs.preempt import request_stop
-
     request_stop(f"superseded ({lost})")
 
 
 def _stop_for_move(doc: dict) -> None:
-    from spill.jobs.preempt import request_stop
-
     request_stop(f"a move to {doc['transfer']['to']}")
 
 
@@ -86,12 +91,6 @@ COMMAND = "command.json"
 
 def record_command(state: str, argv: Sequence[str]) -> None:
     """Write ``<state>/command.json``: the command line that owns the run now."""
-    import json
-    import os
-    import time
-
-    from spill.control.owner import host
-    from spill.ground.validate import remember, validate
     from spill.store.fs import join, put_bytes
 
     words = [a for a in argv if not a.startswith("-")]
@@ -112,9 +111,6 @@ def record_command(state: str, argv: Sequence[str]) -> None:
 
 def read_command(state: str) -> dict | None:
     """``<state>/command.json`` validated, or None when there is none."""
-    from spill.ground.validate import parse_json, validate_once
-    from spill.store.fs import get_bytes, join
-
     uri = join(state, COMMAND)
     try:
         raw = get_bytes(uri)
@@ -123,8 +119,6 @@ def read_command(state: str) -> dict | None:
     try:
         doc = parse_json(raw)
     except ValueError as e:
-        from spill.errors import StoreError
-
         raise StoreError(f"{uri} is not JSON ({e}); it was damaged") from None
     validate_once(raw, doc, "command", uri)
     return doc
@@ -142,8 +136,6 @@ def own(
     """This process's ownership of the run at ``state`` (a build's, or a job's), heartbeat
     included, released however the block ends; ``new_run``: after a completed run, start the
     next one (its lineage names the completed one); ``command``: the command line to record."""
-    from spill.control.ownership import acquire
-
     run = acquire(state, lease=lease, wait=wait, new_run=new_run)
     if command:
         record_command(state, command)

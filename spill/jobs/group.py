@@ -20,7 +20,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from spill import console
 from spill.errors import EXIT_PREEMPTED, SpillError
+from spill.jobs.preempt import request_stop, stop_agreed, stop_requested
 from spill.store import drill
 
 if TYPE_CHECKING:
@@ -153,8 +155,6 @@ class Group:
     def boundary(self, guard) -> None:
         """Between quanta (a job's ``Guard``): stop (save, exit 75) when asked; in a group, all
         ranks stop at the same boundary when any one was asked."""
-        from spill.jobs.preempt import request_stop, stop_agreed, stop_requested
-
         if self.world == 1:
             guard.boundary()
             return
@@ -327,7 +327,5 @@ def current() -> Group:
     local = int(os.environ.get("LOCAL_RANK") or 0)
     _current = Group(rank, world, local, exchange=exchange, watchdog=watchdog)
     if rank != 0:
-        from spill import console
-
         console.quiet()  # rank 0 speaks for the job
     return _current

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spill.console import note
+from spill.engines import resolve
 from spill.engines.base import LoadOptions, ModelSpec, Runner, TuneShape
+from spill.models.cache import cached_fingerprint
 from spill.models.config import load_config
+from spill.models.integrity import check, weight_hashes
+from spill.models.resolve import quantized_copy, resolve_model
 from spill.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -32,12 +36,6 @@ def find_model(name: str, weights: str | None, quantize: Spec | None = None):
     they entered the cache (a changed file fails here, in one line naming it; only files whose
     stat changed are re-hashed) and fingerprint it, without opening an engine. ``quantize``:
     the float model's quantized copy instead (``<name>@q<bits>g<group>``, made on first use)."""
-    from dataclasses import replace
-
-    from spill.models.cache import cached_fingerprint
-    from spill.models.integrity import check, weight_hashes
-    from spill.models.resolve import quantized_copy, resolve_model
-
     resolved = resolve_model(name, weights, progress=note)
     if quantize is not None:
         resolved = quantized_copy(resolved, quantize, note)
@@ -60,10 +58,6 @@ def open_model(
     trains that, so no ``packed_matmul`` (the int4 kernel has no gradient; said in one line),
     and its needs come out of the memory budget before the ring's.
     ``tokenizer``: the folder's, when the caller loaded it already (one copy is ~40 MB)."""
-    from dataclasses import replace
-
-    from spill.engines import resolve
-
     if tune is not None and options.packed_matmul:
         note(f"spill {verb}: --packed-matmul is for row jobs (no gradient); dequantized per use")
         options = replace(options, packed_matmul=False)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from spill.console import speaking
+from spill.control.control import Superseded
 from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 
 GRACE = 15.0
@@ -350,6 +351,4 @@ class Guard:
 
 def _superseded(e: BaseException) -> bool:
     """Whether a save failed because another process took the run over (exit 1, no retry)."""
-    from spill.control.control import Superseded
-
     return isinstance(e, Superseded)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spill.errors import BadOverride, ConfigError, HydraRefused
-from spill.ground.validate import short
+from spill.ground.validate import load_schema, short
 from spill.project import hydra_safety
 from spill.project.data import template_problem
 from spill.project.hydra_safety import SEARCH_PATH  # noqa: F401  (init writes it into projects)
@@ -184,8 +184,6 @@ def validate(doc: Any, where: str, strict: bool = True) -> None:
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import best_match
 
-    from spill.ground.validate import load_schema
-
     schema = load_schema(SCHEMA)
     checked = _strict(schema) if strict else schema
     error = best_match(Draft202012Validator(checked).iter_errors(doc))
@@ -223,7 +221,6 @@ def hydra_line(e: BaseException) -> str:
     if text.startswith("Could not override '"):
         key = text.split("'")[1]
         section = key.split(".")[0]
-        from spill.ground.validate import load_schema
 
         known = load_schema(SCHEMA)["properties"].get(section, {}).get("properties")
         allowed = f"; allowed in {section}: {', '.join(known)}" if known else ""

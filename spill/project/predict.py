@@ -8,6 +8,7 @@ or changed, is refused in one line that says to run ``spill build``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from spill.ground.paths import STATE_DIR
 from spill.jobs.inputs import PromptRow
 from spill.jobs.rows.job import RowOptions
 from spill.jobs.rows.predict import PredictOptions, PredictRow, predict, predict_one
+from spill.models.quant import spec_of
 from spill.project import sources
 from spill.project.build import record
 from spill.project.build.build import with_engine
@@ -99,10 +101,6 @@ def _row(b: Built, rid: str | int, text: str) -> PredictRow:
 
 
 def _job(b: Built, req: Request) -> tuple[Project, RowOptions]:
-    import dataclasses
-
-    from spill.models.quant import spec_of
-
     project = with_engine(b.project, req.engine)
     weights = model_folder(project.root, project.model.name)
     quantize = spec_of(project.model)  # the copy the build tuned on (model.quantize)

@@ -14,7 +14,9 @@ import hashlib
 import os
 from pathlib import Path
 
+from spill.errors import UsageError
 from spill.ground.paths import STATE_DIR, spill_home
+from spill.project.report.status import is_state
 from spill.store.fs import exists, get_bytes, join
 from spill.store.location import location
 from spill.store.snapshot import project_files
@@ -25,9 +27,6 @@ def locate(where: str, state: str | None, *, build: bool) -> tuple[str, str | No
     the folder /p (Hydra's sweep folder too); a project at a URI is checked out, its state at
     ``<URI>/.spill`` unless given; a state location is kept as it is, except by ``build``
     (resume and status take those)."""
-    from spill.errors import UsageError
-    from spill.project.report.status import is_state
-
     given = location(where)
     where, state = given.plain, state and location(state).plain
     if given.on_disk() is not None or not build and is_state(where):
@@ -40,8 +39,6 @@ def locate(where: str, state: str | None, *, build: bool) -> tuple[str, str | No
 
 def checkout(uri: str) -> tuple[Path, str]:
     """(the local working copy of the project at ``uri``, its state location)."""
-    from spill.errors import UsageError
-
     uri = uri.rstrip("/")
     if not exists(join(uri, "spill.yaml")):
         raise UsageError(f"{uri} holds no spill.yaml; give a project's location")

@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import spill.conf
 from spill import __version__
 from spill.errors import DataError
 from spill.ground.hashing import file_sha256
@@ -36,8 +37,6 @@ def project_files(root: Path) -> list[Path]:
 
 def compose_key(root: Path | str, overrides: Sequence[str] = ()) -> str:
     """A hash of everything composing ``root/spill.yaml`` reads; equal keys, equal configs."""
-    import spill.conf
-
     root = Path(root).resolve()
     h = hashlib.sha256(f"spill {__version__}\0".encode())
     h.update(json.dumps(list(overrides)).encode())

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from spill.console import table
 from spill.control.control import Busy
 from spill.errors import EXIT_PREEMPTED, EXIT_USER, SpillError
 from spill.ground.paths import STATE_DIR
@@ -242,8 +243,6 @@ def exit_code(result: dict[str, Any]) -> int:
 
 
 def render(result: dict[str, Any]) -> str:
-    from spill.console import table
-
     def pct(x: float | None) -> str:
         return "" if x is None else f"{x:.3f}"
 

@@ -12,7 +12,7 @@ import shutil
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISLNK, S_ISREG, S_ISSOCK
 from typing import BinaryIO
 
@@ -378,8 +378,6 @@ def prune_empty(uri: str | os.PathLike) -> None:
 def remove_stale(dest, suffix: str) -> None:
     """Delete the local temporary folders ``.<dest name>.<pid>.<...><suffix>`` beside ``dest``
     that killed writers left (their process gone; a live one's, even another user's, stays)."""
-    from pathlib import Path
-
     dest = Path(dest)
     for tmp in dest.parent.glob(f".{dest.name}.*{suffix}"):
         pid = tmp.name[len(dest.name) + 2 :].split(".")[0]

@@ -19,11 +19,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import spill
+from spill.console import note
 from spill.errors import SpillError, UsageError
 from spill.ground.hashing import file_sha256
 from spill.ground.paths import spill_home
-from spill.ground.validate import validate
+from spill.ground.validate import parse_json, validate
+from spill.jobs.preempt import critical
+from spill.jobs.producer import describe
 from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
+from spill.store import drill
 from spill.store.disk import local_folder, same_file
 from spill.store.fs import (
     exists,
@@ -128,7 +133,6 @@ def export(
     """Write the merged model of ``adapter`` to the folder ``out``; what export.json records.
     ``adapter_name``: how export.json names the adapter (default: its resolved folder; a build
     names it relative to its state, so that the bytes do not depend on where the state lies)."""
-    import spill
     from spill.jobs.export.merge import open_inputs
 
     check_options(fmt, dtype, quantize)
@@ -209,9 +213,6 @@ def export_formats(adapter: Path, opts: FormatsOptions) -> tuple[dict[str, Any],
     as a payload of ``opts.writer``'s place; (the result to record, whether all are). A killed
     build continues at the first format without a payload; a folder in place but not committed
     is written again. One process writes (a build's rank 0)."""
-    from spill.console import note
-    from spill.store import drill
-
     place, s = opts.writer.place, opts.settings
     assert place is not None, "a build's export job commits in the build's run"
     done = committed(place, opts.out)
@@ -251,8 +252,6 @@ def committed(place: Place, out: str) -> dict[str, dict[str, Any]]:
 
 def records(place: Place) -> dict[str, dict[str, Any]]:
     """Format -> its committed record (``uri``: the payload holding it), in commit order."""
-    from spill.ground.validate import parse_json
-
     out = {}
     for uri in place.pointer(POINTER):
         try:
@@ -267,9 +266,6 @@ def records(place: Place) -> dict[str, dict[str, Any]]:
 def _commit(place: Place, done: dict, fmt: str, record: dict) -> dict[str, Any]:
     """Publish ``fmt``'s record beside those of ``done`` (the formats still intact) and remove
     the payloads no pointer needs any more."""
-    from spill.jobs.preempt import critical
-    from spill.jobs.producer import describe
-
     rec = {"export": record, "producer": describe(SimpleNamespace(**PRODUCER))}
     with critical():
         uri = place.payload("export", len(done))

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize as ggml_quantize
 
 from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
@@ -245,9 +249,6 @@ def add_tokenizer(writer, inputs: Inputs, tok: dict, pre: str) -> list[str]:
 # quantizers), any other stays in ``--dtype``.
 def _storage(name: str, shape: tuple[int, ...], dtype: str, quantize: str | None):
     """The GGML type a tensor is stored as."""
-    from gguf import GGML_QUANT_SIZES
-    from gguf import GGMLQuantizationType as T
-
     if len(shape) == 1:
         return T.F32
     if quantize:
@@ -267,11 +268,6 @@ def write(
     progress: Callable[[str], object],
 ) -> dict:
     """Fill ``dest`` with ``model-<type>.gguf`` and a ``Modelfile``; what export.json adds."""
-    from collections import Counter
-
-    from gguf import GGML_QUANT_SIZES, GGUFWriter
-    from gguf.quants import quantize as ggml_quantize
-
     _refuse_unwritable(inputs)
     tok, pre = read_tokenizer(inputs)
     cfg = inputs.config

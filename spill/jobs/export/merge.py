@@ -21,8 +21,11 @@ import numpy as np
 
 from spill.errors import SpillError
 from spill.jobs.adapter_files import ADAPTER, Adapter, load_adapter
+from spill.jobs.loading import find_model
 from spill.models.config import ModelConfig, load_config
+from spill.models.integrity import same_weights
 from spill.models.quant import dequantize
+from spill.models.sources.quantize import identity
 from spill.models.weights import WeightFiles, weight_files
 from spill.store.safetensors_io import bf16_bits_to_float32
 
@@ -75,10 +78,6 @@ def open_inputs(
 ) -> Inputs:
     """Read the adapter at ``path``, resolve its base (``model`` overrides the name it
     records) and refuse a base whose fingerprint is not the adapter's, in one line."""
-    from spill.jobs.loading import find_model
-    from spill.models.integrity import same_weights
-    from spill.models.sources.quantize import identity
-
     folder = adapter_folder(path)
     meta_path = folder / "adapter.json"
     meta = json.loads(meta_path.read_bytes()) if meta_path.is_file() else {}

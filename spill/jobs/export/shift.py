@@ -18,7 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
+from spill.control.place import Place
+from spill.engines import resolve
+from spill.engines.base import LoadOptions, ModelSpec
+from spill.errors import EngineError
+from spill.jobs.authority import read_command
 from spill.jobs.export.merge import Inputs
+from spill.jobs.tune.data import _order, data_fingerprint, load_examples
+from spill.models.config import load_config
+from spill.models.tokenizer import Tokenizer
+from spill.payloads.checkpoint import latest_checkpoint
 
 # A short tune changes the weights a little, and rounding the merged matrices to Q4 can undo most of
 # it (issue 35: on SmolLM2 after 4 steps, q4_0 moved the gold answers' log-probs by 6.7 of the 7.9
@@ -35,8 +44,6 @@ _ADVICE = "check the export on your rows, or export q8_0 or a float dtype"
 def _candidates(state: Path, name: str) -> list[Path]:
     """Where the training file may lie: as the tune's command named it (from its folder),
     beside the state, in the current folder."""
-    from spill.jobs.authority import read_command
-
     out = []
     command = read_command(str(state)) or {}
     cwd = Path(command.get("cwd") or ".")
@@ -49,13 +56,6 @@ def _candidates(state: Path, name: str) -> list[Path]:
 def seen_rows(inputs: Inputs) -> tuple[str, list] | str:
     """``(training file name, examples)``: the first ``ROWS`` rows the tune drew, encoded as
     it encoded them; or why there are none (a line's end)."""
-    from spill.control.place import Place
-    from spill.engines import resolve
-    from spill.errors import EngineError
-    from spill.jobs.tune.data import _order, data_fingerprint, load_examples
-    from spill.models.tokenizer import Tokenizer
-    from spill.payloads.checkpoint import latest_checkpoint
-
     cfg = inputs.config
     params = cfg.num_hidden_layers * cfg.layer_params() + cfg.vocab_size * cfg.hidden_size * (
         1 if cfg.tie_word_embeddings else 2
@@ -97,10 +97,6 @@ def _mean_logprob(runner, examples: list) -> tuple[float, int]:
 
 
 def _open(folder: Path):
-    from spill.engines import resolve
-    from spill.engines.base import LoadOptions, ModelSpec
-    from spill.models.config import load_config
-
     return resolve(None).open(ModelSpec(folder, load_config(folder)), LoadOptions(dtype="float32"))
 
 

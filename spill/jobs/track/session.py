@@ -16,6 +16,7 @@ from typing import Any
 
 from spill.console import note
 from spill.ground.paths import spill_home
+from spill.jobs.group import current
 from spill.jobs.preempt import Preempted
 from spill.jobs.track.spec import TrackSpec, logdir_for
 from spill.jobs.track.tracking import Tracking, open_tracking, where
@@ -93,8 +94,6 @@ def log_scores(
 ) -> None:
     """A job's results (an eval's scores) as metrics of the spec's run at ``step``, each once;
     ``status``: the MLflow run's afterwards (None: as it was). Rank 0 only (``--procs``)."""
-    from spill.jobs.group import current
-
     assert spec.key and spec.experiment and spec.run, "a result run names itself"
     if not current().leader:
         return

@@ -10,6 +10,7 @@ it logged before.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 from dataclasses import dataclass, field
@@ -78,8 +79,6 @@ def run_key(text: str) -> str:
 
 def flat(prefix: str, values: Any) -> dict[str, Any]:
     """A settings dataclass (or dict) as flat params: ``tune.lr``, ``tune.log`` as ``a,b``."""
-    import dataclasses
-
     items = dataclasses.asdict(values) if dataclasses.is_dataclass(values) else dict(values)
     out = {}
     for k, v in items.items():

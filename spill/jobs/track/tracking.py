@@ -18,6 +18,9 @@ from typing import Any, Protocol
 
 from spill.console import note
 from spill.jobs.schedule import cosine_lr
+from spill.jobs.track.mlflow_runs import MLflowRun
+from spill.jobs.track.spec import check, run_key
+from spill.jobs.track.tensorboard_files import TensorBoard
 from spill.store import drill
 
 ORDER = ("valid/loss", "train/loss", "train/lr", "train/tokens_per_s")  # within one step
@@ -224,20 +227,14 @@ def open_tracking(
     tune: Any = None,
 ) -> Tracking:
     """Open (or find again, by ``key``) the run in each tracker of ``kinds``."""
-    from spill.jobs.track.spec import check, run_key
-
     check(kinds)
     backends: list[Backend] = []
     try:
         for kind in kinds:
             if kind == "tensorboard":
-                from spill.jobs.track.tensorboard_files import TensorBoard
-
                 assert logdir is not None, "a TensorBoard run needs its folder"
                 backends.append(TensorBoard(logdir))
             else:
-                from spill.jobs.track.mlflow_runs import MLflowRun
-
                 backends.append(MLflowRun(run_key(key), experiment, run_name, params, tags))
     except BaseException:
         Tracking(backends).close("FAILED")

@@ -15,10 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spill.console import note
+from spill.console import note, progress
+from spill.control.keys import current
 from spill.errors import UsageError
 from spill.ground.paths import STATE_DIR
+from spill.project.bundle import pack as bp
 from spill.project.bundle.format import BundleError
+from spill.project.bundle.read import open_bundle
+from spill.project.bundle.read import verify as check
+from spill.project.remote import checkout
 from spill.store.location import location
 
 
@@ -31,8 +36,6 @@ def _project(where: str, state: str | None) -> tuple[Path, str]:
     its working copy (``spill.project.remote``) with its state at the URI."""
     folder = location(where).on_disk()
     if folder is None:
-        from spill.project.remote import checkout
-
         root, there = checkout(where)
         return root, state or there
     root = Path(os.path.abspath(folder))
@@ -53,9 +56,6 @@ def pack(
 ) -> dict[str, Any]:
     """Write the bundle of the project at ``where`` to ``path``: its one-row result (the
     state's merged models under ``exports/`` only ``with_exports``)."""
-    from spill.control.keys import current
-    from spill.project.bundle import pack as bp
-
     if path.exists() and not force:
         raise BundleError(f"{path} exists; give another PATH, or --force to replace it")
     if not path.parent.is_dir():
@@ -91,10 +91,6 @@ def pack(
 def verify(path: Path) -> dict[str, Any]:
     """Check the bundle at ``path``: its one-row result, ``bad`` the number of ``problems``
     (one line per bad file)."""
-    from spill.console import progress
-    from spill.project.bundle.read import open_bundle
-    from spill.project.bundle.read import verify as check
-
     t0 = time.perf_counter()
     b = open_bundle(path)
     note(f"spill bundle --verify · {path} · {len(b.entries)} files, {b.bytes / 1e6:.1f} MB")

@@ -14,20 +14,25 @@ import json
 import os
 import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
-from spill.console import progress
-from spill.ground.paths import STATE_DIR
+from spill.console import note, progress
+from spill.control.keys import current, parse
+from spill.control.ownership import _busy, as_copy, is_held
+from spill.ground.paths import STATE_DIR, models_dir, spill_home
+from spill.ground.validate import validate
+from spill.project.bundle import installed
 from spill.project.bundle.format import BundleError, Hasher
 from spill.project.bundle.read import Bundle, damaged, free_space_ok, open_bundle
+from spill.project.move.checks import SWEEP
 
 
 def _check_dest(dest: Path, force: bool, bundle: Path) -> bool:
     """Whether ``dest`` holds a previous install that ``--force`` replaces; refused in one line:
     a file, a folder inside or above ``SPILL_HOME``, one inside a run's state location, one that
     holds the bundle itself, and (even with ``--force``) a non-empty folder no bundle installed."""
-    from spill.ground.paths import spill_home
     from spill.project.bundle.installed import FILE, read
 
     if dest.exists() and not dest.is_dir() or dest.is_symlink():
@@ -81,9 +86,6 @@ def _check_lengths(b: Bundle, dest: Path) -> None:
 
 def _refuse_live(dest: Path) -> None:
     """A previous install whose run a live process owns is not replaced under it."""
-    from spill.control.keys import current
-    from spill.control.ownership import _busy, is_held
-
     state = str(dest / STATE_DIR)
     try:
         doc = current(state)
@@ -168,8 +170,6 @@ def _targets(b: Bundle, dest_tmp: Path, model_tmp: Path, placements: list) -> di
 
 
 def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
-    from spill.ground.validate import validate
-
     validate(doc, schema, where=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "xb") as f:  # the byte format of spill.store.cas.Store.put
@@ -178,8 +178,6 @@ def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
 
 
 def _install_run(b: Bundle, dest: Path, dest_tmp: Path) -> None:
-    from spill.control.ownership import as_copy
-
     run = b.manifest["run"]
     control, runs = as_copy(run["control"], str(dest / STATE_DIR))
     _write_json(dest_tmp / STATE_DIR / "runs" / run["id"] / "control.json", control, "control")
@@ -190,10 +188,6 @@ def _install_run(b: Bundle, dest: Path, dest_tmp: Path) -> None:
 def _install_jobs(b: Bundle, dest: Path, dest_tmp: Path) -> None:
     """Each sweep job's run becomes a copy as the bundled run does: its ``runs/`` holds its
     current control object (``as_copy``) and a run list naming it alone, nothing else."""
-    from spill.control.keys import parse
-    from spill.control.ownership import as_copy
-    from spill.project.move.checks import SWEEP
-
     sweep = dest_tmp / STATE_DIR / SWEEP
     for job in sorted(sweep.iterdir()) if sweep.is_dir() else []:
         runs = job / "runs"
@@ -238,9 +232,6 @@ def _existing(path: Path) -> Path:
 
 def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
     """Install the bundle at ``path`` into ``dest`` and the model cache; returns a summary."""
-    from spill.console import note
-    from spill.ground.paths import models_dir
-    from spill.project.bundle import installed
     from spill.project.bundle import models as bundle_models
 
     b = open_bundle(path)
@@ -320,8 +311,6 @@ def _reader(b: Bundle):
 
 
 def _record(b: Bundle, own: dict[str, Any], models: Path) -> dict[str, Any]:
-    import time
-
     return {
         "schema_version": 1,
         "kind": "spill-installed-bundle",

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from spill.errors import ModelNotFound, StoreError
+from spill.ground.paths import models_dir
+from spill.ground.validate import SchemaInvalid, parse_json, validate
 
 # The name is hidden, so it is no project file: composing, ``move`` and ``bundle`` never carry it,
 # and a moved project resolves its models afresh (a run's weight fingerprint then says whether they
@@ -24,8 +26,6 @@ KIND = "spill-installed-bundle"
 
 def read(root: Path | str) -> dict[str, Any] | None:
     """The project's record (validated), or None when no bundle installed it."""
-    from spill.ground.validate import SchemaInvalid, parse_json, validate
-
     path = Path(root) / FILE
     try:
         raw = path.read_bytes()
@@ -46,8 +46,6 @@ def read(root: Path | str) -> dict[str, Any] | None:
 
 def model_folder(root: Path | str, name: str | None) -> str | None:
     """The cache folder this project loads ``name`` from, when a bundle install pinned one."""
-    from spill.ground.paths import models_dir
-
     doc = read(root) if name else None
     pin = (doc or {}).get("models", {}).get(name)
     if pin is None:
@@ -62,8 +60,6 @@ def model_folder(root: Path | str, name: str | None) -> str | None:
 
 
 def encode(doc: dict[str, Any]) -> bytes:
-    from spill.ground.validate import validate
-
     validate(doc, "installed-bundle", where=FILE)
     return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
 

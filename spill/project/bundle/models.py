@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from spill.errors import ModelError
+from spill.ground.hashing import file_sha256
+from spill.ground.paths import models_dir
 from spill.project.bundle.format import BundleError
 
 OWN = "bundled"
@@ -50,7 +52,6 @@ def key(files: dict[str, str]) -> str:
 def _held(folder: Path) -> dict[str, str] | None:
     """name -> sha256 of the model files ``folder`` holds (its records, once they check out, or
     hashed now), or None when it holds no model."""
-    from spill.ground.hashing import file_sha256
     from spill.models.integrity import check, model_files
 
     if not (folder / "config.json").is_file():
@@ -65,8 +66,6 @@ def _held(folder: Path) -> dict[str, str] | None:
 
 
 def _own(pin: dict[str, Any], why: str) -> Placement:
-    from spill.ground.paths import models_dir
-
     files = {f["name"]: f["sha256"] for f in pin["files"]}
     folder = models_dir() / OWN / key(files)[:16]
     held = _held(folder)

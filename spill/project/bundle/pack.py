@@ -7,6 +7,7 @@ written beside ``PATH`` under a temporary name and renamed at the end.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -15,21 +16,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import spill
 from spill.console import note, progress
-from spill.errors import ModelError
+from spill.control.keys import current
+from spill.control.ownership import _busy, is_held, refuse_moving
+from spill.errors import ModelError, StoreError
+from spill.ground.hashing import file_sha256
+from spill.ground.paths import models_dir
+from spill.models.cache import read_marker
+from spill.project import config
+from spill.project.build import record
+from spill.project.build.stages import STAGES
 from spill.project.bundle.format import (
     FORMAT,
     KIND,
     MANIFEST,
     BundleError,
+    Hasher,
     bad_path,
     copy_plain,
     header,
     padding,
     trailer,
 )
+from spill.project.bundle.installed import model_folder
+from spill.project.move.checks import sweep_jobs
+from spill.project.sources import compose_key
 from spill.store import snapshot
-from spill.store.fs import join
+from spill.store.fs import filesystem, join
 from spill.store.location import location
 
 SKIP_STATE = ("command.json",)  # a build's record of its command line names this machine's cwd
@@ -66,8 +80,6 @@ def _key(path: str) -> tuple:
 
 
 def _local_item(path: str, name: str, role: str, sha: str | None = None) -> Item:
-    from spill.ground.hashing import file_sha256
-
     key = _key(path)
     digest = sha or file_sha256(path)
     if sha is None and _key(path) != key:
@@ -99,9 +111,6 @@ def project_items(root: Path, state: str) -> list[Item]:
 def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item], dict[str, Any]]:
     """The run's files (its merged models too with ``exports``) and its control object, once
     no live owner holds it."""
-    from spill.control.keys import current
-    from spill.control.ownership import _busy, is_held, refuse_moving
-
     doc = current(state)
     if doc is None:
         raise BundleError(
@@ -116,7 +125,6 @@ def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item]
         doc = current(state) or doc
     if doc["status"] in ("transferred", "incoming", "quiescing"):
         refuse_moving(doc, state)
-    from spill.project.move.checks import sweep_jobs
 
     jobs = sweep_jobs(state)
     controls = {f"{p}/runs/{d['run']}/control.json": d for p, d in jobs.items()}
@@ -147,8 +155,6 @@ def _reduced(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _control_item(doc: dict[str, Any], name: str) -> Item:
-    import hashlib
-
     raw = json.dumps(_reduced(doc), sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
     return Item(name, name, "state", len(raw), hashlib.sha256(raw).hexdigest(), data=raw)
 
@@ -178,12 +184,8 @@ def _source(resolved, marker: dict[str, Any]) -> dict[str, Any]:
 def model_items(project) -> tuple[list[Item], list[dict[str, Any]]]:
     """The model files of every stage's model, each model pinned once (a model an install
     gave this project a folder of its own for is that folder, as the project's builds load)."""
-    from spill.ground.paths import models_dir
-    from spill.models.cache import read_marker
     from spill.models.integrity import check, model_files, stat_key
     from spill.models.resolve import resolve_model
-    from spill.project.build.stages import STAGES
-    from spill.project.bundle.installed import model_folder
 
     users: dict[str, list[str]] = {}
     for stage in STAGES:
@@ -230,8 +232,6 @@ def model_items(project) -> tuple[list[Item], list[dict[str, Any]]]:
 
 
 def manifest(project, contents: Contents) -> dict[str, Any]:
-    import spill
-
     run = None
     if contents.run is not None:
         doc = _reduced(contents.run)
@@ -257,9 +257,6 @@ def _copy(item: Item, out) -> None:
         out.write(item.data)
         return
     if item.key is None:  # a remote state file: hashed again while copied
-        from spill.project.bundle.format import Hasher
-        from spill.store.fs import filesystem
-
         fs, path = filesystem(item.source)
         hasher = Hasher()
         try:
@@ -302,11 +299,6 @@ def write(path: Path, doc: dict[str, Any], items: list[Item], show: bool = True)
 def project_config(root: Path, state: str):
     """The project as ``compose(root)`` makes it: from the build's record when its compose key
     says nothing composition reads has changed (no Hydra, as a finished build), else composed."""
-    from spill.errors import StoreError
-    from spill.project import config
-    from spill.project.build import record
-    from spill.project.sources import compose_key
-
     try:
         doc = record.read(state)
     except StoreError:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spill.ground.validate import SchemaInvalid, parse_json, validate
 from spill.project.bundle.format import (
     FORMAT,
     KIND,
@@ -102,8 +103,6 @@ def _check_member(path: Path, m: tarfile.TarInfo, seen: set[str]) -> None:
 
 
 def _manifest(path: Path, first: tarfile.TarInfo, size: int) -> tuple[dict[str, Any], str]:
-    from spill.ground.validate import SchemaInvalid, parse_json, validate
-
     if first.name != MANIFEST:
         raise _refuse(path, f"its first entry is {first.name!r}, not the manifest {MANIFEST}")
     if first.size > MAX_MANIFEST or first.offset_data + first.size > size:
@@ -175,8 +174,6 @@ def _consistent(path: Path, doc: dict[str, Any]) -> list[Entry]:
         raise _refuse(path, f"its manifest lists {stray[0]!r}, a model file no model pins")
     run = doc["run"]
     if run is not None:
-        from spill.ground.validate import SchemaInvalid, validate
-
         try:
             validate(run["control"], "control", where="its run's control object")
         except SchemaInvalid as e:

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from spill.control.keys import current
+from spill.control.ownership import _busy, is_held, outer_state
+from spill.control.place import FROZEN
 from spill.errors import StoreError, UsageError
 from spill.ground.paths import STATE_DIR
+from spill.project.report.status import is_state
 from spill.store import snapshot
 from spill.store.fs import absolute, exists, join, listdir, stat
 from spill.store.location import location
+from spill.store.probe import check_names, not_a_file, probe_names, space
 
 
 def _real(where: str) -> str:
@@ -32,7 +37,6 @@ def source(src: str, state: str | None) -> tuple[str | None, str]:
     src = absolute(src)
     if exists(join(src, "spill.yaml")):
         return src, absolute(state) if state else join(src, STATE_DIR)
-    from spill.project.report.status import is_state
 
     if not is_state(src):
         raise UsageError(f"{src} is neither a project folder nor a state location")
@@ -62,9 +66,6 @@ def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, st
 
 def check_place(to: str) -> None:
     """Check 4 of docs/move.md's list, once the destination's store is known to be usable."""
-    from spill.control.ownership import outer_state
-    from spill.store.probe import check_names, not_a_file
-
     check_names(to)  # a name too long there would fail every read of it, not in one line
     not_a_file(to)
     outer = outer_state(to, every=True)
@@ -84,10 +85,6 @@ def sweep_jobs(state: str, finished: bool = False) -> dict[str, dict[str, Any]]:
     still changing. ``finished`` (a move): a job whose run may still be written (not complete,
     a copy or moved away) is refused too, in one line: its raw copy would be a second place to
     continue the same run from."""
-    from spill.control.keys import current
-    from spill.control.ownership import _busy, is_held
-    from spill.control.place import FROZEN
-
     out = {}
     for name in listdir(join(state, SWEEP)):
         where = join(state, SWEEP, name)
@@ -144,8 +141,6 @@ def still_to_copy(dst_root: str, files: list[tuple[str, str]]) -> list[tuple[str
 
 def room_needed(dst_root: str, left: list[tuple[str, int]]) -> tuple[int, int] | None:
     """(bytes the copy of ``left`` takes there, bytes free), where the store can say."""
-    from spill.store.probe import space
-
     room = space(dst_root)
     if room is None:
         return None
@@ -184,8 +179,6 @@ def check_room(
     dst_root: str, files: list[tuple[str, str]], state_rel: str, run: str, moving: bool
 ) -> None:
     """Checks 8 and 9 of docs/move.md's list (``moving``: the source is in this move already)."""
-    from spill.store.probe import probe_names
-
     probe_names(dst_root, [rel for _, rel in files], written(files, state_rel, run))
     room = room_needed(dst_root, still_to_copy(dst_root, files))
     if room is not None and room[0] > room[1]:

@@ -15,8 +15,11 @@ import json
 import os
 from typing import Any
 
+from spill.console import progress
+from spill.control.arrival import manifest_uri
 from spill.errors import StoreError
 from spill.ground.hashing import CHUNK
+from spill.ground.validate import validate
 from spill.project.move import checks
 from spill.store import snapshot
 from spill.store.fs import (
@@ -56,8 +59,6 @@ def _errno(e: BaseException | None) -> int | None:
 
 
 def _put_manifest(uri: str, manifest: dict[str, Any]) -> None:
-    from spill.ground.validate import validate
-
     validate(manifest, "move-manifest", where=uri)
     put_bytes(uri, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
 
@@ -77,9 +78,6 @@ def copy_snapshot(
     transfer hashes both sides first and copies only what differs; it carries the exports when
     this one or the first attempt was asked to (``exports``, ``--with-exports``), so what the
     manifest names stays named."""
-    from spill.console import progress
-    from spill.control.arrival import manifest_uri
-
     t = doc["transfer"]
     uri = manifest_uri(dst_state, doc["run"], t["id"])
     fresh = not exists(uri)  # else a rerun of this transfer: its partial copy is there

@@ -12,19 +12,23 @@ import secrets
 import time
 from typing import Any
 
+from spill.console import note
+from spill.control import arrival, transfer
+from spill.control.arrival import manifest_uri
+from spill.control.keys import current, store_for
+from spill.control.owner import home_of, lease_seconds
 from spill.errors import StoreError, UsageError
 from spill.ground.paths import STATE_DIR
+from spill.ground.validate import parse_json, validate
 from spill.project.move import checks
 from spill.project.move.checks import locations
 from spill.project.move.copy import copy_snapshot, verify
 from spill.store import drill
-from spill.store.fs import absolute, join
+from spill.store.fs import absolute, get_bytes, join
 
 
 def _places(src: str, to: str, state: str | None):
     """Checks 1 to 4 (``move_checks``): the places and their stores."""
-    from spill.control.keys import store_for
-
     root, src_state, dst_root, dst_state = locations(src, to, state)
     src_store = store_for(src_state)
     dst_store = store_for(dst_state)  # a refused file system or object store says so now
@@ -38,10 +42,6 @@ def _claim(
     """Checks 6 to 9, then the destination's claim: (transfer id, the quiesce's deadline).
     ``tid``: the transfer's id when it has one already; ``moving``: the source is in it;
     ``exports``: the exports go too (``--with-exports``)."""
-    from spill.console import note
-    from spill.control import arrival
-    from spill.control.owner import home_of, lease_seconds
-
     dst_root, _, dst_store = dst
     frm = home_of(src_state)
     for gone in arrival.check_destination(dst_store, dst_root, doc, frm, name, mine=tid):
@@ -63,8 +63,6 @@ def _claim(
 
 def _gave_back(src_store, why: Exception, name: str) -> StoreError:
     """The source of a move whose destination is someone else's now, returned (``abort``)."""
-    from spill.control import transfer
-
     doc = transfer.abort(src_store)
     what = str(why).split("; ")[0]
     return StoreError(
@@ -88,10 +86,6 @@ def move(
 ) -> dict[str, Any]:
     """Move the run of project (or state location) ``src`` to ``to`` (docs/move.md); the merged
     models under ``exports/`` stay where they were made unless ``with_exports``."""
-    from spill.console import note
-    from spill.control import arrival, transfer
-    from spill.control.keys import current
-
     t0 = time.monotonic()
     root, src_state, dst, src_store = _places(src, to, state)
     dst_root, dst_state, dst_store = dst
@@ -171,10 +165,6 @@ def abort(
 ) -> dict[str, Any]:
     """``spill move --abort``: return the source of an unfinished move and remove what the
     move left at its destination."""
-    from spill.console import note
-    from spill.control import arrival, transfer
-    from spill.control.keys import current, store_for
-
     root, src_state = checks.source(src, state)
     src_store = store_for(src_state)
     now = current(src_state)
@@ -220,10 +210,6 @@ def abort(
 
 
 def _read_manifest(dst_state: str, run: str, tid: str) -> dict[str, Any]:
-    from spill.control.arrival import manifest_uri
-    from spill.ground.validate import parse_json, validate
-    from spill.store.fs import get_bytes
-
     uri = manifest_uri(dst_state, run, tid)
     doc = parse_json(get_bytes(uri))
     validate(doc, "move-manifest", where=uri)
@@ -246,10 +232,7 @@ def _result(doc, src_state, dst_root, manifest, t0) -> dict[str, Any]:
 def _copy_complete(root, src_state, dst, doc, name, t0, exports=False) -> dict[str, Any]:
     """A complete run is read-only: copy it, verified, and create it complete at the
     destination (checked and claimed first, like a move); the source stays as it is."""
-    from spill.console import note
-    from spill.control import arrival
     from spill.control.keys import read_control
-    from spill.control.owner import home_of
 
     dst_root, dst_state, dst_store = dst
     # one id per run and destination, so that a rerun after an interruption finds its claim

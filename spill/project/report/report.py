@@ -15,6 +15,8 @@ from spill.ground.paths import STATE_DIR
 from spill.project.build import record
 from spill.project.build.stages import STAGES, EvalStage, distinct
 from spill.project.report import status
+from spill.project.report.html import page
+from spill.store.output import put_output
 
 FILE = "report.html"  # in the project folder, unless -o says otherwise
 SCORES = {"accuracy": "accuracy", "gold_logprob_per_token": "logprob/token"}
@@ -164,9 +166,6 @@ def target(root: Path | str, out: Path | str | None = None) -> Path:
 def write(root: Path | str, state_root: str | None = None, out: Path | str | None = None) -> dict:
     """Gather the report and write its page to ``target(root, out)`` through the store's atomic
     write (a FIFO or character device: into it); returns the gathered report with ``path``."""
-    from spill.project.report.html import page
-    from spill.store.output import put_output
-
     report = gather(root, state_root)
     path = target(root, out)
     text = page(report)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from spill.payloads.newest import newest_commit
 from spill.project.build.stages import TUNE, Stage
 
 BARS = "▁▂▃▄▅▆▇█"
@@ -27,8 +28,6 @@ def losses(where: str, stage: Stage = TUNE) -> dict[str, Any] | None:
     """``{"step": N, "train": [...], "valid": [[step, loss], ...]}`` of the tune stage's newest
     committed checkpoint at the state location ``where`` (``valid`` only when it has one), or
     None when it has no checkpoint."""
-    from spill.payloads.newest import newest_commit
-
     found = newest_commit(stage.place(where))
     if found is None:
         return None

@@ -16,13 +16,21 @@ from pathlib import Path
 from typing import Any
 
 from spill.console import table
+from spill.control.keys import current, has_runs, missing_note
+from spill.control.owner import describe
+from spill.control.place import Place
+from spill.control.transfer import describe_move
 from spill.errors import StoreError
 from spill.ground.paths import STATE_DIR
+from spill.jobs.authority import read_command
+from spill.payloads.newest import newest_commit
+from spill.payloads.rows import commit_markers
 from spill.project import sources
 from spill.project.build import record
 from spill.project.build.stages import EXPORT, STAGES, TUNE, get
 from spill.project.build.stages import finished as stages_finished
 from spill.project.report import series
+from spill.store.fs import join, listdir
 from spill.store.location import location
 
 
@@ -91,10 +99,6 @@ def render(summary: dict[str, Any]) -> str:
 def run_view(where: str) -> dict[str, Any] | None:
     """The current run at ``where`` as ``spill status`` shows it: id, status, generation, owner
     (host, pid, since, lease left), lineage."""
-    from spill.control.keys import current
-    from spill.control.owner import describe
-    from spill.control.transfer import describe_move
-
     doc = current(where)
     if doc is None:
         return None
@@ -115,8 +119,6 @@ def run_view(where: str) -> dict[str, Any] | None:
 
 def is_state(where: str) -> bool:
     """Whether ``where`` is a state location (it holds runs), not a project folder."""
-    from spill.control.keys import has_runs
-
     if (project := location(where).on_disk("spill.yaml")) and os.path.isfile(project):
         return False
     return has_runs(where)
@@ -125,10 +127,6 @@ def is_state(where: str) -> bool:
 def progress(where: str, doc: dict[str, Any]) -> str:
     """What the run at ``where`` has committed: a job's last step (and cursor) or rows, else
     each stage of a build's state."""
-    from spill.control.place import Place
-    from spill.payloads.newest import newest_commit
-    from spill.payloads.rows import commit_markers
-
     place = Place(where)
     if (found := newest_commit(place)) is not None:
         step, state = found
@@ -145,8 +143,6 @@ def progress(where: str, doc: dict[str, Any]) -> str:
 
 def run_summary(where: str) -> dict[str, Any]:
     """``spill status <state>``: the current run, its owner and lease, and its progress."""
-    from spill.control.keys import current, missing_note
-
     doc = current(where)
     if doc is None:
         raise StoreError(f"no run at {where}")
@@ -196,8 +192,6 @@ def exports(summary: dict[str, Any]) -> str | None:
 
 
 def published(summary: dict[str, Any], stage) -> str | None:
-    from spill.store.fs import join
-
     doc = summary.get("doc") or {}
     rec = (doc.get("stages") or {}).get(stage.name) or {}
     name = (doc.get("project") or {}).get("name")
@@ -216,8 +210,6 @@ def score(recs: dict, stage: str) -> float | None:
 
 def sweep_runs(where: str) -> list[dict[str, Any]]:
     """The builds of a sweep under ``<state>/sweep/``, as the sweep's own table rows."""
-    from spill.store.fs import join, listdir
-
     out = []
     for name in listdir(join(where, "sweep")):
         doc = record.read(join(where, "sweep", name)) or {}
@@ -267,8 +259,6 @@ def _check_outputs(doc: dict[str, Any], where: str) -> list[str]:
 def _instead(where: str, root: Path) -> str:
     """What to do where a build was looked for: a job's state (``--state`` of run, eval,
     distill, predict or tune) is shown by ``spill status`` given it; else build the project."""
-    from spill.jobs.authority import read_command
-
     if is_state(where):
         verb = (read_command(where) or {}).get("verb")
         if verb not in ("build", "resume"):
@@ -304,7 +294,6 @@ def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
         if data.is_file():
             if sources.data_sha256(data) != doc["data"]["sha256"]:
                 notes.append(f"{data.name} changed since; the stages that read it rerun")
-    from spill.control.keys import missing_note
 
     notes += [line] if (line := missing_note(where)) else []
     summary = {"project": doc["project"]["name"], "state": where, "doc": doc, "notes": notes}

@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import re
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -46,8 +48,6 @@ def mount_type(path: str) -> str:
     except (OSError, IndexError):
         pass
     if sys.platform == "darwin":
-        import subprocess
-
         try:
             out = subprocess.run(["mount"], capture_output=True, text=True).stdout
         except OSError:
@@ -94,8 +94,6 @@ class LocalStore(Store):
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        import fcntl
-
         lock, layout = os.path.join(self.dir, self.layout.lock), self.layout
         try:
             os.makedirs(self.dir, exist_ok=True)
