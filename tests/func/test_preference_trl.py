@@ -50,8 +50,9 @@ def rows(n: int = 8) -> list[dict]:
     return out
 
 
-def spill_tune(folder: Path, data: Path, method: str, state: Path) -> dict:
+def spill_tune(folder: Path, data: Path, method: str, state: Path, valid: Path) -> dict:
     args = [
+        *("--valid", str(valid), "--eval-every", str(STEPS)),
         *(str(folder), str(data), "--name", method, "--method", method, "--state", str(state)),
         *("--steps", str(STEPS), "--batch", str(PAIRS), "--micro-batch", str(PAIRS)),
         *("--lr", str(LR), "--weight-decay", str(WD), "--seed", str(SEED)),
@@ -214,7 +215,9 @@ def test_preference_tune_matches_trl_step_by_step(method, tiny_models, tmp_path)
             assert list(pair.chosen) == row["chosen_input_ids"]
             assert list(pair.rejected) == row["rejected_input_ids"]
 
-    got = spill_tune(folder, train, method, tmp_path / "state")
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text("".join(json.dumps(r) + "\n" for r in rows(12)[8:]))
+    got = spill_tune(folder, train, method, tmp_path / "state", valid)
     state = got["state"]
     assert len(seen) == STEPS and len(state["losses"]) == STEPS
     for step, (trl_step, loss, metrics) in enumerate(
@@ -227,3 +230,38 @@ def test_preference_tune_matches_trl_step_by_step(method, tiny_models, tmp_path)
     assert max(gaps.values()) <= TOLERANCE, sorted(gaps.items(), key=lambda kv: -kv[1])[:3]
     # it learned something: the last step prefers the chosen answers more than the first did
     assert state["metrics"][-1]["rewards/margins"] > state["metrics"][0]["rewards/margins"]
+
+    # the validation loss on held-out pairs, recomputed by PEFT from spill's exported adapter
+    pairs = load_pairs(valid, Tokenizer(folder), SEQ, bos=method == "orpo")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "state" / "adapter" / "peft")).eval()
+    [(step, loss)] = state["valid"]
+    assert step == STEPS
+    assert abs(loss - hf_valid_loss(model, pairs, method)) <= TOLERANCE
+
+
+def hf_token_logps(model, ids: np.ndarray) -> torch.Tensor:
+    """Each token's log-prob after the first, float64."""
+    x = torch.from_numpy(ids)[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=x).logits[0].double(), dim=-1)
+    return logp[:-1].gather(1, x[0, 1:, None])[:, 0]
+
+
+def hf_valid_loss(model, pairs, method: str, beta: float = 0.1) -> float:
+    scored = [[hf_token_logps(model, s) for s in (q.chosen, q.rejected)] for q in pairs]
+    sums = torch.tensor([[lp[q.prompt - 1 :].sum() for lp in two] for q, two in zip(pairs, scored)])
+    if method == "dpo":
+        with model.disable_adapter():
+            ref = [[hf_token_logps(model, s) for s in (q.chosen, q.rejected)] for q in pairs]
+        refs = torch.tensor(
+            [[lp[q.prompt - 1 :].sum() for lp in two] for q, two in zip(pairs, ref)]
+        )
+        z = beta * ((sums[:, 0] - refs[:, 0]) - (sums[:, 1] - refs[:, 1]))
+        return float(-torch.nn.functional.logsigmoid(z).mean())
+    nll = -sum(two[0].sum() for two in scored) / sum(len(two[0]) for two in scored)
+    counts = torch.tensor([[len(s) - q.prompt for s in (q.chosen, q.rejected)] for q in pairs])
+    mean = sums / counts
+    c, r = mean[:, 0], mean[:, 1]
+    odds = (c - r) - (torch.log(-torch.expm1(c)) - torch.log(-torch.expm1(r)))
+    return float(nll - beta * torch.nn.functional.logsigmoid(odds).mean())

@@ -32,7 +32,7 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return np.exp(_logsigmoid(z))
 
 
-def _log1mexp(x: np.ndarray) -> np.ndarray:
+def log1mexp(x: np.ndarray) -> np.ndarray:
     """log(1 - exp(x)) for x < 0, split at -ln 2 as TRL does."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(x < -np.log(2.0), np.log1p(-np.exp(x)), np.log(-np.expm1(x)))
@@ -92,7 +92,7 @@ class Orpo(Pairwise):
         counts = np.bincount(rows, weights=on, minlength=2 * p)
         mean = -self._sums(ce, rows, on) / counts  # each answer's mean token log-prob
         c, r = mean[:p], mean[p:]
-        odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
+        odds = (c - r) - (log1mexp(c) - log1mexp(r))
         ratio = _logsigmoid(odds)
         loss = float((nll - beta * ratio.mean()) * self.share)
         dodds = -beta * _sigmoid(-odds) / p * self.share

@@ -66,11 +66,6 @@ class TuneOptions:
             raise UsageError(f"--method {t.method!r}: use {', '.join(METHODS)}")
         if not (0 < t.beta < math.inf):
             raise UsageError(f"--beta {t.beta}: a number above 0 (TRL's default is 0.1)")
-        if t.method != "sft" and self.valid is not None:
-            raise UsageError(
-                f"--valid with --method {t.method}: validation on held-out pairs is not built "
-                "yet; leave --valid out (spill.yaml: tune.valid: null)"
-            )
         if t.warmup < 0:
             raise SpillError("--warmup must be zero or more")
         if t.eval_every < 1:

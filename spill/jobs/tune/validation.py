@@ -16,6 +16,8 @@ import numpy as np
 
 from spill.errors import SpillError
 from spill.jobs.tune.data import Example, data_fingerprint, load_examples
+from spill.jobs.tune.objectives import log1mexp
+from spill.jobs.tune.pairs import Pair, load_pairs
 
 
 def identity(path: Path | None, every: int, keep_best: bool) -> dict | None:
@@ -59,13 +61,36 @@ class Validation:
     best: dict | None = None  # {"step", "loss"}
     best_params: dict[str, np.ndarray] | None = None
 
+    method: str = "sft"  # a preference tune's rows are pairs, its loss the method's
+    beta: float = 0.1
+    refs: np.ndarray | None = None  # DPO: the base's log-probs of the pairs, on first use
+
     @classmethod
     def open(cls, path: Path, tok, opts) -> Validation:
         t = opts.tune
-        examples = load_examples(Path(path), tok, t.seq_len)
+        if t.method == "sft":
+            examples = load_examples(Path(path), tok, t.seq_len)
+        else:
+            examples = load_pairs(Path(path), tok, t.seq_len, bos=t.method == "orpo")
         if not examples:
             raise SpillError(f"{path}: no validation rows; give --valid a JSONL file with rows")
-        return cls(examples, t.eval_every, t.steps, t.micro_batch, t.keep_best)
+        return cls(
+            examples,
+            t.eval_every,
+            t.steps,
+            t.micro_batch,
+            t.keep_best,
+            method=t.method,
+            beta=t.beta,
+        )
+
+    def _loss(self, runner) -> float:
+        if self.method == "sft":
+            return token_mean_loss(runner, self.examples, self.chunk)
+        policy = pair_logprobs(runner, self.examples, self.chunk)
+        if self.method == "orpo":
+            return orpo_loss(self.examples, policy, self.beta)
+        return dpo_loss(self.examples, policy, self.refs, self.beta)
 
     def restore(self, state: dict, opt: dict[str, np.ndarray]) -> None:
         """What a checkpoint committed: its validation losses, and its best adapter."""
@@ -80,9 +105,11 @@ class Validation:
     def measure(self, runner, lora, params: dict[str, np.ndarray], step: int) -> float:
         """The loss at ``step`` (``params`` after that step's update), recorded; a new lowest
         one keeps ``params`` as the best adapter."""
+        if self.method == "dpo" and self.refs is None:  # the same bits on every resume
+            self.refs = pair_logprobs(runner, self.examples, self.chunk)
         runner.use_adapter(lora, params)
         try:
-            loss = token_mean_loss(runner, self.examples, self.chunk)
+            loss = self._loss(runner)
         finally:
             runner.use_adapter(None, None)
         self.losses.append([step, loss if math.isfinite(loss) else None])
@@ -142,3 +169,46 @@ def token_mean_loss(runner, examples: list[Example], chunk: int) -> float:
             total -= float(np.asarray(lp, np.float64)[mask].sum())
             count += int(mask.sum())
     return total / max(count, 1)
+
+
+# A pair's sequences are scored from their first token: every later token's log-prob, so ORPO's
+# NLL (the whole chosen sequence) and both methods' answer sums come from the one pass.
+def pair_logprobs(runner, pairs: list[Pair], chunk: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each pair's (chosen, rejected) token log-probs from the second token on (float64), in
+    chunks of ``chunk`` pairs, under the runner's adapter."""
+    out = []
+    for i in range(0, len(pairs), chunk):
+        seqs = [s for q in pairs[i : i + chunk] for s in (q.chosen, q.rejected)]
+        got = [
+            np.asarray(g, np.float64)
+            for g in runner.score([s[:1] for s in seqs], [s[1:] for s in seqs])
+        ]
+        out += list(zip(got[::2], got[1::2], strict=True))
+    return out
+
+
+def _answers(pairs: list[Pair], scored) -> np.ndarray:
+    """(P, 2): each answer's summed log-prob (token j + 1's log-prob is at j)."""
+    return np.array(
+        [
+            (c[q.prompt - 1 :].sum(), r[q.prompt - 1 :].sum())
+            for q, (c, r) in zip(pairs, scored, strict=True)
+        ]
+    )
+
+
+def dpo_loss(pairs: list[Pair], policy, reference, beta: float) -> float:
+    """DPO's mean loss over the pairs, as ``objectives.Dpo`` computes a batch's."""
+    logps, refs = _answers(pairs, policy), _answers(pairs, reference)
+    z = beta * ((logps[:, 0] - refs[:, 0]) - (logps[:, 1] - refs[:, 1]))
+    return float(np.logaddexp(0.0, -z).mean())
+
+
+def orpo_loss(pairs: list[Pair], policy, beta: float) -> float:
+    """ORPO's loss over the pairs, as ``objectives.Orpo`` computes a batch's: the chosen
+    sequences' token-mean NLL minus beta x the mean log-sigmoid of the log odds ratio."""
+    nll = -sum(c.sum() for c, _ in policy) / sum(len(c) for c, _ in policy)
+    counts = np.array([(len(q.chosen) - q.prompt, len(q.rejected) - q.prompt) for q in pairs])
+    mean = _answers(pairs, policy) / counts
+    odds = (mean[:, 0] - mean[:, 1]) - (log1mexp(mean[:, 0]) - log1mexp(mean[:, 1]))
+    return float(nll + beta * np.logaddexp(0.0, -odds).mean())
