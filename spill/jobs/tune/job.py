@@ -22,7 +22,6 @@ from spill.jobs.group import current as current_group
 from spill.jobs.loading import find_model, open_model
 from spill.jobs.preempt import Guard
 from spill.jobs.tune.data import load_examples
-from spill.jobs.tune.objectives import reference_logps
 from spill.jobs.tune.options import TuneOptions, state_root
 from spill.jobs.tune.pairs import load_pairs
 from spill.jobs.tune.ranks import Follower, Found, Leader, Role
@@ -102,15 +101,16 @@ def run(
         f" · {group.world} processes, each its own ring and --memory" if group.world > 1 else ""
     )
     note(f"spill tune · {plan.line()}{per_rank}")  # rank 0's: the others are quiet
-    if t.method == "dpo" and role.refs is None:  # the base's log-probs, once per pair
-        with progress(len(examples), "reference (base, no adapter)", unit="pair") as bar:
-            role.refs = reference_logps(
-                trainer, examples, opts.seed, t.micro_batch, tok.pad_id, bar
-            )
+    if t.method == "dpo":
+        note(
+            "spill tune · DPO reference: the base (adapter off), one forward of a pair's first "
+            "micro-batch, kept with the checkpoints"
+        )
     role.opened(runner, trainer)
     t0 = time.perf_counter()
     stop, loss = opts.stop_after or t.steps, None
     steps = Steps(trainer, examples, tok.pad_id, opts, group, runner.info.device, role.refs)
+    role.refs = steps.refs  # the same array: what the steps compute, rank 0 commits
     with progress(stop, "tune", unit="step", initial=step) as bar:
         while step < stop:
             group.boundary(guard)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from spill.engines.base import TrainBatch
-from spill.jobs.tune.pairs import Pair, PairBatch, pair_batch_at
+from spill.jobs.tune.pairs import PairBatch
 
 METHODS = ("sft", "dpo", "orpo")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
@@ -112,21 +112,13 @@ def metrics(method: str, sums: np.ndarray, pairs: int) -> dict[str, float]:
     return {k: float(v) / pairs for k, v in zip(STATS[method], sums, strict=True)}
 
 
-def reference_logps(trainer, pairs: list[Pair], seed: int, size: int, pad_id: int, bar=None):
-    """(N, 2) float64: each pair's chosen and rejected answer log-prob under the base (the
-    adapter off), from the trainer's own forward (``Trainer.token_losses``) over the micro-batches
-    of the first epoch, summed as ``Dpo`` sums: at step 1, whose batch is the first of these, the
-    adapter is zero and every reward is exactly 0, as in TRL."""
-    out = np.full((len(pairs), 2), np.nan)
-    for index in range(-(-len(pairs) // size)):
-        batch = pair_batch_at(pairs, seed, index, size, pad_id)
-        ce = trainer.token_losses(TrainBatch(batch.tokens, batch.attention, batch.targets, 1.0, 0))
-        rows, cols = np.nonzero(batch.targets[:, 1:])
-        on = batch.answer[rows, cols + 1].astype(np.float64)
-        logps = -np.bincount(rows, weights=np.asarray(ce, np.float64) * on, minlength=2 * size)
-        for i, r in enumerate(batch.rows):
-            if np.isnan(out[r, 0]):  # a batch past the epoch's end repeats rows
-                out[r] = logps[i], logps[size + i]
-                if bar is not None:
-                    bar.update(1)
-    return out
+def batch_reference(trainer, batch: PairBatch) -> np.ndarray:
+    """(P, 2) float64: each pair's chosen and rejected answer log-prob under the base (the adapter
+    off), from the trainer's own forward of this very micro-batch (``Trainer.token_losses``),
+    summed as ``Dpo`` sums; so at a zero adapter (step 1) every reward is exactly 0, as in TRL."""
+    ce = trainer.token_losses(TrainBatch(batch.tokens, batch.attention, batch.targets, 1.0, 0))
+    rows, cols = np.nonzero(batch.targets[:, 1:])
+    on = batch.answer[rows, cols + 1].astype(np.float64)
+    p = batch.pairs
+    logps = -np.bincount(rows, weights=np.asarray(ce, np.float64) * on, minlength=2 * p)
+    return np.stack([logps[:p], logps[p:]], axis=1)

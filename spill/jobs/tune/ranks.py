@@ -52,7 +52,7 @@ class Found:
 
 
 class Role(Protocol):
-    refs: np.ndarray | None  # a DPO run's reference log-probs, (pairs, 2); None: not yet known
+    refs: np.ndarray | None  # a DPO run's reference log-probs, (pairs, 2), NaN: not yet known
 
     def begin(self, found: Found, opts: TuneOptions) -> tuple[int, State]:
         """The step the run starts at and the trainer's state there."""
@@ -170,7 +170,10 @@ class Leader:
             self.metrics = list(state.get("metrics", []))
             if "reference" in state:
                 ref = state["reference"]
-                self.refs = np.array([ref["chosen"], ref["rejected"]], dtype=np.float64).T
+                both = [
+                    [np.nan if x is None else x for x in ref[k]] for k in ("chosen", "rejected")
+                ]
+                self.refs = np.array(both, dtype=np.float64).T
             if self.valid is not None:
                 self.valid.restore(state, opt)
             note(
@@ -227,10 +230,10 @@ class Leader:
         if self.opts.tune.method == "sft":
             return {}
         out = {"metrics": [{k: _finite(x) for k, x in m.items()} for m in self.metrics]}
-        if self.refs is not None:
+        if self.refs is not None:  # null: a pair no step has taken yet
             out["reference"] = {
-                "chosen": self.refs[:, 0].tolist(),
-                "rejected": self.refs[:, 1].tolist(),
+                k: [None if np.isnan(x) else float(x) for x in self.refs[:, i]]
+                for i, k in enumerate(("chosen", "rejected"))
             }
         return out
 

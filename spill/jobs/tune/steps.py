@@ -19,7 +19,7 @@ from spill.errors import SpillError
 from spill.jobs.group import Group
 from spill.jobs.schedule import cosine_lr
 from spill.jobs.tune.data import micro_batch_at
-from spill.jobs.tune.objectives import Dpo, Orpo, metrics
+from spill.jobs.tune.objectives import Dpo, Orpo, batch_reference, metrics
 from spill.jobs.tune.options import TuneOptions
 from spill.jobs.tune.pairs import pair_batch_at
 
@@ -27,7 +27,8 @@ from spill.jobs.tune.pairs import pair_batch_at
 class Steps:
     """A step's work on every rank (``spill.jobs.tune.job.run``): ``gradients`` and ``apply``
     (the boundary between steps is the group's: ``Group.boundary``). ``examples`` are rows, or
-    ``Pair``s for a preference tune (``refs``: the base's log-probs of every pair, for DPO)."""
+    ``Pair``s for a preference tune (``refs``: DPO's reference log-probs known so far, NaN where
+    not yet computed)."""
 
     def __init__(
         self,
@@ -44,6 +45,9 @@ class Steps:
         self.device = device  # where the trainer computes: the exchange may go there (NCCL)
         self.accum = self.tune.batch // self.tune.micro_batch
         self.method, self.refs = self.tune.method, refs
+        if self.method == "dpo" and refs is None:  # none known yet: a fresh run
+            self.refs = np.full((len(examples), 2), np.nan)
+        self.fresh: dict[int, np.ndarray] = {}  # this rank's new reference rows, for the others
         self.tokens = 0  # tokens of every rank's micro-batches so far
         self.size: int | None = None  # the gradient vector's length
         self.metrics: dict[str, float] = {}  # the last step's, a preference tune's (TRL's names)
@@ -56,10 +60,23 @@ class Steps:
             self.examples, self.seed, index, t.micro_batch, self.pad_id, self.method == "orpo"
         )
 
+    # DPO's reference log-probs come from the first micro-batch that takes a pair: one forward of
+    # the base more in that step. A pair first met in a batch of the first epoch is computed in
+    # exactly the batch ``micro_batch`` index gives, so a rerun or a resume computes the same bits.
+    def _reference(self, batch) -> np.ndarray:
+        rows = list(batch.rows)
+        if np.isnan(self.refs[rows]).any():
+            got = batch_reference(self.trainer, batch)
+            for i, r in enumerate(rows):
+                if np.isnan(self.refs[r, 0]):
+                    self.refs[r] = got[i]
+                    self.fresh[r] = got[i]
+        return self.refs[rows]
+
     def _objective(self, batch):
         share = 1.0 / self.accum  # each micro-batch's mean, as TRL's accumulation
         if self.method == "dpo":
-            return Dpo(batch, self.tune.beta, share, self.refs[list(batch.rows)])
+            return Dpo(batch, self.tune.beta, share, self._reference(batch))
         if self.method == "orpo":
             return Orpo(batch, self.tune.beta, share)
         return None
@@ -111,9 +128,12 @@ class Steps:
                 self.size = sum(a.size for a in self.trainer.state()[0].values())
             everyone = g.gather(done, self.accum, self.size, self.device)
             stats = {}
-            if self.method != "sft":  # each rank's metrics, folded in micro-batch order
-                for part in g.collect(mine):
+            if self.method != "sft":  # each rank's metrics (and new references), in order
+                for part, fresh in g.collect((mine, self.fresh)):
                     stats.update(part)
+                    for r, values in fresh.items():
+                        self.refs[r] = values
+                self.fresh = {}
             for j, got, tokens, grads in everyone:
                 self.trainer.add_grads(grads)
                 loss += got
