@@ -1,7 +1,8 @@
 """``spill eval``: grade a model (optionally with a LoRA adapter) on rows with known answers.
 
-Rows are ``{"id", "prompt"|"messages", "answer"}`` (``completion`` is accepted as the answer, so a
-training file can be graded as is). A row is correct when the greedy generation equals the answer
+Rows are ``{"id", "prompt"|"messages", "answer"}`` (``completion`` or ``chosen`` is accepted as the
+answer, so a training file can be graded as is); a row with a ``rejected`` answer too is also graded
+on preference: is the answer's log-prob above the rejected one's (``preference_accuracy``). A row is correct when the greedy generation equals the answer
 after stripping leading and trailing whitespace on both sides; the comparison is otherwise exact
 (case, inner spaces, punctuation). The gold answer's tokens are also scored given the prompt: their
 summed log-prob and per-token mean. A row job like run: ``--state`` commits graded rows in segments.
@@ -60,21 +61,26 @@ class EvalRow:
     row: PromptRow
     answer: str
     input: str  # what a person reads as the row: its ``input`` key, else the prompt's text
+    rejected: str | None = None  # a preference row's worse answer
 
 
 def read_eval_rows(path: Path) -> list[EvalRow]:
     prompts = read_prompt_rows(path)
     out = []
     for row, (lineno, obj) in zip(prompts, read_jsonl(path), strict=True):
-        answer = obj.get("answer", obj.get("completion"))
+        answer = obj.get("answer", obj.get("completion", obj.get("chosen")))
         if not isinstance(answer, str):
             raise DataError(
-                f"{path}:{lineno}: row has no 'answer' (or 'completion') string to grade against"
+                f"{path}:{lineno}: row has no 'answer' (or 'completion', 'chosen') string to "
+                "grade against"
             )
+        rejected = obj.get("rejected")
+        if rejected is not None and not isinstance(rejected, str):
+            raise DataError(f"{path}:{lineno}: 'rejected' must be a string (the worse answer)")
         text = obj.get("input")
         if not isinstance(text, str):
             text = row.prompt if row.prompt is not None else row.messages[-1]["content"]
-        out.append(EvalRow(row.id, row, answer, text))
+        out.append(EvalRow(row.id, row, answer, text, rejected))
     return out
 
 
@@ -96,6 +102,7 @@ def _grader(
     tok = loaded.tokenizer
     apply_adapter(loaded, adapter)
     gold = {r.id: answer_ids(tok, r.answer) for r in rows}
+    worse = {r.id: answer_ids(tok, r.rejected) for r in rows if r.rejected is not None}
     new = _max_new(opts, rows, tok)
     longest = max([new, *(len(g) for g in gold.values())])  # generated, or the gold scored
     prompts = encode_rows(
@@ -107,6 +114,11 @@ def _grader(
         ids = [prompts[r.id] for r in batch]
         outs = loaded.runner.generate(ids, params, [0] * len(batch))
         scores = loaded.runner.score(ids, [gold[r.id] for r in batch])
+        paired = [r for r in batch if r.id in worse]
+        against = loaded.runner.score(
+            [prompts[r.id] for r in paired], [worse[r.id] for r in paired]
+        )
+        rejected = {r.id: summed(lp) for r, lp in zip(paired, against, strict=True)}
         records = []
         for row, gen, lp in zip(batch, outs, scores, strict=True):
             text = tok.decode(gen.tokens)
@@ -127,10 +139,17 @@ def _grader(
                     "tokens": len(gen.tokens),
                 }
             )
+            if row.id in rejected:
+                other = rejected[row.id]
+                records[-1]["rejected_logprob"] = other if math.isfinite(other) else None
+                records[-1]["prefers_answer"] = bool(total > other)
         return records
 
     # a row at its longest: generated (prompt + new) or scored (prompt + gold answer)
-    return Work(compute, lambda row: len(prompts[row.id]) + max(new, len(gold[row.id])))
+    def longest(row: EvalRow) -> int:
+        return len(prompts[row.id]) + max(new, len(gold[row.id]), len(worse.get(row.id, ())))
+
+    return Work(compute, longest)
 
 
 # ``--max-new-tokens`` defaults to the longest answer in the file plus 16 tokens, fixed for the
@@ -197,6 +216,10 @@ def evaluate(
     }
     if opts.labels and records:
         summary |= label_results(records, opts.labels)
+    pairs = [r["prefers_answer"] for r in records if "prefers_answer" in r]
+    if pairs:
+        summary["preference_accuracy"] = round(sum(pairs) / len(pairs), 6)
+        summary["pairs"] = len(pairs)
     if out_path and done.complete:
         summary["out"] = str(out_path)
         note(f"wrote {len(records)} graded rows to {out_path}")
