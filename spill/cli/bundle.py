@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from spill.errors import UsageError
+from spill.store.location import location
 
 
 def add_parser(sub) -> None:
@@ -78,9 +79,11 @@ def command(args: argparse.Namespace) -> int:
             result["run"] = result["run"] or "-"
         emit(result, args.json)
         return 0
-    where, path = args.args[0], Path(args.args[1])
+    # the project and its state are parsed here, once
+    where, path = location(args.args[0]), Path(args.args[1])
+    state = location(args.state) if args.state else None
     result = bundle.pack(
-        where, path, state=args.state, with_state=args.with_state, wait=args.wait,
+        where, path, state=state, with_state=args.with_state, wait=args.wait,
         force=args.force, with_exports=args.with_exports,
     )  # fmt: skip
     emit(result, args.json)

@@ -7,6 +7,7 @@ import argparse
 
 from spill.cli.options import authority_options
 from spill.errors import UsageError
+from spill.store.location import location
 
 
 def add_parser(sub) -> None:
@@ -45,19 +46,23 @@ def command(args: argparse.Namespace) -> int:
     from spill.console import emit
     from spill.project.move.move import abort, move
 
+    # the places are parsed here, once (the destination first, as the move checks it first)
     if args.abort:
         if len(args.where) > 2:
             raise UsageError("spill move --abort takes the project folder; see --help")
-        src = args.where[0] if args.where else "."
-        to = args.where[1] if len(args.where) == 2 else None
-        result = abort(src, to, state=args.state, wait=args.wait)
+        to = location(args.where[1]) if len(args.where) == 2 else None
+        src = location(args.where[0] if args.where else ".")
+        state = location(args.state) if args.state else None
+        result = abort(src, to, state=state, wait=args.wait)
         keys = ("run", "from", "to", "status", "generation", "destination")
     else:
         if not 1 <= len(args.where) <= 2:
             raise UsageError("spill move takes a project folder and a destination; see --help")
         src, to = (".", args.where[0]) if len(args.where) == 1 else args.where
+        to, src = location(to), location(src)
+        state = location(args.state) if args.state else None
         result = move(
-            src, to, state=args.state, wait=args.wait, lease=args.lease,
+            src, to, state=state, wait=args.wait, lease=args.lease,
             with_exports=args.with_exports,
         )  # fmt: skip
         keys = ("run", "from", "to", "files", "bytes", "seconds", "status")

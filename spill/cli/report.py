@@ -39,15 +39,16 @@ def command(args: argparse.Namespace) -> int:
     from spill.project.report.status import is_state
     from spill.store.location import location
 
-    given = args.dir
-    args.dir, args.state = locate(args.dir, args.state, build=False)
+    given = location(args.dir)  # the project (or state) and --state are parsed here, once
+    args.dir, args.state = locate(given, args.state, build=False)
     out = args.out
-    if args.state is None and is_state(args.dir):  # a state location: its build, read as is
+    # a state location (not a project at a URI, checked out to args.dir): its build, read as is
+    if args.state is None and args.dir == given.plain and is_state(given.plain):
         state = Path(args.dir)  # its project, when it is one's .spill/ (else none is checked)
         home = state.parent if (state.parent / "spill.yaml").is_file() else state
-        args.dir, args.state = str(home), args.dir
+        args.dir, args.state = str(home), given.plain
         out = out or FILE
-    elif location(given).uri and out is None:  # a project at a URI: its copy here is spill's own
+    elif given.uri and out is None:  # a project at a URI: its copy here is spill's own
         out = FILE
     out = target(Path(args.dir), out)
     refuse_output(out, "-o", projects=(args.dir,), states=(args.state,))

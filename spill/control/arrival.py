@@ -23,7 +23,7 @@ from spill.ground.validate import parse_json, validate
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
 from spill.store.fs import files_under, get_bytes, join, prune_empty, remove, remove_named
-from spill.store.location import from_home
+from spill.store.location import Location, from_home
 
 _ELSEWHERE = "move to a new or empty location"
 
@@ -32,7 +32,7 @@ class Taken(StoreError):
     """The destination holds another run, another move's claim, or files of its own."""
 
 
-def manifest_uri(dst_state: str, run: str, tid: str) -> str:
+def manifest_uri(dst_state: Location, run: str, tid: str) -> str:
     return join(dst_state, RUNS, run, f"move-{tid}.json")
 
 
@@ -46,7 +46,7 @@ def _what(doc: dict[str, Any]) -> str:
     return f"run {doc['run']} ({doc['status']})"
 
 
-def _source(home: str) -> str | None:
+def _source(home: str) -> Location | None:
     """The state location a claim's ``from`` names, where this process can read it."""
     return from_home(home, host())
 
@@ -68,7 +68,7 @@ def abandoned(doc: dict[str, Any]) -> bool:
     return (pending(theirs) or {}).get("id") != t.get("id")
 
 
-def _adoptable(there: dict[str, Any], frm: str, to: str, src_tid: str | None) -> bool:
+def _adoptable(there: dict[str, Any], frm: str, to: Location, src_tid: str | None) -> bool:
     t = there.get("transfer") or {}
     return (
         there["status"] == "incoming"
@@ -80,7 +80,7 @@ def _adoptable(there: dict[str, Any], frm: str, to: str, src_tid: str | None) ->
 
 # A claim nobody will finish (``abandoned``) is removed first; anything else is ``Taken``.
 def check_destination(
-    dst: Store, root: str, src: dict[str, Any], frm: str, to: str, mine: str | None = None
+    dst: Store, root: Location, src: dict[str, Any], frm: str, to: Location, mine: str | None = None
 ) -> list[dict[str, Any]]:
     """Before anything is written: refuse (``Taken``) a destination ``root`` that is not empty
     and not this run's under a move to ``to`` (``mine``: the transfer id, when the source does
@@ -122,7 +122,7 @@ def claim(
     src: dict[str, Any],
     tid: str,
     frm: str,
-    to: str,
+    to: Location,
     *,
     lease: float,
     nonce: str,
@@ -237,7 +237,7 @@ def _claimed_paths(dst: Store, rid: str, tid: str) -> list[str]:
     return list(m.get("paths") or [e["path"] for e in m["files"]])
 
 
-def remove_claim(dst: Store, root: str, rid: str, tid: str) -> bool:
+def remove_claim(dst: Store, root: Location, rid: str, tid: str) -> bool:
     """Remove transfer ``tid``'s claim of run ``rid`` at ``root``; False when
     there is none (removed already, or never made) or it is not that transfer's."""
     with dst.exclusive():

@@ -23,6 +23,7 @@ from spill.control.place import Place
 from spill.errors import EXIT_PREEMPTED, SpillError, StoreError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
+from spill.store.location import Location
 
 SCHEMA_VERSION = 1
 # A bench-only switch: transitions after acquisition change this process's copy of the control
@@ -71,7 +72,7 @@ class Ownership:
         self.on_quiesce: Callable[[dict[str, Any]], None] | None = None
 
     @property
-    def state(self) -> str:
+    def state(self) -> Location:
         return self.store.state
 
     def place(self, prefix: str = "") -> Place:

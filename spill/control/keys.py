@@ -20,6 +20,7 @@ from spill.ground.validate import parse_json, validate_once
 from spill.store import cas, drill
 from spill.store.cas import ATTEMPTS, Conflict, Layout, Store, Uncertain
 from spill.store.fs import exists, join, listdir
+from spill.store.location import Location
 
 RUNS = "runs"
 CURRENT = "current.json"
@@ -42,13 +43,13 @@ LAYOUT = Layout(
 )
 
 
-def store_for(state: str) -> Store:
+def store_for(state: Location | str) -> Store:
     """The store of ``state``'s control keys, checked (a local one honours flock, an object
     store refuses stale writes)."""
     return cas.store_for(state, LAYOUT)
 
 
-def open_store(state: str) -> Store:
+def open_store(state: Location | str) -> Store:
     """The store of ``state``'s control keys, unchecked: enough to read them."""
     return cas.open_store(state, LAYOUT)
 
@@ -215,7 +216,7 @@ def _line(runs: dict[str, Any], docs: dict[str, dict[str, Any]]) -> str:
     return f"the control object{many}: current is run {_said(docs[runs['current']])}"
 
 
-def missing_note(state: str) -> str | None:
+def missing_note(state: Location) -> str | None:
     """For ``spill status``: a line saying the run list is missing and what stands in for it."""
     store = open_store(state)
     runs, _, rebuilt = view(store)
@@ -225,14 +226,14 @@ def missing_note(state: str) -> str | None:
     return f"{store.uri(CURRENT)} is missing; read from {line}; the next build or resume writes it"
 
 
-def has_runs(state: str) -> bool:
+def has_runs(state: Location) -> bool:
     """Whether ``state`` holds runs: a run list, or control objects without one."""
     if exists(join(state, RUNS, CURRENT)):
         return True
     return any(exists(join(state, RUNS, rid, CONTROL)) for rid in run_ids(open_store(state)))
 
 
-def current(state: str) -> dict[str, Any] | None:
+def current(state: Location | str) -> dict[str, Any] | None:
     """The current run's control object at ``state`` (validated), or None when it has none.
 
     A reader's view: no lock is taken (every write is an atomic replace) and nothing is

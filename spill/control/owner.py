@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from spill.errors import StoreError
-from spill.store.location import location
+from spill.store.location import Location, location
 
 LEASE = 120.0
 LEASE_ENV = "SPILL_LEASE"
@@ -123,7 +123,7 @@ def describe(doc: dict[str, Any], now: float | None = None) -> str:
     return f"{o['host']} pid {o['pid']} since {since}, {lease}"
 
 
-def home_of(state: str) -> str:
-    """Where a state location is, as recorded in its runs: ``host:/real/path`` or the URI."""
-
+def home_of(state: Location | str) -> str:
+    """Where a state location is, as recorded in its runs: ``host:/real/path`` or the URI (text
+    is parsed: the kill drills and the relay's check give it)."""
     return location(state).home(host())

@@ -34,7 +34,7 @@ from spill.control.place import generations
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, LockHeld, Store, Uncertain
-from spill.store.location import from_home, location, shown_home
+from spill.store.location import Location, from_home, location, shown_home
 
 
 def _new_run_id() -> str:
@@ -86,7 +86,7 @@ def _holder(doc: dict[str, Any], nonce: str, now: float) -> bool:
     return not gone(o)
 
 
-def _busy(doc: dict[str, Any], state: str, extra: str = "") -> Busy:
+def _busy(doc: dict[str, Any], state: Location, extra: str = "") -> Busy:
     return Busy(
         f"run {doc['run']} at {state} is held by {describe(doc)}{extra}; try again later, "
         "or add --wait to wait for it"
@@ -94,7 +94,7 @@ def _busy(doc: dict[str, Any], state: str, extra: str = "") -> Busy:
 
 
 def acquire(
-    state: str,
+    state: Location | str,
     *,
     lease: float | None = None,
     wait: bool = False,
@@ -109,6 +109,7 @@ def acquire(
     ``RunComplete``. A held run raises ``Busy`` unless ``wait``, which polls until it is free.
     """
     lease = lease_seconds(lease)
+    state = location(state)  # a Location as it is; text from the drills' workers, parsed
     _refuse_nested(state)
     store = store_for(state)
     nonce = secrets.token_hex(16)
@@ -196,7 +197,7 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Owner
 OUTER_WRITES = ("stages", "payloads", "runs")  # what a run writes below its location
 
 
-def _refuse_nested(state: str) -> None:
+def _refuse_nested(state: Location) -> None:
     """A location inside another run's location (a build's ``.spill/stages/tune``) is that run's
     to write: its own run would collect the other's payloads there (same names, generations
     counted apart), so it is refused in one line."""
@@ -208,10 +209,10 @@ def _refuse_nested(state: str) -> None:
         )
 
 
-def outer_state(state: str, every: bool = False) -> str | None:
+def outer_state(state: Location, every: bool = False) -> Location | None:
     """The location holding runs whose own folders (``stages``, ``payloads``, ``runs``; with
     ``every`` any folder, as ``spill move`` asks of a destination) hold ``state``, if any."""
-    full, above = location(state).canonical, location(state).parents()
+    full, above = state.canonical, state.parents()
     for outer in above:
         inside = full[len(outer) :].strip("/").split("/")[0]
         if not every and inside not in OUTER_WRITES:  # a sweep's builds under .spill/sweep/
@@ -231,7 +232,7 @@ class CopiedRun(StoreError):
     """An installed copy of a run that stays authoritative elsewhere: fork it, never continue it."""
 
 
-def refuse_moving(doc: dict[str, Any], state: str) -> None:
+def refuse_moving(doc: dict[str, Any], state: Location) -> None:
     """Refuse, in one line, a run that may not be acquired here: a copy, or a run in a move."""
     rid, t = doc["run"], doc.get("transfer")
     if doc["status"] == "copy":
@@ -274,7 +275,7 @@ def _check_copy(doc: dict[str, Any], home: str) -> None:
 
 @contextlib.contextmanager
 def held(
-    state: str,
+    state: Location | str,
     *,
     lease: float | None = None,
     wait: bool = False,
@@ -295,7 +296,7 @@ def is_held(doc: dict[str, Any]) -> bool:
     return _holder(doc, "", time.time())
 
 
-def as_copy(doc: dict[str, Any], state: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def as_copy(doc: dict[str, Any], state: Location) -> tuple[dict[str, Any], dict[str, Any]]:
     """The control object and run list of a copy of run ``doc`` installed at ``state``: status
     ``copy`` (never continued; ``spill build --new-run`` forks from it), released, its lineage
     naming where the original is."""

@@ -18,7 +18,7 @@ from spill.control.keys import CONTROL, FROZEN, current, read_control, run_ids
 from spill.errors import StoreError
 from spill.store.cas import Store
 from spill.store.fs import join, listdir, remove
-from spill.store.location import location
+from spill.store.location import Location, location
 
 PAYLOADS = "payloads"
 STAGES = "stages"  # a build's job places, stages/<stage>/, each with payloads of its own
@@ -153,7 +153,7 @@ def pointed_elsewhere(store: Store, run: str) -> set[str]:
     return out
 
 
-def generations(state: str) -> list[int]:
+def generations(state: Location) -> list[int]:
     """The generations in the names of the payload folders at ``state``: its ``payloads/`` and
     each build stage's (``stages/<stage>/payloads/``), where a run writes its payloads."""
     homes = [PAYLOADS, *(f"{STAGES}/{n}/{PAYLOADS}" for n in listdir(join(state, STAGES)))]

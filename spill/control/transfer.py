@@ -23,6 +23,7 @@ from spill.control.ownership import CopiedRun, _busy, _holder
 from spill.errors import StoreError, UsageError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
+from spill.store.location import Location
 
 # Each of a move's seven steps is a conditional transition of a control object (``spill.store.cas``)
 # recorded in its ``transfer`` field, so a rerun continues where the move stopped; the destination's
@@ -43,7 +44,7 @@ def pending(doc: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def check_source(doc: dict[str, Any], state: str, to: str, *, wait: bool) -> None:
+def check_source(doc: dict[str, Any], state: Location, to: Location, *, wait: bool) -> None:
     """Refuse, in one line, a source run that cannot be moved to ``to`` now: an installed copy,
     a run arriving from elsewhere, one in a move to another place, or one held by a live writer
     (unless ``wait``). Checked before the destination is claimed, and again by ``begin``."""

@@ -26,7 +26,7 @@ from spill.errors import StoreError
 from spill.ground.validate import parse_json, remember, validate, validate_once
 from spill.jobs.preempt import request_stop
 from spill.store.fs import get_bytes, join
-from spill.store.location import location
+from spill.store.location import Location, location
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _stop_for_move(doc: dict) -> None:
 COMMAND = "command.json"
 
 
-def record_command(state: str, argv: Sequence[str]) -> None:
+def record_command(state: Location, argv: Sequence[str]) -> None:
     """Write ``<state>/command.json``: the command line that owns the run now."""
     from spill.store.fs import join, put_bytes
 
@@ -109,7 +109,7 @@ def record_command(state: str, argv: Sequence[str]) -> None:
     remember(raw, "command")
 
 
-def read_command(state: str) -> dict | None:
+def read_command(state: Location) -> dict | None:
     """``<state>/command.json`` validated, or None when there is none."""
     uri = join(state, COMMAND)
     try:
@@ -126,7 +126,7 @@ def read_command(state: str) -> dict | None:
 
 @contextlib.contextmanager
 def own(
-    state: str,
+    state: Location,
     *,
     lease: float | None = None,
     wait: bool = False,
@@ -148,7 +148,7 @@ def own(
 
 
 @contextlib.contextmanager
-def hold(state: str, writer: Writer) -> Iterator[Held]:
+def hold(state: Location, writer: Writer) -> Iterator[Held]:
     """The job's ``Held`` at ``state``: the writer's place as given (a build's stage), else this
     process's own run."""
     if writer.place is not None:

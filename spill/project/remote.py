@@ -17,30 +17,31 @@ from pathlib import Path
 from spill.errors import UsageError
 from spill.ground.paths import STATE_DIR, spill_home
 from spill.project.report.status import is_state
-from spill.store.fs import exists, get_bytes, join
-from spill.store.location import location
+from spill.store.fs import exists, get_bytes
+from spill.store.location import Location, location
 from spill.store.snapshot import project_files
 
 
-def locate(where: str, state: str | None, *, build: bool) -> tuple[str, str | None]:
+def locate(where: Location | str, state: str | None, *, build: bool) -> tuple[str, Location | None]:
     """(the project folder or state location a command reads, its ``--state``): file:///p is
     the folder /p (Hydra's sweep folder too); a project at a URI is checked out, its state at
     ``<URI>/.spill`` unless given; a state location is kept as it is, except by ``build``
     (resume and status take those)."""
-    given = location(where)
-    where, state = given.plain, state and location(state).plain
-    if given.on_disk() is not None or not build and is_state(where):
+    given = location(where)  # parsed here (or by the caller), once
+    state = location(state).plain if state else None
+    where = str(given.plain)  # a folder, as Hydra and Path take it
+    if given.on_disk() is not None or not build and is_state(given.plain):
         return where, state  # a local folder, or a state location
-    if not exists(join(where, "spill.yaml")):
+    if not exists(given.join("spill.yaml")):
         raise UsageError(f"{where} holds no spill.yaml; give a project's location")
-    local, there = checkout(where)
+    local, there = checkout(given)
     return str(local), state or there
 
 
-def checkout(uri: str) -> tuple[Path, str]:
+def checkout(uri: Location) -> tuple[Path, Location]:
     """(the local working copy of the project at ``uri``, its state location)."""
-    uri = uri.rstrip("/")
-    if not exists(join(uri, "spill.yaml")):
+    uri = uri.absolute  # no trailing /
+    if not exists(uri.join("spill.yaml")):
         raise UsageError(f"{uri} holds no spill.yaml; give a project's location")
     local = spill_home() / "projects" / hashlib.sha256(uri.encode()).hexdigest()[:16]
     wanted = set(project_files(uri))
@@ -50,7 +51,7 @@ def checkout(uri: str) -> tuple[Path, str]:
             if rel not in wanted:
                 os.unlink(Path(d) / n)
     for rel in sorted(wanted):
-        data = get_bytes(join(uri, rel))
+        data = get_bytes(uri.join(rel))
         path = local / rel
         if path.is_file() and path.read_bytes() == data:
             continue
@@ -58,4 +59,4 @@ def checkout(uri: str) -> tuple[Path, str]:
         tmp = path.with_name(f".{path.name}.part")
         tmp.write_bytes(data)
         os.replace(tmp, path)
-    return local, join(uri, STATE_DIR)
+    return local, uri.join(STATE_DIR)

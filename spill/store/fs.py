@@ -45,7 +45,10 @@ def _local(uri: str) -> str:
 
 def absolute(where: str) -> str:
     """A location as its one spelling: a local one as an absolute path (``file://`` and ``~``
-    resolved, symlinks kept), a URI without its trailing ``/``."""
+    resolved, symlinks kept), a URI without its trailing ``/`` (a ``Location`` as a
+    ``Location``: ``Location.absolute``)."""
+    if isinstance(where, Location):
+        return where.absolute
     return os.path.abspath(_local(where)) if is_local(where) else where.rstrip("/")
 
 

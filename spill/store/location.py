@@ -75,10 +75,13 @@ class Location(str):
         return scheme_of(self) != ""
 
     @property
-    def plain(self) -> str:
-        """Its text for a tool that takes paths (Hydra's sweep folder among them): a ``file://``
-        URI as the absolute path it names, any other text as given."""
-        return os.path.abspath(self.path) if self.local and self.uri else str(self)
+    def plain(self) -> Location:
+        """It spelled for a tool that takes paths (Hydra's sweep folder among them): a
+        ``file://`` URI as the absolute path it names, any other as given."""
+        if self.local and self.uri:
+            path = os.path.abspath(self.path)
+            return Location(path, "", path)
+        return self
 
     @property
     def writes(self) -> str:
@@ -101,19 +104,33 @@ class Location(str):
         except ValueError as e:
             raise StoreError(f"{self}: unsupported location ({e}); {WHERE}") from None
 
+    def __reduce__(self):  # pickled whole (a build's followers get it across processes)
+        return (Location, (str(self), self.scheme, self.path))
+
+    @property
+    def absolute(self) -> Location:
+        """Its one spelling with links kept: a local one as an absolute path (``file://`` and
+        ``~`` resolved), a URI without its trailing ``/``."""
+        if self.local:
+            path = os.path.abspath(self.path)
+            return Location(path, "", path)
+        text = self.rstrip("/")
+        return Location(text, self.scheme, text)
+
     @property
     def canonical(self) -> str:
         """Its one spelling: a local one's real path (links resolved), a URI without a final ``/``."""
         return os.path.realpath(self.path) if self.local else self.rstrip("/")
 
-    def parents(self) -> list[str]:
+    def parents(self) -> list[Location]:
         """The locations holding it, nearest first, spelled as ``canonical`` (a URI's down to
         its bucket)."""
         if self.local:
-            return [str(p) for p in PurePosixPath(self.canonical).parents]
+            return [Location(str(p), "", str(p)) for p in PurePosixPath(self.canonical).parents]
         scheme, _, rest = self.canonical.partition("://")
         parts = rest.split("/")
-        return [f"{scheme}://" + "/".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+        up = (f"{scheme}://" + "/".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+        return [Location(u, self.scheme, u) for u in up]
 
     def home(self, host: str) -> str:
         """Where it is, as runs record it (``home``): ``host:/real/path``, or the URI."""
@@ -171,13 +188,13 @@ def on_disk(where: str | os.PathLike) -> str | None:
     return local_path(text) if scheme_of(text) in ("", "file") else None
 
 
-def from_home(home: str, host: str) -> str | None:
-    """The location a recorded ``home`` names, where ``host`` can read it: the URI, or the path
-    of a home on ``host``; None for a path on another machine."""
+def from_home(home: str, host: str) -> Location | None:
+    """The location a recorded ``home`` names, where ``host`` can read it (parsed): the URI, or
+    the path of a home on ``host``; None for a path on another machine."""
     if "://" in home:
-        return home
+        return location(home)
     name, _, path = home.partition(":")
-    return path if name == host else None
+    return location(path) if name == host else None
 
 
 def shown_home(home: str) -> str:

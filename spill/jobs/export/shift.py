@@ -28,6 +28,7 @@ from spill.jobs.tune.data import _order, data_fingerprint, load_examples
 from spill.models.config import load_config
 from spill.models.tokenizer import Tokenizer
 from spill.payloads.checkpoint import latest_checkpoint
+from spill.store.location import location
 
 # A short tune changes the weights a little, and rounding the merged matrices to Q4 can undo most of
 # it (issue 35: on SmolLM2 after 4 steps, q4_0 moved the gold answers' log-probs by 6.7 of the 7.9
@@ -41,11 +42,10 @@ _SHARD_BYTES = 256 * 1024**2  # the scratch folder's shards: memory stays near o
 _ADVICE = "check the export on your rows, or export q8_0 or a float dtype"
 
 
-def _candidates(state: Path, name: str) -> list[Path]:
-    """Where the training file may lie: as the tune's command named it (from its folder),
-    beside the state, in the current folder."""
+def _candidates(state: Path, name: str, command: dict) -> list[Path]:
+    """Where the training file may lie: as the tune's command (``command``) named it (from its
+    folder), beside the state, in the current folder."""
     out = []
-    command = read_command(str(state)) or {}
     cwd = Path(command.get("cwd") or ".")
     out += [cwd / a for a in command.get("argv", []) if Path(a).name == name]
     return [*out, state.parent / name, Path.cwd() / name]
@@ -65,13 +65,15 @@ def seen_rows(inputs: Inputs) -> tuple[str, list] | str:
     state = inputs.adapter_dir.parent
     if inputs.adapter_dir.name != "adapter" or not (state / "payloads").is_dir():
         return "the adapter is not in a tune's state, which names its training file"
-    ckpt = latest_checkpoint(Place(str(state)))
+    here = location(state)  # the adapter's tune state, found here
+    ckpt = latest_checkpoint(Place(here))
     st = ckpt.state if ckpt is not None else {}
     hyper = st.get("hyperparameters") or {}
     name, want = st.get("train_file"), hyper.get("data")
     if not (name and want):
         return f"{state} records no training file"
-    found = [p for p in _candidates(state, name) if p.is_file()]
+    command = read_command(here) or {}
+    found = [p for p in _candidates(state, name, command) if p.is_file()]
     path = next((p for p in found if data_fingerprint(p) == want), None)
     if path is None:
         where = (

@@ -20,6 +20,7 @@ from spill.jobs.group import current
 from spill.jobs.preempt import Preempted
 from spill.jobs.track.spec import TrackSpec, logdir_for
 from spill.jobs.track.tracking import Tracking, open_tracking, where
+from spill.store.location import Location
 
 PRODUCER_TAGS = ("engine", "machine", "os", "numerics", "hardware")
 STOPPING_WITHIN = 5.0  # seconds a stopped run waits for its trackers (its deadline is 30 s)
@@ -28,8 +29,8 @@ STOPPING_WITHIN = 5.0  # seconds a stopped run waits for its trackers (its deadl
 class Session:
     """A run's trackers, or nothing (no spec): every call then does nothing."""
 
-    def __init__(self, spec: TrackSpec | None, root: str, name: str) -> None:
-        self.spec, self.root, self.name = spec, str(root), name
+    def __init__(self, spec: TrackSpec | None, root: Location, name: str) -> None:
+        self.spec, self.root, self.name = spec, root, name
         self.tracking = Tracking([])
 
     def start(self, producer: dict[str, Any], tune: Any, state: dict | None) -> None:
@@ -70,7 +71,7 @@ class Session:
 
 
 @contextmanager
-def session(spec: TrackSpec | None, root: str, name: str, steps: int) -> Iterator[Session]:
+def session(spec: TrackSpec | None, root: Location, name: str, steps: int) -> Iterator[Session]:
     """A ``Session`` closed FINISHED when the last step is committed, KILLED when the run stops
     before it (``--stop-after``, preempted: waiting at most ``STOPPING_WITHIN`` for the
     trackers), FAILED on an error."""

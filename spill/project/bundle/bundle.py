@@ -10,7 +10,6 @@ or ``--json``. No engine is imported: models resolve through ``spill.models``.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,31 +23,31 @@ from spill.project.bundle.format import BundleError
 from spill.project.bundle.read import open_bundle
 from spill.project.bundle.read import verify as check
 from spill.project.remote import checkout
-from spill.store.location import location
+from spill.store.location import Location
 
 
 def _rate(nbytes: int, seconds: float) -> str:
     return f"{nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s"
 
 
-def _project(where: str, state: str | None) -> tuple[Path, str]:
+def _project(where: Location, state: Location | None) -> tuple[Path, Location]:
     """(the project folder to read, its state): a local folder, or a project at a URI read from
     its working copy (``spill.project.remote``) with its state at the URI."""
-    folder = location(where).on_disk()
-    if folder is None:
+    if where.on_disk() is None:
         root, there = checkout(where)
         return root, state or there
-    root = Path(os.path.abspath(folder))
+    where = where.absolute
+    root = Path(where.path)
     if not (root / "spill.yaml").is_file():
         raise UsageError(f"{root} holds no spill.yaml; give a project folder")
-    return root, state or str(root / STATE_DIR)
+    return root, state or where.join(STATE_DIR)
 
 
 def pack(
-    where: str,
+    where: Location,
     path: Path,
     *,
-    state: str | None = None,
+    state: Location | None = None,
     with_state: bool = False,
     wait: bool = False,
     force: bool = False,

@@ -27,6 +27,7 @@ from spill.project.bundle import installed
 from spill.project.bundle.format import BundleError, Hasher
 from spill.project.bundle.read import Bundle, damaged, free_space_ok, open_bundle
 from spill.project.move.checks import SWEEP
+from spill.store.location import location
 
 
 def _check_dest(dest: Path, force: bool, bundle: Path) -> bool:
@@ -86,7 +87,7 @@ def _check_lengths(b: Bundle, dest: Path) -> None:
 
 def _refuse_live(dest: Path) -> None:
     """A previous install whose run a live process owns is not replaced under it."""
-    state = str(dest / STATE_DIR)
+    state = location(dest / STATE_DIR)  # the folder installed into: a state enters here
     try:
         doc = current(state)
     except Exception:  # a damaged state: nothing live can hold it
@@ -179,7 +180,7 @@ def _write_json(path: Path, doc: dict[str, Any], schema: str) -> None:
 
 def _install_run(b: Bundle, dest: Path, dest_tmp: Path) -> None:
     run = b.manifest["run"]
-    control, runs = as_copy(run["control"], str(dest / STATE_DIR))
+    control, runs = as_copy(run["control"], location(dest / STATE_DIR))
     _write_json(dest_tmp / STATE_DIR / "runs" / run["id"] / "control.json", control, "control")
     _write_json(dest_tmp / STATE_DIR / "runs" / "current.json", runs, "runs")
     _install_jobs(b, dest, dest_tmp)
@@ -201,7 +202,7 @@ def _install_jobs(b: Bundle, dest: Path, dest_tmp: Path) -> None:
         doc = parse(control.read_bytes(), "control", str(control)) if control.is_file() else None
         if doc is None or doc["run"] != rid:
             raise BundleError(f"{where} names run {rid}, which it does not carry; bundle again")
-        copy, runlist = as_copy(doc, str(dest / STATE_DIR / SWEEP / job.name))
+        copy, runlist = as_copy(doc, location(dest / STATE_DIR / SWEEP / job.name))
         shutil.rmtree(runs)
         _write_json(runs / rid / "control.json", copy, "control")
         _write_json(listing, runlist, "runs")

@@ -44,7 +44,7 @@ from spill.project.move.checks import sweep_jobs
 from spill.project.sources import compose_key
 from spill.store import snapshot
 from spill.store.fs import filesystem, join
-from spill.store.location import location
+from spill.store.location import Location
 
 SKIP_STATE = ("command.json",)  # a build's record of its command line names this machine's cwd
 JOB_RUNS = re.compile(r"sweep/[^/]+/runs/.*")  # a sweep job's own control files
@@ -95,7 +95,7 @@ def _checked_name(rel: str, where: str) -> str:
 
 
 # The project is ``snapshot.project_files``.
-def project_items(root: Path, state: str) -> list[Item]:
+def project_items(root: Path, state: Location) -> list[Item]:
     out = []
     for rel in snapshot.project_files(root, state):
         _checked_name(rel, str(root))
@@ -108,7 +108,9 @@ def project_items(root: Path, state: str) -> list[Item]:
 # ``command.json``, its control object's ``home`` reduced to ``a bundle from <host>``; of each job's
 # ``runs/`` only its run list and its current control object go, that ``home`` reduced too (an
 # install makes each a copy, as the run: ``bundle_install``).
-def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item], dict[str, Any]]:
+def run_items(
+    state: Location, wait: bool, exports: bool = False
+) -> tuple[list[Item], dict[str, Any]]:
     """The run's files (its merged models too with ``exports``) and its control object, once
     no live owner holds it."""
     doc = current(state)
@@ -129,7 +131,7 @@ def run_items(state: str, wait: bool, exports: bool = False) -> tuple[list[Item]
     jobs = sweep_jobs(state)
     controls = {f"{p}/runs/{d['run']}/control.json": d for p, d in jobs.items()}
     lists = {f"{p}/runs/current.json" for p in jobs}
-    out, here = [], location(state)
+    out, here = [], state  # parsed where the command began
     for rel in snapshot.state_files(state, doc, exports, jobs):
         if rel in SKIP_STATE or bad_path(rel):
             continue  # hidden names are a writer's leftovers, never part of a run
@@ -296,7 +298,7 @@ def write(path: Path, doc: dict[str, Any], items: list[Item], show: bool = True)
     return path.stat().st_size
 
 
-def project_config(root: Path, state: str):
+def project_config(root: Path, state: Location):
     """The project as ``compose(root)`` makes it: from the build's record when its compose key
     says nothing composition reads has changed (no Hydra, as a finished build), else composed."""
     try:
@@ -309,7 +311,7 @@ def project_config(root: Path, state: str):
 
 
 def collect(
-    root: Path, state: str, with_state: bool, wait: bool, exports: bool = False
+    root: Path, state: Location, with_state: bool, wait: bool, exports: bool = False
 ) -> tuple[Any, Contents]:
     project = project_config(root, state)
     contents = Contents()

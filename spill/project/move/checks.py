@@ -19,52 +19,50 @@ from spill.errors import StoreError, UsageError
 from spill.ground.paths import STATE_DIR
 from spill.project.report.status import is_state
 from spill.store import snapshot
-from spill.store.fs import absolute, exists, join, listdir, stat
-from spill.store.location import location
+from spill.store.fs import exists, join, listdir, stat
+from spill.store.location import Location
 from spill.store.probe import check_names, not_a_file, probe_names, space
-
-
-def _real(where: str) -> str:
-    return location(where).canonical
 
 
 def _inside(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip("/") + "/")
 
 
-def source(src: str, state: str | None) -> tuple[str | None, str]:
+def source(src: Location, state: Location | None) -> tuple[Location | None, Location]:
     """(project root or None, source state) of ``spill move``'s first argument."""
-    src = absolute(src)
-    if exists(join(src, "spill.yaml")):
-        return src, absolute(state) if state else join(src, STATE_DIR)
+    src = src.absolute
+    if exists(src.join("spill.yaml")):
+        return src, state.absolute if state else src.join(STATE_DIR)
 
     if not is_state(src):
         raise UsageError(f"{src} is neither a project folder nor a state location")
     return None, src
 
 
-def locations(src: str, to: str, state: str | None) -> tuple[str | None, str, str, str]:
+def locations(
+    src: Location, to: Location, state: Location | None
+) -> tuple[Location | None, Location, Location, Location]:
     """(project root or None, source state, destination root, destination state), after
     checks 1 and 2 of docs/move.md's list (no store is asked anything of the destination)."""
-    to = absolute(to)
-    if to.startswith("memory://"):
+    to = to.absolute
+    if to.scheme == "memory":
         raise UsageError(
             f"{to}: memory:// lives only inside one process; move to a folder or an object store"
         )
-    location(to).check()  # a backend missing: one line, nothing connected
+    to.check()  # a backend missing: one line, nothing connected
     root, src_state = source(src, state)
-    real = _real(to)
+    real = to.canonical
     for mine in (src_state, root) if root else (src_state,):
-        if _inside(real, _real(mine)) or _inside(_real(mine), real):
+        if _inside(real, mine.canonical) or _inside(mine.canonical, real):
             that = f" (that is {real})" if real != to else ""
             raise UsageError(
                 f"{to}{that} and {root or src_state} overlap; move to a location outside the "
                 "project"
             )
-    return root, src_state, to, join(to, STATE_DIR) if root else to
+    return root, src_state, to, to.join(STATE_DIR) if root else to
 
 
-def check_place(to: str) -> None:
+def check_place(to: Location) -> None:
     """Check 4 of docs/move.md's list, once the destination's store is known to be usable."""
     check_names(to)  # a name too long there would fail every read of it, not in one line
     not_a_file(to)
@@ -79,7 +77,7 @@ def check_place(to: str) -> None:
 SWEEP = "sweep"  # a sweep's jobs, each a state of its own (spill.project.sweep)
 
 
-def sweep_jobs(state: str, finished: bool = False) -> dict[str, dict[str, Any]]:
+def sweep_jobs(state: Location, finished: bool = False) -> dict[str, dict[str, Any]]:
     """``sweep/<job>`` -> the current control object of each sweep job under ``state`` that
     holds a run; a job a live process holds is refused (``Busy``, exit 75): its files are
     still changing. ``finished`` (a move): a job whose run may still be written (not complete,
@@ -106,7 +104,7 @@ def sweep_jobs(state: str, finished: bool = False) -> dict[str, dict[str, Any]]:
 # The snapshot's names and sizes are read before the quiesce, so a writer that commits more before
 # it stops may make the copy a little longer.
 def snapshot_files(
-    root: str | None, src_state: str, doc: dict[str, Any], exports: bool = False
+    root: Location | None, src_state: Location, doc: dict[str, Any], exports: bool = False
 ) -> list[tuple[str, str]]:
     """(source URI, path relative to the destination) of every file a move of run ``doc``
     copies: the project's files, then the run's and its sweep jobs' whole
@@ -128,7 +126,7 @@ def _bytes(n: int) -> str:
     return f"{n} bytes ({n / 2**20:.1f} MiB)" if n >= 2**20 else f"{n} bytes ({n / 1024:.0f} KiB)"
 
 
-def still_to_copy(dst_root: str, files: list[tuple[str, str]]) -> list[tuple[str, int]]:
+def still_to_copy(dst_root: Location, files: list[tuple[str, str]]) -> list[tuple[str, int]]:
     """(relative path, size) of the files not at the destination yet at their size."""
     out = []
     for src, rel in files:
@@ -139,7 +137,7 @@ def still_to_copy(dst_root: str, files: list[tuple[str, str]]) -> list[tuple[str
     return out
 
 
-def room_needed(dst_root: str, left: list[tuple[str, int]]) -> tuple[int, int] | None:
+def room_needed(dst_root: Location, left: list[tuple[str, int]]) -> tuple[int, int] | None:
     """(bytes the copy of ``left`` takes there, bytes free), where the store can say."""
     room = space(dst_root)
     if room is None:
@@ -151,7 +149,7 @@ def room_needed(dst_root: str, left: list[tuple[str, int]]) -> tuple[int, int] |
 
 
 def full(
-    dst_root: str, need: int, free: int, why: str = "", then: str = "or move to another place"
+    dst_root: Location, need: int, free: int, why: str = "", then: str = "or move to another place"
 ) -> StoreError:
     return StoreError(
         f"{dst_root} has {_bytes(free)} free, and the move needs {_bytes(need)} there{why}; "
@@ -176,7 +174,7 @@ AGAIN = "then run the same `spill move` again (or `spill move --abort` to call i
 
 
 def check_room(
-    dst_root: str, files: list[tuple[str, str]], state_rel: str, run: str, moving: bool
+    dst_root: Location, files: list[tuple[str, str]], state_rel: str, run: str, moving: bool
 ) -> None:
     """Checks 8 and 9 of docs/move.md's list (``moving``: the source is in this move already)."""
     probe_names(dst_root, [rel for _, rel in files], written(files, state_rel, run))

@@ -32,7 +32,7 @@ from spill.store.fs import (
     put_bytes,
     stat,
 )
-from spill.store.location import location
+from spill.store.location import Location
 from spill.store.probe import _reason
 
 
@@ -66,10 +66,10 @@ def _put_manifest(uri: str, manifest: dict[str, Any]) -> None:
 # The manifest is written unsealed first, and sealed with each file's size and sha256 at the end. A
 # file lands whole (``fs.open_whole``; locally through ``.move-<pid>-<name>``).
 def copy_snapshot(
-    root: str | None,
-    src_state: str,
-    dst_root: str,
-    dst_state: str,
+    root: Location | None,
+    src_state: Location,
+    dst_root: Location,
+    dst_state: Location,
     doc: dict[str, Any],
     exports: bool = False,
 ) -> dict[str, Any]:
@@ -137,7 +137,7 @@ def copy_snapshot(
     return manifest
 
 
-def verify(dst_root: str, manifest: dict[str, Any]) -> None:
+def verify(dst_root: Location, manifest: dict[str, Any]) -> None:
     """Step 4: read every destination file back; a mismatch names the file."""
     assert manifest["sealed"], "verify an unsealed manifest"
 
@@ -156,10 +156,10 @@ def verify(dst_root: str, manifest: dict[str, Any]) -> None:
     _each(one, manifest["files"], _workers(dst_root, dst_root))
 
 
-def _workers(src: str, dst: str) -> int:
+def _workers(src: Location, dst: Location) -> int:
     """Files copied (or read back) at once: one on local disks, where one stream is as fast as
     the disk; several when an object store is a side, whose requests wait on the network."""
-    return max(location(src).requests, location(dst).requests)
+    return max(src.requests, dst.requests)
 
 
 def _each(fn, items: list, workers: int) -> list:

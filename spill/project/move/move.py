@@ -24,10 +24,11 @@ from spill.project.move import checks
 from spill.project.move.checks import locations
 from spill.project.move.copy import copy_snapshot, verify
 from spill.store import drill
-from spill.store.fs import absolute, get_bytes, join
+from spill.store.fs import get_bytes
+from spill.store.location import Location, location
 
 
-def _places(src: str, to: str, state: str | None):
+def _places(src: Location, to: Location, state: Location | None):
     """Checks 1 to 4 (``move_checks``): the places and their stores."""
     root, src_state, dst_root, dst_state = locations(src, to, state)
     src_store = store_for(src_state)
@@ -76,10 +77,10 @@ def _gave_back(src_store, why: Exception, name: str) -> StoreError:
 # then walks the control steps (``spill.control.transfer``), copying the snapshot under a manifest
 # and reading it back (``spill.project.move.copy``) while the mover owns the run.
 def move(
-    src: str,
-    to: str,
+    src: Location,
+    to: Location,
     *,
-    state: str | None = None,
+    state: Location | None = None,
     wait: bool = False,
     lease: float | None = None,
     with_exports: bool = False,
@@ -161,7 +162,11 @@ def move(
 # ``abort`` returns the source (``transfer.abort``) and removes this transfer's claim and partial
 # copy at the destination (``arrival.remove_claim``).
 def abort(
-    src: str, to: str | None = None, *, state: str | None = None, wait: bool = False
+    src: Location,
+    to: Location | None = None,
+    *,
+    state: Location | None = None,
+    wait: bool = False,
 ) -> dict[str, Any]:
     """``spill move --abort``: return the source of an unfinished move and remove what the
     move left at its destination."""
@@ -171,16 +176,16 @@ def abort(
     if now is None:
         raise StoreError(f"nothing to abort at {src_state}: it holds no run")
     t = now.get("transfer") or {}
-    if to is not None and t.get("to") not in (absolute(to), join(absolute(to), STATE_DIR)):
+    if to is not None and t.get("to") not in (to.absolute, to.absolute.join(STATE_DIR)):
         raise UsageError(
-            f"run {now['run']} at {src_state} is not being moved to {absolute(to)}; "
+            f"run {now['run']} at {src_state} is not being moved to {to.absolute}; "
             "`spill move --abort [DIR]` calls off the move it is in"
         )
     again = bool(t.get("aborted"))
     doc = transfer.abort(src_store, wait=wait)
     t = doc["transfer"]
-    dst_root = t["to"]
-    dst_state = join(dst_root, STATE_DIR) if root else dst_root
+    dst_root = location(t["to"])  # as the source's control object records it
+    dst_state = dst_root.join(STATE_DIR) if root else dst_root
     try:
         cleaned = arrival.remove_claim(store_for(dst_state), dst_root, doc["run"], t["id"])
     except StoreError as e:
@@ -209,7 +214,7 @@ def abort(
     }
 
 
-def _read_manifest(dst_state: str, run: str, tid: str) -> dict[str, Any]:
+def _read_manifest(dst_state: Location, run: str, tid: str) -> dict[str, Any]:
     uri = manifest_uri(dst_state, run, tid)
     doc = parse_json(get_bytes(uri))
     validate(doc, "move-manifest", where=uri)

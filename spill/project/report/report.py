@@ -16,6 +16,7 @@ from spill.project.build import record
 from spill.project.build.stages import STAGES, EvalStage, distinct
 from spill.project.report import status
 from spill.project.report.html import page
+from spill.store.location import Location, location
 from spill.store.output import put_output
 
 FILE = "report.html"  # in the project folder, unless -o says otherwise
@@ -34,7 +35,7 @@ def _scores(recs: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def _timeline(where: str, recs: dict[str, Any]) -> list[dict[str, Any]]:
+def _timeline(where: Location, recs: dict[str, Any]) -> list[dict[str, Any]]:
     """Per stage that ran: its unit, total and the producer of each range of it; a stage whose
     job state is gone shows its recorded producer over what it did, when it had one."""
     out = []
@@ -54,7 +55,7 @@ def _timeline(where: str, recs: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _models(where: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
+def _models(where: Location, doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Per stage that ran: the model it names in the config and the one its job is pinned to
     (id and fingerprint), with the stage's own fingerprint (of everything that decides it)."""
     out = []
@@ -129,11 +130,11 @@ def swept(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 # ``status.rows``), then from each build's job state the tune stage's loss series
 # (``series.losses``), who computed which steps and rows (``Stage.ranges``: tune checkpoint ranges,
 # row segments in commit order) and the model each job is pinned to (``Stage.pinned``).
-def gather(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
+def gather(root: Path | str, state_root: Location | None = None) -> dict[str, Any]:
     """The project's build (if it has one) and every sweep job with a build, as ``spill report``
     shows them; a state with neither fails as ``spill status`` does."""
     root = Path(root).resolve()
-    where = state_root or str(root / STATE_DIR)
+    where = state_root or location(root / STATE_DIR)
     runs = []
     if record.read(where) is not None:
         runs.append(_run(BUILD, status.status(root, where)))
@@ -163,7 +164,9 @@ def target(root: Path | str, out: Path | str | None = None) -> Path:
     return path / FILE if path.is_dir() else path
 
 
-def write(root: Path | str, state_root: str | None = None, out: Path | str | None = None) -> dict:
+def write(
+    root: Path | str, state_root: Location | None = None, out: Path | str | None = None
+) -> dict:
     """Gather the report and write its page to ``target(root, out)`` through the store's atomic
     write (a FIFO or character device: into it); returns the gathered report with ``path``."""
     report = gather(root, state_root)

@@ -14,6 +14,7 @@ from typing import Any
 
 from spill.payloads.newest import newest_commit
 from spill.project.build.stages import TUNE, Stage
+from spill.store.location import Location
 
 BARS = "▁▂▃▄▅▆▇█"
 WIDTH = 40  # characters of a sparkline: longer series are averaged in buckets
@@ -24,7 +25,7 @@ def _number(x: Any) -> float | None:
     return float(x) if ok else None
 
 
-def losses(where: str, stage: Stage = TUNE) -> dict[str, Any] | None:
+def losses(where: Location, stage: Stage = TUNE) -> dict[str, Any] | None:
     """``{"step": N, "train": [...], "valid": [[step, loss], ...]}`` of the tune stage's newest
     committed checkpoint at the state location ``where`` (``valid`` only when it has one), or
     None when it has no checkpoint."""

@@ -31,7 +31,7 @@ from spill.project.build.stages import EXPORT, STAGES, TUNE, get
 from spill.project.build.stages import finished as stages_finished
 from spill.project.report import series
 from spill.store.fs import join, listdir
-from spill.store.location import location
+from spill.store.location import Location, location
 
 
 def ran_on(producers: list[dict]) -> str:
@@ -96,7 +96,7 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_view(where: str) -> dict[str, Any] | None:
+def run_view(where: Location | str) -> dict[str, Any] | None:
     """The current run at ``where`` as ``spill status`` shows it: id, status, generation, owner
     (host, pid, since, lease left), lineage."""
     doc = current(where)
@@ -117,14 +117,16 @@ def run_view(where: str) -> dict[str, Any] | None:
     }
 
 
-def is_state(where: str) -> bool:
-    """Whether ``where`` is a state location (it holds runs), not a project folder."""
-    if (project := location(where).on_disk("spill.yaml")) and os.path.isfile(project):
+def is_state(where: Location | str) -> bool:
+    """Whether ``where`` is a state location (it holds runs), not a project folder (text, as
+    ``spill status``'s command line gives it, is parsed here)."""
+    where = location(where)
+    if (project := where.on_disk("spill.yaml")) and os.path.isfile(project):
         return False
     return has_runs(where)
 
 
-def progress(where: str, doc: dict[str, Any]) -> str:
+def progress(where: Location, doc: dict[str, Any]) -> str:
     """What the run at ``where`` has committed: a job's last step (and cursor) or rows, else
     each stage of a build's state."""
     place = Place(where)
@@ -141,8 +143,10 @@ def progress(where: str, doc: dict[str, Any]) -> str:
     return "nothing committed yet"
 
 
-def run_summary(where: str) -> dict[str, Any]:
-    """``spill status <state>``: the current run, its owner and lease, and its progress."""
+def run_summary(where: Location | str) -> dict[str, Any]:
+    """``spill status <state>``: the current run, its owner and lease, and its progress (text,
+    as ``spill status``'s command line gives it, is parsed here)."""
+    where = location(where)
     doc = current(where)
     if doc is None:
         raise StoreError(f"no run at {where}")
@@ -208,7 +212,7 @@ def score(recs: dict, stage: str) -> float | None:
     return (rec.get("result") or {}).get("accuracy") if rec.get("status") == "done" else None
 
 
-def sweep_runs(where: str) -> list[dict[str, Any]]:
+def sweep_runs(where: Location) -> list[dict[str, Any]]:
     """The builds of a sweep under ``<state>/sweep/``, as the sweep's own table rows."""
     out = []
     for name in listdir(join(where, "sweep")):
@@ -232,7 +236,7 @@ def sweep_runs(where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _check_outputs(doc: dict[str, Any], where: str) -> list[str]:
+def _check_outputs(doc: dict[str, Any], where: Location) -> list[str]:
     """Mark finished stages whose outputs are missing or changed, and (make's rule) the stages
     that read them, as out of date; a stage that must rerun shows no result. One note each."""
     recs, name, notes, rerun = doc.get("stages") or {}, doc["project"]["name"], [], set()
@@ -256,7 +260,7 @@ def _check_outputs(doc: dict[str, Any], where: str) -> list[str]:
     return notes
 
 
-def _instead(where: str, root: Path) -> str:
+def _instead(where: Location, root: Path) -> str:
     """What to do where a build was looked for: a job's state (``--state`` of run, eval,
     distill, predict or tune) is shown by ``spill status`` given it; else build the project."""
     if is_state(where):
@@ -267,10 +271,11 @@ def _instead(where: str, root: Path) -> str:
     return f"`spill build {root}` starts one"
 
 
-def status(root: Path | str, state_root: str | None = None) -> dict[str, Any]:
-    """Read a project's build state; refresh the progress of unfinished stages from their probes."""
+def status(root: Path | str, state_root: Location | str | None = None) -> dict[str, Any]:
+    """Read a project's build state; refresh the progress of unfinished stages from their probes
+    (a state given as text, as ``spill status``'s command line gives it, is parsed here)."""
     root = Path(root).resolve()
-    where = state_root or str(root / STATE_DIR)
+    where = location(state_root or root / STATE_DIR)
     doc = record.read(where)
     if doc is None:
         runs = sweep_runs(where)

@@ -111,12 +111,14 @@ def test_a_location_spells_its_home_and_its_parents(tmp_path):
     there = location("s3://bucket/a/b/")
     assert there.canonical == "s3://bucket/a/b" and there.home("h1") == "s3://bucket/a/b"
     assert there.parents() == ["s3://bucket/a", "s3://bucket"]
+    assert all(isinstance(p, Location) for p in here.parents() + there.parents())
 
 
 def test_a_recorded_home_is_read_back_where_it_can_be():
     assert from_home("s3://bucket/a", "h1") == "s3://bucket/a"
     assert from_home("h1:/srv/state", "h1") == "/srv/state"
     assert from_home("h2:/srv/state", "h1") is None
+    assert isinstance(from_home("h1:/srv/state", "h1"), Location)
     assert shown_home("h2:/srv/state") == "/srv/state"
     assert shown_home("gs://bucket/a") == "gs://bucket/a"
 
@@ -131,6 +133,28 @@ def test_a_file_uri_is_plain_as_the_path_it_names_other_text_as_given():
     for text in ("proj", "~/proj", "s3://b/proj/", "memory://b/p"):
         assert location(text).plain == text
         assert location(text).uri == ("://" in text)
+    assert isinstance(location("file:///srv/state").plain, Location)
+
+
+def test_absolute_is_one_spelling_with_links_kept_and_stays_parsed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    here = location("link/").absolute
+    assert here == f"{tmp_path}/link" and here.local and isinstance(here, Location)
+    assert location(f"file://{tmp_path}/x").absolute == f"{tmp_path}/x"
+    there = location("s3://b/p/").absolute
+    assert there == "s3://b/p" and there.scheme == "s3" and there.path == "s3://b/p"
+
+
+def test_a_location_pickles_whole():
+    import pickle
+
+    for text in ("/srv/state", "file:///srv/state", "s3://b/p"):
+        given = location(text)
+        back = pickle.loads(pickle.dumps(given))
+        assert (back, back.scheme, back.path) == (given, given.scheme, given.path)
+        assert isinstance(back, Location)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from spill.errors import StoreError, UsageError
 from spill.project.move import move as mv
 from spill.store import drill
 from spill.store.fs import put_bytes
+from spill.store.location import Location, location
 
 STEPS = ("quiesce", "take", "copy", "verify", "incoming", "fence", "activate")
 
@@ -57,13 +58,14 @@ def test_locations_of_a_project_and_of_a_bare_state(tmp_path):
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "spill.yaml").write_text("name: x\n")
-    got = mv.locations(str(proj), str(tmp_path / "to"), None)
+    got = mv.locations(location(proj), location(tmp_path / "to"), None)
     assert got == (str(proj), f"{proj}/.spill", str(tmp_path / "to"), f"{tmp_path}/to/.spill")
+    assert all(isinstance(x, Location) for x in got)  # parsed once, by the caller
     _state(tmp_path / "state")
-    got = mv.locations(str(tmp_path / "state"), "s3://b/p/", None)
+    got = mv.locations(location(tmp_path / "state"), location("s3://b/p/"), None)
     assert got == (None, str(tmp_path / "state"), "s3://b/p", "s3://b/p")
     with pytest.raises(UsageError) as e:
-        mv.locations(str(tmp_path / "nothing"), str(tmp_path / "to"), None)
+        mv.locations(location(tmp_path / "nothing"), location(tmp_path / "to"), None)
     assert str(e.value) == f"{tmp_path}/nothing is neither a project folder nor a state location"
 
 
@@ -73,14 +75,14 @@ def test_overlapping_places_are_refused(tmp_path, to):
     proj.mkdir()
     (proj / "spill.yaml").write_text("name: x\n")
     with pytest.raises(UsageError) as e:
-        mv.locations(str(proj), str(tmp_path / to), None)
+        mv.locations(location(proj), location(tmp_path / to), None)
     assert str(e.value).endswith("overlap; move to a location outside the project")
 
 
 def test_a_state_moves_with_its_pointed_payloads_only_and_a_checked_manifest(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     before = _state(src)
-    result = mv.move(str(src), str(dst))
+    result = mv.move(location(src), location(dst))
     assert result["status"] == "active" and result["files"] == len(WANTED)
     assert set(_files(dst)) == WANTED  # no unpointed payload, no temporary file
     assert all(_files(dst)[r] == _files(src)[r] for r in WANTED)
@@ -106,9 +108,9 @@ def test_an_interrupted_move_is_finished_by_the_same_move(tmp_path, step):
             raise RuntimeError(f"interrupted at {boundary}")
 
     with drill.hooked(crash), pytest.raises(RuntimeError):
-        mv.move(str(src), str(dst), lease=0.3)  # this process lives on: its lease lets go
+        mv.move(location(src), location(dst), lease=0.3)  # this process lives on: its lease lets go
     tid = current(str(src))["transfer"]["id"]
-    result = mv.move(str(src), str(dst))
+    result = mv.move(location(src), location(dst))
     assert result["transfer"] == tid and result["status"] == "active"
     assert set(_files(dst)) == WANTED
     assert current(str(dst))["pointers"] == before["pointers"]
@@ -124,10 +126,10 @@ def test_a_rerun_copies_again_a_damaged_partial_copy(tmp_path):
             raise RuntimeError("interrupted")
 
     with drill.hooked(crash), pytest.raises(RuntimeError):
-        mv.move(str(src), str(dst))
+        mv.move(location(src), location(dst))
     (dst / "job" / "state.json").write_bytes(b"damaged")
     (dst / "job" / "payloads" / "ckpt-g1-s2-0" / "COMMIT").unlink()
-    mv.move(str(src), str(dst))
+    mv.move(location(src), location(dst))
     assert {r: _files(dst)[r] for r in WANTED} == {r: _files(src)[r] for r in WANTED}
 
 
@@ -135,15 +137,15 @@ def test_verify_names_a_file_that_differs_or_is_missing(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     doc = _state(src)
     doc["transfer"] = {"id": "0123456789abcdef", "from": "h:/x", "to": str(dst), "step": "take"}
-    manifest = mv.copy_snapshot(None, str(src), str(dst), str(dst), doc)
-    mv.verify(str(dst), manifest)
+    manifest = mv.copy_snapshot(None, location(src), location(dst), location(dst), doc)
+    mv.verify(location(dst), manifest)
     (dst / "job" / "state.json").write_bytes(b'{"cursor": 3}\n')
     with pytest.raises(StoreError) as e:
-        mv.verify(str(dst), manifest)
+        mv.verify(location(dst), manifest)
     assert str(e.value).startswith(f"{dst}/job/state.json does not match what was copied (14 ")
     (dst / "job" / "state.json").unlink()
     with pytest.raises(StoreError) as e:
-        mv.verify(str(dst), manifest)
+        mv.verify(location(dst), manifest)
     assert str(e.value) == (
         f"{dst}/job/state.json is missing after the copy; run `spill move` again"
     )
@@ -155,7 +157,7 @@ def test_a_destination_holding_other_files_is_refused_before_the_source_changes(
     (dst / "job").mkdir(parents=True)
     (dst / "job" / "mine.txt").write_text("x")
     with pytest.raises(StoreError) as e:
-        mv.move(str(src), str(dst))
+        mv.move(location(src), location(dst))
     assert (
         str(e.value) == f"{dst} is not empty (job/mine.txt, ...); move to a new or empty location"
     )
@@ -165,21 +167,21 @@ def test_a_destination_holding_other_files_is_refused_before_the_source_changes(
 def test_memory_is_refused_as_a_destination(tmp_path):
     _state(tmp_path / "src")
     with pytest.raises(UsageError) as e:
-        mv.move(str(tmp_path / "src"), "memory://b/p")
+        mv.move(location(tmp_path / "src"), location("memory://b/p"))
     assert "memory:// lives only inside one process" in str(e.value)
 
 
 def test_a_complete_run_is_copied_and_the_source_stays_as_it_was(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     before = _state(src, complete=True)
-    result = mv.move(str(src), str(dst))
+    result = mv.move(location(src), location(dst))
     assert result["status"] == "complete"
     assert current(str(src)) == before
     there = current(str(dst))
     assert there["status"] == "complete" and there["pointers"] == before["pointers"]
     assert there["lineage"]["copied_from"] == before["home"]
     assert set(_files(dst)) == WANTED
-    again = mv.move(str(src), str(dst))  # a rerun answers from the copy
+    again = mv.move(location(src), location(dst))  # a rerun answers from the copy
     assert again["transfer"] == result["transfer"] and current(str(dst)) == there
 
 
@@ -189,14 +191,14 @@ def test_a_symlink_or_a_file_uri_into_the_source_overlaps(tmp_path):
     (proj / "spill.yaml").write_text("name: x\n")
     (tmp_path / "alias").symlink_to(proj)
     with pytest.raises(UsageError) as e:
-        mv.locations(str(proj), str(tmp_path / "alias" / "in"), None)
+        mv.locations(location(proj), location(tmp_path / "alias" / "in"), None)
     assert str(e.value) == (
         f"{tmp_path}/alias/in (that is {proj}/in) and {proj} overlap; move to a location "
         "outside the project"
     )
     with pytest.raises(UsageError):
-        mv.locations(str(proj), f"file://{proj}/in", None)
-    got = mv.locations(str(proj), f"file://{tmp_path}/to", None)
+        mv.locations(location(proj), location(f"file://{proj}/in"), None)
+    got = mv.locations(location(proj), location(f"file://{tmp_path}/to"), None)
     assert got[2:] == (str(tmp_path / "to"), f"{tmp_path}/to/.spill")
 
 
@@ -209,16 +211,16 @@ def test_an_interrupted_move_is_aborted_and_its_partial_copy_removed(tmp_path):
             raise RuntimeError("interrupted")
 
     with drill.hooked(crash), pytest.raises(RuntimeError):
-        mv.move(str(src), str(dst), lease=0.3)
+        mv.move(location(src), location(dst), lease=0.3)
     assert set(WANTED) <= set(_files(dst))
     time.sleep(0.35)  # the interrupted mover's lease runs out
-    result = mv.abort(str(src))
+    result = mv.abort(location(src))
     assert result["destination"] == "cleaned" and result["status"] == "active"
     assert [p for p in dst.rglob("*") if p.is_file()] == [dst / "runs" / "control.lock"]
     here = current(str(src))
     assert here["generation"] == before["generation"] + 2  # the mover's take, then the abort's
     assert here["pointers"] == before["pointers"] and here["transfer"]["aborted"]
-    assert mv.move(str(src), str(dst))["status"] == "active"  # moved anew, as any run
+    assert mv.move(location(src), location(dst))["status"] == "active"  # moved anew, as any run
 
 
 def test_a_rerun_whose_destination_is_someone_elses_aborts_the_move(tmp_path):
@@ -230,14 +232,14 @@ def test_a_rerun_whose_destination_is_someone_elses_aborts_the_move(tmp_path):
             raise RuntimeError("interrupted")
 
     with drill.hooked(crash), pytest.raises(RuntimeError):
-        mv.move(str(src), str(dst), lease=0.3)
+        mv.move(location(src), location(dst), lease=0.3)
     time.sleep(0.35)
     shutil.rmtree(dst)  # emptied by hand, and someone else's run made there
     theirs = acquire(str(dst))
     theirs.release()
     left = current(str(src))
     with pytest.raises(StoreError) as e:
-        mv.move(str(src), str(dst))
+        mv.move(location(src), location(dst))
     assert str(e.value) == (
         f"{dst} holds run {theirs.id} (active), not this move's claim: the move of run "
         f"{left['run']} to {dst} is aborted, and the run is active again at {src} (generation "
