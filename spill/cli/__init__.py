@@ -15,6 +15,19 @@ import os
 import sys
 
 from spill import __version__
+from spill.cli import (
+    bundle,
+    chat,
+    example,
+    export,
+    jobs,
+    models,
+    move,
+    predict,
+    project,
+    report,
+    serve,
+)
 from spill.cli.options import JOB_VERBS, Replay
 from spill.errors import EXIT_USAGE, SpillError
 
@@ -28,20 +41,6 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"spill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    from spill.cli import (
-        bundle,
-        chat,
-        example,
-        export,
-        jobs,
-        models,
-        move,
-        predict,
-        project,
-        report,
-        serve,
-    )
 
     jobs.add_parsers(sub, full=verb is None or verb in JOB_VERBS)  # run, eval, distill, tune
     project.add_parsers(sub)  # init, build, resume, status

@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spill.examples.relay import PROJECTS
+from spill.examples.relay import PROJECTS, write
 
 
 def cmd_relay(args) -> int:
-    from spill.examples.relay import write
-
     out = write(Path(args.dir), args.project, args.force)
     print(
         f"wrote {out['folder']}: relay.sh builds {out['project']} on {out['from']}, stops after "

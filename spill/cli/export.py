@@ -8,8 +8,10 @@ import argparse
 import json
 from pathlib import Path
 
-from spill.errors import UsageError
+from spill.errors import SpillError, UsageError
+from spill.ground.sizes import parse_size
 from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
+from spill.store.location import on_disk
 
 
 def _either(kinds: tuple[str, ...]) -> str:
@@ -63,11 +65,9 @@ def add_parser(sub) -> None:
 def built_adapter(given: str) -> Path:
     """``given``, or where a build's state (or its project folder) published its tuned adapter:
     a finished build exports like its adapter; an unfinished one says how to finish it."""
-    from spill.errors import SpillError
     from spill.ground.paths import STATE_DIR
     from spill.project.build import record
     from spill.project.build.stages import TUNE
-    from spill.store.location import on_disk
 
     if (here := on_disk(given)) is None:
         raise SpillError(f"{given}: spill export reads a local adapter folder; copy it here first")
@@ -96,7 +96,6 @@ def built_adapter(given: str) -> Path:
 
 def command(args: argparse.Namespace) -> int:
     from spill.console import note, table
-    from spill.ground.sizes import parse_size
     from spill.jobs.export import export
     from spill.project.owned import refuse_output
 

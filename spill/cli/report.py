@@ -9,6 +9,10 @@ state location that is a project's ``.spill/`` is read with that project (for it
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+
+from spill.store.location import location
 
 
 def add_parser(sub) -> None:
@@ -31,13 +35,10 @@ def add_parser(sub) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from spill.project.owned import refuse_output
     from spill.project.remote import locate
     from spill.project.report.report import FILE, target, write
     from spill.project.report.status import is_state
-    from spill.store.location import location
 
     given = location(args.dir)  # the project (or state) and --state are parsed here, once
     args.dir, args.state = locate(given, args.state, build=False)
@@ -54,8 +55,6 @@ def command(args: argparse.Namespace) -> int:
     refuse_output(out, "-o", projects=(args.dir,), states=(args.state,))
     result = write(Path(args.dir), args.state, out)
     if args.json:
-        import json
-
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
         print(result["path"])
