@@ -97,14 +97,19 @@ def cmd_init(args) -> int:
     from spill.console import note
     from spill.project.init import init
 
+    if (args.output is None) == (args.chosen is None):
+        raise UsageError("give the answer column once: --output COL (or --chosen COL for pairs)")
+    if args.chosen is not None and args.rejected is None:
+        raise UsageError("--chosen names a pair's better answer; give --rejected COL too")
     done = init(
         Path(args.data),
         args.input,
-        args.output,
+        args.output or args.chosen,
         Path(args.project),
         seed=args.seed,
         model=args.model,
         teacher=args.teacher,
+        rejected_col=args.rejected,
     )
     kind = (
         f"classification, {done['labels']} labels"
@@ -115,6 +120,7 @@ def cmd_init(args) -> int:
         f"wrote {done['project']}/spill.yaml: {done['rows']} rows ({done['train']} to train on, "
         f"{done['test']} to grade), {kind}; student {done['model']}, teacher "
         f"{done['teacher'] or 'none'}"
+        + ("; preference pairs, tuned by DPO" if done["method"] == "dpo" else "")
     )
     print(f"spill build {done['project']}")
     return 0
@@ -245,7 +251,11 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("init", help="make a project folder from a CSV or JSONL data file")
     p.add_argument("data", help="CSV (with a header row) or JSONL file")
     p.add_argument("--input", required=True, metavar="COL", help="the column the model reads")
-    p.add_argument("--output", required=True, metavar="COL", help="the column it answers with")
+    p.add_argument("--output", metavar="COL", help="the column it answers with")
+    p.add_argument("--chosen", metavar="COL", help="a preference pair's better answer (--output)")
+    p.add_argument(
+        "--rejected", metavar="COL", help="a pair's worse answer: the project tunes with DPO"
+    )
     p.add_argument("--project", required=True, metavar="DIR", help="the new project folder")
     p.add_argument("--seed", type=int, default=0, help="split, init and data-order seed")
     p.add_argument("--model", metavar="M", help="the student (default: chosen for this machine)")

@@ -28,6 +28,7 @@ from spill.project.sources import (
 )
 from spill.settings import (
     GROUPS,
+    PREFERENCE,
     VALIDATION,
     DataSettings,
     EngineSettings,
@@ -108,9 +109,10 @@ def _before_quantization(group: str, section: dict[str, Any]) -> dict[str, Any]:
 
 
 # the settings added after spill.yaml's first release: validation, trackers, the export group,
-# the packed matmul
+# the packed matmul, preference tuning (tune.method, tune.beta, data.rejected)
 LATER = {
-    "tune": (*VALIDATION, "log"),
+    "tune": (*VALIDATION, "log", *PREFERENCE),
+    "data": ("rejected",),
     "export": tuple(f.name for f in fields(ExportSettings)),
     "engine": ("packed_matmul",),
 }

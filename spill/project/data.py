@@ -32,6 +32,7 @@ class Row:
     id: int
     input: str
     output: str
+    rejected: str | None = None  # a preference pair's worse answer (``data.rejected``)
 
 
 @dataclass(frozen=True)
@@ -159,17 +160,29 @@ def _records(path: Path, columns_needed: dict[str, str]) -> list[tuple[str, dict
     return records
 
 
-def read_rows(path: Path, input_col: str, output_col: str) -> list[Row]:
-    """Every data row; a missing file, column or value fails in one line naming it."""
+def read_rows(
+    path: Path, input_col: str, output_col: str, rejected_col: str | None = None
+) -> list[Row]:
+    """Every data row; a missing file, column or value fails in one line naming it; with
+    ``rejected_col`` each row is a preference pair whose two answers differ."""
     needed = {input_col: "--input/data.input", output_col: "--output/data.output"}
-    return [
-        Row(
+    if rejected_col is not None:
+        needed[rejected_col] = "--rejected/data.rejected"
+    out = []
+    for i, (where, rec) in enumerate(_records(path, needed), 1):
+        row = Row(
             i,
             _cell(rec.get(input_col), path, where, input_col),
             _cell(rec.get(output_col), path, where, output_col),
+            _cell(rec.get(rejected_col), path, where, rejected_col) if rejected_col else None,
         )
-        for i, (where, rec) in enumerate(_records(path, needed), 1)
-    ]
+        if row.rejected is not None and row.rejected.strip() == row.output.strip():
+            raise DataError(
+                f"{path}: {where} has the same {output_col!r} and {rejected_col!r}; a "
+                "preference pair needs two different answers"
+            )
+        out.append(row)
+    return out
 
 
 def read_inputs(path: Path, input_col: str) -> list[tuple[str | int, str]]:
@@ -310,15 +323,23 @@ def prompt_of(text: str, labels: tuple[str, ...], template: str, chat: bool) -> 
 
 
 def render(
-    train: list[Row], test: list[Row], labels: tuple[str, ...], template: str, chat: bool
+    train: list[Row],
+    test: list[Row],
+    labels: tuple[str, ...],
+    template: str,
+    chat: bool,
+    pairs: bool = False,
 ) -> tuple[bytes, bytes, bytes]:
-    """(training rows, graded rows, teacher prompts) for a prompt template."""
+    """(training rows, graded rows, teacher prompts) for a prompt template; ``pairs``: the
+    training rows are preference pairs (``{prompt|messages, chosen, rejected}``)."""
 
     def prompt(r: Row) -> dict:
         return prompt_of(r.input, labels, template, chat)
 
     def trained(r: Row) -> dict:
         p = prompt(r)
+        if pairs:
+            return {"id": r.id, **p, "chosen": r.output, "rejected": r.rejected}
         if chat:
             return {
                 "id": r.id,
@@ -326,7 +347,11 @@ def render(
             }
         return {"id": r.id, **p, "completion": r.output}
 
-    graded = [{"id": r.id, **prompt(r), "answer": r.output, "input": r.input} for r in test]
+    graded = [
+        {"id": r.id, **prompt(r), "answer": r.output, "input": r.input}
+        | ({"rejected": r.rejected} if r.rejected is not None else {})
+        for r in test
+    ]
     return (
         _jsonl([trained(r) for r in train]),
         _jsonl(graded),
@@ -344,8 +369,17 @@ def prepare(
     template: str,
     chat: bool,
     valid: float | None = None,
+    rejected_col: str | None = None,
+    method: str = "sft",
 ) -> Prepared:
-    rows = read_rows(path, input_col, output_col)
+    """``rejected_col``: each row a preference pair (graded on preference too); ``method``: the
+    tune's, whose training rows are pairs unless it is ``sft`` (trained on the chosen answers)."""
+    if method != "sft" and rejected_col is None:
+        raise DataError(
+            f"tune.method {method} trains on preference pairs; set data.rejected to the column "
+            "of the worse answer (spill init --rejected COL)"
+        )
+    rows = read_rows(path, input_col, output_col, rejected_col)
     check_rows(rows, path)
     task = detect_task(rows) if task == "auto" else task
     labels = tuple(sorted({r.output for r in rows})) if task == "classification" else ()
@@ -356,6 +390,7 @@ def prepare(
         )
     train, test = split(rows, seed, test_fraction, task, path)
     train, held = carve(train, seed, valid, path)
-    tr, te, pr = render(train, test, labels, template, chat)
-    va = render(held, [], labels, template, chat)[0]
+    pairs = method != "sft"
+    tr, te, pr = render(train, test, labels, template, chat, pairs)
+    va = render(held, [], labels, template, chat, pairs)[0]
     return Prepared(task, labels, len(rows), tr, te, pr, len(train), len(test), va, len(held))

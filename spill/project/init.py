@@ -192,8 +192,10 @@ def init(
     seed: int = 0,
     model: str | None = None,
     teacher: str | None = None,
+    rejected_col: str | None = None,
 ) -> dict[str, Any]:
-    """Write the project folder; returns what was chosen (rows, task, models, engine)."""
+    """Write the project folder; returns what was chosen (rows, task, models, engine).
+    ``rejected_col``: rows are preference pairs (``output_col`` the chosen answer), tuned by DPO."""
     from spill.schemas import DIR
 
     data, project = Path(data), Path(project)
@@ -204,7 +206,12 @@ def init(
         raise SpillError(f"{project} exists and is not empty; give --project a new folder")
     if seed < 0:
         raise SpillError("--seed must be zero or more")
-    rows = read_rows(data, input_col, output_col)
+    if rejected_col is not None and teacher is not None:
+        raise SpillError(
+            "--teacher with --rejected: a preference tune learns from the data's own pairs; "
+            "leave one of them out"
+        )
+    rows = read_rows(data, input_col, output_col, rejected_col)
     check_rows(rows, data)
     task = detect_task(rows)
     labels = sorted({r.output for r in rows}) if task == "classification" else []
@@ -212,7 +219,10 @@ def init(
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", project.resolve().name).strip("-.") or "project"
     memory = available_memory()
     student, student_why = choose_student(model)
-    chosen_teacher, teacher_why = choose_teacher(teacher, memory)
+    if rejected_col is None:
+        chosen_teacher, teacher_why = choose_teacher(teacher, memory)
+    else:
+        chosen_teacher, teacher_why = None, "preference pairs: DPO learns from the data's answers"
     picks = {
         "model": (_option("model", student), f"{student}: {student_why}"),
         "teacher": (
@@ -237,10 +247,14 @@ def init(
         "batch": (8, ""),
         "micro_batch": (mb, f"from {memory / 2**30:.0f} GB of free memory at init"),
     }
+    given = {"file": data.name, "input": input_col, "output": output_col}
+    if rejected_col is not None:
+        given["rejected"] = rejected_col
+        values["tune"]["method"] = ("dpo", "the rows are chosen/rejected pairs")
     text = _yaml(
         name,
         seed,
-        {"file": data.name, "input": input_col, "output": output_col},
+        given,
         task,
         labels,
         picks,
@@ -271,4 +285,5 @@ def init(
         "labels": len(labels),
         "model": student,
         "teacher": chosen_teacher,
+        "method": "dpo" if rejected_col else "sft",
     }

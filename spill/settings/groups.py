@@ -47,6 +47,15 @@ class DataSettings:
     output: str = setting(
         {"type": "string", "minLength": 1, "description": "the column or key it answers with"}
     )
+    rejected: str | None = setting(  # None: no preference pairs (the inputs of before)
+        {
+            "type": ["string", "null"],
+            "minLength": 1,
+            "description": "the column or key of a worse answer: each row a preference pair "
+            "(output the chosen answer), trained by tune.method dpo or orpo and graded on "
+            "preference accuracy; null: none",
+        }
+    )
     task: str = setting(  # "auto", "classification" or "generation"
         {
             "enum": ["auto", "classification", "generation"],

@@ -1,12 +1,11 @@
 """``spill eval``: grade a model (optionally with a LoRA adapter) on rows with known answers.
 
-Rows are ``{"id", "prompt"|"messages", "answer"}`` (``completion`` or ``chosen`` is accepted as the
-answer, so a training file can be graded as is); a row with a ``rejected`` answer too is also graded
-on preference: is the answer's log-prob above the rejected one's (``preference_accuracy``). A row is correct when the greedy generation equals the answer
-after stripping leading and trailing whitespace on both sides; the comparison is otherwise exact
-(case, inner spaces, punctuation). The gold answer's tokens are also scored given the prompt: their
-summed log-prob and per-token mean. A row job like run: ``--state`` commits graded rows in segments.
-An adapter folder is spill's layout or PEFT's (``spill.jobs.adapter_files``).
+Rows are ``{"id", "prompt"|"messages", "answer"}`` (or ``completion``/``chosen`` as the answer). A
+row is correct when the greedy generation equals the answer, both stripped of outer whitespace;
+otherwise exact. The gold answer is scored too (summed and per-token log-prob). A row with a
+``rejected`` answer is a pair: tokenized as the preference tune sees it, does the answer's mean
+token log-prob beat the rejected one's (``preference_accuracy``). Like run, ``--state`` commits
+graded rows in segments; an adapter is spill's or PEFT's layout (``spill.jobs.adapter_files``).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from spill.jobs.rows.job import (
 )
 from spill.jobs.rows.scoring import answer_ids
 from spill.jobs.rows.scoring import total as summed
+from spill.jobs.tune.pairs import Pair, encode_pair
 
 ANSWER_MARGIN = 16  # extra tokens past the longest answer, so a model that keeps going is wrong
 
@@ -102,7 +102,7 @@ def _grader(
     tok = loaded.tokenizer
     apply_adapter(loaded, adapter)
     gold = {r.id: answer_ids(tok, r.answer) for r in rows}
-    worse = {r.id: answer_ids(tok, r.rejected) for r in rows if r.rejected is not None}
+    pairs = {r.id: _pair(tok, r, input_path) for r in rows if r.rejected is not None}
     new = _max_new(opts, rows, tok)
     longest = max([new, *(len(g) for g in gold.values())])  # generated, or the gold scored
     prompts = encode_rows(
@@ -114,11 +114,11 @@ def _grader(
         ids = [prompts[r.id] for r in batch]
         outs = loaded.runner.generate(ids, params, [0] * len(batch))
         scores = loaded.runner.score(ids, [gold[r.id] for r in batch])
-        paired = [r for r in batch if r.id in worse]
-        against = loaded.runner.score(
-            [prompts[r.id] for r in paired], [worse[r.id] for r in paired]
-        )
-        rejected = {r.id: summed(lp) for r, lp in zip(paired, against, strict=True)}
+        two = [(r.id, s, pairs[r.id].prompt) for r in batch if r.id in pairs
+               for s in (pairs[r.id].chosen, pairs[r.id].rejected)]  # fmt: skip
+        got = loaded.runner.score([s[:n] for _, s, n in two], [s[n:] for _, s, n in two])
+        chosen = {i: lp for (i, _, _), lp in zip(two[::2], got[::2], strict=True)}
+        rejected = {i: lp for (i, _, _), lp in zip(two[1::2], got[1::2], strict=True)}
         records = []
         for row, gen, lp in zip(batch, outs, scores, strict=True):
             text = tok.decode(gen.tokens)
@@ -139,17 +139,30 @@ def _grader(
                     "tokens": len(gen.tokens),
                 }
             )
-            if row.id in rejected:
-                other = rejected[row.id]
-                records[-1]["rejected_logprob"] = other if math.isfinite(other) else None
-                records[-1]["prefers_answer"] = bool(total > other)
+            if row.id in rejected:  # as the tune saw the pair; per token, so length alone
+                mine, theirs = (summed(x) / len(x) for x in (chosen[row.id], rejected[row.id]))
+                records[-1]["pair_logprob_per_token"] = [_finite(mine), _finite(theirs)]
+                records[-1]["prefers_answer"] = bool(mine > theirs)
         return records
 
     # a row at its longest: generated (prompt + new) or scored (prompt + gold answer)
     def longest(row: EvalRow) -> int:
-        return len(prompts[row.id]) + max(new, len(gold[row.id]), len(worse.get(row.id, ())))
+        two = pairs.get(row.id)
+        most = max(len(two.chosen), len(two.rejected)) if two else 0
+        return max(len(prompts[row.id]) + max(new, len(gold[row.id])), most)
 
     return Work(compute, longest)
+
+
+def _pair(tok, row: EvalRow, where: Path) -> Pair:
+    """A preference row's two answers tokenized as ``spill tune --method dpo`` tokenizes them:
+    each answer with what ends it (the end-of-sequence token, or the chat turn's end)."""
+    prompt = {"messages": row.row.messages} if row.row.messages else {"prompt": row.row.prompt}
+    return encode_pair(tok, {**prompt, "chosen": row.answer, "rejected": row.rejected}, str(where))
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 # ``--max-new-tokens`` defaults to the longest answer in the file plus 16 tokens, fixed for the

@@ -196,6 +196,8 @@ def prepare(project):
         p.prompt.template,
         p.prompt.chat,
         p.tune.valid,
+        p.data.rejected,
+        p.tune.method,
     )
 
 

@@ -82,6 +82,7 @@ class EvalStage(RowStage):
     output of the stage it reads)."""
 
     KEYS = ("rows", "correct", "accuracy", "gold_logprob", "gold_logprob_per_token")
+    PAIRS = ("preference_accuracy", "pairs")  # rows with a rejected answer (data.rejected)
 
     def __init__(self, *, adapter: bool = False, **kw: Any) -> None:
         super().__init__(**kw)
@@ -118,7 +119,7 @@ class EvalStage(RowStage):
         job = self.job_options(ctx, p.eval.batch, stop, "eval.batch")
         s = evaluate(p.model.name, ctx.work / self.reads, out, opts, job)
         complete = s.get("complete", True)
-        result = {k: s[k] for k in (*self.KEYS, "labels", "confusion") if k in s}
+        result = {k: s[k] for k in (*self.KEYS, *self.PAIRS, "labels", "confusion") if k in s}
         if complete:
             ctx.publish(out)
             ctx.log_scores(self.name, result, p.tune.steps if self.adapter else 0)
@@ -132,6 +133,8 @@ class EvalStage(RowStage):
         text = f"accuracy {result['accuracy']:.3f} ({result['correct']}/{result['rows']})"
         if result.get("gold_logprob_per_token") is not None:
             text += f", logprob/token {result['gold_logprob_per_token']:.3f}"
+        if result.get("preference_accuracy") is not None:
+            text += f", prefers chosen {result['preference_accuracy']:.3f} of {result['pairs']}"
         return text
 
     def order(self, path: Path) -> tuple[list, Callable[[dict], dict]]:

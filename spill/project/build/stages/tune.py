@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from spill.project.data import Prepared
 
 
+# a preference tune's last-step metrics the build's table shows (TRL's names)
+PREFERENCE_SHOWN = {"rewards/accuracies": "reward accuracy", "rewards/margins": "margin"}
+
+
 class TuneStage(Stage):
     """Trains the adapter on the training rows, or on the teacher's answers when the stage it
     reads (``distill``) runs."""
@@ -62,7 +66,8 @@ class TuneStage(Stage):
             track=ctx.track,
         )
         s = tune(p.model.name, self.train_file(ctx), p.name, opts)
-        watched = {k: s[k] for k in ("valid_loss", "best_step", "best_valid_loss") if k in s}
+        kept = ("valid_loss", "best_step", "best_valid_loss", *PREFERENCE_SHOWN)
+        watched = {k: s[k] for k in kept if k in s}
         result = {"step": s["step"], "steps": t.steps, "loss": s["loss"], **watched}
         return result, s["step"] == t.steps
 
@@ -87,6 +92,9 @@ class TuneStage(Stage):
             + (f", loss {loss:.4f}" if loss is not None else "")
             + (f", validation {valid:.4f}" if valid is not None else "")
             + (f", exported step {best}" if best else "")
+            + "".join(
+                f", {label} {result[k]:.3f}" for k, label in PREFERENCE_SHOWN.items() if k in result
+            )
         )
 
     def count_name(self) -> str:
