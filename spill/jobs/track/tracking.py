@@ -1,6 +1,6 @@
 """The trackers of one run (``open_tracking``, ``Tracking``): what a committed checkpoint adds to
 them, each step exactly once. Only committed steps are logged, read from the committed checkpoint's
-state (``losses``, ``valid``), never from the loop, so a killed and resumed run logs the same
+state (``losses``, ``valid``, a preference tune's ``metrics``), never from the loop, so a killed and resumed run logs the same
 numbers an uninterrupted one does. Logging is off the step's path: a tracker that hangs holds only
 itself, and one that fails is dropped with a one-line warning, not the run (the next leg back-fills
 what it missed). The run's end waits at most ``FLUSH_WITHIN`` seconds for the senders, then names,
@@ -53,6 +53,10 @@ def series(state: dict, tune: Any, rates: dict[int, float]) -> dict[str, dict[in
         "train/tokens_per_s": {s: r for s, r in rates.items() if 1 <= s <= top},
         "valid/loss": {int(s): v for s, v in state.get("valid") or [] if v is not None},
     }
+    for i, step in enumerate((state.get("metrics") or [])[:top]):  # a preference tune's
+        for name, v in (step or {}).items():
+            if v is not None:
+                out.setdefault(f"train/{name}", {})[i + 1] = v
     return {k: v for k, v in out.items() if v}
 
 
