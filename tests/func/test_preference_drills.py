@@ -189,3 +189,23 @@ def test_a_dpo_run_moved_to_mlx_stays_within_the_engines_distance(dpo, tmp_path)
     distance = float(np.linalg.norm(flat[0] - flat[1]) / np.linalg.norm(flat[1]))
     print(f"torch -> MLX DPO: final adapter relative L2 distance {distance:.3g}")
     assert distance <= MOVED
+
+
+def test_tensorboard_reads_each_steps_reward_metrics(dpo, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    state = tmp_path / "state"
+    env = kit.spill_env(tmp_path / "home")
+    first = kit.run_tune(
+        [*argv(dpo["model"], dpo["train"], state, stop_after=3), "--log", "tensorboard"], env
+    )
+    assert first.returncode == 0, first.stderr
+    done = kit.run_tune([*argv(dpo["model"], dpo["train"], state), "--log", "tensorboard"], env)
+    assert done.returncode == 0, done.stderr
+    acc = EventAccumulator(str(state / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    metrics = kit.state_json(str(state), STEPS)["metrics"]
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+        got = [(e.step, e.value) for e in acc.Scalars(f"train/{name}")]
+        assert [s for s, _ in got] == list(range(1, STEPS + 1))  # each step once, across the resume
+        assert [v for _, v in got] == pytest.approx([m[name] for m in metrics], rel=1e-6)
