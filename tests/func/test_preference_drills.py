@@ -209,3 +209,19 @@ def test_tensorboard_reads_each_steps_reward_metrics(dpo, tmp_path):
         got = [(e.step, e.value) for e in acc.Scalars(f"train/{name}")]
         assert [s for s, _ in got] == list(range(1, STEPS + 1))  # each step once, across the resume
         assert [v for _, v in got] == pytest.approx([m[name] for m in metrics], rel=1e-6)
+
+
+def test_dpo_on_a_quantized_base_stops_and_continues_exactly(dpo, tiny_models, tmp_path):
+    """QLoRA: the 4-bit copy of the tiny llama as the base (and as the reference)."""
+    model = kit.quantized_tiny(tiny_models, tmp_path / "tiny-q4g32")
+    env = kit.spill_env(tmp_path / "home")
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert kit.run_tune(argv(model, dpo["train"], whole), env).returncode == 0
+    first = kit.run_tune(argv(model, dpo["train"], parts, stop_after=3), env)
+    assert first.returncode == 0, first.stderr
+    assert "4-bit" in first.stderr  # the pre-run line names the quantized weights
+    done = kit.run_tune(argv(model, dpo["train"], parts), env)
+    assert done.returncode == 0 and kit.resumed_from(done.stderr) == 3, done.stderr
+    got = same_run(str(parts), str(whole))
+    assert got["metrics"][0]["rewards/accuracies"] == 0.0  # the quantized base is the reference
+    assert got["model"]["quantization"]["bits"] == 4
