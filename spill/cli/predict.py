@@ -11,6 +11,7 @@ from pathlib import Path
 
 from spill.cli.options import authority_options, engine_options, engine_overrides
 from spill.errors import UsageError
+from spill.store.location import Location, location
 
 HELP = "label new inputs with a built project's tuned model"
 DESCRIPTION = (
@@ -57,6 +58,11 @@ def _request(args):
     )
 
 
+def _build_state(args) -> Location | None:
+    """``--build-state``, parsed here, once (after the usage checks, which come first)."""
+    return location(args.build_state) if args.build_state else None
+
+
 def cmd_predict(args) -> int:
     from spill.console import emit
 
@@ -67,7 +73,7 @@ def cmd_predict(args) -> int:
             raise UsageError("--text answers one input: give no INPUT file, --out or --state")
         from spill.project.predict import predict_text
 
-        got = predict_text(project, args.text, req, args.build_state)
+        got = predict_text(project, args.text, req, _build_state(args))
         if args.json:
             emit(got, True)
         elif "label" in got:
@@ -82,8 +88,9 @@ def cmd_predict(args) -> int:
     from spill.project.owned import refuse_output
     from spill.project.predict import predict_file
 
-    refuse_output(args.out, "--out", projects=(project,), states=(args.state, args.build_state))
-    got = predict_file(project, Path(input_path), Path(args.out), req, args.build_state)
+    build_state = _build_state(args)
+    refuse_output(args.out, "--out", projects=(project,), states=(args.state, build_state))
+    got = predict_file(project, Path(input_path), Path(args.out), req, build_state)
     if args.json:
         emit(got, True)
         return 0

@@ -46,13 +46,14 @@ class Place:
     With a ``run`` it can allocate payloads and publish; without one it only reads the current
     control object (status, probes)."""
 
-    def __init__(self, state: str, prefix: str = "", run: Run | None = None):
+    # text is parsed here: a build's stages and their followers name the state as text
+    def __init__(self, state: Location | str, prefix: str = "", run: Run | None = None):
         self.state, self.prefix, self.run = location(state), prefix.strip("/"), run
         self._doc: dict[str, Any] | None = None
 
     @property
-    def uri(self) -> str:
-        return join(self.state, self.prefix) if self.prefix else self.state
+    def uri(self) -> Location:
+        return self.state.join(self.prefix) if self.prefix else self.state
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -122,7 +123,7 @@ class Place:
         _remove_except(self.uri, self.prefix, spare)
 
 
-def _remove_except(uri: str, rel: str, spare: set[str]) -> None:
+def _remove_except(uri: Location, rel: str, spare: set[str]) -> None:
     """Remove ``uri`` (``rel`` under the state) but the paths in ``spare`` below it."""
     if rel in spare:
         return

@@ -98,7 +98,7 @@ def _record(doc: dict[str, Any], step: str) -> None:
 
 
 def begin(
-    src: Store, to: str, *, wait: bool, tid: str | None = None, deadline: float | None = None
+    src: Store, to: Location, *, wait: bool, tid: str | None = None, deadline: float | None = None
 ) -> dict[str, Any]:
     """Step 1: the source's run, quiescing under transfer ``tid`` (a new id when None) to ``to``,
     or under the transfer an interrupted move to the same place left. Returns the control

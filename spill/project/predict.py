@@ -29,6 +29,7 @@ from spill.project.config import Project, from_record
 from spill.project.data import prompt_of, read_inputs
 from spill.store.disk import local_copy
 from spill.store.fs import join
+from spill.store.location import Location, location
 
 
 @dataclass(frozen=True)
@@ -44,14 +45,14 @@ class Built:
 # What the build recorded: the config it composed (model, ``prompt.template``/``prompt.chat``,
 # ``data.input``), the task and label set of its data, and the adapter its tune stage published
 # under ``adapters/<name>/``.
-def built(root: Path | str, state_root: str | None = None) -> Built:
+def built(root: Path | str, state_root: Location | None = None) -> Built:
     """The recorded build of the project at ``root``; see the module doc for what is refused."""
     root = Path(root).resolve()
     if not (root / sources.FILE).is_file():
         from spill.project.config import compose
 
         compose(root)  # raises the one-line "no spill.yaml here" error
-    where = state_root or str(root / STATE_DIR)
+    where = state_root or location(root / STATE_DIR)
     doc = record.read(where)
     run = f"run `spill build {root}`"
     if doc is None:
@@ -109,7 +110,11 @@ def _job(b: Built, req: Request) -> tuple[Project, RowOptions]:
 
 
 def predict_file(
-    root: Path | str, input_path: Path, out: Path, req: Request, build_state: str | None = None
+    root: Path | str,
+    input_path: Path,
+    out: Path,
+    req: Request,
+    build_state: Location | None = None,
 ) -> dict[str, Any]:
     """Answer every row of ``input_path`` (CSV or JSONL with the project's input column)."""
     b = built(root, build_state)
@@ -120,7 +125,7 @@ def predict_file(
 
 
 def predict_text(
-    root: Path | str, text: str, req: Request, build_state: str | None = None
+    root: Path | str, text: str, req: Request, build_state: Location | None = None
 ) -> dict[str, Any]:
     """One input's answer (``--text``): its label and probability, or its generated text."""
     if not text.strip():

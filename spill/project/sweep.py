@@ -30,7 +30,7 @@ from spill.project.build.plan import StopAfter
 from spill.project.build.tracking import run_name  # a job's state folder and its tracked run's name
 from spill.project.report.status import score
 from spill.store.fs import get_bytes, join, listdir, put_bytes
-from spill.store.location import location
+from spill.store.location import Location, location
 
 RECORD = "spill-job.json"  # a job's result, in its Hydra output folder
 
@@ -48,7 +48,7 @@ def job(
     cfg: Any,
     *,
     root: str,
-    base: str,
+    base: Location,
     stop_after: str | None,
     dry_run: bool,
     token: str = "",
@@ -99,7 +99,7 @@ def _scores(recs: dict) -> dict[str, Any]:
     return {"base": score(recs, "eval:base"), "tuned": score(recs, "eval"), "steps": tune}
 
 
-def _committed(where: str) -> dict[str, Any]:
+def _committed(where: Location) -> dict[str, Any]:
     """The scores and tune progress a stopped job's state has committed (best effort)."""
     try:
         recs = (record.read(where) or {}).get("stages") or {}
@@ -138,15 +138,15 @@ def _recover(logs: str, token: str, error: BaseException) -> list[dict]:
         del doc["token"], doc["num"]
         if doc["status"] == "running":
             doc.update(status="lost", error=f"the launcher lost it: {_line(error)}")
-            doc.update(_committed(doc["state"]))
+            doc.update(_committed(location(doc["state"])))  # as its record names it
         runs.append(doc)
     return runs
 
 
 def _records(logs: str, token: str) -> list[dict]:
+    """``logs``: the local folder Hydra's jobs write their records in (``sweep``)."""
     found = []
-    here = location(logs).on_disk()
-    for sub in listdir(logs) if here is not None and os.path.isdir(here) else []:
+    for sub in listdir(logs) if os.path.isdir(logs) else []:
         try:
             doc = json.loads(get_bytes(join(logs, sub, RECORD)))
         except (OSError, ValueError, SpillError):
@@ -180,8 +180,8 @@ def sweep(root: Path | str, opts: build.BuildOptions) -> dict[str, Any]:
         config.compose(root)  # the one-line "no spill.yaml here" error
     if opts.stop_after:
         StopAfter.parse(opts.stop_after)  # fail before any job starts
-    base = opts.writer.state or str(root / STATE_DIR)
-    logs = location(base).on_disk("hydra") or str(root / STATE_DIR / "hydra")
+    base = opts.writer.state or location(root / STATE_DIR)  # the Writer parsed a --state
+    logs = base.on_disk("hydra") or str(root / STATE_DIR / "hydra")  # a folder here, always
     overrides = [*config.SILENT, f"hydra.sweep.dir='{logs}'", *opts.overrides]  # later ones win
     token = uuid.uuid4().hex
     task = functools.partial(

@@ -17,7 +17,7 @@ from typing import Any
 from spill.errors import StoreError
 from spill.ground.hashing import stream_sha256
 from spill.store.fs import files_under, is_temp, open_read
-from spill.store.location import location
+from spill.store.location import Location, location
 
 _PAYLOAD_DIR = re.compile(r"(?:(.*)/)?payloads/([a-z]+-g\d+-s\d+-\d+)(?:/.*)?")
 # "runs": the place's own control objects (a copy writes its own); "hydra": a sweep launcher's
@@ -38,7 +38,7 @@ def _pointed(doc: dict[str, Any]) -> set[str]:
 # whole too: each job's payloads are kept as its own current control object points (``jobs``). Links
 # out are refused because a copy carries the state's own bytes, not a file elsewhere on the machine.
 def state_files(
-    state: str,
+    state: Location,
     doc: dict[str, Any],
     exports: bool = False,
     jobs: dict[str, dict[str, Any]] | None = None,
@@ -62,8 +62,8 @@ def state_files(
             if folder not in keep:
                 continue
         out.append(rel)
-    if location(state).local:
-        _refuse_links_out(location(state).path, out)
+    if state.local:
+        _refuse_links_out(state.path, out)
     return out
 
 
@@ -84,13 +84,14 @@ def _refuse_links_out(root: str, rels: list[str]) -> None:
             )
 
 
-def project_files(root: str | Path, state: str | None = None) -> list[str]:
+def project_files(root: Path | Location, state: Location | None = None) -> list[str]:
     """A project folder's files (a local folder or a URI), ``/``-separated and relative to it:
     everything but hidden entries and, when it lies inside, the state location."""
-    if not location(root).local:  # its state is ``<root>/.spill``: hidden too
-        return [r for r in files_under(root) if r and not any(p[0] == "." for p in r.split("/"))]
-    root = Path(location(str(root)).path).resolve()
-    skip = Path(location(state).path).resolve() if state and location(state).local else None
+    where = location(root)  # a Location as it is; a folder (a Path) parsed here
+    if not where.local:  # its state is ``<root>/.spill``: hidden too
+        return [r for r in files_under(where) if r and not any(p[0] == "." for p in r.split("/"))]
+    root = Path(where.path).resolve()
+    skip = Path(state.path).resolve() if state is not None and state.local else None
     out = []
     for d, dirs, names in os.walk(root):
         here = Path(d)

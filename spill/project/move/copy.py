@@ -36,7 +36,7 @@ from spill.store.location import Location
 from spill.store.probe import _reason
 
 
-def _copy(src: str, dst: str) -> tuple[int, str]:
+def _copy(src: Location, dst: Location) -> tuple[int, str]:
     """Copy one file, streamed, hashing the bytes as they pass: (size, sha256)."""
     h, size = hashlib.sha256(), 0
     with open_read(src) as f, open_whole(dst, f".move-{os.getpid()}-") as g:
