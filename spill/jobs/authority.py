@@ -25,7 +25,7 @@ from spill.control.place import Place
 from spill.errors import StoreError
 from spill.ground.validate import parse_json, remember, validate, validate_once
 from spill.jobs.preempt import request_stop
-from spill.store.fs import get_bytes, join
+from spill.store.fs import get_bytes, join, put_bytes
 from spill.store.location import Location, location
 
 
@@ -91,8 +91,6 @@ COMMAND = "command.json"
 
 def record_command(state: Location, argv: Sequence[str]) -> None:
     """Write ``<state>/command.json``: the command line that owns the run now."""
-    from spill.store.fs import join, put_bytes
-
     words = [a for a in argv if not a.startswith("-")]
     doc = {
         "schema_version": 1,

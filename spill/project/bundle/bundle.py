@@ -20,6 +20,7 @@ from spill.errors import UsageError
 from spill.ground.paths import STATE_DIR
 from spill.project.bundle import pack as bp
 from spill.project.bundle.format import BundleError
+from spill.project.bundle.install import install as run_install
 from spill.project.bundle.read import open_bundle
 from spill.project.bundle.read import verify as check
 from spill.project.remote import checkout
@@ -111,8 +112,6 @@ def verify(path: Path) -> dict[str, Any]:
 def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
     """Install the bundle at ``path``: the project into ``dest``, its models into the cache;
     the one-row result."""
-    from spill.project.bundle.install import install as run_install
-
     t0 = time.perf_counter()
     note(f"spill bundle --install · {path} -> {dest} and the model cache")
     result = run_install(path, dest, force)

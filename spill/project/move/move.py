@@ -15,7 +15,7 @@ from typing import Any
 from spill.console import note
 from spill.control import arrival, transfer
 from spill.control.arrival import manifest_uri
-from spill.control.keys import current, store_for
+from spill.control.keys import current, read_control, store_for
 from spill.control.owner import home_of, lease_seconds
 from spill.errors import StoreError, UsageError
 from spill.ground.paths import STATE_DIR
@@ -237,8 +237,6 @@ def _result(doc, src_state, dst_root, manifest, t0) -> dict[str, Any]:
 def _copy_complete(root, src_state, dst, doc, name, t0, exports=False) -> dict[str, Any]:
     """A complete run is read-only: copy it, verified, and create it complete at the
     destination (checked and claimed first, like a move); the source stays as it is."""
-    from spill.control.keys import read_control
-
     dst_root, dst_state, dst_store = dst
     # one id per run and destination, so that a rerun after an interruption finds its claim
     tid = hashlib.sha256(f"{doc['run']}\0{dst_state}".encode()).hexdigest()[:16]
