@@ -31,7 +31,7 @@ SCHEMA_VERSION = 1
 
 def loss_png(losses: list[float], path: Path, title: str, valid: list[list] | None = None) -> None:
     """The train loss by step, and the validation loss (``[step, loss]`` pairs) when given."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib, only to draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -119,7 +119,7 @@ def write_local(
     quantization: dict | None = None,
     validation: dict | None = None,
 ) -> Path:
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save_file  # lazy: safetensors, when used
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(dict(sorted(params.items())), str(out / "params.safetensors"))
@@ -205,7 +205,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load_file  # lazy: safetensors, when used
 
     try:
         return load_file(str(path))

@@ -192,7 +192,7 @@ class Group:
         """Every rank's ``(j, loss, tokens, grads)`` of its micro-batches, in ``j`` order, on
         every rank; ``n``: the step's micro-batches, ``size``: the gradient vector's length,
         ``device``: where the job computes (the exchange may use it: NCCL on CUDA)."""
-        import numpy as np
+        import numpy as np  # lazy: numpy, off the CLI's start
 
         slots = -(-n // self.world)  # the most micro-batches any rank computed
         meta = np.full((slots, 3), -1.0, dtype=np.float64)
@@ -296,9 +296,9 @@ def die_with_launcher() -> None:
 def _exchange(name: str):
     """The exchange of the launcher ``name``: the one place that chooses between them."""
     if name == "mlx.launch":
-        from spill.engines.mlx import dist
+        from spill.engines.mlx import dist  # lazy: the engine, only where it runs
     else:
-        from spill.engines.torch import dist
+        from spill.engines.torch import dist  # lazy: the engine, only where it runs
     return dist
 
 

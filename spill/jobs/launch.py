@@ -42,7 +42,7 @@ def launch(procs: int, argv: Sequence[str]) -> int:
         raise UsageError(
             f"--procs inside {started}: {started} already started the processes; drop --procs"
         )
-    from spill.engines.torch import dist
+    from spill.engines.torch import dist  # lazy: the engine, only where it runs
 
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent: they die with it
     with tempfile.TemporaryDirectory(prefix="spill-procs-") as work:

@@ -333,7 +333,7 @@ def check_sources(file: Path, overrides: Sequence[str], where: str) -> None:
 def plain(node: Any) -> Any:
     """A composed config as plain data, each value resolved where it can be: a value that only
     a job knows (``${hydra.job.num}``) or that is unset (``???``) stays as written."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: Hydra, only when composing
 
     if not OmegaConf.is_config(node):
         return node

@@ -81,7 +81,7 @@ def _kept(path: str, real: str, named: list[Path], states: Iterable[str | None])
 
 def data_file(root: Path) -> Path | None:
     """The data file ``root/spill.yaml`` names (None when it names none it can be read for)."""
-    import yaml
+    import yaml  # lazy: PyYAML, when used
 
     try:
         doc = yaml.safe_load((root / FILE).read_text(encoding="utf-8"))

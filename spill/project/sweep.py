@@ -57,7 +57,7 @@ def job(
 ) -> dict:
     """Hydra's task function: one build; errors come back as a status, never raised.
     ``new_run`` (``--new-run``): a job whose run is an installed copy forks a new one."""
-    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig  # lazy: Hydra, only when composing
 
     hydra = HydraConfig.get()
     overrides = tuple(hydra.overrides.task)
@@ -158,7 +158,7 @@ def _records(logs: str, token: str) -> list[dict]:
 
 def _alive_here(doc: dict) -> bool:
     """A job still running in a live process on this machine (elsewhere it cannot be known)."""
-    import psutil
+    import psutil  # lazy: psutil, when used
 
     if doc["status"] != "running" or doc["machine"] != platform.node():
         return False
@@ -211,7 +211,7 @@ def _launch(
     root: Path, task: Any, overrides: list[str], logs: str, token: str
 ) -> tuple[list[dict], str | None]:
     """Hydra's multirun: the jobs' dicts, and the launcher's error if it lost any."""
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_dir  # lazy: Hydra, only when composing
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

@@ -93,7 +93,7 @@ class Location(str):
     def remote(self):
         """``(fsspec filesystem, path)`` of a remote location; a missing backend is one line."""
         assert not self.local, "a local location is read with os"
-        import fsspec
+        import fsspec  # lazy: fsspec, only for a remote location
 
         try:
             return fsspec.core.url_to_fs(str(self))

@@ -91,14 +91,14 @@ def refuse_out(out: Path, inputs: Inputs) -> None:
 
 def _writer(fmt: str):
     if fmt == "hf":
-        from spill.jobs.export import hf
+        from spill.jobs.export import hf  # lazy: one format's writer, when asked
 
         return hf.write
     if fmt == "gguf":
-        from spill.jobs.export import gguf
+        from spill.jobs.export import gguf  # lazy: one format's writer, when asked
 
         return gguf.write
-    from spill.jobs.export import mlx
+    from spill.jobs.export import mlx  # lazy: one format's writer, when asked
 
     return mlx.write
 
@@ -133,7 +133,7 @@ def export(
     """Write the merged model of ``adapter`` to the folder ``out``; what export.json records.
     ``adapter_name``: how export.json names the adapter (default: its resolved folder; a build
     names it relative to its state, so that the bytes do not depend on where the state lies)."""
-    from spill.jobs.export.merge import open_inputs
+    from spill.jobs.export.merge import open_inputs  # lazy: one format's writer, when asked
 
     check_options(fmt, dtype, quantize)
     out = Path(out)

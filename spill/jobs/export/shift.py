@@ -105,7 +105,7 @@ def _open(folder: Path):
 def _as_stored(inputs: Inputs, scratch: Path, stored: dict) -> None:
     """An HF folder (float32) of the merge as the GGUF holds it: each tensor rounded to its
     stored type and read back."""
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize  # lazy: gguf, only for a GGUF export
     from gguf.quants import quantize as ggml_quantize
 
     from spill.jobs.export.hf import config_json, write_config, write_folder
@@ -203,7 +203,7 @@ class WeightShift:
         self.matrices = 0
 
     def add(self, name: str, w: np.ndarray, data: np.ndarray, qtype) -> None:
-        from gguf.quants import dequantize
+        from gguf.quants import dequantize  # lazy: gguf, only for a GGUF export
 
         stem = name.rsplit(".", 1)[0].removeprefix("model.")
         if not name.endswith(".weight") or f"{stem}.lora_a" not in self.params:

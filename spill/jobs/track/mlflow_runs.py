@@ -44,7 +44,7 @@ class MLflowRun:
         # the sender thread, where redirecting stdout would take the main thread's with it
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # its retry lines
-        from mlflow.entities import RunTag
+        from mlflow.entities import RunTag  # lazy: an optional tracker
         from mlflow.tracking import MlflowClient
 
         try:
@@ -88,14 +88,14 @@ class MLflowRun:
     # run logs only those the run lacks (``ckpt_every`` may differ between legs; the first leg's
     # stays).
     def _params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # lazy: an optional tracker
 
         items = [Param(k, "null" if v is None else str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow's limit of params per batch
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def write(self, points: list[tuple[int, str, float]]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # lazy: an optional tracker
 
         now = int(time.time() * 1000)
         metrics = [Metric(tag, float(value), now, step) for step, tag, value in points]
@@ -112,7 +112,7 @@ def _newest(client, run_id: str, key: str) -> int:
 
 
 def _where() -> str:
-    import mlflow
+    import mlflow  # lazy: an optional tracker
 
     return f"MLflow at {mlflow.get_tracking_uri()}"
 

@@ -54,7 +54,7 @@ class TensorBoard:
         """``(step, tag, value)`` in step order, flushed to disk before it returns."""
         if not points:
             return
-        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.compat.proto import event_pb2, summary_pb2  # lazy: an optional tracker
 
         if self._writer is None:
             self._writer = self._open()
@@ -73,7 +73,7 @@ class TensorBoard:
     # folder).
     def _open(self):
         """A new event file, its version record written (what ``EventFileWriter`` begins with)."""
-        from tensorboard.compat.proto import event_pb2
+        from tensorboard.compat.proto import event_pb2  # lazy: an optional tracker
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         now = time.time()

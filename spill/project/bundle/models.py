@@ -52,7 +52,7 @@ def key(files: dict[str, str]) -> str:
 def _held(folder: Path) -> dict[str, str] | None:
     """name -> sha256 of the model files ``folder`` holds (its records, once they check out, or
     hashed now), or None when it holds no model."""
-    from spill.models.integrity import check, model_files
+    from spill.models.integrity import check, model_files  # lazy: pulls numpy
 
     if not (folder / "config.json").is_file():
         return None
@@ -81,7 +81,7 @@ def plan(manifest: dict[str, Any], scratch: Path, read, progress) -> list[Placem
     """One placement per bundled model; a source check makes its folder under ``scratch`` (a
     temporary folder of the cache's file system, removed with everything left in it).
     ``read(entry path) -> bytes``: a small file's bytes as the bundle holds them."""
-    from spill.models import provenance
+    from spill.models import provenance  # lazy: pulls numpy
 
     out: list[Placement] = []
     for n, pin in enumerate(manifest["models"]):
@@ -116,7 +116,7 @@ def plan(manifest: dict[str, Any], scratch: Path, read, progress) -> list[Placem
 
 
 def _hub(pin: dict[str, Any], where: Path, read) -> Placement:
-    from spill.models import provenance
+    from spill.models import provenance  # lazy: pulls numpy
 
     files = {f["name"]: (f["size"], f["sha256"]) for f in pin["files"]}
     prefix = f"models/{pin['folder']}/"
@@ -132,7 +132,7 @@ def _hub(pin: dict[str, Any], where: Path, read) -> Placement:
 def place(p: Placement, staged: Path | None, keys: dict[str, list]) -> int:
     """Put one model into the cache (``staged``: its files written from the bundle, for an own
     folder that is new); returns how many files were written."""
-    from spill.models.integrity import record
+    from spill.models.integrity import record  # lazy: pulls numpy
 
     if p.how == "keep" or p.how == "own" and not p.write:
         return 0

@@ -186,7 +186,7 @@ def _source(resolved, marker: dict[str, Any]) -> dict[str, Any]:
 def model_items(project) -> tuple[list[Item], list[dict[str, Any]]]:
     """The model files of every stage's model, each model pinned once (a model an install
     gave this project a folder of its own for is that folder, as the project's builds load)."""
-    from spill.models.integrity import check, model_files, stat_key
+    from spill.models.integrity import check, model_files, stat_key  # lazy: pulls numpy
     from spill.models.resolve import resolve_model
 
     users: dict[str, list[str]] = {}

@@ -46,11 +46,11 @@ class Objects:
 class GcsObjects(Objects):
     def __init__(self) -> None:
         try:
-            from google.api_core import exceptions
+            from google.api_core import exceptions  # lazy: the cloud extra
             from google.cloud import storage
         except ImportError:
             raise BackendMissing(f"gs:// needs google-cloud-storage; {CLOUD_HINT}") from None
-        from google.cloud.storage.retry import DEFAULT_RETRY
+        from google.cloud.storage.retry import DEFAULT_RETRY  # lazy: the cloud extra
 
         self.exceptions = exceptions
         # retried after about 1, 2, 4 and 8 s, then uncertain (the default keeps on for 120 s:
@@ -99,7 +99,7 @@ class GcsObjects(Objects):
 
 
 def _azure_service():
-    from azure.storage.blob import BlobServiceClient, ExponentialRetry
+    from azure.storage.blob import BlobServiceClient, ExponentialRetry  # lazy: the cloud extra
 
     # a lost answer retried after about 1, 3 and 9 s, not the default 15, 18 and 24: a control
     # transition that waits a minute for one dropped connection eats half a lease
@@ -115,7 +115,7 @@ def _azure_service():
         )
     credential = os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")
     if not credential:
-        from azure.identity import DefaultAzureCredential
+        from azure.identity import DefaultAzureCredential  # lazy: the cloud extra
 
         credential = DefaultAzureCredential()
     url = f"https://{account}.blob.core.windows.net"
@@ -128,7 +128,7 @@ def _azure_service():
 class AzureObjects(Objects):
     def __init__(self) -> None:
         try:
-            from azure.core import MatchConditions, exceptions
+            from azure.core import MatchConditions, exceptions  # lazy: the cloud extra
         except ImportError:
             raise BackendMissing(f"az:// needs azure-storage-blob; {CLOUD_HINT}") from None
         self.exceptions, self.if_not_modified = exceptions, MatchConditions.IfNotModified

@@ -94,7 +94,7 @@ class ObjectStore(Store):
         )
 
     def _get_s3(self, path: str) -> tuple[bytes, str | None]:
-        from fsspec.asyn import sync
+        from fsspec.asyn import sync  # lazy: fsspec, only for a remote location
 
         bucket, key, _ = self.fs.split_path(path)
 
