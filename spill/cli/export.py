@@ -11,7 +11,7 @@ from pathlib import Path
 from spill.errors import SpillError, UsageError
 from spill.ground.sizes import parse_size
 from spill.settings import EXPORT_DTYPES, EXPORT_FORMATS, EXPORT_QUANTIZE
-from spill.store.location import on_disk
+from spill.store.location import location, on_disk
 
 
 def _either(kinds: tuple[str, ...]) -> str:
@@ -75,7 +75,8 @@ def built_adapter(given: str) -> Path:
     where = path / STATE_DIR if (path / "spill.yaml").is_file() else path
     if not (where / "runs").is_dir():
         return path  # an adapter folder or a tune's state: spill.jobs.export reads it
-    doc = record.read(str(where))
+    state = location(where)  # a build's state, parsed here for the build's readers
+    doc = record.read(state)
     if doc is None:
         return path
     rec = (doc.get("stages") or {}).get(TUNE.name) or {}
@@ -86,7 +87,7 @@ def built_adapter(given: str) -> Path:
             f"{given}: this build's tune stage is not done ({progress}); `spill resume {given}` "
             "finishes it, then export again"
         )
-    if problem := TUNE.problem(str(where), name, rec.get("outputs")):
+    if problem := TUNE.problem(state, name, rec.get("outputs")):
         raise SpillError(
             f"{given}: the build's tuned adapter: {problem}; `spill resume {given}` restores it, "
             "then export again"
