@@ -18,7 +18,6 @@ from spill.store.fs import (
     _errors,
     _makedirs_durable,
     filesystem,
-    join,
     remove,
 )
 from spill.store.location import location
@@ -37,13 +36,13 @@ def _reason(e: BaseException) -> str:
 
 def probe_writable(uri: str | os.PathLike) -> None:
     """Write and remove a small temporary object under ``uri``; a ``StoreError`` if it cannot."""
-    uri = os.fspath(uri)
-    probe = join(uri, f".write-probe{_TMP}{uuid.uuid4().hex[:12]}")
+    uri = location(uri)  # parsed once (a Location as it is)
+    probe = uri.join(f".write-probe{_TMP}{uuid.uuid4().hex[:12]}")
     try:  # a plain write, not put_bytes: no fsync, and no drill point to shift the drills' counts
-        if location(uri).local:
+        if uri.local:
             with _errors(probe, "write"):
-                _makedirs_durable(location(uri).path)
-                with open(location(probe).path, "wb") as f:
+                _makedirs_durable(uri.path)
+                with open(probe.path, "wb") as f:
                     f.write(b"spill write probe\n")
         else:
             fs, path = filesystem(probe)
@@ -66,8 +65,9 @@ def _existing(path: str) -> str:
 
 def not_a_file(uri: str) -> None:
     """Refuse, in one line, a destination that is a file (or lies under one)."""
-    if location(uri).local:
-        path = os.path.abspath(location(uri).path)
+    uri = location(uri)
+    if uri.local:
+        path = os.path.abspath(uri.path)
         there = _existing(path)
         if os.path.isdir(there):
             return
@@ -103,7 +103,8 @@ def check_names(root: str, rels: Sequence[str] = ()) -> None:
     """Refuse, in one line, a path segment of ``root`` (the part not there yet) or of ``rels``
     longer than the file system takes, or a ``root`` past ``PATH_MAX``, so that reading and
     writing there fail on nothing but the disk (no write: see ``probe_names``)."""
-    if not location(root).local:
+    root = location(root)
+    if not root.local:
         _, path = filesystem(root)
         prefix = path.split("/", 1)[1] if "/" in path.strip("/") else ""
         for rel in rels or ("",):
@@ -111,7 +112,7 @@ def check_names(root: str, rels: Sequence[str] = ()) -> None:
             if len(key.encode()) > KEY_MAX:
                 raise _too_long(root, key, KEY_MAX, "an object store key")
         return
-    full = os.path.abspath(location(root).path)
+    full = os.path.abspath(root.path)
     base = _existing(full)
     name_max, path_max = _limits(base)
     made = os.path.relpath(full, base).split(os.sep) if full != base else []
@@ -131,11 +132,12 @@ def probe_names(root: str, rels: Sequence[str], passing: Sequence[str] = ()) -> 
     """Refuse, in one line, a destination ``root`` (absolute) that cannot hold every one of
     ``rels`` (``/``-separated, relative to it), nor locally the temporary names ``passing`` a
     copy makes on the way (an object store's writes make none); see the module doc."""
-    rels = [*rels, *passing] if location(root).local else rels
+    root = location(root)
+    rels = [*rels, *passing] if root.local else rels
     check_names(root, rels)
-    if not location(root).local or not rels:
+    if not root.local or not rels:
         return
-    full = os.path.abspath(location(root).path)
+    full = os.path.abspath(root.path)
     longest = max(rels, key=lambda r: len(os.path.join(full, r).encode()))
     folder, name = os.path.split(os.path.join(full, longest))
     width = max(len(name.encode()), len(_TMP) + 1)
@@ -171,10 +173,11 @@ def probe_names(root: str, rels: Sequence[str], passing: Sequence[str] = ()) -> 
 def space(uri: str) -> tuple[int, int] | None:
     """(bytes free to this user, block size) of the file system a local ``uri`` would be on;
     None for an object store, which cannot say."""
-    if not location(uri).local:
+    uri = location(uri)
+    if not uri.local:
         return None
     try:
-        st = os.statvfs(_existing(os.path.abspath(location(uri).path)))
+        st = os.statvfs(_existing(os.path.abspath(uri.path)))
     except OSError:
         return None
     return st.f_bavail * st.f_frsize, st.f_frsize or 4096
