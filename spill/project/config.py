@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from spill import conf
 from spill.errors import BadOverride, ConfigError, HydraRefused
 from spill.ground.validate import load_schema, short
 from spill.project import hydra_safety
@@ -103,9 +104,7 @@ def from_record(doc: dict[str, Any], root: Path, overrides: Sequence[str] = ()) 
 def _before_quantization(group: str, section: dict[str, Any]) -> dict[str, Any]:
     if "quantize" in section:
         return section
-    from spill.conf import defaults
-
-    return {**section, "quantize": None, "group_size": defaults(group)["group_size"]}
+    return {**section, "quantize": None, "group_size": conf.defaults(group)["group_size"]}
 
 
 # the settings added after spill.yaml's first release: validation, trackers, the export group,
@@ -130,9 +129,7 @@ def with_later(doc: dict[str, Any]) -> dict[str, Any]:
     for group, keys in LATER.items():
         section = out.get(group)
         if isinstance(section, dict) and (missing := [k for k in keys if k not in section]):
-            from spill.conf import defaults
-
-            shipped = defaults(group)
+            shipped = conf.defaults(group)
             out[group] = {**{k: shipped[k] for k in missing}, **section}
     return out
 
@@ -183,7 +180,7 @@ def _message(error, schema: dict) -> str:
 
 def validate(doc: Any, where: str, strict: bool = True) -> None:
     """Raise ``ConfigError`` naming the first problem's key path; ``strict``: a composed config."""
-    from jsonschema import Draft202012Validator
+    from jsonschema import Draft202012Validator  # lazy: jsonschema, when validating
     from jsonschema.exceptions import best_match
 
     schema = load_schema(SCHEMA)
@@ -272,7 +269,7 @@ def _compose(root: Path | str, overrides: Sequence[str]) -> Project:
             "makes one"
         )
     check_encoding(root)
-    from hydra import compose as hydra_compose
+    from hydra import compose as hydra_compose  # lazy: Hydra, only when composing
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf, open_dict
@@ -332,7 +329,7 @@ def for_hydra(root: Path, overrides: Sequence[str]) -> list[str]:
 def _listed(root: Path) -> set[str]:
     """The groups spill.yaml's defaults list names (an unreadable file names none: Hydra says
     what is wrong with it)."""
-    import yaml
+    import yaml  # lazy: PyYAML, when used
 
     try:
         doc = yaml.safe_load((root / FILE).read_text(encoding="utf-8"))
@@ -372,7 +369,7 @@ def from_composed(
 
 
 def _to_container(cfg: Any, where: str) -> dict:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: Hydra, only when composing
     from omegaconf.errors import OmegaConfBaseException
 
     try:
