@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from spill.errors import StoreError
 from spill.store.cas.store import Conflict, Layout, LockHeld, Store, Unsupported
 from spill.store.fs import get_bytes, is_temp, put_bytes
+from spill.store.location import Location
 
 LOCK_WAIT = 10.0  # seconds a transition waits for the local lock before saying so
 FLOCK_FS = frozenset(
@@ -76,7 +77,7 @@ def _foreign(path: str, wants: str, layout: Layout) -> StoreError:
 class LocalStore(Store):
     serialized = True
 
-    def __init__(self, state: str, layout: Layout):
+    def __init__(self, state: Location | str, layout: Layout):
         super().__init__(state, layout)
         self.dir = self.state.join(layout.folder).path
 

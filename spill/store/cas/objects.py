@@ -19,6 +19,7 @@ from spill.errors import StoreError
 from spill.store.cas.cloud import objects_for
 from spill.store.cas.store import ATTEMPTS, Conflict, Layout, Store, Uncertain, Unsupported
 from spill.store.fs import filesystem
+from spill.store.location import Location
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,9 @@ class ObjectStore(Store):
     """An fsspec object store (s3://, gs://, az://; each if ``probe`` accepts it); on GCS and
     Azure its control objects are read and written by the cloud's own client (``cloud``)."""
 
-    def __init__(self, state: str, layout: Layout):
+    def __init__(self, state: Location | str, layout: Layout):
         super().__init__(state, layout)
-        self.fs, _ = filesystem(state)
+        self.fs, _ = filesystem(self.state)  # parsed by Store
         self.cloud = objects_for(self.state.scheme)
 
     def _path(self, key: str) -> str:

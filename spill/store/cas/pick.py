@@ -6,10 +6,10 @@ from __future__ import annotations
 from spill.store.cas.local import LocalStore, MemoryStore
 from spill.store.cas.objects import ObjectStore, probe
 from spill.store.cas.store import Layout, Store
-from spill.store.location import location
+from spill.store.location import Location, location
 
 
-def open_store(state: str, layout: Layout) -> Store:
+def open_store(state: Location | str, layout: Layout) -> Store:
     """The store of ``layout`` at ``state``, unchecked: enough to read (reads take no lock); the
     kind is the location's (``Location.writes``)."""
     state = location(state)
@@ -20,7 +20,7 @@ def open_store(state: str, layout: Layout) -> Store:
     return ObjectStore(state, layout)
 
 
-def store_for(state: str, layout: Layout) -> Store:
+def store_for(state: Location | str, layout: Layout) -> Store:
     """The store of ``layout`` at ``state``, checked (a local one honours flock, an object store
     refuses stale writes)."""
     s = open_store(state, layout)

@@ -73,8 +73,8 @@ class Store:
         """The tag ``read`` reports for an object holding ``data``."""
         return hashlib.sha256(data).hexdigest()
 
-    def __init__(self, state: str, layout: Layout):
-        self.state: Location = location(state)
+    def __init__(self, state: Location | str, layout: Layout):
+        self.state: Location = location(state)  # text (a test's) parsed; a Location as it is
         self.layout = layout
 
     def uri(self, key: str) -> str:
