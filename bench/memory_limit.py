@@ -2,7 +2,7 @@
 (issue 38, docs/reports/016-bigger-than-memory.md).
 
     python bench/memory_limit.py --limit 700MB [--files F ...] [--passes P] [--flops N]
-        [--json OUT] -- spill run smollm2:135m@f32 --prompt hi
+        [--outside] [--json OUT] -- spill run smollm2:135m@f32 --prompt hi
 
 The command runs in a fresh child of this process's memory cgroup (cgroup v1: ``memory``
 controller, ``memory.limit_in_bytes``; v2: ``memory.max``), entered before ``exec`` so that
@@ -24,6 +24,10 @@ Reported:
   ``--passes`` reads of ``--files`` at the measured disk rate, the compute bound ``--flops`` at
   the measured matmul rate (the caller knows the job's work: 2 x params per decoded token,
   about 8 x params per trained token when the forward is recomputed).
+
+With ``--outside`` the same command runs again right after, in a fresh child cgroup with no limit
+of its own (the model's cache dropped again first), on the same disk and matmul figures: the
+two sides of an inside/outside comparison measured back to back, with the ratio of their times.
 
 Nothing here asserts a time; tests/func/test_memory_limit.py checks that the figures add up.
 """
@@ -266,6 +270,19 @@ def measure(
     }
 
 
+def outside(found: dict, files: list[Path], env: dict | None = None) -> dict:
+    """``found`` (a ``measure`` inside a limit) with the same command run right after outside any
+    limit of its own, cold again, on the same disk and matmul figures: ``{"inside": ...,
+    "outside": ..., "time_ratio": inside wall / outside wall}``."""
+    for path in files:
+        drop_cache(path)
+    free = run_limited(found["command"], None, env)
+    rates = {k: v for k, v in found.items() if k not in free}
+    bound = max(found["read_bound_s"], found["compute_bound_s"])
+    free |= rates | {"bound_ratio": free["wall_s"] / bound if bound > 0 else None}
+    return {"inside": found, "outside": free, "time_ratio": found["wall_s"] / free["wall_s"]}
+
+
 def summary(r: dict) -> str:
     mb = 1 << 20  # MiB, the unit --limit and --memory count in
     limit = f"{r['limit_bytes'] / mb:.0f} MiB" if r["limit_bytes"] else "no limit"
@@ -298,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=["float32", "bfloat16"],
         help="the matmul rate's dtype: the job's numerics (its pre-run line says which)",
     )
+    p.add_argument(
+        "--outside",
+        action="store_true",
+        help="then run the command again outside any limit, back to back, and compare times",
+    )
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command")
     args = p.parse_args(argv)
@@ -316,9 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(found["output"], end="")
     print(summary(found))
+    rc = found["rc"]
+    if args.outside:
+        found = outside(found, args.files)
+        free = found["outside"]
+        print(free["output"], end="")
+        print("outside any limit: " + summary(free))
+        print(f"time inside / outside: {found['time_ratio']:.2f}x")
+        rc = rc or free["rc"]
     if args.json:
         args.json.write_text(json.dumps(found, indent=2) + "\n")
-    return 0 if found["rc"] == 0 else 1
+    return 0 if rc == 0 else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Where freed CPU blocks go: kept for reuse by default (``keep_freed_blocks``), returned at once
 under a budget (``return_freed_blocks``, for ``--memory`` or a cgroup's limit: ``core.budget``).
 
+Between the jobs of one process (a build's stages) ``release`` hands back what the last job left,
+and under a budget ``bound_shape_caches`` keeps the CPU math libraries' per-shape caches small.
+
 Both set glibc's mmap and trim thresholds: where memory sits changes, never a result. A no-op where
 the C library is not glibc (macOS, musl) or where the user has set glibc's malloc tunables.
 """
@@ -8,6 +11,7 @@ the C library is not glibc (macOS, musl) or where the user has set glibc's mallo
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
@@ -72,3 +76,34 @@ def trim() -> bool:
     if not glibc():
         return False
     return bool(ctypes.CDLL(None).malloc_trim(0))
+
+
+# Torch's bfloat16 matmuls on a CPU go through oneDNN, which keeps what it built for each shape in two
+# caches (oneDNN's primitive cache and ideep's LRU cache), 1024 entries each by default, and returns
+# nothing until the process ends: 60 shapes of a bf16 linear's forward and backward held 277 MiB
+# (15 MiB with 16 entries each). Every eval batch of another length is new shapes, and a build's next
+# stage inherited them all: with the README's build inside 700 MiB, the tune started 80 MiB and the
+# last eval 176 MiB above a fresh job's process, and the eval was OOM-killed. Within a job the
+# entries are reused (a tune's shapes repeat each step): 64 each cost a SmolLM2 tune step ~10%.
+SHAPE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+SHAPE_CACHE_ENTRIES = 64
+
+
+def bound_shape_caches() -> bool:
+    """Under a budget, before the process's first matmul (the libraries read these once): the
+    per-shape caches keep ``SHAPE_CACHE_ENTRIES`` each, unless the environment already sets
+    them; True when it set them."""
+    if any(k in os.environ for k in SHAPE_CACHES):
+        return False
+    for key in SHAPE_CACHES:
+        os.environ[key] = str(SHAPE_CACHE_ENTRIES)
+    return True
+
+
+def release() -> bool:
+    """After a job, before the next one in the same process (a build's stages): collect what
+    only reference cycles still hold (a tune's runner, ring and tokenizers stay alive until the
+    collector runs: with them, SmolLM2's tune stage left the eval after it 454 MiB anonymous, 338
+    without), then ``trim``; True when the trim returned pages."""
+    gc.collect()
+    return trim()

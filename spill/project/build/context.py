@@ -32,6 +32,13 @@ class BuildContext:
     work: Path = field(default_factory=Path)  # the derived input files, local
     track: TrackSpec | None = None  # the build's run in its trackers (spill.project.build.tracking)
 
+    def under_budget(self) -> bool:
+        """Whether its jobs run under a memory budget: ``engine.memory``, or a cgroup's limit
+        (``spill.engines.core.budget``)."""
+        from spill.engines.core.budget import resolve
+
+        return resolve(self.project.engine.budget).total is not None
+
     def output(self, name: str) -> Path:
         """Where a job writes a file of ``files/``: there directly on a local state."""
         here = location(self.root).on_disk("files", name)

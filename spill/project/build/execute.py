@@ -125,6 +125,10 @@ class Executor:
                 self.doc["stages"].pop(d.stage, None)
             elif d.action == "skip":
                 self._record(d.stage, "skipped")
+        if self.ctx.under_budget():  # before any job's first matmul: its stages share a process
+            from spill.engines.core import heap
+
+            heap.bound_shape_caches()
         with stops_at_once(), tempfile.TemporaryDirectory(prefix="spill-build-") as work:
             self.ctx.work = Path(work)
             for name, data in self.prepared.files().items():
@@ -160,6 +164,8 @@ class Executor:
         raise preempted(why, what, who="build") from None
 
     def _stage(self, d: Decision) -> None:
+        from spill.engines.core import heap
+
         note(f"== {d.stage}: {d.reason}")
         stage = get(d.stage)
         with critical():
@@ -185,6 +191,7 @@ class Executor:
                 self._record(d.stage, "stopped", **self._probe(d.stage))
             self.save()
             raise
+        heap.release()  # the next stage starts from what this job returned, not what it left
         with critical():
             if complete:
                 stage.publish(self.root, self.project.name)

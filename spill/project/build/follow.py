@@ -33,6 +33,7 @@ def context_of(ctx) -> dict:
 
 
 def follow(group: Group) -> dict:
+    from spill.engines.core import heap
     from spill.project.build.context import BuildContext
     from spill.project.build.stages import get
 
@@ -43,8 +44,11 @@ def follow(group: Group) -> dict:
             if kind == "context":
                 ctx = BuildContext(**value)
                 ctx.work = Path(work)
+                if ctx.under_budget():  # as rank 0 does before its first job
+                    heap.bound_shape_caches()
                 for name, data in ctx.prepared.files().items():
                     (ctx.work / name).write_bytes(data)
             else:
                 get(value.stage).execute(ctx, value.stop)
+                heap.release()  # as rank 0 does between its stages
     return {"rank": group.rank}
