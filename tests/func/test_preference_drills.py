@@ -90,6 +90,10 @@ def test_the_run_commits_its_reference_and_metrics(dpo):
     assert first["rewards/accuracies"] == 0.0
     assert got["losses"][0] == pytest.approx(np.log(2), abs=1e-12)
     assert got["metrics"][-1]["rewards/margins"] > 0
+    status = kit.run_tune(["status", dpo["state"]], kit.spill_env(dpo["home"]))
+    last = got["metrics"][-1]
+    shown = f"DPO reward accuracy {last['rewards/accuracies']:.3f}, margin {last['rewards/margins']:.3f}"
+    assert status.returncode == 0 and shown in status.stdout, status.stdout
 
 
 @pytest.mark.parametrize("case", range(3))

@@ -132,8 +132,17 @@ def progress(where: Location, doc: dict[str, Any]) -> str:
     place = Place(where)
     if (found := newest_commit(place)) is not None:
         step, state = found
-        total = (state.get("hyperparameters") or {}).get("steps", "?")
-        return f"step {step} of {total} committed, cursor {state.get('cursor', '?')}"
+        hyper = state.get("hyperparameters") or {}
+        line = (
+            f"step {step} of {hyper.get('steps', '?')} committed, cursor {state.get('cursor', '?')}"
+        )
+        last = (state.get("metrics") or [None])[-1]  # a preference tune's newest step
+        if isinstance(last, dict) and isinstance(last.get("rewards/accuracies"), int | float):
+            margin = last.get("rewards/margins")
+            line += f"; {str(hyper.get('method', '')).upper()} reward accuracy "
+            line += f"{last['rewards/accuracies']:.3f}"
+            line += f", margin {margin:.3f}" if isinstance(margin, int | float) else ""
+        return line
     if "rows" in doc["pointers"]:
         return f"{sum(int(m.get('count', 0)) for m in commit_markers(place))} rows committed"
     if "state" in doc["pointers"]:
