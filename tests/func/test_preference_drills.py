@@ -229,3 +229,16 @@ def test_dpo_on_a_quantized_base_stops_and_continues_exactly(dpo, tiny_models, t
     got = same_run(str(parts), str(whole))
     assert got["metrics"][0]["rewards/accuracies"] == 0.0  # the quantized base is the reference
     assert got["model"]["quantization"]["bits"] == 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="the mlx extra")
+def test_mlx_resident_writes_mlx_streamed_bits(dpo, tmp_path):
+    """MLX's kept-activation walk takes an objective its own way (a forward for the weights, then
+    one vjp); it must give the bits of its recompute walk, as for SFT."""
+    env = kit.spill_env(tmp_path / "home")
+    streamed, resident = tmp_path / "streamed", tmp_path / "resident"
+    mlx = {"engine": "mlx", "steps": 3, "stop_after": None}
+    assert kit.run_tune(argv(dpo["model"], dpo["train"], streamed, **mlx), env).returncode == 0
+    done = kit.run_tune(argv(dpo["model"], dpo["train"], resident, resident=True, **mlx), env)
+    assert done.returncode == 0 and "activations kept" in done.stderr, done.stderr
+    kit.assert_same_checkpoint(str(resident), str(streamed), step=3)
