@@ -108,3 +108,10 @@ def test_refusals_are_one_line(tmp_path):
     )
     assert "needs two different answers" in twice.stderr
     assert len(twice.stderr.strip().splitlines()) == 1
+
+
+def test_the_report_draws_the_rewards_and_scores_preference(built, tmp_path):
+    out = tmp_path / "report.html"
+    spill("report", str(built["project"]), "-o", str(out), home=built["home"])
+    page = out.read_text()
+    assert "rewards/accuracies" in page and "rewards/margins" in page and "prefers chosen" in page

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from spill import __version__
+from spill.project.report.series import REWARDS
 from spill.project.report.svg import Series, color, esc, line_chart, timeline
 
 STYLE = """
@@ -77,6 +78,32 @@ def loss_chart(runs: list[dict[str, Any]]) -> str:
     if not series:
         return '<p class="empty">no tune stage has committed a checkpoint yet</p>'
     return line_chart(series, title="loss", xlabel="step", ylabel="loss", chart="loss")
+
+
+def reward_charts(runs: list[dict[str, Any]]) -> str:
+    """A preference tune's reward accuracy and margin by step (TRL's names); nothing otherwise."""
+    out = []
+    for name in REWARDS:
+        series = []
+        for i, run in enumerate(runs):
+            values = ((run.get("losses") or {}).get("rewards") or {}).get(name) or []
+            prefix = f"{run['label']} " if len(runs) > 1 else ""
+            if values:
+                points = [(step + 1.0, y) for step, y in enumerate(values)]
+                series.append(Series(f"{prefix}{name}", points, color(i), group=run["name"]))
+        if series:
+            ylim = (0.0, 1.0) if name.endswith("accuracies") else None
+            out.append(
+                line_chart(
+                    series,
+                    title=name,
+                    xlabel="step",
+                    ylabel=name,
+                    ylim=ylim,
+                    chart=f"tune:{name}",
+                )  # fmt: skip
+            )
+    return "".join(out)
 
 
 def score_charts(report: dict[str, Any]) -> str:
@@ -182,6 +209,7 @@ def page(report: dict[str, Any]) -> str:
         _stages(report),
         "<h2 id='loss'>Loss</h2>",
         loss_chart(runs),
+        reward_charts(runs),
         "<h2 id='scores'>Scores</h2>",
         _scores_table(runs),
         sweep,

@@ -20,7 +20,11 @@ from spill.store.location import Location, location
 from spill.store.output import put_output
 
 FILE = "report.html"  # in the project folder, unless -o says otherwise
-SCORES = {"accuracy": "accuracy", "gold_logprob_per_token": "logprob/token"}
+SCORES = {
+    "accuracy": "accuracy",
+    "gold_logprob_per_token": "logprob/token",
+    "preference_accuracy": "prefers chosen",  # a preference project's (data.rejected)
+}
 BUILD = "build"  # the name of the project's own build, beside its sweep jobs
 
 
@@ -31,7 +35,11 @@ def _scores(recs: dict[str, Any]) -> dict[str, dict[str, float | None]]:
         rec = recs.get(stage.name) or {}
         if isinstance(stage, EvalStage) and rec.get("status") == "done":
             result = rec.get("result") or {}
-            out[stage.name] = {label: result.get(key) for key, label in SCORES.items()}
+            out[stage.name] = {
+                label: result.get(key)
+                for key, label in SCORES.items()
+                if key in result or key != "preference_accuracy"  # only a pairs project has it
+            }
     return out
 
 

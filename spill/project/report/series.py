@@ -17,6 +17,7 @@ from spill.project.build.stages import TUNE, Stage
 from spill.store.location import Location
 
 BARS = "▁▂▃▄▅▆▇█"
+REWARDS = ("rewards/accuracies", "rewards/margins")  # a preference tune's, as the report draws
 WIDTH = 40  # characters of a sparkline: longer series are averaged in buckets
 
 
@@ -27,8 +28,8 @@ def _number(x: Any) -> float | None:
 
 def losses(where: Location, stage: Stage = TUNE) -> dict[str, Any] | None:
     """``{"step": N, "train": [...], "valid": [[step, loss], ...]}`` of the tune stage's newest
-    committed checkpoint at the state location ``where`` (``valid`` only when it has one), or
-    None when it has no checkpoint."""
+    committed checkpoint at the state location ``where`` (``valid`` only when it has one; a
+    preference tune's ``rewards``: each of ``REWARDS`` by step), or None without a checkpoint."""
     found = newest_commit(stage.place(where))
     if found is None:
         return None
@@ -38,6 +39,12 @@ def losses(where: Location, stage: Stage = TUNE) -> dict[str, Any] | None:
         "step": step,
         "train": [_number(x) for x in raw] if isinstance(raw, list) else [],
     }
+    metrics = state.get("metrics")  # a preference tune's, one entry a step
+    if isinstance(metrics, list) and metrics:
+        out["rewards"] = {
+            k: [_number(m.get(k)) if isinstance(m, dict) else None for m in metrics]
+            for k in REWARDS
+        }
     valid = state.get("valid")
     if isinstance(valid, list) and valid:
         pairs = [p for p in valid if isinstance(p, list | tuple) and len(p) == 2]
