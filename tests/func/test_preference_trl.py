@@ -130,67 +130,61 @@ COMMON = dict(
 )
 
 
-def trl_dpo(folder, data, init, out):
+def train_with(trainer_class, args, folder, data, init):
+    """TRL's trainer on a PEFT model holding spill's initial adapter, reading the rows in spill's
+    order: (what its trainer recorded, its processed rows, the final adapter as spill names it)."""
     from torch.utils.data import SequentialSampler
 
-    seen = []
-
-    class Recording(trl.DPOTrainer):
+    class InOrder(trainer_class):
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
 
-        def _compute_loss(self, model, inputs, return_outputs):
-            got = super()._compute_loss(model, inputs, return_outputs)
-            loss = got[0] if return_outputs else got
-            m = self._metrics["train"]
-            seen.append({"loss": float(loss)} | {k: float(m[k][-1]) for k in REWARDS})
-            return got
-
     model, named = peft_model(folder, init)
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    trainer = InOrder(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(in_spill_order(data)),
+        processing_class=transformers.AutoTokenizer.from_pretrained(folder),
+        optimizers=optimizer(model),
+    )
+    processed = trainer.train_dataset
+    trainer.train()
+    return trainer.seen, processed, {n: named[peft_key(n)].detach().numpy().T for n in init}
+
+
+class RecordingDPO(trl.DPOTrainer):
+    """Each step's loss and reward metrics, unrounded, as TRL computed them."""
+
+    seen: list[dict] = []
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        got = super()._compute_loss(model, inputs, return_outputs)
+        loss = got[0] if return_outputs else got
+        m = self._metrics["train"]
+        self.seen.append({"loss": float(loss)} | {k: float(m[k][-1]) for k in REWARDS})
+        return got
+
+
+def trl_dpo(folder, data, init, out):
     args = trl.DPOConfig(
         output_dir=str(out), loss_type=["sigmoid"], gradient_checkpointing=False, **COMMON
     )
-    trainer = Recording(
-        model=model,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(in_spill_order(data)),
-        processing_class=tok,
-        optimizers=optimizer(model),
-    )
-    processed = trainer.train_dataset
-    trainer.train()
-    return seen, processed, {n: named[peft_key(n)].detach().numpy().T for n in init}
+    RecordingDPO.seen = []
+    return train_with(RecordingDPO, args, folder, data, init)
 
 
 def trl_orpo(folder, data, init, out):
-    from torch.utils.data import SequentialSampler
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    seen = []
-
-    class Recording(ORPOTrainer):
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
+    class RecordingORPO(ORPOTrainer):
+        seen: list[dict] = []
 
         def get_batch_loss_metrics(self, model, batch, train_eval="train"):
             loss, metrics = super().get_batch_loss_metrics(model, batch, train_eval)
-            seen.append({"loss": float(loss)} | {k: float(metrics[k]) for k in REWARDS})
+            self.seen.append({"loss": float(loss)} | {k: float(metrics[k]) for k in REWARDS})
             return loss, metrics
 
-    model, named = peft_model(folder, init)
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    args = ORPOConfig(output_dir=str(out), **COMMON)
-    trainer = Recording(
-        model=model,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(in_spill_order(data)),
-        processing_class=tok,
-        optimizers=optimizer(model),
-    )
-    processed = trainer.train_dataset
-    trainer.train()
-    return seen, processed, {n: named[peft_key(n)].detach().numpy().T for n in init}
+    return train_with(RecordingORPO, ORPOConfig(output_dir=str(out), **COMMON), folder, data, init)
 
 
 @pytest.mark.parametrize("method", ["dpo", "orpo"])
@@ -234,7 +228,9 @@ def test_preference_tune_matches_trl_step_by_step(method, tiny_models, tmp_path)
     # the validation loss on held-out pairs, recomputed by PEFT from spill's exported adapter
     pairs = load_pairs(valid, Tokenizer(folder), SEQ, bos=method == "orpo")
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "state" / "adapter" / "peft")).eval()
+    model = peft.PeftModel.from_pretrained(
+        base, str(tmp_path / "state" / "adapter" / "peft")
+    ).eval()
     [(step, loss)] = state["valid"]
     assert step == STEPS
     assert abs(loss - hf_valid_loss(model, pairs, method)) <= TOLERANCE
@@ -250,12 +246,14 @@ def hf_token_logps(model, ids: np.ndarray) -> torch.Tensor:
 
 def hf_valid_loss(model, pairs, method: str, beta: float = 0.1) -> float:
     scored = [[hf_token_logps(model, s) for s in (q.chosen, q.rejected)] for q in pairs]
-    sums = torch.tensor([[lp[q.prompt - 1 :].sum() for lp in two] for q, two in zip(pairs, scored)])
+    sums = torch.tensor(
+        [[lp[q.prompt - 1 :].sum() for lp in two] for q, two in zip(pairs, scored, strict=True)]
+    )
     if method == "dpo":
         with model.disable_adapter():
             ref = [[hf_token_logps(model, s) for s in (q.chosen, q.rejected)] for q in pairs]
         refs = torch.tensor(
-            [[lp[q.prompt - 1 :].sum() for lp in two] for q, two in zip(pairs, ref)]
+            [[lp[q.prompt - 1 :].sum() for lp in two] for q, two in zip(pairs, ref, strict=True)]
         )
         z = beta * ((sums[:, 0] - refs[:, 0]) - (sums[:, 1] - refs[:, 1]))
         return float(-torch.nn.functional.logsigmoid(z).mean())
