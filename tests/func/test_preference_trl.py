@@ -36,6 +36,15 @@ STEPS, PAIRS, SEED, SEQ = 10, 2, 5, 64
 LR, WD = 5e-3, 0.01
 LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.0, targets=ALL_LINEAR)
 TOLERANCE = 1e-5
+# Measured here (AMD EPYC): loss 1.6e-6, rewards 5e-6, adapters 2.2e-6 at most. A reward is beta x
+# a sum of ~50 token log-probs, so another CPU's float32 rounding may move it by about as much
+# again: 1e-6 of the value is allowed beside the 1e-5 (as the merged exports' check does).
+
+
+def near(value: float) -> float:
+    return TOLERANCE + 1e-6 * abs(value)
+
+
 WORDS = "red green blue cat dog sun moon tree sky river stone bird".split()
 
 
@@ -217,11 +226,19 @@ def test_preference_tune_matches_trl_step_by_step(method, tiny_models, tmp_path)
     for step, (trl_step, loss, metrics) in enumerate(
         zip(seen, state["losses"], state["metrics"], strict=True)
     ):
-        assert abs(loss - trl_step["loss"]) <= TOLERANCE, (step, loss, trl_step)
+        assert abs(loss - trl_step["loss"]) <= near(loss), (step, loss, trl_step)
         for k in REWARDS:
-            assert abs(metrics[k] - trl_step[k]) <= TOLERANCE, (step, k, metrics[k], trl_step[k])
+            assert abs(metrics[k] - trl_step[k]) <= near(metrics[k]), (step, k, metrics, trl_step)
     gaps = {n: float(np.abs(got["params"][n] - theirs[n]).max()) for n in theirs}
     assert max(gaps.values()) <= TOLERANCE, sorted(gaps.items(), key=lambda kv: -kv[1])[:3]
+    loss_gap = max(abs(a - b["loss"]) for a, b in zip(state["losses"], seen, strict=True))
+    reward_gap = max(
+        abs(m[k] - b[k]) for m, b in zip(state["metrics"], seen, strict=True) for k in REWARDS
+    )
+    print(
+        f"{method} against TRL over {STEPS} steps: loss {loss_gap:.2g}, rewards {reward_gap:.2g}, "
+        f"adapter {max(gaps.values()):.2g} (largest absolute differences)"
+    )
     # it learned something: the last step prefers the chosen answers more than the first did
     assert state["metrics"][-1]["rewards/margins"] > state["metrics"][0]["rewards/margins"]
 
