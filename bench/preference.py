@@ -23,7 +23,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.tune import PY, REPO, _rss_mb, env_for, load_average, model_folder  # noqa: E402
+from bench.tune import REPO, _rss_mb, env_for, load_average, model_folder  # noqa: E402
+from bench.tune import run_worker as worker  # noqa: E402
 
 PAIRS, LENGTH, PROMPT, RANK, ALPHA, LR, BETA = 4, 128, 64, 16, 32, 1e-4, 0.1
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -140,17 +140,6 @@ def trl_worker(spec: dict) -> dict:
     }
 
 
-def run_worker(kind: str, spec: dict, env: dict) -> dict:
-    proc = subprocess.run(
-        [PY, __file__, "_" + kind, json.dumps(spec)], env=env, capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{kind} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["prerun"] = [ln for ln in proc.stderr.splitlines() if ln.startswith("spill tune")]
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -176,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             kind, spec = sides[name]
             state = a.home / "state" / f"pref-{name.replace(' ', '-')}-{r}"
             shutil.rmtree(state, ignore_errors=True)
-            got = run_worker(kind, spec | {"state": str(state)}, env)
+            got = worker(kind, spec | {"state": str(state)}, env, __file__)
             got["load_average"] = load_average()
             results[name].append(got)
             print(

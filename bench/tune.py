@@ -128,9 +128,10 @@ def env_for(home: Path, threads: int | None, pythonpath: Path) -> dict[str, str]
     return env
 
 
-def run_worker(kind: str, spec: dict, env: dict) -> dict:
+def run_worker(kind: str, spec: dict, env: dict, script: str = __file__) -> dict:
+    """``script``'s worker ``kind`` in a fresh process; its JSON result and pre-run lines."""
     proc = subprocess.run(
-        [PY, __file__, "_" + kind, json.dumps(spec)], env=env, capture_output=True, text=True
+        [PY, script, "_" + kind, json.dumps(spec)], env=env, capture_output=True, text=True
     )
     if proc.returncode != 0:
         raise SystemExit(f"{kind} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
