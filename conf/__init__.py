@@ -26,6 +26,7 @@ BASE = {
     "teacher": "none",
     "engine": "auto",
     "export": "none",
+    "data": "default",  # file, input and output are the project's (???); the later keys' defaults
 }
 
 
@@ -46,5 +47,6 @@ def option(group: str, name: str) -> dict[str, Any]:
 
 
 def defaults(group: str) -> dict[str, Any]:
-    """Every setting of ``group`` (model, tune, eval, teacher, engine, export) with its shipped default."""
+    """Every setting of ``group`` (model, tune, eval, teacher, engine, export, data) with its
+    shipped default (``???``: the project must give it)."""
     return option(group, BASE[group])
