@@ -30,7 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.tune import REPO, _rss_mb, env_for, load_average, model_folder  # noqa: E402
+from bench.tune import (  # noqa: E402
+    REPO,
+    _rss_mb,
+    env_for,
+    load_average,
+    model_folder,
+    timed_tune,  # noqa: E402
+)
 from bench.tune import run_worker as worker  # noqa: E402
 
 PAIRS, LENGTH, PROMPT, RANK, ALPHA, LR, BETA = 4, 128, 64, 16, 32, 1e-4, 0.1
@@ -60,17 +67,7 @@ def pairs_file(path: Path, folder: Path) -> tuple[Path, int]:
 
 def spill_worker(spec: dict) -> dict:
     import spill
-    from spill import cli
-    from spill.engines.core import train
 
-    ends: list[float] = []
-    apply = train.StreamTrainer.apply
-
-    def timed(self, opt):
-        apply(self, opt)
-        ends.append(time.perf_counter())
-
-    train.StreamTrainer.apply = timed
     steps = spec["steps"]
     args = ["tune", spec["model"], spec["train"], "--name", "bench", "--state", spec["state"]]
     args += ["--method", "dpo", "--beta", str(BETA), "--steps", str(steps)]
@@ -78,8 +75,7 @@ def spill_worker(spec: dict) -> dict:
     args += ["--targets", "all", "--dropout", "0", "--lr", str(LR), "--warmup", "0"]
     args += ["--batch", str(PAIRS), "--micro-batch", str(PAIRS), "--seq-len", str(LENGTH)]
     args += ["--seed", "0", "--dtype", "float32", *spec["flags"]]
-    code = cli.main(args)
-    assert code == 0, f"spill tune exited {code}"
+    ends = timed_tune(args)
     assert len(ends) == steps
     return {
         "spill": spill.__file__,

@@ -55,8 +55,9 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def spill_worker(spec: dict) -> dict:
-    import spill
+def timed_tune(args: list[str]) -> list[float]:
+    """``spill tune ARGS`` in this process (``spill.cli.main``); when each optimizer update
+    ended (``StreamTrainer.apply`` wrapped with a timer)."""
     from spill import cli
     from spill.engines.core import train
 
@@ -68,14 +69,21 @@ def spill_worker(spec: dict) -> dict:
         ends.append(time.perf_counter())
 
     train.StreamTrainer.apply = timed
+    code = cli.main(args)
+    assert code == 0, f"spill tune exited {code}"
+    return ends
+
+
+def spill_worker(spec: dict) -> dict:
+    import spill
+
     steps = spec["steps"]
     args = ["tune", spec["model"], spec["train"], "--name", "bench", "--state", spec["state"]]
     args += ["--steps", str(steps), "--ckpt-every", str(steps), "--rank", str(RANK)]
     args += ["--alpha", str(ALPHA), "--targets", "all", "--dropout", "0", "--lr", str(LR)]
     args += ["--warmup", "0", "--batch", str(ROWS), "--micro-batch", str(ROWS)]
     args += ["--seq-len", str(LENGTH), "--seed", "0", *spec["flags"]]
-    code = cli.main(args)
-    assert code == 0, f"spill tune exited {code}"
+    ends = timed_tune(args)
     assert len(ends) == steps
     return {
         "spill": spill.__file__,

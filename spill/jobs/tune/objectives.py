@@ -15,7 +15,6 @@ import numpy as np
 from spill.engines.base import TrainBatch
 from spill.jobs.tune.pairs import PairBatch
 
-METHODS = ("sft", "dpo", "orpo")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 STATS = {
     "dpo": (*REWARDS, "logps/chosen", "logps/rejected"),
@@ -56,6 +55,13 @@ class Pairwise:
         return self.batch.answer[rows, cols + 1].astype(np.float64)
 
 
+def answer_logps(batch: PairBatch, ce, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """(2P,) float64: each sequence's answer log-prob summed from the targets' cross-entropies;
+    the one sum DPO's policy and its reference both take, so at a zero adapter they are equal."""
+    on = batch.answer[rows, cols + 1].astype(np.float64)
+    return -np.bincount(rows, weights=np.asarray(ce, np.float64) * on, minlength=2 * batch.pairs)
+
+
 class Dpo(Pairwise):
     method = "dpo"
 
@@ -66,7 +72,7 @@ class Dpo(Pairwise):
     def __call__(self, ce: np.ndarray, rows: np.ndarray, cols: np.ndarray):
         p, beta = self.batch.pairs, self.beta
         on = self._answers(rows, cols)
-        logps = -self._sums(np.asarray(ce, np.float64), rows, on)
+        logps = answer_logps(self.batch, ce, rows, cols)
         chosen, rejected = logps[:p] - self.refs[:, 0], logps[p:] - self.refs[:, 1]
         z = beta * (chosen - rejected)
         loss = float(-_logsigmoid(z).mean() * self.share)
@@ -117,8 +123,5 @@ def batch_reference(trainer, batch: PairBatch) -> np.ndarray:
     off), from the trainer's own forward of this very micro-batch (``Trainer.token_losses``),
     summed as ``Dpo`` sums; so at a zero adapter (step 1) every reward is exactly 0, as in TRL."""
     ce = trainer.token_losses(TrainBatch(batch.tokens, batch.attention, batch.targets, 1.0, 0))
-    rows, cols = np.nonzero(batch.targets[:, 1:])
-    on = batch.answer[rows, cols + 1].astype(np.float64)
-    p = batch.pairs
-    logps = -np.bincount(rows, weights=np.asarray(ce, np.float64) * on, minlength=2 * p)
-    return np.stack([logps[:p], logps[p:]], axis=1)
+    logps = answer_logps(batch, ce, *np.nonzero(batch.targets[:, 1:]))
+    return np.stack([logps[: batch.pairs], logps[batch.pairs :]], axis=1)
