@@ -8,7 +8,8 @@ per-head q/k norms and, in ``qwen3-windowed``, ``attention_bias`` and sliding la
 NoPE layer between rotary ones; Ministral 3 YaRN and query scaling past its original 16
 positions; and Qwen2's ``use_sliding_window``, which spill now honours too.
 ``MLX_LM`` names a variant of each family that mlx-lm runs as transformers does, and
-``for_mlx_lm`` adds the config.json keys mlx-lm reads. ``make_vision`` wraps the Gemma 3 text
+``for_mlx_lm`` adds the config.json keys mlx-lm reads; ``STORED`` each family in bfloat16 shards
+with its head tied the other way. ``make_vision`` wraps the Gemma 3 text
 model in a ``gemma3`` (vision) folder. Weights are drawn wider than transformers' initializer and every norm weight is moved off 1, so
 greedy picks are clear and the q/k norm weights matter.
 """
@@ -121,15 +122,31 @@ MLX_LM = {
     ),
     "ministral3": VARIANTS["ministral3"],
 }
+# each family once more, stored as people download it: bfloat16, in several shards, with the head
+# tied the other way from its VARIANTS entry (Mistral tied, SmolLM3 and Gemma 3 untied: ties no
+# float32 variant has); make(..., dtype="bfloat16", max_shard_size=SHARD)
+TIES = {"qwen3": True, "mistral": True, "smollm3": False, "gemma3": False}
+TIES |= {"phi3": True, "ministral3": True}
+STORED = {
+    v: (VARIANTS[v][0], {**VARIANTS[v][1], "tie_word_embeddings": t}) for v, t in TIES.items()
+}
+SHARD = "40KB"  # the bfloat16 embedding alone is 40 KiB: 6-10 files a model
 CONFIGS = {"Gemma3": "Gemma3TextConfig"}  # a config class not named <name>Config
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def make(
-    variant: str, folder: Path, tokenizer_from: Path, seed: int = 0, spec: tuple | None = None
+    variant: str,
+    folder: Path,
+    tokenizer_from: Path,
+    seed: int = 0,
+    spec: tuple | None = None,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
 ) -> Path:
     """Save the ``variant`` model (or ``spec``: a (class name, config keys) pair as VARIANTS
-    holds), float32, into ``folder`` beside a copy of the tokenizer."""
+    holds), float32 or ``dtype``, in shards of ``max_shard_size`` if given, into ``folder``
+    beside a copy of the tokenizer."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     name, extra = spec or VARIANTS[variant]
@@ -146,7 +163,9 @@ def make(
                 p.add_(torch.randn_like(p) * 0.2)
             elif key.endswith(".bias"):
                 p.copy_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
+    model = model.to(getattr(torch, dtype))
+    shards = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **shards)
     for f in TOKENIZER:
         shutil.copy(tokenizer_from / f, folder / f)
     return folder
