@@ -9,7 +9,6 @@ import pytest
 
 from spill.errors import StoreError
 from spill.store import fs
-from spill.store.output import put_output
 
 
 def test_atomic_local_write_leaves_no_temp_litter(tmp_path):
@@ -102,34 +101,6 @@ def test_a_rename_never_replaces_what_is_not_a_regular_file(tmp_path, kind):
     assert stat.S_IFMT(after.st_mode) == stat.S_IFMT(before.st_mode)
     assert after.st_ino == before.st_ino
     assert os.listdir(tmp_path) == ["node"]  # no temporary left beside it
-
-
-def test_an_output_is_written_into_a_fifo_and_a_character_device(tmp_path):
-    import stat
-    import threading
-
-    fifo = tmp_path / "pipe"
-    os.mkfifo(fifo)
-    got = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
-    reader.start()
-    put_output(str(fifo), b"line 1\nline 2\n")
-    reader.join(timeout=30)
-    assert got == [b"line 1\nline 2\n"] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
-    null = tmp_path / "null"
-    _node(null, "chardev")
-    put_output(str(null), b"gone")
-    assert stat.S_ISCHR(os.lstat(null).st_mode) and sorted(os.listdir(tmp_path)) == ["null", "pipe"]
-
-
-def test_an_output_through_a_link_replaces_its_target_and_keeps_the_link(tmp_path):
-    (tmp_path / "real.jsonl").write_bytes(b"old")
-    os.symlink("real.jsonl", tmp_path / "link.jsonl")
-    put_output(str(tmp_path / "link.jsonl"), b"new")
-    assert os.readlink(tmp_path / "link.jsonl") == "real.jsonl"
-    assert (tmp_path / "real.jsonl").read_bytes() == b"new"
-    with pytest.raises(StoreError, match="is a folder, not a file"):
-        put_output(str(tmp_path), b"x")
 
 
 def test_what_a_killed_local_writer_left_is_removed(tmp_path):
