@@ -55,7 +55,7 @@ def _writer(args):
     return Writer(args.state, args.lease, args.wait, tuple(getattr(args, "argv", ())))
 
 
-def _row_options(args):
+def _row_options(args, writer=None):
     from spill.jobs.rows.job import RowOptions
     from spill.models.quant import spec_of
 
@@ -63,7 +63,7 @@ def _row_options(args):
         batch=args.batch,
         engine=engine_settings(args),
         weights=args.weights,
-        writer=_writer(args),
+        writer=writer or _writer(args),
         quantize=spec_of(model_settings(args)),
     )
 
@@ -149,8 +149,8 @@ def cmd_eval(args) -> int:
         adapter=Path(args.adapter) if args.adapter else None,
     )
     out = Path(args.out) if args.out else None
-    logs = _eval_tracking(args)
-    result = evaluate(args.model, Path(args.input), out, opts, _row_options(args))
+    logs = _eval_tracking(args, writer := _writer(args))
+    result = evaluate(args.model, Path(args.input), out, opts, _row_options(args, writer))
     if logs is not None:
         from spill.jobs.track import log_scores
 
@@ -160,9 +160,10 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _eval_tracking(args):
+def _eval_tracking(args, writer):
     """``spill eval --log``: its scores as one run of the experiment ``spill-eval``, named
-    by model and input; keyed by ``--state`` (a rerun logs nothing twice), else a new run."""
+    by model and input; keyed by ``--state`` (``writer.state``, parsed: a rerun logs nothing
+    twice), else a new run."""
     if not args.log:
         return None
     import uuid
@@ -173,7 +174,7 @@ def _eval_tracking(args):
     run = f"{Path(args.model).name} on {Path(args.input).name}" + (
         f" with {Path(args.adapter).name}" if args.adapter else ""
     )
-    logdir = logdir_for(args.state, run)[0] if args.state else None
+    logdir = logdir_for(writer.state, run)[0] if writer.state else None
     params = {"model.name": args.model, "input": args.input, "adapter": args.adapter}
     key = f"eval#{args.state}" if args.state else f"eval#{uuid.uuid4().hex}"
     return TrackSpec(args.log, "spill-eval", run, params, logdir=logdir, key=key)

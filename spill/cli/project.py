@@ -14,6 +14,7 @@ from pathlib import Path
 
 from spill.cli.options import Replay, authority_options, engine_options, engine_overrides
 from spill.errors import UsageError
+from spill.store.location import location
 
 
 def _overrides(args) -> list[str]:
@@ -140,11 +141,14 @@ def cmd_build(args) -> int:
 
 
 def _at_uri(args) -> None:
-    """A project at a URI (``spill move`` put it there) is read from a local working copy, with
-    its state at ``<URI>/.spill``; file:///p is the folder /p (``spill.project.remote.locate``)."""
+    """``DIR`` and ``--state`` parsed, here, once: a project at a URI (``spill move`` put it
+    there) is read from a local working copy, with its state at ``<URI>/.spill``; file:///p is
+    the folder /p (``spill.project.remote.locate``)."""
     from spill.project.remote import locate
 
-    args.dir, args.state = locate(args.dir, args.state, build=args.command == "build")
+    given = location(args.dir)
+    state = location(args.state) if args.state else None
+    args.dir, args.state = locate(given, state, build=args.command == "build")
 
 
 def _writer(args):

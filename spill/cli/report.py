@@ -41,7 +41,8 @@ def command(args: argparse.Namespace) -> int:
     from spill.project.report.status import is_state
 
     given = location(args.dir)  # the project (or state) and --state are parsed here, once
-    args.dir, args.state = locate(given, args.state, build=False)
+    state = location(args.state) if args.state else None
+    args.dir, args.state = locate(given, state, build=False)
     out = args.out
     # a state location (not a project at a URI, checked out to args.dir): its build, read as is
     if args.state is None and args.dir == given.plain and is_state(given.plain):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from spill.cli.options import JOB_VERBS, Replay, engine_argv
 from spill.console import note
 from spill.errors import StoreError
-from spill.store.location import Location, location
+from spill.store.location import Location
 
 BUILD_VERBS = ("build", "resume")
 
@@ -46,14 +46,15 @@ def _extra(args) -> list[str]:
     return out
 
 
-def replay(where: Location | str, args, project_dir: Callable[[list[str]], str]) -> Replay:
-    """The command that continues the run at state location ``where``; see the module doc.
-    ``project_dir(argv)``: the project folder a recorded build or resume names."""
+def replay(where: Location, args, project_dir: Callable[[list[str]], str]) -> Replay:
+    """The command that continues the run at state location ``where`` (``spill resume``'s DIR,
+    as the command line parsed it); see the module doc. ``project_dir(argv)``: the project
+    folder a recorded build or resume names."""
     from spill.control.keys import current
     from spill.jobs.authority import read_command
     from spill.project.report.status import progress
 
-    where = location(where).absolute  # parsed here, once (file:///p is the path /p)
+    where = where.absolute  # file:///p is the path /p
     doc = current(where)
     if doc is None:
         raise StoreError(f"nothing to resume at {where}: it holds no run")

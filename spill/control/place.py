@@ -46,7 +46,8 @@ class Place:
     With a ``run`` it can allocate payloads and publish; without one it only reads the current
     control object (status, probes)."""
 
-    # text is parsed here: a build's stages and their followers name the state as text
+    # spill hands it a Location (a build's followers get theirs pickled whole); text, a test's, is
+    # parsed here
     def __init__(self, state: Location | str, prefix: str = "", run: Run | None = None):
         self.state, self.prefix, self.run = location(state), prefix.strip("/"), run
         self._doc: dict[str, Any] | None = None

@@ -20,6 +20,7 @@ from spill.jobs.producer import os_name
 from spill.project.build import record
 from spill.project.build.stages import EVAL, EVAL_BASE, TUNE, RowStage
 from spill.store.fs import exists, get_bytes, join
+from spill.store.location import Location, location
 
 SCORE = "accuracy"
 WHO = ("engine", "machine", "os")  # what a leg record and a producer must agree on
@@ -68,7 +69,7 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def tune_ledger(root: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+def tune_ledger(root: Location) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The newest committed tune checkpoint's state and its producer ranges."""
     from spill.payloads.newest import newest_commit
 
@@ -96,7 +97,7 @@ def steps_once(ckpt: dict[str, Any] | None, ranges: list[dict[str, Any]], steps:
     return ""
 
 
-def row_ledger(root: str, stage: RowStage) -> list[dict[str, Any]]:
+def row_ledger(root: Location, stage: RowStage) -> list[dict[str, Any]]:
     """The commit markers of a row stage's committed segments (row ids and producer each)."""
     from spill.payloads.rows import commit_markers
 
@@ -116,7 +117,7 @@ def rows_once(markers: list[dict[str, Any]], ids: list[Any]) -> str:
     return "; ".join(parts)
 
 
-def _test_ids(root: str, stage: RowStage) -> list[Any]:
+def _test_ids(root: Location, stage: RowStage) -> list[Any]:
     data = get_bytes(join(root, "files", stage.reads)).decode()
     return [json.loads(line)["id"] for line in data.splitlines() if line.strip()]
 
@@ -144,7 +145,7 @@ def check(
 
     ``reference``: the reference build's ``spill status --json``; ``legs``: what ran legs ``a``
     and ``b``; ``floor``: the noise-floor JSON; ``stop``: the step leg ``a`` stopped at."""
-    where = join(relay_root, STATE_DIR)
+    where = location(relay_root).join(STATE_DIR)  # the command line's text, parsed once
     doc = record.read(where) if exists(where) else None
     ref, got = reference.get("stages") or {}, (doc or {}).get("stages") or {}
     from spill.project.report.status import run_view

@@ -24,6 +24,7 @@ from spill.ground.validate import validate
 from spill.models.lora import KNOWN, MODULES, LoraConfig, export_mlx, export_peft
 from spill.models.provenance import describe_base
 from spill.store.fs import join, put_bytes, remove
+from spill.store.location import Location
 
 ADAPTER = "adapter"
 SCHEMA_VERSION = 1
@@ -147,7 +148,7 @@ def write_local(
 # Everything is first written to a local temporary folder by the exporters, then published file by
 # file through the store, so an ``s3://`` state gets the same tree as a local one.
 def publish_adapter(
-    root: str,
+    root: Location,
     params,
     lora: LoraConfig,
     model: str,

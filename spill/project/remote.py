@@ -22,20 +22,21 @@ from spill.store.location import Location, location
 from spill.store.snapshot import project_files
 
 
-def locate(where: Location | str, state: str | None, *, build: bool) -> tuple[str, Location | None]:
-    """(the project folder or state location a command reads, its ``--state``): file:///p is
-    the folder /p (Hydra's sweep folder too); a project at a URI is checked out, its state at
-    ``<URI>/.spill`` unless given; a state location is kept as it is, except by ``build``
-    (resume and status take those)."""
-    given = location(where)  # parsed here (or by the caller), once
-    state = location(state).plain if state else None
-    where = str(given.plain)  # a folder, as Hydra and Path take it
-    if given.on_disk() is not None or not build and is_state(given.plain):
+def locate(
+    given: Location, state: Location | None, *, build: bool
+) -> tuple[Location, Location | None]:
+    """(the project folder or state location a command reads, its ``--state``), from ``DIR``
+    and ``--state`` as the command line parsed them: file:///p is the folder /p (Hydra's sweep
+    folder too); a project at a URI is checked out, its state at ``<URI>/.spill`` unless given;
+    a state location is kept as it is, except by ``build`` (resume and status take those)."""
+    state = state.plain if state else None
+    where = given.plain  # a folder, as Hydra and Path take it
+    if given.on_disk() is not None or not build and is_state(where):
         return where, state  # a local folder, or a state location
     if not exists(given.join("spill.yaml")):
         raise UsageError(f"{where} holds no spill.yaml; give a project's location")
     local, there = checkout(given)
-    return str(local), state or there
+    return location(local), state or there
 
 
 def checkout(uri: Location) -> tuple[Path, Location]:

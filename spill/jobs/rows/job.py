@@ -32,6 +32,7 @@ from spill.models.quant import Spec
 from spill.models.sources.quantize import identity as quantization_identity
 from spill.settings import EngineSettings
 from spill.store import drill
+from spill.store.location import Location
 
 Record = dict[str, Any]
 Compute = Callable[[list[Any]], list[Record]]
@@ -55,7 +56,7 @@ class RowOptions:
     quantize: Spec | None = None  # the model's quantized copy instead (None: its float weights)
 
     @property
-    def state(self) -> str | None:
+    def state(self) -> Location | None:
         return self.writer.state
 
 
@@ -129,7 +130,9 @@ def job_inputs(input_path: Path, model: str, adapter: Path | None = None) -> lis
 # An ``--out`` (or a local ``--state``) that is one of the job's inputs (the rows, an adapter's
 # files, a local model folder's files) would destroy it, so it is a usage error (exit 2) before
 # anything is read or run.
-def refuse_overlap(inputs: list[tuple[Path, str]], out: Path | None, state: str | None) -> None:
+def refuse_overlap(
+    inputs: list[tuple[Path, str]], out: Path | None, state: Location | None
+) -> None:
     """A usage error when ``--out`` or a local ``--state`` is one of ``inputs`` or each other."""
     from spill.store.disk import same_file
 

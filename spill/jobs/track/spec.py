@@ -20,7 +20,7 @@ from typing import Any
 from spill.errors import SpillError
 from spill.ground.paths import spill_home
 from spill.settings import TRACKERS
-from spill.store.location import Location, location
+from spill.store.location import Location
 
 EXTRA = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # kind -> the package it imports
 
@@ -64,11 +64,10 @@ def check(kinds: tuple[str, ...] | list[str]) -> None:
             ) from None
 
 
-def logdir_for(state: Location | str, name: str) -> tuple[str, bool]:
+def logdir_for(state: Location, name: str) -> tuple[str, bool]:
     """A bare job's TensorBoard folder: ``<state>/tensorboard`` when the state is local, else
-    ``$SPILL_HOME/tensorboard/<name>`` on this machine (True: it is not beside the state). Text
-    (``spill tune --state`` on the command line, for the folder it prints) is parsed here."""
-    if (beside := location(state).on_disk("tensorboard")) is not None:
+    ``$SPILL_HOME/tensorboard/<name>`` on this machine (True: it is not beside the state)."""
+    if (beside := state.on_disk("tensorboard")) is not None:
         return str(Path(beside)), False
     return str(spill_home() / "tensorboard" / name), True
 

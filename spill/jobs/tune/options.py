@@ -76,5 +76,5 @@ class TuneOptions:
             self.track.check()  # a missing tracker package fails before the model loads
 
 
-def state_root(name: str, state: str | None) -> Location:
+def state_root(name: str, state: Location | None) -> Location:
     return location(state or str(spill_home() / "jobs" / name))

@@ -21,7 +21,7 @@ from spill.project.build import record
 from spill.project.build.stages import STAGES, get
 from spill.project.build.stages import finished as every_stage_finished
 from spill.store.fs import listdir
-from spill.store.location import location
+from spill.store.location import Location, location
 
 KNOWN = {"runs", "payloads", "command.json", "stages", "files", "adapters", "sweep", "hydra"}
 
@@ -48,7 +48,7 @@ def _done_plan(doc: dict) -> list[dict[str, str]]:
     return out
 
 
-def finished(doc: dict | None, key: str, root: Path, state_root: str) -> bool:
+def finished(doc: dict | None, key: str, root: Path, state_root: Location) -> bool:
     """Whether the recorded build is complete, nothing it was made from has changed and every
     stage's outputs are still what it recorded (``Stage.problem``: stats, a hash only for a
     file whose mtime moved)."""
@@ -160,7 +160,7 @@ def with_engine(project, engine: tuple[str, ...]):
     return dataclasses.replace(project, engine=dataclasses.replace(project.engine, **values))
 
 
-def check_location(project, doc: dict | None, root: str) -> None:
+def check_location(project, doc: dict | None, root: Location) -> None:
     """A state location holds one project's build; anything else there is refused."""
     if doc is not None:
         theirs = doc["project"]
@@ -203,7 +203,7 @@ def prepare(project):
 
 def reconcile(
     project,
-    state_root: str,
+    state_root: Location,
     key: str,
     doc: dict | None,
     stop=None,
@@ -309,7 +309,7 @@ def _changes(ctx, doc, decisions) -> bool:
     return any(doc.get(k) != v for k, v in _record(ctx).items())
 
 
-def _plan(project, specs, state_root: str, doc: dict | None, stop) -> list:
+def _plan(project, specs, state_root: Location, doc: dict | None, stop) -> list:
     from spill.project.build.plan import plan
     from spill.project.build.specs import check_model_name
 

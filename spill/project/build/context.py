@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from spill.store.disk import local_copy, put_file
 from spill.store.fs import get_bytes, join
-from spill.store.location import location
+from spill.store.location import Location
 
 if TYPE_CHECKING:
     from spill.control.control import Ownership
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 @dataclass
 class BuildContext:
     project: Project
-    root: str  # the state location
+    root: Location  # the state location, parsed
     prepared: Prepared
     data_sha: str  # the data file's sha256 when the build read it
     key: str  # the compose key of the config being built
@@ -41,7 +41,7 @@ class BuildContext:
 
     def output(self, name: str) -> Path:
         """Where a job writes a file of ``files/``: there directly on a local state."""
-        here = location(self.root).on_disk("files", name)
+        here = self.root.on_disk("files", name)
         return Path(here) if here is not None else self.work / name
 
     def publish(self, path: Path) -> None:

@@ -25,7 +25,7 @@ def context_of(ctx) -> dict:
     """What the other ranks need of rank 0's ``BuildContext`` to run its jobs."""
     return {
         "project": ctx.project,
-        "root": str(ctx.root),  # a Location does not pickle
+        "root": ctx.root,  # a Location, pickled whole
         "prepared": ctx.prepared,
         "data_sha": ctx.data_sha,
         "key": ctx.key,

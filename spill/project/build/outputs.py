@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from spill.errors import StoreError
 from spill.store.fs import exists, files_under, get_bytes, join, put_bytes, stat
+from spill.store.location import Location
 
 if TYPE_CHECKING:
     from spill.control.place import Place
@@ -28,7 +29,7 @@ def _files(uri: str) -> list[str]:
     return [f for f in files_under(uri) if not any(part.startswith(".") for part in f.split("/"))]
 
 
-def record(root: str, where: str) -> dict[str, dict[str, Any]]:
+def record(root: Location, where: str) -> dict[str, dict[str, Any]]:
     """What ``state.json`` keeps about the outputs at ``where`` (relative to ``root``), read back
     from the store."""
     out = {}
@@ -44,7 +45,7 @@ def record(root: str, where: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def problem(root: str, where: str, outputs: Mapping[str, Any] | None, marker: str = "") -> str:
+def problem(root: Location, where: str, outputs: Mapping[str, Any] | None, marker: str = "") -> str:
     """What is wrong with the outputs recorded at ``where`` (``adapters/toy missing``), or ``""``;
     a record without ``outputs`` is probed by the existence of ``where/marker``."""
     if outputs is None:  # recorded before outputs were: probe by existence
@@ -67,7 +68,7 @@ def problem(root: str, where: str, outputs: Mapping[str, Any] | None, marker: st
 
 
 def restore_adapter(
-    where: Place, exported: str, root: str, out: str, recorded: Mapping[str, Any] | None
+    where: Place, exported: str, root: Location, out: str, recorded: Mapping[str, Any] | None
 ) -> None:
     """Publish the adapter at ``root/out`` again: copied from ``exported`` (the tune job's own
     export) when that still holds the recorded bytes, else exported again from the final

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from spill.errors import StoreError
 from spill.project.build import stages
 from spill.store.fs import exists, get_bytes, join, put_bytes
+from spill.store.location import Location
 
 if TYPE_CHECKING:
     from spill.control.control import Ownership
@@ -32,7 +33,7 @@ KIND = "spill-build"
 SCHEMA_VERSION = 1
 
 
-def read(root: str) -> dict[str, Any] | None:
+def read(root: Location) -> dict[str, Any] | None:
     """The current ``state.json`` of the build at ``root`` (None when there is none), validated
     against the ``build-state`` schema, its ``config`` against the strict spill.yaml schema."""
     from spill.control.place import Place
@@ -103,7 +104,7 @@ def write(run: Ownership, doc: dict[str, Any]) -> None:
     place.collect(KIND_POINTER, {target})
 
 
-def recorded(root: str, doc: dict[str, Any] | None) -> dict:
+def recorded(root: Location, doc: dict[str, Any] | None) -> dict:
     """The planner's view of a state: records of finished stages with the check of their outputs
     (and, when those are missing or changed, what can restore them), probes of unfinished ones."""
     from spill.project.build.plan import Recorded  # the planner's vocabulary: not on the fast path

@@ -96,7 +96,7 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_view(where: Location | str) -> dict[str, Any] | None:
+def run_view(where: Location) -> dict[str, Any] | None:
     """The current run at ``where`` as ``spill status`` shows it: id, status, generation, owner
     (host, pid, since, lease left), lineage."""
     doc = current(where)
@@ -117,10 +117,8 @@ def run_view(where: Location | str) -> dict[str, Any] | None:
     }
 
 
-def is_state(where: Location | str) -> bool:
-    """Whether ``where`` is a state location (it holds runs), not a project folder (text, as
-    ``spill status``'s command line gives it, is parsed here)."""
-    where = location(where)
+def is_state(where: Location) -> bool:
+    """Whether ``where`` is a state location (it holds runs), not a project folder."""
     if (project := where.on_disk("spill.yaml")) and os.path.isfile(project):
         return False
     return has_runs(where)
@@ -152,10 +150,8 @@ def progress(where: Location, doc: dict[str, Any]) -> str:
     return "nothing committed yet"
 
 
-def run_summary(where: Location | str) -> dict[str, Any]:
-    """``spill status <state>``: the current run, its owner and lease, and its progress (text,
-    as ``spill status``'s command line gives it, is parsed here)."""
-    where = location(where)
+def run_summary(where: Location) -> dict[str, Any]:
+    """``spill status <state>``: the current run, its owner and lease, and its progress."""
     doc = current(where)
     if doc is None:
         raise StoreError(f"no run at {where}")
@@ -280,9 +276,9 @@ def _instead(where: Location, root: Path) -> str:
     return f"`spill build {root}` starts one"
 
 
-def status(root: Path | str, state_root: Location | str | None = None) -> dict[str, Any]:
-    """Read a project's build state; refresh the progress of unfinished stages from their probes
-    (a state given as text, as ``spill status``'s command line gives it, is parsed here)."""
+def status(root: Path | str, state_root: Location | None = None) -> dict[str, Any]:
+    """Read a project's build state (``state_root``: its ``--state``, parsed; else the project's
+    ``.spill/``); refresh the progress of unfinished stages from their probes."""
     root = Path(root).resolve()
     where = location(state_root or root / STATE_DIR)
     doc = record.read(where)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from spill.project.build import outputs
 from spill.settings import stage_inputs
 from spill.store.fs import join
+from spill.store.location import Location
 
 if TYPE_CHECKING:
     from spill.control.control import Ownership
@@ -154,10 +155,10 @@ class Stage:
 
     # its state and outputs --------------------------------------------------------------------
 
-    def uri(self, root: str) -> str:
+    def uri(self, root: Location) -> str:
         return join(root, "stages", self.folder)
 
-    def place(self, root: str, run: Ownership | None = None) -> Place:
+    def place(self, root: Location, run: Ownership | None = None) -> Place:
         """Its job's part of the build's run (read-only without ``run``)."""
         from spill.control.place import Place
 
@@ -189,21 +190,21 @@ class Stage:
         """What its total counts, for a --stop-after past the end."""
         return f"{self.name}'s rows"
 
-    def probe(self, root: str) -> tuple[int, list[dict]]:
+    def probe(self, root: Location) -> tuple[int, list[dict]]:
         """(steps or rows committed, distinct producers) from its job state; light: no hashing."""
         raise NotImplementedError
 
-    def ranges(self, root: str) -> list[dict[str, Any]]:
+    def ranges(self, root: Location) -> list[dict[str, Any]]:
         """Who computed what, from its job state: ``{"from": a, "to": b, "producer": {...}}``
         for each run of steps or rows ``a..b`` one producer made, in order (``spill report``)."""
         raise NotImplementedError
 
-    def pinned(self, root: str) -> dict[str, Any] | None:
+    def pinned(self, root: Location) -> dict[str, Any] | None:
         """The model its job state is pinned to (``id``, ``fingerprint``, ``quantization``...),
         or None when it has no job state."""
         raise NotImplementedError
 
-    def source(self, root: str, total: int) -> str:
+    def source(self, root: Location, total: int) -> str:
         """The committed state its outputs can be restored from, or ``""``."""
         done = self.probe(root)[0]
         return self._source(done) if done >= total else ""
@@ -211,19 +212,19 @@ class Stage:
     def _source(self, done: int) -> str:
         raise NotImplementedError
 
-    def problem(self, root: str, project: str, recorded: Mapping[str, Any] | None) -> str:
+    def problem(self, root: Location, project: str, recorded: Mapping[str, Any] | None) -> str:
         """What is wrong with its recorded outputs (``adapters/toy missing``), or ``""``."""
         return outputs.problem(root, self.output(project), recorded, self.marker)
 
-    def record(self, root: str, project: str) -> dict[str, dict[str, Any]]:
+    def record(self, root: Location, project: str) -> dict[str, dict[str, Any]]:
         """What ``state.json`` keeps about its published outputs."""
         return outputs.record(root, self.output(project))
 
-    def publish(self, root: str, project: str) -> None:
+    def publish(self, root: Location, project: str) -> None:
         """After its job finished: publish what the job left in its folder (nothing by default)."""
 
     def restore(
-        self, root: str, project: str, inputs: Path, recorded: Mapping[str, Any] | None
+        self, root: Location, project: str, inputs: Path, recorded: Mapping[str, Any] | None
     ) -> None:
         """Publish its outputs again from its committed state; ``inputs``: the build's derived
         input files (``test.jsonl``...)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from spill.project.build.stages.base import Stage, distinct
 from spill.store.fs import files_under, get_bytes, join, stat
+from spill.store.location import Location
 
 if TYPE_CHECKING:
     from spill.project.build.context import BuildContext
@@ -89,13 +90,13 @@ class ExportStage(Stage):
     def count_name(self) -> str:
         return f"{self.name}'s formats"
 
-    def probe(self, root: str) -> tuple[int, list[dict]]:
+    def probe(self, root: Location) -> tuple[int, list[dict]]:
         from spill.jobs.export import records
 
         recs = records(self.place(root))
         return len(recs), distinct([r.get("producer") or {} for r in recs.values()])
 
-    def ranges(self, root: str) -> list[dict[str, Any]]:
+    def ranges(self, root: Location) -> list[dict[str, Any]]:
         from spill.jobs.export import records
 
         recs = list(records(self.place(root)).values())
@@ -104,7 +105,7 @@ class ExportStage(Stage):
             for i, r in enumerate(recs)
         ]
 
-    def pinned(self, root: str) -> dict[str, Any] | None:
+    def pinned(self, root: Location) -> dict[str, Any] | None:
         from spill.jobs.export import records
 
         recs = list(records(self.place(root)).values())
@@ -114,7 +115,7 @@ class ExportStage(Stage):
         keys = {"id": "name", "fingerprint": "fingerprint", "quantization": "quantization"}
         return {k: base.get(v) for k, v in keys.items()}
 
-    def record(self, root: str, project: str) -> dict[str, dict[str, Any]]:
+    def record(self, root: Location, project: str) -> dict[str, dict[str, Any]]:
         """Each file's size and sha256 from the export.json beside it (hashed when written:
         models are large), the export.json itself hashed; mtimes from the store."""
         from spill.jobs.export import RECORD
@@ -140,5 +141,5 @@ class ExportStage(Stage):
                 out[path] = entry
         return out
 
-    def source(self, root: str, total: int) -> str:
+    def source(self, root: Location, total: int) -> str:
         return ""  # exports are made again, not restored: see the module doc

@@ -11,6 +11,7 @@ from spill.project.build import outputs
 from spill.project.build.stages.base import Stage, common_inputs, distinct
 from spill.settings import EvalSettings, deciding, stage_inputs
 from spill.store.fs import join
+from spill.store.location import Location
 
 if TYPE_CHECKING:
     from spill.project.build.context import BuildContext
@@ -32,7 +33,7 @@ class RowStage(Stage):
     def output(self, project: str) -> str:
         return f"files/{self.file}"
 
-    def probe(self, root: str) -> tuple[int, list[dict]]:
+    def probe(self, root: Location) -> tuple[int, list[dict]]:
         from spill.payloads.rows import commit_markers
 
         markers = commit_markers(self.place(root))
@@ -42,7 +43,7 @@ class RowStage(Stage):
     def _source(self, done: int) -> str:
         return f"{done} committed rows"
 
-    def ranges(self, root: str) -> list[dict[str, Any]]:
+    def ranges(self, root: Location) -> list[dict[str, Any]]:
         from spill.payloads.rows import commit_markers
 
         out: list[dict[str, Any]] = []
@@ -56,7 +57,7 @@ class RowStage(Stage):
             at += count
         return out
 
-    def pinned(self, root: str) -> dict[str, Any] | None:
+    def pinned(self, root: Location) -> dict[str, Any] | None:
         from spill.ground.validate import parse_json
         from spill.payloads.rows import IDENTITY, ROWS
         from spill.store.fs import get_bytes

@@ -10,6 +10,7 @@ from spill.project.build import outputs
 from spill.project.build.stages.base import Stage, common_inputs, distinct
 from spill.settings import stage_inputs
 from spill.store.fs import join
+from spill.store.location import Location
 
 if TYPE_CHECKING:
     from spill.project.build.context import BuildContext
@@ -100,7 +101,7 @@ class TuneStage(Stage):
     def count_name(self) -> str:
         return f"{self.name}.steps"
 
-    def probe(self, root: str) -> tuple[int, list[dict]]:
+    def probe(self, root: Location) -> tuple[int, list[dict]]:
         from spill.payloads.newest import newest_commit
 
         found = newest_commit(self.place(root))
@@ -109,7 +110,7 @@ class TuneStage(Stage):
         step, state = found
         return step, distinct(state.get("producers") or [])
 
-    def ranges(self, root: str) -> list[dict[str, Any]]:
+    def ranges(self, root: Location) -> list[dict[str, Any]]:
         from spill.payloads.newest import newest_commit
 
         found = newest_commit(self.place(root))
@@ -120,7 +121,7 @@ class TuneStage(Stage):
             if isinstance(p, dict) and isinstance(p.get("from_step"), int)
         ]
 
-    def pinned(self, root: str) -> dict[str, Any] | None:
+    def pinned(self, root: Location) -> dict[str, Any] | None:
         from spill.payloads.newest import newest_commit
 
         found = newest_commit(self.place(root))
@@ -130,7 +131,7 @@ class TuneStage(Stage):
     def _source(self, done: int) -> str:
         return f"{self.name} step {done} checkpoint"
 
-    def publish(self, root: str, project: str) -> None:
+    def publish(self, root: Location, project: str) -> None:
         outputs.copy_tree(join(self.uri(root), self.exported), join(root, self.output(project)))
 
     def restore(self, root, project, inputs, recorded) -> None:

@@ -12,6 +12,7 @@ pytest.importorskip("tensorboard", reason="tensorboard is in the test extra")
 from spill.jobs.preempt import Preempted  # noqa: E402
 from spill.jobs.track import TrackSpec, session  # noqa: E402
 from spill.jobs.track.tensorboard_files import logged  # noqa: E402
+from spill.store.location import location  # noqa: E402
 
 TUNE = SimpleNamespace(lr=0.01, warmup=0, steps=4)
 ME = {"engine": "torch", "machine": "m", "os": "Linux", "numerics": "float32"}
@@ -21,7 +22,7 @@ def test_a_remote_states_event_files_are_on_this_machine_and_the_line_says_so(
     tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("SPILL_HOME", str(tmp_path / "home"))
-    with session(TrackSpec(kinds=("tensorboard",)), "s3://bucket/job", "job", 4) as logs:
+    with session(TrackSpec(kinds=("tensorboard",)), location("s3://bucket/job"), "job", 4) as logs:
         logs.start(ME, TUNE, {"step": 2, "losses": [2.0, 1.0]})  # back-filled on open
     err = capsys.readouterr().err
     where = tmp_path / "home" / "tensorboard" / "job"
@@ -42,7 +43,7 @@ def test_statuses_follow_how_the_run_ended(tmp_path):
             closed.append(status)
 
     def run(step: int, error: BaseException | None = None) -> None:
-        with session(TrackSpec(kinds=("tensorboard",)), str(tmp_path), "job", 4) as logs:
+        with session(TrackSpec(kinds=("tensorboard",)), location(str(tmp_path)), "job", 4) as logs:
             logs.tracking.backends = [Fake()]
             logs.tracking.tune = TUNE
             logs.committed({"step": step, "losses": [1.0] * step}, {})
@@ -59,7 +60,7 @@ def test_statuses_follow_how_the_run_ended(tmp_path):
 
 
 def test_no_spec_no_trackers(tmp_path):
-    with session(None, str(tmp_path), "job", 4) as logs:
+    with session(None, location(str(tmp_path)), "job", 4) as logs:
         logs.start(ME, TUNE, {"step": 1, "losses": [1.0]})
         logs.committed({"step": 2, "losses": [1.0, 0.5]}, {2: 10.0})
     assert not (tmp_path / "tensorboard").exists()

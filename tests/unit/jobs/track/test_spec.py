@@ -11,6 +11,7 @@ from spill.cli.options import trackers
 from spill.errors import SpillError
 from spill.jobs.track.spec import TrackerMissing, TrackSpec, check, flat, logdir_for, run_key
 from spill.settings import TuneSettings
+from spill.store.location import location
 
 
 def test_the_log_flag_is_a_comma_separated_list_of_known_trackers():
@@ -31,8 +32,9 @@ def test_an_unknown_tracker_and_a_missing_package_are_one_line(monkeypatch):
 
 def test_a_bare_runs_event_files_sit_beside_a_local_state(tmp_path, monkeypatch):
     monkeypatch.setenv("SPILL_HOME", str(tmp_path / "home"))
-    assert logdir_for(str(tmp_path / "st"), "job") == (str(tmp_path / "st" / "tensorboard"), False)
-    assert logdir_for("s3://bucket/st", "job") == (
+    beside = (str(tmp_path / "st" / "tensorboard"), False)
+    assert logdir_for(location(str(tmp_path / "st")), "job") == beside
+    assert logdir_for(location("s3://bucket/st"), "job") == (
         str(tmp_path / "home" / "tensorboard" / "job"),
         True,
     )
