@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from spill.console import note
 from spill.engines import resolve
@@ -12,11 +11,9 @@ from spill.engines.base import LoadOptions, ModelSpec, Runner, TuneShape
 from spill.models.cache import cached_fingerprint
 from spill.models.config import load_config
 from spill.models.integrity import check, weight_hashes
+from spill.models.quant import Spec
 from spill.models.resolve import quantized_copy, resolve_model
 from spill.models.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from spill.models.quant import Spec
 
 
 @dataclass

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from spill.control.control import Ownership
+from spill.jobs.track import TrackSpec
+from spill.project.config import Project
+from spill.project.data import Prepared
 from spill.store.disk import local_copy, put_file
 from spill.store.fs import get_bytes, join
 from spill.store.location import Location
-
-if TYPE_CHECKING:
-    from spill.control.control import Ownership
-    from spill.jobs.track import TrackSpec
-    from spill.project.config import Project
-    from spill.project.data import Prepared
 
 
 @dataclass

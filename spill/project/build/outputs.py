@@ -9,14 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from spill.control.place import Place
 from spill.errors import StoreError
 from spill.store.fs import exists, files_under, get_bytes, join, put_bytes, stat
 from spill.store.location import Location
-
-if TYPE_CHECKING:
-    from spill.control.place import Place
 
 
 def _sha(data: bytes) -> str:

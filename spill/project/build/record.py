@@ -10,15 +10,14 @@ names; ``read`` follows the pointer and validates once per bytes
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from spill.control.control import Ownership
+from spill.control.place import Place
 from spill.errors import StoreError
 from spill.project.build import stages
 from spill.store.fs import exists, get_bytes, join, put_bytes
 from spill.store.location import Location
-
-if TYPE_CHECKING:
-    from spill.control.control import Ownership
 
 # Layout under ``--state``:
 #   runs/                 the build's runs and their control objects (``spill.control.control``)
@@ -36,7 +35,6 @@ SCHEMA_VERSION = 1
 def read(root: Location) -> dict[str, Any] | None:
     """The current ``state.json`` of the build at ``root`` (None when there is none), validated
     against the ``build-state`` schema, its ``config`` against the strict spill.yaml schema."""
-    from spill.control.place import Place
     from spill.ground.validate import parse_json, short, validate_once
 
     pointed = Place(root).pointer(KIND_POINTER)

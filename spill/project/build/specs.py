@@ -9,14 +9,10 @@ whose output is read. What cannot change a result stays out: ``tune.ckpt_every``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from spill.project.build.stages import STAGES
 from spill.project.build.stages.spec import StageSpec, fingerprint  # noqa: F401  (this module's API)
-
-if TYPE_CHECKING:
-    from spill.project.config import Project
-    from spill.project.data import Prepared
+from spill.project.config import Project
+from spill.project.data import Prepared
 
 
 def specs(project: Project, prepared: Prepared) -> list[StageSpec]:

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spill.ground.paths import STATE_DIR
-
-if TYPE_CHECKING:
-    from spill.jobs.track import TrackSpec
-    from spill.project.build.context import BuildContext
-    from spill.project.build.stages.spec import StageSpec
-    from spill.project.config import Project
+from spill.jobs.track import TrackSpec, check, flat
+from spill.project.build.context import BuildContext
+from spill.project.build.stages import TUNE
+from spill.project.build.stages.spec import StageSpec
+from spill.project.config import Project
 
 
 def run_name(overrides: list[str] | tuple[str, ...]) -> str:
@@ -33,9 +32,6 @@ def prepare(ctx: BuildContext, specs: Mapping[str, StageSpec]) -> None:
     run to the context (``ctx.track``), keyed by the tune stage's state and fingerprint."""
     if not ctx.project.tune.log:
         return
-    from spill.jobs.track import check
-    from spill.project.build.stages import TUNE
-
     check(ctx.project.tune.log)
     tuned = specs.get(TUNE.name)
     ctx.track = spec(ctx.project, f"{TUNE.uri(ctx.root)}#{tuned.fingerprint if tuned else ''}")
@@ -45,8 +41,6 @@ def spec(p: Project, key: str) -> TrackSpec | None:
     """The build of ``p`` as a ``TrackSpec`` (None: ``tune.log`` is empty)."""
     if not p.tune.log:
         return None
-    from spill.jobs.track import TrackSpec, flat
-
     run = run_name(p.overrides) if p.overrides else p.name
     params: dict[str, Any] = {
         **flat("tune", p.tune),

@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from spill.control.control import Ownership
+from spill.control.place import Place
 from spill.project.build import outputs
 from spill.settings import stage_inputs
 from spill.store.fs import join
 from spill.store.location import Location
 
-if TYPE_CHECKING:
-    from spill.control.control import Ownership
-    from spill.control.place import Place
+if TYPE_CHECKING:  # types only: a finished build and `spill status` load none of these
     from spill.jobs.rows.job import RowOptions
     from spill.project.build.context import BuildContext
     from spill.project.build.stages.spec import StageSpec
@@ -160,8 +160,6 @@ class Stage:
 
     def place(self, root: Location, run: Ownership | None = None) -> Place:
         """Its job's part of the build's run (read-only without ``run``)."""
-        from spill.control.place import Place
-
         return Place(root, f"stages/{self.folder}", run)
 
     def output(self, project: str) -> str:

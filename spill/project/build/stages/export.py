@@ -18,7 +18,7 @@ from spill.project.build.stages.base import Stage, distinct
 from spill.store.fs import files_under, get_bytes, join, stat
 from spill.store.location import Location
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: a finished build and `spill status` load none of these
     from spill.project.build.context import BuildContext
     from spill.project.build.stages.spec import StageSpec
     from spill.project.config import Project

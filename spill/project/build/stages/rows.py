@@ -13,7 +13,7 @@ from spill.settings import EvalSettings, deciding, stage_inputs
 from spill.store.fs import join
 from spill.store.location import Location
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: a finished build and `spill status` load none of these
     from spill.project.build.context import BuildContext
     from spill.project.build.stages.spec import StageSpec
     from spill.project.config import Project
