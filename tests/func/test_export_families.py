@@ -1,13 +1,14 @@
 """``spill export`` of adapters tuned on Qwen3, Mistral, SmolLM3, Gemma 3 and Phi-3
 (transformers-made folders): the merged HF folder loads in transformers and scores the gold
 answers as ``spill eval --adapter`` does on the base (within 1e-5, float32); a GGUF spill's
-writer cannot hold (a Gemma 3 whose sliding layers are not llama.cpp's fixed pattern, Phi-3's
-longrope, a window, NoPE layers off llama.cpp's step, a tokenizer without merges) is refused in
-one line with nothing left at OUT. A GGUF of Qwen3, Mistral (written as llama), SmolLM3, Phi-3
-(fused, partial rotary) and Gemma 3 (norms as llama.cpp's 1 + w, a window shorter than the rows)
-imports back through spill's importer to the HF export's tensors bit for bit (Gemma's norms: 1 +
-w bit for bit), scores the same, and loads in transformers' GGUF loader where it reads the
-architecture (qwen3 of head size 128, llama, phi3 rotating the whole head, gemma3 of
+writer cannot hold (a Gemma 3 whose sliding layers are not llama.cpp's fixed pattern, a window,
+NoPE layers off llama.cpp's step, a tokenizer without merges) is refused in one line with
+nothing left at OUT. A GGUF of Qwen3, Mistral (written as llama), SmolLM3, Phi-3 (fused, partial
+rotary, and longrope as ``rope_factors_long/short``) and Gemma 3 (norms as llama.cpp's 1 + w, a
+window shorter than the rows) imports back through spill's importer to the HF export's tensors
+bit for bit (Gemma's norms: 1 + w bit for bit) and rotary (longrope's factors, original length
+and attention factor), scores the same, and loads in transformers' GGUF loader where it reads
+the architecture (qwen3 of head size 128, llama, phi3 rotating the whole head, gemma3 of
 query_pre_attn_scalar 256, its default), within 1e-5 of spill; its Q4_0 form imports packed."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spill.models.config import load_config
 from tests.conftest import run_spill
 from tests.unit.engines import hf_families
 
@@ -31,6 +33,10 @@ ROWS = [
 ]
 TUNE = ["--steps", "2", "--batch", "4", "--lr", "0.05", "--rank", "4", "--seq-len", "64"]
 FLOAT = ["--dtype", "float32"]
+
+
+ROTARY = ("rope_theta", "rotary_dim", "max_position_embeddings", "rope_short", "rope_long")
+ROTARY += ("rope_original", "rope_attention")
 
 
 def _ok(proc):
@@ -70,7 +76,7 @@ REFUSED = {  # why each variant's GGUF is refused
     "mistral": "its sliding-window layers have no GGUF form",
     "smollm3": "its layers without rotary [1] are not llama.cpp's smollm3's (every 4th)",
     "gemma3": "its sliding layers [0, 2] are not llama.cpp's gemma3's (all but every 6th)",
-    "phi3": "longrope on a phi3 model has no GGUF form spill writes",
+    "phi3": "has no BPE merges",  # its longrope is written (test_a_gguf_... phi3-longrope)
     "phi3-long": "its sliding-window layers have no GGUF form",
 }
 
@@ -132,6 +138,13 @@ GGUF_VARIANTS = {
     # transformers' GGUF loader reads (it ignores rope.dimension_count for phi3)
     "phi3-half": ("Phi3", dict(num_hidden_layers=2, partial_rotary_factor=0.5)),
     "phi3-whole": ("Phi3", dict(num_hidden_layers=2)),
+    # Phi-3 with longrope (rope_factors_long/short, the original length, the attention factor):
+    # pretrained on 40 positions, so ROWS[0] (33 tokens) turns by the short factors and ROWS[1]
+    # by the long ones; transformers' GGUF loader reads no longrope, so it checks none
+    "phi3-longrope": (
+        "Phi3",
+        dict(num_hidden_layers=2, original_max_position_embeddings=40, **hf_families.PHI3),
+    ),
     # Gemma 3 as llama.cpp's gemma3 computes it: all but every 6th layer slide (window 6, base
     # 10000), query_pre_attn_scalar == head_dim == 256 (what transformers' GGUF loader assumes)
     "gemma3-256": (
@@ -187,6 +200,10 @@ def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
     _ok(_spill("export", str(state), str(out), "--format", "gguf", "--dtype", "f32", home=home))
     gguf = out / "model-f32.gguf"
     back = import_gguf(gguf, tmp_path / "back")
+    # the rotary, longrope included, reads back as the merged folder's
+    mine, theirs = load_config(back), load_config(hf)
+    assert all(getattr(mine, k) == getattr(theirs, k) for k in ROTARY), variant
+    assert bool(theirs.rope_long) == (variant == "phi3-longrope")
     want, got = _tensors(hf), _tensors(back)
     assert set(got) == set(want)
     # llama.cpp's gemma3 holds 1 + w, which spill scales by bit for bit after the import's - 1

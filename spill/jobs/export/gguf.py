@@ -30,6 +30,7 @@ from spill.models.gguf.arch import (
     FUSED,
     GLOBAL,
     LAYER,
+    LONGROPE,
     QK_NORMS,
     WRITTEN_AS,
     Arch,
@@ -89,9 +90,20 @@ def rope_freqs(cfg) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+def rope_tensors(cfg) -> dict[str, np.ndarray]:
+    """The rotary factor tensors llama.cpp reads: ``rope_freqs.weight`` for llama3 scaling, a
+    Phi-3's longrope factors (``LONGROPE``, float32 as the engines use them); none otherwise."""
+    if cfg.rope_scaling:
+        return {"rope_freqs.weight": rope_freqs(cfg)}
+    if cfg.rope_long:
+        long, short = (np.asarray(f, dtype=np.float32) for f in (cfg.rope_long, cfg.rope_short))
+        return dict(zip(LONGROPE, (long, short), strict=True))
+    return {}
+
+
 # Refused: a sliding window, or for Gemma 3 sliding layers off llama.cpp's fixed pattern or another
 # local rotary base, a query scale it would not infer, biases it has no tensor for, NoPE layers off
-# llama.cpp's fixed step, Phi-3's longrope. Gemma 3's norms are written as llama.cpp multiplies by
+# llama.cpp's fixed step. Gemma 3's norms are written as llama.cpp multiplies by
 # them, 1 + w in float32, and its window as ``sliding_window``.
 def _refuse_unwritable(inputs: Inputs) -> None:
     """One line, before anything is written, for what llama.cpp's architecture of the family
@@ -137,7 +149,7 @@ def _refuse_unwritable(inputs: Inputs) -> None:
             f"{inputs.base_name} has attention or MLP biases that a {name} GGUF does not "
             "hold; export --format hf"
         )
-    if cfg.rope_long:  # Phi-3's longrope: rope_factors_long/short, which spill does not write
+    if cfg.rope_long and not arch.longrope:  # Phi-3's is written (rope_factors_long/short)
         raise UnsupportedModel(
             f"{inputs.base_name}: longrope on a {cfg.family} model has no GGUF form spill writes "
             "yet; export --format hf or --format mlx"
@@ -296,9 +308,12 @@ def write(
     stops = add_tokenizer(writer, inputs, tok, pre)
 
     stored, types = {}, Counter()
-    extra = rope_freqs(cfg) if cfg.rope_scaling else None  # llama3 scaling: written first
-    if extra is not None:
-        writer.add_tensor_info("rope_freqs.weight", extra.shape, np.float32, extra.nbytes)
+    extra = rope_tensors(cfg)  # llama3 scaling's or longrope's factors: written first
+    if cfg.rope_long:  # as convert_hf_to_gguf.py writes a Phi-3's longrope
+        writer.add_rope_scaling_orig_ctx_len(cfg.rope_original)
+        writer.add_rope_scaling_attn_factors(cfg.rope_attention)
+    for name, factors in extra.items():
+        writer.add_tensor_info(name, factors.shape, np.float32, factors.nbytes)
         types["F32"] += 1
     for name, shape in plan(inputs):
         qtype = _storage(name, shape, dtype, quantize)
@@ -310,8 +325,8 @@ def write(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    if extra is not None:
-        writer.write_tensor_data(extra)
+    for factors in extra.values():
+        writer.write_tensor_data(factors)
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     rows = seen_rows(inputs) if quantize else ""
     weights = WeightShift(inputs, rows) if quantize and isinstance(rows, str) else None

@@ -3,8 +3,9 @@
 
 An ``Arch`` says what a GGUF of that architecture holds beyond a Llama's tensors, the way
 llama.cpp's ``convert_hf_to_gguf.py`` writes it and its loader reads it. Mistral is written as
-``llama`` (without a sliding window), so its GGUF imports as a Llama. Phi-3's longrope (its
-rope_factors_long/short tensors) has no entry: those GGUFs are refused in one line both ways.
+``llama`` (without a sliding window), so its GGUF imports as a Llama. Phi-3's longrope is what
+``convert_hf_to_gguf.py`` writes for it: ``rope_factors_long/short`` (``LONGROPE``) beside the
+original context length and the attention factor, read back into the config.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ FUSED = {  # a Phi-3's: q, k, v rows in one matrix; ffn_up holds gate's rows, th
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # F32, (rotary dims / 2,)
 _SPLIT = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight")
 
 
 # What an architecture holds: whether attn_q/attn_k rows are interleaved for its rotary
 # (``permute``: llama.cpp's NORM rope; NEOX families such as Qwen keep HF's halves), q/k/v biases
 # (Qwen2), per-head q/k norms (Qwen3's attn_q_norm / attn_k_norm), Phi-3's fused attn_qkv and
-# gate+up ffn_up with a partial rotary (``rope.dimension_count``), and llama.cpp's NoPE step
+# gate+up ffn_up with a partial rotary (``rope.dimension_count``) and longrope (``LONGROPE``, with
+# ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``), and llama.cpp's NoPE step
 # (SmolLM3: every fourth layer has no rotary, a step llama.cpp fixes in code and reads from no key).
 # Gemma 3 (``gemma3``) stores every norm as llama.cpp multiplies by it, (1 + w) for HF's w
 # (``norm_shift``), has four norms a block (its ``ffn_norm`` is the pre-feedforward one) and fixes
@@ -70,6 +73,7 @@ class Arch:
     bias_keys: bool = True  # config.json says attention_bias/mlp_bias (Qwen2's class has none)
     fused: bool = False  # attn_qkv and a gate+up ffn_up in place of the five split matrices
     partial_rotary: bool = False  # rope.dimension_count may be less than the head size
+    longrope: bool = False  # rope_factors_long/short, the original context, the attention factor
     activation: tuple[str, str] = ("hidden_act", "silu")  # config.json's key and value
     norm_shift: float = 0.0  # every *norm.weight is stored as norm_shift + w (Gemma's 1 + w)
     feedforward_norms: bool = False  # post_attention_norm, ffn_norm (pre-MLP), post_ffw_norm
@@ -130,7 +134,13 @@ ARCHES = {
     "qwen3": Arch("qwen3", "Qwen3ForCausalLM", permute=False, qk_norm=True),
     "smollm3": Arch("smollm3", "SmolLM3ForCausalLM", permute=True, no_rope_step=4),
     "phi3": Arch(
-        "phi3", "Phi3ForCausalLM", False, bias_keys=False, fused=True, partial_rotary=True
+        "phi3",
+        "Phi3ForCausalLM",
+        False,
+        bias_keys=False,
+        fused=True,
+        partial_rotary=True,
+        longrope=True,
     ),
     "gemma3": Arch(
         "gemma3_text",

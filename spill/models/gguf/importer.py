@@ -1,17 +1,18 @@
-"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3, smollm3, phi3 or gemma3 architecture
-(``gguf.arch``) as an HF-layout model folder (``import_gguf``). Every tensor is dequantized exactly
-as ggml does (``gguf.quants``) and stored so that nothing is rounded; with ``keep_quantization`` the
-quantized matrices are stored packed instead, in mlx-lm's affine layout (``gguf.quant``), and a type
-without an exact affine form is dequantized, the line saying so. The tokenizer is rebuilt from the
-GGUF vocabulary without transformers. The folder is written next to ``dest`` and renamed into place
-at the end, so a crash never leaves half a model at ``dest``. The same GGUF always gives the same
-bytes.
+"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3, smollm3, phi3 (longrope too) or gemma3
+architecture (``gguf.arch``) as an HF-layout model folder (``import_gguf``). Every tensor is
+dequantized exactly as ggml does (``gguf.quants``) and stored so that nothing is rounded; with
+``keep_quantization`` the quantized matrices are stored packed instead, in mlx-lm's affine layout
+(``gguf.quant``), and a type without an exact affine form is dequantized, the line saying so. The
+tokenizer is rebuilt from the GGUF vocabulary without transformers. The folder is written next to
+``dest`` and renamed into place at the end, so a crash never leaves half a model at ``dest``. The
+same GGUF always gives the same bytes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import uuid
@@ -25,7 +26,7 @@ from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.ground.hashing import file_sha256
 from spill.models.config import parse_config
 from spill.models.gguf import quant as gguf_quant
-from spill.models.gguf.arch import ARCHES, GLOBAL, Arch
+from spill.models.gguf.arch import ARCHES, GLOBAL, LONGROPE, Arch
 from spill.models.gguf.reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
@@ -164,8 +165,11 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         )
     if meta.get(f"{arch}.expert_count"):
         raise UnsupportedModel(f"{where}: mixture-of-experts GGUFs are not supported")
-    if meta.get(f"{arch}.rope.scaling.type", "none") != "none" or any(
-        t.name in ("rope_freqs.weight", "rope_factors_long.weight") for t in gguf.tensors
+    longrope = any(t.name in LONGROPE for t in gguf.tensors)
+    if (
+        meta.get(f"{arch}.rope.scaling.type", "none") != "none"
+        or any(t.name == "rope_freqs.weight" for t in gguf.tensors)
+        or (longrope and not ARCHES[arch].longrope)
     ):
         raise UnsupportedModel(f"{where}: GGUF rope scaling is not supported; use the HF model")
 
@@ -235,6 +239,8 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         "pad_token_id": ids["padding"],
         "torch_dtype": "float32",  # the widest dtype stored; every tensor is exact in float32
     }
+    if longrope:
+        config |= _longrope(gguf, arch, rotary, config)
     if config["vocab_size"] != len(tokens):
         raise ModelError(
             f"{where}: {len(tokens)} tokens for a vocabulary of {config['vocab_size']}"
@@ -265,6 +271,29 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     return config, tokenizer_config, generation
 
 
+# A Phi-3's longrope as transformers 5 saves it; the attention factor only where it is not the one
+# transformers derives from max / original (the GGUF holds it in float32, as the engines use it).
+def _longrope(gguf: GGUFFile, arch: str, rotary: int, config: dict) -> dict:
+    """config.json keys of the longrope in ``rope_factors_long/short`` and the two keys
+    ``convert_hf_to_gguf.py`` writes beside them."""
+    found = {t.name: t for t in gguf.tensors if t.name in LONGROPE}
+    if len(found) != 2 or any(t.shape != (rotary // 2,) for t in found.values()):
+        raise ModelError(
+            f"{gguf.path}: longrope needs rope_factors_long and rope_factors_short of "
+            f"{rotary // 2} values each; re-convert the model"
+        )
+    long, short = ([_f32(x) for x in gguf.read(found[n]).tolist()] for n in LONGROPE)
+    original = gguf.value(f"{arch}.rope.scaling.original_context_length", int, least=1)
+    attention = gguf.value(f"{arch}.rope.scaling.attn_factor", float, 1.0, 0)
+    factor = config["max_position_embeddings"] / original
+    derived = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    params = {"rope_type": "longrope", "rope_theta": config["rope_theta"], "long_factor": long}
+    params |= {"short_factor": short, "original_max_position_embeddings": original}
+    if np.float32(derived) != np.float32(attention):
+        params["attention_factor"] = _f32(attention)
+    return {"original_max_position_embeddings": original, "rope_parameters": params}
+
+
 # A Llama's or SmolLM3's attn_q/attn_k get llama.cpp's row permutation undone (Qwen's rotary halves
 # are not interleaved; a Qwen2's q/k/v biases and a Qwen3's q/k norms come along; a Gemma 3's norms,
 # stored as 1 + w, get the 1 taken off in float32: exact for stored values >= 0.5, so the 1 + w
@@ -286,6 +315,8 @@ def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, in
     q, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     plan, where = [], gguf.path.name
     for info in gguf.tensors:
+        if info.name in LONGROPE:  # read into the config (``_longrope``)
+            continue
         hf_name, heads = GLOBAL.get(info.name), 0
         if hf_name is None and info.name.startswith("blk."):
             _, idx, rest = info.name.split(".", 2)

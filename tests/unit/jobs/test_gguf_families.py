@@ -3,7 +3,8 @@ architecture for the family cannot express: a family it has no architecture for,
 what llama.cpp's gemma3 fixes in code (sliding layers other than all but every 6th, a local
 rotary base other than 10000, a query_pre_attn_scalar other than head_dim), layers that slide (Qwen2/Qwen3's ``use_sliding_window``, Mistral's window: llama.cpp runs them
 attending to every key), a Qwen3 with biases, SmolLM3 NoPE layers off llama.cpp's fixed step
-(every 4th), Phi-3's longrope; the same families without those are written (issue 37)."""
+(every 4th); the same families without those are written, and a Phi-3's longrope as llama.cpp
+reads it, its factors as ``rope_factors_long/short`` (issue 37)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import json
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from spill.errors import UnsupportedModel
-from spill.jobs.export.gguf import _refuse_unwritable
+from spill.jobs.export.gguf import _refuse_unwritable, rope_tensors
 from spill.models.config import parse_config
 from spill.models.sources.tiny import write_tiny
 
@@ -57,11 +59,17 @@ def test_a_gemma3_is_written_where_llama_cpps_gemma3_computes_it(tmp_path):
     assert "rope scaling on a gemma3_text model has no GGUF form" in said
 
 
-def test_a_phi3_is_written_without_longrope_only(tmp_path):
+def test_a_phi3_is_written_with_its_longrope_factors_as_llama_cpp_reads_them(tmp_path):
     cfg = _config(tmp_path, "phi3")  # tiny's phi3 has longrope past 32 positions
-    assert cfg.rope_long and "longrope on a phi3 model has no GGUF form" in _refusal(cfg)
+    assert cfg.rope_long and cfg.rotary_dim < cfg.head_dim
+    _refuse_unwritable(SimpleNamespace(config=cfg, base_name="base"))
+    factors = rope_tensors(cfg)
+    assert list(factors) == ["rope_factors_long.weight", "rope_factors_short.weight"]
+    for got, want in zip(factors.values(), (cfg.rope_long, cfg.rope_short), strict=True):
+        assert got.dtype == np.float32 and got.shape == (cfg.rotary_dim // 2,)
+        assert np.array_equal(got, np.asarray(want, np.float32))
     cfg = _config(tmp_path / "2", "phi3", rope_scaling=None)
-    assert cfg.rotary_dim < cfg.head_dim and not cfg.rope_long
+    assert cfg.rotary_dim < cfg.head_dim and not cfg.rope_long and rope_tensors(cfg) == {}
     _refuse_unwritable(SimpleNamespace(config=cfg, base_name="base"))
 
 

@@ -498,6 +498,8 @@ UNSUPPORTED = {
     "sentencepiece": {"tokenizer": "llama"},
     "iq4_nl": {"zeros": {"model.layers.0.self_attn.q_proj.weight": Q.IQ4_NL}},
     "rope-freqs": {"extra": {"rope_freqs.weight": np.ones(D // 2, np.float32)}},
+    # longrope factors on an architecture whose llama.cpp has none (only phi3's reads them)
+    "rope-factors": {"extra": {"rope_factors_long.weight": np.ones(D // 2, np.float32)}},
 }
 
 
