@@ -183,7 +183,7 @@ def with_losses(summary: dict[str, Any]) -> dict[str, Any]:
     recs = (summary.get("doc") or {}).get("stages") or {}
     if summary.get("dry_run") or not summary.get("state") or TUNE.name not in recs:
         return summary
-    found = series.losses(str(summary["state"]))
+    found = series.losses(summary["state"])
     return {**summary, "losses": {TUNE.name: found} if found else {}}
 
 
@@ -208,7 +208,7 @@ def published(summary: dict[str, Any], stage) -> str | None:
         return None
     if not name or not summary.get("state"):
         return None
-    return join(str(summary["state"]), stage.output(name))
+    return join(summary["state"], stage.output(name))
 
 
 def score(recs: dict, stage: str) -> float | None:
