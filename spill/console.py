@@ -8,7 +8,9 @@ only results.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from collections.abc import Sequence
 
 _quiet = False  # a process that does not speak for its job (a rank other than 0)
@@ -38,8 +40,6 @@ def progress(total: int, desc: str, unit: str = "row", initial: int = 0):
     plain line at a steady pace (``Lines``). ``initial``: what was done before this process
     (a resumed job). ``SPILL_PROGRESS``: ``bar`` (or ``1``) a bar anyway, ``lines`` lines
     anyway, ``0`` nothing."""
-    import os
-
     how = os.environ.get("SPILL_PROGRESS", "").strip().lower()
     if how in ("0", "off", "none") or _quiet:
         return Lines(total, desc, unit, float("inf"), initial)
@@ -71,8 +71,6 @@ class Lines:
     than ``every`` prints nothing."""
 
     def __init__(self, total: int, desc: str, unit: str, every: float, initial: int = 0) -> None:
-        import time
-
         self.total, self.desc, self.unit, self.every = total, desc, unit, every
         self.n = self.first = initial
         self.unit_scale = False

@@ -10,6 +10,7 @@ Everything heavy is imported inside the commands, so ``spill --help`` stays ligh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from spill.cli.options import (
@@ -21,11 +22,10 @@ from spill.cli.options import (
     model_settings,
     setting_flags,
 )
+from spill.settings import EvalSettings, TeacherSettings, TuneSettings
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
-    from spill.settings import TeacherSettings
-
     setting_flags(p, TeacherSettings, "teacher")  # run shares distill's generation defaults
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument(
@@ -181,12 +181,9 @@ def _eval_tracking(args, writer):
 
 
 def cmd_tune(args) -> int:
-    import dataclasses
-
     from spill.console import emit
     from spill.jobs.tune import TuneOptions, tune
     from spill.models.quant import spec_of
-    from spill.settings import TuneSettings
 
     if (code := _launched(args)) is not None:
         return code
@@ -222,8 +219,6 @@ def _tracking(args, settings):
 
 def _tune_options(p: argparse.ArgumentParser) -> None:
     """One flag per setting of the tune group (``spill.settings.TuneSettings``)."""
-    from spill.settings import TuneSettings
-
     g = p.add_argument_group("settings (defaults: conf/tune/default.yaml, as in a build)")
     setting_flags(g, TuneSettings, "tune")
     g.add_argument(
@@ -254,8 +249,6 @@ def add_parsers(sub, full: bool = True) -> None:
         for verb, text in HELP.items():
             sub.add_parser(verb, help=text, aliases=["train"] if verb == "tune" else [])
         return
-    from spill.settings import EvalSettings
-
     p = sub.add_parser("run", help=HELP["run"])
     p.add_argument("model", help="alias (smollm2:135m), hub id (org/name) or local model folder")
     p.add_argument("input", help='JSONL rows {"id", "prompt"} or {"id", "messages"}')

@@ -10,10 +10,11 @@ know are Hydra overrides (``tune.lr=3e-4``; with ``-m`` a sweep).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from spill.cli.options import Replay, authority_options, engine_options, engine_overrides
-from spill.errors import UsageError
+from spill.errors import SpillError, UsageError
 from spill.store.location import location
 
 
@@ -56,8 +57,6 @@ def _relaunched(args, run) -> int:
 def _emit_build(summary: dict, as_json: bool, args=None) -> None:
     """The table (or JSON); after a build or resume that has an adapter, where it is and the
     command that predicts with it (``args``: the command's, for its DIR and --state)."""
-    import json
-
     from spill.console import speaking
     from spill.project.report.status import adapter, exports, render, with_losses
     from spill.project.report.status import as_json as to_json
@@ -65,8 +64,6 @@ def _emit_build(summary: dict, as_json: bool, args=None) -> None:
     if not speaking():  # a rank other than 0: rank 0 prints the build
         return
     if args is not None:  # a build's summary: its loss series, read from its state now
-        from spill.errors import SpillError
-
         try:
             summary = with_losses(summary)
         except (SpillError, OSError):  # the table matters more than its sparkline
@@ -171,8 +168,6 @@ def _build(args) -> int:
     if args.multirun:
         if args.procs is not None:
             raise UsageError("--procs with -m: a sweep runs its builds as one process each")
-        import json
-
         from spill.project.sweep import exit_code, render, sweep
 
         result = sweep(args.dir, opts)
@@ -230,8 +225,6 @@ def cmd_status(args) -> int:
 
     summary = status(args.dir, args.state)
     if "runs" in summary:  # a sweep's folder: its runs, as the sweep printed them
-        import json
-
         from spill.project.report.series import lines
         from spill.project.sweep import render
 

@@ -14,11 +14,15 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from spill.control.keys import current
 from spill.errors import UsageError
 from spill.ground.paths import STATE_DIR
 from spill.jobs.producer import os_name
+from spill.payloads.newest import newest_commit
+from spill.payloads.rows import commit_markers
 from spill.project.build import record
 from spill.project.build.stages import EVAL, EVAL_BASE, TUNE, RowStage
+from spill.project.report.status import run_view
 from spill.store.fs import exists, get_bytes, join
 from spill.store.location import Location, location
 
@@ -71,8 +75,6 @@ def _fmt(x: float | None) -> str:
 
 def tune_ledger(root: Location) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The newest committed tune checkpoint's state and its producer ranges."""
-    from spill.payloads.newest import newest_commit
-
     found = newest_commit(TUNE.place(root))
     if found is None:
         return None, []
@@ -99,8 +101,6 @@ def steps_once(ckpt: dict[str, Any] | None, ranges: list[dict[str, Any]], steps:
 
 def row_ledger(root: Location, stage: RowStage) -> list[dict[str, Any]]:
     """The commit markers of a row stage's committed segments (row ids and producer each)."""
-    from spill.payloads.rows import commit_markers
-
     return commit_markers(stage.place(root))
 
 
@@ -148,8 +148,6 @@ def check(
     where = location(relay_root).join(STATE_DIR)  # the command line's text, parsed once
     doc = record.read(where) if exists(where) else None
     ref, got = reference.get("stages") or {}, (doc or {}).get("stages") or {}
-    from spill.project.report.status import run_view
-
     run = run_view(where) if doc else None
     out = [
         _row(
@@ -216,8 +214,6 @@ def check(
 
 def _moved_in(where: str) -> dict[str, Any]:
     """The relay's run arrived by a move from another place (its control object says so)."""
-    from spill.control.keys import current
-
     doc = current(where) or {}
     t = doc.get("transfer") or {}
     ok = t.get("step") == "activate" and bool(t.get("from")) and t.get("from") != t.get("to")

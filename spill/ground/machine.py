@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -81,8 +82,6 @@ def cpu_flags() -> str:
 def cpu_key() -> str:
     """What a per-machine measurement is keyed by: the CPU's model and a digest of its flags
     (two VMs of one model name may differ in what the hypervisor passes through)."""
-    import hashlib
-
     digest = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
     return f"{cpu_model()} | flags {digest}"
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from spill.errors import StoreError
 from spill.ground.paths import spill_home
+from spill.schemas import DIR  # a plain open: importlib.resources costs 3 ms to import
 
 SUFFIX = ".schema.json"
 KEEP_MARKERS = 512
@@ -30,8 +31,6 @@ class SchemaInvalid(StoreError):
 
 @cache
 def _schema_bytes(name: str) -> bytes:
-    from spill.schemas import DIR  # a plain open: importlib.resources costs 3 ms to import
-
     try:
         return (DIR / f"{name}{SUFFIX}").read_bytes()
     except FileNotFoundError:

@@ -18,9 +18,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import spill.conf
 from spill.errors import SpillError
+from spill.ground.paths import models_dir
+from spill.models.names import lookup, safe_name
 from spill.project import config
 from spill.project.data import check_rows, detect_task, read_rows, split
+from spill.schemas import DIR
 
 STUDENT = "smollm2:135m"
 SCHEMA_COPY = "spill.schema.json"  # beside spill.yaml; its modeline names it relatively
@@ -75,8 +79,6 @@ def available_memory() -> int:
 
 def _option(group: str, name: str) -> str:
     """The shipped group option that names this model, else ``custom``."""
-    import spill.conf
-
     option = name.lower().replace(":", "-")
     folder = Path(spill.conf.__file__).parent / group
     return option if (folder / f"{option}.yaml").is_file() else "custom"
@@ -84,8 +86,6 @@ def _option(group: str, name: str) -> str:
 
 def _offline(name: str) -> bool:
     """Whether an alias is usable here without the network (imported, cached or packaged)."""
-    from spill.ground.paths import models_dir
-    from spill.models.names import lookup, safe_name
     from spill.models.sources import hub
 
     alias = lookup(name)
@@ -196,8 +196,6 @@ def init(
 ) -> dict[str, Any]:
     """Write the project folder; returns what was chosen (rows, task, models, engine).
     ``rejected_col``: rows are preference pairs (``output_col`` the chosen answer), tuned by DPO."""
-    from spill.schemas import DIR
-
     data, project = Path(data), Path(project)
     in_place = data.resolve().parent == project.resolve()  # the folder that holds the data
     if project.exists() and (

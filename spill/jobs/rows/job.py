@@ -11,6 +11,7 @@ the job's inputs is a usage error (exit 2) before anything is read.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,11 +29,16 @@ from spill.jobs.group import current as current_group
 from spill.jobs.loading import LoadedModel, find_model, open_model
 from spill.jobs.preempt import SIGNALS, Guard
 from spill.jobs.producer import describe
+from spill.models.integrity import same_weights
 from spill.models.quant import Spec
 from spill.models.sources.quantize import identity as quantization_identity
+from spill.payloads.rows import SegmentWriter, commit_markers, pin_identity, restore
 from spill.settings import EngineSettings
 from spill.store import drill
+from spill.store.disk import same_file
 from spill.store.location import Location
+from spill.store.output import put_output
+from spill.store.probe import probe_writable
 
 Record = dict[str, Any]
 Compute = Callable[[list[Any]], list[Record]]
@@ -109,10 +115,6 @@ class Outcome:
 def write_jsonl(path: Path, records: Sequence[Record]) -> None:
     """The whole file at once through the store's atomic write (never half-written), or into a
     FIFO or character device as it is (``spill.store.output.put_output``)."""
-    import json
-
-    from spill.store.output import put_output
-
     data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
     put_output(str(path), data.encode("utf-8"))
 
@@ -134,8 +136,6 @@ def refuse_overlap(
     inputs: list[tuple[Path, str]], out: Path | None, state: Location | None
 ) -> None:
     """A usage error when ``--out`` or a local ``--state`` is one of ``inputs`` or each other."""
-    from spill.store.disk import same_file
-
     for path, what in inputs:
         if out is not None and same_file(out, path):
             raise UsageError(f"--out {out} is {what}; write the results elsewhere")
@@ -167,9 +167,6 @@ def identity(job: RowJob, resolved, fp: str) -> dict[str, Any]:
 
 
 def _restore(place: Place, pinned: dict[str, Any], rows: Sequence[HasId], folder: Path) -> dict:
-    from spill.models.integrity import same_weights
-    from spill.payloads.rows import pin_identity, restore
-
     uri, fp = place.uri, pinned["model"]["fingerprint"]
     pin_identity(uri, pinned, lambda old: same_weights(old, folder, fp, uri, "its next commit"))
     got = restore(place)
@@ -202,8 +199,6 @@ def batch_plan(
 def committed_batch(place: Place | None) -> int | None:
     """The batch that the newest committed segment at ``place`` was computed at (None: none
     committed, or made before segments named it)."""
-    from spill.payloads.rows import commit_markers
-
     markers = commit_markers(place) if place is not None else []
     batch = markers[-1]["producer"].get("batch") if markers else None
     return batch if type(batch) is int and batch >= 1 else None
@@ -263,8 +258,6 @@ def execute(
     try:
         if not opts.state or not group.leader:  # a rank other than 0 never holds the run
             return _execute(job, None, prepare, finish, group)
-        from spill.store.probe import probe_writable
-
         probe_writable(opts.state)
         with hold(opts.state, opts.writer) as held:
             outcome = _execute(job, held, prepare, finish, group)
@@ -316,8 +309,6 @@ def _execute(
 ) -> Outcome:
     """The rows left, ``batch`` at a time; in a group of N processes each round is N batches,
     rank ``r`` computing the ``r``-th, and every rank gets every record (rank 0 commits)."""
-    from spill.payloads.rows import SegmentWriter
-
     opts = job.options
     signals = SIGNALS if held or (opts.state and group.world > 1) else ()
     with Guard(unit="batch", signals=signals) as guard:

@@ -10,12 +10,16 @@ against the recorded state, the model names checked (no weights loaded), and unl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from spill.console import note
+from spill.control.control import RunComplete
+from spill.control.ownership import CopiedRun
 from spill.errors import StoreError
 from spill.ground.paths import STATE_DIR
-from spill.jobs.authority import Writer
+from spill.jobs.authority import Writer, own
 from spill.project import sources
 from spill.project.build import record
 from spill.project.build.stages import STAGES, get
@@ -120,8 +124,6 @@ def _build(root: Path | str, opts: BuildOptions, group) -> dict[str, Any]:
     if opts.resume:
         project = with_engine(config.from_record(doc["config"], root, overrides), opts.engine)
         if sources.compose_key(root, overrides) != key:
-            from spill.console import note
-
             note(
                 "spill.yaml changed since this build started; resume continues with the recorded config"
             )
@@ -149,8 +151,6 @@ def with_engine(project, engine: tuple[str, ...]):
     """``project`` with ``engine.<key>=<value>`` overrides applied to its engine section."""
     if not engine:
         return project
-    import dataclasses
-
     import yaml
 
     values = {}
@@ -261,10 +261,6 @@ def _own(stack, ctx, specs, stop, owner: Owner):
     that one is complete (or an installed copy, with ``--new-run``) and this build would change
     anything, the next one (lineage: that run). None when the complete run or the copy already
     records exactly this build (a sweep's jobs come here with no ``finished`` check first)."""
-    from spill.control.control import RunComplete
-    from spill.control.ownership import CopiedRun
-    from spill.jobs.authority import own
-
     w = owner.writer
     how = {"lease": w.lease, "wait": w.wait, "command": w.command}
     try:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spill.control.control import Ownership
-from spill.jobs.track import TrackSpec
+from spill.jobs.track import TrackSpec, log_scores
+from spill.jobs.track.tracking import metric_name
 from spill.project.config import Project
 from spill.project.data import Prepared
 from spill.store.disk import local_copy, put_file
@@ -58,9 +59,6 @@ class BuildContext:
         the tune that follows); each once, rank 0 only. No trackers: nothing."""
         if self.track is None:
             return
-        from spill.jobs.track import log_scores
-        from spill.jobs.track.tracking import metric_name
-
         values = {f"{metric_name(stage)}/{k}": v for k, v in scores.items()}
         log_scores(self.track, values, step, "FINISHED" if step else None)
 

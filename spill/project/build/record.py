@@ -15,6 +15,7 @@ from typing import Any
 from spill.control.control import Ownership
 from spill.control.place import Place
 from spill.errors import StoreError
+from spill.ground.validate import parse_json, short, validate_once
 from spill.project.build import stages
 from spill.store.fs import exists, get_bytes, join, put_bytes
 from spill.store.location import Location
@@ -35,8 +36,6 @@ SCHEMA_VERSION = 1
 def read(root: Location) -> dict[str, Any] | None:
     """The current ``state.json`` of the build at ``root`` (None when there is none), validated
     against the ``build-state`` schema, its ``config`` against the strict spill.yaml schema."""
-    from spill.ground.validate import parse_json, short, validate_once
-
     pointed = Place(root).pointer(KIND_POINTER)
     if not pointed:
         if exists(join(root, STATE)):
@@ -69,7 +68,6 @@ def read(root: Location) -> dict[str, Any] | None:
 
 def _check_more(doc: dict[str, Any], uri: str) -> None:
     """What the schema leaves open: the config (strict spill.yaml) and each stage's result."""
-    from spill.ground.validate import short
     from spill.project.config import ConfigError, validate
 
     try:
@@ -88,7 +86,7 @@ def _check_more(doc: dict[str, Any], uri: str) -> None:
 
 def write(run: Ownership, doc: dict[str, Any]) -> None:
     """Write ``doc`` as a new payload and make it current (fenced: only the run's owner can)."""
-    from spill.ground.validate import remember, validate
+    from spill.ground.validate import remember, validate  # not config's validate (_check_more)
 
     place = run.place()
     target = place.payload(KIND_POINTER, run.doc["seq"])

@@ -9,6 +9,18 @@ whose output is read. What cannot change a result stays out: ``tune.ckpt_every``
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from spill.errors import ModelError, ModelNotFound
+from spill.models.cache import imported
+from spill.models.names import (
+    ALIASES,
+    looks_like_alias,
+    looks_like_hub_id,
+    parse_tiny,
+    resolve_alias,
+    split_quant,
+)
 from spill.project.build.stages import STAGES
 from spill.project.build.stages.spec import StageSpec, fingerprint  # noqa: F401  (this module's API)
 from spill.project.config import Project
@@ -31,25 +43,11 @@ def check_model_name(name: str, key: str) -> None:
     a name ``spill models import`` gave names its cache folder; an alias must be known; a hub id
     is accepted as spelled (the hub cannot be asked offline).
     """
-    from pathlib import Path
-
-    from spill.errors import ModelError, ModelNotFound
-    from spill.models.names import (
-        ALIASES,
-        looks_like_alias,
-        looks_like_hub_id,
-        parse_tiny,
-        resolve_alias,
-        split_quant,
-    )
-
     text = name.strip()
     if not text:
         raise ModelNotFound(f"{key} is empty; name an alias, a hub id or a local model folder")
     if "://" in text:
         return
-    from spill.models.cache import imported
-
     if imported(text) is not None:  # the name `spill models import` gave (`<stem>@<type>`)
         return
     if not Path(text).expanduser().is_dir():

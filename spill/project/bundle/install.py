@@ -24,7 +24,9 @@ from spill.control.ownership import _busy, as_copy, is_held
 from spill.ground.paths import STATE_DIR, models_dir, spill_home
 from spill.ground.validate import validate
 from spill.project.bundle import installed
+from spill.project.bundle import models as bundle_models
 from spill.project.bundle.format import BundleError, Hasher
+from spill.project.bundle.installed import FILE, read
 from spill.project.bundle.read import Bundle, damaged, free_space_ok, open_bundle
 from spill.project.move.checks import SWEEP
 from spill.store.location import location
@@ -34,8 +36,6 @@ def _check_dest(dest: Path, force: bool, bundle: Path) -> bool:
     """Whether ``dest`` holds a previous install that ``--force`` replaces; refused in one line:
     a file, a folder inside or above ``SPILL_HOME``, one inside a run's state location, one that
     holds the bundle itself, and (even with ``--force``) a non-empty folder no bundle installed."""
-    from spill.project.bundle.installed import FILE, read
-
     if dest.exists() and not dest.is_dir() or dest.is_symlink():
         raise BundleError(f"{dest} exists and is not a folder; give --install another DIR")
     real = Path(os.path.realpath(dest))
@@ -233,8 +233,6 @@ def _existing(path: Path) -> Path:
 
 def install(path: Path, dest: Path, force: bool = False) -> dict[str, Any]:
     """Install the bundle at ``path`` into ``dest`` and the model cache; returns a summary."""
-    from spill.project.bundle import models as bundle_models
-
     b = open_bundle(path)
     if b.problems:
         more = f" (and {len(b.problems) - 1} more: spill bundle --verify lists them)"

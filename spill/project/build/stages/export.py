@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from spill.project.build.outputs import _sha
 from spill.project.build.stages.base import Stage, distinct
 from spill.store.fs import files_under, get_bytes, join, stat
 from spill.store.location import Location
@@ -119,7 +120,6 @@ class ExportStage(Stage):
         """Each file's size and sha256 from the export.json beside it (hashed when written:
         models are large), the export.json itself hashed; mtimes from the store."""
         from spill.jobs.export import RECORD
-        from spill.project.build.outputs import _sha
 
         where, out = self.output(project), {}
         for fmt_rec in sorted(files_under(join(root, where))):

@@ -7,10 +7,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from spill.ground.validate import parse_json
 from spill.project.build import outputs
 from spill.project.build.stages.base import Stage, common_inputs, distinct
 from spill.settings import EvalSettings, deciding, stage_inputs
-from spill.store.fs import join
+from spill.store.fs import get_bytes, join
 from spill.store.location import Location
 
 if TYPE_CHECKING:  # types only: a finished build and `spill status` load none of these
@@ -58,9 +59,7 @@ class RowStage(Stage):
         return out
 
     def pinned(self, root: Location) -> dict[str, Any] | None:
-        from spill.ground.validate import parse_json
         from spill.payloads.rows import IDENTITY, ROWS
-        from spill.store.fs import get_bytes
 
         try:
             doc = parse_json(get_bytes(join(self.uri(root), ROWS, IDENTITY)))
