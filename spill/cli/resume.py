@@ -15,7 +15,10 @@ from collections.abc import Callable
 
 from spill.cli.options import JOB_VERBS, Replay, engine_argv
 from spill.console import note
+from spill.control.keys import current
 from spill.errors import StoreError
+from spill.jobs.authority import read_command
+from spill.project.report.status import progress
 from spill.store.location import Location
 
 BUILD_VERBS = ("build", "resume")
@@ -50,10 +53,6 @@ def replay(where: Location, args, project_dir: Callable[[list[str]], str]) -> Re
     """The command that continues the run at state location ``where`` (``spill resume``'s DIR,
     as the command line parsed it); see the module doc. ``project_dir(argv)``: the project
     folder a recorded build or resume names."""
-    from spill.control.keys import current
-    from spill.jobs.authority import read_command
-    from spill.project.report.status import progress
-
     where = where.absolute  # file:///p is the path /p
     doc = current(where)
     if doc is None:
