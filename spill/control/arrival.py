@@ -16,8 +16,8 @@ from typing import Any
 
 from spill.control.keys import CURRENT, LOCK, RUNS, current, read_control, read_runs, run_list
 from spill.control.owner import home_of, host, me
-from spill.control.ownership import _holder
-from spill.control.transfer import _read, _record, _write, pending
+from spill.control.ownership import holds_against
+from spill.control.transfer import pending, read_current, record_step, write_control
 from spill.errors import StoreError
 from spill.ground.validate import parse_json, validate
 from spill.store import drill
@@ -53,7 +53,7 @@ def _source(home: str) -> Location | None:
 
 def abandoned(doc: dict[str, Any]) -> bool:
     """Whether the destination's claim ``doc`` is one nobody will finish (docs/move.md)."""
-    if doc["status"] != "incoming" or _holder(doc, "", time.time()):
+    if doc["status"] != "incoming" or holds_against(doc, "", time.time()):
         return False
     t = doc.get("transfer") or {}
     where = _source(t.get("from") or "")
@@ -159,7 +159,7 @@ def claim(
             if there is not None:
                 new["seq"] = there["seq"]
             try:
-                _write(dst, new, tag, "move-claim")
+                write_control(dst, new, tag, "move-claim")
                 if runs is None:
                     dst.put(CURRENT, run_list([rid]), "runs", runs_tag)
             except (Conflict, Uncertain):
@@ -178,7 +178,7 @@ def incoming(dst: Store, doc: dict[str, Any], step: str = "incoming") -> None:
     new = json.loads(json.dumps(doc))
     new["home"] = home_of(dst.state)
     new["status"] = "incoming"
-    _record(new, step)
+    record_step(new, step)
     for _ in range(ATTEMPTS):
         with dst.exclusive():
             runs, _ = read_runs(dst)
@@ -192,7 +192,7 @@ def incoming(dst: Store, doc: dict[str, Any], step: str = "incoming") -> None:
                 raise Taken(f"{dst.state} holds {_what(there)}, not the claim of this move")
             new["seq"] = there["seq"]
             try:
-                _write(dst, new, tag, "move-incoming")
+                write_control(dst, new, tag, "move-incoming")
             except (Conflict, Uncertain):
                 continue
         return
@@ -204,7 +204,7 @@ def activate(dst: Store, tid: str, status: str = "active") -> dict[str, Any]:
     and free to acquire."""
     for _ in range(ATTEMPTS):
         with dst.exclusive():
-            doc, tag = _read(dst)
+            doc, tag = read_current(dst)
             t = doc.get("transfer") or {}
             if t.get("id") != tid:
                 raise StoreError(f"{dst.state} holds run {doc['run']} of another move")
@@ -213,9 +213,9 @@ def activate(dst: Store, tid: str, status: str = "active") -> dict[str, Any]:
             doc["status"] = status
             doc["owner"]["released"] = True
             doc["lease"]["expires"] = time.time()
-            _record(doc, "activate")
+            record_step(doc, "activate")
             try:
-                _write(dst, doc, tag, "move-activate")
+                write_control(dst, doc, tag, "move-activate")
             except (Conflict, Uncertain):
                 continue
         drill.at(drill.MOVE_ACTIVATE)

@@ -48,7 +48,7 @@ class RunComplete(StoreError):
     """A completed run is read-only."""
 
 
-def _iso(t: float) -> str:
+def iso_time(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
@@ -116,7 +116,7 @@ class Ownership:
                     now = time.time()
                     new["seq"] = doc["seq"] + 1
                     new["last"] = {"op": op, "what": what, "at": now}
-                    new["updated"] = _iso(now)
+                    new["updated"] = iso_time(now)
                     if not new["owner"]["released"] and new["status"] != "complete":
                         new["lease"]["expires"] = now + self.lease
                     try:

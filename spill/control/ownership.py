@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from spill.control.control import SCHEMA_VERSION, Busy, Ownership, RunComplete, Superseded, _iso
+from spill.control.control import SCHEMA_VERSION, Busy, Ownership, RunComplete, Superseded, iso_time
 from spill.control.keys import (
     CONTROL,
     CURRENT,
@@ -71,12 +71,12 @@ def _fresh(
         "pointers": pointers,
         "lineage": {"parent": parent, "copied_from": None},
         "last": {"op": f"{owner['nonce']}:0", "what": "create", "at": now},
-        "created": _iso(now),
-        "updated": _iso(now),
+        "created": iso_time(now),
+        "updated": iso_time(now),
     }
 
 
-def _holder(doc: dict[str, Any], nonce: str, now: float) -> bool:
+def holds_against(doc: dict[str, Any], nonce: str, now: float) -> bool:
     """Whether ``doc``'s owner still holds the run against us."""
     o = doc["owner"]
     if o["nonce"] == nonce or o["released"]:
@@ -86,7 +86,7 @@ def _holder(doc: dict[str, Any], nonce: str, now: float) -> bool:
     return not gone(o)
 
 
-def _busy(doc: dict[str, Any], state: Location, extra: str = "") -> Busy:
+def busy(doc: dict[str, Any], state: Location, extra: str = "") -> Busy:
     return Busy(
         f"run {doc['run']} at {state} is held by {describe(doc)}{extra}; try again later, "
         "or add --wait to wait for it"
@@ -172,8 +172,8 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Owner
             refuse_moving(doc, store.state)
             if doc["home"] != home:
                 _check_copy(doc, home)
-            if _holder(doc, nonce, now):
-                raise _busy(doc, store.state)
+            if holds_against(doc, nonce, now):
+                raise busy(doc, store.state)
             new = json.loads(json.dumps(doc))
             new.update(generation=doc["generation"] + 1, seq=doc["seq"] + 1, status="active")
             new["owner"] = me(nonce)
@@ -182,7 +182,7 @@ def _try_acquire(store: Store, nonce: str, lease: float, new_run: bool) -> Owner
                 new["lineage"]["copied_from"] = doc["home"]
                 new["home"] = home
             new["last"] = {"op": f"{nonce}:0", "what": "acquire", "at": now}
-            new["updated"] = _iso(now)
+            new["updated"] = iso_time(now)
             try:
                 store.put(f"{rid}/{CONTROL}", new, "control", tag)
             except (Conflict, Uncertain):
@@ -241,7 +241,7 @@ def refuse_moving(doc: dict[str, Any], state: Location) -> None:
             "authoritative; `spill build DIR --new-run` forks a new run from its committed state"
         )
     if doc["status"] == "transferred":
-        to, at = (t["to"], _iso(t["at"])) if t else ("another place", "?")
+        to, at = (t["to"], iso_time(t["at"])) if t else ("another place", "?")
         raise StoreError(f"run {rid} moved to {to} at {at}; continue there")
     if doc["status"] == "incoming":
         frm = t["from"] if t else "another place"
@@ -265,9 +265,13 @@ def _check_copy(doc: dict[str, Any], home: str) -> None:
         theirs = current(original)
     except (StoreError, OSError):
         return
-    if theirs is not None and theirs["run"] == doc["run"] and _holder(theirs, "", time.time()):
+    if (
+        theirs is not None
+        and theirs["run"] == doc["run"]
+        and holds_against(theirs, "", time.time())
+    ):
         here = shown_home(home)
-        raise _busy(theirs, original, f" (this state at {here} is a copy of it)")
+        raise busy(theirs, original, f" (this state at {here} is a copy of it)")
 
 
 # --- a job's view: its folder, its pointers, its payloads --------------------------------------
@@ -293,7 +297,7 @@ def held(
 
 def is_held(doc: dict[str, Any]) -> bool:
     """Whether a live owner holds the run ``doc`` now (its lease running, its process alive)."""
-    return _holder(doc, "", time.time())
+    return holds_against(doc, "", time.time())
 
 
 def as_copy(doc: dict[str, Any], state: Location) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -307,5 +311,5 @@ def as_copy(doc: dict[str, Any], state: Location) -> tuple[dict[str, Any], dict[
     new["lease"]["expires"] = now
     new["lineage"]["copied_from"] = doc["home"]
     new["last"] = {"op": f"{secrets.token_hex(16)}:0", "what": "install", "at": now}
-    new["updated"] = _iso(now)
+    new["updated"] = iso_time(now)
     return new, run_list([doc["run"]])

@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spill.control.control import Ownership, _iso
+from spill.control.control import Ownership, iso_time
 from spill.control.keys import CONTROL, CURRENT, read_control, restore
 from spill.control.owner import home_of, lease_seconds, me
-from spill.control.ownership import CopiedRun, _busy, _holder
+from spill.control.ownership import CopiedRun, busy, holds_against
 from spill.errors import StoreError, UsageError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, Store, Uncertain
@@ -68,11 +68,11 @@ def check_source(doc: dict[str, Any], state: Location, to: Location, *, wait: bo
                 f"{to}; run `spill move` to {where} to finish it{more}"
             )
         return
-    if status != "complete" and _holder(doc, "", time.time()) and not wait:
-        raise _busy(doc, state, "; add --wait to stop it at its next committed boundary")
+    if status != "complete" and holds_against(doc, "", time.time()) and not wait:
+        raise busy(doc, state, "; add --wait to stop it at its next committed boundary")
 
 
-def _read(store: Store) -> tuple[dict[str, Any], str | None]:
+def read_current(store: Store) -> tuple[dict[str, Any], str | None]:
     """The current run's control object and tag, under the store's lock (a missing run list is
     rebuilt from the control objects, as an acquire does)."""
     runs, _ = restore(store)
@@ -84,15 +84,15 @@ def _read(store: Store) -> tuple[dict[str, Any], str | None]:
     return doc, tag
 
 
-def _write(store: Store, doc: dict[str, Any], tag: str | None, what: str) -> str:
+def write_control(store: Store, doc: dict[str, Any], tag: str | None, what: str) -> str:
     now = time.time()
     doc["seq"] += 1
     doc["last"] = {"op": f"{secrets.token_hex(8)}:{what}", "what": what, "at": now}
-    doc["updated"] = _iso(now)
+    doc["updated"] = iso_time(now)
     return store.put(f"{doc['run']}/{CONTROL}", doc, "control", tag)
 
 
-def _record(doc: dict[str, Any], step: str) -> None:
+def record_step(doc: dict[str, Any], step: str) -> None:
     doc["transfer"]["step"] = step
     doc["transfer"]["at"] = time.time()
 
@@ -106,7 +106,7 @@ def begin(
     counts as live until then; a mover stopped past it claims again)."""
     for _ in range(ATTEMPTS):
         with src.exclusive():
-            doc, tag = _read(src)
+            doc, tag = read_current(src)
             check_source(doc, src.state, to, wait=wait)
             if pending(doc) or doc["status"] == "complete":
                 return doc  # an interrupted move to the same place (or a read-only run)
@@ -132,7 +132,7 @@ def begin(
                 "before": before,
             }
             try:
-                _write(src, doc, tag, "move-quiesce")
+                write_control(src, doc, tag, "move-quiesce")
             except (Conflict, Uncertain):
                 continue  # read again: a writer's transition, or our own that landed
         drill.at(drill.MOVE_QUIESCE)
@@ -148,21 +148,21 @@ def take(src: Store, tid: str, *, lease: float | None, poll: float = 0.5) -> Own
     tries = 0
     while True:
         with src.exclusive():
-            doc, tag = _read(src)
+            doc, tag = read_current(src)
             t = doc.get("transfer")
             if t is None or t["id"] != tid or doc["status"] != "quiescing":
                 raise StoreError(
                     f"run {doc['run']} at {src.state} left the move (status {doc['status']}); "
                     "run `spill move` again"
                 )
-            if not _holder(doc, nonce, time.time()):
+            if not holds_against(doc, nonce, time.time()):
                 now = time.time()
                 new = json.loads(json.dumps(doc))
                 new.update(generation=doc["generation"] + 1, owner=me(nonce))
                 new["lease"] = {"seconds": lease, "expires": now + lease}
-                _record(new, "take")
+                record_step(new, "take")
                 try:
-                    tag = _write(src, new, tag, "move-take")
+                    tag = write_control(src, new, tag, "move-take")
                 except (Conflict, Uncertain):
                     tries += 1
                     continue
@@ -181,7 +181,7 @@ def step(
     """Record that step ``name`` is done, fenced by the mover's generation."""
 
     def change(d: dict[str, Any]) -> dict[str, Any]:
-        _record(d, name)
+        record_step(d, name)
         if done is not None:
             done(d)
         return d
@@ -209,7 +209,7 @@ def abort(src: Store, *, wait: bool = False, poll: float = 0.5) -> dict[str, Any
     tries = 0
     while True:
         with src.exclusive():
-            doc, tag = _read(src)
+            doc, tag = read_current(src)
             t, status, rid = doc.get("transfer"), doc["status"], doc["run"]
             if t and t.get("aborted"):
                 return doc
@@ -227,7 +227,7 @@ def abort(src: Store, *, wait: bool = False, poll: float = 0.5) -> dict[str, Any
             if status != "quiescing" or t is None:
                 raise UsageError(f"run {rid} at {src.state} is not in a move; nothing to abort")
             now = time.time()
-            if not _holder(doc, "", now):
+            if not holds_against(doc, "", now):
                 new = json.loads(json.dumps(doc))
                 before = t.get("before") or {}
                 new["status"] = before.get("status", "active")
@@ -236,13 +236,13 @@ def abort(src: Store, *, wait: bool = False, poll: float = 0.5) -> dict[str, Any
                 new["lease"]["expires"] = now
                 new["transfer"].update(aborted=now, at=now)
                 try:
-                    _write(src, new, tag, "move-abort")
+                    write_control(src, new, tag, "move-abort")
                 except (Conflict, Uncertain):
                     tries += 1
                     continue
                 break
             if not wait:
-                raise _busy(doc, src.state, f" (the move to {t['to']}, step {t['step']} done)")
+                raise busy(doc, src.state, f" (the move to {t['to']}, step {t['step']} done)")
         time.sleep(min(poll, 0.02 * 2**tries))
         tries += 1
     drill.at(drill.MOVE_ABORT)
@@ -256,12 +256,14 @@ def describe_move(doc: dict[str, Any]) -> str | None:
         return None
     n = step_number(t["step"])
     if t.get("aborted"):
-        return f"the move to {t['to']} was aborted at {_iso(t['aborted'])} (after step {n} of 7)"
+        return (
+            f"the move to {t['to']} was aborted at {iso_time(t['aborted'])} (after step {n} of 7)"
+        )
     if doc["status"] == "transferred":
-        return f"moved to {t['to']} at {_iso(t['at'])}; continue there"
+        return f"moved to {t['to']} at {iso_time(t['at'])}; continue there"
     if doc["status"] in ("quiescing", "incoming"):
         side = f"to {t['to']}" if doc["status"] == "quiescing" else f"from {t['from']}"
         return f"moving {side}: step {n} of {len(STEPS)} ({t['step']}) done"
     if t["step"] != "activate":  # the move was abandoned for a build that finished the run
         return None
-    return f"moved here from {t['from']} at {_iso(t['at'])}"
+    return f"moved here from {t['from']} at {iso_time(t['at'])}"

@@ -28,7 +28,7 @@ from spill.store.location import (  # noqa: F401  (BackendMissing, SCHEMES: this
 )
 from spill.store.written import synced
 
-_TMP = ".tmp-"
+TMP_MARK = ".tmp-"
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
 
 
@@ -69,7 +69,7 @@ def basename(uri: str) -> str:
 
 def is_temp(name: str) -> bool:
     """Whether ``name`` is a temporary file left by an interrupted local ``put_bytes``."""
-    return name.startswith(".") and _TMP in name
+    return name.startswith(".") and TMP_MARK in name
 
 
 def filesystem(uri: str):
@@ -78,7 +78,7 @@ def filesystem(uri: str):
 
 
 @contextmanager
-def _errors(uri: str, verb: str) -> Iterator[None]:
+def store_errors(uri: str, verb: str) -> Iterator[None]:
     """Turn backend failures other than a missing object into one-line ``StoreError``s."""
     # remote backends raise OSError, botocore and google errors alike; local ones only OSError
     catch = OSError if is_local(uri) else Exception
@@ -99,7 +99,7 @@ def fsync(path: str | os.PathLike) -> None:  # a file or a folder, by its path
         os.close(fd)
 
 
-def _makedirs_durable(path: str) -> None:
+def makedirs_durable(path: str) -> None:
     """``mkdir -p`` that also fsyncs the parent of every directory it creates."""
     missing = []
     p = os.path.abspath(path)
@@ -132,8 +132,8 @@ def _put_local(path: str, data: bytes, drilled: bool = True) -> None:
     if what := kind_of(path):
         raise StoreError(f"{path} is {what}, not a file; spill replaces only regular files")
     parent = os.path.dirname(os.path.abspath(path))
-    _makedirs_durable(parent)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}{_TMP}{uuid.uuid4().hex[:12]}")
+    makedirs_durable(parent)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}{TMP_MARK}{uuid.uuid4().hex[:12]}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -157,11 +157,11 @@ def put_bytes(uri: str | os.PathLike, data: bytes, *, drilled: bool = True) -> N
     drill points of their own, and must not shift the counts of the store's drills)."""
     uri = location(uri)
     if uri.local:
-        with _errors(uri, "write"):
+        with store_errors(uri, "write"):
             _put_local(uri.path, data, drilled)
         return
     fs, path = uri.remote
-    with _errors(uri, "write"):
+    with store_errors(uri, "write"):
         fs.pipe_file(path, data)
         fs.invalidate_cache(path)
 
@@ -173,8 +173,8 @@ def put_fresh(uri: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> No
     uri = location(uri)
     if uri.local:
         path = uri.path
-        with _errors(uri, "write"):
-            _makedirs_durable(os.path.dirname(os.path.abspath(path)))
+        with store_errors(uri, "write"):
+            makedirs_durable(os.path.dirname(os.path.abspath(path)))
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, parts)
@@ -184,7 +184,7 @@ def put_fresh(uri: str | os.PathLike, parts: Sequence[bytes | memoryview]) -> No
                 os.close(fd)
         return
     fs, path = uri.remote
-    with _errors(uri, "write"):
+    with store_errors(uri, "write"):
         fs.pipe_file(path, b"".join(parts))
         fs.invalidate_cache(path)
 
@@ -206,7 +206,7 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
 def sync_fresh(uris: Sequence[str]) -> None:
     """fsync the local files ``put_fresh`` wrote, then their folders (a put is durable already)."""
     local = [_local(u) for u in uris if is_local(u)]
-    with _errors(", ".join(uris), "sync"):
+    with store_errors(", ".join(uris), "sync"):
         for path in [*local, *sorted({os.path.dirname(os.path.abspath(p)) for p in local})]:
             fsync(path)
 
@@ -215,10 +215,10 @@ def get_bytes(uri: str | os.PathLike) -> bytes:
     """The whole object at ``uri``; ``FileNotFoundError`` when there is none."""
     uri = location(uri)
     if uri.local:
-        with _errors(uri, "read"), open(uri.path, "rb") as f:
+        with store_errors(uri, "read"), open(uri.path, "rb") as f:
             return f.read()
     fs, path = uri.remote
-    with _errors(uri, "read"):
+    with store_errors(uri, "read"):
         # s3fs may size the object from a cached listing of its folder first, which would call
         # an object another process wrote since that listing missing
         fs.invalidate_cache(path)
@@ -240,7 +240,7 @@ def exists(uri: str | os.PathLike) -> bool:
     if uri.local:
         return os.path.exists(uri.path)
     fs, path = uri.remote
-    with _errors(uri, "check"):
+    with store_errors(uri, "check"):
         fs.invalidate_cache(path)
         return fs.exists(path)
 
@@ -254,7 +254,7 @@ def listdir(uri: str | os.PathLike) -> list[str]:
         except (FileNotFoundError, NotADirectoryError):
             return []
     fs, path = uri.remote
-    with _errors(uri, "list"):
+    with store_errors(uri, "list"):
         fs.invalidate_cache(path)
         try:
             entries = fs.ls(path, detail=False)
@@ -276,7 +276,7 @@ def stat(uri: str | os.PathLike) -> tuple[int, int | None] | None:
             return None
         return st.st_size, st.st_mtime_ns
     fs, path = uri.remote
-    with _errors(uri, "check"):
+    with store_errors(uri, "check"):
         fs.invalidate_cache(path)
         try:
             info = fs.info(path)
@@ -299,7 +299,7 @@ def files_under(uri: str | os.PathLike) -> list[str]:
         ]
     else:
         fs, path = uri.remote
-        with _errors(uri, "list"):
+        with store_errors(uri, "list"):
             fs.invalidate_cache(path)
             if fs.isfile(path):
                 return [""]
@@ -313,7 +313,7 @@ def remove(uri: str | os.PathLike) -> None:
     uri = location(uri)
     if uri.local:
         path = uri.path
-        with _errors(uri, "remove"):
+        with store_errors(uri, "remove"):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=False)
                 fsync(os.path.dirname(os.path.abspath(path)))
@@ -321,7 +321,7 @@ def remove(uri: str | os.PathLike) -> None:
                 os.remove(path)
         return
     fs, path = uri.remote
-    with _errors(uri, "remove"):
+    with store_errors(uri, "remove"):
         fs.invalidate_cache(path)
         try:
             fs.rm(path, recursive=True)

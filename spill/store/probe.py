@@ -14,18 +14,18 @@ from collections.abc import Sequence
 
 from spill.errors import StoreError
 from spill.store.fs import (
-    _TMP,
-    _errors,
-    _makedirs_durable,
+    TMP_MARK,
     filesystem,
+    makedirs_durable,
     remove,
+    store_errors,
 )
 from spill.store.location import location
 
 KEY_MAX = 1024  # bytes in an object key: S3's limit (GCS and Azure blob names allow as many)
 
 
-def _reason(e: BaseException) -> str:
+def write_failure(e: BaseException) -> str:
     """The short cause of a failed write, on one line."""
     cause = e.__cause__ or e
     if isinstance(cause, OSError) and cause.strerror:
@@ -37,21 +37,21 @@ def _reason(e: BaseException) -> str:
 def probe_writable(uri: str | os.PathLike) -> None:
     """Write and remove a small temporary object under ``uri``; a ``StoreError`` if it cannot."""
     uri = location(uri)  # parsed once (a Location as it is)
-    probe = uri.join(f".write-probe{_TMP}{uuid.uuid4().hex[:12]}")
+    probe = uri.join(f".write-probe{TMP_MARK}{uuid.uuid4().hex[:12]}")
     try:  # a plain write, not put_bytes: no fsync, and no drill point to shift the drills' counts
         if uri.local:
-            with _errors(probe, "write"):
-                _makedirs_durable(uri.path)
+            with store_errors(probe, "write"):
+                makedirs_durable(uri.path)
                 with open(probe.path, "wb") as f:
                     f.write(b"spill write probe\n")
         else:
             fs, path = filesystem(probe)
-            with _errors(probe, "write"):
+            with store_errors(probe, "write"):
                 fs.pipe_file(path, b"spill write probe\n")
         remove(probe)
     except (StoreError, FileNotFoundError, NotADirectoryError) as e:
         raise StoreError(
-            f"state location {uri} cannot be written ({_reason(e)}); "
+            f"state location {uri} cannot be written ({write_failure(e)}); "
             "give --state a location you can write to"
         ) from None
 
@@ -74,7 +74,7 @@ def not_a_file(uri: str) -> None:
         where = "is a file" if there == path else f"lies under {there}, which is a file"
         raise StoreError(f"{uri} {where}; move to a new or empty folder")
     fs, path = filesystem(uri)
-    with _errors(uri, "check"):
+    with store_errors(uri, "check"):
         fs.invalidate_cache(path)
         if fs.isfile(path):
             raise StoreError(f"{uri} is an object, not a prefix; move to a new or empty prefix")
@@ -140,8 +140,8 @@ def probe_names(root: str, rels: Sequence[str], passing: Sequence[str] = ()) -> 
     full = os.path.abspath(root.path)
     longest = max(rels, key=lambda r: len(os.path.join(full, r).encode()))
     folder, name = os.path.split(os.path.join(full, longest))
-    width = max(len(name.encode()), len(_TMP) + 1)
-    probe = os.path.join(folder, (f"{_TMP}{uuid.uuid4().hex}" + "p" * width)[:width])
+    width = max(len(name.encode()), len(TMP_MARK) + 1)
+    probe = os.path.join(folder, (f"{TMP_MARK}{uuid.uuid4().hex}" + "p" * width)[:width])
     created = []
     try:
         d = folder
@@ -160,7 +160,7 @@ def probe_names(root: str, rels: Sequence[str], passing: Sequence[str] = ()) -> 
                 "long there, longer than this file system takes; move to a shorter path"
             ) from None
         raise StoreError(
-            f"{root} cannot be written ({_reason(e)}); move to a place you can write to"
+            f"{root} cannot be written ({write_failure(e)}); move to a place you can write to"
         ) from None
     finally:
         for d in created:  # deepest first; only what the probe made, and only if empty

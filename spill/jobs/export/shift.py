@@ -24,7 +24,7 @@ from spill.engines.base import LoadOptions, ModelSpec
 from spill.errors import EngineError
 from spill.jobs.authority import read_command
 from spill.jobs.export.merge import Inputs
-from spill.jobs.tune.data import _order, data_fingerprint, load_examples
+from spill.jobs.tune.data import data_fingerprint, epoch_order, load_examples
 from spill.models.config import load_config
 from spill.models.tokenizer import Tokenizer
 from spill.payloads.checkpoint import latest_checkpoint
@@ -88,7 +88,7 @@ def seen_rows(inputs: Inputs) -> tuple[str, list] | str:
         return "no engine to score the rows is installed here (pip install torch)"
     examples = load_examples(path, Tokenizer(inputs.base_folder), hyper["seq_len"])
     drawn = min(ROWS, len(examples), hyper["steps"] * hyper["batch"])
-    return name, [examples[i] for i in _order(len(examples), st["seed"], 0)[:drawn]]
+    return name, [examples[i] for i in epoch_order(len(examples), st["seed"], 0)[:drawn]]
 
 
 def _mean_logprob(runner, examples: list) -> tuple[float, int]:

@@ -115,7 +115,7 @@ def load_examples(path: Path, tokenizer, seq_len: int) -> list[Example]:
 
 
 @lru_cache(maxsize=8)
-def _order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+def epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
     key = int.from_bytes(
         hashlib.sha256(f"spill-data:{seed}:{epoch}".encode()).digest()[:8], "little"
     )
@@ -124,7 +124,7 @@ def _order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
 
 def rows_at(n: int, seed: int, index: int, size: int) -> list[int]:
     """The data set's rows in micro-batch ``index`` of ``size``, of a set of ``n``."""
-    return [_order(n, seed, p // n)[p % n] for p in range(index * size, (index + 1) * size)]
+    return [epoch_order(n, seed, p // n)[p % n] for p in range(index * size, (index + 1) * size)]
 
 
 def micro_batch_at(

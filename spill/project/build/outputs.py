@@ -17,7 +17,7 @@ from spill.store.fs import exists, files_under, get_bytes, join, put_bytes, stat
 from spill.store.location import Location
 
 
-def _sha(data: bytes) -> str:
+def sha256_of(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
@@ -36,7 +36,7 @@ def record(root: Location, where: str) -> dict[str, dict[str, Any]]:
         uri = join(root, path)
         data = get_bytes(uri)
         found = stat(uri)
-        entry: dict[str, Any] = {"sha256": _sha(data), "size": len(data)}
+        entry: dict[str, Any] = {"sha256": sha256_of(data), "size": len(data)}
         if found is not None and found[1] is not None:
             entry["mtime_ns"] = found[1]
         out[path] = entry
@@ -60,7 +60,7 @@ def problem(root: Location, where: str, outputs: Mapping[str, Any] | None, marke
             return f"{path} changed"
         if got[1] is None or got[1] == want.get("mtime_ns"):
             continue
-        if _sha(get_bytes(uri)) != want["sha256"]:
+        if sha256_of(get_bytes(uri)) != want["sha256"]:
             return f"{path} changed"
     return ""
 
@@ -74,7 +74,7 @@ def restore_adapter(
     prefix = f"{out}/"
     intact = bool(recorded) and all(
         stat(join(exported, path.removeprefix(prefix))) is not None
-        and _sha(get_bytes(join(exported, path.removeprefix(prefix)))) == want["sha256"]
+        and sha256_of(get_bytes(join(exported, path.removeprefix(prefix)))) == want["sha256"]
         for path, want in recorded.items()
     )
     if not intact:

@@ -20,7 +20,7 @@ from typing import Any
 
 from spill.console import note, progress
 from spill.control.keys import current, parse
-from spill.control.ownership import _busy, as_copy, is_held
+from spill.control.ownership import as_copy, busy, is_held
 from spill.ground.paths import STATE_DIR, models_dir, spill_home
 from spill.ground.validate import validate
 from spill.project.bundle import installed
@@ -93,7 +93,7 @@ def _refuse_live(dest: Path) -> None:
     except Exception:  # a damaged state: nothing live can hold it
         return
     if doc is not None and is_held(doc):
-        raise _busy(doc, state, f"; --force would replace {dest} under it")
+        raise busy(doc, state, f"; --force would replace {dest} under it")
 
 
 def _mkdirs(path: Path, made: list[Path]) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import spill
 from spill.console import note, progress
 from spill.control.keys import current
-from spill.control.ownership import _busy, is_held, refuse_moving
+from spill.control.ownership import busy, is_held, refuse_moving
 from spill.errors import ModelError, StoreError
 from spill.ground.hashing import file_sha256
 from spill.ground.paths import models_dir
@@ -121,7 +121,7 @@ def run_items(
     pause = 0.02
     while is_held(doc):
         if not wait:
-            raise _busy(doc, state)
+            raise busy(doc, state)
         time.sleep(pause)
         pause = min(pause * 2, 0.5)
         doc = current(state) or doc

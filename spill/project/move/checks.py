@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from spill.control.keys import current
-from spill.control.ownership import _busy, is_held, outer_state
+from spill.control.ownership import busy, is_held, outer_state
 from spill.control.place import FROZEN
 from spill.errors import StoreError, UsageError
 from spill.ground.paths import STATE_DIR
@@ -90,7 +90,7 @@ def sweep_jobs(state: Location, finished: bool = False) -> dict[str, dict[str, A
         if doc is None:
             continue
         if is_held(doc):
-            raise _busy(doc, where, " (a job of the sweep)")
+            raise busy(doc, where, " (a job of the sweep)")
         if finished and doc["status"] not in FROZEN:
             raise StoreError(
                 f"sweep job {where} is unfinished (run {doc['run']}, {doc['status']}), and a "

@@ -33,7 +33,7 @@ from spill.store.fs import (
     stat,
 )
 from spill.store.location import Location
-from spill.store.probe import _reason
+from spill.store.probe import write_failure
 
 
 def _copy(src: Location, dst: Location) -> tuple[int, str]:
@@ -115,7 +115,7 @@ def copy_snapshot(
         except Exception as e:  # noqa: BLE001 - a remote backend's error, or the disk's
             if not failed_there(dst, e):
                 raise
-            raise StoreError(f"{dst}: cannot write ({_reason(e)})") from e
+            raise StoreError(f"{dst}: cannot write ({write_failure(e)})") from e
         done.add(rel)
         bar.update(1)
         return {"path": rel, "size": size, "sha256": sha}
@@ -132,7 +132,7 @@ def copy_snapshot(
         left = [(rel, (stat(src) or (0, None))[0]) for src, rel in files if rel not in done]
         room = checks.room_needed(dst_root, left)
         need, free = room or (sum(size for _, size in left), 0)
-        why = f" to finish the copy ({_reason(e)})"
+        why = f" to finish the copy ({write_failure(e)})"
         raise checks.full(dst_root, need, free, why, checks.AGAIN) from None
     return manifest
 

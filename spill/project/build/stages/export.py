@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from spill.project.build.outputs import _sha
+from spill.project.build.outputs import sha256_of
 from spill.project.build.stages.base import Stage, distinct
 from spill.store.fs import files_under, get_bytes, join, stat
 from spill.store.location import Location
@@ -129,7 +129,7 @@ class ExportStage(Stage):
             data = get_bytes(join(root, where, fmt_rec))
             listed = {
                 **json.loads(data)["files"],
-                RECORD: {"size": len(data), "sha256": _sha(data)},
+                RECORD: {"size": len(data), "sha256": sha256_of(data)},
             }
             for name, f in sorted(listed.items()):
                 path = f"{where}/{fmt}/{name}"
