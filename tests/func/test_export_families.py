@@ -260,6 +260,65 @@ def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
         assert np.allclose(lp, scores["adapter"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # llama-cpp-python builds from its sdist (~17 min here); 21 s once it is in
+def test_llama_cpp_reads_the_longrope_factors_as_transformers_reads_the_hf_export(
+    tmp_path, tiny_models, monkeypatch
+):
+    """A Phi-3 pretrained on 256 positions (of 1024), tuned and exported as f32 GGUF and HF:
+    llama.cpp picks the factors by its context size (the long ones where it exceeds the
+    original), transformers per forward (where the forward does), so a 29-token prompt at a
+    context of 256 turns both by the short factors and a 409-token one at 512 both by the long
+    ones; llama.cpp's logits (F32 KV cache) are within 1e-4 of transformers' on the HF export
+    at every position (measured 1.7e-6 and 5.7e-6; the 29-token prompt at 512, long factors in
+    llama.cpp only, 1.23 apart)."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (it builds from its sdist)"
+    )
+    import torch
+
+    from spill.models.tokenizer import Tokenizer
+
+    spec = ("Phi3", dict(num_hidden_layers=2, original_max_position_embeddings=256))
+    spec[1].update(max_position_embeddings=1024, **hf_families.PHI3)
+    # not a folder named phi3: llama.cpp reads general.name (the folder's name) as a Phi-3's and
+    # looks up Phi-3's special tokens, which the tiny vocabulary lacks ("unordered_map::at")
+    model = _with_a_merge(hf_families.make("x", tmp_path / "base", tiny_models["llama"], spec=spec))
+    home, state, hf, out = (tmp_path / n for n in ("home", "state", "hf", "gguf"))
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus 3?", "completion": f" {i + 3}."}
+        for i in range(8)
+    ]
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    argv = ["tune", str(model), str(train), "--name", "t", "--state", str(state)]
+    _ok(_spill(*argv, *TUNE, "--targets", "all", *FLOAT, home=home))
+    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
+    _ok(_spill("export", str(state), str(out), "--format", "gguf", "--dtype", "f32", home=home))
+    theirs, tok = hf_families.load(hf), Tokenizer(hf)
+    short = tok.encode("Question 5: what is 5 plus 8?")
+    long = tok.encode(" ".join(f"word{i}" for i in range(60)))
+    assert len(short) < 256 < len(long) < 512
+    # the short prompt at 512 too: llama.cpp turns it by the long factors, transformers by the
+    # short ones (the factors matter, and the rule that picks them is each one's own)
+    for ids, n_ctx, same in ((short, 256, True), (long, 512, True), (short, 512, False)):
+        llm = llama_cpp.Llama(
+            model_path=str(out / "model-f32.gguf"),
+            n_ctx=n_ctx,
+            logits_all=True,
+            verbose=False,
+            n_threads=1,
+            type_k=0,
+            type_v=0,  # an F32 KV cache (GGML_TYPE_F32; the default F16 rounds)
+        )
+        assert llm.n_ctx() == n_ctx
+        llm.eval(ids)
+        got = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
+        with torch.no_grad():
+            want = theirs(torch.tensor([ids])).logits[0].double().numpy()
+        gap = np.abs(got - want).max()
+        print(f"\n{len(ids)} tokens at n_ctx {n_ctx}: llama.cpp vs transformers {gap:.3g}")
+        assert gap <= 1e-4 if same else gap > 1e-2, gap
+
+
 def test_a_gemma3_vision_folders_adapter_exports_its_text_model(tmp_path, tiny_models):
     """An adapter tuned on a ``gemma3`` (vision) folder's text model: the merged HF folder is
     that text model, a ``gemma3_text`` folder (the vision tower is not part of it), and scores as
