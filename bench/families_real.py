@@ -2,8 +2,7 @@
 (+ PEFT) (issue 37), for docs/reports/020-families-real-shape.md. One run, sides alternating,
 each side in a fresh process (its own peak RSS); nothing here asserts a time.
 
-    python bench/families_real.py [--rounds 2] [--steps 3] [--threads 1] [--parts tune,generate]
-                                  [--json OUT]
+    python bench/families_real.py [--rounds 3] [--steps 3] [--threads 1] [--json OUT]
 
 The models are random, made by transformers from the published configs written below
 (``XxxForCausalLM(config)``, float32, ``save_pretrained``; no hub), with spill's tiny byte-level
@@ -23,9 +22,8 @@ head keep their real width; the compute does not depend on which ids).
   new tokens / the call's time (its prefill included).
 
 Peak RSS is the worker's ``ru_maxrss`` (loading included). Each worker also samples its VmRSS
-every 10 ms, so the report can say where the peak sits: the RSS once loaded, and in the tune
-workers each timed step's peak; the PEFT worker marks when the head starts (a hook on the final
-norm), so its RSS before the head and the rise after it are known.
+every 10 ms and the tune workers mark when the head runs (PEFT: a hook on the final norm; spill:
+``TorchKernel.head_vjp`` wrapped), so the report can say where the peak sits.
 """
 
 from __future__ import annotations
@@ -33,11 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,60 +41,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.tune import REPO, env_for, timed_tune, train_file  # noqa: E402
+from bench.engines_common import machine as common_machine  # noqa: E402
+from bench.tune import REPO, _rss_mb, env_for, run_worker, timed_tune, train_file  # noqa: E402
 
-PY = sys.executable
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ROWS, LENGTH, RANK, ALPHA, LR = 4, 128, 16, 32, 1e-4
 PROMPT, NEW, BATCHES = 64, 32, (1, 8)
 SPECIAL = dict(bos_token_id=256, eos_token_id=258, pad_token_id=256)  # the tiny tokenizer's ids
 
 # the published configs (Qwen/Qwen3-0.6B, google/gemma-3-270m), the keys that shape the compute
-MODELS = {
+SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+SHAPE += ("num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=True)
+GEMMA_ROPE = {
+    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+MODELS = {  # name: (transformers class prefix, config class, config keys)
     "qwen3-0.6b": (
         "Qwen3",
         "Qwen3Config",
-        dict(
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            tie_word_embeddings=True,
-            attention_bias=False,
-            hidden_act="silu",
-        ),
+        dict(zip(SHAPE, (151936, 1024, 3072, 28, 16, 8, 128, 40960), strict=True))
+        | dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        | dict(attention_bias=False, hidden_act="silu", **COMMON),
     ),
     "gemma-3-270m": (
         "Gemma3",
         "Gemma3TextConfig",
-        dict(
-            vocab_size=262144,
-            hidden_size=640,
-            intermediate_size=2048,
-            num_hidden_layers=18,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            head_dim=256,
-            max_position_embeddings=32768,
-            rms_norm_eps=1e-6,
-            query_pre_attn_scalar=256,
-            sliding_window=512,
-            layer_types=[
-                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)
-            ],
-            rope_parameters={
-                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            },
-            tie_word_embeddings=True,
-            hidden_activation="gelu_pytorch_tanh",
-        ),
+        dict(zip(SHAPE, (262144, 640, 2048, 18, 4, 1, 256, 32768), strict=True))
+        | dict(query_pre_attn_scalar=256, sliding_window=512, rope_parameters=GEMMA_ROPE)
+        | dict(layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3)
+        | dict(hidden_activation="gelu_pytorch_tanh", **COMMON),
     ),
 }
 
@@ -107,16 +79,9 @@ MODELS = {
 # --- memory -----------------------------------------------------------------------------------
 
 
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _vmrss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024  # kB
 
 
 class Sampler:
@@ -340,37 +305,12 @@ def make(name: str, folder: Path) -> Path:
     return folder
 
 
-def run_worker(kind: str, spec: dict, env: dict) -> dict:
-    proc = subprocess.run(
-        ["nice", "-n", "0", PY, __file__, "_" + kind, json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{kind} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def machine() -> dict:
     import importlib.metadata as md
 
-    cpu = next(
-        (x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")),
-        platform.machine(),
-    )
-    versions = {d: md.version(d) for d in ("torch", "transformers", "peft", "numpy")}
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "versions": versions,
-        "commit": commit,
-    }
+    out = common_machine()
+    out["versions"] |= {d: md.version(d) for d in ("transformers", "peft")}
+    return out
 
 
 def ratios(results: dict, base: str, key: str) -> dict[str, list[float]]:
@@ -385,7 +325,7 @@ def ratios(results: dict, base: str, key: str) -> dict[str, list[float]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="0: each library's default")
     ap.add_argument("--parts", default="tune,generate")
@@ -428,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                     kind, spec = table[side]
                     state = a.home / "state" / f"{name}-{side.replace(' ', '-')}-{r}"
                     shutil.rmtree(state, ignore_errors=True)
-                    got = run_worker(kind, spec | {"state": str(state)}, env)
+                    got = run_worker(kind, spec | {"state": str(state)}, env, __file__)
                     got["load_average"] = os.getloadavg()[0]
                     results[side].append(got)
                     shown = {k: v for k, v in got.items() if not isinstance(v, list)}
