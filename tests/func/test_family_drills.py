@@ -11,7 +11,8 @@ byte for byte, and the rerun continued from the newest step that verifies after 
 (a second kill of the same command, finished with ``--engine mlx``) the run is within
 ``test_cross_engine``'s bound of a clean torch and a clean MLX run, and its steps before the kill
 are torch's own, exactly; the clean pair itself is within the pinned distance (Ministral 3,
-absent from ``test_cross_engine_families``, is held to ``D`` here).
+absent from ``test_cross_engine_families``, is held to ``D`` here). A run SIGKILLed on MLX and
+finished on MLX is the uninterrupted MLX run exactly, as on torch.
 
 The runs are ``test_cross_engine``'s (six steps, a checkpoint every 2, a ring of 2, dropout 0, LoRA
 on every linear); the killed runs save every step, so the kill falls after step 1's COMMIT at a
@@ -74,27 +75,45 @@ def family(variant: str, tmp_path_factory, tiny_models) -> Family:
         env = kit.spill_env(base / "home", OMP_NUM_THREADS="1")
         state = str(base / "clean")
         made = Family(model, train, env, Run(state, [], {}), 0.0)
-        w = kit.Worker(made.argv(state), env)
-        while not kit.commit_landed(state, 2) and w.proc.poll() is None:
-            time.sleep(0.001)
-        t0 = time.monotonic()
-        assert w.wait_for("adapter written")
-        span = time.monotonic() - t0
-        done = w.finish()
-        assert done.returncode == 0, done.stderr
+        span = timed(made.argv(state), env, state)
         _made[variant] = Family(model, train, env, Run.read(state), span)
     return _made[variant]
 
 
-def kill_after_first_commit(fam: Family, base: Path, seed: str) -> tuple[str, int, str]:
-    """SIGKILL the command (saving every step) at a random moment after step 1's COMMIT; the
-    state, the newest step that verifies after the kill, and a note of when it fell."""
+def timed(argv: list[str], env: dict, state: str) -> float:
+    """Run the command to the end; seconds from its first COMMIT to "adapter written"."""
+    w = kit.Worker(argv, env)
+    while not kit.commit_landed(state, 2) and w.proc.poll() is None:
+        time.sleep(0.001)
+    t0 = time.monotonic()
+    assert w.wait_for("adapter written")
+    span = time.monotonic() - t0
+    done = w.finish()
+    assert done.returncode == 0, done.stderr
+    return span
+
+
+def kill_after_first_commit(
+    fam: Family,
+    base: Path,
+    seed: str,
+    engine: str = "torch",
+    clean: Run | None = None,
+    span: float | None = None,
+) -> tuple[str, int, str]:
+    """SIGKILL the command (saving every step) on ``engine`` at a random moment (drawn over
+    ``span``, the torch run's unless given) after step 1 is committed (published: the run points
+    at it); the state, the newest step that verifies after the kill, and a note of when it fell.
+    What the kill left is a prefix of ``clean`` (the torch run unless given)."""
+    clean, span = clean or fam.clean, fam.span if span is None else span
     fraction = random.Random(seed).random()
     for attempt in range(6):
-        state = str(base / f"killed-{attempt}")
-        delay = fraction * fam.span * 0.5**attempt
-        w = kit.Worker(fam.argv(state, ckpt_every=1), fam.env)
+        state = str(base / f"killed-{engine}-{attempt}")
+        delay = fraction * span * 0.5**attempt
+        w = kit.Worker(fam.argv(state, engine, ckpt_every=1), fam.env)
         while not kit.commit_landed(state, 1) and w.proc.poll() is None:
+            time.sleep(0.0005)
+        while kit.latest_step(state) is None and w.proc.poll() is None:  # COMMIT, then pointer
             time.sleep(0.0005)
         time.sleep(delay)
         w.proc.send_signal(signal.SIGKILL)
@@ -106,7 +125,7 @@ def kill_after_first_commit(fam: Family, base: Path, seed: str) -> tuple[str, in
     assert committed is not None and 1 <= committed < STEPS, committed
     assert "adapter written" not in killed.stderr
     # the kill left a prefix of the uninterrupted run, exactly
-    assert kit.state_json(state, committed)["losses"] == fam.clean.losses[:committed]
+    assert kit.state_json(state, committed)["losses"] == clean.losses[:committed]
     return state, committed, f"SIGKILL {delay * 1000:.0f} ms after step 1's COMMIT: {committed}"
 
 
@@ -127,14 +146,13 @@ def test_sigkill_on_torch_then_rerun_equals_the_uninterrupted_run(
 
 @pytest.mark.mlx
 @pytest.mark.parametrize("variant", FAMILIES)
-def test_sigkill_on_torch_then_mlx_finishes_within_the_cross_engine_bound(
+def test_sigkill_on_torch_then_mlx_within_the_bound_and_on_mlx_then_mlx_exactly(
     variant, tmp_path, tmp_path_factory, tiny_models
 ):
     load_engine("mlx")  # skips, saying how to install it, where MLX is missing
     fam = family(variant, tmp_path_factory, tiny_models)
     mlx = str(tmp_path / "clean-mlx")
-    done = kit.run_tune(fam.argv(mlx, "mlx"), fam.env)
-    assert done.returncode == 0, done.stderr
+    mlx_span = timed(fam.argv(mlx, "mlx"), fam.env, mlx)
     clean = {"torch": fam.clean, "mlx": Run.read(mlx)}
 
     state, committed, note = kill_after_first_commit(fam, tmp_path, f"{variant}-mlx")
@@ -160,3 +178,15 @@ def test_sigkill_on_torch_then_mlx_finishes_within_the_cross_engine_bound(
         assert dp <= FACTOR * pinned_params + EPS, (engine, dp)
     print(f"\n{variant}: " + "; ".join(lines))
     assert kit.litter(state) == []
+
+    # killed on MLX and finished on MLX: the uninterrupted MLX run exactly
+    state, committed, note = kill_after_first_commit(
+        fam, tmp_path, variant, "mlx", clean["mlx"], mlx_span
+    )
+    done = kit.run_tune(fam.argv(state, "mlx"), fam.env)
+    assert done.returncode == 0, done.stderr
+    assert kit.resumed_from(done.stderr, STEPS, ACCUM) == committed
+    kit.assert_same_checkpoint(state, mlx, STEPS, ACCUM)
+    assert kit.adapter_files(state) == kit.adapter_files(mlx)
+    assert kit.litter(state) == []
+    print(f"{variant} on MLX: {note}, finished on MLX as the uninterrupted MLX run")
