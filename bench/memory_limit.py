@@ -19,7 +19,8 @@ Reported:
 * the disk's sequential rate, measured in the same run: ``--files`` (the model's files; else a
   file of ``--disk-bytes`` written for it) read in 8 MiB chunks with their cached pages dropped
   first (``posix_fadvise(DONTNEED)``), and dropped again so that the job starts cold;
-* this machine's matmul rate in `--dtype` (torch, 2048^3, best of 5), the job's numerics;
+* this machine's matmul rate in `--dtype` (torch, 2048^3, best of 5), the job's numerics; with
+  ``--shapes MxKxN,...`` the rate over the job's own GEMMs, which the compute bound then uses;
 * the ratio of the job's wall time to max(read bound, compute bound): the read bound is
   ``--passes`` reads of ``--files`` at the measured disk rate, the compute bound ``--flops`` at
   the measured matmul rate (the caller knows the job's work: 2 x params per decoded token,
@@ -172,6 +173,35 @@ def matmul_rate(n: int = 2048, rounds: int = 5, dtype: str = "float32") -> float
     return 2 * n**3 / best
 
 
+# The 2048^3 GEMM is the machine's best case; a job's own GEMMs can run slower (a skinny M of 512
+# tokens against a 2560-wide layer, a rank-16 adapter), so ``--shapes`` measures the rate over the
+# job's shapes instead: the bound it gives is what those matmuls alone would take.
+def shapes_rate(
+    shapes: list[tuple[int, int, int]], rounds: int = 5, dtype: str = "float32"
+) -> float:
+    """FLOP/s over GEMMs of ``(m, k, n)`` each (``(m, k) @ (k, n)``, torch, its default threads):
+    their FLOPs over the sum of each one's best of ``rounds``, so each counts by its work."""
+    import torch
+
+    flops = seconds = 0.0
+    for m, k, n in shapes:
+        a = torch.randn(m, k).to(getattr(torch, dtype))
+        b = torch.randn(k, n).to(getattr(torch, dtype))
+        a @ b  # warm-up
+        seconds += min(_timed(lambda a=a, b=b: a @ b) for _ in range(rounds))
+        flops += 2 * m * k * n
+    return flops / seconds
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``512x2560x6912,512x6912x2560`` -> [(512, 2560, 6912), (512, 6912, 2560)]."""
+    out = []
+    for part in text.split(","):
+        m, k, n = (int(x) for x in part.strip().lower().split("x"))
+        out.append((m, k, n))
+    return out
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -243,12 +273,16 @@ def measure(
     disk_bytes: int = 512 << 20,
     env: dict | None = None,
     dtype: str = "float32",
+    shapes: list[tuple[int, int, int]] | None = None,
 ) -> dict:
-    """The whole report for one command: disk and matmul rates measured now, then the job."""
+    """The whole report for one command: disk and matmul rates measured now, then the job; with
+    ``shapes`` the compute bound takes the rate over those GEMMs (``shapes_rate``)."""
     with tempfile.TemporaryDirectory() as tmp:
         probe = files or [scratch_file(Path(tmp), disk_bytes)]
         rate, probed = disk_rate(probe)
-    gemm = matmul_rate(dtype=dtype)
+    square = matmul_rate(dtype=dtype)
+    at_shapes = shapes_rate(shapes, dtype=dtype) if shapes else None
+    gemm = at_shapes or square
     model_bytes = sum(p.stat().st_size for p in files)
     for path in files:
         drop_cache(path)  # the job starts cold
@@ -263,6 +297,8 @@ def measure(
         "disk_bytes_per_s": rate,
         "disk_probe_bytes": probed,
         "matmul_flops_per_s": gemm,
+        "matmul_square_flops_per_s": square,
+        "matmul_shapes": [list(x) for x in shapes] if shapes else None,
         "matmul_dtype": dtype,
         "read_bound_s": read_bound,
         "compute_bound_s": compute_bound,
@@ -287,6 +323,9 @@ def summary(r: dict) -> str:
     mb = 1 << 20  # MiB, the unit --limit and --memory count in
     limit = f"{r['limit_bytes'] / mb:.0f} MiB" if r["limit_bytes"] else "no limit"
     ratio = f"{r['bound_ratio']:.2f}x" if r["bound_ratio"] else "n/a"
+    at = ""
+    if r.get("matmul_shapes"):
+        at = f" at the job's shapes (2048^3: {r['matmul_square_flops_per_s'] / 1e9:.0f})"
     return (
         f"rc {r['rc']} in {r['wall_s']:.1f} s ({limit}, cgroup {r['cgroup']}, "
         f"{r['oom_kills']} OOM kills)\n"
@@ -294,7 +333,7 @@ def summary(r: dict) -> str:
         f"anon {r['peak_anon_bytes'] / mb:.0f} MiB); read {r['read_bytes'] / mb:.0f} MiB from disk "
         f"(model {r['model_bytes'] / mb:.0f} MiB x {r['passes']:g})\n"
         f"disk {r['disk_bytes_per_s'] / 1e9:.2f} GB/s, {r['matmul_dtype']} matmul "
-        f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; read bound {r['read_bound_s']:.1f} s, compute bound "
+        f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s{at}; read bound {r['read_bound_s']:.1f} s, compute bound "
         f"{r['compute_bound_s']:.1f} s; time / max(bounds) {ratio}"
     )
 
@@ -316,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the matmul rate's dtype: the job's numerics (its pre-run line says which)",
     )
     p.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        help="the job's GEMMs as MxKxN[,MxKxN...]: the compute bound's rate is measured over "
+        "them (default: 2048^3, the machine's best case)",
+    )
+    p.add_argument(
         "--outside",
         action="store_true",
         help="then run the command again outside any limit, back to back, and compare times",
@@ -335,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         args.flops,
         parse_size(args.disk_bytes),
         dtype=args.dtype,
+        shapes=args.shapes,
     )
     print(found["output"], end="")
     print(summary(found))

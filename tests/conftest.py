@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from spill.models.sources.tiny import write_tiny
+from spill.store.location import Location, location
 from tests.servers import (
     azure_env,
     gcs_env,
@@ -220,16 +221,17 @@ def build_state_file(where: Path) -> Path:
     ``state`` pointer names (``spill.project.build.record``)."""
     from spill.control.place import Place
 
-    pointed = Place(str(where)).pointer("state")
+    pointed = Place(location(where)).pointer("state")
     assert pointed, f"{where} holds no build state"
     return Path(pointed[0]) / "state.json"
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
-def root(request, tmp_path) -> str:
-    """A fresh state root: a local folder, a memory:// prefix, or a prefix on the S3 server."""
+def root(request, tmp_path) -> Location:
+    """A fresh state root, parsed: a local folder, a memory:// prefix, or a prefix on the S3
+    server."""
     if request.param == "local":
-        return str(tmp_path / "state")
+        return location(tmp_path / "state")
     if request.param == "memory":
-        return f"memory://spill-test-{uuid.uuid4().hex[:8]}/state"
-    return f"s3://{request.getfixturevalue('s3_bucket')}/state"
+        return location(f"memory://spill-test-{uuid.uuid4().hex[:8]}/state")
+    return location(f"s3://{request.getfixturevalue('s3_bucket')}/state")

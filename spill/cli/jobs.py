@@ -23,6 +23,7 @@ from spill.cli.options import (
     setting_flags,
 )
 from spill.settings import EvalSettings, TeacherSettings, TuneSettings
+from spill.store.location import location
 
 
 def _generation_options(p: argparse.ArgumentParser) -> None:
@@ -52,7 +53,8 @@ def _state_option(p: argparse.ArgumentParser) -> None:
 def _writer(args):
     from spill.jobs.authority import Writer
 
-    return Writer(args.state, args.lease, args.wait, tuple(getattr(args, "argv", ())))
+    state = location(args.state) if args.state else None  # the command line's text, parsed once
+    return Writer(state, args.lease, args.wait, tuple(getattr(args, "argv", ())))
 
 
 def _row_options(args, writer=None):

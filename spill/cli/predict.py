@@ -48,7 +48,8 @@ def _request(args):
 
     if args.stop_after is not None and not args.state:
         raise UsageError("--stop-after keeps the rows done only with --state; give one")
-    writer = Writer(args.state, args.lease, args.wait, tuple(getattr(args, "argv", ())))
+    state = location(args.state) if args.state else None  # the command line's text, parsed once
+    writer = Writer(state, args.lease, args.wait, tuple(getattr(args, "argv", ())))
     job = RowOptions(batch=args.batch, stop_after=args.stop_after, writer=writer)
     return Request(
         generate=args.generate,

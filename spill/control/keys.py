@@ -43,13 +43,13 @@ LAYOUT = Layout(
 )
 
 
-def store_for(state: Location | str) -> Store:
+def store_for(state: Location) -> Store:
     """The store of ``state``'s control keys, checked (a local one honours flock, an object
     store refuses stale writes)."""
     return cas.store_for(state, LAYOUT)
 
 
-def open_store(state: Location | str) -> Store:
+def open_store(state: Location) -> Store:
     """The store of ``state``'s control keys, unchecked: enough to read them."""
     return cas.open_store(state, LAYOUT)
 
@@ -233,7 +233,7 @@ def has_runs(state: Location) -> bool:
     return any(exists(join(state, RUNS, rid, CONTROL)) for rid in run_ids(open_store(state)))
 
 
-def current(state: Location | str) -> dict[str, Any] | None:
+def current(state: Location) -> dict[str, Any] | None:
     """The current run's control object at ``state`` (validated), or None when it has none.
 
     A reader's view: no lock is taken (every write is an atomic replace) and nothing is

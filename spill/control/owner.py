@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from spill.errors import StoreError
-from spill.store.location import Location, location
+from spill.store.location import Location
 
 LEASE = 120.0
 LEASE_ENV = "SPILL_LEASE"
@@ -123,7 +123,6 @@ def describe(doc: dict[str, Any], now: float | None = None) -> str:
     return f"{o['host']} pid {o['pid']} since {since}, {lease}"
 
 
-def home_of(state: Location | str) -> str:
-    """Where a state location is, as recorded in its runs: ``host:/real/path`` or the URI (text
-    is parsed: the kill drills and the relay's check give it)."""
-    return location(state).home(host())
+def home_of(state: Location) -> str:
+    """Where a state location is, as recorded in its runs: ``host:/real/path`` or the URI."""
+    return state.home(host())

@@ -34,7 +34,7 @@ from spill.control.place import generations
 from spill.errors import StoreError
 from spill.store import drill
 from spill.store.cas import ATTEMPTS, Conflict, LockHeld, Store, Uncertain
-from spill.store.location import Location, from_home, location, shown_home
+from spill.store.location import Location, from_home, shown_home
 
 
 def _new_run_id() -> str:
@@ -94,7 +94,7 @@ def busy(doc: dict[str, Any], state: Location, extra: str = "") -> Busy:
 
 
 def acquire(
-    state: Location | str,
+    state: Location,
     *,
     lease: float | None = None,
     wait: bool = False,
@@ -109,7 +109,6 @@ def acquire(
     ``RunComplete``. A held run raises ``Busy`` unless ``wait``, which polls until it is free.
     """
     lease = lease_seconds(lease)
-    state = location(state)  # a Location as it is; text from the drills' workers, parsed
     _refuse_nested(state)
     store = store_for(state)
     nonce = secrets.token_hex(16)
@@ -279,7 +278,7 @@ def _check_copy(doc: dict[str, Any], home: str) -> None:
 
 @contextlib.contextmanager
 def held(
-    state: Location | str,
+    state: Location,
     *,
     lease: float | None = None,
     wait: bool = False,

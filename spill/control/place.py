@@ -18,7 +18,7 @@ from spill.control.keys import CONTROL, FROZEN, current, read_control, run_ids
 from spill.errors import StoreError
 from spill.store.cas import Store
 from spill.store.fs import join, listdir, remove
-from spill.store.location import Location, location
+from spill.store.location import Location
 
 PAYLOADS = "payloads"
 STAGES = "stages"  # a build's job places, stages/<stage>/, each with payloads of its own
@@ -46,10 +46,11 @@ class Place:
     With a ``run`` it can allocate payloads and publish; without one it only reads the current
     control object (status, probes)."""
 
-    # spill hands it a Location (a build's followers get theirs pickled whole); text, a test's, is
-    # parsed here
-    def __init__(self, state: Location | str, prefix: str = "", run: Run | None = None):
-        self.state, self.prefix, self.run = location(state), prefix.strip("/"), run
+    # the caller parses (a build's followers get their Location pickled whole); text would pass,
+    # a Location being a str, and be joined as text
+    def __init__(self, state: Location, prefix: str = "", run: Run | None = None):
+        assert isinstance(state, Location), f"{state!r}: a Location, parsed once by the caller"
+        self.state, self.prefix, self.run = state, prefix.strip("/"), run
         self._doc: dict[str, Any] | None = None
 
     @property

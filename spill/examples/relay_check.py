@@ -212,7 +212,7 @@ def check(
     return out
 
 
-def _moved_in(where: str) -> dict[str, Any]:
+def _moved_in(where: Location) -> dict[str, Any]:
     """The relay's run arrived by a move from another place (its control object says so)."""
     doc = current(where) or {}
     t = doc.get("transfer") or {}

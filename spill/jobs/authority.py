@@ -26,7 +26,7 @@ from spill.errors import StoreError
 from spill.ground.validate import parse_json, remember, validate, validate_once
 from spill.jobs.preempt import request_stop
 from spill.store.fs import get_bytes, join, put_bytes
-from spill.store.location import Location, location
+from spill.store.location import Location
 
 
 @dataclass(frozen=True)
@@ -34,15 +34,11 @@ class Writer:
     """Where a job commits and how it holds the run there: what every verb that writes a state
     (the jobs, a build) is given."""
 
-    state: str | None = None  # commit here and continue from what is committed there
+    state: Location | None = None  # commit here and continue from what is committed there
     lease: float | None = None  # seconds; None: ``control.owner.lease_seconds`` decides
     wait: bool = False  # wait for another owner's lease instead of exiting 75
     command: tuple[str, ...] = ()  # the command line, recorded for `spill resume <state>`
     place: Place | None = field(default=None, compare=False)  # inside a build: the stage's
-
-    def __post_init__(self) -> None:
-        if self.state is not None:  # parsed once, here: every layer below takes the Location
-            object.__setattr__(self, "state", location(self.state))
 
 
 @dataclass

@@ -21,12 +21,13 @@ from typing import Any
 from spill.control.keys import current
 from spill.control.place import _PAYLOAD
 from spill.store import fs
+from spill.store.location import location
 from tests.func import tune_kit as kit
 
 
 def doc(state: str) -> dict[str, Any]:
     """The current run's control document (``runs/<id>/control.json``)."""
-    got = current(state)
+    got = current(location(state))
     assert got is not None, f"{state} holds no run"
     return got
 

@@ -47,8 +47,9 @@ def _fail(e: BaseException) -> int:
 
 def hold(argv: list[str]) -> int:
     from spill.control.ownership import acquire
+    from spill.store.location import location
 
-    state, opts = argv[0], argv[1:]
+    state, opts = location(argv[0]), argv[1:]
 
     def opt(name: str) -> float | None:
         return float(opts[opts.index(name) + 1]) if name in opts else None
@@ -73,7 +74,9 @@ def _racer(state: str, go: int, done: int, out: str, keep: bool) -> int:
     """One forked racer: wait for the start, acquire, and (the winner) hold until told."""
     from spill.control.keys import current
     from spill.control.ownership import acquire
+    from spill.store.location import location
 
+    state = location(state)  # parsed in the racer, as a process given the text parses it
     for fd, suffix in ((1, ".out"), (2, ".err")):
         f = os.open(out + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
@@ -146,6 +149,7 @@ def race(argv: list[str]) -> int:
     import spill.control.ownership  # noqa: F401  (imported once, before the forks)
     from spill.control.keys import current
     from spill.store.fs import is_local, join, scheme_of
+    from spill.store.location import location
 
     base, rounds, n = argv[0], int(argv[1]), int(argv[2])
     warm_from = int(argv[3]) if len(argv) > 3 else rounds
@@ -161,7 +165,7 @@ def race(argv: list[str]) -> int:
                 state = join(base, f"race-{r:03d}")
             warm = r >= warm_from and not is_local(base)
             if warm:
-                current(state)
+                current(location(state))
             # cold: nothing a child could inherit half-made, no event loop, no cached filesystem
             cold = fsspec.asyn.loop[0] is None and not any(cached)
             assert cold is not warm

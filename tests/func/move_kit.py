@@ -30,6 +30,7 @@ from spill.control.keys import current
 from spill.control.place import payload_seq
 from spill.payloads.checkpoint import COMMIT, FILES
 from spill.store import fs
+from spill.store.location import location
 from tests.conftest import bucket_uri, run_spill
 from tests.func.tune_kit import spill_env as env_for  # the child's environment, no drills
 
@@ -82,7 +83,7 @@ def state_of(root: str) -> str:
 
 def doc(root: str) -> dict[str, Any] | None:
     """The current run's control document of the project at ``root`` (None: no run there)."""
-    return current(state_of(root))
+    return current(location(state_of(root)))
 
 
 def tree(root: str) -> dict[str, bytes]:
@@ -103,7 +104,7 @@ STAGE_KEYS = ("status", "result", "progress", "total", "unit", "fingerprint", "i
 def outcome(root: str) -> dict[str, Any]:
     """The finished build of the project at ``root``, as compared with its control."""
     state = state_of(root)
-    control = current(state)
+    control = current(location(state))
     assert control is not None, f"{state} holds no run"
     ptrs = control["pointers"]
     build = json.loads(fs.get_bytes(fs.join(state, ptrs["state"][0], "state.json")))
@@ -177,7 +178,7 @@ def stopped(tmp_path_factory) -> Path:
         root = project(base / "toy")
         env = env_for(base / "home")
         ok(spill("build", str(root), "--stop-after", f"tune:{STOP}", env=env, cwd=base))
-        d = current(str(root / STATE_DIR))
+        d = current(location(root / STATE_DIR))
         assert d is not None and d["status"] == "active" and d["owner"]["released"]
         _made["stopped"] = root
     return _made["stopped"]

@@ -282,10 +282,11 @@ def test_data_edited_during_a_build(home, tmp_path, monkeypatch):
     from spill.project.build.build import BuildOptions, build
     from spill.project.build.record import read
     from spill.store import drill
+    from spill.store.location import location
 
     monkeypatch.setenv("SPILL_HOME", str(home))
     project = copy_toy(tmp_path / "toy")
-    state = "memory://spill-test/edited"
+    state = location("memory://spill-test/edited")
     opts = BuildOptions(writer=Writer(state), overrides=("tune.steps=6",), stop_after="tune")
     build(
         project,

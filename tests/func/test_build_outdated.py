@@ -14,6 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
+from spill.store.location import location
 from tests.conftest import assert_not_imported, build_state_file, cli_code
 from tests.func import test_build
 from tests.func.test_build import (
@@ -263,7 +264,7 @@ def test_a_restore_that_fails_is_one_line_and_the_next_build_recomputes(referenc
     shutil.rmtree(state / "stages" / "tune" / "adapter")
     from spill.control.place import Place
 
-    pointed = Place(str(state), "stages/tune").pointer("ckpt")[0]
+    pointed = Place(location(state), "stages/tune").pointer("ckpt")[0]
     assert pointed.endswith("-s300-0")
     final = Path(pointed) / "params.safetensors"
     data = bytearray(final.read_bytes())

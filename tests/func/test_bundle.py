@@ -158,7 +158,8 @@ def test_toy_with_state_installs_as_a_copy_that_forks(built, tmp_path):
 def _holder(state: Path, release_after: float | None) -> subprocess.Popen:
     code = (
         "import sys, time\nfrom spill.control.ownership import acquire\n"
-        f"run = acquire({str(state)!r})\nprint('held', flush=True)\n"
+        "from spill.store.location import location\n"
+        f"run = acquire(location({str(state)!r}))\nprint('held', flush=True)\n"
         f"time.sleep({release_after or 600})\nrun.release()\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -29,6 +29,7 @@ from spill.control.control import Busy
 from spill.control.keys import current
 from spill.errors import EXIT_PREEMPTED
 from spill.store.fs import join
+from spill.store.location import location
 from tests.conftest import bucket_uri
 
 WORKER = Path(__file__).with_name("control_worker.py")
@@ -80,7 +81,7 @@ def _check(results: list[dict], rounds: int) -> None:
     for r in results:
         last[r["state"]] = r
     for state, r in last.items():
-        doc = current(state)
+        doc = current(location(state))
         (win,) = [x for x in r["racers"] if x["rc"] == 0]
         assert doc["owner"]["pid"] == win["pid"]
         assert doc["owner"]["released"] is r["released"]

@@ -29,6 +29,7 @@ import pytest
 from spill.control import keys
 from spill.control.ownership import acquire
 from spill.store.fs import filesystem, get_bytes, join
+from spill.store.location import location
 from tests.func import s3_fault_proxy
 from tests.func import tune_kit as kit
 
@@ -131,19 +132,19 @@ def test_lost_answer_resolved_once(state, proxy, mode, fault, transition, caplog
     before, gen, ops, since = None, 1, 0, 0
     if transition.startswith("create"):
         arm(proxy, key, fault, mode)
-        run = acquire(state, lease=60)
+        run = acquire(location(state), lease=60)
     else:
-        run = acquire(state, lease=60)
+        run = acquire(location(state), lease=60)
         run.publish(ptr(1))
         ops = 1
         if transition == "acquire-released":
             run.release()
             gen, ops = 2, 0
-        before = keys.current(state)
+        before = keys.current(location(state))
         since = len(landed(proxy, state, key))
         arm(proxy, key, fault, mode)
         if transition == "acquire-released":
-            run = acquire(state, lease=60)
+            run = acquire(location(state), lease=60)
         elif transition == "renew":
             run.renew()
         elif transition == "publish":
@@ -155,7 +156,7 @@ def test_lost_answer_resolved_once(state, proxy, mode, fault, transition, caplog
         ops += transition != "acquire-released"
     proxy.clear()
 
-    doc = keys.current(state)
+    doc = keys.current(location(state))
     assert doc["last"]["op"] == f"{run.nonce}:{ops}"
     assert doc["owner"]["nonce"] == run.nonce and doc["generation"] == gen == run.gen
     assert doc["seq"] == (1 if before is None else before["seq"] + 1)
@@ -189,8 +190,8 @@ def test_publishes_with_random_lost_answers(state, proxy, mode, n, seed):
     """N publications, about half of them with their answer lost (seeded), land exactly N
     pointer changes on the server, in order, each once."""
     rng = random.Random(seed)
-    run = acquire(state, lease=60)
-    start = keys.current(state)["seq"]
+    run = acquire(location(state), lease=60)
+    start = keys.current(location(state))["seq"]
     since = len(landed(proxy, state, "/control.json"))
     faults = []
     for i in range(1, n + 1):
@@ -201,7 +202,7 @@ def test_publishes_with_random_lost_answers(state, proxy, mode, n, seed):
         run.publish(ptr(i))
         proxy.clear()
     assert sum(map(bool, faults)) >= n // 4
-    doc = keys.current(state)
+    doc = keys.current(location(state))
     assert doc["seq"] == start + n and doc["pointers"] == ptr(n)
     bodies = [json.loads(p.body) for p in landed(proxy, state, "/control.json")[since:]]
     assert [b["pointers"] for b in bodies] == [ptr(i) for i in range(1, n + 1)]
@@ -247,7 +248,7 @@ def test_tune_with_a_lost_checkpoint_publication_equals_the_control(
 
     kit.assert_same_checkpoint(state, control.state)
     assert kit.adapter_files(state) == kit.adapter_files(control.state)
-    doc, want = keys.current(state), keys.current(control.state)
+    doc, want = keys.current(location(state)), keys.current(control.state)
     assert doc["status"] == want["status"] == "complete"
     assert doc["seq"] == want["seq"] and doc["pointers"] == want["pointers"]
     assert runs_json(state)["runs"] == [doc["run"]] and run_folders(state) == [doc["run"]]

@@ -29,6 +29,7 @@ from spill.control import control, keys
 from spill.control.control import Busy
 from spill.control.ownership import acquire
 from spill.errors import EXIT_USER, StoreError
+from spill.store.location import location
 from tests.func import s3_fault_proxy
 from tests.servers import azure_env, gcs_env
 
@@ -126,12 +127,12 @@ def test_lost_answer_resolved_once(cloud, state, transition, fault):
     before, ops, since = None, 0, 0
     if transition.startswith("create"):
         arm(cloud, state, key, fault)
-        run = acquire(state, lease=60)
+        run = acquire(location(state), lease=60)
     else:
-        run = acquire(state, lease=60)
+        run = acquire(location(state), lease=60)
         run.publish(ptr(1))
         ops = 1
-        before = keys.current(state)
+        before = keys.current(location(state))
         since = len(landed(cloud, state, key))
         arm(cloud, state, key, fault)
         run.publish(ptr(2)) if transition == "publish" else run.complete()
@@ -139,7 +140,7 @@ def test_lost_answer_resolved_once(cloud, state, transition, fault):
     assert cloud[1].pending() == 0, "the fault was applied"
     cloud[1].clear()
 
-    doc = keys.current(state)
+    doc = keys.current(location(state))
     assert doc["last"]["op"] == f"{run.nonce}:{ops}"
     assert doc["seq"] == (1 if before is None else before["seq"] + 1)
     assert doc["pointers"] == ({} if before is None else ptr(2 if transition == "publish" else 1))
@@ -153,9 +154,9 @@ def test_lost_answer_resolved_once(cloud, state, transition, fault):
 
 @pytest.mark.slow
 def test_a_store_that_never_takes_the_write_is_given_up_on_in_one_line(cloud, state, monkeypatch):
-    run = acquire(state, lease=60)
+    run = acquire(location(state), lease=60)
     run.publish(ptr(1))
-    before = keys.current(state)
+    before = keys.current(location(state))
     monkeypatch.setattr(control, "ATTEMPTS", 2)
     since = len(cloud[1].writes())
     arm(cloud, state, "/control.json", "refuse")
@@ -172,11 +173,11 @@ def test_a_store_that_never_takes_the_write_is_given_up_on_in_one_line(cloud, st
     assert took < 2 * 40, took  # each attempt about 15 s of the client's retries, not minutes
     print(f"{cloud[0]}: gave up after {len(refused)} refused writes in {took:.1f} s")
 
-    assert keys.current(state) == before  # nothing lost, nothing half-written
+    assert keys.current(location(state)) == before  # nothing lost, nothing half-written
     with pytest.raises(Busy, match=f"run {run.id} at {state} is held by "):
-        acquire(state, lease=60)  # still this owner's
+        acquire(location(state), lease=60)  # still this owner's
     cloud[1].clear()
     run.publish(ptr(2))
-    after = keys.current(state)
+    after = keys.current(location(state))
     assert after["pointers"] == ptr(2) and after["seq"] == before["seq"] + 1
     assert after["owner"] == before["owner"] and after["generation"] == before["generation"]

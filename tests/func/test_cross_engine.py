@@ -38,6 +38,7 @@ import pytest
 
 from spill.models.sources.tiny import write_tiny
 from spill.payloads.checkpoint import PARAMS
+from spill.store.location import location
 from tests.func import tune_kit as kit
 
 
@@ -290,7 +291,7 @@ def _segments(state: Path) -> list[dict]:
     from spill.control.place import Place
     from spill.payloads.rows import commit_markers
 
-    return commit_markers(Place(str(state)))
+    return commit_markers(Place(location(state)))
 
 
 @pytest.mark.parametrize("first, then", DIRECTIONS, ids=IDS)

@@ -70,6 +70,28 @@ def test_figures_add_up(job):
     assert _children(parent) == before  # the child cgroup is gone
 
 
+def test_the_compute_bound_at_the_jobs_shapes(monkeypatch, tmp_path):
+    """``--shapes``: the compute bound takes the rate measured over the job's GEMMs, the 2048^3
+    rate is kept beside it, and the summary says which (no cgroup needed: the job is faked)."""
+    assert ml.parse_shapes("512x2560x6912, 64X8x16") == [(512, 2560, 6912), (64, 8, 16)]
+    assert ml.shapes_rate([(32, 64, 48), (16, 16, 16)], rounds=2) > 0
+    model = tmp_path / "m.safetensors"
+    model.write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(ml, "disk_rate", lambda files: (4096.0, 4096))
+    monkeypatch.setattr(ml, "matmul_rate", lambda dtype: 4e9)
+    monkeypatch.setattr(ml, "shapes_rate", lambda shapes, dtype: 1e9 * len(shapes))
+    fake = {"wall_s": 8.0, "limit_bytes": None, "rc": 0, "cgroup": "v1", "oom_kills": 0}
+    fake |= dict.fromkeys(("peak_bytes", "peak_cache_bytes", "peak_anon_bytes", "read_bytes"), 1)
+    monkeypatch.setattr(ml, "run_limited", lambda cmd, limit, env: dict(fake))
+    r = ml.measure(["true"], None, [model], passes=2, flops=4e9, shapes=[(1, 2, 3), (4, 5, 6)])
+    assert r["matmul_flops_per_s"] == 2e9 and r["matmul_square_flops_per_s"] == 4e9
+    assert r["compute_bound_s"] == pytest.approx(2.0) and r["read_bound_s"] == pytest.approx(2.0)
+    assert r["bound_ratio"] == pytest.approx(4.0)
+    assert "2 GFLOP/s at the job's shapes (2048^3: 4)" in ml.summary(r)
+    plain = ml.measure(["true"], None, [model], passes=2, flops=4e9)
+    assert plain["matmul_flops_per_s"] == 4e9 and plain["matmul_shapes"] is None
+
+
 def test_limit_below_the_process_is_killed(job):
     cmd, files = job
     r = ml.run_limited(cmd, 48 * MIB)

@@ -39,6 +39,7 @@ import pytest
 
 from spill.control.owner import home_of
 from spill.control.transfer import describe_move
+from spill.store.location import location
 from tests.conftest import bucket_uri
 from tests.func import authority_kit as ak
 from tests.func import move_kit as mk
@@ -104,7 +105,7 @@ def _check_refusals(src: str, dst: str, step: str, env: dict, cwd: Path) -> None
         return
     assert at_dst.returncode != 0 and not mk.ran_a_stage(at_dst), at_dst.stderr
     if n >= 3:  # the files are there (a project's spill.yaml): the claim says where they come from
-        src_home = home_of(mk.state_of(src))
+        src_home = home_of(location(mk.state_of(src)))
         claim = CLAIM_AT_DST[n]
         assert f"is arriving from {src_home} (a move, step {claim})" in at_dst.stderr
     assert mk.tree(dst) == before, "a refused build changed the destination"
@@ -120,7 +121,7 @@ def _check_status(src: str, dst: str, step: str, env: dict, cwd: Path) -> None:
     else:
         assert f"move: moved to {dst} at " in shown, shown
     if n <= 6:
-        src_home = home_of(mk.state_of(src))
+        src_home = home_of(location(mk.state_of(src)))
         claim = CLAIM_AT_DST[n]
         said = f"moving from {src_home}: step {N[claim]} of 7 ({claim}) done"
         assert describe_move(mk.doc(dst)) == said  # what `spill status` says there
@@ -141,7 +142,7 @@ def _sources_left(src: str, dst: str, step: str, first: dict) -> dict:
         assert left == first
         return there
     t = left["transfer"]
-    assert t["to"] == dst and t["from"] == home_of(mk.state_of(src))
+    assert t["to"] == dst and t["from"] == home_of(location(mk.state_of(src)))
     assert t["step"] == (step if n <= 6 else "fence")
     assert left["status"] == ("quiescing" if n <= 5 else "transferred")
     assert left["generation"] == (gen if n == 1 else gen + 1)  # the mover takes the next one
@@ -170,7 +171,7 @@ def test_sigkill_after_each_move_step_then_the_same_move_finishes(
     src_doc, dst_doc = mk.doc(src), mk.doc(dst)
     assert src_doc["status"] == "transferred" and src_doc["transfer"]["id"] == result["transfer"]
     assert dst_doc["transfer"]["id"] == result["transfer"]
-    assert dst_doc["home"] == home_of(mk.state_of(dst))
+    assert dst_doc["home"] == home_of(location(mk.state_of(dst)))
     assert not [r for r in mk.tree(dst) if r.rsplit("/", 1)[-1].startswith(".move-")]
 
     final = mk.ok(mk.spill("build", dst, env=env, cwd=tmp_path))
@@ -207,7 +208,7 @@ def test_a_run_moved_to_a_bucket_finishes_there_and_its_complete_run_copies_back
     assert copied["status"] == "complete" and copied["to"] == back
     assert mk.tree(mk.state_of(s3)) == finished, "a complete run is read-only: copied, not moved"
     mine = mk.doc(back)
-    assert mine["status"] == "complete" and mine["home"] == home_of(mk.state_of(back))
+    assert mine["status"] == "complete" and mine["home"] == home_of(location(mk.state_of(back)))
     assert mine["lineage"]["copied_from"] == home["home"] == mk.state_of(s3)
     again = mk.ok(mk.spill("build", back, env=env, cwd=tmp_path))
     assert not mk.ran_a_stage(again), again.stderr
@@ -368,7 +369,7 @@ def test_an_installed_copy_is_refused(tmp_path, tmp_path_factory):
 
     src = mk.copy_of_stopped(tmp_path_factory, tmp_path / "src")
     state = str(src / ".spill")
-    copy, runs = as_copy(mk.doc(str(src)), state)
+    copy, runs = as_copy(mk.doc(str(src)), location(state))
     (src / ".spill" / RUNS / copy["run"] / "control.json").write_text(json.dumps(copy))
     (src / ".spill" / RUNS / CURRENT).write_text(json.dumps(runs))
     line = mk.refused(str(src), str(tmp_path / "dst"), mk.env_for(tmp_path / "home"), tmp_path)

@@ -35,6 +35,7 @@ import pytest
 from spill.control.owner import home_of
 from spill.control.transfer import describe_move
 from spill.store import fs
+from spill.store.location import location
 from tests.func import authority_kit as ak
 from tests.func import move_kit as mk
 from tests.func import tune_kit as kit
@@ -176,8 +177,11 @@ def test_a_claim_nobody_will_finish_is_removed_by_the_next_move_there(
     tid = mk.doc(dst)["transfer"]["id"]
     moved = mk.ok(mk.spill("move", other, dst, env=env, cwd=tmp_path))
     assert f"removed a claim at {dst} that nobody will finish (run " in moved.stderr
-    assert f"from {home_of(mk.state_of(src))}, transfer {tid}, step take done)" in moved.stderr
-    assert mk.doc(dst)["transfer"]["from"] == home_of(mk.state_of(other))
+    assert (
+        f"from {home_of(location(mk.state_of(src)))}, transfer {tid}, step take done)"
+        in moved.stderr
+    )
+    assert mk.doc(dst)["transfer"]["from"] == home_of(location(mk.state_of(other)))
     mk.ok(mk.spill("build", dst, env=env, cwd=tmp_path))
     mk.assert_same(mk.outcome(dst), control)
     _built_like_control(src, control, env, tmp_path)
@@ -237,7 +241,7 @@ def test_a_claimed_place_refuses_a_second_move_and_the_first_finishes(
         rid = mk.doc(b)["run"]
         assert line == (
             f"spill: error: {dst} holds a claim of another move (run {rid} from "
-            f"{home_of(mk.state_of(a))}, step claim done); move to a new or empty location"
+            f"{home_of(location(mk.state_of(a)))}, step claim done); move to a new or empty location"
         ), line
         assert mk.tree(mk.state_of(b)) == before
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from spill.store.location import location
 from tests.conftest import run_spill
 from tests.func import tune_kit as kit
 
@@ -57,7 +58,7 @@ def test_a_row_job_records_the_kernel_and_resumes_to_the_same_bytes(tmp_path):
     rerun = _run(home, *args, "--out", str(out), "--state", state)
     assert rerun.returncode == 0, rerun.stderr
     assert out.read_text() == (tmp_path / "ref.jsonl").read_text()
-    markers = commit_markers(Place(state))
+    markers = commit_markers(Place(location(state)))
     ids = [rid for m in markers for rid in m["row_ids"]]
     assert sorted(ids) == sorted(f"r{i}" for i in range(ROWS))  # each row exactly once
     assert {m["producer"]["numerics"] for m in markers} == {"bfloat16+int4mm"}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from spill.store.location import location
 from tests.conftest import run_spill
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,7 +160,7 @@ def _committed_ids(state: Path) -> list:
     from spill.control.place import Place
     from spill.payloads.rows import commit_markers
 
-    return [rid for m in commit_markers(Place(str(state))) for rid in m["row_ids"]]
+    return [rid for m in commit_markers(Place(location(state))) for rid in m["row_ids"]]
 
 
 def test_sigterm_keeps_the_committed_rows_and_the_rerun_finishes(toy, tmp_path):

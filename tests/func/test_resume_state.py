@@ -16,6 +16,7 @@ import pytest
 from spill.control.place import Place
 from spill.models.sources.tiny import write_tiny
 from spill.store import fs
+from spill.store.location import location
 from tests.conftest import run_spill
 from tests.func.test_build import copy_toy
 
@@ -39,7 +40,7 @@ def spill(*args: str, home: Path, cwd: Path | None = None, code: int = 0):
 
 def final(state: str) -> dict[str, bytes]:
     """The current checkpoint's files and the exported adapter's weights."""
-    ckpt = Place(state).pointer("ckpt")[0]
+    ckpt = Place(location(state)).pointer("ckpt")[0]
     out = {n: fs.get_bytes(fs.join(ckpt, n)) for n in fs.listdir(ckpt)}
     out["adapter"] = fs.get_bytes(fs.join(state, "adapter", "params.safetensors"))
     return out

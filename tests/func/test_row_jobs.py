@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from spill.models.sources.tiny import write_tiny
+from spill.store.location import location
 from tests.conftest import assert_not_imported, cli_code, run_spill
 
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -47,7 +48,7 @@ def _committed_ids(state: str) -> list:
     from spill.control.place import Place
     from spill.payloads.rows import commit_markers
 
-    return [rid for marker in commit_markers(Place(state)) for rid in marker["row_ids"]]
+    return [rid for marker in commit_markers(Place(location(state))) for rid in marker["row_ids"]]
 
 
 def _segment(state: Path, n: int, name: str = "COMMIT") -> list[Path]:
@@ -105,11 +106,11 @@ def test_sigterm_commits_the_rows_done_and_rerun_finishes(tmp_path, job):
     from spill.control.place import Place
     from spill.payloads.rows import commit_markers, restore
 
-    got = restore(Place(str(state)))
+    got = restore(Place(location(state)))
     ref = [json.loads(x) for x in job["ref"].splitlines()]
     assert got.done == [r["id"] for r in ref[:done]]  # a prefix, in input order
     assert got.rows == ref[:done]
-    commit = commit_markers(Place(str(state)))[0]
+    commit = commit_markers(Place(location(state)))[0]
     assert {"engine", "device", "hardware", "os", "numerics"} <= set(commit["producer"])
     assert commit["producer"]["numerics"] == "float32"
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from spill.control.keys import current
+from spill.store.location import location
 from tests.func.test_build import copy_toy, spill
 
 FAST = ("tune.steps=4", "tune.ckpt_every=2")
@@ -26,13 +27,13 @@ def test_an_edit_after_completion_starts_the_next_run(tmp_path):
     project = copy_toy(tmp_path / "toy")
     state = project / ".spill"
     spill("build", str(project), *FAST, home=home)
-    first = current(str(state))
+    first = current(location(state))
     assert first["status"] == "complete" and first["lineage"]["parent"] is None
     before = control_files(state)
     again = spill("build", str(project), *FAST, home=home)  # nothing to do: nothing written
     assert "== " not in again.stderr and control_files(state) == before
     spill("build", str(project), *FAST, "tune.lr=0.004", home=home)
-    second = current(str(state))
+    second = current(location(state))
     assert second["run"] != first["run"] and second["lineage"]["parent"] == first["run"]
     assert second["status"] == "complete" and second["generation"] > first["generation"]
     after = control_files(state)
@@ -49,8 +50,8 @@ def test_a_location_inside_what_a_run_writes_is_refused_a_sweeps_is_not(tmp_path
     from spill.control.ownership import acquire
     from spill.errors import StoreError
 
-    acquire(str(tmp_path)).release()  # a build's state: its own runs
+    acquire(location(tmp_path)).release()  # a build's state: its own runs
     for inside in ("stages/tune", "payloads/x", "runs/y"):
         with pytest.raises(StoreError, match="holds runs of its own"):
-            acquire(str(tmp_path / inside))
-    acquire(str(tmp_path / "sweep" / "tune.lr=0.1")).release()  # a sweep's build: its own run
+            acquire(location(tmp_path / inside))
+    acquire(location(tmp_path / "sweep" / "tune.lr=0.1")).release()  # a sweep's build: its own run

@@ -21,6 +21,7 @@ from spill.jobs.tune.data import data_fingerprint
 from spill.models.sources.tiny import write_tiny
 from spill.models.weights import fingerprint
 from spill.payloads.checkpoint import COMMIT, PARAMS, latest_checkpoint
+from spill.store.location import location
 from tests.func import tune_kit as kit
 
 ADAPTER_TREE = {
@@ -234,7 +235,7 @@ def test_spill_tune_with_no_setting_flags_makes_a_default_builds_checkpoint(tmp_
     build = run_spill("build", str(toy), "--stop-after", "tune:1", *back)
     assert build.returncode == 0, build.stderr
     state = toy / ".spill"
-    made = latest_checkpoint(Place(str(state), "stages/tune"))
+    made = latest_checkpoint(Place(location(state), "stages/tune"))
     assert made is not None and made.step == 1
     argv = ["tune", "tiny:llama:2:2x64", str(state / "files" / "train.jsonl"), "--name", "toy"]
     argv += ["--stop-after", "1", "--dtype", "float32"]
@@ -243,7 +244,7 @@ def test_spill_tune_with_no_setting_flags_makes_a_default_builds_checkpoint(tmp_
     assert inside.returncode == 1, inside.stderr
     [error] = inside.stderr.splitlines()
     assert error.startswith("spill: error:") and f"lies inside {state}" in error, error
-    again = latest_checkpoint(Place(str(state), "stages/tune"))
+    again = latest_checkpoint(Place(location(state), "stages/tune"))
     assert again is not None and again.uri == made.uri  # still current, and it verifies
 
     solo = str(tmp_path / "solo")

@@ -43,6 +43,7 @@ from spill.payloads.checkpoint import (
     load_checkpoint,
 )
 from spill.store import fs
+from spill.store.location import location
 
 STEPS = 6
 # The standard run: a tiny llama streamed through a ring of 2, two micro-batches per step, LoRA
@@ -192,7 +193,7 @@ class Worker:
 
 def step_dir(state: str, step: int) -> str:
     """The folder of ``step`` that the run points at (the checkpoint a reader trusts)."""
-    found = [u for u in Place(state).pointer("ckpt") if payload_seq(u) == step]
+    found = [u for u in Place(location(state)).pointer("ckpt") if payload_seq(u) == step]
     assert found, f"{state}: no checkpoint of step {step} is current ({step_dirs(state)} on disk)"
     return found[0]
 
@@ -253,7 +254,7 @@ def adapter_files(state: str) -> dict[str, bytes]:
 
 def committed_steps(state: str) -> list[int]:
     """Steps whose checkpoints the run points at and that verify, oldest first."""
-    return sorted(payload_seq(u) for u in Place(state).pointer("ckpt") if _verifies(u))
+    return sorted(payload_seq(u) for u in Place(location(state)).pointer("ckpt") if _verifies(u))
 
 
 def step_dirs(state: str) -> list[str]:
@@ -272,7 +273,7 @@ def _verifies(uri: str) -> bool:
 def litter(state: str) -> list[str]:
     """What a dead writer left: payload folders no pointer names (``payloads/<name> (not
     current)``), pointed ones that fail verification, and temporary files."""
-    doc = Place(state).doc() or {}
+    doc = Place(location(state)).doc() or {}
     pointed = {u.rsplit("/", 1)[-1] for rels in doc.get("pointers", {}).values() for u in rels}
     out = []
     for name in fs.listdir(fs.join(state, "payloads")):
@@ -287,7 +288,7 @@ def litter(state: str) -> list[str]:
 
 
 def latest_step(state: str) -> int | None:
-    ckpt = latest_checkpoint(Place(state))
+    ckpt = latest_checkpoint(Place(location(state)))
     return None if ckpt is None else ckpt.step
 
 

@@ -30,6 +30,7 @@ from spill.control.ownership import acquire
 from spill.errors import StoreError, UsageError
 from spill.store import drill
 from spill.store.fs import files_under, join, put_bytes
+from spill.store.location import location
 from tests.unit.control.test_transfer import STEPS, _advance, _claim, _finish, _made
 
 
@@ -77,7 +78,7 @@ def test_an_abort_after_each_step_before_fence_returns_the_source(root, upto):
 
 
 def test_an_aborted_source_fences_its_stale_mover(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     _made(src)
     s = store_for(src)
     tid = transfer.begin(s, dst, wait=False, tid=_claim(src, dst))["transfer"]["id"]
@@ -91,7 +92,7 @@ def test_an_aborted_source_fences_its_stale_mover(tmp_path):
 
 
 def test_an_abort_is_refused_after_fence_while_held_and_without_a_move(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     rid = _made(src)["run"]
     with pytest.raises(UsageError) as e:
         transfer.abort(store_for(src))
@@ -105,7 +106,7 @@ def test_an_abort_is_refused_after_fence_while_held_and_without_a_move(tmp_path)
         transfer.abort(store_for(dst))
     assert "is arriving from" in str(e.value) and "abort the move at its source" in str(e.value)
 
-    other, to = str(tmp_path / "other"), str(tmp_path / "to")
+    other, to = location(tmp_path / "other"), location(tmp_path / "to")
     _made(other)
     _advance(other, to, 6)
     with pytest.raises(StoreError) as e:
@@ -133,7 +134,7 @@ def test_a_claimed_place_refuses_a_second_move_before_its_source_changes(root):
 
 
 def test_a_claim_left_before_the_quiesce_is_adopted_and_finished(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     _made(src)
     tid = _advance(src, dst, 0)  # claimed; the mover stopped before its quiesce
     assert current(src).get("transfer") is None
@@ -142,7 +143,7 @@ def test_a_claim_left_before_the_quiesce_is_adopted_and_finished(tmp_path):
 
 
 def test_an_abandoned_claim_is_removed_and_a_live_one_is_not(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     _made(src)
     tid = _advance(src, dst, 1, lease=0.2)  # quiesced: the source stands under the claim
     time.sleep(0.25)
@@ -151,7 +152,7 @@ def test_an_abandoned_claim_is_removed_and_a_live_one_is_not(tmp_path):
     transfer.abort(store_for(src))
     assert arrival.abandoned(current(dst))  # its source was returned: nobody will finish it
 
-    other = str(tmp_path / "other")
+    other = location(tmp_path / "other")
     _made(other)
     frm = home_of(other)
     gone = arrival.check_destination(store_for(dst), dst, current(other), frm, dst)

@@ -32,6 +32,7 @@ from spill.store import cas
 from spill.store.cas import Unsupported
 from spill.store.cas.local import mount_type
 from spill.store.fs import exists, get_bytes, join, listdir, put_bytes
+from spill.store.location import Location, location
 
 WORKER = Path(__file__).parents[2] / "func" / "control_worker.py"
 HOST = socket.gethostname()
@@ -39,11 +40,11 @@ PTR = "job/ckpt"
 
 
 @pytest.fixture(params=["local", "s3"])
-def shared(request, tmp_path) -> str:
+def shared(request, tmp_path) -> Location:
     """A state two processes can share: a local folder or a prefix on the S3 server."""
     if request.param == "local":
-        return str(tmp_path / "state")
-    return f"s3://{request.getfixturevalue('s3_bucket')}/state"
+        return location(tmp_path / "state")
+    return location(f"s3://{request.getfixturevalue('s3_bucket')}/state")
 
 
 def _hold(state: str, *opts: str) -> subprocess.Popen:
@@ -218,18 +219,18 @@ def test_payload_names_and_collect(root):
 @pytest.mark.parametrize("where", ["/proc/spill-state", "/sys/spill-state"])
 def test_states_on_pseudo_file_systems_are_refused(where):
     with pytest.raises(Unsupported) as e:
-        acquire(where)
+        acquire(location(where))
     assert "\n" not in str(e.value) and "s3://" in str(e.value)
 
 
 def test_temporary_file_systems_are_accepted(tmp_path):
     assert mount_type(str(tmp_path)) in cas.FLOCK_FS
-    assert acquire(str(tmp_path / "state")).gen == 1
+    assert acquire(location(tmp_path / "state")).gen == 1
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         shm = f"/dev/shm/spill-{uuid.uuid4().hex[:8]}"
         try:
             assert mount_type(shm) == "tmpfs"
-            assert acquire(shm).gen == 1
+            assert acquire(location(shm)).gen == 1
         finally:
             shutil.rmtree(shm, ignore_errors=True)
 
@@ -240,7 +241,7 @@ def test_a_copy_cannot_continue_while_the_original_is_held(tmp_path):
     try:
         shutil.copytree(original, copy)
         with pytest.raises(Busy) as busy:
-            acquire(str(copy))
+            acquire(location(copy))
         message = str(busy.value)
         assert f"at {original} is held by {HOST} pid {holder.pid} " in message
         assert f"this state at {copy} is a copy of it" in message
@@ -253,12 +254,12 @@ def test_a_copy_of_a_released_state_continues_and_says_where_from(tmp_path):
     holder = _hold(str(original), "--for", "0", "--release")
     assert holder.wait(timeout=60) == 0
     shutil.copytree(original, copy)
-    run = acquire(str(copy))
-    doc = current(str(copy))
+    run = acquire(location(copy))
+    doc = current(location(copy))
     assert run.gen == 2
     assert doc["lineage"]["copied_from"] == f"{HOST}:{os.path.realpath(original)}"
     assert doc["home"] == f"{HOST}:{os.path.realpath(copy)}"
-    assert current(str(original))["generation"] == 1
+    assert current(location(original))["generation"] == 1
 
 
 def test_wait_acquires_once_the_holder_releases(shared):
@@ -275,7 +276,7 @@ def test_wait_acquires_once_the_holder_releases(shared):
 
 
 def test_a_temporary_control_file_a_killed_writer_left_goes_at_the_next_write(tmp_path):
-    state = str(tmp_path / "state")
+    state = location(tmp_path / "state")
     run = acquire(state)
     folder = Path(state) / "runs" / run.id
     stray = folder / ".control.json.tmp-0123456789ab"  # SIGKILL between write and rename

@@ -23,6 +23,7 @@ from spill.control.keys import CURRENT, UnclearRuns, current, restore, run_list,
 from spill.control.owner import home_of, me
 from spill.control.ownership import _fresh, acquire
 from spill.store.fs import exists, get_bytes, join, listdir, put_bytes, remove
+from spill.store.location import location
 from tests.conftest import bucket_uri
 
 REBUILT = "spill.control.keys"
@@ -140,7 +141,7 @@ def test_first_runs_being_started_on_an_object_store_are_waited_for(where, reque
     """The gs eight-racer flake (issue 26): two first builds have each made their run's control
     object and neither has written the list yet; a third racer must wait for the list (then
     lose to its run's owner, exit 75), not refuse "more than one run there is unfinished"."""
-    state = join(bucket_uri(request, where), "state")
+    state = join(location(bucket_uri(request, where)), "state")
     a, b = "20000101-000000-aaaaaa", "20000101-000000-bbbbbb"
     for rid in (a, b):
         _other_run(state, rid, used=False)  # made just now by a live owner (this process)
@@ -157,7 +158,7 @@ def test_first_runs_being_started_on_an_object_store_are_waited_for(where, reque
 
     # a list that never comes: after START_WAIT the runs are what a lost list left (refused)
     monkeypatch.setattr(keys, "START_WAIT", 0.3)
-    other = join(bucket_uri(request, where), "other")
+    other = join(location(bucket_uri(request, where)), "other")
     for rid in (a, b):
         _other_run(other, rid, used=False)
     time.sleep(0.3)

@@ -29,6 +29,7 @@ from spill.control.ownership import CopiedRun, acquire, as_copy
 from spill.errors import EXIT_PREEMPTED, StoreError
 from spill.store import drill
 from spill.store.fs import join, put_bytes
+from spill.store.location import location
 
 STEPS = transfer.STEPS
 
@@ -138,7 +139,7 @@ def test_the_seven_steps_in_order_hand_the_run_over(places):
 
 @pytest.mark.parametrize("upto", range(1, 8), ids=list(STEPS))
 def test_a_rerun_after_each_step_finishes_the_same_transfer(tmp_path, upto):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     before = _made(src)
     tid = _advance(src, dst, upto, lease=0.2)  # abandoned: its lease runs out in 0.2 s
     left = current(src)
@@ -156,7 +157,7 @@ def test_a_rerun_after_each_step_finishes_the_same_transfer(tmp_path, upto):
 
 
 def test_describe_move_says_where_a_run_is_going_and_where_it_went(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     _made(src)
     assert transfer.describe_move(current(src)) is None
     _advance(src, dst, 2, lease=0.2)
@@ -183,7 +184,7 @@ def test_describe_move_says_where_a_run_is_going_and_where_it_went(tmp_path):
 
 
 def test_acquire_refuses_a_run_mid_move_at_either_place_in_one_line(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     rid = _made(src)["run"]
     _advance(src, dst, 1)
     with pytest.raises(StoreError) as e:
@@ -212,7 +213,7 @@ def test_acquire_refuses_a_run_mid_move_at_either_place_in_one_line(tmp_path):
 
 
 def test_a_held_run_is_busy_without_wait_and_stops_for_a_move_with_it(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     held = acquire(src)  # a live writer: this process, its lease running
     with pytest.raises(Busy) as e:
         transfer.begin(store_for(src), dst, wait=False)
@@ -242,7 +243,7 @@ def test_a_held_run_is_busy_without_wait_and_stops_for_a_move_with_it(tmp_path):
 
 
 def test_a_second_destination_is_refused_until_the_first_move_is_finished(tmp_path):
-    src, dst, other = (str(tmp_path / n) for n in ("src", "dst", "other"))
+    src, dst, other = (location(tmp_path / n) for n in ("src", "dst", "other"))
     _made(src)
     tid = _advance(src, dst, 1)
     again = transfer.begin(store_for(src), dst, wait=False)
@@ -260,7 +261,7 @@ def test_a_second_destination_is_refused_until_the_first_move_is_finished(tmp_pa
 
 
 def test_a_run_that_is_arriving_cannot_be_moved_on(tmp_path):
-    src, dst, other = (str(tmp_path / n) for n in ("src", "dst", "other"))
+    src, dst, other = (location(tmp_path / n) for n in ("src", "dst", "other"))
     _made(src)
     _advance(src, dst, 5)
     with pytest.raises(StoreError) as e:
@@ -269,7 +270,7 @@ def test_a_run_that_is_arriving_cannot_be_moved_on(tmp_path):
 
 
 def test_take_refuses_a_run_that_left_the_move(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     _made(src)
     tid = _advance(src, dst, 6)
     with pytest.raises(StoreError) as e:
@@ -278,7 +279,7 @@ def test_take_refuses_a_run_that_left_the_move(tmp_path):
 
 
 def test_incoming_refuses_a_destination_holding_another_run(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     _made(src)
     theirs = _made(dst)["run"]
     before = current(src)
@@ -292,7 +293,7 @@ def test_incoming_refuses_a_destination_holding_another_run(tmp_path):
 
 
 def test_activate_refuses_another_transfer(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     _made(src)
     _advance(src, dst, 5)
     with pytest.raises(StoreError) as e:
@@ -302,7 +303,7 @@ def test_activate_refuses_another_transfer(tmp_path):
 
 
 def test_begin_refuses_a_copy_and_a_location_without_a_run_and_leaves_a_complete_run(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     with pytest.raises(StoreError) as e:
         transfer.begin(store_for(src), dst, wait=False)
     assert str(e.value) == f"nothing to move at {src}: it holds no run"
@@ -316,7 +317,7 @@ def test_begin_refuses_a_copy_and_a_location_without_a_run_and_leaves_a_complete
     assert "is an installed copy; move the original" in str(e.value)
     assert current(src) == copy
 
-    done = str(tmp_path / "done")
+    done = location(tmp_path / "done")
     run = acquire(done)
     run.complete()
     before = current(done)
@@ -325,7 +326,7 @@ def test_begin_refuses_a_copy_and_a_location_without_a_run_and_leaves_a_complete
 
 
 def test_check_destination_accepts_an_empty_place_or_the_same_move_only(tmp_path):
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    src, dst = location(tmp_path / "src"), location(tmp_path / "dst")
     _made(src)
     frm, d = home_of(src), store_for(dst)
     assert arrival.check_destination(d, dst, current(src), frm, dst) == []  # nothing there
@@ -338,7 +339,7 @@ def test_check_destination_accepts_an_empty_place_or_the_same_move_only(tmp_path
         f"{dst} holds a claim of another move (run {current(src)['run']} from {frm}, step take "
         "done); move to a new or empty location"
     )
-    other = str(tmp_path / "other")
+    other = location(tmp_path / "other")
     put_bytes(join(other, "mine.txt"), b"x")
     with pytest.raises(arrival.Taken) as e:
         arrival.check_destination(store_for(other), other, current(src), frm, other)

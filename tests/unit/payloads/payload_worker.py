@@ -62,8 +62,9 @@ def main(argv: list[str]) -> None:
     if mode not in ("ckpt", "rows"):
         raise SystemExit(f"unknown mode {mode}")
     from spill.control.ownership import held
+    from spill.store.location import location
 
-    with held(root) as run:
+    with held(location(root)) as run:
         place = run.place()
         if mode == "ckpt":
             from spill.payloads.checkpoint import save_checkpoint

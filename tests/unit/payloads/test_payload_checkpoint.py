@@ -24,6 +24,7 @@ from spill.payloads.checkpoint import (
     settle,
 )
 from spill.store import fs
+from spill.store.location import location
 
 
 def writer(root: str) -> Place:
@@ -75,7 +76,7 @@ def test_roundtrip_is_exact(root, data):
 
 
 def test_bytes_are_deterministic(tmp_path, data):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    a, b = location(tmp_path / "a"), location(tmp_path / "b")
     params, opt, state = data(2)
     ua = save_checkpoint(writer(a), 2, params, opt, state)
     ub = save_checkpoint(
@@ -100,12 +101,12 @@ def test_a_view_is_written_as_its_values(tmp_path, data):
     params, opt, state = data(1)
     name = sorted(params)[0]
     params = {**params, name: np.asfortranarray(params[name])}
-    uri = save_checkpoint(writer(str(tmp_path / "s")), 1, params, opt, state)
+    uri = save_checkpoint(writer(location(tmp_path / "s")), 1, params, opt, state)
     assert np.array_equal(load_checkpoint(uri).params[name], params[name])
 
 
 def test_resaving_the_current_step_with_other_values_writes_a_new_folder(tmp_path, data):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     place = writer(root)
     save_checkpoint(place, 1, *data(1))
     params, opt, state = data(2)
@@ -132,7 +133,7 @@ def test_a_folder_not_pointed_at_is_never_loaded_and_the_next_save_removes_it(ro
     save_checkpoint(place, 1, *data(1))
     save_checkpoint(place, 2, *data(2))
     # a good step-9 checkpoint (made in another run) copied in by hand: nobody published it
-    made = save_checkpoint(writer(str(tmp_path / "other")), 9, *data(9))
+    made = save_checkpoint(writer(location(tmp_path / "other")), 9, *data(9))
     stray = fs.join(root, "payloads", "ckpt-g1-s9-0")
     for name in fs.listdir(made):
         fs.put_bytes(fs.join(stray, name), fs.get_bytes(fs.join(made, name)))
@@ -147,7 +148,7 @@ def test_a_folder_not_pointed_at_is_never_loaded_and_the_next_save_removes_it(ro
 def test_an_unpublished_save_is_ignored_then_removed_by_the_next_save(tmp_path, data, caplog):
     """A writer that died after its COMMIT but before publishing left a complete folder that is
     not current; the run continues from the pointed step and the next save collects it."""
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     run = acquire(root)
     place = run.place()
     save_checkpoint(place, 1, *data(1))
@@ -169,7 +170,7 @@ def test_an_unpublished_save_is_ignored_then_removed_by_the_next_save(tmp_path, 
 def test_a_damaged_pointed_checkpoint_is_skipped_with_a_message_then_dropped(
     tmp_path, data, caplog, damage
 ):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     place = writer(root)
     for step in (1, 2):
         save_checkpoint(place, step, *data(step))
@@ -207,7 +208,7 @@ def test_a_damaged_pointed_checkpoint_is_skipped_with_a_message_then_dropped(
 
 
 def test_a_damaged_older_checkpoint_is_not_kept_in_place_of_a_good_one(tmp_path, data):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     place = writer(root)
     for step in (1, 2):
         save_checkpoint(place, step, *data(step))
@@ -219,7 +220,7 @@ def test_a_damaged_older_checkpoint_is_not_kept_in_place_of_a_good_one(tmp_path,
 
 
 def test_resaving_the_current_step_is_a_no_op(tmp_path, data):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     place = writer(root)
     save_checkpoint(place, 1, *data(1))
     uri = save_checkpoint(place, 2, *data(2))
@@ -253,7 +254,7 @@ def test_a_stale_collection_never_removes_a_later_generations_folder(tmp_path, d
     """A writer paused between its publication and its removals, taken over meanwhile: when it
     goes on it removes only its own generation's folders that its pointer does not name, so
     nothing the successor wrote or points at goes."""
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     old = acquire(root, lease=0.2)
     one = save_checkpoint(old.place(), 1, *data(1))
     settle()
@@ -268,7 +269,7 @@ def test_a_stale_collection_never_removes_a_later_generations_folder(tmp_path, d
 
 
 def test_bad_inputs_are_refused_before_writing(tmp_path, data):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     place = writer(root)
     params, opt, state = data(1)
     with pytest.raises(ValueError, match="float32"):

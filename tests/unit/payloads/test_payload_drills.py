@@ -21,6 +21,7 @@ from spill.control.place import Place
 from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, settle
 from spill.payloads.rows import restore
 from spill.store import fs
+from spill.store.location import location
 
 WORKER = Path(__file__).with_name("payload_worker.py")
 
@@ -46,7 +47,7 @@ def latest(root: str):
     ],
 )
 def test_checkpoint_killed_before_commit(tmp_path, run_worker, data, boundary, left):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     proc = run_worker("ckpt", root, "1", "2", "3", drill=f"{boundary}@3")
     assert_killed(proc)
     assert proc.stdout.split("\n")[:2] == ["saved 1", "saved 2"] and "saved 3" not in proc.stdout
@@ -61,7 +62,7 @@ def test_checkpoint_killed_before_commit(tmp_path, run_worker, data, boundary, l
 
 
 def test_checkpoint_killed_after_commit_before_rotation(tmp_path, run_worker, data):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     assert_killed(run_worker("ckpt", root, "1", "2", "3", drill="ckpt-after-commit@3"))
     # step 3 is published; step 1 is no longer pointed at but not yet removed
     assert payloads(root, "ckpt") == ["ckpt-g1-s1-0", "ckpt-g1-s2-0", "ckpt-g1-s3-0"]
@@ -72,7 +73,7 @@ def test_checkpoint_killed_after_commit_before_rotation(tmp_path, run_worker, da
 
 
 def test_checkpoint_killed_before_commit_on_s3(s3_bucket, run_worker, data):
-    root = f"s3://{s3_bucket}/job"
+    root = location(f"s3://{s3_bucket}/job")
     assert_killed(run_worker("ckpt", root, "1", "2", drill="ckpt-before-commit@2"))
     assert "COMMIT" not in fs.listdir(fs.join(root, "payloads", "ckpt-g1-s2-0"))
     assert latest(root).step == 1
@@ -83,7 +84,7 @@ def test_checkpoint_killed_before_commit_on_s3(s3_bucket, run_worker, data):
 
 
 def test_paused_writer_can_be_inspected_then_killed(tmp_path, data):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     env = {**os.environ, "SPILL_DRILL": "ckpt-before-commit@2:stop"}
     proc = subprocess.Popen([sys.executable, str(WORKER), "ckpt", root, "1", "2"], env=env)
     try:
@@ -100,7 +101,7 @@ def test_paused_writer_can_be_inspected_then_killed(tmp_path, data):
 
 
 def test_segment_push_killed_before_commit(tmp_path, run_worker):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     assert_killed(run_worker("rows", root, "0", "60", drill="seg-before-commit@2"))
     assert restore(Place(root)).done == [f"r{i}" for i in range(25)]
     assert fs.listdir(fs.join(root, "payloads", "rows-g1-s1-0")) == ["rows.jsonl"]
@@ -114,7 +115,7 @@ def test_segment_push_killed_before_commit(tmp_path, run_worker):
 
 
 def test_local_put_killed_before_rename_leaves_only_removable_litter(tmp_path, run_worker):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     # put 1 is rows/identity.json, put 2 segment 0's rows.jsonl, put 3 its COMMIT
     assert_killed(run_worker("rows", root, "0", "30", drill="put-before-rename@3"))
     names = fs.listdir(fs.join(root, "payloads", "rows-g1-s0-0"))
@@ -127,5 +128,5 @@ def test_local_put_killed_before_rename_leaves_only_removable_litter(tmp_path, r
 
 
 def test_unknown_drill_is_an_error(tmp_path, run_worker):
-    proc = run_worker("ckpt", str(tmp_path / "s"), "1", drill="ckpt-betwen-files")
+    proc = run_worker("ckpt", location(tmp_path / "s"), "1", drill="ckpt-betwen-files")
     assert proc.returncode == 1 and "ckpt-between-files" in proc.stderr

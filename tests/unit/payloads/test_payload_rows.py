@@ -19,6 +19,7 @@ from spill.payloads.rows import (
 )
 from spill.payloads.rows import restore as _restore
 from spill.store import fs
+from spill.store.location import location
 
 
 def writer(root: str, *args, **kwargs) -> SegmentWriter:
@@ -66,7 +67,7 @@ def test_pushes_at_25_rows_and_on_close(root, identity, producer):
 
 def test_pushes_after_60_seconds(tmp_path, identity, producer):
     now = [0.0]
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     w = writer(root, identity, producer, clock=lambda: now[0])
     assert add_rows(w, range(2)) == [False, False]
     now[0] = 59.0
@@ -100,7 +101,7 @@ def test_a_segment_not_pointed_at_is_never_restored_and_the_next_push_removes_it
     run = acquire(root)
     with SegmentWriter(run.place(), identity, producer) as w:
         add_rows(w, range(25))
-    other = str(tmp_path / "other")
+    other = location(tmp_path / "other")
     with writer(other, identity, producer, every_rows=1) as w:
         add_rows(w, range(25, 28))  # segments 0, 1, 2 there; segment 2 holds r27
     made = Place(other).pointer("rows")[0]
@@ -120,7 +121,7 @@ def test_a_segment_not_pointed_at_is_never_restored_and_the_next_push_removes_it
 
 
 def test_damaged_segment_is_not_trusted_then_dropped(tmp_path, identity, producer, caplog):
-    root = str(tmp_path / "state")
+    root = location(tmp_path / "state")
     run = acquire(root)
     with SegmentWriter(run.place(), identity, producer, every_rows=5) as w:
         add_rows(w, range(10))
@@ -177,4 +178,4 @@ def test_identity_refusal_names_the_difference(root, identity, producer):
 
 def test_producer_must_be_complete(tmp_path, identity):
     with pytest.raises(ValueError, match="numerics"):
-        writer(str(tmp_path), identity, {"engine": "torch", "hardware": "cpu", "os": "linux"})
+        writer(location(tmp_path), identity, {"engine": "torch", "hardware": "cpu", "os": "linux"})

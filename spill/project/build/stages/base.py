@@ -16,7 +16,6 @@ from spill.control.control import Ownership
 from spill.control.place import Place
 from spill.project.build import outputs
 from spill.settings import stage_inputs
-from spill.store.fs import join
 from spill.store.location import Location
 
 if TYPE_CHECKING:  # types only: a finished build and `spill status` load none of these
@@ -155,8 +154,8 @@ class Stage:
 
     # its state and outputs --------------------------------------------------------------------
 
-    def uri(self, root: Location) -> str:
-        return join(root, "stages", self.folder)
+    def uri(self, root: Location) -> Location:
+        return root.join("stages", self.folder)
 
     def place(self, root: Location, run: Ownership | None = None) -> Place:
         """Its job's part of the build's run (read-only without ``run``)."""

@@ -9,6 +9,7 @@ from spill.jobs.rows.distill import distill
 from spill.jobs.rows.generate import GenerateOptions, generate
 from spill.jobs.rows.job import RowOptions
 from spill.settings import EngineSettings
+from spill.store.location import location
 
 GEN = GenerateOptions(max_new_tokens=3, temperature=0.0, seed=0)
 
@@ -20,7 +21,7 @@ def _rows(path, n=5):
 
 def _job(tmp_path, stop_after=None) -> RowOptions:
     engine = EngineSettings(name="torch", dtype="float32")
-    writer = Writer(str(tmp_path / "state"))
+    writer = Writer(location(tmp_path / "state"))
     return RowOptions(batch=2, engine=engine, writer=writer, stop_after=stop_after)
 
 
@@ -73,7 +74,7 @@ def test_a_continued_job_cuts_its_batches_where_an_uninterrupted_one_does(
     assert sizes == [2, 1]  # rows 0-1, then row 2 of the batch 2-3
     sizes.clear()
     job = RowOptions(
-        batch=None, engine=_job(tmp_path).engine, writer=Writer(str(tmp_path / "state"))
+        batch=None, engine=_job(tmp_path).engine, writer=Writer(location(tmp_path / "state"))
     )
     generate(model, src, tmp_path / "out.jsonl", GEN, job)
     assert sizes == [1, 2, 1]  # row 3 ends the batch 2-3; then 4-5 and 6

@@ -29,7 +29,7 @@ STEPS = ("quiesce", "take", "copy", "verify", "incoming", "fence", "activate")
 
 def _state(where: Path, *, complete: bool = False) -> dict:
     """A run at ``where`` with one pointed checkpoint payload and some litter."""
-    run = acquire(str(where))
+    run = acquire(location(where))
     place = run.place("job")
     uri = place.payload("ckpt", 2)
     put_bytes(f"{uri}/params.bin", b"\x01" * 1000)
@@ -39,7 +39,7 @@ def _state(where: Path, *, complete: bool = False) -> dict:
     (where / "job" / ".tmp-killed").write_bytes(b"half")
     put_bytes(str(where / "job" / "state.json"), b'{"cursor": 2}\n')
     run.complete() if complete else run.release()
-    return current(str(where))
+    return current(location(where))
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -92,10 +92,10 @@ def test_a_state_moves_with_its_pointed_payloads_only_and_a_checked_manifest(tmp
     assert manifest["kind"] == "spill-move" and manifest["project"] is False
     assert {e["path"] for e in manifest["files"]} == WANTED
     assert manifest["bytes"] == result["bytes"] == sum(len(_files(dst)[r]) for r in WANTED)
-    there = current(str(dst))
+    there = current(location(dst))
     assert there["status"] == "active" and there["pointers"] == before["pointers"]
-    assert there["home"] == home_of(str(dst))
-    assert current(str(src))["status"] == "transferred"
+    assert there["home"] == home_of(location(dst))
+    assert current(location(src))["status"] == "transferred"
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -109,12 +109,12 @@ def test_an_interrupted_move_is_finished_by_the_same_move(tmp_path, step):
 
     with drill.hooked(crash), pytest.raises(RuntimeError):
         mv.move(location(src), location(dst), lease=0.3)  # this process lives on: its lease lets go
-    tid = current(str(src))["transfer"]["id"]
+    tid = current(location(src))["transfer"]["id"]
     result = mv.move(location(src), location(dst))
     assert result["transfer"] == tid and result["status"] == "active"
     assert set(_files(dst)) == WANTED
-    assert current(str(dst))["pointers"] == before["pointers"]
-    assert current(str(src))["status"] == "transferred"
+    assert current(location(dst))["pointers"] == before["pointers"]
+    assert current(location(src))["status"] == "transferred"
 
 
 def test_a_rerun_copies_again_a_damaged_partial_copy(tmp_path):
@@ -161,7 +161,7 @@ def test_a_destination_holding_other_files_is_refused_before_the_source_changes(
     assert (
         str(e.value) == f"{dst} is not empty (job/mine.txt, ...); move to a new or empty location"
     )
-    assert current(str(src)) == before and _files(dst) == {"job/mine.txt": b"x"}
+    assert current(location(src)) == before and _files(dst) == {"job/mine.txt": b"x"}
 
 
 def test_memory_is_refused_as_a_destination(tmp_path):
@@ -176,13 +176,13 @@ def test_a_complete_run_is_copied_and_the_source_stays_as_it_was(tmp_path):
     before = _state(src, complete=True)
     result = mv.move(location(src), location(dst))
     assert result["status"] == "complete"
-    assert current(str(src)) == before
-    there = current(str(dst))
+    assert current(location(src)) == before
+    there = current(location(dst))
     assert there["status"] == "complete" and there["pointers"] == before["pointers"]
     assert there["lineage"]["copied_from"] == before["home"]
     assert set(_files(dst)) == WANTED
     again = mv.move(location(src), location(dst))  # a rerun answers from the copy
-    assert again["transfer"] == result["transfer"] and current(str(dst)) == there
+    assert again["transfer"] == result["transfer"] and current(location(dst)) == there
 
 
 def test_a_symlink_or_a_file_uri_into_the_source_overlaps(tmp_path):
@@ -217,7 +217,7 @@ def test_an_interrupted_move_is_aborted_and_its_partial_copy_removed(tmp_path):
     result = mv.abort(location(src))
     assert result["destination"] == "cleaned" and result["status"] == "active"
     assert [p for p in dst.rglob("*") if p.is_file()] == [dst / "runs" / "control.lock"]
-    here = current(str(src))
+    here = current(location(src))
     assert here["generation"] == before["generation"] + 2  # the mover's take, then the abort's
     assert here["pointers"] == before["pointers"] and here["transfer"]["aborted"]
     assert mv.move(location(src), location(dst))["status"] == "active"  # moved anew, as any run
@@ -235,9 +235,9 @@ def test_a_rerun_whose_destination_is_someone_elses_aborts_the_move(tmp_path):
         mv.move(location(src), location(dst), lease=0.3)
     time.sleep(0.35)
     shutil.rmtree(dst)  # emptied by hand, and someone else's run made there
-    theirs = acquire(str(dst))
+    theirs = acquire(location(dst))
     theirs.release()
-    left = current(str(src))
+    left = current(location(src))
     with pytest.raises(StoreError) as e:
         mv.move(location(src), location(dst))
     assert str(e.value) == (
@@ -245,6 +245,6 @@ def test_a_rerun_whose_destination_is_someone_elses_aborts_the_move(tmp_path):
         f"{left['run']} to {dst} is aborted, and the run is active again at {src} (generation "
         f"{left['generation'] + 1}); move it to another place"
     )
-    here = current(str(src))
+    here = current(location(src))
     assert here["status"] == "active" and here["transfer"]["aborted"]
-    assert current(str(dst))["run"] == theirs.id
+    assert current(location(dst))["run"] == theirs.id

@@ -15,6 +15,7 @@ from spill.project.report import series
 from spill.project.report.html import page
 from spill.project.report.report import BUILD, swept
 from spill.project.report.status import as_json, render
+from spill.store.location import location
 
 LINUX = {"engine": "torch", "numerics": "float32", "machine": "box", "os": "Linux 6.1 (x86_64)"}
 MAC = {"engine": "mlx", "numerics": "bfloat16", "machine": "mac", "os": "macOS 15.1 (arm64)"}
@@ -56,7 +57,7 @@ def _checkpoint(root: str, state: dict, step: int = 6) -> None:
 
 
 def test_losses_and_the_lines_under_the_table(tmp_path):
-    root = str(tmp_path)
+    root = location(tmp_path)
     assert series.losses(root) is None
     state = {
         "losses": [2.0, 1.5, None, 1.0, 0.8, 0.5],
@@ -158,7 +159,7 @@ def test_a_checkpoint_state_off_its_schema_is_one_line_naming_it(tmp_path):
     (ranges, losses, probe) is refused where the file is read, naming it and the field."""
     from spill.ground.validate import SchemaInvalid
 
-    root = str(tmp_path)
+    root = location(tmp_path)
     bad = {"from_step": 0, "to_step": "6", **LINUX, "hardware": "cpu"}
     _checkpoint(root, {"producers": [bad]})
     tune = stages.get("tune")

@@ -11,6 +11,7 @@ import pytest
 from spill.errors import StoreError
 from spill.project.build import record, stages
 from spill.project.report.status import as_json, render, rows
+from spill.store.location import location
 from tests.unit.project.report.test_report import checkpoint_state
 
 LINUX = {
@@ -72,7 +73,7 @@ def test_probes_read_commits_only(tmp_path):
     COMMIT, never a folder nobody points at, nor a pointed folder removed by hand."""
     from spill.control.ownership import acquire
 
-    root = str(tmp_path)
+    root = location(tmp_path)
     run = acquire(root)
     tune = run.place("stages/tune")
     made = {}
@@ -107,30 +108,30 @@ def test_probes_read_commits_only(tmp_path):
 def test_state_file_kind_and_version(tmp_path):
     from spill.control.ownership import acquire
 
-    assert record.read(str(tmp_path)) is None
-    run = acquire(str(tmp_path))
+    assert record.read(location(tmp_path)) is None
+    run = acquire(location(tmp_path))
     place = run.place()
     d = Path(place.payload("state", 1))
     d.mkdir(parents=True)
     place.publish("state", [str(d)])
     (d / "state.json").write_text(json.dumps({"kind": "other"}))
     with pytest.raises(StoreError, match="not a spill build state"):
-        record.read(str(tmp_path))
+        record.read(location(tmp_path))
     (d / "state.json").write_text(json.dumps({"kind": "spill-build", "schema_version": 9}))
     with pytest.raises(StoreError, match="version 9"):
-        record.read(str(tmp_path))
+        record.read(location(tmp_path))
     (d / "state.json").write_text("{")
     with pytest.raises(StoreError, match="not JSON"):
-        record.read(str(tmp_path))
+        record.read(location(tmp_path))
     (d / "state.json").unlink()
     with pytest.raises(StoreError, match="is missing"):
-        record.read(str(tmp_path))
+        record.read(location(tmp_path))
 
 
 def test_a_state_of_an_older_spill_is_refused_in_one_line(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps({"kind": "spill-build"}))
     with pytest.raises(StoreError, match="written by an older spill"):
-        record.read(str(tmp_path))
+        record.read(location(tmp_path))
 
 
 def test_outputs_recorded_checked_cheaply_and_shown_out_of_date(tmp_path):
@@ -141,7 +142,7 @@ def test_outputs_recorded_checked_cheaply_and_shown_out_of_date(tmp_path):
 
     from spill.project.report.status import _check_outputs
 
-    root = str(tmp_path)
+    root = location(tmp_path)
     adapter = tmp_path / "adapters" / "p"
     (adapter / "peft").mkdir(parents=True)
     (adapter / "params.safetensors").write_bytes(b"params")
