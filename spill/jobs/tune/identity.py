@@ -12,6 +12,7 @@ from spill.jobs.tune.options import TuneOptions
 from spill.jobs.tune.validation import identity as validation_identity
 from spill.jobs.tune.validation import refuse as refuse_validation
 from spill.models.integrity import explain, same_weights
+from spill.settings import PREFERENCE
 
 
 class CheckpointMismatch(SpillError):
@@ -21,8 +22,7 @@ class CheckpointMismatch(SpillError):
 # what identity pins of the tune group: every setting that decides the result (a test checks)
 IDENTITY = ("lr", "warmup", "steps", "batch", "micro_batch", "seq_len", "weight_decay")
 IDENTITY_LORA = ("rank", "alpha", "dropout", "targets")
-# pinned only by a preference tune (``spill.settings.PREFERENCE``): an SFT checkpoint has neither
-IDENTITY_PREFERENCE = ("method", "beta")
+IDENTITY_PREFERENCE = PREFERENCE  # pinned only by a preference tune: an SFT checkpoint has neither
 
 
 def identity(
