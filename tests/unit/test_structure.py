@@ -196,6 +196,20 @@ def test_no_circle_between_modules():
     assert not circles, f"{len(circles)} circles: {circles}"
 
 
+def test_no_module_imports_another_modules_private_name():
+    """A leading underscore says a name is its module's own; a name another module needs is
+    public."""
+    bad = [
+        f"{p.relative_to(ROOT)}:{node.lineno} imports {node.module}.{a.name}"
+        for p in _modules()
+        for node in ast.walk(ast.parse(p.read_text(), str(p)))
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__"
+        for a in node.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    ]
+    assert not bad, bad
+
+
 def test_store_imports_no_floor_above_it():
     above = {"control", "models", "payloads", "jobs", "project", "engines", "examples", "cli"}
     bad = [w for a, b, w in _arrows() if a == "store" and b in above]
