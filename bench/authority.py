@@ -50,6 +50,7 @@ SETTINGS += ["--ckpt-every", "1"]
 SUCCESSOR = """
 import json, sys, time
 import spill.control.ownership as runs
+from spill.store.location import location
 tries = []  # the monotonic time of each attempt (a busy run is polled again)
 attempt = runs._try_acquire
 def counted(*args):
@@ -58,12 +59,12 @@ def counted(*args):
 runs._try_acquire = counted
 opened = time.monotonic()
 if sys.argv[3] == "warm":  # the store opened (s3fs imported, the bucket probed) beforehand
-    runs.store_for(sys.argv[1])
+    runs.store_for(location(sys.argv[1]))
 opened = time.monotonic() - opened
 print("ready", flush=True)
 sys.stdin.readline()
 t = time.monotonic()
-run = runs.acquire(sys.argv[1], wait=True, poll=float(sys.argv[2]))
+run = runs.acquire(location(sys.argv[1]), wait=True, poll=float(sys.argv[2]))
 print(json.dumps({"start": t, "done": time.monotonic(), "wall": time.time(), "tries": tries,
                   "open": opened, "generation": run.gen}), flush=True)
 """
@@ -108,8 +109,9 @@ class Bench:
         if p.returncode:
             sys.exit(f"spill tune failed ({p.returncode}):\n{p.stderr.decode()}")
         from spill.control.keys import current
+        from spill.store.location import location
 
-        doc = current(state)
+        doc = current(location(state))
         seconds = json.loads(p.stdout)["seconds"]
         return {"wall": wall, "seconds": seconds, "seq": doc["seq"], "load": os.getloadavg()[0]}
 
@@ -162,8 +164,9 @@ def finish(p: subprocess.Popen) -> tuple[int, str]:
 def transitions(root: str, n: int) -> dict:
     """One transition timed directly: renew and publish ``n`` times, acquire after a release."""
     from spill.control.ownership import acquire
+    from spill.store.location import location
 
-    state = f"{root}/direct-{uuid.uuid4().hex[:6]}"
+    state = location(f"{root}/direct-{uuid.uuid4().hex[:6]}")
     t0 = time.perf_counter()
     run = acquire(state)
     first = time.perf_counter() - t0
@@ -268,6 +271,7 @@ def sigkill(b: Bench, root: str, rounds: int) -> dict:
 
 def sigstop(b: Bench, root: str, rounds: int, cases: list[tuple[float, float]]) -> dict:
     from spill.control.keys import current
+    from spill.store.location import location
 
     rows = []
     for _ in range(rounds):
@@ -279,7 +283,9 @@ def sigstop(b: Bench, root: str, rounds: int, cases: list[tuple[float, float]]) 
             t_stop = time.time()
             succ.stdin.write("go\n")
             succ.stdin.flush()
-            doc = current(state)  # the stopped owner's last transition (it cannot move now)
+            doc = current(
+                location(state)
+            )  # the stopped owner's last transition (it cannot move now)
             got = json.loads(succ.stdout.readline())
             succ.wait()
             owner.send_signal(signal.SIGCONT)  # the old owner must find itself fenced

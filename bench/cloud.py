@@ -80,8 +80,9 @@ def servers(work: Path) -> tuple[list[subprocess.Popen], dict[str, str]]:
 
 def transitions(buckets: dict[str, str], rounds: int) -> dict[str, dict[str, list[float]]]:
     from spill.control.ownership import acquire
+    from spill.store.location import location
 
-    runs = {s: acquire(f"{b}/latency", lease=600) for s, b in buckets.items()}
+    runs = {s: acquire(location(f"{b}/latency"), lease=600) for s, b in buckets.items()}
     times: dict[str, dict[str, list[float]]] = {s: {"renew": [], "publish": []} for s in runs}
     for r in range(rounds):
         order = STORES if r % 2 == 0 else STORES[::-1]

@@ -117,9 +117,10 @@ def compare(a: str, b: str) -> dict:
 
     from spill.control.place import Place
     from spill.payloads.checkpoint import latest_checkpoint, load_checkpoint
+    from spill.store.location import location
 
-    pa, oa, sa = load_checkpoint(latest_checkpoint(Place(a)))
-    pb, ob, sb = load_checkpoint(latest_checkpoint(Place(b)))
+    pa, oa, sa = load_checkpoint(latest_checkpoint(Place(location(a))))
+    pb, ob, sb = load_checkpoint(latest_checkpoint(Place(location(b))))
     tensors = {**pa, **oa}
     other = {**pb, **ob}
     equal = sum(np.array_equal(tensors[k], other[k]) for k in other)
