@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from spill import __version__
+from spill.engines import NEEDS
 from spill.ground.machine import cpu_model
 
 # The distribution whose version pins an engine's numerics (same versions: bit-exact resume).
-ENGINE_DISTRIBUTIONS = {"torch": "torch", "mlx": "mlx"}
+ENGINE_DISTRIBUTIONS = NEEDS
 
 
 def _nvidia_models() -> list[str]:

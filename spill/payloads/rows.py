@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from spill.control.place import Place, payload_seq
 from spill.errors import StoreError
 from spill.ground.validate import SchemaInvalid, parse_json, validate
+from spill.payloads.newest import COMMIT
 from spill.store import drill
 from spill.store.fs import get_bytes, join, put_bytes
 
@@ -31,7 +32,6 @@ SCHEMA_VERSION = 1
 PRODUCER_KEYS = ("engine", "hardware", "os", "numerics")
 KIND = "rows"
 DATA = "rows.jsonl"
-COMMIT = "COMMIT"
 
 RowId = str | int
 

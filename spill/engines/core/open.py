@@ -27,6 +27,8 @@ from spill.models.config import ModelConfig
 from spill.models.weights import WeightFiles, layer_bytes, weight_files
 from spill.store.written import drop_written
 
+SMALL_HIDDEN = 256  # below this hidden size a CPU computes on one thread (torch's and OpenBLAS's)
+
 
 @dataclass(frozen=True)
 class Placement:

@@ -21,6 +21,7 @@ from spill.errors import ModelError
 from spill.models.weights import WeightFiles
 
 MAX_IOV = 512  # buffers per preadv call (IOV_MAX is 1024 on Linux and macOS)
+RESIDENT_FRACTION = 0.5  # an engine's default budget: this share of the memory available now
 
 
 @dataclass(frozen=True)

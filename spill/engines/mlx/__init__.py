@@ -16,7 +16,7 @@ blas.preload()  # before anything imports mlx.core
 import mlx.core as mx  # noqa: E402
 
 from spill.engines.base import LoadOptions, ModelSpec, TuneShape  # noqa: E402
-from spill.engines.core.open import Placement, open_runner  # noqa: E402
+from spill.engines.core.open import SMALL_HIDDEN, Placement, open_runner  # noqa: E402
 from spill.engines.core.runner import StreamRunner  # noqa: E402
 from spill.engines.mlx import numerics, ops  # noqa: E402
 from spill.engines.mlx.kernel import FAMILIES, MLXKernel  # noqa: E402
@@ -26,8 +26,6 @@ from spill.models.config import ModelConfig  # noqa: E402
 from spill.models.weights import quantized_weights, weight_files  # noqa: E402
 
 __all__ = ["ENGINE", "MLXEngine"]
-
-SMALL_HIDDEN = 256  # below this hidden size OpenBLAS computes on one thread (as torch does)
 
 
 def pick_device(requested: str | None) -> mx.Device:

@@ -15,15 +15,13 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from spill.engines.core.reader import ShardFiles
+from spill.engines.core.reader import RESIDENT_FRACTION, ShardFiles
 from spill.engines.core.ring import Hooks
 from spill.engines.mlx.ops import Packed
 from spill.errors import EngineError
 from spill.models import quant
 from spill.models.weights import WeightFiles
 from spill.store.safetensors_io import float32_to_bf16_bits
-
-RESIDENT_FRACTION = 0.5  # default budget: this share of the memory available right now
 
 _NUMPY = {
     "F32": np.float32,

@@ -12,7 +12,7 @@ import torch
 from spill import console
 from spill.engines.base import LoadOptions, ModelSpec, TuneShape
 from spill.engines.core import heap
-from spill.engines.core.open import Placement, open_runner
+from spill.engines.core.open import SMALL_HIDDEN, Placement, open_runner
 from spill.engines.core.runner import StreamRunner
 from spill.engines.torch import int4, int4_file, numerics
 from spill.engines.torch.kernel import FAMILIES, TorchKernel
@@ -23,8 +23,6 @@ from spill.models.config import ModelConfig
 from spill.models.weights import WeightFiles, quantized_weights, weight_files
 
 __all__ = ["ENGINE", "TorchEngine"]
-
-SMALL_HIDDEN = 256  # below this hidden size a CPU computes on one thread
 
 
 def pick_device(requested: str | None) -> torch.device:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from spill.engines.core.reader import ShardFiles
+from spill.engines.core.reader import RESIDENT_FRACTION, ShardFiles
 from spill.engines.core.ring import Hooks
 from spill.engines.torch import int4
 from spill.engines.torch.quant import Packed, dequantize
@@ -25,7 +25,6 @@ from spill.models.quant import not_finite
 from spill.models.weights import WeightFiles
 
 MAPPED = "_spill_mapped"  # set on a tensor that views a mapped file: read-only, never pooled
-RESIDENT_FRACTION = 0.5  # default budget: this share of the memory available on the device
 
 
 def default_budget(device: torch.device) -> int:
