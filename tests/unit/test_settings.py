@@ -288,3 +288,40 @@ def test_the_schema_admits_exactly_the_sizes_spill_sizes_reads(text):
     except ValueError:
         parsed = False
     assert bool(re.search(pattern, text)) == parsed
+
+
+def _outside(schema: dict) -> list:
+    """Values each bound or enum of a setting's schema refuses, nearest the bound first."""
+    out: list = []
+    if "minimum" in schema:
+        out.append(schema["minimum"] - (1 if schema.get("type") == "integer" else 1e-9))
+    if "exclusiveMinimum" in schema:
+        out.append(schema["exclusiveMinimum"])
+    if "maximum" in schema:
+        out.append(schema["maximum"] * 10 if schema["maximum"] else 1)
+    if "exclusiveMaximum" in schema:
+        out.append(schema["exclusiveMaximum"])
+    if "enum" in schema:
+        out.append("not-one-of-them")
+    return out
+
+
+BOUNDED = [
+    (f.name, bad)
+    for f in dataclasses.fields(settings.TuneSettings)
+    if f.metadata["flag"] is not False
+    for bad in _outside(f.metadata["schema"])
+]
+
+
+@pytest.mark.parametrize("name, bad", BOUNDED)
+def test_the_tune_jobs_checks_refuse_what_the_tune_schema_refuses(name, bad):
+    """``spill tune``'s flags are not read through the schema: the job's own checks refuse every
+    value past a bound or outside an enum that the one definition (``TuneSettings``) states."""
+    from spill.errors import SpillError
+
+    good = settings.TuneSettings(**base("tune"))
+    TuneOptions(tune=good, seed=0).check()  # the defaults pass
+    tune = dataclasses.replace(good, **{name: bad})
+    with pytest.raises(SpillError):
+        TuneOptions(tune=tune, seed=0).check()

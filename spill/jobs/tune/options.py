@@ -57,6 +57,10 @@ class TuneOptions:
             raise UsageError(why)
         if t.rank < 1 or not 0 <= t.dropout < 1:
             raise SpillError("--rank must be at least 1 and --dropout in [0, 1)")
+        if t.alpha is not None and not t.alpha > 0:  # NaN too
+            raise SpillError(f"--alpha {t.alpha}: a number above 0 (leave it out for 2 x --rank)")
+        if not t.weight_decay >= 0:
+            raise SpillError(f"--weight-decay {t.weight_decay}: zero or more")
         LoraConfig.parse_targets(t.targets, KNOWN)  # no family's module fails here, in one line
         if self.stop_after is not None and not 1 <= self.stop_after <= t.steps:
             raise SpillError(f"--stop-after must be between 1 and --steps ({t.steps})")
