@@ -83,7 +83,8 @@ def _run_options(args, adapter: str | None = None):
     )
 
 
-def _procs_option(p: argparse.ArgumentParser) -> None:
+def _job_options(p: argparse.ArgumentParser) -> None:
+    """What every job verb ends with: --procs, --json, the engine group and the model group."""
     p.add_argument(
         "--procs",
         type=int,
@@ -92,6 +93,9 @@ def _procs_option(p: argparse.ArgumentParser) -> None:
         help="run as N processes on this host through torch's elastic launcher (torchrun); "
         "the result is the same at any N (docs/procs.md)",
     )
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    engine_options(p)
+    model_options(p)
 
 
 def _launched(args) -> int | None:
@@ -260,10 +264,7 @@ def add_parsers(sub, full: bool = True) -> None:
     )
     _generation_options(p)
     _state_option(p)
-    _procs_option(p)
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    engine_options(p)
-    model_options(p)
+    _job_options(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("eval", help=HELP["eval"])
@@ -279,10 +280,7 @@ def add_parsers(sub, full: bool = True) -> None:
         "--chat", action="store_true", help="wrap plain prompts in the chat template as a user turn"
     )
     _state_option(p)
-    _procs_option(p)
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    engine_options(p)
-    model_options(p)
+    _job_options(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("distill", help=HELP["distill"])
@@ -293,10 +291,7 @@ def add_parsers(sub, full: bool = True) -> None:
     )
     _generation_options(p)
     _state_option(p)
-    _procs_option(p)
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    engine_options(p)
-    model_options(p)
+    _job_options(p)
     p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("tune", aliases=["train"], help=HELP["tune"])
@@ -311,8 +306,5 @@ def add_parsers(sub, full: bool = True) -> None:
     authority_options(p)
     _tune_options(p)
     p.add_argument("--seed", type=int, default=0, help="adapter init and data order")
-    _procs_option(p)
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    engine_options(p)
-    model_options(p)
+    _job_options(p)
     p.set_defaults(func=cmd_tune)

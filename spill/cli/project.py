@@ -32,6 +32,18 @@ def _overrides(args) -> list[str]:
     return extra + engine_overrides(args) + _procs(args)
 
 
+def _run_options(p) -> None:
+    """What build and resume both take: the engine group (shorthands too), --procs, authority."""
+    engine_options(p, shorthand=True)
+    p.add_argument(
+        "--procs",
+        type=int,
+        metavar="N",
+        help="run each job as N processes (engine.procs; torch's elastic launcher, docs/procs.md)",
+    )
+    authority_options(p)
+
+
 def _procs(args) -> list[str]:
     """``--procs N`` as the ``engine.procs`` override it stands for."""
     if getattr(args, "procs", None) is None:
@@ -288,14 +300,7 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="fork a new run from an installed copy's state (lineage: the copied run)",
     )
-    engine_options(p, shorthand=True)
-    p.add_argument(
-        "--procs",
-        type=int,
-        metavar="N",
-        help="run each job as N processes (engine.procs; torch's elastic launcher, docs/procs.md)",
-    )
-    authority_options(p)
+    _run_options(p)
     p.set_defaults(func=cmd_build, overrides=[])
 
     p = sub.add_parser(
@@ -310,14 +315,7 @@ def add_parsers(sub) -> None:
     project_args(p)
     p.add_argument("--stop-after", metavar="STAGE[:N]", help="stop again after this point")
     p.add_argument("--dry-run", action="store_true", help="print the plan and why, run nothing")
-    engine_options(p, shorthand=True)
-    p.add_argument(
-        "--procs",
-        type=int,
-        metavar="N",
-        help="run each job as N processes (engine.procs; torch's elastic launcher, docs/procs.md)",
-    )
-    authority_options(p)
+    _run_options(p)
     p.set_defaults(func=cmd_resume, overrides=[])
 
     p = sub.add_parser(
