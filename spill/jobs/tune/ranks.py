@@ -308,6 +308,9 @@ class Leader:
             note(f"run complete; its adapter is {summary['adapter']}")
         elif step == t.steps:
             p = valid.kept(self.trainer.state()[0]) if valid else self.trainer.state()[0]
+            # the ring's slots and the resident weights go before the adapter's three layouts
+            # and its plot are written: inside a memory limit they would share it (report 021)
+            self.runner.close()
             summary["adapter"] = publish_adapter(
                 root, p, self.opts.lora, found.name, found.fingerprint,
                 found.cfg.num_hidden_layers, self.losses, found.resolved.files,
