@@ -29,7 +29,6 @@ Reported:
 With ``--outside`` the same command runs again right after, in a fresh child cgroup with no limit
 of its own (the model's cache dropped again first), on the same disk and matmul figures: the
 two sides of an inside/outside comparison measured back to back, with the ratio of their times.
-
 Nothing here asserts a time; tests/func/test_memory_limit.py checks that the figures add up.
 """
 

@@ -20,8 +20,9 @@ def newest_checkpoint(where) -> tuple[int, dict]:
     """(step, state.json) of the tune stage's newest committed checkpoint."""
     from spill.payloads.checkpoint import newest_commit
     from spill.project.build.stages import TUNE
+    from spill.store.location import location
 
-    return newest_commit(TUNE.place(str(where)))
+    return newest_commit(TUNE.place(location(where)))
 
 
 def stage_state(where, stage: str) -> dict:
