@@ -10,15 +10,17 @@ is a kernel plus its model families, never a copy of the core.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
 
 from spill.engines.base import AdamW, Objective
-from spill.models.config import ModelConfig
+from spill.models.config import FAMILIES, ModelConfig
 
 Array = Any  # an engine's array (torch.Tensor, mx.array)
 # A layer's adapters by module name (``self_attn.q_proj``): (A (in, r), B (r, out), scale) and,
@@ -43,6 +45,13 @@ Sampler = Callable[[np.ndarray, float, float], int]  # (float32 logits (V,), tem
 # (the head's walk 1.0 s -> 1.4 s of a ~25 s step, SmolLM2 on 2 cores). Every walk chunks
 # alike, so the exactness between walks holds whatever the BLAS does per chunk.
 LOGIT_ROWS = 64
+
+
+def family_modules(engine: str) -> dict[str, ModuleType]:
+    """Every family ``spill.models`` knows -> its math in the engine's package: the module named
+    after the family (``spill.engines.torch.qwen3``). A new family is that file per engine and its
+    metadata, never a line here or in a kernel."""
+    return {name: importlib.import_module(f"{engine}.{name}") for name in FAMILIES}
 
 
 class Kernel(Protocol):

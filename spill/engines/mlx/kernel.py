@@ -17,18 +17,8 @@ import numpy as np
 
 from spill.engines.base import AdamW, Objective
 from spill.engines.core.common import adamw_factors, long_rope
-from spill.engines.core.kernel import LOGIT_ROWS
+from spill.engines.core.kernel import LOGIT_ROWS, family_modules
 from spill.engines.core.runner import sample_numpy
-from spill.engines.mlx import (
-    gemma3_text,
-    llama,
-    ministral3,
-    mistral,
-    phi3,
-    qwen2,
-    qwen3,
-    smollm3,
-)
 from spill.engines.mlx.ops import (
     Context,
     KVCache,
@@ -42,16 +32,7 @@ from spill.engines.mlx.ops import (
 from spill.engines.mlx.reader import WeightReader, arrays, default_budget
 from spill.models.config import ModelConfig
 
-FAMILIES: dict[str, ModuleType] = {
-    "llama": llama,
-    "qwen2": qwen2,
-    "qwen3": qwen3,
-    "mistral": mistral,
-    "smollm3": smollm3,
-    "gemma3_text": gemma3_text,
-    "phi3": phi3,
-    "ministral3": ministral3,
-}
+FAMILIES: dict[str, ModuleType] = family_modules("spill.engines.mlx")
 
 
 # LoRA dropout masks key ``mx.random`` with the module's seed.

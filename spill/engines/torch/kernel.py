@@ -17,17 +17,7 @@ import torch.nn.functional as F
 
 from spill.engines.base import AdamW, Objective
 from spill.engines.core.common import adamw_factors, long_rope
-from spill.engines.core.kernel import LOGIT_ROWS
-from spill.engines.torch import (
-    gemma3_text,
-    llama,
-    ministral3,
-    mistral,
-    phi3,
-    qwen2,
-    qwen3,
-    smollm3,
-)
+from spill.engines.core.kernel import LOGIT_ROWS, family_modules
 from spill.engines.torch.ops import (
     Context,
     KVCache,
@@ -40,16 +30,7 @@ from spill.engines.torch.ops import (
 from spill.engines.torch.reader import WeightReader, default_budget
 from spill.models.config import ModelConfig
 
-FAMILIES: dict[str, ModuleType] = {
-    "llama": llama,
-    "qwen2": qwen2,
-    "qwen3": qwen3,
-    "mistral": mistral,
-    "smollm3": smollm3,
-    "gemma3_text": gemma3_text,
-    "phi3": phi3,
-    "ministral3": ministral3,
-}
+FAMILIES: dict[str, ModuleType] = family_modules("spill.engines.torch")
 # A recomputed layer's output only roots its graph: the last linear's base output, added to the
 # residual, is read by no backward formula (every family ends a layer with mlp.down_proj), unless
 # a post-feedforward norm reads it (Gemma's, whose backward needs its input).
