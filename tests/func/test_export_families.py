@@ -36,7 +36,7 @@ FLOAT = ["--dtype", "float32"]
 
 
 ROTARY = ("rope_theta", "rotary_dim", "max_position_embeddings", "rope_short", "rope_long")
-ROTARY += ("rope_original", "rope_attention")
+ROTARY += ("rope_original", "rope_attention", "rope_scaling", "query_beta")
 
 
 def _ok(proc):
@@ -151,6 +151,16 @@ GGUF_VARIANTS = {
         "Gemma3",
         dict(num_hidden_layers=6, head_dim=256, query_pre_attn_scalar=256, sliding_window=6),
     ),
+    # Ministral 3 as llama.cpp's mistral3: YaRN over 16 positions (its attention factor from
+    # mscale 1 over mscale_all_dim 0.5) and llama 4's query temperature, both in the rows' reach
+    "ministral3-yarn": (
+        "Ministral3",
+        dict(
+            num_hidden_layers=2,
+            head_dim=24,
+            rope_parameters=hf_families.YARN | {"mscale": 1.0, "mscale_all_dim": 0.5},
+        ),
+    ),
 }
 
 
@@ -260,6 +270,63 @@ def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
         assert np.allclose(lp, scores["adapter"], rtol=0, atol=1e-5)
 
 
+def _llama_cpp_logits(llama_cpp, gguf: Path, ids: list[int], n_ctx: int) -> np.ndarray:
+    """llama.cpp's logits at every position of ``ids`` (one thread, an F32 KV cache)."""
+    llm = llama_cpp.Llama(
+        model_path=str(gguf),
+        n_ctx=n_ctx,
+        logits_all=True,
+        verbose=False,
+        n_threads=1,
+        type_k=0,
+        type_v=0,  # an F32 KV cache (GGML_TYPE_F32; the default F16 rounds)
+    )
+    assert llm.n_ctx() == n_ctx
+    llm.eval(ids)
+    return np.asarray(llm.scores[: len(ids)], dtype=np.float64)
+
+
+@pytest.mark.slow  # llama-cpp-python (built from its sdist)
+@pytest.mark.parametrize("scale", [{}, {"mscale": 1.0, "mscale_all_dim": 0.5}])
+def test_llama_cpp_runs_a_ministral3_gguf_as_transformers_runs_the_hf_export(
+    scale, tmp_path, tiny_models
+):
+    """A Ministral 3 with YaRN over 16 positions (factor 4; its attention factor the factor's own
+    or mscale 1 over mscale_all_dim 0.5) and llama 4's query temperature (beta 0.3), tuned and
+    exported as f32 GGUF (llama.cpp's mistral3) and HF: llama.cpp's logits are within 1e-4 of
+    transformers' on the HF export at every one of 50 positions, past 16 and 32 where the
+    temperature steps."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (it builds from its sdist)"
+    )
+    import torch
+
+    from spill.models.tokenizer import Tokenizer
+
+    spec = ("Ministral3", dict(num_hidden_layers=2, head_dim=24))
+    spec[1]["rope_parameters"] = hf_families.YARN | scale
+    model = _with_a_merge(hf_families.make("x", tmp_path / "base", tiny_models["llama"], spec=spec))
+    home, state, hf, out = (tmp_path / n for n in ("home", "state", "hf", "gguf"))
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus 3?", "completion": f" {i + 3}."}
+        for i in range(8)
+    ]
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    argv = ["tune", str(model), str(train), "--name", "t", "--state", str(state)]
+    _ok(_spill(*argv, *TUNE, "--targets", "all", *FLOAT, home=home))
+    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
+    _ok(_spill("export", str(state), str(out), "--format", "gguf", "--dtype", "f32", home=home))
+    theirs, tok = hf_families.load(hf), Tokenizer(hf)
+    ids = tok.encode(" ".join(f"w{i}" for i in range(20)))[:50]
+    assert len(ids) == 50
+    got = _llama_cpp_logits(llama_cpp, out / "model-f32.gguf", ids, 256)
+    with torch.no_grad():
+        want = theirs(torch.tensor([ids])).logits[0].double().numpy()
+    gap = np.abs(got - want).max()
+    print(f"\n{len(ids)} tokens: llama.cpp vs transformers {gap:.3g}")
+    assert gap <= 1e-4, gap
+
+
 @pytest.mark.slow  # llama-cpp-python builds from its sdist (~17 min here); 21 s once it is in
 def test_llama_cpp_reads_the_longrope_factors_as_transformers_reads_the_hf_export(
     tmp_path, tiny_models, monkeypatch
@@ -300,18 +367,7 @@ def test_llama_cpp_reads_the_longrope_factors_as_transformers_reads_the_hf_expor
     # the short prompt at 512 too: llama.cpp turns it by the long factors, transformers by the
     # short ones (the factors matter, and the rule that picks them is each one's own)
     for ids, n_ctx, same in ((short, 256, True), (long, 512, True), (short, 512, False)):
-        llm = llama_cpp.Llama(
-            model_path=str(out / "model-f32.gguf"),
-            n_ctx=n_ctx,
-            logits_all=True,
-            verbose=False,
-            n_threads=1,
-            type_k=0,
-            type_v=0,  # an F32 KV cache (GGML_TYPE_F32; the default F16 rounds)
-        )
-        assert llm.n_ctx() == n_ctx
-        llm.eval(ids)
-        got = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
+        got = _llama_cpp_logits(llama_cpp, out / "model-f32.gguf", ids, n_ctx)
         with torch.no_grad():
             want = theirs(torch.tensor([ids])).logits[0].double().numpy()
         gap = np.abs(got - want).max()

@@ -2,7 +2,7 @@
 Ollama, with an Ollama ``Modelfile`` that names the file and its stop tokens beside it.
 
 Each family is written as llama.cpp's architecture for it (Mistral as ``llama``, Gemma 3 as
-``gemma3``); what that architecture cannot express, and a tokenizer without merges, are refused in
+``gemma3``, Ministral 3 as ``mistral3``); what that architecture cannot express, and a tokenizer without merges, are refused in
 one line before anything is written. With ``--quantize`` every matrix whose rows split into 32-value
 blocks is Q8_0/Q4_0/Q4_1, and what the rounding costs the tune is measured and said
 (``spill.jobs.export.shift``). Memory stays at one merged tensor.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUFWriter, RopeScalingType
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as ggml_quantize
 
@@ -90,10 +90,26 @@ def rope_freqs(cfg) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+# YaRN's attention factor as llama.cpp's mistral3 derives it: mscale 1 over mscale_all_dim, the
+# ``yarn_log_multiplier`` (0: none, the factor's own 1 + 0.1 ln factor), as transformers does.
+def yarn_log_mul(cfg) -> float | None:
+    """The ``yarn_log_multiplier`` whose attention factor is the config's, to 6 decimals; None
+    where no multiplier gives it (an ``mscale`` other than 1, an attention factor apart)."""
+    factor = cfg.rope_scaling_dict["factor"]
+    if factor <= 1:
+        return 0.0 if cfg.rope_attention == 1.0 else None
+    full = 0.1 * math.log(factor) + 1.0
+    if np.float32(cfg.rope_attention) == np.float32(full):
+        return 0.0
+    mul = round((full / cfg.rope_attention - 1.0) / (0.1 * math.log(factor)), 6)
+    got = full / (0.1 * mul * math.log(factor) + 1.0)
+    return mul if mul > 0 and abs(got - cfg.rope_attention) <= 1e-6 * cfg.rope_attention else None
+
+
 def rope_tensors(cfg) -> dict[str, np.ndarray]:
     """The rotary factor tensors llama.cpp reads: ``rope_freqs.weight`` for llama3 scaling, a
     Phi-3's longrope factors (``LONGROPE``, float32 as the engines use them); none otherwise."""
-    if cfg.rope_scaling:
+    if cfg.rope_kind == "llama3":
         return {"rope_freqs.weight": rope_freqs(cfg)}
     if cfg.rope_long:
         long, short = (np.asarray(f, dtype=np.float32) for f in (cfg.rope_long, cfg.rope_short))
@@ -139,10 +155,21 @@ def _refuse_unwritable(inputs: Inputs) -> None:
             f"{inputs.base_name}: its query_pre_attn_scalar {cfg.query_scale**-2:g} is not the "
             f"{scalar} llama.cpp's {name} scales queries by; export --format hf or --format mlx"
         )
-    if cfg.rope_scaling and name != "llama":
+    written = "yarn" if arch.yarn else "llama3" if name == "llama" else "default"
+    if cfg.rope_kind not in ("default", written):  # llama3's as rope_freqs, YaRN's as keys
         raise UnsupportedModel(
             f"{inputs.base_name}: rope scaling on a {cfg.family} model has no GGUF form spill "
             "writes; export --format hf"
+        )
+    if arch.yarn and cfg.rope_scaling and not cfg.rope_scaling_dict["truncate"]:
+        raise UnsupportedModel(
+            f"{inputs.base_name}: YaRN with truncate false has no GGUF form (llama.cpp rounds "
+            "the ramp's ends); export --format hf or --format mlx"
+        )
+    if arch.yarn and cfg.rope_scaling and yarn_log_mul(cfg) is None:
+        raise UnsupportedModel(
+            f"{inputs.base_name}: its YaRN attention factor {cfg.rope_attention:g} is not one "
+            f"llama.cpp's {name} derives (mscale 1 over mscale_all_dim); export --format hf"
         )
     if cfg.o_bias or cfg.mlp_bias or (cfg.qkv_bias and not arch.biases):
         raise UnsupportedModel(
@@ -312,6 +339,18 @@ def write(
     if cfg.rope_long:  # as convert_hf_to_gguf.py writes a Phi-3's longrope
         writer.add_rope_scaling_orig_ctx_len(cfg.rope_original)
         writer.add_rope_scaling_attn_factors(cfg.rope_attention)
+    if arch.yarn and cfg.rope_scaling:  # as convert_hf_to_gguf.py writes a Ministral 3's
+        yarn = cfg.rope_scaling_dict
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(yarn["factor"])
+        writer.add_rope_scaling_yarn_beta_fast(yarn["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(yarn["beta_slow"])
+        if yarn_log_mul(cfg):
+            writer.add_rope_scaling_yarn_log_mul(yarn_log_mul(cfg))
+    if arch.temperature and cfg.query_beta:  # counted in the original length, as llama.cpp's
+        writer.add_attn_temperature_scale(cfg.query_beta)
+    if arch.yarn and (cfg.rope_scaling or cfg.query_beta):
+        writer.add_rope_scaling_orig_ctx_len(cfg.rope_original)
     for name, factors in extra.items():
         writer.add_tensor_info(name, factors.shape, np.float32, factors.nbytes)
         types["F32"] += 1

@@ -61,7 +61,10 @@ _SPLIT = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", 
 # in code what its config.json says in keys: with a ``sliding_window`` every sixth layer attends to
 # all keys and the others slide on a rotary base of 10000 (``swa_step``, ``swa_rope_base``), queries
 # are scaled by head_dim ** -0.5 except at 62 blocks (the 27B: (hidden // heads) ** -0.5,
-# ``wide_query_layers``), embeddings by sqrt(hidden).
+# ``wide_query_layers``), embeddings by sqrt(hidden). Ministral 3 (``mistral3``) is a Llama with
+# YaRN (``rope.scaling.*``; ``yarn_log_multiplier`` is transformers' ``mscale_all_dim`` beside an
+# ``mscale`` of 1) and llama 4's query temperature (``attention.temperature_scale``, counted in
+# the original context length).
 @dataclass(frozen=True)
 class Arch:
     family: str  # the model_type its GGUF imports as
@@ -81,6 +84,8 @@ class Arch:
     swa_rope_base: float = 0.0  # the sliding layers' rotary base, fixed in llama.cpp's code
     scaled_query: bool = False  # queries scaled by query_pre_attn_scalar ** -0.5 (Gemma)
     wide_query_layers: int = 0  # at this many blocks the scalar is hidden // heads, not head_dim
+    yarn: bool = False  # YaRN rope scaling (its factor, betas, original length, log multiplier)
+    temperature: bool = False  # queries times 1 + scale * log(1 + floor(p / original length))
 
     def layer_names(self) -> dict[str, str]:
         """GGUF per-layer tensor -> HF name under ``model.layers.{i}.``."""
@@ -154,6 +159,9 @@ ARCHES = {
         swa_rope_base=10000.0,
         scaled_query=True,
         wide_query_layers=62,
+    ),
+    "mistral3": Arch(
+        "ministral3", "Ministral3ForCausalLM", permute=True, yarn=True, temperature=True
     ),
 }
 # spill family -> the llama.cpp architecture its GGUF is written as

@@ -1,6 +1,7 @@
-"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3, smollm3, phi3 (longrope too) or gemma3
-architecture (``gguf.arch``) as an HF-layout model folder (``import_gguf``). Every tensor is
-dequantized exactly as ggml does (``gguf.quants``) and stored so that nothing is rounded; with
+"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3, smollm3, phi3 (longrope too), gemma3 or
+mistral3 (YaRN and the query temperature too) architecture (``gguf.arch``) as an HF-layout model
+folder (``import_gguf``). Every tensor is dequantized exactly as ggml does (``gguf.quants``) and
+stored so that nothing is rounded; with
 ``keep_quantization`` the quantized matrices are stored packed instead, in mlx-lm's affine layout
 (``gguf.quant``), and a type without an exact affine form is dequantized, the line saying so. The
 tokenizer is rebuilt from the GGUF vocabulary without transformers. The folder is written next to
@@ -166,8 +167,9 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     if meta.get(f"{arch}.expert_count"):
         raise UnsupportedModel(f"{where}: mixture-of-experts GGUFs are not supported")
     longrope = any(t.name in LONGROPE for t in gguf.tensors)
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if (
-        meta.get(f"{arch}.rope.scaling.type", "none") != "none"
+        scaling not in ("none", "yarn" if ARCHES[arch].yarn else "none")
         or any(t.name == "rope_freqs.weight" for t in gguf.tensors)
         or (longrope and not ARCHES[arch].longrope)
     ):
@@ -241,6 +243,8 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     }
     if longrope:
         config |= _longrope(gguf, arch, rotary, config)
+    if ARCHES[arch].yarn:
+        config |= _yarn(gguf, arch, scaling == "yarn", config)
     if config["vocab_size"] != len(tokens):
         raise ModelError(
             f"{where}: {len(tokens)} tokens for a vocabulary of {config['vocab_size']}"
@@ -292,6 +296,28 @@ def _longrope(gguf: GGUFFile, arch: str, rotary: int, config: dict) -> dict:
     if np.float32(derived) != np.float32(attention):
         params["attention_factor"] = _f32(attention)
     return {"original_max_position_embeddings": original, "rope_parameters": params}
+
+
+# A Ministral 3's rotary as transformers 5 saves it (``rope_parameters``): YaRN's keys where the file
+# scales (mscale 1 beside the log multiplier as mscale_all_dim, as llama.cpp derives the attention
+# factor), llama 4's query temperature over the original context length.
+def _yarn(gguf: GGUFFile, arch: str, yarn: bool, config: dict) -> dict:
+    """config.json's ``rope_parameters`` of a ``mistral3`` GGUF."""
+
+    def get(key: str, default: float) -> float:
+        return _f32(gguf.value(f"{arch}.{key}", float, default, 0))
+
+    original = gguf.value(f"{arch}.rope.scaling.original_context_length", int, None, 1)
+    params = {"rope_type": "yarn" if yarn else "default", "rope_theta": config["rope_theta"]}
+    if yarn:
+        params |= {"factor": get("rope.scaling.factor", 1.0)}
+        params |= {"beta_fast": get("rope.scaling.yarn_beta_fast", 32.0)}
+        params |= {"beta_slow": get("rope.scaling.yarn_beta_slow", 1.0)}
+        log_mul = get("rope.scaling.yarn_log_multiplier", 0.0)
+        params |= {"mscale": 1.0, "mscale_all_dim": log_mul} if log_mul else {}
+    params["original_max_position_embeddings"] = original or config["max_position_embeddings"]
+    params["llama_4_scaling_beta"] = get("attention.temperature_scale", 0.0)
+    return {"rope_parameters": params}
 
 
 # A Llama's or SmolLM3's attn_q/attn_k get llama.cpp's row permutation undone (Qwen's rotary halves

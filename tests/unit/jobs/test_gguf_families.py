@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from spill.errors import UnsupportedModel
-from spill.jobs.export.gguf import _refuse_unwritable, rope_tensors
+from spill.jobs.export.gguf import _refuse_unwritable, rope_tensors, yarn_log_mul
 from spill.models.config import parse_config
 from spill.models.sources.tiny import write_tiny
 
@@ -35,7 +35,7 @@ def _config(tmp_path, family: str, **keys):
 
 def test_a_family_without_a_gguf_form_is_refused(tmp_path):
     said = _refusal(replace(_config(tmp_path, "llama"), family="granite"))
-    only = "(only llama, qwen2, qwen3, smollm3, phi3, gemma3_text, mistral)"
+    only = "(only llama, qwen2, qwen3, smollm3, phi3, gemma3_text, ministral3, mistral)"
     assert f"no GGUF of a granite model yet {only}" in said
 
 
@@ -71,6 +71,26 @@ def test_a_phi3_is_written_with_its_longrope_factors_as_llama_cpp_reads_them(tmp
     cfg = _config(tmp_path / "2", "phi3", rope_scaling=None)
     assert cfg.rotary_dim < cfg.head_dim and not cfg.rope_long and rope_tensors(cfg) == {}
     _refuse_unwritable(SimpleNamespace(config=cfg, base_name="base"))
+
+
+def test_a_ministral3s_yarn_is_written_where_llama_cpps_mistral3_derives_its_attention_factor(
+    tmp_path,
+):
+    """The attention factor is mscale 1 over mscale_all_dim (llama.cpp's yarn_log_multiplier):
+    none given is the factor's own (multiplier 0); an mscale of 2 or truncate false is refused."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    yarn |= {"llama_4_scaling_beta": 0.3, "rope_theta": 10000.0}
+    cases = ((yarn, 0.0), (yarn | {"mscale": 1.0, "mscale_all_dim": 0.5}, 0.5))
+    cases += ((yarn | {"mscale": 1.0, "mscale_all_dim": 1.0}, 1.0),)
+    for i, (params, mul) in enumerate(cases):
+        cfg = _config(tmp_path / str(i), "ministral3", rope_parameters=params)
+        assert cfg.rope_kind == "yarn" and yarn_log_mul(cfg) == mul, (params, cfg.rope_attention)
+        _refuse_unwritable(SimpleNamespace(config=cfg, base_name="base"))
+    cfg = _config(tmp_path / "m", "ministral3", rope_parameters=yarn | {"mscale": 2.0})
+    cfg = replace(cfg, rope_attention=3.0)  # no multiplier gives it
+    assert "its YaRN attention factor 3 is not one llama.cpp's mistral3 derives" in _refusal(cfg)
+    cfg = _config(tmp_path / "t", "ministral3", rope_parameters=yarn | {"truncate": False})
+    assert "YaRN with truncate false has no GGUF form" in _refusal(cfg)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3"])

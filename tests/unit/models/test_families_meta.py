@@ -55,12 +55,11 @@ def test_spill_models_tiny_writes_the_same_bytes_and_the_engine_runs_it(family, 
     runner.close()
 
 
-@pytest.mark.parametrize("arch", ["mistral3"])
+@pytest.mark.parametrize("arch", ["olmo2", "mistral4"])
 def test_a_gguf_of_a_family_spill_imports_no_gguf_of_is_refused_in_one_line(arch, tmp_path):
-    """spill runs these families from HF folders; their llama.cpp tensor names are not read yet,
-    so a GGUF of one is refused before anything is written (llama.cpp names each by its arch;
-    qwen3, smollm3 and phi3 GGUFs import: tests/func/test_export_families.py; gemma3's:
-    tests/unit/models/gguf/test_gemma3.py)."""
+    """A GGUF of an architecture spill does not import is refused before anything is written
+    (qwen3, smollm3, phi3 and mistral3 GGUFs import: tests/func/test_export_families.py;
+    gemma3's: tests/unit/models/gguf/test_gemma3.py)."""
     from spill.errors import UnsupportedModel
     from spill.models.gguf.importer import import_gguf
     from tests.unit.models.gguf.gguf_bytes import small_llama, small_metadata
