@@ -270,6 +270,23 @@ def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(
         assert np.allclose(lp, scores["adapter"], rtol=0, atol=1e-5)
 
 
+def _tuned_f32_exports(tmp_path: Path, tiny_models, spec) -> tuple[Path, Path]:
+    """A model of ``spec`` (a merge in its tokenizer) tuned 2 steps in float32 on all linears,
+    exported as an f32 HF folder and an f32 GGUF: (the folder, the GGUF file)."""
+    model = _with_a_merge(hf_families.make("x", tmp_path / "base", tiny_models["llama"], spec=spec))
+    home, state, hf, out = (tmp_path / n for n in ("home", "state", "hf", "gguf"))
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus 3?", "completion": f" {i + 3}."}
+        for i in range(8)
+    ]
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    argv = ["tune", str(model), str(train), "--name", "t", "--state", str(state)]
+    _ok(_spill(*argv, *TUNE, "--targets", "all", *FLOAT, home=home))
+    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
+    _ok(_spill("export", str(state), str(out), "--format", "gguf", "--dtype", "f32", home=home))
+    return hf, out / "model-f32.gguf"
+
+
 def _llama_cpp_logits(llama_cpp, gguf: Path, ids: list[int], n_ctx: int) -> np.ndarray:
     """llama.cpp's logits at every position of ``ids`` (one thread, an F32 KV cache)."""
     llm = llama_cpp.Llama(
@@ -305,21 +322,11 @@ def test_llama_cpp_runs_a_ministral3_gguf_as_transformers_runs_the_hf_export(
 
     spec = ("Ministral3", dict(num_hidden_layers=2, head_dim=24))
     spec[1]["rope_parameters"] = hf_families.YARN | scale
-    model = _with_a_merge(hf_families.make("x", tmp_path / "base", tiny_models["llama"], spec=spec))
-    home, state, hf, out = (tmp_path / n for n in ("home", "state", "hf", "gguf"))
-    rows = [
-        {"prompt": f"Question {i}: what is {i} plus 3?", "completion": f" {i + 3}."}
-        for i in range(8)
-    ]
-    train = _jsonl(tmp_path / "train.jsonl", rows)
-    argv = ["tune", str(model), str(train), "--name", "t", "--state", str(state)]
-    _ok(_spill(*argv, *TUNE, "--targets", "all", *FLOAT, home=home))
-    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
-    _ok(_spill("export", str(state), str(out), "--format", "gguf", "--dtype", "f32", home=home))
+    hf, gguf = _tuned_f32_exports(tmp_path, tiny_models, spec)
     theirs, tok = hf_families.load(hf), Tokenizer(hf)
     ids = tok.encode(" ".join(f"w{i}" for i in range(20)))[:50]
     assert len(ids) == 50
-    got = _llama_cpp_logits(llama_cpp, out / "model-f32.gguf", ids, 256)
+    got = _llama_cpp_logits(llama_cpp, gguf, ids, 256)
     with torch.no_grad():
         want = theirs(torch.tensor([ids])).logits[0].double().numpy()
     gap = np.abs(got - want).max()
@@ -349,17 +356,7 @@ def test_llama_cpp_reads_the_longrope_factors_as_transformers_reads_the_hf_expor
     spec[1].update(max_position_embeddings=1024, **hf_families.PHI3)
     # not a folder named phi3: llama.cpp reads general.name (the folder's name) as a Phi-3's and
     # looks up Phi-3's special tokens, which the tiny vocabulary lacks ("unordered_map::at")
-    model = _with_a_merge(hf_families.make("x", tmp_path / "base", tiny_models["llama"], spec=spec))
-    home, state, hf, out = (tmp_path / n for n in ("home", "state", "hf", "gguf"))
-    rows = [
-        {"prompt": f"Question {i}: what is {i} plus 3?", "completion": f" {i + 3}."}
-        for i in range(8)
-    ]
-    train = _jsonl(tmp_path / "train.jsonl", rows)
-    argv = ["tune", str(model), str(train), "--name", "t", "--state", str(state)]
-    _ok(_spill(*argv, *TUNE, "--targets", "all", *FLOAT, home=home))
-    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
-    _ok(_spill("export", str(state), str(out), "--format", "gguf", "--dtype", "f32", home=home))
+    hf, gguf = _tuned_f32_exports(tmp_path, tiny_models, spec)
     theirs, tok = hf_families.load(hf), Tokenizer(hf)
     short = tok.encode("Question 5: what is 5 plus 8?")
     long = tok.encode(" ".join(f"word{i}" for i in range(60)))
@@ -367,7 +364,7 @@ def test_llama_cpp_reads_the_longrope_factors_as_transformers_reads_the_hf_expor
     # the short prompt at 512 too: llama.cpp turns it by the long factors, transformers by the
     # short ones (the factors matter, and the rule that picks them is each one's own)
     for ids, n_ctx, same in ((short, 256, True), (long, 512, True), (short, 512, False)):
-        got = _llama_cpp_logits(llama_cpp, out / "model-f32.gguf", ids, n_ctx)
+        got = _llama_cpp_logits(llama_cpp, gguf, ids, n_ctx)
         with torch.no_grad():
             want = theirs(torch.tensor([ids])).logits[0].double().numpy()
         gap = np.abs(got - want).max()
