@@ -24,6 +24,7 @@ from gguf.quants import quantize as ggml_quantize
 from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
 from spill.jobs.export.shift import WeightShift, measure, seen_rows
+from spill.models.gguf import spm
 from spill.models.gguf.arch import (
     ARCHES,
     BIASES,
@@ -208,25 +209,21 @@ def _pre(tokenizer: dict, where: Path) -> str:
     )
 
 
-# The tokenizer is byte-level BPE from ``tokenizer.json`` (tokens, merges, token types, the
-# pre-tokenizer's llama.cpp name), with the chat template; one without merges is refused before
-# anything is written (llama.cpp would refuse the file).
-def read_tokenizer(inputs: Inputs) -> tuple[dict, str]:
-    """``tokenizer.json`` and its pre-tokenizer's llama.cpp name, refused in one line before
-    anything is written where a GGUF of it would not serve llama.cpp: not byte-level BPE, or a
-    BPE without merges (the tiny test models' byte-only vocabulary). llama.cpp refuses a gpt2
-    vocabulary without the merges key ("cannot find tokenizer merges") and gguf writes no empty
-    list. No placeholder merge helps: llama.cpp would load one that never fires (``ÿ ÿ``, byte
-    0xFF is never in UTF-8) and tokenize as before, but tokenizers (so transformers' GGUF loader
-    and spill's importer) refuse a merge whose result is not in the vocabulary, and a byte-only
-    vocabulary has no two-character token."""
+def read_tokenizer(inputs: Inputs) -> tuple[dict, str | None]:
+    """``tokenizer.json`` and its pre-tokenizer's llama.cpp name (None: sentencepiece's), refused
+    in one line before anything is written where llama.cpp could not serve it: not BPE, spaces not
+    "▁" (``spm.space_prefix``), byte-level without merges (the tiny models': llama.cpp refuses a
+    gpt2 vocabulary without them, and tokenizers any placeholder merge of a byte-only vocabulary)."""
     where = inputs.base_folder / "tokenizer.json"
     tok = json.loads(where.read_bytes())
     model = tok.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        spm.space_prefix(tok, where)  # refuses what llama.cpp would tokenize otherwise
+        return tok, None
+    if model.get("type") != "BPE":
         raise UnsupportedModel(
-            f"{where}: not a byte-level BPE tokenizer; spill writes GGUF for gpt2-style "
-            "tokenizers only, export --format hf"
+            f"{where}: a {model.get('type')} tokenizer; spill writes GGUF for byte-level and "
+            "sentencepiece BPE tokenizers only, export --format hf"
         )
     if not model.get("merges"):
         raise UnsupportedModel(
@@ -236,8 +233,9 @@ def read_tokenizer(inputs: Inputs) -> tuple[dict, str]:
     return tok, _pre(tok, where)
 
 
-def add_tokenizer(writer, inputs: Inputs, tok: dict, pre: str) -> list[str]:
-    """The vocabulary, merges, special ids and chat template; the texts that end generation."""
+def add_tokenizer(writer, inputs: Inputs, tok: dict, pre: str | None) -> list[str]:
+    """The vocabulary (byte-level BPE's tokens, merges, types, pre-tokenizer name; ``pre`` None:
+    sentencepiece's, scored by merge rank, ``spm``), special ids, chat template; the stop texts."""
     folder = inputs.base_folder
     model = tok["model"]
     size = max(inputs.config.vocab_size, *(t["id"] + 1 for t in tok.get("added_tokens", [])))
@@ -251,12 +249,14 @@ def add_tokenizer(writer, inputs: Inputs, tok: dict, pre: str) -> list[str]:
     for i, t in enumerate(tokens):
         if t is None:  # a padded embedding row (Qwen2.5): llama.cpp's own filler
             tokens[i], types[i] = f"[PAD{i}]", _UNUSED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    if pre is None:  # sentencepiece's: llama.cpp's "llama" vocabulary, scored
+        tokens, types = spm.add_vocabulary(writer, tok, tokens, types, folder / "tokenizer.json")
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(merges)
     tc_path = folder / "tokenizer_config.json"
     tc = json.loads(tc_path.read_bytes()) if tc_path.is_file() else {}
     cfg = inputs.config

@@ -2,8 +2,8 @@
 tensor table, one tensor at a time (``pread``, ``gguf.quants``); v2/v3 only. Each count and length
 is checked against the bytes left in the file before anything is read or allocated, and each
 tensor's shape, type and bytes against the file's size; a non-GGUF, truncated or corrupt file is one
-``ModelError`` line. ``tokenizer_json`` rebuilds the file's byte-level BPE tokenizer with
-``tokenizers`` alone.
+``ModelError`` line. ``tokenizer_json`` rebuilds the file's byte-level BPE tokenizer, or its
+sentencepiece one (``spm``), with ``tokenizers`` alone.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from spill.errors import ModelError, UnsupportedModel
+from spill.models.gguf import spm
 
 # byte-level pre-tokenizers by tokenizer.ggml.pre (None: GPT-2's regex inside ByteLevel), both ways
 LLAMA3_SPLIT = (
@@ -150,6 +151,7 @@ class GGUFFile:
 _SCALARS = dict(enumerate("<B <b <H <h <I <i <f <?".split())) | {10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 KEPT_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+KEPT_ARRAYS += ("tokenizer.ggml.scores",)  # a sentencepiece vocabulary's merge order
 MAX_ELEMENTS = 1 << 20  # per array read (vocabularies run 32k-262k); string arrays skipped too
 MAX_DIMS = 4  # ggml's
 _WINDOW = 1 << 20
@@ -315,9 +317,11 @@ def _tensor(cur: _Cursor, start: int, name: str, dims: list[int], kind: int, off
 
 # Tokens and merges as stored, control tokens added as special, user-defined ones as plain added
 # tokens, and BOS/EOS added on encode only where the file's flags say so. Token strings are kept as
-# stored (transformers respells those outside the byte alphabet and then cannot match them whole).
+# stored (transformers respells those outside the byte alphabet and then cannot match them whole;
+# a sentencepiece file's user-defined spaces stay spaces, matched in the text as llama.cpp does).
 def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
-    """Byte-level BPE from the GGUF vocabulary, serialized as ``tokenizer.json``."""
+    """Byte-level BPE, or sentencepiece's BPE (``spm``: a ``llama`` tokenizer model), from the
+    GGUF vocabulary, serialized as ``tokenizer.json``."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -329,11 +333,12 @@ def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
     )
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "gpt2")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise UnsupportedModel(
-            f"tokenizer model {kind!r} is not supported; spill imports byte-level BPE (gpt2) GGUF tokenizers"
+            f"tokenizer model {kind!r} is not supported; spill imports byte-level BPE (gpt2) and "
+            "sentencepiece BPE (llama) GGUF tokenizers; use the HF model"
         )
-    if pre not in PRE_SPLITS:
+    if kind == "gpt2" and pre not in PRE_SPLITS:
         raise UnsupportedModel(
             f"pre-tokenizer {pre!r} is not supported; spill imports {', '.join(PRE_SPLITS)} GGUF tokenizers"
         )
@@ -343,48 +348,42 @@ def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
         raise UnsupportedModel(
             "the GGUF vocabulary repeats a token; spill cannot rebuild its tokenizer"
         )
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelError(f"{len(types)} token types for {len(tokens)} tokens; re-convert the model")
     merges = []
     for m in meta.get("tokenizer.ggml.merges", []):
         pair = tuple(m.split(" "))
         if len(pair) != 2:
             raise ModelError(f"GGUF merge {m!r} is not a pair; re-convert the model")
         merges.append(pair)
-    try:
-        bpe = models.BPE(
-            vocab, merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
-        )
-    except Exception as e:  # tokenizers raises a bare Exception (a merge of unknown tokens)
-        raise ModelError(
-            f"the GGUF vocabulary cannot be rebuilt ({e}); re-convert the model"
-        ) from None
-    tok = Tokenizer(bpe)
-    if PRE_SPLITS[pre] is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if kind == "llama":
+        tok, tokens, types = spm.tokenizer(meta, tokens, merges, types)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(PRE_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ModelError(f"{len(types)} token types for {len(tokens)} tokens; re-convert the model")
-    tok.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _CONTROL
-        ]
-    )
-    tok.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _USER_DEFINED
-        ]
-    )
+        try:
+            bpe = models.BPE(
+                vocab, merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
+            )
+        except Exception as e:  # tokenizers raises a bare Exception (a merge of unknown tokens)
+            raise ModelError(
+                f"the GGUF vocabulary cannot be rebuilt ({e}); re-convert the model"
+            ) from None
+        tok = Tokenizer(bpe)
+        if PRE_SPLITS[pre] is None:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            split = pre_tokenizers.Split(Regex(PRE_SPLITS[pre]), behavior="isolated")
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            )
+        tok.decoder = decoders.ByteLevel()
+
+    def added(which: int) -> list:
+        found = [t for t, k in zip(tokens, types, strict=True) if k == which]
+        return [AddedToken(t, special=which == _CONTROL, normalized=False) for t in found]
+
+    tok.add_special_tokens(added(_CONTROL))
+    tok.add_tokens(added(_USER_DEFINED))
     # BOS/EOS added on encode only where the file asks (llama.cpp's add_bos/add_eos flags)
     ends = {}
     for flag, key in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):

@@ -495,7 +495,8 @@ def test_tiny_gguf_tokenizer_adds_bos_and_merges(tmp_path):
 
 UNSUPPORTED = {
     "gemma": {"arch": "gemma"},
-    "sentencepiece": {"tokenizer": "llama"},
+    "unigram": {"tokenizer": "t5"},
+    "sentencepiece-without-byte-tokens": {"tokenizer": "llama"},
     "iq4_nl": {"zeros": {"model.layers.0.self_attn.q_proj.weight": Q.IQ4_NL}},
     "rope-freqs": {"extra": {"rope_freqs.weight": np.ones(D // 2, np.float32)}},
     # longrope factors on an architecture whose llama.cpp has none (only phi3's reads them)
