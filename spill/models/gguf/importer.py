@@ -1,19 +1,15 @@
-"""Import a GGUF file of llama.cpp's llama, qwen2, qwen3, smollm3, phi3 (longrope too), gemma3 or
-mistral3 (YaRN and the query temperature too) architecture (``gguf.arch``) as an HF-layout model
-folder (``import_gguf``). Every tensor is dequantized exactly as ggml does (``gguf.quants``) and
-stored so that nothing is rounded; with
-``keep_quantization`` the quantized matrices are stored packed instead, in mlx-lm's affine layout
-(``gguf.quant``), and a type without an exact affine form is dequantized, the line saying so. The
-tokenizer is rebuilt from the GGUF vocabulary without transformers. The folder is written next to
-``dest`` and renamed into place at the end, so a crash never leaves half a model at ``dest``. The
-same GGUF always gives the same bytes.
+"""Import a GGUF of llama.cpp's llama, qwen2, qwen3, smollm3, phi3, gemma3 or mistral3 architecture
+(``gguf.arch``; their rotary keys: ``gguf.rotary``) as an HF-layout folder (``import_gguf``). Every
+tensor is dequantized exactly as ggml does and stored so that nothing is rounded, or with
+``keep_quantization`` kept packed in mlx-lm's affine layout (``gguf.quant``) where it has one. The
+tokenizer is rebuilt from the GGUF vocabulary without transformers. The folder is renamed into
+place at the end (a crash never leaves half a model at ``dest``); the same GGUF gives the same bytes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import shutil
 import uuid
@@ -29,6 +25,7 @@ from spill.models.config import parse_config
 from spill.models.gguf import quant as gguf_quant
 from spill.models.gguf.arch import ARCHES, GLOBAL, LONGROPE, Arch
 from spill.models.gguf.reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
+from spill.models.gguf.rotary import f32, longrope_config, yarn_config
 from spill.models.integrity import model_files
 from spill.models.quant import config_entry as quantize_config
 from spill.models.scan import checked_sha256
@@ -230,8 +227,8 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": ctx,
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon", float, 0)),
-        "rope_theta": _f32(get("rope.freq_base", 10000.0, float, 0)),
+        "rms_norm_eps": f32(need("attention.layer_norm_rms_epsilon", float, 0)),
+        "rope_theta": f32(get("rope.freq_base", 10000.0, float, 0)),
         "tie_word_embeddings": tied,
         **({"sliding_window": window} if window else {}),
         **ARCHES[arch].config_keys(layers, hidden, heads, head_dim, window),
@@ -242,9 +239,9 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         "torch_dtype": "float32",  # the widest dtype stored; every tensor is exact in float32
     }
     if longrope:
-        config |= _longrope(gguf, arch, rotary, config)
+        config |= longrope_config(gguf, arch, rotary, config)
     if ARCHES[arch].yarn:
-        config |= _yarn(gguf, arch, scaling == "yarn", config)
+        config |= yarn_config(gguf, arch, scaling == "yarn", config)
     if config["vocab_size"] != len(tokens):
         raise ModelError(
             f"{where}: {len(tokens)} tokens for a vocabulary of {config['vocab_size']}"
@@ -275,51 +272,6 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
     return config, tokenizer_config, generation
 
 
-# A Phi-3's longrope as transformers 5 saves it; the attention factor only where it is not the one
-# transformers derives from max / original (the GGUF holds it in float32, as the engines use it).
-def _longrope(gguf: GGUFFile, arch: str, rotary: int, config: dict) -> dict:
-    """config.json keys of the longrope in ``rope_factors_long/short`` and the two keys
-    ``convert_hf_to_gguf.py`` writes beside them."""
-    found = {t.name: t for t in gguf.tensors if t.name in LONGROPE}
-    if len(found) != 2 or any(t.shape != (rotary // 2,) for t in found.values()):
-        raise ModelError(
-            f"{gguf.path}: longrope needs rope_factors_long and rope_factors_short of "
-            f"{rotary // 2} values each; re-convert the model"
-        )
-    long, short = ([_f32(x) for x in gguf.read(found[n]).tolist()] for n in LONGROPE)
-    original = gguf.value(f"{arch}.rope.scaling.original_context_length", int, least=1)
-    attention = gguf.value(f"{arch}.rope.scaling.attn_factor", float, 1.0, 0)
-    factor = config["max_position_embeddings"] / original
-    derived = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    params = {"rope_type": "longrope", "rope_theta": config["rope_theta"], "long_factor": long}
-    params |= {"short_factor": short, "original_max_position_embeddings": original}
-    if np.float32(derived) != np.float32(attention):
-        params["attention_factor"] = _f32(attention)
-    return {"original_max_position_embeddings": original, "rope_parameters": params}
-
-
-# A Ministral 3's rotary as transformers 5 saves it (``rope_parameters``): YaRN's keys where the file
-# scales (mscale 1 beside the log multiplier as mscale_all_dim, as llama.cpp derives the attention
-# factor), llama 4's query temperature over the original context length.
-def _yarn(gguf: GGUFFile, arch: str, yarn: bool, config: dict) -> dict:
-    """config.json's ``rope_parameters`` of a ``mistral3`` GGUF."""
-
-    def get(key: str, default: float) -> float:
-        return _f32(gguf.value(f"{arch}.{key}", float, default, 0))
-
-    original = gguf.value(f"{arch}.rope.scaling.original_context_length", int, None, 1)
-    params = {"rope_type": "yarn" if yarn else "default", "rope_theta": config["rope_theta"]}
-    if yarn:
-        params |= {"factor": get("rope.scaling.factor", 1.0)}
-        params |= {"beta_fast": get("rope.scaling.yarn_beta_fast", 32.0)}
-        params |= {"beta_slow": get("rope.scaling.yarn_beta_slow", 1.0)}
-        log_mul = get("rope.scaling.yarn_log_multiplier", 0.0)
-        params |= {"mscale": 1.0, "mscale_all_dim": log_mul} if log_mul else {}
-    params["original_max_position_embeddings"] = original or config["max_position_embeddings"]
-    params["llama_4_scaling_beta"] = get("attention.temperature_scale", 0.0)
-    return {"rope_parameters": params}
-
-
 # A Llama's or SmolLM3's attn_q/attn_k get llama.cpp's row permutation undone (Qwen's rotary halves
 # are not interleaved; a Qwen2's q/k/v biases and a Qwen3's q/k norms come along; a Gemma 3's norms,
 # stored as 1 + w, get the 1 taken off in float32: exact for stored values >= 0.5, so the 1 + w
@@ -341,7 +293,7 @@ def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, in
     q, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     plan, where = [], gguf.path.name
     for info in gguf.tensors:
-        if info.name in LONGROPE:  # read into the config (``_longrope``)
+        if info.name in LONGROPE:  # read into the config (``rotary.longrope_config``)
             continue
         hf_name, heads = GLOBAL.get(info.name), 0
         if hf_name is None and info.name.startswith("blk."):
@@ -388,11 +340,6 @@ def _exact_storage(w: np.ndarray) -> tuple[str, np.ndarray]:
     if np.array_equal(half.astype(np.float32).view(np.uint32), bits):
         return "F16", half
     return "F32", np.ascontiguousarray(w, dtype=np.float32)
-
-
-def _f32(value: float) -> float:
-    """A float32 metadata value as its shortest decimal (9.99999974e-06 -> 1e-05, same float32)."""
-    return float(str(np.float32(value)))
 
 
 def _write_json(path: Path, obj: dict) -> None:
