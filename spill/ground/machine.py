@@ -125,6 +125,18 @@ def memory_limit(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") 
     return min(limits) if limits else None
 
 
+def anonymous_memory(status: str = "/proc/self/status") -> int | None:
+    """Bytes of anonymous memory this process holds now (``RssAnon``); None where the kernel
+    does not say (macOS)."""
+    try:
+        for line in open(status):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 # The cache is per machine, not per ``SPILL_HOME`` (``paths.machine_cache``), so every home on one
 # machine computes in the same numerics.
 def cached_measurement(name: str, key: str, measure: Callable[[], dict]) -> dict:

@@ -176,3 +176,32 @@ def test_a_tune_with_memory_finishes_inside_memory_plus_runtime(big, tmp_path):
     assert r["rc"] == 0 and r["oom_kills"] == 0, r["output"]
     assert "memory 96 MiB (--memory)" in r["output"]
     assert r["peak_bytes"] <= 96 * MIB + RUNTIME
+
+
+def test_a_build_inside_a_limit_finishes_with_each_stages_m_less_what_earlier_ones_left(
+    cgroup_ok, tmp_path
+):
+    """The toy project's build with ``engine.memory`` inside a cgroup of M + RUNTIME: every
+    stage finishes with nothing OOM-killed and the peak within the limit; each job's pre-run line
+    gives M less what earlier stages left beyond RUNTIME's slack, where they left any (the first
+    job never: nothing ran before it)."""
+    from tests.func.test_build import copy_toy
+
+    project = copy_toy(tmp_path / "toy")
+    memory = 96 * MIB
+    cmd = [sys.executable, "-m", "spill", "build", str(project), "--state", str(tmp_path / "s")]
+    cmd += ["tune.steps=20", f"engine.memory={memory}"]
+    r = ml.run_limited(cmd, memory + RUNTIME)
+    assert r["rc"] == 0 and r["oom_kills"] == 0, r["output"]
+    assert r["peak_bytes"] <= memory + RUNTIME
+    lines = [
+        line
+        for line in r["output"].splitlines()
+        if re.match(r"spill (eval|tune) · ", line) and " MiB (--memory" in line
+    ]
+    assert len(lines) == 3, r["output"]
+    assert "memory 96 MiB (--memory)" in lines[0]
+    for line in lines[1:]:
+        held = r"(, less (\d+) MiB held from earlier stages)?"
+        said = re.search(r"memory (\d+) MiB \(--memory" + held + r"\)", line)
+        assert said and int(said[1]) == 96 - int(said[3] or 0), line

@@ -8,6 +8,7 @@ signal between jobs stops the build at once. docs/projects.md, "``spill build``"
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 from spill import __version__
 from spill.console import note
 from spill.errors import DataError, SpillError, StoreError
+from spill.ground.machine import anonymous_memory
 from spill.jobs.group import current as current_group
 from spill.jobs.preempt import (
     Interrupted,
@@ -59,6 +61,7 @@ class Executor:
         self.run = ctx.run  # this build's ownership of its run: every publication goes through it
         self.group = current_group()  # a build of several processes: the others run its jobs too
         self.shared = False  # the context went to the other ranks
+        self.held: int | None = None  # under a budget: anonymous bytes before the first job
         self.data_sha = ctx.data_sha
         self.specs = {s.name: s for s in specs}
         tracking.prepare(ctx, self.specs)  # a missing tracker fails before any stage
@@ -126,9 +129,15 @@ class Executor:
             elif d.action == "skip":
                 self._record(d.stage, "skipped")
         if self.ctx.under_budget():  # before any job's first matmul: its stages share a process
+            from spill import engines
             from spill.engines.core import heap
 
             heap.bound_shape_caches()
+            # where the process stands before its first job, the engine imported as a job of its
+            # own imports it (RUNTIME counts that process)
+            with contextlib.suppress(SpillError):  # the first job says it, as without a budget
+                engines.resolve(self.project.engine.name)
+            self.held = anonymous_memory()
         with stops_at_once(), tempfile.TemporaryDirectory(prefix="spill-build-") as work:
             self.ctx.work = Path(work)
             for name, data in self.prepared.files().items():
@@ -164,7 +173,7 @@ class Executor:
         raise preempted(why, what, who="build") from None
 
     def _stage(self, d: Decision) -> None:
-        from spill.engines.core import heap
+        from spill.engines.core import budget, heap
 
         note(f"== {d.stage}: {d.reason}")
         stage = get(d.stage)
@@ -180,6 +189,8 @@ class Executor:
                 self.group.share(("context", context_of(self.ctx)))
                 self.shared = True
             self.group.share(("stage", d))
+        if self.held is not None:  # what earlier stages left comes out of this one's budget
+            budget.carry((anonymous_memory() or 0) - self.held)
         try:
             result, complete = stage.execute(self.ctx, d.stop)
         except Preempted:

@@ -32,6 +32,42 @@ def test_memory_flag_wins_then_the_cgroup_then_nothing(monkeypatch):
     assert budget.resolve(None).total is None
 
 
+def test_what_earlier_jobs_of_the_process_left_comes_out_of_m(monkeypatch):
+    """A build's later stages: M less what the process holds above where it stood before its
+    first job beyond RUNTIME's slack, said in the pre-run line; nothing carried, nothing said;
+    no M, none taken."""
+    monkeypatch.setattr(budget, "memory_limit", lambda: 700 * MIB)
+    monkeypatch.setattr(budget, "physical_memory", lambda: 24 << 30)
+    monkeypatch.setattr(budget, "_carried", 0)
+    budget.carry(budget.SLACK)  # what RUNTIME's slack holds is not taken
+    assert budget.resolve(300 * MIB) == budget.Budget(300 * MIB, "--memory")
+    budget.carry(113 * MIB + budget.SLACK)
+    assert budget.resolve(300 * MIB) == budget.Budget(
+        187 * MIB, "--memory, less 113 MiB held from earlier stages"
+    )
+    assert budget.resolve(None).words() == (
+        f"memory {700 - budget.RUNTIME // MIB - 113} MiB (cgroup limit 700 MiB less "
+        f"{budget.RUNTIME // MIB} MiB for the runtime, less 113 MiB held from earlier stages)"
+    )
+    assert budget.resolve(50 * MIB).total == 0  # the line that refuses names what is left
+    budget.carry(-5 * MIB)  # the process holds less than before its first job
+    assert budget.resolve(300 * MIB) == budget.Budget(300 * MIB, "--memory")
+    monkeypatch.setattr(budget, "memory_limit", lambda: None)
+    budget.carry(113 * MIB + budget.SLACK)
+    assert budget.resolve(None) == budget.Budget(None)
+
+
+def test_the_process_says_its_anonymous_memory():
+    from spill.ground.machine import anonymous_memory
+
+    before = anonymous_memory()
+    block = bytearray(64 * MIB)  # touched: zero-filled by the allocator's memset or the kernel
+    block[::4096] = b"x" * len(block[::4096])
+    after = anonymous_memory()
+    assert before is not None and after - before >= 60 * MIB
+    del block
+
+
 def test_the_ring_plans_from_what_the_resident_parts_leave():
     assert budget.ring_share(budget.Budget(300 * MIB, "--memory"), 108 * MIB) == 192 * MIB
     assert budget.ring_share(budget.Budget(100 * MIB, "--memory"), 108 * MIB) == 0

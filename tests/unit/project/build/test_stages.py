@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from spill.project.build import stages
+from spill.store.location import location
 
 STAGES_PKG = Path(stages.__file__).parent
 PROJECT = STAGES_PKG.parents[1]
@@ -19,8 +20,8 @@ def test_each_stage_says_what_it_is():
     by = {s.name: s for s in stages.STAGES}
     assert list(by) == ["eval:base", "distill", "tune", "eval", "export"]
     assert [s.unit for s in stages.STAGES] == ["row", "row", "step", "row", "format"]
-    assert [s.uri("mem://x") for s in stages.STAGES] == [
-        f"mem://x/stages/{d}" for d in ("eval-base", "distill", "tune", "eval", "export")
+    assert [s.uri(location("memory://x")) for s in stages.STAGES] == [
+        f"memory://x/stages/{d}" for d in ("eval-base", "distill", "tune", "eval", "export")
     ]
     assert [s.output("toy") for s in stages.STAGES] == [
         "files/eval-base.jsonl",
