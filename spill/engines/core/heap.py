@@ -1,5 +1,6 @@
-"""Where freed CPU blocks go: kept for reuse by default (``keep_freed_blocks``), returned at once
-under a budget (``return_freed_blocks``, for ``--memory`` or a cgroup's limit: ``core.budget``).
+"""Where freed CPU blocks go: kept for reuse by default (``keep_freed_blocks``); under a budget
+(``--memory`` or a cgroup's limit: ``core.budget``) reused within a layer and handed back between
+layers (``return_between_layers``: the ring calls ``trim`` after each).
 
 Between the jobs of one process (a build's stages) ``release`` hands back what the last job left,
 and under a budget ``bound_shape_caches`` keeps the CPU math libraries' per-shape caches small.
@@ -18,7 +19,6 @@ M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 256 * 2**20
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
-RETURN_FROM = 2**20  # under a budget: blocks from this size are mapped, unmapped when freed
 
 
 def _user_tunes_malloc() -> bool:
@@ -58,15 +58,18 @@ def keep_freed_blocks() -> bool:
     return _set(MMAP_THRESHOLD, TRIM_THRESHOLD)
 
 
-# The mmap threshold is pinned at 1 MiB and the heap's top trimmed from the same size, so a block
-# that size or larger is unmapped when freed. glibc's own adaptive threshold (up to 32 MiB) leaves a
-# tune step's freed head and backward temporaries in its arenas: ~100 MiB more anonymous memory at
-# the peak of SmolLM2's ``tune --ring 2 --memory 300MB``. The price is the page faults
-# ``keep_freed_blocks`` avoids.
-def return_freed_blocks() -> bool:
-    """Under a budget: blocks from ``RETURN_FROM`` go back to the system when freed, until a
-    runner opens without one (``keep_freed_blocks``); True when the thresholds were set."""
-    return _set(RETURN_FROM, RETURN_FROM)
+# Under a budget freed blocks stay in the heap while a layer runs, so its temporaries are reused
+# rather than faulted in afresh, and the heap's free pages go back to the system after each layer
+# (``trim``, called by the ring). glibc's own adaptive threshold (up to 32 MiB) without the trims
+# left a tune step's freed temporaries in its arenas (~100 MiB more at the peak of SmolLM2's ``tune
+# --ring 2 --memory 300MB``; with freed blocks kept, the 2.5 B model's tune inside 1567 MiB was
+# OOM-killed); every block from 1 MiB a mapping of its own, unmapped when freed, held the peak but
+# cost the 4-layer tune of report 021 1.3x its time and twice the system time in page faults.
+def return_between_layers() -> bool:
+    """Under a budget: freed blocks reused within a layer (``keep_freed_blocks``' thresholds),
+    handed back when the ring calls ``trim`` after each; True where trimming can (glibc)."""
+    keep_freed_blocks()
+    return glibc()
 
 
 def trim() -> bool:

@@ -133,10 +133,11 @@ def open_runner(
     # a tune's state and its micro-batch's least activations (recomputed) come out of M first
     reserve = 0 if tune is None else tune_bytes(cfg, tune, place.itemsize)
     share = memory.ring_share(budget, resident + reserve)
+    between = None
     if share is not None:
         options = replace(options, memory=share)
         place.reader.drop_behind()
-        heap.return_freed_blocks()
+        between = heap.trim if heap.return_between_layers() else None
     drop_written(share is not None)
     plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
     memory.check_fits(budget, resident, plan.layer_memory(), plan.slots, reserve)
@@ -144,7 +145,7 @@ def open_runner(
     stats = Stats()
     hooks = engine.hooks(place, plan.resident or plan.held)  # held layers: read, never mapped
     loader = layer_loader(place.reader, keys)
-    ring = Ring(loader, layers, plan.slots, plan.resident, stats, hooks, plan.held)
+    ring = Ring(loader, layers, plan.slots, plan.resident, stats, hooks, plan.held, between)
     info = EngineInfo(
         engine=engine.name,
         device=place.device_name,

@@ -76,6 +76,7 @@ class Ring:
         stats: Stats,
         hooks: Hooks | None = None,
         held: bool = False,
+        between: Callable[[], object] | None = None,
     ):
         assert slots >= 1
         # resident: every layer's compute form lives for the run (a walker may keep it);
@@ -83,6 +84,7 @@ class Ring:
         self._load_fn, self.layers, self.slots, self.resident = load, layers, slots, resident
         self.held = held and not resident
         self.hooks = hooks or Hooks()
+        self.between = between or (lambda: None)  # after each layer's use (a budget's heap trim)
         self.stats = stats
         self._lock = threading.Lock()
         self._live: set[int] = set()
@@ -125,6 +127,7 @@ class Ring:
         if self.resident:
             for i in order:
                 yield i, self._resident[i]
+                self.between()
             return
         streaming = not self.held
         ahead = EXPAND_AHEAD and self.hooks.expands
@@ -178,6 +181,7 @@ class Ring:
                     done(i, w, x)
                     expanded.release()
                     permits.release()
+                self.between()
         finally:
             stop.set()
             for _ in order:

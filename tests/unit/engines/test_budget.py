@@ -58,13 +58,15 @@ def test_what_earlier_jobs_of_the_process_left_comes_out_of_m(monkeypatch):
 
 
 def test_the_process_says_its_anonymous_memory():
+    """In bytes: 64 MiB written shows (the rest of the process may free some meanwhile)."""
+    import numpy as np
+
     from spill.ground.machine import anonymous_memory
 
     before = anonymous_memory()
-    block = bytearray(64 * MIB)  # touched: zero-filled by the allocator's memset or the kernel
-    block[::4096] = b"x" * len(block[::4096])
+    block = np.ones(16 << 20, np.float32)  # 64 MiB, every page written
     after = anonymous_memory()
-    assert before is not None and after - before >= 60 * MIB
+    assert before is not None and 48 * MIB <= after - before <= 80 * MIB, (before, after)
     del block
 
 

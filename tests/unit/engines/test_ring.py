@@ -150,3 +150,21 @@ def test_hooks_run_where_an_engine_needs_them():
     for _ in range(2):
         assert all(w["ready"] for _, w in ring.walk(range(LAYERS)))
     assert [k for k, *_ in hooks.calls] == ["load", "ready"] * LAYERS  # once, at open
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_between_runs_after_each_layers_use_and_before_the_next(resident):
+    """A budget's heap trim: once after each layer the walker used, before it gets the next, in
+    a streamed walk and a resident one; none after a walk left early."""
+    seen = []
+    ring, _ = fake_ring(2, resident=resident)
+    ring.between = lambda: seen.append("trim")
+    for i, _w in ring.walk(range(LAYERS)):
+        seen.append(i)
+    assert seen == [x for i in range(LAYERS) for x in (i, "trim")]
+    seen.clear()
+    for i, _w in ring.walk([3, 1, 4]):
+        seen.append(i)
+        if i == 1:
+            break
+    assert seen == [3, "trim", 1]
