@@ -161,6 +161,11 @@ class Executor:
                         self._stage(d)
             except Interrupted as e:
                 self._preempted(str(e), None)
+            finally:
+                if self.held is not None:  # nothing carried past the build
+                    from spill.engines.core import budget
+
+                    budget.carry(0)
 
     def _preempted(self, why: str, stage: str | None) -> NoReturn:
         """Record the stopped stage (or nothing new) and raise the build's ``preempted`` line."""
