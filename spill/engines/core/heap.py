@@ -1,12 +1,8 @@
-"""Where freed CPU blocks go: kept for reuse by default (``keep_freed_blocks``); under a budget
-(``--memory`` or a cgroup's limit: ``core.budget``) reused within a layer and handed back between
-layers (``return_between_layers``: the ring calls ``trim`` after each).
-
-Between the jobs of one process (a build's stages) ``release`` hands back what the last job left,
-and under a budget ``bound_shape_caches`` keeps the CPU math libraries' per-shape caches small.
-
-Both set glibc's mmap and trim thresholds: where memory sits changes, never a result. A no-op where
-the C library is not glibc (macOS, musl) or where the user has set glibc's malloc tunables.
+"""Where freed CPU blocks go: kept for reuse (``keep_freed_blocks``); under a budget (``core.budget``)
+reused within a layer and handed back after each (``return_between_layers``, the ring's ``trim``).
+Between a build's jobs ``release`` hands back what the last one left, and under a budget
+``bound_shape_caches`` keeps the math libraries' per-shape caches small. Where memory sits changes,
+never a result; glibc's thresholds are left alone elsewhere (macOS, musl) or where the user set them.
 """
 
 from __future__ import annotations
