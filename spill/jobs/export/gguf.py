@@ -24,6 +24,7 @@ from gguf.quants import quantize as ggml_quantize
 from spill.errors import UnsupportedModel
 from spill.jobs.export.merge import Inputs, merged, plan
 from spill.jobs.export.shift import WeightShift, measure, seen_rows
+from spill.models.family_keys import yarn_mscale
 from spill.models.gguf import spm
 from spill.models.gguf.arch import (
     ARCHES,
@@ -91,19 +92,18 @@ def rope_freqs(cfg) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-# YaRN's attention factor as llama.cpp's mistral3 derives it: mscale 1 over mscale_all_dim, the
-# ``yarn_log_multiplier`` (0: none, the factor's own 1 + 0.1 ln factor), as transformers does.
+# YaRN's attention factor as llama.cpp's mistral3 derives it: mscale 1 over ``yarn_log_multiplier``.
 def yarn_log_mul(cfg) -> float | None:
     """The ``yarn_log_multiplier`` whose attention factor is the config's, to 6 decimals; None
     where no multiplier gives it (an ``mscale`` other than 1, an attention factor apart)."""
     factor = cfg.rope_scaling_dict["factor"]
-    if factor <= 1:
-        return 0.0 if cfg.rope_attention == 1.0 else None
-    full = 0.1 * math.log(factor) + 1.0
+    full = yarn_mscale(factor)  # the factor's own: llama.cpp's without a multiplier
     if np.float32(cfg.rope_attention) == np.float32(full):
         return 0.0
+    if factor <= 1:
+        return None
     mul = round((full / cfg.rope_attention - 1.0) / (0.1 * math.log(factor)), 6)
-    got = full / (0.1 * mul * math.log(factor) + 1.0)
+    got = full / yarn_mscale(factor, mul)
     return mul if mul > 0 and abs(got - cfg.rope_attention) <= 1e-6 * cfg.rope_attention else None
 
 
