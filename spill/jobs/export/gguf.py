@@ -45,7 +45,6 @@ from spill.models.gguf.reader import LLAMA3_SPLIT, QWEN2_SPLIT
 NAMES = {hf: g for g, hf in GLOBAL.items()}
 # each table inverted on its own: LAYER's and FUSED's ffn_up are the same GGUF name
 LAYER_NAMES = {hf: g for table in (LAYER, BIASES, QK_NORMS, FUSED) for g, hf in table.items()}
-_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp token types
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}
 
 
@@ -240,15 +239,15 @@ def add_tokenizer(writer, inputs: Inputs, tok: dict, pre: str | None) -> list[st
     model = tok["model"]
     size = max(inputs.config.vocab_size, *(t["id"] + 1 for t in tok.get("added_tokens", [])))
     tokens: list[str | None] = [None] * size
-    types = [_NORMAL] * size
+    types = [spm.NORMAL] * size
     for text, i in model["vocab"].items():
         tokens[i] = text
     for t in tok.get("added_tokens", []):
         tokens[t["id"]] = t["content"]
-        types[t["id"]] = _CONTROL if t.get("special") else _USER_DEFINED
+        types[t["id"]] = spm.CONTROL if t.get("special") else spm.USER_DEFINED
     for i, t in enumerate(tokens):
         if t is None:  # a padded embedding row (Qwen2.5): llama.cpp's own filler
-            tokens[i], types[i] = f"[PAD{i}]", _UNUSED
+            tokens[i], types[i] = f"[PAD{i}]", spm.UNUSED
     if pre is None:  # sentencepiece's: llama.cpp's "llama" vocabulary, scored
         tokens, types = spm.add_vocabulary(writer, tok, tokens, types, folder / "tokenizer.json")
     else:

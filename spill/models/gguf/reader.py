@@ -38,7 +38,6 @@ PRE_SPLITS = {
     "llama3": LLAMA3_SPLIT,
     "qwen2": QWEN2_SPLIT,
 }
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 MAGIC = b"GGUF"
 
 # Types gguf.quants dequantizes exactly as ggml does; others are refused before any work.
@@ -380,10 +379,10 @@ def tokenizer_json(meta: dict, tokenizer_config: dict) -> str:
 
     def added(which: int) -> list:
         found = [t for t, k in zip(tokens, types, strict=True) if k == which]
-        return [AddedToken(t, special=which == _CONTROL, normalized=False) for t in found]
+        return [AddedToken(t, special=which == spm.CONTROL, normalized=False) for t in found]
 
-    tok.add_special_tokens(added(_CONTROL))
-    tok.add_tokens(added(_USER_DEFINED))
+    tok.add_special_tokens(added(spm.CONTROL))
+    tok.add_tokens(added(spm.USER_DEFINED))
     # BOS/EOS added on encode only where the file asks (llama.cpp's add_bos/add_eos flags)
     ends = {}
     for flag, key in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
