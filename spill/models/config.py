@@ -29,9 +29,11 @@ from spill.models.family_keys import (
     ministral3_rope,
     mistral,
     phi3,
+    expert_linears,
     phi3_rope,
     qwen2,
     qwen3,
+    qwen3_moe,
     rope,
     smollm3,
 )
@@ -85,6 +87,14 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the windowed layers' rotary base; None: rope_theta
     feedforward_norms: bool = False  # pre_/post_feedforward_layernorm around the MLP (Gemma)
     text_of: str | None = None  # the multimodal model_type (gemma3) whose text part this is
+    # mixture of experts (Qwen3-MoE): the ``sparse`` layers route each token to
+    # ``experts_per_token`` of ``experts`` SwiGLU experts ``expert_size`` wide (``mlp.gate`` the
+    # router, top-k weights renormalized with ``norm_topk_prob``); the others have the dense MLP
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    norm_topk_prob: bool = False
+    sparse: tuple[int, ...] = ()
 
     def quant_spec(self, module: str) -> tuple[int, int]:
         """(bits, group_size) of a quantized module (``model.layers.0.mlp.up_proj``)."""
@@ -108,6 +118,14 @@ class ModelConfig:
         """How many of a head's leading features the rotary turns (transformers' ``dim``)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def largest_layer(self) -> int:
+        """A layer with the most parameters: an MoE model's first sparse layer, as a rule."""
+        first: dict[bool, int] = {}
+        for i in range(self.num_hidden_layers):
+            first.setdefault(i in self.sparse, i)
+        return max(first.values(), key=self._layer_params)
+
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each of a layer's ``linears``, relative to ``model.layers.<k>.``."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
@@ -117,10 +135,24 @@ class ModelConfig:
         known |= {"self_attn.qkv_proj": (h, q + 2 * kv), "mlp.gate_up_proj": (h, 2 * i)}
         return {m: known[m] for m in self.linears}
 
-    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """One decoder layer's tensors, relative to ``model.layers.<k>.``, with their shapes."""
-        h, d = self.hidden_size, self.head_dim
+    def layer_linears(self, layer: int) -> dict[str, tuple[int, int]]:
+        """(in, out) of every linear layer ``layer`` holds: ``linear_shapes``, and an MoE model's
+        experts (``mlp.experts.<e>.gate_proj``) or dense MLP beside its attention."""
         io = self.linear_shapes()
+        if not self.experts:
+            return io
+        if layer not in self.sparse:
+            return io | replace(self, linears=LINEARS, experts=0).linear_shapes()
+        h, e = self.hidden_size, self.expert_size
+        io |= {"mlp.gate": (h, self.experts)}
+        sizes = ((h, e), (h, e), (e, h))
+        return io | dict(zip(expert_linears(self.experts), sizes * self.experts, strict=True))
+
+    def layer_shapes(self, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+        """Decoder layer ``layer``'s tensors (None: the largest's), relative to
+        ``model.layers.<k>.``, with their shapes."""
+        h, d = self.hidden_size, self.head_dim
+        io = self.layer_linears(self.largest_layer if layer is None else layer)
         shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
         shapes |= {m + ".weight": (o, n) for m, (n, o) in io.items()}
         biased = [
@@ -135,13 +167,21 @@ class ModelConfig:
             shapes |= {f"{k}_feedforward_layernorm.weight": (h,) for k in ("pre", "post")}
         return shapes
 
-    def layer_keys(self) -> tuple[str, ...]:
-        """Names of one decoder layer's tensors, relative to ``model.layers.<k>.``."""
-        return tuple(self.layer_shapes())
+    def layer_keys(self, layer: int | None = None) -> tuple[str, ...]:
+        """Names of decoder layer ``layer``'s tensors (None: the largest's), relative to
+        ``model.layers.<k>.``."""
+        return tuple(self.layer_shapes(layer))
 
-    def layer_params(self) -> int:
-        """Number of parameters of one decoder layer."""
-        return sum(math.prod(shape) for shape in self.layer_shapes().values())
+    def layer_params(self, layer: int | None = None) -> int:
+        """Number of parameters of decoder layer ``layer`` (None: the largest)."""
+        return self._layer_params(self.largest_layer if layer is None else layer)
+
+    def _layer_params(self, layer: int) -> int:
+        return sum(math.prod(shape) for shape in self.layer_shapes(layer).values())
+
+    def model_params(self) -> int:
+        """Parameters of every decoder layer together."""
+        return sum(self._layer_params(i) for i in range(self.num_hidden_layers))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -166,6 +206,7 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("SmolLM2, Llama 3.x", llama),
     "qwen2": Family("Qwen2.5", qwen2),
     "qwen3": Family("Qwen3 dense", qwen3, default_head_dim=128),
+    "qwen3_moe": Family("Qwen3-MoE", qwen3_moe),  # head_dim: hidden // heads unless given
     "mistral": Family("Mistral", mistral),
     "smollm3": Family("SmolLM3", smollm3, default_theta=2000000.0, default_tied=True),
     "gemma3_text": Family(

@@ -19,6 +19,12 @@ LINEARS = ATTENTION + MLP  # every linear an adapter may target (the default Mod
 FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
+def expert_linears(experts: int) -> tuple[str, ...]:
+    """An MoE layer's expert linears by their hub names (``mlp.experts.<e>.gate_proj``)."""
+    parts = ("gate_proj", "up_proj", "down_proj")
+    return tuple(f"mlp.experts.{e}.{p}" for e in range(experts) for p in parts)
+
+
 def rope_parameters(raw: dict) -> dict:
     """transformers 5's ``rope_parameters``: one set, or one per layer type (all equal here)."""
     params = raw.get("rope_parameters") or {}
@@ -95,6 +101,28 @@ def qwen3(raw: dict, layers: int) -> dict:
     bias = bool(raw.get("attention_bias", False))
     found = {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False, "qk_norm": True}
     return found | qwen_window(raw, layers)
+
+
+def qwen3_moe(raw: dict, layers: int) -> dict:
+    """Qwen3-MoE: Qwen3's attention; a layer routes each token to ``num_experts_per_tok`` of
+    ``num_experts`` SwiGLU experts (``moe_intermediate_size`` wide) unless it is in
+    ``mlp_only_layers`` or not every ``decoder_sparse_step``-th (a dense MLP then). Adapters
+    target the attention linears, which every layer has."""
+    experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))
+    step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers") or ())
+    top = int(raw.get("num_experts_per_tok", 8))
+    if experts > 0 and not 0 < top <= experts:
+        raise Inconsistent(f"num_experts_per_tok is {top} for {experts} experts")
+    sparse = tuple(
+        i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0
+    )
+    found = qwen3(raw, layers) | {"linears": ATTENTION, "sparse": sparse}
+    return found | {
+        "experts": experts,
+        "experts_per_token": top,
+        "expert_size": int(raw.get("moe_intermediate_size", 768)),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+    }
 
 
 def mistral(raw: dict, layers: int) -> dict:

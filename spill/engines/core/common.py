@@ -113,11 +113,10 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a model reads but lm_head, by name, with the shape config.json gives it (a
     packed linear's float shape, (out, in)), decoder layers first."""
     h = cfg.hidden_size
-    per_layer = cfg.layer_shapes()
     shapes = {
         f"model.layers.{i}.{k}": shape
         for i in range(cfg.num_hidden_layers)
-        for k, shape in per_layer.items()
+        for k, shape in cfg.layer_shapes(i).items()
     }
     return shapes | {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
 

@@ -63,11 +63,14 @@ class Backend(Protocol):
     def kernel(self, cfg: ModelConfig, place: Placement) -> Kernel: ...
 
 
-def layer_loader(reader, keys: Sequence[str]) -> Callable[[int], Weights]:
-    """``load(i)``: layer ``i``'s tensors keyed below ``model.layers.<i>.``, in one read."""
+def layer_loader(reader, keys: Callable[[int], Sequence[str]]) -> Callable[[int], Weights]:
+    """``load(i)``: layer ``i``'s tensors (``keys(i)``) keyed below ``model.layers.<i>.``, in
+    one read."""
 
     def load(i: int) -> Weights:
-        found = reader.tensors([f"model.layers.{i}.{k}" for k in keys])
+        names = keys(i)
+        found = reader.tensors([f"model.layers.{i}.{k}" for k in names])
+        return {k: found[f"model.layers.{i}.{k}"] for k in names}
         return {k: found[f"model.layers.{i}.{k}"] for k in keys}
 
     return load
@@ -141,10 +144,9 @@ def open_runner(
     drop_written(share is not None)
     plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
     memory.check_fits(budget, resident, plan.layer_memory(), plan.slots, reserve)
-    keys = cfg.layer_keys()
     stats = Stats()
     hooks = engine.hooks(place, plan.resident or plan.held)  # held layers: read, never mapped
-    loader = layer_loader(place.reader, keys)
+    loader = layer_loader(place.reader, cfg.layer_keys)
     ring = Ring(loader, layers, plan.slots, plan.resident, stats, hooks, plan.held, between)
     info = EngineInfo(
         engine=engine.name,

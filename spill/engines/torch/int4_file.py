@@ -39,7 +39,7 @@ def accepted(cfg: ModelConfig, files: WeightFiles, quantized: dict) -> list[str]
     """The decoder modules' weight names the kernel takes, in layer order."""
     out = []
     for i in range(cfg.num_hidden_layers):
-        for key in cfg.layer_keys():
+        for key in cfg.layer_keys(i):
             name = f"model.layers.{i}.{key}"
             if name in quantized:
                 bits, group = quantized[name]

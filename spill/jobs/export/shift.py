@@ -57,7 +57,7 @@ def seen_rows(inputs: Inputs) -> tuple[str, list] | str:
     """``(training file name, examples)``: the first ``ROWS`` rows the tune drew, encoded as
     it encoded them; or why there are none (a line's end)."""
     cfg = inputs.config
-    params = cfg.num_hidden_layers * cfg.layer_params() + cfg.vocab_size * cfg.hidden_size * (
+    params = cfg.model_params() + cfg.vocab_size * cfg.hidden_size * (
         1 if cfg.tie_word_embeddings else 2
     )
     if 4 * params > SCORED_BYTES:

@@ -75,6 +75,18 @@ _FAMILY_KEYS: dict[str, Callable[[int, int], dict]] = {
         "attention_bias": False,
         "head_dim": 2 * head,
     },
+    "qwen3_moe": lambda layers, head: {  # Qwen3-30B-A3B's routing: top 8 of 128, renormalized
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "head_dim": 2 * head,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 4 * head,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
     "mistral": lambda layers, head: {
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
@@ -130,6 +142,7 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -204,6 +217,12 @@ def _tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         if shape.feedforward_norms:
             out[p + "pre_feedforward_layernorm.weight"] = norm(h)
             out[p + "post_feedforward_layernorm.weight"] = norm(h)
+        if k in shape.sparse:  # the router wide enough that each token's choice is clear
+            out[p + "mlp.gate.weight"] = w(shape.experts, h, std=0.3)
+            for e, (n, o) in shape.layer_linears(k).items():
+                if e.startswith("mlp.experts."):
+                    out[p + e + ".weight"] = w(o, n, std=0.1)
+            continue
         mlp = {"mlp.gate_proj.weight": w(i, h, std=0.1), "mlp.up_proj.weight": w(i, h, std=0.1)}
         out |= _fused(p, mlp, "mlp.gate_up_proj", shape.linears)
         out[p + "mlp.down_proj.weight"] = w(h, i, std=0.1)

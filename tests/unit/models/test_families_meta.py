@@ -35,7 +35,7 @@ def test_the_new_families_tiny_configs_say_what_the_family_adds(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3", "mistral", "smollm3", "gemma3_text", "phi3", "ministral3"]
+    "family", ["qwen3", "qwen3_moe", "mistral", "smollm3", "gemma3_text", "phi3", "ministral3"]
 )
 def test_spill_models_tiny_writes_the_same_bytes_and_the_engine_runs_it(family, tmp_path):
     out = tmp_path / "cli"
