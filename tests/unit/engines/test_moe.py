@@ -11,7 +11,7 @@ import pytest
 
 from spill.engines.base import GenerateParams
 from tests.unit.engines import hf_families
-from tests.unit.engines.kit import COMPLETIONS, PROMPTS, open_runner, same, tokens
+from tests.unit.engines.kit import PROMPTS, open_runner, same, tokens
 from tests.unit.engines.test_families import LONG, NEW, ROWS, hf_log_probs
 
 torch = pytest.importorskip("torch")
@@ -98,6 +98,7 @@ def test_kept_activations_and_the_recompute_walk_train_bit_identically(engine, v
     for options, mode in (({"ring": 2}, "auto"), ({"resident": True}, "keep")):
         runner = open_runner(engine, folder, dtype="float32", **options)
         trainer = fresh(runner, cfg, lora, nudged(cfg, lora))
+        assert trainer.plan(3, 8, mode).keep == (mode == "keep")
         runs.append((tune_steps(trainer, 3), trainer.state()))
         runner.close()
     (losses_a, state_a), (losses_b, state_b) = runs
