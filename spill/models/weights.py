@@ -3,7 +3,8 @@ weight fingerprint (``fingerprint``), which changes when any byte of the weights
 every checkpoint's identity, so it must cost nothing at job start: the cache records each file's
 sha256 when it arrives (``spill.models.integrity``, checked at every job start) and
 ``cache.cached_fingerprint`` passes those records in; only a folder without records (a user's own)
-is hashed here, once, and the result cached by its files' stat keys.
+is hashed here, once, and the result cached by its files' stat keys. A mixture-of-experts folder's
+stacked experts (``EXPERT_STACKS``) are indexed as per-expert views into the same bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,18 @@ TEXT_PREFIXES = {
     "model.language_model.": "model.",
     "lm_head.": "lm_head.",
 }
+# A stacked expert tensor (axis 0 the expert, so one expert's slice is a contiguous byte range) ->
+# the hub's per-expert projections its rows split into, and the part they are: transformers 5's
+# fused in-memory layout, and mlx-lm's switch_mlp (quantized: weight, scales, biases alike).
+EXPERT_STACKS = {
+    "experts.gate_up_proj": (("gate_proj", "up_proj"), "weight"),  # (E, 2I, H)
+    "experts.down_proj": (("down_proj",), "weight"),  # (E, H, I)
+} | {
+    f"switch_mlp.{p}.{part}": ((p,), part)
+    for p in ("gate_proj", "up_proj", "down_proj")
+    for part in ("weight", "scales", "biases")
+}
+STACKED = re.compile(r"(model\.layers\.\d+\.mlp)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,13 @@ class WeightFiles:
     # tensors of a multimodal folder beside its text model (a vision tower, its projector), which
     # no reader sees: tensor_shard and headers name the text model's by their own names
     ignored: int = 0
+    viewed: int = 0  # stacked expert tensors that tensor_shard and headers name per expert
+    stored: dict[str, dict] | None = None  # where viewed: headers without the views
+
+    def stored_headers(self) -> dict[str, dict]:
+        """Each shard's header without expert views (a multimodal folder's under its text
+        model's names, as ever): what ``fingerprint`` hashes."""
+        return self.headers if self.stored is None else self.stored
 
     def tensor_info(self, name: str) -> dict:
         return self.headers[self.tensor_shard[name]][name]
@@ -82,7 +103,7 @@ def weight_files(folder: Path) -> WeightFiles:
                 raise ModelError(
                     f"{folder / shard}: tensor {name!r} listed in {INDEX} is not in that shard; fetch the model again"
                 )
-    return _text_part(WeightFiles(folder, shards, tensor_shard, headers))
+    return _expert_views(_text_part(WeightFiles(folder, shards, tensor_shard, headers)))
 
 
 def _text_part(files: WeightFiles) -> WeightFiles:
@@ -105,6 +126,60 @@ def _text_part(files: WeightFiles) -> WeightFiles:
     tensor_shard = {renamed[n]: s for n, s in files.tensor_shard.items() if n in renamed}
     ignored = len(files.tensor_shard) - len(tensor_shard)
     return WeightFiles(files.folder, files.shards, tensor_shard, headers, ignored)
+
+
+def _expert_views(files: WeightFiles) -> WeightFiles:
+    """Stacked expert tensors (``EXPERT_STACKS``) as the hub's per-expert tensors
+    (``model.layers.N.mlp.experts.E.gate_proj.weight``), each a header entry for its byte range
+    in the same shard; a folder without them as it is."""
+    matches = {n: STACKED.fullmatch(n) for n in files.tensor_shard}
+    stacked = {n: m for n, m in matches.items() if m and m[2] in EXPERT_STACKS}
+    if not stacked:
+        return files
+    headers = {s: dict(h) for s, h in files.headers.items()}
+    tensor_shard = dict(files.tensor_shard)
+    experts: dict[str, tuple[int, str]] = {}  # mlp -> (experts, the tensor that says so)
+    for name, m in stacked.items():
+        shard = tensor_shard.pop(name)
+        info = headers[shard].pop(name)
+        mlp, (projections, part) = m[1], EXPERT_STACKS[m[2]]
+        where = files.folder / shard
+        e, seen = experts.setdefault(mlp, (info["shape"][0], name))
+        if info["shape"][0] != e:
+            raise ModelError(
+                f"{where}: {name} holds {info['shape'][0]} experts but {seen} holds {e}; "
+                "the stacked experts do not belong together: convert the model again"
+            )
+        for view, entry in _split(where, name, info, projections):
+            key = f"{mlp}.experts.{view[0]}.{view[1]}.{part}"
+            if key in tensor_shard:
+                raise ModelError(
+                    f"{where}: {key} is stored both alone and in {name}; "
+                    "keep one layout of the experts: convert the model again"
+                )
+            tensor_shard[key], headers[shard][key] = shard, entry
+    stored = files.stored_headers()
+    return WeightFiles(
+        files.folder, files.shards, tensor_shard, headers, files.ignored, len(stacked), stored
+    )
+
+
+def _split(where: Path, name: str, info: dict, projections: tuple[str, ...]):
+    """``((expert, projection), header entry)`` of each slice of the stacked tensor ``name``:
+    expert e's slab, its rows split evenly between ``projections`` (gate first)."""
+    shape, (start, end) = info["shape"], info["data_offsets"]
+    k = len(projections)
+    if len(shape) != 3 or shape[0] < 1 or shape[1] % k or (end - start) % (shape[0] * k):
+        raise ModelError(
+            f"{where}: {name} has the shape {shape}, not (experts, rows, columns) with rows "
+            f"that split evenly into {'/'.join(projections)}; convert the model again"
+        )
+    part = (end - start) // (shape[0] * k)  # bytes of one expert's one projection
+    rows = [shape[1] // k, *shape[2:]]
+    for e in range(shape[0]):
+        for j, p in enumerate(projections):
+            lo = start + (e * k + j) * part
+            yield (e, p), {"dtype": info["dtype"], "shape": rows, "data_offsets": [lo, lo + part]}
 
 
 def check_shapes(config, files: WeightFiles) -> None:
@@ -229,7 +304,7 @@ def fingerprint(folder: Path, hashes: Mapping[str, str] | None = None) -> str:
         # surrogate, which a strict text read refuses with a traceback)
         "config": json.loads((folder / "config.json").read_bytes()),
         "shards": [[s, (folder / s).stat().st_size] for s in files.shards],
-        "headers": [files.headers[s] for s in files.shards],
+        "headers": [files.stored_headers()[s] for s in files.shards],
         "sha256": [known.get(s) or checked_sha256(folder / s) for s in files.shards],
     }
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
