@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 from spill.errors import ModelError, UnsupportedModel
 from spill.models.family_keys import (
     ATTENTION,
+    EXPERTS,
     LINEARS,
     MLP,
     Inconsistent,
@@ -99,7 +101,8 @@ class ModelConfig:
     def quant_spec(self, module: str) -> tuple[int, int]:
         """(bits, group_size) of a quantized module (``model.layers.0.mlp.up_proj``)."""
         specs = {m: (b, g) for m, b, g in self.quantization}
-        return specs.get(module, specs[""])
+        stacked = re.sub(r"\.mlp\.experts\.\d+\.", ".mlp.switch_mlp.", module)  # mlx-lm's name
+        return specs.get(module, specs.get(stacked, specs[""]))
 
     @property
     def rope_scaling_dict(self) -> dict[str, float]:
@@ -148,9 +151,11 @@ class ModelConfig:
         sizes = ((h, e), (h, e), (e, h))
         return io | dict(zip(expert_linears(self.experts), sizes * self.experts, strict=True))
 
-    def layer_shapes(self, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    def layer_shapes(
+        self, layer: int | None = None, routed: bool = True
+    ) -> dict[str, tuple[int, ...]]:
         """Decoder layer ``layer``'s tensors (None: the largest's), relative to
-        ``model.layers.<k>.``, with their shapes."""
+        ``model.layers.<k>.``, with their shapes; without the routed experts unless ``routed``."""
         h, d = self.hidden_size, self.head_dim
         io = self.layer_linears(self.largest_layer if layer is None else layer)
         shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
@@ -165,19 +170,22 @@ class ModelConfig:
             shapes |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
         if self.feedforward_norms:
             shapes |= {f"{k}_feedforward_layernorm.weight": (h,) for k in ("pre", "post")}
+        if not routed:
+            return {k: s for k, s in shapes.items() if not k.startswith(EXPERTS)}
         return shapes
 
-    def layer_keys(self, layer: int | None = None) -> tuple[str, ...]:
+    def layer_keys(self, layer: int | None = None, routed: bool = True) -> tuple[str, ...]:
         """Names of decoder layer ``layer``'s tensors (None: the largest's), relative to
-        ``model.layers.<k>.``."""
-        return tuple(self.layer_shapes(layer))
+        ``model.layers.<k>.``; without the routed experts unless ``routed``."""
+        return tuple(self.layer_shapes(layer, routed))
 
-    def layer_params(self, layer: int | None = None) -> int:
+    def layer_params(self, layer: int | None = None, routed: bool = True) -> int:
         """Number of parameters of decoder layer ``layer`` (None: the largest)."""
-        return self._layer_params(self.largest_layer if layer is None else layer)
+        return self._layer_params(self.largest_layer if layer is None else layer, routed)
 
-    def _layer_params(self, layer: int) -> int:
-        return sum(math.prod(shape) for shape in self.layer_shapes(layer).values())
+    def _layer_params(self, layer: int, routed: bool = True) -> int:
+        shapes = self.layer_shapes(layer, routed).values()
+        return sum(math.prod(shape) for shape in shapes)
 
     def model_params(self) -> int:
         """Parameters of every decoder layer together."""

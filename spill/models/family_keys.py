@@ -19,10 +19,13 @@ LINEARS = ATTENTION + MLP  # every linear an adapter may target (the default Mod
 FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
+EXPERTS = "mlp.experts."  # an MoE layer's routed experts' names begin so, below the layer
+EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")  # each expert's, in its SwiGLU order
+
+
 def expert_linears(experts: int) -> tuple[str, ...]:
     """An MoE layer's expert linears by their hub names (``mlp.experts.<e>.gate_proj``)."""
-    parts = ("gate_proj", "up_proj", "down_proj")
-    return tuple(f"mlp.experts.{e}.{p}" for e in range(experts) for p in parts)
+    return tuple(f"{EXPERTS}{e}.{p}" for e in range(experts) for p in EXPERT_LINEARS)
 
 
 def rope_parameters(raw: dict) -> dict:

@@ -260,33 +260,45 @@ def _nbytes(info: dict) -> int:
     return end - start
 
 
-def layer_bytes(config, files: WeightFiles, itemsize: int, computes_packed=None) -> int:
-    """Bytes of the largest decoder layer as a ring slot holds it: a packed module's weight,
+def layer_bytes(
+    config, files: WeightFiles, itemsize: int, computes_packed=None, routed: bool = True
+) -> int:
+    """Bytes of the largest decoder layer as a ring slot holds it (``tensors_bytes``), its
+    routed experts left out unless ``routed``. A float folder's is ``layer_params() * itemsize``."""
+    return max(
+        tensors_bytes(
+            config,
+            files,
+            [f"model.layers.{i}.{k}" for k in config.layer_keys(i, routed)],
+            itemsize,
+            computes_packed,
+        )
+        for i in range(config.num_hidden_layers)
+    )
+
+
+def tensors_bytes(config, files: WeightFiles, names, itemsize: int, computes_packed=None) -> int:
+    """Bytes of the tensors ``names`` as the engine holds them: a packed module's weight,
     scales and biases as stored (the packed form), every other tensor at ``itemsize`` bytes a
-    value (read into the compute dtype). A float folder's is ``layer_params() * itemsize``.
-    ``computes_packed(bits, group_size, (out, in))``: the layer's compute form instead, where
-    the engine computes on the packed modules it accepts and expands the others."""
-    largest = 0
-    for i in range(config.num_hidden_layers):
-        total = 0
-        for key in config.layer_keys():
-            name = f"model.layers.{i}.{key}"
-            module = name.removesuffix(".weight")
-            if module != name and f"{module}.scales" in files.tensor_shard:
-                parts = [f"{module}.{p}" for p in ("weight", "scales", "biases")]
-                packed = sum(_nbytes(files.tensor_info(n)) for n in parts)
-                bits, group = config.quant_spec(module)
-                out, words = files.tensor_info(name)["shape"]
-                shape = (out, words * 32 // bits)
-                if computes_packed is None or computes_packed(bits, group, shape):
-                    total += packed
-                else:
-                    total += math.prod(shape) * itemsize
+    value (read into the compute dtype). ``computes_packed(bits, group_size, (out, in))``: the
+    compute form instead, where the engine computes on the packed modules it accepts and
+    expands the others."""
+    total = 0
+    for name in names:
+        module = name.removesuffix(".weight")
+        if module != name and f"{module}.scales" in files.tensor_shard:
+            parts = [f"{module}.{p}" for p in ("weight", "scales", "biases")]
+            packed = sum(_nbytes(files.tensor_info(n)) for n in parts)
+            bits, group = config.quant_spec(module)
+            out, words = files.tensor_info(name)["shape"]
+            shape = (out, words * 32 // bits)
+            if computes_packed is None or computes_packed(bits, group, shape):
+                total += packed
             else:
-                info = files.tensor_info(name)
-                total += math.prod(info["shape"]) * itemsize
-        largest = max(largest, total)
-    return largest
+                total += math.prod(shape) * itemsize
+        else:
+            total += math.prod(files.tensor_info(name)["shape"]) * itemsize
+    return total
 
 
 # It hashes the config, the shard names and sizes, the safetensors headers and every shard's full
