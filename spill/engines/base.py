@@ -110,6 +110,18 @@ class Stats:
     load_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
+    def routed(self) -> dict[str, str]:
+        """The final table's words where an MoE model's experts were read as routed
+        (``core.experts``): their bytes read against what whole layers would have read."""
+        read, whole = self.extra.get("expert_bytes_read"), self.extra.get("expert_bytes_whole")
+        if read is None or not whole:
+            return {}
+        return {"experts_read": f"{_size(read)} of {_size(whole)} ({read / whole:.1%})"}
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
 
 @dataclass(frozen=True)
 class TrainBatch:

@@ -78,6 +78,7 @@ def plan_model_ring(
     available: Callable[[], int],
     packed_bytes: int | None = None,
     compute_bytes: int | None = None,
+    routed: bool = True,
 ) -> RingPlan:
     """The ring plan of a model whose weights take ``itemsize`` bytes each in the compute dtype;
     ``available()`` is the device's default budget, asked only when ``options.memory`` gives
@@ -86,7 +87,8 @@ def plan_model_ring(
     held if it fits, else packed slots streamed (``EXPANDED`` expanded layers beside them).
     ``compute_bytes``: the expanded layer's bytes when the engine computes on a packed form of
     its own (torch's int4 kernel): resident in that form if it fits (or asked), else streamed."""
-    float_bytes = compute_bytes or cfg.layer_params() * itemsize  # a layer as compute takes it
+    # a layer as compute takes it (an MoE layer's routed experts left out unless ``routed``)
+    float_bytes = compute_bytes or cfg.layer_params(routed=routed) * itemsize
     # Resident parts come out of the default budget; an explicit one is the ring's own.
     head_bytes = cfg.vocab_size * cfg.hidden_size * itemsize
     head_bytes *= 1 if cfg.tie_word_embeddings else 2

@@ -18,13 +18,15 @@ from spill.engines.base import EngineInfo, LoadOptions, ModelSpec, Stats, TuneSh
 from spill.engines.core import budget as memory
 from spill.engines.core import heap
 from spill.engines.core.common import RingPlan, check_layers, plan_model_ring, tune_bytes
+from spill.engines.core.experts import Experts
 from spill.engines.core.kernel import Kernel
 from spill.engines.core.model import Model
 from spill.engines.core.ring import Hooks, Ring, Weights
 from spill.engines.core.runner import StreamRunner
 from spill.errors import UnsupportedModel
 from spill.models.config import ModelConfig
-from spill.models.weights import WeightFiles, layer_bytes, weight_files
+from spill.models.family_keys import EXPERT_LINEARS, EXPERTS
+from spill.models.weights import WeightFiles, layer_bytes, tensors_bytes, weight_files
 from spill.store.written import drop_written
 
 SMALL_HIDDEN = 256  # below this hidden size a CPU computes on one thread (torch's and OpenBLAS's)
@@ -104,7 +106,38 @@ def _weights(model: ModelSpec, place: Placement, plan: RingPlan) -> str:
     return f"{text}, {held} ({plan.slot_bytes / 1e6:.1f} MB a layer), {how} per use"
 
 
-# A quantized layer's ring slot is sized by its packed bytes (``models.weights.layer_bytes``).
+def _plan(cfg: ModelConfig, files, place: Placement, options: LoadOptions, routed: bool):
+    """The ring's plan, its layers with their routed experts or without (``common.plan_model_ring``;
+    a quantized layer's slot sized by its packed bytes, ``models.weights.layer_bytes``)."""
+    packed = compute = None
+    if cfg.quantization and place.expands:
+        packed = layer_bytes(cfg, files, place.itemsize, routed=routed)
+        if place.computes_packed is not None:
+            compute = layer_bytes(cfg, files, place.itemsize, place.computes_packed, routed)
+    return plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute, routed)
+
+
+# While a sparse layer computes, its routed experts are alive in their compute form (a tune's
+# backward keeps them): for a tune, all of the layer's (a micro-batch of hundreds of tokens routes
+# to nearly every expert); else those of a decode batch of 8 tokens.
+def _routed_bytes(cfg: ModelConfig, files, place: Placement, tuning: bool) -> int:
+    """Bytes the experts a sparse layer computes with take, in their compute form."""
+    i = cfg.sparse[0]
+    one = [f"model.layers.{i}.{EXPERTS}0.{p}.weight" for p in EXPERT_LINEARS]
+    each = tensors_bytes(cfg, files, one, place.itemsize, place.computes_packed)
+    return each * (cfg.experts if tuning else min(cfg.experts, 8 * cfg.experts_per_token))
+
+
+def _experts(cfg: ModelConfig, experts: Experts | None) -> str:
+    """The pre-run line's words for an MoE model's experts read as routed."""
+    if experts is None:
+        return ""
+    return (
+        f"experts read as routed ({cfg.experts_per_token} of {cfg.experts} a token, "
+        f"a cache of {experts.capacity / 2**20:.0f} MiB)"
+    )
+
+
 def open_runner(
     engine: Backend, model: ModelSpec, options: LoadOptions, tune: TuneShape | None = None
 ) -> StreamRunner:
@@ -124,11 +157,6 @@ def open_runner(
     check_layers(model, files)  # before the engine places it (the int4 kernel's file reads it)
     place = engine.place(cfg, model.folder, options)
     layers = cfg.num_hidden_layers
-    packed = compute = None
-    if cfg.quantization and place.expands:
-        packed = layer_bytes(cfg, files, place.itemsize)
-        if place.computes_packed is not None:
-            compute = layer_bytes(cfg, files, place.itemsize, place.computes_packed)
     # --memory (or the cgroup's limit) is the whole budget: the ring plans from what the
     # resident parts leave of it, and the reader leaves no page cache behind (core.budget)
     budget = memory.resolve(options.budget)
@@ -142,12 +170,23 @@ def open_runner(
         place.reader.drop_behind()
         between = heap.trim if heap.return_between_layers() else None
     drop_written(share is not None)
-    plan = plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute)
-    memory.check_fits(budget, resident, plan.layer_memory(), plan.slots, reserve)
+    plan = _plan(cfg, files, place, options, True)
+    # an MoE model whose layers stream reads each sparse layer's experts as routed
+    routed = bool(cfg.experts) and not (plan.resident or plan.held)
+    plan = _plan(cfg, files, place, options, False) if routed else plan
+    using = _routed_bytes(cfg, files, place, tune is not None) if routed else 0
+    memory.check_fits(budget, resident, plan.layer_memory() + using, plan.slots, reserve)
     stats = Stats()
     hooks = engine.hooks(place, plan.resident or plan.held)  # held layers: read, never mapped
-    loader = layer_loader(place.reader, cfg.layer_keys)
-    ring = Ring(loader, layers, plan.slots, plan.resident, stats, hooks, plan.held, between)
+    loader = layer_loader(place.reader, lambda i: cfg.layer_keys(i, not routed))
+    experts = None
+    if routed:
+        room = budget.total if budget.total is not None else place.budget()
+        cache = max(0, room - resident - reserve - plan.layer_memory() - using)
+        experts = Experts(cfg, place.reader, hooks, files, cache, stats)
+    ring = Ring(
+        loader, layers, plan.slots, plan.resident, stats, hooks, plan.held, between, experts
+    )
     info = EngineInfo(
         engine=engine.name,
         device=place.device_name,
@@ -158,7 +197,12 @@ def open_runner(
         resident=plan.resident or plan.held,
         weights=", ".join(
             w
-            for w in (_text_part(cfg, files), _weights(model, place, plan), place.weights_note)
+            for w in (
+                _text_part(cfg, files),
+                _weights(model, place, plan),
+                place.weights_note,
+                _experts(cfg, experts),
+            )
             if w
         ),
         memory=budget.words(),

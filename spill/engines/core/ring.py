@@ -77,6 +77,7 @@ class Ring:
         hooks: Hooks | None = None,
         held: bool = False,
         between: Callable[[], object] | None = None,
+        experts: Any = None,
     ):
         assert slots >= 1
         # resident: every layer's compute form lives for the run (a walker may keep it);
@@ -85,6 +86,9 @@ class Ring:
         self.held = held and not resident
         self.hooks = hooks or Hooks()
         self.between = between or (lambda: None)  # after each layer's use (a budget's heap trim)
+        # a streamed MoE model's routed experts (``core.experts.Experts``): a sparse layer's
+        # weights are handed out attached to them, its experts read as routed
+        self.experts = experts
         self.stats = stats
         self._lock = threading.Lock()
         self._live: set[int] = set()
@@ -126,7 +130,7 @@ class Ring:
         order = list(order)
         if self.resident:
             for i in order:
-                yield i, self._resident[i]
+                yield i, self._attach(i, self._resident[i])
                 self.between()
             return
         streaming = not self.held
@@ -174,7 +178,7 @@ class Ring:
                     raise error
                 try:
                     if ahead:
-                        yield i, self.hooks.ready(x)
+                        yield i, self._attach(i, self.hooks.ready(x))
                     else:
                         yield from self._use(i, self.hooks.ready(w))
                 finally:
@@ -196,12 +200,17 @@ class Ring:
     def _use(self, i: int, w: Weights) -> Iterator[tuple[int, Weights]]:
         x = self.hooks.expand(w)
         try:
-            yield i, x
+            yield i, self._attach(i, x)
         finally:
             if x is not w:
                 self.hooks.discard(x, w)
 
+    def _attach(self, i: int, w: Weights) -> Weights:
+        return w if self.experts is None else self.experts.attach(i, w)
+
     def close(self) -> None:
+        if self.experts is not None:
+            self.experts.close()
         for w in self._resident:
             w.clear()
         self._resident = []

@@ -142,19 +142,22 @@ class StreamTrainer:
         need = activation_bytes(m.cfg, self.lora, rows, length, k.itemsize)
         inputs = rows * length * m.cfg.num_hidden_layers * m.cfg.hidden_size * k.itemsize
         budget = self.budget(self.held_bytes())
-        if activations == "keep" and not m.ring.resident:
-            return ActivationPlan(False, need, budget, "layers stream")
+        # routed experts stream even where the rest of each layer is resident
+        resident = m.ring.resident and m.ring.experts is None
+        streams = "layers stream" if not m.ring.resident else "experts stream"
+        if activations == "keep" and not resident:
+            return ActivationPlan(False, need, budget, streams)
         if activations != "auto":
             return ActivationPlan(
                 activations == "keep", need, budget, f"--activations {activations}"
             )
-        if m.ring.resident and need <= budget:
+        if resident and need <= budget:
             return ActivationPlan(True, need, budget)
         names = k.kept_outputs()
         outputs = output_bytes(m.cfg, names, rows, length, k.itemsize) if names else 0
         # the layer inputs the recompute keeps come first out of the same budget
         room = budget - inputs
-        why = "" if m.ring.resident else "layers stream"
+        why = "" if resident else streams
         return ActivationPlan(False, need, budget, why, outputs if outputs <= room else 0)
 
     def accumulate(self, batch: TrainBatch) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from spill.engines.core.experts import need
 from spill.engines.mlx.ops import proj, rms_norm, silu
 from spill.engines.mlx.qwen3 import attention, mlp
 from spill.models.config import ModelConfig
@@ -43,7 +44,9 @@ def experts(cfg: ModelConfig, w: dict, x, lora):
     flat = x.reshape(-1, x.shape[-1])  # (N, hidden)
     top, chosen = route(cfg, w, flat)
     out = mx.zeros_like(flat)
-    for e in np.unique(chosen).tolist():  # ascending
+    hit = np.unique(chosen).tolist()  # ascending
+    need(w, hit)  # where experts stream: read in one call, only these
+    for e in hit:
         rows, slot = np.nonzero(chosen == e)  # the tokens routed to e, and at which rank
         pre = f"mlp.experts.{e}."
         r = mx.array(rows)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from spill.engines.core.experts import need
 from spill.engines.torch.ops import proj, rms_norm
 from spill.engines.torch.qwen3 import attention, mlp
 from spill.models.config import ModelConfig
@@ -46,7 +47,9 @@ def experts(cfg: ModelConfig, w: dict, x, lora):
     flat = x.reshape(-1, x.shape[-1])  # (N, hidden)
     top, chosen = route(cfg, w, flat)
     out = torch.zeros_like(flat)
-    for e in chosen.unique().tolist():  # ascending
+    hit = chosen.unique().tolist()  # ascending
+    need(w, hit)  # where experts stream: read in one call, only these
+    for e in hit:
         rows, slot = torch.where(chosen == e)  # the tokens routed to e, and at which rank
         h = expert(w, e, flat[rows], lora) * top[rows, slot, None]
         out = out.index_add(0, rows, h)

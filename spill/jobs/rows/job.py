@@ -14,7 +14,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -92,6 +92,7 @@ class Outcome:
     ran: int  # rows computed by this process
     seconds: float
     info: EngineInfo  # the engine that computed them
+    routed: dict[str, str] = field(default_factory=dict)  # an MoE model's expert reads (Stats)
 
     @property
     def complete(self) -> bool:  # False: stopped at ``stop_after``; records holds the rows done
@@ -104,6 +105,7 @@ class Outcome:
             "seconds": round(self.seconds, 2),
             "engine": self.info.engine,
             "numerics": self.info.numerics,
+            **self.routed,
         }
         if options.state:
             out.update(state=options.state, restored=self.restored, ran=self.ran)
@@ -379,4 +381,5 @@ def _execute(
         finally:
             loaded.runner.close()
     ran = len(todo)
-    return Outcome(ordered, total, len(ordered) - ran, ran, seconds, loaded.runner.info)
+    routed = loaded.runner.stats.routed()
+    return Outcome(ordered, total, len(ordered) - ran, ran, seconds, loaded.runner.info, routed)

@@ -283,6 +283,7 @@ class Leader:
             "state": self.root,
             "engine": self.runner.info.engine,
             "numerics": self.runner.info.numerics,
+            **self.runner.stats.routed(),
         }
         if group.world > 1:
             summary["procs"] = group.world

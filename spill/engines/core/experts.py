@@ -1,0 +1,131 @@
+"""A streamed MoE model's routed experts, read when its tokens route to them (``Experts``).
+
+A sparse layer's attention, norms and router come through the ring; its experts stay on disk. The
+family asks for the experts its tokens chose (``need``, one read of them all) and takes each
+expert's weights from the layer's dict (``Routed``). Experts read stay in a cache of the most
+recently used, bounded in bytes inside the memory budget; a decode step reads only the experts
+not cached, a tune step the union its batch routes to.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from spill.engines.base import Stats
+from spill.engines.core.ring import Hooks, Weights
+from spill.models.config import ModelConfig
+from spill.models.family_keys import EXPERT_LINEARS, EXPERTS
+from spill.models.weights import WeightFiles
+
+
+class Routed(dict):
+    """A sparse layer's weights whose experts (``mlp.experts.<e>.*``) are read when asked for:
+    each lookup gives the expert's tensor in the compute form, made then."""
+
+    def __init__(self, w: Weights, layer: int, experts: Experts):
+        super().__init__(w)
+        self.layer, self.experts = layer, experts
+
+    def __missing__(self, key: str):
+        if not key.startswith(EXPERTS):
+            raise KeyError(key)
+        return self.experts.tensor(self.layer, key)
+
+
+def need(w: Weights, chosen: Iterable[int]) -> None:
+    """Read the experts ``chosen`` of a layer at once where they stream (``w`` is ``Routed``)."""
+    if isinstance(w, Routed):
+        w.experts.read(w.layer, list(chosen))
+
+
+class Experts:
+    """Routed experts by (layer, expert), read through ``reader`` (an engine's weight reader,
+    ``hooks.ready`` applied once) and kept, least recently used first out, within ``cache``
+    bytes; ``stats.extra`` counts the bytes read against what whole layers would have read."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        reader,
+        hooks: Hooks,
+        files: WeightFiles,
+        cache: int,
+        stats: Stats | None = None,
+    ):
+        self.cfg, self.reader, self.hooks, self.files = cfg, reader, hooks, files
+        self.capacity, self.stats = cache, stats or Stats()
+        self._cache: OrderedDict[tuple[int, int], tuple[Weights, int]] = OrderedDict()
+        self.held = 0  # bytes of the cached experts, as read
+        self.read_bytes = 0  # expert bytes read from the files so far
+        self.whole = 0  # what reading every expert of each sparse layer walked would have read
+        self.reads = self.hits = 0
+        every = range(cfg.experts)
+        self._all = {
+            i: self.file_bytes([n for e in every for n in self.names(i, e)]) for i in cfg.sparse
+        }
+
+    def attach(self, i: int, w: Weights) -> Weights:
+        """Layer ``i``'s weights as the family computes with them."""
+        if i not in self.cfg.sparse:
+            return w
+        self.whole += self._all[i]
+        self._note()
+        return Routed(w, i, self)
+
+    def names(self, i: int, e: int) -> list[str]:
+        return [f"model.layers.{i}.{EXPERTS}{e}.{p}.weight" for p in EXPERT_LINEARS]
+
+    def file_bytes(self, names: list[str]) -> int:
+        """Bytes ``names`` take in the files (a packed weight's scales and biases too)."""
+        have, total = self.files.tensor_shard, 0
+        for name in names:
+            module = name.removesuffix(".weight")
+            for part in (name, f"{module}.scales", f"{module}.biases"):
+                if part in have:
+                    lo, hi = self.files.tensor_info(part)["data_offsets"]
+                    total += hi - lo
+        return total
+
+    def read(self, i: int, chosen: list[int]) -> None:
+        """Have layer ``i``'s experts ``chosen`` cached, those missing read in one call."""
+        missing = [e for e in chosen if (i, e) not in self._cache]
+        self.hits += len(chosen) - len(missing)
+        if missing:
+            names = [n for e in missing for n in self.names(i, e)]
+            got = self.hooks.ready(self.reader.tensors(names))
+            for e in missing:
+                mine = self.names(i, e)
+                nbytes = self.file_bytes(mine)
+                self._cache[(i, e)] = ({n: got[n] for n in mine}, nbytes)
+                self.held += nbytes
+                self.read_bytes += nbytes
+            self.reads += len(missing)
+        for e in chosen:
+            self._cache.move_to_end((i, e))
+        keep = len(chosen)  # the layer's own, just used, stay whatever the capacity
+        while self.held > self.capacity and len(self._cache) > keep:
+            _, (_, nbytes) = self._cache.popitem(last=False)
+            self.held -= nbytes
+        self._note()
+
+    def tensor(self, i: int, key: str):
+        """Layer ``i``'s expert tensor ``key`` (``mlp.experts.3.up_proj.weight``), computable."""
+        e = int(key[len(EXPERTS) :].split(".", 1)[0])
+        if (i, e) not in self._cache:
+            self.read(i, [e])
+        name = f"model.layers.{i}.{key}"
+        return self.hooks.expand({name: self._cache[(i, e)][0][name]})[name]
+
+    def _note(self) -> None:
+        self.stats.extra.update(
+            expert_bytes_read=self.read_bytes,
+            expert_bytes_whole=self.whole,
+            experts_read=self.reads,
+            experts_found=self.hits,
+            expert_cache_bytes=self.held,
+        )
+
+    def close(self) -> None:
+        self._cache.clear()
+        self.held = 0
