@@ -2,16 +2,15 @@
 Ollama, with an Ollama ``Modelfile`` that names the file and its stop tokens beside it.
 
 Each family is written as llama.cpp's architecture for it (Mistral as ``llama``, Gemma 3 as
-``gemma3``, Ministral 3 as ``mistral3``); what that architecture cannot express, and a tokenizer without merges, are refused in
-one line before anything is written. With ``--quantize`` every matrix whose rows split into 32-value
-blocks is Q8_0/Q4_0/Q4_1, and what the rounding costs the tune is measured and said
-(``spill.jobs.export.shift``). Memory stays at one merged tensor.
-"""
+``gemma3``, Ministral 3 as ``mistral3``, Qwen3-MoE as ``qwen3moe``: ``export.experts``); what that
+architecture cannot express, and a tokenizer without merges, are refused in one line before
+anything is written. With ``--quantize`` every matrix whose rows split into 32-value blocks is
+Q8_0/Q4_0/Q4_1, and what the rounding costs the tune is measured and said (``export.shift``).
+Memory stays at one merged tensor (or one stack of experts)."""
 
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -22,9 +21,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as ggml_quantize
 
 from spill.errors import UnsupportedModel
-from spill.jobs.export.merge import Inputs, merged, plan
+from spill.jobs.export import experts
+from spill.jobs.export.merge import Inputs
 from spill.jobs.export.shift import WeightShift, measure, seen_rows
-from spill.models.family_keys import yarn_mscale
 from spill.models.gguf import spm
 from spill.models.gguf.arch import (
     ARCHES,
@@ -32,12 +31,13 @@ from spill.models.gguf.arch import (
     FUSED,
     GLOBAL,
     LAYER,
-    LONGROPE,
     QK_NORMS,
     WRITTEN_AS,
     Arch,
 )
 from spill.models.gguf.reader import LLAMA3_SPLIT, QWEN2_SPLIT
+from spill.models.gguf.rotary import rope_freqs as rope_freqs  # the writer's, named here too
+from spill.models.gguf.rotary import rope_tensors, yarn_log_mul
 
 # Written through ``gguf.GGUFWriter`` as llama.cpp's ``convert_hf_to_gguf.py`` writes it: tensor
 # names are the exact inverse of spill's importer (``spill.models.gguf.arch``: one table, read both
@@ -68,55 +68,6 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, d // heads // 2, n_in).swapaxes(1, 2).reshape(d, n_in)
 
 
-# llama3 rope scaling becomes llama.cpp's ``rope_freqs.weight`` (spill's importer refuses such a
-# file: rope scaling).
-def rope_freqs(cfg) -> np.ndarray:
-    """llama.cpp's ``rope_freqs.weight`` for llama3 rope scaling, as ``convert_hf_to_gguf``
-    computes it: per rotary pair, the factor its frequency is divided by. (head_dim / 2,)"""
-    s = cfg.rope_scaling_dict
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old = s["original_max_position_embeddings"]
-    dim = cfg.head_dim
-    freqs = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    out = []
-    for freq in freqs.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, dtype=np.float32)
-
-
-# YaRN's attention factor as llama.cpp's mistral3 derives it: mscale 1 over ``yarn_log_multiplier``.
-def yarn_log_mul(cfg) -> float | None:
-    """The ``yarn_log_multiplier`` whose attention factor is the config's, to 6 decimals; None
-    where no multiplier gives it (an ``mscale`` other than 1, an attention factor apart)."""
-    factor = cfg.rope_scaling_dict["factor"]
-    full = yarn_mscale(factor)  # the factor's own: llama.cpp's without a multiplier
-    if np.float32(cfg.rope_attention) == np.float32(full):
-        return 0.0
-    if factor <= 1:
-        return None
-    mul = round((full / cfg.rope_attention - 1.0) / (0.1 * math.log(factor)), 6)
-    got = full / yarn_mscale(factor, mul)
-    return mul if mul > 0 and abs(got - cfg.rope_attention) <= 1e-6 * cfg.rope_attention else None
-
-
-def rope_tensors(cfg) -> dict[str, np.ndarray]:
-    """The rotary factor tensors llama.cpp reads: ``rope_freqs.weight`` for llama3 scaling, a
-    Phi-3's longrope factors (``LONGROPE``, float32 as the engines use them); none otherwise."""
-    if cfg.rope_kind == "llama3":
-        return {"rope_freqs.weight": rope_freqs(cfg)}
-    if cfg.rope_long:
-        long, short = (np.asarray(f, dtype=np.float32) for f in (cfg.rope_long, cfg.rope_short))
-        return dict(zip(LONGROPE, (long, short), strict=True))
-    return {}
-
-
 # Refused: a sliding window, or for Gemma 3 sliding layers off llama.cpp's fixed pattern or another
 # local rotary base, a query scale it would not infer, biases it has no tensor for, NoPE layers off
 # llama.cpp's fixed step. Gemma 3's norms are written as llama.cpp multiplies by
@@ -132,6 +83,8 @@ def _refuse_unwritable(inputs: Inputs) -> None:
         )
     name, layers = WRITTEN_AS[cfg.family], cfg.num_hidden_layers
     arch = ARCHES[name]
+    if arch.experts:  # every layer routed, top-k renormalized
+        experts.refuse(inputs, name)
     if cfg.windowed and not arch.swa_step:  # Qwen's use_sliding_window, Mistral's window
         raise UnsupportedModel(
             f"{inputs.base_name}: its sliding-window layers have no GGUF form spill writes "
@@ -329,6 +282,8 @@ def write(
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if arch.experts:
+        experts.add_keys(writer, inputs)
     if cfg.windowed:  # llama.cpp's own pattern of sliding layers (checked above)
         writer.add_sliding_window(cfg.sliding_window)
     stops = add_tokenizer(writer, inputs, tok, pre)
@@ -353,12 +308,13 @@ def write(
     for name, factors in extra.items():
         writer.add_tensor_info(name, factors.shape, np.float32, factors.nbytes)
         types["F32"] += 1
-    for name, shape in plan(inputs):
+    tensors = experts.layout(inputs)  # plan's, an MoE layer's experts stacked
+    for name, shape, parts in tensors:
         qtype = _storage(name, shape, dtype, quantize)
         block, size = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape)) // block * size
         writer.add_tensor_info(gguf_name(name, arch), shape, np.float32, nbytes, raw_dtype=qtype)
-        stored[name] = qtype
+        stored |= dict.fromkeys((name, *parts), qtype)  # shift.py's as_stored reads the parts
         types[qtype.name] += 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -368,7 +324,7 @@ def write(
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     rows = seen_rows(inputs) if quantize else ""
     weights = WeightShift(inputs, rows) if quantize and isinstance(rows, str) else None
-    for name, w in merged(inputs):
+    for name, w in experts.stream(inputs, tensors):
         module = name.rsplit(".", 2)[-2]
         if arch.permute and module in heads and name.endswith(".weight"):
             w = permute(w, heads[module])

@@ -138,13 +138,22 @@ class _Shards:
         self.fds.clear()
 
 
-def _order(name: str) -> tuple:
-    """HF's order: the embedding, the layers by number, the final norm, the head."""
-    if name.startswith("model.layers."):
-        k, rest = name[len("model.layers.") :].split(".", 1)
-        return (1, int(k), rest)
-    rank = {"model.embed_tokens.weight": 0, "model.norm.weight": 2, "lm_head.weight": 3}
-    return (rank.get(name, 4), 0, name)
+def _order(cfg: ModelConfig) -> Callable[[str], tuple]:
+    """HF's order: the embedding, the layers by number (each in its ``layer_keys`` order, an MoE
+    layer's experts by number), the final norm, the head."""
+    ranks: dict[int, dict[str, int]] = {}
+
+    def key(name: str) -> tuple:
+        if name.startswith("model.layers."):
+            k, rest = name[len("model.layers.") :].split(".", 1)
+            i = int(k)
+            if i not in ranks:
+                ranks[i] = {n: r for r, n in enumerate(cfg.layer_keys(i))}
+            return (1, i, ranks[i].get(rest, len(ranks[i])), rest)
+        rank = {"model.embed_tokens.weight": 0, "model.norm.weight": 2, "lm_head.weight": 3}
+        return (rank.get(name, 4), 0, 0, name)
+
+    return key
 
 
 def plan(inputs: Inputs) -> list[tuple[str, tuple[int, ...]]]:
@@ -152,7 +161,7 @@ def plan(inputs: Inputs) -> list[tuple[str, tuple[int, ...]]]:
     weight's ``scales`` and ``biases`` fold into it)."""
     files = weight_files(inputs.base_folder)
     out = []
-    for name in sorted(files.tensor_shard, key=_order):
+    for name in sorted(files.tensor_shard, key=_order(inputs.config)):
         module = name.rsplit(".", 1)[0]
         if name.endswith((".scales", ".biases")) and f"{module}.weight" in files.tensor_shard:
             continue
@@ -168,14 +177,15 @@ def plan(inputs: Inputs) -> list[tuple[str, tuple[int, ...]]]:
 # layout) is first dequantized to the float32 values the engines compute with. Tensors are read with
 # ``pread`` one at a time. The base's files are checked against their recorded sha256 when it is
 # resolved.
-def merged(inputs: Inputs) -> Iterator[tuple[str, np.ndarray]]:
-    """``(name, float32 array)`` of every tensor of the merged model, in ``plan`` order."""
+def merged(inputs: Inputs, names: list[str] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, float32 array)`` of every tensor of the merged model, in ``plan`` order, or of
+    ``names`` in their order (a GGUF stacks an MoE layer's experts projection by projection)."""
     files = weight_files(inputs.base_folder)
     params, scale = inputs.adapter.params, np.float32(inputs.adapter.lora.scale)
-    order = plan(inputs)
-    names = {n for n, _ in order}
+    shapes = dict(plan(inputs))
+    order = [(n, shapes[n]) for n in names] if names is not None else list(shapes.items())
     for key in sorted(params):
-        if f"model.{key.rsplit('.', 1)[0]}.weight" not in names:
+        if f"model.{key.rsplit('.', 1)[0]}.weight" not in shapes:
             raise SpillError(
                 f"{inputs.adapter_dir}: adapter tensor {key} has no weight in {inputs.base_name}; "
                 "export it onto the model it was tuned on"

@@ -1,10 +1,11 @@
 """``spill export --format mlx``: the merged model in mlx-lm's layout, as ``mlx_lm.fuse`` writes.
 
-mlx-lm reads HF tensor names and ``config.json``, so the float folder is the hf export's;
-``--quantize 4|8`` packs it in mlx-lm's affine layout (``spill.models.quant``: the same bits
-as ``mx.quantize``; group size 64, mlx-lm's default) for the tensors ``spill models quantize``
-picks (linears, the embedding, an untied head whose rows split into whole groups), scales and
-biases in ``--dtype``, with ``quantization`` and ``quantization_config`` in config.json.
+mlx-lm reads HF tensor names and ``config.json``, so the float folder is the hf export's, with the
+keys mlx-lm reads that transformers 5 does not write (``mlx_lm_keys``; an MoE's experts under the
+hub's per-expert names, which mlx-lm stacks as it loads); ``--quantize 4|8`` packs it in mlx-lm's
+affine layout (``spill.models.quant``: the same bits as ``mx.quantize``; group size 64) for the
+tensors ``spill models quantize`` picks (linears, the embedding, an untied head whose rows split
+into whole groups; an MoE is refused), with ``quantization`` and ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ from spill.models.sources.quantize import QUANTIZABLE
 GROUP_SIZE = 64
 
 
+def mlx_lm_keys(inputs: Inputs) -> dict:
+    """The keys mlx-lm 0.32 reads that transformers 5 does not write (a top-level
+    ``rope_theta``, an explicit ``head_dim``, an MoE's ``num_experts``), where config.json lacks
+    them; spill reads the folder the same with or without them."""
+    cfg, raw = inputs.config, inputs.raw_config
+    keys = {"rope_theta": cfg.rope_theta, "head_dim": cfg.head_dim}
+    keys |= {"num_experts": cfg.experts} if cfg.experts else {}
+    return {k: v for k, v in keys.items() if k not in raw}
+
+
 def write(
     inputs: Inputs,
     dest: Path,
@@ -35,6 +46,11 @@ def write(
     """Fill ``dest`` with the mlx-lm folder; what export.json adds."""
     specs: dict[str, Spec] = {}
     bits = int(quantize) if quantize else None
+    if bits and inputs.config.experts:
+        raise SpillError(
+            f"{inputs.base_name}: spill packs no mixture-of-experts model for mlx-lm yet (its "
+            "switch_mlp stacks); export it without --quantize"
+        )
 
     def entries(name: str, w: np.ndarray) -> dict[str, tuple[str, np.ndarray]]:
         code, stored = cast(w, dtype)
@@ -45,7 +61,7 @@ def write(
         return {name: (code, stored)}
 
     n = write_folder(inputs, dest, dtype, progress, shard_bytes, entries)
-    config = config_json(inputs, dtype)
+    config = config_json(inputs, dtype) | mlx_lm_keys(inputs)
     if bits:
         if not specs:
             raise SpillError(

@@ -10,6 +10,7 @@ original context length and the attention factor, read back into the config.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GLOBAL = {  # GGUF tensor -> HF name
@@ -46,8 +47,31 @@ FUSED = {  # a Phi-3's: q, k, v rows in one matrix; ffn_up holds gate's rows, th
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+ROUTED = {  # a Qwen3-MoE's: the router, and each projection of every expert stacked (E, out, in)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+}
 LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # F32, (rotary dims / 2,)
 _SPLIT = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight")
+_DENSE = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.weight")  # one expert's projection
+
+
+def stacked(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A layer's tensors (``ModelConfig.layer_shapes``) with its experts' projections stacked
+    as ``ROUTED`` names them (``mlp.experts.gate_proj.weight``: (experts, out, in)), in place of
+    the first expert's; a dense layer's as they are."""
+    count = 1 + max((int(m[1]) for k in shapes if (m := EXPERT.fullmatch(k))), default=-1)
+    out = {}
+    for k, shape in shapes.items():
+        m = EXPERT.fullmatch(k)
+        if m is None:
+            out[k] = shape
+        elif m[1] == "0":
+            out[f"mlp.experts.{m[2]}.weight"] = (count, *shape)
+    return out
 
 
 # What an architecture holds: whether attn_q/attn_k rows are interleaved for its rotary
@@ -64,7 +88,9 @@ _SPLIT = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", 
 # ``wide_query_layers``), embeddings by sqrt(hidden). Ministral 3 (``mistral3``) is a Llama with
 # YaRN (``rope.scaling.*``; ``yarn_log_multiplier`` is transformers' ``mscale_all_dim`` beside an
 # ``mscale`` of 1) and llama 4's query temperature (``attention.temperature_scale``, counted in
-# the original context length).
+# the original context length). Qwen3-MoE (``qwen3moe``) routes every layer: the router
+# ``ffn_gate_inp`` and each expert projection stacked (``ffn_gate_exps``, ``ROUTED``) in place of
+# the dense MLP, with ``expert_count``, ``expert_used_count`` and ``expert_feed_forward_length``.
 @dataclass(frozen=True)
 class Arch:
     family: str  # the model_type its GGUF imports as
@@ -86,11 +112,14 @@ class Arch:
     wide_query_layers: int = 0  # at this many blocks the scalar is hidden // heads, not head_dim
     yarn: bool = False  # YaRN rope scaling (its factor, betas, original length, log multiplier)
     temperature: bool = False  # queries times 1 + scale * log(1 + floor(p / original length))
+    experts: bool = False  # every layer routed: ffn_gate_inp and stacked ffn_*_exps (``ROUTED``)
 
     def layer_names(self) -> dict[str, str]:
         """GGUF per-layer tensor -> HF name under ``model.layers.{i}.``."""
         names = {k: v for k, v in LAYER.items() if k not in _SPLIT} | FUSED if self.fused else LAYER
         names = names | (BIASES if self.biases else {}) | (QK_NORMS if self.qk_norm else {})
+        if self.experts:
+            names = {k: v for k, v in names.items() if k not in _DENSE} | ROUTED
         return names | (GEMMA_NORMS if self.feedforward_norms else {})
 
     def no_rope(self, layers: int) -> tuple[int, ...]:
@@ -137,6 +166,7 @@ ARCHES = {
     "llama": Arch("llama", "LlamaForCausalLM", permute=True),
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM", False, biases=True, bias_keys=False),
     "qwen3": Arch("qwen3", "Qwen3ForCausalLM", permute=False, qk_norm=True),
+    "qwen3moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", permute=False, qk_norm=True, experts=True),
     "smollm3": Arch("smollm3", "SmolLM3ForCausalLM", permute=True, no_rope_step=4),
     "phi3": Arch(
         "phi3",

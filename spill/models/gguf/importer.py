@@ -1,9 +1,10 @@
-"""Import a GGUF of llama.cpp's llama, qwen2, qwen3, smollm3, phi3, gemma3 or mistral3 architecture
-(``gguf.arch``; their rotary keys: ``gguf.rotary``) as an HF-layout folder (``import_gguf``). Every
-tensor is dequantized exactly as ggml does and stored so that nothing is rounded, or with
-``keep_quantization`` kept packed in mlx-lm's affine layout (``gguf.quant``) where it has one. The
-tokenizer is rebuilt from the GGUF vocabulary without transformers. The folder is renamed into
-place at the end (a crash never leaves half a model at ``dest``); the same GGUF gives the same bytes.
+"""Import a GGUF of llama.cpp's llama, qwen2, qwen3, qwen3moe, smollm3, phi3, gemma3 or mistral3
+architecture (``gguf.arch``; their rotary keys: ``gguf.rotary``) as an HF-layout folder
+(``import_gguf``), qwen3moe's stacked experts as each expert's tensors. Every tensor is dequantized
+exactly as ggml does and stored so that nothing is rounded, or with ``keep_quantization`` kept
+packed in mlx-lm's affine layout (``gguf.quant``) where it has one. The tokenizer is rebuilt from
+the GGUF vocabulary without transformers. The folder is renamed into place at the end (a crash
+never leaves half a model at ``dest``); the same GGUF gives the same bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from spill.errors import ModelError, ModelNotFound, UnsupportedModel
 from spill.ground.hashing import file_sha256
 from spill.models.config import parse_config
 from spill.models.gguf import quant as gguf_quant
-from spill.models.gguf.arch import ARCHES, GLOBAL, LONGROPE, Arch
+from spill.models.gguf.arch import ARCHES, GLOBAL, LONGROPE, Arch, stacked
 from spill.models.gguf.reader import GGUFFile, TensorInfo, read_gguf, tokenizer_json
 from spill.models.gguf.rotary import f32, longrope_config, yarn_config
 from spill.models.integrity import model_files
@@ -97,14 +98,15 @@ def import_gguf(
                     entries, specs[hf_name.removesuffix(".weight")], record[hf_name] = kept
                     tensors.update(entries)
                     continue
-            w = gguf.read(info)  # (out, in) float32
+            w = gguf.read(info)  # (out, in) float32; (experts, out, in) for a stack
             if heads:
                 w = _unpermute(w, heads)
             if shift and hf_name.endswith("norm.weight"):
                 w = w - shift  # llama.cpp's (1 + w) back to HF's w
-            dtype, stored = _exact_storage(w)
-            tensors[hf_name] = (dtype, stored)
-            record[hf_name] = {"gguf": info.name, "ggml_type": info.qtype.name, "dtype": dtype}
+            for name, one in _experts(hf_name, w):
+                dtype, stored = _exact_storage(one)
+                tensors[name] = (dtype, stored)
+                record[name] = {"gguf": info.name, "ggml_type": info.qtype.name, "dtype": dtype}
             del w
         write_file(tmp / "model.safetensors", tensors, {"format": "pt"})
         del tensors
@@ -161,8 +163,8 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
             f"{where}: GGUF architecture {arch!r} is not supported; spill imports "
             f"{', '.join(ARCHES)} GGUFs"
         )
-    if meta.get(f"{arch}.expert_count"):
-        raise UnsupportedModel(f"{where}: mixture-of-experts GGUFs are not supported")
+    if meta.get(f"{arch}.expert_count") and not ARCHES[arch].experts:
+        raise UnsupportedModel(f"{where}: mixture-of-experts {arch} GGUFs are not supported")
     longrope = any(t.name in LONGROPE for t in gguf.tensors)
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if (
@@ -238,6 +240,15 @@ def _configs(gguf: GGUFFile) -> tuple[dict, dict, dict]:
         "pad_token_id": ids["padding"],
         "torch_dtype": "float32",  # the widest dtype stored; every tensor is exact in float32
     }
+    if ARCHES[arch].experts:  # llama.cpp routes every layer, top-k weights renormalized
+        config |= {
+            "num_experts": need("expert_count"),
+            "num_experts_per_tok": need("expert_used_count"),
+            "moe_intermediate_size": need("expert_feed_forward_length"),
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
     if longrope:
         config |= longrope_config(gguf, arch, rotary, config)
     if ARCHES[arch].yarn:
@@ -287,9 +298,8 @@ def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, in
     expected = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         expected["lm_head.weight"] = (vocab, h)
-    layer = cfg.layer_shapes()
-    for i in range(cfg.num_hidden_layers):
-        expected.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    for i in range(cfg.num_hidden_layers):  # an MoE layer's experts stacked (``arch.ROUTED``)
+        expected |= {f"model.layers.{i}.{k}": s for k, s in stacked(cfg.layer_shapes(i)).items()}
     q, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     plan, where = [], gguf.path.name
     for info in gguf.tensors:
@@ -320,6 +330,15 @@ def _tensor_plan(gguf: GGUFFile, config: dict) -> list[tuple[str, TensorInfo, in
     for _, info, _ in plan:  # refuse an unsupported quantization before any work
         gguf.check_supported(info)
     return plan
+
+
+def _experts(hf_name: str, w: np.ndarray):
+    """``(hf name, array)``: a stack of experts' projection (``mlp.experts.gate_proj.weight``)
+    as each expert's (``mlp.experts.<e>.gate_proj.weight``), any other tensor as it is."""
+    head, _, proj = hf_name.rpartition(".experts.")
+    if not head:
+        return [(hf_name, w)]
+    return [(f"{head}.experts.{e}.{proj}", w[e]) for e in range(w.shape[0])]
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -1,0 +1,230 @@
+"""``spill export`` of adapters tuned on Qwen3-MoE (issue 41; transformers-made folders,
+``hf_families.MOE``; the adapter on the attention linears): the merged HF folder keeps config.json's
+MoE keys and every expert under the hub's per-expert names, bit for bit the base's, and scores in
+transformers' Qwen3MoeForCausalLM as ``spill eval --adapter`` on the base (within 1e-5, float32);
+the mlx-lm folder loads in mlx-lm's qwen3_moe (the keys it reads written) and scores the same. A
+GGUF (llama.cpp's qwen3moe: experts stacked as ``ffn_*_exps``) of a model that routes every layer
+with top-k weights renormalized imports back through spill's importer bit for bit and scores the
+same, its Q4_0 form imports packed; dense layers and ``norm_topk_prob`` false are refused in one
+line. Slow: llama.cpp runs that GGUF as transformers runs the HF export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from spill.errors import UnsupportedModel
+from spill.jobs.export.gguf import _refuse_unwritable
+from spill.models.config import load_config, parse_config
+from spill.models.sources.tiny import write_tiny
+from tests.func.test_export_families import (
+    FLOAT,
+    ROTARY,
+    ROWS,
+    TUNE,
+    _gold_log_probs,
+    _jsonl,
+    _llama_cpp_logits,
+    _ok,
+    _spill,
+    _tensors,
+    _with_a_merge,
+)
+from tests.unit.engines import hf_families
+
+# every layer routed, top 2 of 8 renormalized: what llama.cpp's qwen3moe runs; experts 64 wide,
+# so Q4_0's 32-value blocks split every matrix
+ROUTED = (
+    "Qwen3Moe",
+    dict(
+        num_hidden_layers=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+)
+SPECS = {**hf_families.MOE, "qwen3_moe-routed": ROUTED}
+REFUSED = {  # why each variant's GGUF is refused
+    "qwen3_moe": "its layers [1] have a dense MLP",
+    "qwen3_moe-step": "its layers [0] have a dense MLP",
+}
+
+
+def _tune(tmp_path: Path, model: Path, home: Path) -> Path:
+    """The state of a 2-step float32 tune of ``model`` on the attention linears."""
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus 3?", "completion": f" {i + 3}."}
+        for i in range(8)
+    ]
+    train, state = _jsonl(tmp_path / "train.jsonl", rows), tmp_path / "state"
+    argv = ["tune", str(model), str(train), "--name", "t", "--state", str(state)]
+    _ok(_spill(*argv, *TUNE, "--targets", "all", *FLOAT, home=home))
+    return state
+
+
+def _eval(folder: Path, tmp_path: Path, label: str, home: Path, *extra: str) -> list[float]:
+    """``spill eval``'s gold log-prob of each of ROWS on ``folder`` (float32)."""
+    rows, graded = _jsonl(tmp_path / "rows.jsonl", ROWS), tmp_path / f"{label}.jsonl"
+    argv = ["eval", str(folder), str(rows), "--out", str(graded), *extra, *FLOAT]
+    _ok(_spill(*argv, home=home))
+    return [json.loads(line)["gold_logprob"] for line in graded.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("variant", list(REFUSED))
+def test_the_hf_export_keeps_the_experts_and_scores_as_spill_and_a_gguf_is_refused(
+    variant, tmp_path, tiny_models
+):
+    home = tmp_path / "home"
+    model = hf_families.make(variant, tmp_path / variant, tiny_models["llama"], spec=SPECS[variant])
+    state = _tune(tmp_path, model, home)
+    ours = _eval(model, tmp_path, "adapter", home, "--adapter", str(state / "adapter"))
+
+    hf = tmp_path / "hf"
+    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
+    base, merged = json.loads((model / "config.json").read_text()), load_config(hf)
+    config = json.loads((hf / "config.json").read_text())
+    moe = ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+    moe += ("mlp_only_layers", "decoder_sparse_step")
+    assert {k: config[k] for k in moe} == {k: base[k] for k in moe}
+    assert merged.sparse == load_config(model).sparse and merged.sparse
+    want, got = _tensors(model), _tensors(hf)
+    assert set(got) == set(want)
+    assert (
+        f"model.layers.{merged.sparse[0]}.mlp.experts.{merged.experts - 1}.down_proj.weight" in got
+    )
+    changed = {k for k in want if not np.array_equal(got[k], want[k])}
+    assert changed and all(".self_attn." in k and k.endswith("_proj.weight") for k in changed)
+    assert np.allclose(_gold_log_probs(hf), ours, rtol=0, atol=1e-5)
+
+    gguf = tmp_path / "gguf"
+    refused = _spill("export", str(state), str(gguf), "--format", "gguf", home=home)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 1 and len(lines) == 1 and "Traceback" not in refused.stderr
+    assert lines[0].startswith("spill: error: ") and REFUSED[variant] in lines[0], lines
+    assert not gguf.exists()
+
+
+def test_llama_cpps_qwen3moe_renormalizes_so_norm_topk_prob_false_is_refused(tmp_path):
+    raw = json.loads((write_tiny(tmp_path / "moe", "qwen3_moe") / "config.json").read_text())
+    _refuse_unwritable(SimpleNamespace(config=parse_config(raw), base_name="base"))
+    with pytest.raises(UnsupportedModel) as err:
+        cfg = parse_config(raw | {"norm_topk_prob": False})
+        _refuse_unwritable(SimpleNamespace(config=cfg, base_name="base"))
+    said = str(err.value)
+    assert "\n" not in said and "norm_topk_prob is false" in said and "--format hf" in said
+
+
+@pytest.mark.mlx
+def test_mlx_lm_loads_the_mlx_export_as_spill_scores_it(tmp_path, tiny_models):
+    """mlx-lm's qwen3_moe reads ``num_experts``, a top-level ``rope_theta`` and ``head_dim``,
+    which the export writes; it has no attention biases, so "qwen3_moe" (a dense layer among
+    the routed ones), not "qwen3_moe-step". ``--quantize`` is refused (no switch_mlp packing)."""
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install mlx-lm)")
+    mx = pytest.importorskip("mlx.core")
+    from spill.models.tokenizer import Tokenizer
+
+    home, variant = tmp_path / "home", "qwen3_moe"
+    model = hf_families.make(variant, tmp_path / variant, tiny_models["llama"], spec=SPECS[variant])
+    state = _tune(tmp_path, model, home)
+    ours = _eval(model, tmp_path, "adapter", home, "--adapter", str(state / "adapter"))
+    out = tmp_path / "mlx"
+    _ok(_spill("export", str(state), str(out), "--format", "mlx", "--dtype", "f32", home=home))
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_experts"] == 8 and config["rope_theta"] == 10000.0
+    assert config["head_dim"] == 24
+
+    theirs, _ = mlx_lm.utils.load_model(out)
+    theirs.set_dtype(mx.float32)
+    tok, got = Tokenizer(out), []
+    for row in ROWS:
+        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], False)
+        logits = theirs(mx.array([prompt + answer]))[0].astype(mx.float32)
+        lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(np.float64)
+        got.append(float(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(answer))))
+    gap = np.abs(np.array(got) - ours).max()
+    print(f"\nmlx-lm vs spill, summed gold log-probs: {gap:.3g}")
+    assert gap <= 1e-5, gap
+
+    packed = tmp_path / "mlx-q4"
+    argv = ["export", str(state), str(packed), "--format", "mlx", "--quantize", "4"]
+    refused = _spill(*argv, home=home)
+    assert refused.returncode == 1 and "export it without --quantize" in refused.stderr
+    assert not packed.exists()
+
+
+def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(tmp_path, tiny_models):
+    from gguf import GGUFReader
+
+    from spill.models.gguf.importer import import_gguf
+
+    home = tmp_path / "home"
+    model = _with_a_merge(
+        hf_families.make("x", tmp_path / "moe", tiny_models["llama"], spec=ROUTED)
+    )
+    state = _tune(tmp_path, model, home)
+    hf, out = tmp_path / "hf", tmp_path / "gguf"
+    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
+    _ok(_spill("export", str(state), str(out), "--format", "gguf", "--dtype", "f32", home=home))
+    gguf = out / "model-f32.gguf"
+    reader = GGUFReader(gguf)
+    fields = {f.name: f.contents() for f in reader.fields.values()}
+    assert fields["general.architecture"] == "qwen3moe"
+    assert fields["qwen3moe.expert_count"] == 8 and fields["qwen3moe.expert_used_count"] == 2
+    assert fields["qwen3moe.expert_feed_forward_length"] == 64
+    shapes = {t.name: tuple(int(d) for d in t.shape[::-1]) for t in reader.tensors}
+    assert shapes["blk.1.ffn_gate_inp.weight"] == (8, 64)
+    assert shapes["blk.1.ffn_gate_exps.weight"] == (8, 64, 64)
+    assert shapes["blk.1.ffn_down_exps.weight"] == (8, 64, 64)
+    assert not [n for n in shapes if n.endswith(("ffn_gate.weight", "ffn_up.weight"))]
+
+    back = import_gguf(gguf, tmp_path / "back")
+    mine, theirs = load_config(back), load_config(hf)
+    moe = ("experts", "experts_per_token", "expert_size", "norm_topk_prob", "sparse")
+    assert all(getattr(mine, k) == getattr(theirs, k) for k in ROTARY + moe)
+    want, got = _tensors(hf), _tensors(back)
+    assert set(got) == set(want)
+    assert all(np.array_equal(got[k], w) for k, w in want.items())
+    ours = _eval(model, tmp_path, "adapter", home, "--adapter", str(state / "adapter"))
+    assert np.allclose(_eval(back, tmp_path, "gguf", home), ours, rtol=0, atol=1e-5)
+
+    # Q4_0 (every matrix, the stacks too), imported kept packed and dequantized alike
+    q4 = tmp_path / "q4"
+    _ok(_spill("export", str(state), str(q4), "--format", "gguf", "--quantize", "q4_0", home=home))
+    kept = import_gguf(q4 / "model-q4_0.gguf", tmp_path / "kept", keep_quantization=True)
+    floats = import_gguf(q4 / "model-q4_0.gguf", tmp_path / "floats")
+    assert json.loads((kept / "config.json").read_text())["quantization"]
+    scores = {
+        label: _eval(f, tmp_path, label, home) for label, f in (("kept", kept), ("floats", floats))
+    }
+    assert np.allclose(scores["kept"], scores["floats"], rtol=0, atol=1e-5)
+    assert not np.allclose(scores["floats"], ours, rtol=0, atol=1e-5)  # it rounded
+
+
+@pytest.mark.slow  # llama-cpp-python (built from its sdist)
+def test_llama_cpp_runs_the_qwen3moe_gguf_as_transformers_runs_the_hf_export(tmp_path, tiny_models):
+    """The routed model, tuned and exported as f32 GGUF (llama.cpp's qwen3moe) and HF:
+    llama.cpp's logits (F32 KV cache) are within 1e-4 of transformers' at every position."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (it builds from its sdist)"
+    )
+    import torch
+
+    from spill.models.tokenizer import Tokenizer
+    from tests.func.test_export_families import _tuned_f32_exports
+
+    hf, gguf = _tuned_f32_exports(tmp_path, tiny_models, ROUTED)
+    theirs, tok = hf_families.load(hf), Tokenizer(hf)
+    ids = tok.encode(" ".join(f"w{i}" for i in range(20)))[:50]
+    got = _llama_cpp_logits(llama_cpp, gguf, ids, 256)
+    with torch.no_grad():
+        want = theirs(torch.tensor([ids])).logits[0].double().numpy()
+    gap = np.abs(got - want).max()
+    print(f"\n{len(ids)} tokens: llama.cpp vs transformers {gap:.3g}")
+    assert gap <= 1e-4, gap
