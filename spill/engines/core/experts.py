@@ -26,11 +26,12 @@ class Routed(dict):
     def __init__(self, w: Weights, layer: int, experts: Experts):
         super().__init__(w)
         self.layer, self.experts = layer, experts
+        self.made: list[tuple[Weights, Weights]] = []  # (compute form, as read) handed out
 
     def __missing__(self, key: str):
         if not key.startswith(EXPERTS):
             raise KeyError(key)
-        return self.experts.tensor(self.layer, key)
+        return self.experts.expert(self, key)
 
 
 def need(w: Weights, chosen: Iterable[int]) -> None:
@@ -109,13 +110,26 @@ class Experts:
             self.held -= nbytes
         self._note()
 
-    def tensor(self, i: int, key: str):
-        """Layer ``i``'s expert tensor ``key`` (``mlp.experts.3.up_proj.weight``), computable."""
+    def expert(self, w: Routed, key: str):
+        """The layer ``w``'s expert tensor ``key`` (``mlp.experts.3.up_proj.weight``) in its
+        compute form, remembered until ``detach``."""
+        name = f"model.layers.{w.layer}.{key}"
         e = int(key[len(EXPERTS) :].split(".", 1)[0])
-        if (i, e) not in self._cache:
-            self.read(i, [e])
-        name = f"model.layers.{i}.{key}"
-        return self.hooks.expand({name: self._cache[(i, e)][0][name]})[name]
+        if (w.layer, e) not in self._cache:
+            self.read(w.layer, [e])
+        loaded = {name: self._cache[(w.layer, e)][0][name]}
+        made = self.hooks.expand(loaded)
+        if made is not loaded:
+            w.made.append((made, loaded))
+        return made[name]
+
+    def detach(self, w: Weights) -> None:
+        """The layer's use of ``w`` is over: the compute forms made for it go back to the
+        engine (its pool: the next layer's expand reuses their memory, no page faults)."""
+        if isinstance(w, Routed):
+            for made, loaded in w.made:
+                self.hooks.discard(made, loaded)
+            w.made.clear()
 
     def _note(self) -> None:
         self.stats.extra.update(

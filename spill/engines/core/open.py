@@ -30,6 +30,9 @@ from spill.models.weights import WeightFiles, layer_bytes, tensors_bytes, weight
 from spill.store.written import drop_written
 
 SMALL_HIDDEN = 256  # below this hidden size a CPU computes on one thread (torch's and OpenBLAS's)
+# a streamed MoE model's experts are read as routed (``core.experts``); False: inside whole layers,
+# as a dense model's streams (bench/moe.py's baseline, ``--whole``)
+ROUTED = True
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ def open_runner(
     drop_written(share is not None)
     plan = _plan(cfg, files, place, options, True)
     # an MoE model whose layers stream reads each sparse layer's experts as routed
-    routed = bool(cfg.experts) and not (plan.resident or plan.held)
+    routed = ROUTED and bool(cfg.experts) and not (plan.resident or plan.held)
     plan = _plan(cfg, files, place, options, False) if routed else plan
     using = _routed_bytes(cfg, files, place, tune is not None) if routed else 0
     memory.check_fits(budget, resident, plan.layer_memory() + using, plan.slots, reserve)

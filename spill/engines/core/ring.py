@@ -130,7 +130,7 @@ class Ring:
         order = list(order)
         if self.resident:
             for i in order:
-                yield i, self._attach(i, self._resident[i])
+                yield from self._attached(i, self._resident[i])
                 self.between()
             return
         streaming = not self.held
@@ -178,7 +178,7 @@ class Ring:
                     raise error
                 try:
                     if ahead:
-                        yield i, self._attach(i, self.hooks.ready(x))
+                        yield from self._attached(i, self.hooks.ready(x))
                     else:
                         yield from self._use(i, self.hooks.ready(w))
                 finally:
@@ -200,13 +200,21 @@ class Ring:
     def _use(self, i: int, w: Weights) -> Iterator[tuple[int, Weights]]:
         x = self.hooks.expand(w)
         try:
-            yield i, self._attach(i, x)
+            yield from self._attached(i, x)
         finally:
             if x is not w:
                 self.hooks.discard(x, w)
 
-    def _attach(self, i: int, w: Weights) -> Weights:
-        return w if self.experts is None else self.experts.attach(i, w)
+    def _attached(self, i: int, w: Weights) -> Iterator[tuple[int, Weights]]:
+        """``(i, w)``, a sparse layer's weights attached to its routed experts while used."""
+        if self.experts is None:
+            yield i, w
+            return
+        routed = self.experts.attach(i, w)
+        try:
+            yield i, routed
+        finally:
+            self.experts.detach(routed)
 
     def close(self) -> None:
         if self.experts is not None:

@@ -121,6 +121,11 @@ class WeightReader:
         self._converted = np.empty(0, dtype=np.uint8)  # one tensor in the compute dtype
         self._checked: set[str] = set()  # tensors found finite (``_check_finite``)
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of tensor data read so far (benchmarks count a pass with it)."""
+        return self._shards.bytes_read
+
     def drop_behind(self) -> None:
         """Leave no read range in the page cache (a memory budget is in force: ``core.reader``)."""
         self._shards.drop = True

@@ -56,9 +56,11 @@ def dequantize_into(
     biases: torch.Tensor,
     bits: int,
     group_size: int,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` (rows, in) with the dequantized values of ``weight`` int32 (rows, words),
-    ``scales`` and ``biases`` (rows, in / group_size)."""
+    ``scales`` and ``biases`` (rows, in / group_size); a non-float32 ``out`` goes through
+    ``scratch`` (float32, at least ``CHUNK_VALUES`` or the whole matrix; else a new one)."""
     rows, cols = out.shape
     words = weight.view(torch.uint8)  # (rows, words * 4)
     s = scales.to(torch.float32).unsqueeze(-1)  # (rows, groups, 1)
@@ -70,7 +72,10 @@ def dequantize_into(
         groups.add_(b)
         return out
     step = max(1, CHUNK_VALUES // max(cols, 1))
-    scratch = torch.empty((min(step, rows), cols), dtype=torch.float32, device=out.device)
+    need = min(step, rows) * cols  # <= max(CHUNK_VALUES, cols) values
+    if scratch is None or scratch.numel() < need or scratch.device != out.device:
+        scratch = torch.empty(need, dtype=torch.float32, device=out.device)
+    scratch = scratch[:need].view(min(step, rows), cols)
     for r in range(0, rows, step):
         x = scratch[: min(step, rows - r)]  # (n, in)
         _values(x, words[r : r + step], bits)
@@ -81,6 +86,6 @@ def dequantize_into(
     return out
 
 
-def dequantize(p: Packed, out: torch.Tensor) -> torch.Tensor:
+def dequantize(p: Packed, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``p``'s values in ``out`` (``p.shape``, the compute dtype)."""
-    return dequantize_into(out, p.weight, p.scales, p.biases, p.bits, p.group_size)
+    return dequantize_into(out, p.weight, p.scales, p.biases, p.bits, p.group_size, scratch)

@@ -90,10 +90,9 @@ def test_the_cache_evicts_the_least_recently_used_expert_first(folder):
     experts.read(0, [1])  # 1 is now the most recent, 2 the least
     experts.read(2, [4, 5])
     assert list(experts._cache) == [(0, 1), (2, 4), (2, 5)] and experts.held == 3 * one
-    assert (
-        experts.tensor(0, "mlp.experts.1.up_proj.weight")
-        == "model.layers.0.mlp.experts.1.up_proj.weight"
-    )
+    w = experts.attach(0, {"self_attn.q_proj.weight": "q"})
+    assert w["mlp.experts.1.up_proj.weight"] == "model.layers.0.mlp.experts.1.up_proj.weight"
+    assert w["self_attn.q_proj.weight"] == "q" and w.get("mlp.experts.1.up_proj.bias") is None
     experts.read(2, [0, 1, 2, 3])  # more than the cache holds: the layer's own all stay
     assert list(experts._cache) == [(2, 0), (2, 1), (2, 2), (2, 3)]
     assert (experts.reads, experts.hits) == (9, 1)
