@@ -1,7 +1,8 @@
 """``spill export`` of adapters tuned on Qwen3-MoE (issue 41; transformers-made folders,
 ``hf_families.MOE``; the adapter on the attention linears): the merged HF folder keeps config.json's
 MoE keys and every expert under the hub's per-expert names, bit for bit the base's, and scores in
-transformers' Qwen3MoeForCausalLM as ``spill eval --adapter`` on the base (within 1e-5, float32);
+transformers' Qwen3MoeForCausalLM as ``spill eval --adapter`` on the base (within 1e-5, float32),
+a base with stacked experts (transformers 5's fused layout, mlx-lm's switch_mlp) too;
 the mlx-lm folder loads in mlx-lm's qwen3_moe (the keys it reads written) and scores the same. A
 GGUF (llama.cpp's qwen3moe: experts stacked as ``ffn_*_exps``) of a model that routes every layer
 with top-k weights renormalized imports back through spill's importer bit for bit and scores the
@@ -11,6 +12,7 @@ line. Slow: llama.cpp runs that GGUF as transformers runs the HF export."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,6 +53,7 @@ ROUTED = (
     ),
 )
 SPECS = {**hf_families.MOE, "qwen3_moe-routed": ROUTED}
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 REFUSED = {  # why each variant's GGUF is refused
     "qwen3_moe": "its layers [1] have a dense MLP",
     "qwen3_moe-step": "its layers [0] have a dense MLP",
@@ -109,6 +112,56 @@ def test_the_hf_export_keeps_the_experts_and_scores_as_spill_and_a_gguf_is_refus
     assert refused.returncode == 1 and len(lines) == 1 and "Traceback" not in refused.stderr
     assert lines[0].startswith("spill: error: ") and REFUSED[variant] in lines[0], lines
     assert not gguf.exists()
+
+
+def _restacked(hub: Path, folder: Path, layout: str) -> Path:
+    """``hub``'s model with its experts stored as transformers 5 holds them in memory ("fused":
+    ``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I)) or as mlx-lm's
+    ``switch_mlp`` stacks ("switch_mlp": (E, out, in) a projection)."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(hub / "model.safetensors")
+    out = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+    mlps = {n.split(".experts.")[0] for n in tensors if ".mlp.experts." in n}
+    for mlp in sorted(mlps):
+        count = len({n for n in tensors if n.startswith(f"{mlp}.experts.") and "down" in n})
+
+        def stack(p: str, mlp=mlp, count=count) -> np.ndarray:
+            return np.stack([tensors[f"{mlp}.experts.{e}.{p}.weight"] for e in range(count)])
+
+        if layout == "fused":
+            out[f"{mlp}.experts.gate_up_proj"] = np.concatenate(
+                [stack("gate_proj"), stack("up_proj")], axis=1
+            )
+            out[f"{mlp}.experts.down_proj"] = stack("down_proj")
+        else:
+            out |= {f"{mlp}.switch_mlp.{p}.weight": stack(p) for p in PROJECTIONS}
+    folder.mkdir()
+    save_file(out, folder / "model.safetensors", {"format": "pt"})
+    for f in hub.iterdir():
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["fused", "switch_mlp"])
+def test_stacked_experts_are_exported_per_expert_as_the_hub_names_them(
+    layout, tmp_path, tiny_models
+):
+    """A base whose experts are stored stacked (transformers 5's fused in-memory layout, mlx-lm's
+    switch_mlp) exports each expert's tensors by the hub's names, bit for bit the hub folder's,
+    and the HF folder scores in transformers as spill scores the stacked base with the adapter."""
+    home, spec = tmp_path / "home", SPECS["qwen3_moe"]
+    hub = hf_families.make("qwen3_moe", tmp_path / "hub", tiny_models["llama"], spec=spec)
+    model = _restacked(hub, tmp_path / layout, layout)
+    state = _tune(tmp_path, model, home)
+    ours = _eval(model, tmp_path, "adapter", home, "--adapter", str(state / "adapter"))
+    hf = tmp_path / "hf"
+    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
+    want, got = _tensors(hub), _tensors(hf)
+    assert set(got) == set(want)
+    assert all(np.array_equal(got[k], w) for k, w in want.items() if ".self_attn." not in k)
+    assert np.allclose(_gold_log_probs(hf), ours, rtol=0, atol=1e-5)
 
 
 def test_llama_cpps_qwen3moe_renormalizes_so_norm_topk_prob_false_is_refused(tmp_path):
