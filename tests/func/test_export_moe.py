@@ -178,11 +178,9 @@ def test_llama_cpps_qwen3moe_renormalizes_so_norm_topk_prob_false_is_refused(tmp
 def test_mlx_lm_loads_the_mlx_export_as_spill_scores_it(tmp_path, tiny_models):
     """mlx-lm's qwen3_moe reads ``num_experts``, a top-level ``rope_theta`` and ``head_dim``,
     which the export writes; it has no attention biases, so "qwen3_moe" (a dense layer among
-    the routed ones), not "qwen3_moe-step". ``--quantize`` is refused (no switch_mlp packing)."""
+    the routed ones), not "qwen3_moe-step". ``--quantize 4`` stacks the experts as switch_mlp."""
     mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install mlx-lm)")
     mx = pytest.importorskip("mlx.core")
-    from spill.models.tokenizer import Tokenizer
-
     home, variant = tmp_path / "home", "qwen3_moe"
     model = hf_families.make(variant, tmp_path / variant, tiny_models["llama"], spec=SPECS[variant])
     state = _tune(tmp_path, model, home)
@@ -193,23 +191,44 @@ def test_mlx_lm_loads_the_mlx_export_as_spill_scores_it(tmp_path, tiny_models):
     assert config["num_experts"] == 8 and config["rope_theta"] == 10000.0
     assert config["head_dim"] == 24
 
-    theirs, _ = mlx_lm.utils.load_model(out)
+    gap = np.abs(np.array(_mlx_lm_log_probs(mlx_lm, mx, out)) - ours).max()
+    print(f"\nmlx-lm vs spill, summed gold log-probs: {gap:.3g}")
+    assert gap <= 1e-5, gap
+
+    # packed: each projection's experts stacked as switch_mlp (down_proj's 48 columns make no
+    # group of 64: stacked in float), scored by spill on that same folder
+    packed = tmp_path / "mlx-q4"
+    argv = ["export", str(state), str(packed), "--format", "mlx", "--quantize", "4"]
+    _ok(_spill(*argv, "--dtype", "f32", home=home))
+    names = set(_tensors(packed))
+    stacks = {
+        f"model.layers.0.mlp.switch_mlp.{p}.{part}"
+        for p in PROJECTIONS
+        for part in ("weight", "scales")
+    }
+    assert names >= stacks - {"model.layers.0.mlp.switch_mlp.down_proj.scales"}
+    assert "model.layers.0.mlp.switch_mlp.down_proj.scales" not in names
+    assert not [n for n in names if ".experts." in n]
+    assert json.loads((packed / "config.json").read_text())["quantization"]["bits"] == 4
+    ours = _eval(packed, tmp_path, "packed", home)
+    gap = np.abs(np.array(_mlx_lm_log_probs(mlx_lm, mx, packed)) - ours).max()
+    print(f"mlx-lm vs spill on the 4-bit export: {gap:.3g}")
+    assert gap <= 1e-4, gap
+
+
+def _mlx_lm_log_probs(mlx_lm, mx, folder: Path) -> list[float]:
+    """The gold answers' summed log-probs under mlx-lm (float32)."""
+    from spill.models.tokenizer import Tokenizer
+
+    theirs, _ = mlx_lm.utils.load_model(folder)
     theirs.set_dtype(mx.float32)
-    tok, got = Tokenizer(out), []
+    tok, got = Tokenizer(folder), []
     for row in ROWS:
         prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], False)
         logits = theirs(mx.array([prompt + answer]))[0].astype(mx.float32)
         lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(np.float64)
         got.append(float(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(answer))))
-    gap = np.abs(np.array(got) - ours).max()
-    print(f"\nmlx-lm vs spill, summed gold log-probs: {gap:.3g}")
-    assert gap <= 1e-5, gap
-
-    packed = tmp_path / "mlx-q4"
-    argv = ["export", str(state), str(packed), "--format", "mlx", "--quantize", "4"]
-    refused = _spill(*argv, home=home)
-    assert refused.returncode == 1 and "export it without --quantize" in refused.stderr
-    assert not packed.exists()
+    return got
 
 
 def test_a_gguf_export_imports_back_bit_for_bit_and_scores_as_spill(tmp_path, tiny_models):

@@ -1,15 +1,16 @@
 """``spill export --format mlx``: the merged model in mlx-lm's layout, as ``mlx_lm.fuse`` writes.
 
 mlx-lm reads HF tensor names and ``config.json``, so the float folder is the hf export's, with the
-keys mlx-lm reads that transformers 5 does not write (``mlx_lm_keys``; an MoE's experts under the
-hub's per-expert names, which mlx-lm stacks as it loads); ``--quantize 4|8`` packs it in mlx-lm's
-affine layout (``spill.models.quant``: the same bits as ``mx.quantize``; group size 64) for the
-tensors ``spill models quantize`` picks (linears, the embedding, an untied head whose rows split
-into whole groups; an MoE is refused), with ``quantization`` and ``quantization_config``.
+keys mlx-lm reads that transformers 5 does not write (``mlx_lm_keys``); ``--quantize 4|8`` packs it
+in mlx-lm's affine layout (``spill.models.quant``: the same bits as ``mx.quantize``; group size 64)
+for the tensors ``spill models quantize`` picks (linears, the embedding, an untied head whose rows
+split into whole groups; an MoE layer's experts as mlx-lm's ``switch_mlp`` stacks, a layer's
+experts held until the last one comes), with ``quantization`` and ``quantization_config``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from spill.models.quant import quantize as affine
 from spill.models.sources.quantize import QUANTIZABLE
 
 GROUP_SIZE = 64
+EXPERT = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.\d+\.(\w+)\.weight")
 
 
 def mlx_lm_keys(inputs: Inputs) -> dict:
@@ -46,15 +48,24 @@ def write(
     """Fill ``dest`` with the mlx-lm folder; what export.json adds."""
     specs: dict[str, Spec] = {}
     bits = int(quantize) if quantize else None
-    if bits and inputs.config.experts:
-        raise SpillError(
-            f"{inputs.base_name}: spill packs no mixture-of-experts model for mlx-lm yet (its "
-            "switch_mlp stacks); export it without --quantize"
-        )
+    held: dict[str, list[np.ndarray]] = {}  # switch_mlp module -> its experts so far
 
     def entries(name: str, w: np.ndarray) -> dict[str, tuple[str, np.ndarray]]:
         code, stored = cast(w, dtype)
-        if bits and name.endswith(QUANTIZABLE) and w.ndim == 2 and w.shape[1] % GROUP_SIZE == 0:
+        group = w.shape[-1] % GROUP_SIZE == 0
+        expert = EXPERT.fullmatch(name) if bits else None
+        if expert:  # held until every expert's projection came (plan: experts in order)
+            module = f"{expert[1]}.switch_mlp.{expert[2]}"
+            held.setdefault(module, []).append(stored)
+            if len(held[module]) < inputs.config.experts:
+                return {}
+            stack = held.pop(module)
+            if not group:
+                return {f"{module}.weight": (code, np.stack(stack))}
+            specs[module] = Spec(bits, GROUP_SIZE)
+            parts = zip(*(affine(x, bits, GROUP_SIZE) for x in stack), strict=True)
+            return safetensors_entries(module, *(np.stack(p) for p in parts), code)
+        if bits and name.endswith(QUANTIZABLE) and w.ndim == 2 and group:
             module = name.removesuffix(".weight")
             specs[module] = Spec(bits, GROUP_SIZE)
             return safetensors_entries(module, *affine(stored, bits, GROUP_SIZE), code)
