@@ -66,6 +66,7 @@ def _tune(tmp_path: Path, model: Path, home: Path) -> Path:
         {"prompt": f"Question {i}: what is {i} plus 3?", "completion": f" {i + 3}."}
         for i in range(8)
     ]
+    tmp_path.mkdir(exist_ok=True)
     train, state = _jsonl(tmp_path / "train.jsonl", rows), tmp_path / "state"
     argv = ["tune", str(model), str(train), "--name", "t", "--state", str(state)]
     _ok(_spill(*argv, *TUNE, "--targets", "all", *FLOAT, home=home))
@@ -214,6 +215,26 @@ def test_mlx_lm_loads_the_mlx_export_as_spill_scores_it(tmp_path, tiny_models):
     gap = np.abs(np.array(_mlx_lm_log_probs(mlx_lm, mx, packed)) - ours).max()
     print(f"mlx-lm vs spill on the 4-bit export: {gap:.3g}")
     assert gap <= 1e-4, gap
+
+
+def test_a_packed_moe_base_is_dequantized_for_the_hf_export(tmp_path, tiny_models):
+    """An adapter tuned on a 4-bit mlx-lm folder of a Qwen3-MoE (its experts switch_mlp stacks,
+    spill's own mlx export): the HF export dequantizes every expert under the hub's names and
+    scores in transformers as spill scores the packed base with the adapter (within 1e-5)."""
+    home, variant = tmp_path / "home", "qwen3_moe"
+    model = hf_families.make(variant, tmp_path / variant, tiny_models["llama"], spec=SPECS[variant])
+    packed = tmp_path / "mlx-q4"
+    argv = ["export", str(_tune(tmp_path, model, home)), str(packed), "--format", "mlx"]
+    _ok(_spill(*argv, "--quantize", "4", "--dtype", "f32", home=home))
+    state = _tune(tmp_path / "again", packed, home)
+    ours = _eval(packed, tmp_path, "adapter", home, "--adapter", str(state / "adapter"))
+    hf = tmp_path / "hf"
+    _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
+    got = _tensors(hf)
+    assert set(got) == set(_tensors(model)) and "quantization" not in json.loads(
+        (hf / "config.json").read_text()
+    )
+    assert np.allclose(_gold_log_probs(hf), ours, rtol=0, atol=1e-5)
 
 
 def _mlx_lm_log_probs(mlx_lm, mx, folder: Path) -> list[float]:
