@@ -1,7 +1,7 @@
 """A streamed MoE model's routed experts, read when its tokens route to them (``Experts``).
 
 A sparse layer's attention, norms and router come through the ring; its experts stay on disk. The
-family asks for the experts its tokens chose (``need``, one read of them all) and takes each
+family asks for the experts its tokens chose (``need``, read before the first is used) and takes each
 expert's weights from the layer's dict (``Routed``). Experts read stay in a cache of the most
 recently used, bounded in bytes inside the memory budget; a decode step reads only the experts
 not cached, a tune step the union its batch routes to.
@@ -88,20 +88,21 @@ class Experts:
                     total += hi - lo
         return total
 
+    # Each expert is read on its own: a read's buffer holds exactly that expert's tensors, so
+    # evicting it frees what the cache counted (experts read together shared the buffers of the
+    # contiguous ranges they made, and an evicted one kept its neighbours' memory alive: a tune
+    # inside 8 GiB was OOM-killed so).
     def read(self, i: int, chosen: list[int]) -> None:
-        """Have layer ``i``'s experts ``chosen`` cached, those missing read in one call."""
+        """Have layer ``i``'s experts ``chosen`` cached, those missing read, in file order."""
         missing = [e for e in chosen if (i, e) not in self._cache]
         self.hits += len(chosen) - len(missing)
-        if missing:
-            names = [n for e in missing for n in self.names(i, e)]
-            got = self.hooks.ready(self.reader.tensors(names))
-            for e in missing:
-                mine = self.names(i, e)
-                nbytes = self.file_bytes(mine)
-                self._cache[(i, e)] = ({n: got[n] for n in mine}, nbytes)
-                self.held += nbytes
-                self.read_bytes += nbytes
-            self.reads += len(missing)
+        for e in missing:
+            mine = self.names(i, e)
+            nbytes = self.file_bytes(mine)
+            self._cache[(i, e)] = (self.hooks.ready(self.reader.tensors(mine)), nbytes)
+            self.held += nbytes
+            self.read_bytes += nbytes
+        self.reads += len(missing)
         for e in chosen:
             self._cache.move_to_end((i, e))
         keep = len(chosen)  # the layer's own, just used, stay whatever the capacity

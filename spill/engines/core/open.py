@@ -33,6 +33,10 @@ SMALL_HIDDEN = 256  # below this hidden size a CPU computes on one thread (torch
 # a streamed MoE model's experts are read as routed (``core.experts``); False: inside whole layers,
 # as a dense model's streams (bench/moe.py's baseline, ``--whole``)
 ROUTED = True
+# The expert cache leaves this share of what it could take to the heap: its buffers come and go
+# as experts are read and evicted, and the heap held ~300 MiB over its count at the peak of a tune
+# of a 17 GB MoE model planned to fill 7808 MiB (RSS 8497 MiB, measured; docs/reports/022).
+HEAP_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,9 @@ def _routed_bytes(cfg: ModelConfig, files, place: Placement, tuning: bool) -> in
     """Bytes the experts a sparse layer computes with take, in their compute form."""
     i = cfg.sparse[0]
     one = [f"model.layers.{i}.{EXPERTS}0.{p}.weight" for p in EXPERT_LINEARS]
-    each = tensors_bytes(cfg, files, one, place.itemsize, place.computes_packed)
+    # an expanding engine computes on the float form of what it does not compute packed
+    packed = (place.computes_packed or (lambda *_: False)) if place.expands else None
+    each = tensors_bytes(cfg, files, one, place.itemsize, packed)
     return each * (cfg.experts if tuning else min(cfg.experts, 8 * cfg.experts_per_token))
 
 
@@ -185,7 +191,8 @@ def open_runner(
     experts = None
     if routed:
         room = budget.total if budget.total is not None else place.budget()
-        cache = max(0, room - resident - reserve - plan.layer_memory() - using)
+        left = max(0, room - resident - reserve - plan.layer_memory() - using)
+        cache = left - left // HEAP_SHARE
         experts = Experts(cfg, place.reader, hooks, files, cache, stats)
     ring = Ring(
         loader, layers, plan.slots, plan.resident, stats, hooks, plan.held, between, experts
@@ -211,4 +218,6 @@ def open_runner(
         memory=budget.words(),
     )
     kernel = engine.kernel(cfg, place)
-    return StreamRunner(Model(kernel, ring), info, stats, share, plan.layer_memory())
+    # the routed experts in use and their cache are the layers' too (a tune's budget counts them)
+    held = plan.layer_memory() + using + (experts.capacity if experts is not None else 0)
+    return StreamRunner(Model(kernel, ring), info, stats, share, held)

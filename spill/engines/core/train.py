@@ -153,7 +153,9 @@ class StreamTrainer:
             )
         if resident and need <= budget:
             return ActivationPlan(True, need, budget)
-        names = k.kept_outputs()
+        # routed experts: their cache took the room kept outputs would (a 17 GB MoE model's tune
+        # kept 0.35 GB beyond its plan and was OOM-killed inside 8 GiB, docs/reports/022)
+        names = k.kept_outputs() if m.ring.experts is None else frozenset()
         outputs = output_bytes(m.cfg, names, rows, length, k.itemsize) if names else 0
         # the layer inputs the recompute keeps come first out of the same budget
         room = budget - inputs

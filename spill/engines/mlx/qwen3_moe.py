@@ -45,7 +45,7 @@ def experts(cfg: ModelConfig, w: dict, x, lora):
     top, chosen = route(cfg, w, flat)
     out = mx.zeros_like(flat)
     hit = np.unique(chosen).tolist()  # ascending
-    need(w, hit)  # where experts stream: read in one call, only these
+    need(w, hit)  # where experts stream: these are read, none other
     for e in hit:
         rows, slot = np.nonzero(chosen == e)  # the tokens routed to e, and at which rank
         pre = f"mlp.experts.{e}."

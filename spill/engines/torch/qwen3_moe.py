@@ -48,7 +48,7 @@ def experts(cfg: ModelConfig, w: dict, x, lora):
     top, chosen = route(cfg, w, flat)
     out = torch.zeros_like(flat)
     hit = chosen.unique().tolist()  # ascending
-    need(w, hit)  # where experts stream: read in one call, only these
+    need(w, hit)  # where experts stream: these are read, none other
     for e in hit:
         rows, slot = torch.where(chosen == e)  # the tokens routed to e, and at which rank
         h = expert(w, e, flat[rows], lora) * top[rows, slot, None]

@@ -103,7 +103,8 @@ VARIANTS = {
 }
 # Qwen3-MoE (issue 41): routed experts beside a dense layer (``mlp_only_layers``), top-k weights
 # renormalized; and every other layer sparse (``decoder_sparse_step`` 2) with biased attention,
-# top 3 of 6 as they come out of the softmax. Not in VARIANTS: the exports do not take it yet.
+# top 3 of 6 as they come out of the softmax. Apart from VARIANTS: llama.cpp's qwen3moe takes
+# neither (tests/func/test_export_moe.py), and the dense families' tests run over VARIANTS.
 MOE = {
     "qwen3_moe": (
         "Qwen3Moe",
