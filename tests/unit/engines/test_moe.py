@@ -1,18 +1,24 @@
 """Qwen3-MoE (issue 41) on every engine against transformers' own ``Qwen3MoeForCausalLM``:
 log-probs within 1e-5 and greedy tokens equal to ``generate`` (float32), with a dense layer among
 the sparse ones and every other layer sparse; streamed == resident bit for bit; LoRA training on
-the attention linears (the default targets) and on the experts, the streamed walk and kept
-activations bit for bit alike. The models are made by transformers (``hf_families.MOE``)."""
+the attention linears (the default targets), the streamed walk and kept activations bit for bit
+alike (the experts' own adapters: test_moe_mlx_lm). Models made by transformers (``MOE``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from spill.engines.base import GenerateParams
 from tests.unit.engines import hf_families
-from tests.unit.engines.kit import PROMPTS, open_runner, same, tokens
-from tests.unit.engines.test_families import LONG, NEW, ROWS, hf_log_probs
+from tests.unit.engines.kit import open_runner
+
+# the dense families' tests, run here over MOE's variants (this module's ``variant`` fixture):
+# log-probs and greedy tokens against transformers, streamed (experts read as routed) == resident
+from tests.unit.engines.test_families import (  # noqa: F401
+    test_greedy_matches_transformers,
+    test_log_probs_match_transformers,
+    test_streamed_and_resident_are_bit_identical,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -41,43 +47,6 @@ def test_the_config_says_which_layers_route_and_how(folders):
     assert "mlp.gate_proj.weight" in moe.layer_keys(1) and moe.largest_layer == 0
     step = load_config(folders["qwen3_moe-step"])
     assert step.sparse == (1,) and not step.norm_topk_prob and step.qkv_bias
-
-
-def test_log_probs_match_transformers(engine, variant):
-    name, folder = variant
-    hf = hf_families.load(folder)
-    runner = open_runner(engine, folder, ring=2, dtype="float32")
-    got = runner.score(*ROWS)
-    for prompt, completion, ours in zip(*ROWS, got, strict=True):
-        ref = hf_log_probs(hf, prompt, completion)
-        assert np.abs(ours - ref).max() <= 1e-5, name
-    runner.close()
-
-
-def test_greedy_matches_transformers(engine, variant):
-    name, folder = variant
-    hf = hf_families.load(folder)
-    runner = open_runner(engine, folder, ring=2, dtype="float32")
-    for prompt in (PROMPTS[0], PROMPTS[2], LONG[0]):
-        ours = runner.generate([prompt], GenerateParams(max_new_tokens=NEW), [0])[0]
-        out = hf.generate(torch.tensor(prompt)[None], do_sample=False, max_new_tokens=NEW)
-        theirs = out[0, len(prompt) :].tolist()
-        assert ours.tokens.tolist() == theirs[: len(ours.tokens)], name
-    runner.close()
-
-
-def test_streamed_and_resident_are_bit_identical(engine, variant):
-    _, folder = variant
-    streamed = open_runner(engine, folder, ring=2, dtype="float32")
-    resident = open_runner(engine, folder, resident=True, dtype="float32")
-    assert same(streamed.score(*ROWS), resident.score(*ROWS))
-    prompts = [*PROMPTS, LONG[0]]
-    params = GenerateParams(max_new_tokens=NEW)
-    assert tokens(streamed.generate(prompts, params, [0, 1, 2, 3])) == tokens(
-        resident.generate(prompts, params, [0, 1, 2, 3])
-    )
-    streamed.close()
-    resident.close()
 
 
 @pytest.mark.parametrize("targets", ["all", "q_proj,v_proj"])

@@ -132,33 +132,6 @@ def test_log_probs_match_the_torch_engine(variant):
     theirs.close()
 
 
-def test_kept_activations_and_the_recompute_walk_train_bit_identically(variant):
-    """The streamed walk (each layer's vjp recomputes its routing) and one vjp over the resident
-    stack: the same losses, adapters and AdamW state bit for bit, with dropout."""
-    from spill.models.lora import LoraConfig
-    from tests.unit.engines.kit import fresh, nudged
-    from tests.unit.engines.kit import tune as tune_steps
-
-    _, folder = variant
-    cfg = load_config(folder)
-    lora = LoraConfig(
-        rank=4, alpha=8, dropout=0.1, targets=LoraConfig.parse_targets("all", cfg.linears)
-    )
-    runs = []
-    for options, mode in (({"ring": 2}, "auto"), ({"resident": True}, "keep")):
-        runner = open_runner(ENGINE, folder, dtype="float32", **options)
-        trainer = fresh(runner, cfg, lora, nudged(cfg, lora))
-        assert trainer.plan(3, 8, mode).keep == (mode == "keep")
-        runs.append((tune_steps(trainer, 3), trainer.state()))
-        runner.close()
-    (losses_a, state_a), (losses_b, state_b) = runs
-    assert losses_a == losses_b and losses_a[-1] < losses_a[0]
-    assert all(
-        a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
-        for a, b in zip(state_a, state_b, strict=True)
-    )
-
-
 def layer_gradients(cfg, weights, x, cotangent, adapters, engine: str):
     """Layer 0's output and the gradients of x and of every adapter's A and B for ``cotangent``,
     through spill's MLX family and mx.vjp or its torch family and autograd (numpy in, out)."""
