@@ -42,11 +42,11 @@ from tests.func.test_cross_engine import (
     param_distance,
     tune_argv,
 )
-from tests.func.test_cross_engine_families import PARAMS
+from tests.func.test_cross_engine_families import OVER, PARAMS
 from tests.unit.engines import hf_families
 from tests.unit.engines.kit import load_engine
 
-FAMILIES = ["qwen3", "mistral", "smollm3", "gemma3", "phi3-long", "ministral3"]
+FAMILIES = ["qwen3", "mistral", "smollm3", "gemma3", "phi3-long", "ministral3", "qwen3_moe"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,10 @@ class Family:
     env: dict
     clean: Run  # the uninterrupted torch run
     span: float  # seconds from its first COMMIT to "adapter written"
+    over: dict  # the family's own options (``OVER``)
 
     def argv(self, state: str, engine: str = "torch", **over) -> list[str]:
+        over = {**self.over, **over}
         return tune_argv(
             self.model, self.train, state, engine=engine, dropout=0.0, targets="all", **over
         )
@@ -74,9 +76,9 @@ def family(variant: str, tmp_path_factory, tiny_models) -> Family:
         train = kit.write_train(base / "train.jsonl")
         env = kit.spill_env(base / "home", OMP_NUM_THREADS="1")
         state = str(base / "clean")
-        made = Family(model, train, env, Run(state, [], {}), 0.0)
+        made = Family(model, train, env, Run(state, [], {}), 0.0, OVER.get(variant, {}))
         span = timed(made.argv(state), env, state)
-        _made[variant] = Family(model, train, env, Run.read(state), span)
+        _made[variant] = Family(model, train, env, Run.read(state), span, made.over)
     return _made[variant]
 
 

@@ -180,7 +180,7 @@ def make(
     beside a copy of the tokenizer."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    name, extra = spec or VARIANTS[variant]
+    name, extra = spec or VARIANTS.get(variant) or MOE[variant]
     kw = {**SHAPE, **extra}
     theta = kw.pop("rope_theta", None)
     if theta is not None:
