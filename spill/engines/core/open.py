@@ -124,17 +124,18 @@ def _plan(cfg: ModelConfig, files, place: Placement, options: LoadOptions, route
     return plan_model_ring(cfg, place.itemsize, options, place.budget, packed, compute, routed)
 
 
-# While a sparse layer computes, its routed experts are alive in their compute form (a tune's
-# backward keeps them): for a tune, all of the layer's (a micro-batch of hundreds of tokens routes
-# to nearly every expert); else those of a decode batch of 8 tokens.
-def _routed_bytes(cfg: ModelConfig, files, place: Placement, tuning: bool) -> int:
-    """Bytes the experts a sparse layer computes with take, in their compute form."""
+# While a sparse layer computes, the routed experts it made are alive in their compute form until
+# it is done (a tune's backward needs them; the engine's pool takes them back after): all of the
+# layer's, since a micro-batch or a prompt of a few dozen tokens routes to nearly every expert (a
+# batch-8 decode counted as 64 experts sat at 7.9 GB of an 8 GiB limit, docs/reports/022).
+def _routed_bytes(cfg: ModelConfig, files, place: Placement) -> int:
+    """Bytes a sparse layer's experts take in their compute form."""
     i = cfg.sparse[0]
     one = [f"model.layers.{i}.{EXPERTS}0.{p}.weight" for p in EXPERT_LINEARS]
     # an expanding engine computes on the float form of what it does not compute packed
     packed = (place.computes_packed or (lambda *_: False)) if place.expands else None
     each = tensors_bytes(cfg, files, one, place.itemsize, packed)
-    return each * (cfg.experts if tuning else min(cfg.experts, 8 * cfg.experts_per_token))
+    return each * cfg.experts
 
 
 def _experts(cfg: ModelConfig, experts: Experts | None) -> str:
@@ -183,7 +184,7 @@ def open_runner(
     # an MoE model whose layers stream reads each sparse layer's experts as routed
     routed = ROUTED and bool(cfg.experts) and not (plan.resident or plan.held)
     plan = _plan(cfg, files, place, options, False) if routed else plan
-    using = _routed_bytes(cfg, files, place, tune is not None) if routed else 0
+    using = _routed_bytes(cfg, files, place) if routed else 0
     memory.check_fits(budget, resident, plan.layer_memory() + using, plan.slots, reserve)
     stats = Stats()
     hooks = engine.hooks(place, plan.resident or plan.held)  # held layers: read, never mapped
