@@ -80,7 +80,6 @@ def layer_loader(reader, keys: Callable[[int], Sequence[str]]) -> Callable[[int]
         names = keys(i)
         found = reader.tensors([f"model.layers.{i}.{k}" for k in names])
         return {k: found[f"model.layers.{i}.{k}"] for k in names}
-        return {k: found[f"model.layers.{i}.{k}"] for k in keys}
 
     return load
 
