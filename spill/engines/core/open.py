@@ -187,7 +187,8 @@ def open_runner(
     memory.check_fits(budget, resident, plan.layer_memory() + using, plan.slots, reserve)
     stats = Stats()
     hooks = engine.hooks(place, plan.resident or plan.held)  # held layers: read, never mapped
-    loader = layer_loader(place.reader, lambda i: cfg.layer_keys(i, not routed))
+    keys = [cfg.layer_keys(i, not routed) for i in range(layers)]  # once, not per load
+    loader = layer_loader(place.reader, keys.__getitem__)
     experts = None
     if routed:
         room = budget.total if budget.total is not None else place.budget()
