@@ -109,8 +109,9 @@ def qwen3(raw: dict, layers: int) -> dict:
 def qwen3_moe(raw: dict, layers: int) -> dict:
     """Qwen3-MoE: Qwen3's attention; a layer routes each token to ``num_experts_per_tok`` of
     ``num_experts`` SwiGLU experts (``moe_intermediate_size`` wide) unless it is in
-    ``mlp_only_layers`` or not every ``decoder_sparse_step``-th (a dense MLP then). Adapters
-    target the attention linears, which every layer has."""
+    ``mlp_only_layers`` or not every ``decoder_sparse_step``-th (a dense MLP then). ``linears``
+    is the attention, which every layer has; adapters go on the experts only when asked
+    (``models/lora``)."""
     experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))
     step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers") or ())
     top = int(raw.get("num_experts_per_tok", 8))

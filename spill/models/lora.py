@@ -4,7 +4,8 @@ spill names a parameter ``layers.<k>.<module>.lora_a`` (``[in, r]``) and ``lora_
 (``[r, out]``), ``<module>`` being the HF path inside a decoder layer (``self_attn.q_proj``).
 The initial adapter is drawn here in numpy from the seed, so every engine starts from the same
 bytes: ``lora_a`` uniform in +-1/sqrt(in) (what PEFT's kaiming-uniform init gives) and
-``lora_b`` zero, so the tuned model starts equal to the base.
+``lora_b`` zero, so the tuned model starts equal to the base. On a model with experts, gate,
+up and down (``experts``) adapt every expert's linear (``layer_targets`` says which modules).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from spill.errors import SpillError
 from spill.models.config import FUSED, LINEARS, ModelConfig
+from spill.models.family_keys import EXPERT_LINEARS
 
 
 def _merged(*orders: tuple[str, ...]) -> tuple[str, ...]:
@@ -35,6 +37,7 @@ def _merged(*orders: tuple[str, ...]) -> tuple[str, ...]:
 KNOWN = _merged(LINEARS, FUSED)
 MODULES = {m.rsplit(".", 1)[1]: m for m in KNOWN}  # q_proj -> self_attn.q_proj, ...
 ALL_LINEAR = tuple(m.rsplit(".", 1)[1] for m in LINEARS)  # "all" on the families of LINEARS
+EXPERT_TARGETS = EXPERT_LINEARS  # an MoE model's per-expert targets
 
 
 @dataclass(frozen=True)
@@ -57,22 +60,36 @@ class LoraConfig:
 
     @classmethod
     def parse_targets(
-        cls, text: str, linears: tuple[str, ...] = LINEARS, family: str | None = None
+        cls,
+        text: str,
+        linears: tuple[str, ...] = LINEARS,
+        family: str | None = None,
+        experts: bool = False,
     ) -> tuple[str, ...]:
         """Short names of ``linears`` (a model's, ``ModelConfig.linears``) that ``text`` names;
-        ``all`` names every one; ``family`` is named in the refusal."""
+        ``all`` names every one; ``family`` is named in the refusal. ``experts`` (a model with
+        routed experts, Qwen3-MoE) adds gate_proj, up_proj, down_proj (``experts`` the three):
+        one adapter on every expert's linear in a sparse layer (mlx-lm's ``LoRASwitchLinear``,
+        PEFT's ``target_parameters``), on the dense MLP's in a dense one; the router
+        ``mlp.gate`` never. ``all`` stays ``linears`` (the attention there): PEFT's all-linear
+        on transformers 5 reaches no expert (3-D parameters, not linears), and mlx-lm's default
+        of every linear would take the router too."""
         mine = tuple(m.rsplit(".", 1)[1] for m in linears)
         names = tuple(t.strip() for t in text.split(",") if t.strip())
         if names in (("all",), ("all-linear",)):
             return mine
-        unknown = [n for n in names if n not in mine]
+        choices = mine + tuple(t for t in EXPERT_TARGETS if experts and t not in mine)
+        if experts:
+            names = tuple(n for m in names for n in (EXPERT_TARGETS if m == "experts" else (m,)))
+        unknown = [n for n in names if n not in choices]
         if unknown or not names:
             model = f" of a {family} model" if family else ""
+            more = ", 'experts'" if experts else ""
             raise SpillError(
                 f"unknown LoRA target(s){model} {unknown or text!r}; choose from "
-                f"{', '.join(mine)} or 'all'"
+                f"{', '.join(choices)}{more} or 'all'"
             )
-        return tuple(n for n in mine if n in names)  # canonical order
+        return tuple(n for n in choices if n in names)  # canonical order
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -91,11 +108,27 @@ def module_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
     return shapes[MODULES[target]]
 
 
+def layer_targets(cfg: ModelConfig, lora: LoraConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of each module of layer ``layer`` an adapter is on, by target in
+    ``lora.targets`` order: its linear (``self_attn.q_proj``), or every expert's
+    (``mlp.experts.<e>.up_proj``, by expert) where the layer routes, its dense MLP's elsewhere."""
+    if not cfg.experts:  # a dense family: one module a target (refused when not a linear)
+        return {MODULES[t]: module_shape(cfg, t) for t in lora.targets}
+    io = cfg.layer_linears(layer)
+    out = {}
+    for t in lora.targets:
+        found = {m: s for m, s in io.items() if m.rsplit(".", 1)[1] == t}
+        if not found:
+            module_shape(cfg, t)  # raises, naming the linears
+        out |= found
+    return out
+
+
 def param_names(cfg: ModelConfig, lora: LoraConfig) -> list[str]:
     return [
-        f"layers.{k}.{MODULES[t]}.lora_{ab}"
+        f"layers.{k}.{m}.lora_{ab}"
         for k in range(cfg.num_hidden_layers)
-        for t in lora.targets
+        for m in layer_targets(cfg, lora, k)
         for ab in "ab"
     ]
 
@@ -106,10 +139,9 @@ def init_params(cfg: ModelConfig, lora: LoraConfig, seed: int) -> dict[str, np.n
     rng = np.random.default_rng(key)
     out = {}
     for k in range(cfg.num_hidden_layers):
-        for t in lora.targets:
-            fan_in, fan_out = module_shape(cfg, t)
+        for m, (fan_in, fan_out) in layer_targets(cfg, lora, k).items():
             bound = 1.0 / np.sqrt(fan_in)
-            name = f"layers.{k}.{MODULES[t]}"
+            name = f"layers.{k}.{m}"
             out[f"{name}.lora_a"] = rng.uniform(-bound, bound, size=(fan_in, lora.rank)).astype(
                 np.float32
             )

@@ -8,6 +8,7 @@ AdamW bias corrections, and the numpy bookkeeping of batching and scoring.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.ring import EXPANDED
 from spill.errors import EngineError, ModelError
 from spill.models.config import ModelConfig
-from spill.models.lora import LoraConfig, module_shape, param_names
+from spill.models.lora import LoraConfig, layer_targets
 from spill.models.quant import Spec, check_packed
 from spill.models.weights import WeightFiles
 
@@ -193,10 +194,10 @@ def sync_ring_stats(stats: Stats, ring) -> None:
 def param_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
     """Each adapter tensor's shape by name, in ``param_names`` order."""
     out = {}
-    for name in param_names(cfg, lora):
-        stem, ab = name.rsplit(".", 1)
-        fan_in, fan_out = module_shape(cfg, stem.rsplit(".", 1)[1])
-        out[name] = (fan_in, lora.rank) if ab == "lora_a" else (lora.rank, fan_out)
+    for k in range(cfg.num_hidden_layers):
+        for m, (fan_in, fan_out) in layer_targets(cfg, lora, k).items():
+            out[f"layers.{k}.{m}.lora_a"] = (fan_in, lora.rank)
+            out[f"layers.{k}.{m}.lora_b"] = (lora.rank, fan_out)
     return out
 
 
@@ -270,8 +271,8 @@ def tune_bytes(cfg: ModelConfig, tune: TuneShape, itemsize: int) -> int:
     while it is recomputed, and the head's chunk (float32 logits, their log-softmax and
     gradient)."""
     lora, rows, length = tune.lora, tune.rows, tune.length
-    params = sum(lora.rank * sum(module_shape(cfg, t)) for t in lora.targets)
-    state = 4 * 4 * params * cfg.num_hidden_layers
+    params = sum(math.prod(s) for s in param_shapes(cfg, lora).values())
+    state = 4 * 4 * params
     inputs = rows * length * cfg.num_hidden_layers * cfg.hidden_size * itemsize
     layer = activation_bytes(cfg, lora, rows, length, itemsize) // cfg.num_hidden_layers
     head = 3 * LOGIT_ROWS * cfg.vocab_size * 4

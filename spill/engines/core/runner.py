@@ -115,7 +115,9 @@ class StreamRunner:
         cfg = self.model.cfg
         check_params(cfg, lora, params, "adapter")
         arrays = self.model.kernel.params(params)
-        self._adapter = {i: layer_adapters(lora, i, arrays) for i in range(cfg.num_hidden_layers)}
+        self._adapter = {
+            i: layer_adapters(cfg, lora, i, arrays) for i in range(cfg.num_hidden_layers)
+        }
 
     def trainer(self, lora: LoraConfig) -> StreamTrainer:
         """A trainer on these base weights; the caller sets its state (``init_params`` to start)."""
@@ -137,7 +139,7 @@ class StreamRunner:
         check_params(cfg, lora, params, f"adapter {name}")
         arrays = self.model.kernel.params(params)
         self._named[name] = {
-            i: layer_adapters(lora, i, arrays) for i in range(cfg.num_hidden_layers)
+            i: layer_adapters(cfg, lora, i, arrays) for i in range(cfg.num_hidden_layers)
         }
 
     def generate(

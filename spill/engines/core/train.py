@@ -26,26 +26,31 @@ from spill.engines.core.common import (
 from spill.engines.core.kernel import Array, LayerLora
 from spill.engines.core.model import Model
 from spill.errors import EngineError
-from spill.models.lora import MODULES, LoraConfig, param_names
+from spill.models.config import ModelConfig
+from spill.models.lora import LoraConfig, layer_targets, param_names
 
 
-def layer_names(lora: LoraConfig, i: int) -> list[str]:
-    """Layer ``i``'s adapter tensors: A then B for each target, in ``lora.targets`` order."""
-    return [f"layers.{i}.{MODULES[t]}.lora_{ab}" for t in lora.targets for ab in "ab"]
+def layer_names(cfg: ModelConfig, lora: LoraConfig, i: int) -> list[str]:
+    """Layer ``i``'s adapter tensors: A then B for each module, in ``layer_targets`` order."""
+    return [f"layers.{i}.{m}.lora_{ab}" for m in layer_targets(cfg, lora, i) for ab in "ab"]
 
 
 def layer_adapters(
-    lora: LoraConfig, i: int, arrays: dict[str, Array], dropouts: dict | None = None
+    cfg: ModelConfig,
+    lora: LoraConfig,
+    i: int,
+    arrays: dict[str, Array],
+    dropouts: dict | None = None,
 ) -> LayerLora:
-    """Layer ``i``'s adapters by module (``self_attn.q_proj``): ``(A, B, scale)``, plus the
-    module's dropout from ``dropouts`` when given."""
+    """Layer ``i``'s adapters by module (``self_attn.q_proj``, ``mlp.experts.3.up_proj``):
+    ``(A, B, scale)``, plus the module's dropout from ``dropouts`` when given."""
     out = {}
-    for t in lora.targets:
-        stem = f"layers.{i}.{MODULES[t]}"
+    for m in layer_targets(cfg, lora, i):
+        stem = f"layers.{i}.{m}"
         entry = (arrays[stem + ".lora_a"], arrays[stem + ".lora_b"], lora.scale)
         if dropouts:
-            entry += (dropouts[MODULES[t]],)
-        out[MODULES[t]] = entry
+            entry += (dropouts[m],)
+        out[m] = entry
     return out
 
 
@@ -113,13 +118,14 @@ class StreamTrainer:
         if self.lora.dropout > 0:
             p = self.lora.dropout
             dropouts = {
-                MODULES[t]: self.kernel.dropout(p, dropout_seed(seed, i, MODULES[t]))
-                for t in self.lora.targets
+                m: self.kernel.dropout(p, dropout_seed(seed, i, m))
+                for m in layer_targets(self.model.cfg, self.lora, i)
             }
-        names = layer_names(self.lora, i)
+        cfg, names = self.model.cfg, layer_names(self.model.cfg, self.lora, i)
 
         def build(leaves: Sequence[Array]) -> LayerLora:
-            return layer_adapters(self.lora, i, dict(zip(names, leaves, strict=True)), dropouts)
+            arrays = dict(zip(names, leaves, strict=True))
+            return layer_adapters(cfg, self.lora, i, arrays, dropouts)
 
         return names, build
 
@@ -280,5 +286,7 @@ class StreamTrainer:
 
     # The step count is passed in: the trainer carries no hidden counters.
     def apply(self, opt: AdamW) -> None:
-        """One AdamW update from the accumulated gradients, then zero them."""
+        """One AdamW update from the accumulated gradients, then zero them. An expert no token
+        reached has zero gradients and is still stepped (decay, moments), as torch's AdamW
+        steps PEFT's one tensor over all experts and mlx-lm's optimizer ``LoRASwitchLinear``'s."""
         self.kernel.adamw(opt, self.names, self.params, self.m, self.v, self.grads)

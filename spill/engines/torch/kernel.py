@@ -188,7 +188,8 @@ class TorchKernel:
                 x = x.detach().requires_grad_()
             with unused_outputs(self.unused):  # out's value is never read
                 out = self.layer(i, w, x, ctx, None, lora(leaves), outputs)
-            got = torch.autograd.grad(out, [*leaves, x] if wrt_input else leaves, grad)
+            wrt = [*leaves, x] if wrt_input else leaves
+            got = _zeros_if_unused(wrt, torch.autograd.grad(out, wrt, grad, allow_unused=True))
         return (got[-1] if wrt_input else None), list(got[: len(leaves)])
 
     def stack_vjp(self, ws, x, ctx, leaves, loras, tokens, rows, cols, scale, objective=None):
@@ -197,7 +198,10 @@ class TorchKernel:
             for i, (w, group, lora) in enumerate(zip(ws, leaves, loras, strict=True)):
                 x = self.layer(i, w, x, ctx, None, lora(group))
             loss, grad = self.head_vjp(x, tokens, rows, cols, scale, objective)
-            got = iter(torch.autograd.grad(x, [a for group in leaves for a in group], grad))
+            flat = [a for group in leaves for a in group]
+            got = iter(
+                _zeros_if_unused(flat, torch.autograd.grad(x, flat, grad, allow_unused=True))
+            )
         return loss, [[next(got) for _ in group] for group in leaves]
 
     def memory_budget(self) -> int:
@@ -290,3 +294,9 @@ class TorchKernel:
     def close(self) -> None:
         self.reader.close()
         self.embed = self.norm = self.lm_head = None
+
+
+def _zeros_if_unused(wrt, got) -> list:
+    """autograd's gradients with zeros for a leaf the graph never used (an expert's adapter no
+    token was routed to: mx.vjp gives zeros there too)."""
+    return [torch.zeros_like(a) if g is None else g for a, g in zip(wrt, got, strict=True)]

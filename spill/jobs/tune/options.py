@@ -35,17 +35,18 @@ class TuneOptions:
     track: track.TrackSpec | None = None  # the trackers rank 0 logs to (tune.log)
     linears: tuple[str, ...] = LINEARS  # the model's (ModelConfig.linears), once it is read
     family: str | None = None
+    experts: bool = False  # the model routes to experts: gate_proj, up_proj, down_proj target them
 
     @property
     def lora(self) -> LoraConfig:
         t = self.tune
-        targets = LoraConfig.parse_targets(t.targets, self.linears, self.family)
+        targets = LoraConfig.parse_targets(t.targets, self.linears, self.family, self.experts)
         return LoraConfig(t.rank, t.alpha, t.dropout, targets)
 
     def on(self, folder: Path) -> TuneOptions:
         """These options on the model in ``folder``: its linears are the targets' choice."""
         cfg = load_config(folder)
-        return replace(self, linears=cfg.linears, family=cfg.family)
+        return replace(self, linears=cfg.linears, family=cfg.family, experts=cfg.experts > 0)
 
     def check(self) -> None:
         t = self.tune
@@ -61,7 +62,9 @@ class TuneOptions:
             raise SpillError(f"--alpha {t.alpha}: a number above 0 (leave it out for 2 x --rank)")
         if not t.weight_decay >= 0:
             raise SpillError(f"--weight-decay {t.weight_decay}: zero or more")
-        LoraConfig.parse_targets(t.targets, KNOWN)  # no family's module fails here, in one line
+        LoraConfig.parse_targets(
+            t.targets, KNOWN, experts=True
+        )  # no family's module fails here, in one line
         if self.stop_after is not None and not 1 <= self.stop_after <= t.steps:
             raise SpillError(f"--stop-after must be between 1 and --steps ({t.steps})")
         if t.activations not in ACTIVATIONS:

@@ -1,8 +1,9 @@
 """Qwen3-MoE (issue 41) on every engine against transformers' own ``Qwen3MoeForCausalLM``:
 log-probs within 1e-5 and greedy tokens equal to ``generate`` (float32), with a dense layer among
 the sparse ones and every other layer sparse; streamed == resident bit for bit; LoRA training on
-the attention linears (the default targets), the streamed walk and kept activations bit for bit
-alike (the experts' own adapters: test_moe_mlx_lm). Models made by transformers (``MOE``)."""
+the attention linears (the default targets) and on every expert's linears (``experts``, the dense
+layer's MLP beside them), the streamed walk and kept activations bit for bit alike, an unrouted
+expert's gradients exactly zero. Models made by transformers (``MOE``)."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def test_the_config_says_which_layers_route_and_how(folders):
     assert step.sparse == (1,) and not step.norm_topk_prob and step.qkv_bias
 
 
-@pytest.mark.parametrize("targets", ["all", "q_proj,v_proj"])
+@pytest.mark.parametrize("targets", ["all", "q_proj,v_proj", "q_proj,experts"])
 def test_kept_activations_and_the_recompute_walk_train_bit_identically(engine, variant, targets):
-    """LoRA on the attention linears ("all" of an MoE model's targets): the streamed walk and
-    one graph over the resident stack give the same losses and state bit for bit."""
+    """LoRA on the attention linears ("all" of an MoE model's targets) or on every expert's
+    linears too: the streamed walk and one graph over the resident stack give the same losses
+    and state bit for bit."""
     from spill.models.config import load_config
     from spill.models.lora import LoraConfig
     from tests.unit.engines.kit import fresh, nudged
@@ -60,8 +62,13 @@ def test_kept_activations_and_the_recompute_walk_train_bit_identically(engine, v
 
     _, folder = variant
     cfg = load_config(folder)
-    chosen = LoraConfig.parse_targets(targets, cfg.linears)
-    assert set(chosen) <= {"q_proj", "k_proj", "v_proj", "o_proj"}
+    chosen = LoraConfig.parse_targets(targets, cfg.linears, experts=True)
+    attention = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert set(chosen) <= attention or set(chosen) - attention == {
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     lora = LoraConfig(rank=4, alpha=8, dropout=0.1, targets=chosen)
     runs = []
     for options, mode in (({"ring": 2}, "auto"), ({"resident": True}, "keep")):
@@ -76,3 +83,43 @@ def test_kept_activations_and_the_recompute_walk_train_bit_identically(engine, v
         a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
         for a, b in zip(state_a, state_b, strict=True)
     )
+
+
+def test_an_unrouted_expert_gets_exactly_zero_gradients(engine, folders):
+    """Expert targets put one adapter on every expert of a sparse layer and on the dense MLP of
+    a dense one; a token reaches top-k experts, so the others' A and B gradients are zeros."""
+    from spill.engines.base import AdamW, TrainBatch
+    from spill.models.config import load_config
+    from spill.models.lora import LoraConfig, param_names
+    from tests.unit.engines.kit import fresh, nudged
+
+    folder = folders["qwen3_moe"]
+    cfg = load_config(folder)
+    lora = LoraConfig(rank=4, alpha=8, targets=LoraConfig.parse_targets("experts", (), None, True))
+    names = param_names(cfg, lora)
+    assert (
+        "layers.0.mlp.experts.7.down_proj.lora_b" in names
+        and "layers.1.mlp.up_proj.lora_a" in names
+    )
+    assert not any(".mlp.gate." in n for n in names)
+    runner = open_runner(engine, folder, dtype="float32", ring=2)
+    trainer = fresh(runner, cfg, lora, nudged(cfg, lora))
+    tokens = np.array([[5, 9]], dtype=np.int64)  # one target token: top 2 of 8 experts a layer
+    trainer.accumulate(TrainBatch(tokens, np.ones((1, 2), bool), np.array([[False, True]]), 1.0, 0))
+    grads = {n: runner.model.kernel.numpy(g) for n, g in trainer.grads.items()}
+    before = trainer.state()[0]
+    trainer.apply(AdamW(lr=1e-2, step=1, weight_decay=0.0))  # as torch's AdamW on zero grads
+    after = trainer.state()[0]
+    runner.close()
+    assert np.abs(grads["layers.1.mlp.gate_proj.lora_a"]).max() > 0  # the dense layer's MLP
+    for layer in cfg.sparse:
+        moved = [
+            e for e in range(cfg.experts)
+            if any(np.any(grads[f"layers.{layer}.mlp.experts.{e}.{p}.lora_{ab}"] != 0)
+                   for p in ("gate_proj", "up_proj", "down_proj") for ab in "ab")
+        ]  # fmt: skip
+        # the first token is no target, but its keys reach the second: 2 tokens x top-2 at most
+        assert 1 <= len(moved) <= 2 * cfg.experts_per_token, (layer, moved)
+        for e in set(range(cfg.experts)) - set(moved):  # fresh moments, no decay: not moved
+            stem = f"layers.{layer}.mlp.experts.{e}.up_proj.lora_"
+            assert all(np.array_equal(before[stem + ab], after[stem + ab]) for ab in "ab")

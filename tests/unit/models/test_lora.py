@@ -1,3 +1,4 @@
+import hashlib
 import json
 
 import numpy as np
@@ -8,12 +9,14 @@ from spill.errors import SpillError
 from spill.models.config import load_config
 from spill.models.lora import (
     ALL_LINEAR,
+    EXPERT_TARGETS,
     LoraConfig,
     export_mlx,
     export_peft,
     init_params,
     param_names,
 )
+from spill.models.sources.tiny import write_tiny
 
 
 def test_targets_parse():
@@ -36,6 +39,42 @@ def test_init_is_deterministic_and_shaped(tiny_models):
         a["layers.0.self_attn.q_proj.lora_a"],
         init_params(cfg, lora, 2)["layers.0.self_attn.q_proj.lora_a"],
     )
+
+
+def test_a_dense_adapter_starts_from_the_bytes_it_always_did(tiny_models):
+    """Expert targets changed how names and shapes are found, not a dense model's draws (the
+    hash is the init of the code before them)."""
+    cfg = load_config(tiny_models["qwen2"])
+    params = init_params(cfg, LoraConfig(rank=4, targets=ALL_LINEAR), 1)
+    blob = b"".join(k.encode() + v.tobytes() for k, v in params.items())
+    assert hashlib.sha256(blob).hexdigest()[:16] == "548accad757b45a4"
+
+
+def test_expert_targets_put_an_adapter_on_every_expert_and_never_on_the_router(tmp_path):
+    """``experts`` is gate_proj, up_proj and down_proj on a model with experts: one adapter on
+    every expert's linear of a sparse layer, on the dense MLP of a dense layer; ``all`` stays
+    the attention (PEFT's all-linear reaches no expert); a dense family refuses the word."""
+    cfg = load_config(write_tiny(tmp_path / "moe", family="qwen3_moe", seed=7))
+    attention = LoraConfig.parse_targets("all", cfg.linears, experts=True)
+    assert attention == ("q_proj", "k_proj", "v_proj", "o_proj")
+    targets = LoraConfig.parse_targets("experts,q_proj", cfg.linears, experts=True)
+    assert targets == ("q_proj", *EXPERT_TARGETS)
+    with pytest.raises(SpillError, match="choose from q_proj, .*down_proj, 'experts' or 'all'"):
+        LoraConfig.parse_targets("gate", cfg.linears, "qwen3_moe", experts=True)
+    with pytest.raises(SpillError, match="unknown LoRA target"):
+        LoraConfig.parse_targets("experts")
+    lora = LoraConfig(rank=4, targets=targets)
+    params = init_params(cfg, lora, 1)
+    assert list(params) == param_names(cfg, lora)
+    last = cfg.experts - 1
+    assert params[f"layers.0.mlp.experts.{last}.down_proj.lora_a"].shape == (cfg.expert_size, 4)
+    assert params[f"layers.0.mlp.experts.{last}.gate_proj.lora_b"].shape == (4, cfg.expert_size)
+    assert len(params) == cfg.num_hidden_layers * 2 * (1 + 3 * cfg.experts)  # all layers sparse
+    assert not any(".mlp.gate." in n for n in params)
+    # the attention's draws come first in each layer, so layer 0's q_proj is the attention's own
+    alone = init_params(cfg, LoraConfig(rank=4, targets=("q_proj",)), 1)
+    key = "layers.0.self_attn.q_proj.lora_a"
+    assert np.array_equal(params[key], alone[key])
 
 
 def test_exports(tmp_path, tiny_models):
