@@ -21,12 +21,15 @@ import numpy as np
 import spill
 from spill.errors import SpillError
 from spill.ground.validate import validate
+from spill.models import expert_adapters
 from spill.models.lora import KNOWN, MODULES, LoraConfig, export_mlx, export_peft
 from spill.models.provenance import describe_base
 from spill.store.fs import join, put_bytes, remove
 from spill.store.location import Location
 
 ADAPTER = "adapter"
+# PEFT's stacked expert parameters -> the spill targets they hold
+EXPERT_PARAMETERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 SCHEMA_VERSION = 1
 
 
@@ -136,7 +139,11 @@ def write_local(
     }
     (out / "adapter.json").write_text(json.dumps(meta, indent=2) + "\n")
     base = describe_base(model, files)
-    export_peft(params, lora, base["hub"] or model, out / "peft", base["revision"])
+    if why := expert_adapters.peft_refusal(params):  # a note in its place, the rest written
+        (out / "peft").mkdir()
+        (out / "peft" / "README.md").write_text(f"No PEFT layout for this adapter: {why}.\n")
+    else:
+        export_peft(params, lora, base["hub"] or model, out / "peft", base["revision"])
     export_mlx(params, lora, layers, out / "mlx")
     note = readme(base, fingerprint, files, lora, len(losses), quantization)
     (out / "README.md").write_text(note)
@@ -257,19 +264,26 @@ def _peft_adapter(folder: Path) -> tuple[LoraConfig, dict[str, np.ndarray]]:
         raise SpillError(f"{where}: target_modules is a pattern; list the module names instead")
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise _damaged(where, "target_modules is not a list of module names")
+    stacked = cfg.get("target_parameters") or []  # an MoE model's experts (expert_adapters)
+    if not isinstance(stacked, list) or not all(isinstance(t, str) for t in stacked):
+        raise _damaged(where, "target_parameters is not a list of parameter names")
+    experts = [p for t in stacked for p in EXPERT_PARAMETERS.get(t.rsplit(".", 1)[-1], (t,))]
     lora = _lora_config(
         {
             "rank": cfg.get("r"),
             "alpha": cfg.get("lora_alpha"),
             "dropout": cfg.get("lora_dropout", 0.0),
-            "targets": [t.rsplit(".", 1)[-1] for t in targets],
+            "targets": [t.rsplit(".", 1)[-1] for t in targets] + experts,
         },
         where,
     )
     if cfg.get("use_rslora") or cfg.get("use_dora"):
         raise SpillError(f"{where}: rsLoRA and DoRA adapters are not supported; use plain LoRA")
-    params = {}
-    for key, value in _read_tensors(folder / "adapter_model.safetensors").items():
+    tensors = _read_tensors(folder / "adapter_model.safetensors")
+    params = (
+        expert_adapters.unstack_peft(tensors, stacked, lora.rank, str(folder)) if stacked else {}
+    )
+    for key, value in tensors.items():
         stem, sep, tail = key.rpartition(".lora_")
         if not sep or "layers." not in stem or tail not in ("A.weight", "B.weight"):
             raise SpillError(f"{folder}: unexpected tensor {key!r} in a PEFT LoRA adapter")
@@ -298,7 +312,7 @@ def load_adapter(folder: Path) -> Adapter:
     known = set(MODULES.values())
     for name in params:
         module = name.split(".", 2)[-1].rsplit(".", 1)[0]
-        if module not in known:
+        if module not in known and not expert_adapters.EXPERT.match(name):
             raise SpillError(f"{folder}: tensor {name!r} is not on a LoRA target spill knows")
     h = hashlib.sha256(json.dumps(lora.to_dict(), sort_keys=True).encode())
     for name in sorted(params):

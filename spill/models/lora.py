@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from spill.errors import SpillError
+from spill.models import expert_adapters
 from spill.models.config import FUSED, LINEARS, ModelConfig
 from spill.models.family_keys import EXPERT_LINEARS
 
@@ -157,13 +158,19 @@ def export_peft(
     revision: str | None = None,
 ) -> Path:
     """PEFT layout: ``adapter_model.safetensors`` (``lora_A.weight`` is ``[r, in]``) + config;
-    ``base_model``/``revision``: what ``AutoPeftModelForCausalLM`` loads the adapter onto."""
+    ``base_model``/``revision``: what ``AutoPeftModelForCausalLM`` loads the adapter onto. An
+    MoE model's expert adapters go in PEFT's ``target_parameters`` form (``expert_adapters``);
+    what that form cannot hold is refused in one line."""
     from safetensors.numpy import save_file
 
+    if why := expert_adapters.peft_refusal(params):
+        raise SpillError(f"no PEFT layout for this adapter: {why}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    tensors = expert_adapters.stack_peft(params)
     for name, value in params.items():
+        if expert_adapters.EXPERT.match(name):
+            continue
         stem, ab = name.rsplit(".", 1)
         key = "lora_A" if ab == "lora_a" else "lora_B"
         tensors[f"base_model.model.model.{stem}.{key}.weight"] = np.ascontiguousarray(value.T)
@@ -172,6 +179,7 @@ def export_peft(
         str(out / "adapter_model.safetensors"),
         metadata={"format": "pt"},
     )
+    fields = expert_adapters.peft_fields(params, lora.rank, lora.alpha)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -179,7 +187,8 @@ def export_peft(
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": list(lora.targets),
+        "target_modules": [t for t in lora.targets if not (t in EXPERT_TARGETS and fields)],
+        **fields,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -193,13 +202,21 @@ def export_peft(
 
 
 def export_mlx(params: dict[str, np.ndarray], lora: LoraConfig, num_layers: int, out: Path) -> Path:
-    """MLX-LM layout: ``adapters.safetensors`` (``lora_a`` ``[in, r]``) + ``adapter_config.json``."""
+    """MLX-LM layout: ``adapters.safetensors`` (``lora_a`` ``[in, r]``) + ``adapter_config.json``;
+    an MoE model's expert adapters stacked as ``LoRASwitchLinear``'s (``mlp.switch_mlp.*``)."""
     from safetensors.numpy import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {f"model.{name}": np.ascontiguousarray(v) for name, v in sorted(params.items())}
-    save_file(tensors, str(out / "adapters.safetensors"))
+    plain = {n: v for n, v in params.items() if not expert_adapters.EXPERT.match(n)}
+    tensors = {f"model.{name}": np.ascontiguousarray(v) for name, v in sorted(plain.items())}
+    tensors |= expert_adapters.stack_mlx(params)
+    save_file(dict(sorted(tensors.items())), str(out / "adapters.safetensors"))
+    keys = [MODULES[t] for t in lora.targets]
+    if len(plain) < len(params):  # experts: the dense layers' MLP where there is one
+        held = {n.split(".", 2)[2].rsplit(".", 1)[0] for n in plain}
+        keys = [m for m in keys if m in held]
+        keys += [f"mlp.switch_mlp.{t}" for t in lora.targets if t in EXPERT_TARGETS]
     config = {
         "fine_tune_type": "lora",
         "num_layers": num_layers,
@@ -207,7 +224,7 @@ def export_mlx(params: dict[str, np.ndarray], lora: LoraConfig, num_layers: int,
             "rank": lora.rank,
             "scale": lora.scale,
             "dropout": lora.dropout,
-            "keys": [MODULES[t] for t in lora.targets],
+            "keys": keys,
         },
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.unit.engines import hf_families
-from tests.unit.engines.kit import open_runner
+from tests.unit.engines.kit import load_engine, open_runner
 
 # the dense families' tests, run here over MOE's variants (this module's ``variant`` fixture):
 # log-probs and greedy tokens against transformers, streamed (experts read as routed) == resident
@@ -123,3 +123,65 @@ def test_an_unrouted_expert_gets_exactly_zero_gradients(engine, folders):
         for e in set(range(cfg.experts)) - set(moved):  # fresh moments, no decay: not moved
             stem = f"layers.{layer}.mlp.experts.{e}.up_proj.lora_"
             assert all(np.array_equal(before[stem + ab], after[stem + ab]) for ab in "ab")
+
+
+# every layer sparse: PEFT 0.21 maps a Qwen3-MoE's gate_proj/up_proj/down_proj onto the experts,
+# so a dense layer's MLP adapter has no PEFT form (export refuses it, tested below)
+ALL_SPARSE = (
+    hf_families.MOE["qwen3_moe"][0],
+    {**hf_families.MOE["qwen3_moe"][1], "mlp_only_layers": []},
+)
+
+
+def test_an_expert_adapter_in_peft_layout_scores_in_peft_as_in_spill(tmp_path, tiny_models):
+    """spill's adapter on q_proj and every expert, written in PEFT's ``target_parameters`` form
+    and loaded by PEFT onto transformers' Qwen3MoeForCausalLM (experts fused, 3-D): log-probs
+    as spill's with the adapter (float32); read back into spill, the same tensors exactly."""
+    peft = pytest.importorskip("peft")
+    from spill.jobs.adapter_files import load_adapter
+    from spill.models.config import load_config
+    from spill.models.lora import LoraConfig, export_peft
+    from tests.unit.engines.kit import nudged
+    from tests.unit.engines.test_families import ROWS
+    from tests.unit.engines.test_peft_parity import hf_base, hf_log_probs
+
+    folder = hf_families.make("all-sparse", tmp_path / "m", tiny_models["llama"], 3, ALL_SPARSE)
+    cfg = load_config(folder)
+    assert cfg.sparse == (0, 1, 2)
+    lora = LoraConfig(rank=4, alpha=8, targets=("q_proj", "gate_proj", "up_proj", "down_proj"))
+    params = nudged(cfg, lora, seed=3)
+    adapter = export_peft(params, lora, str(folder), tmp_path / "peft")
+    back = load_adapter(adapter)
+    assert back.lora == lora and back.params.keys() == params.keys()
+    assert all(np.array_equal(back.params[n], params[n]) for n in params)
+    theirs = peft.PeftModel.from_pretrained(hf_base(folder), str(adapter)).eval()
+    runner = open_runner(load_engine("torch"), folder, ring=2, dtype="float32")
+    base = runner.score(*ROWS)
+    runner.use_adapter(lora, params)
+    gaps, moved = [], []
+    for prompt, completion, ours, before in zip(*ROWS, runner.score(*ROWS), base, strict=True):
+        gaps.append(np.abs(ours - hf_log_probs(theirs, prompt, completion)).max())
+        moved.append(np.abs(ours - before).max())
+    runner.close()
+    assert max(gaps) <= 1e-5 and min(moved) > 1e-3, (gaps, moved)
+
+
+def test_peft_layout_refuses_what_its_experts_cannot_hold(folders, tmp_path):
+    """A dense layer's MLP adapter beside experts, and gate without up, in one line each."""
+    from spill.errors import SpillError
+    from spill.models.config import load_config
+    from spill.models.lora import LoraConfig, export_peft, init_params
+
+    cfg = load_config(folders["qwen3_moe"])  # layer 1 dense
+    both, gate = (
+        LoraConfig(rank=2, targets=("gate_proj", "up_proj")),
+        LoraConfig(rank=2, targets=("gate_proj",)),
+    )
+    experts_only = {n: v for n, v in init_params(cfg, gate, 0).items() if ".experts." in n}
+    for lora, params, why in (
+        (both, init_params(cfg, both, 0), "dense layer's MLP"),
+        (gate, experts_only, "target both gate_proj and up_proj"),
+    ):
+        with pytest.raises(SpillError, match=f"no PEFT layout.*{why}") as e:
+            export_peft(params, lora, "m", tmp_path / "peft")
+        assert "\n" not in str(e.value) and not (tmp_path / "peft").exists()

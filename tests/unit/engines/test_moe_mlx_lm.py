@@ -196,3 +196,30 @@ def test_gradients_reach_the_attention_and_the_routed_experts_adapters(folders):
     assert 2 <= len(reached) < cfg.experts  # 3 tokens x top 2 of 8: some experts unrouted
     for m, (a, b) in experts.items():  # a routed expert's A and B both, an unrouted one's neither
         assert (a.any() and b.any()) == (m.split(".")[2] in reached), m
+
+
+def test_an_expert_adapter_in_mlx_lm_layout_scores_in_mlx_lm_as_in_spill(
+    mlx_lm_folders, folders, tmp_path
+):
+    """spill's adapter on q_proj and every expert (the dense layer's MLP beside them), written in
+    mlx-lm's layout (``LoRASwitchLinear``'s stacked ``mlp.switch_mlp.*``) and loaded by
+    ``mlx_lm.load(..., adapter_path=...)``: log-probs as spill's with the adapter (float32)."""
+    from spill.models.lora import LoraConfig, export_mlx
+    from tests.unit.engines.kit import nudged
+
+    folder = folders["qwen3_moe"]
+    cfg = load_config(folder)
+    lora = LoraConfig(rank=4, alpha=8, targets=("q_proj", "gate_proj", "up_proj", "down_proj"))
+    params = nudged(cfg, lora, seed=3)
+    adapter = export_mlx(params, lora, cfg.num_hidden_layers, tmp_path / "mlx")
+    theirs, _ = mlx_lm.load(str(mlx_lm_folders["qwen3_moe"]), adapter_path=str(adapter))
+    theirs.set_dtype(mx.float32)
+    runner = open_runner(ENGINE, folder, ring=2, dtype="float32")
+    base = runner.score(*ROWS)
+    runner.use_adapter(lora, params)
+    gaps, moved = [], []
+    for prompt, completion, ours, before in zip(*ROWS, runner.score(*ROWS), base, strict=True):
+        gaps.append(np.abs(ours - mlx_lm_log_probs(theirs, prompt, completion)).max())
+        moved.append(np.abs(ours - before).max())
+    runner.close()
+    assert max(gaps) <= TOLERANCE and min(moved) > 1e-3, (gaps, moved)
