@@ -56,14 +56,16 @@ def batch_lora(rows: list[Row], model: Model) -> dict | None:
         if r.lora is not None:
             groups.setdefault(id(r.lora), (r.lora, []))[1].append(j)
     k = model.kernel
-    parts = [(lora, k.array(np.asarray(idx, np.int64))) for lora, idx in groups.values()]
+    parts = [(lora, np.asarray(idx, np.int64)) for lora, idx in groups.values()]
+    parts = [(lora, k.array(idx), idx) for lora, idx in parts]
     out = {}
     for i in range(model.cfg.num_hidden_layers):
-        names = {n for lora, _ in parts for n in lora.get(i, {})}
-        out[i] = {
-            n: RowAdapters(tuple((idx, lora[i][n]) for lora, idx in parts if n in lora.get(i, {})))
-            for n in sorted(names)
-        }
+        names = {n for lora, _, _ in parts for n in lora.get(i, {})}
+        out[i] = {}
+        for n in sorted(names):
+            on = [(idx, rows, lora[i][n]) for lora, idx, rows in parts if n in lora.get(i, {})]
+            pairs = tuple((idx, adapter) for idx, _, adapter in on)
+            out[i][n] = RowAdapters(pairs, tuple(rows for _, rows, _ in on))
     return out
 
 

@@ -35,6 +35,18 @@ class RowAdapters:
     in no part runs the base linear. Never in training."""
 
     parts: tuple[tuple[Any, tuple], ...]
+    batch: tuple[np.ndarray, ...] = ()  # each part's batch rows as numpy (int64)
+
+    def gathered(self, tokens: np.ndarray, length: int, array: Callable) -> RowAdapters:
+        """These adapters for rows gathered by token (an expert's: ``tokens`` index the flat
+        (B * length) tokens): each part's rows become the positions of its rows' tokens,
+        ``array`` making the kernel's index array; a part with none is left out."""
+        parts = []
+        for rows, (_, adapter) in zip(self.batch, self.parts, strict=True):
+            at = np.flatnonzero(np.isin(tokens // length, rows))
+            if len(at):
+                parts.append((array(at), adapter))
+        return RowAdapters(tuple(parts))
 
 
 Sampler = Callable[[np.ndarray, float, float], int]  # (float32 logits (V,), temperature, top_p)

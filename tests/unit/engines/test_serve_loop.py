@@ -163,3 +163,28 @@ def test_echo_marks_a_greedy_continuation_greedy(runner):
     serve(runner, {0: [req]})
     for t in seen[0][len(prefix) :]:
         assert t.top[0][0] == t.id and t.logprob == max(lp for _, lp in t.top)
+
+
+def test_rows_on_different_expert_adapters_share_a_batch(engine, tmp_path):
+    """Qwen3-MoE with adapters on every expert: an expert computes the tokens routed to it from
+    every row at once, so each row's adapter follows its tokens there; each row equals
+    ``generate`` under its own adapter alone."""
+    from spill.models.sources.tiny import write_tiny
+
+    folder = write_tiny(tmp_path / "moe", family="qwen3_moe", seed=7)
+    cfg = load_config(folder)
+    lora = LoraConfig(rank=4, targets=("q_proj", "gate_proj", "up_proj", "down_proj"))
+    r = open_runner(engine, folder, ring=2, dtype="float32")
+    r.add_adapter("a", lora, nudged(cfg, lora, 1))
+    r.add_adapter("b", lora, nudged(cfg, lora, 2))
+    reqs = [request(PROMPTS[p], 10, name) for p, name in ((0, "a"), (2, "b"), (0, None), (4, "a"))]
+    serve(r, {0: [q for q, _ in reqs]})
+    got = [done[0].tokens.tolist() for _, done in reqs]
+    params = GenerateParams(max_new_tokens=10)
+    alone = []
+    for p, seed in ((0, 1), (2, 2), (0, None), (4, 1)):
+        r.use_adapter(*((lora, nudged(cfg, lora, seed)) if seed else (None, None)))
+        alone.append(r.generate([np.asarray(PROMPTS[p])], params, [0])[0].tokens.tolist())
+    r.close()
+    assert got == alone
+    assert got[0] != got[2]  # the adapter matters
