@@ -1,9 +1,9 @@
 """Kill drills on every 2026 family (issue 37): a real ``python -m spill tune`` of a
 transformers-made Qwen3, Mistral (a window on every layer), SmolLM3 (a NoPE layer), Gemma 3
 (sliding and full layers), Phi-3 (fused linears, partial rotary, longrope past its original 16
-positions, a window) and Ministral 3 (YaRN, query scaling) is SIGKILLed by the parent at a
-random moment after its first committed step, then the same command finishes it in a fresh
-process.
+positions, a window), Ministral 3 (YaRN, query scaling) and Qwen3-MoE (on the attention, and
+with adapters on every expert: "qwen3_moe-experts") is SIGKILLed by the parent at a random
+moment after its first committed step, then the same command finishes it in a fresh process.
 
 On torch the finished run is the uninterrupted one exactly: every adapter and AdamW tensor, the
 losses, the cursor, the COMMIT bytes (``tune_kit.assert_same_checkpoint``) and the adapter tree
@@ -42,11 +42,12 @@ from tests.func.test_cross_engine import (
     param_distance,
     tune_argv,
 )
-from tests.func.test_cross_engine_families import OVER, PARAMS
+from tests.func.test_cross_engine_families import MODEL, OVER, PARAMS
 from tests.unit.engines import hf_families
 from tests.unit.engines.kit import load_engine
 
 FAMILIES = ["qwen3", "mistral", "smollm3", "gemma3", "phi3-long", "ministral3", "qwen3_moe"]
+FAMILIES += ["qwen3_moe-experts"]  # adapters on every expert too (``OVER``)
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,8 @@ class Family:
     over: dict  # the family's own options (``OVER``)
 
     def argv(self, state: str, engine: str = "torch", **over) -> list[str]:
-        over = {**self.over, **over}
-        return tune_argv(
-            self.model, self.train, state, engine=engine, dropout=0.0, targets="all", **over
-        )
+        over = {"targets": "all", **self.over, **over}
+        return tune_argv(self.model, self.train, state, engine=engine, dropout=0.0, **over)
 
 
 _made: dict[str, Family] = {}
@@ -72,7 +71,7 @@ def family(variant: str, tmp_path_factory, tiny_models) -> Family:
     """The family's folder and its uninterrupted torch run, timed (made once per session)."""
     if variant not in _made:
         base = tmp_path_factory.mktemp(f"drill-{variant}")
-        model = hf_families.make(variant, base / variant, tiny_models["llama"])
+        model = hf_families.make(MODEL.get(variant, variant), base / variant, tiny_models["llama"])
         train = kit.write_train(base / "train.jsonl")
         env = kit.spill_env(base / "home", OMP_NUM_THREADS="1")
         state = str(base / "clean")
