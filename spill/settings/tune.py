@@ -15,7 +15,7 @@ _LOG = {  # tune.log: a list in spill.yaml
     "description": "trackers the run logs to: tensorboard (event files under the project), "
     "mlflow (MLFLOW_TRACKING_URI); docs/watching.md",
 }
-_TARGETS = "(q|k|v|qkv|o|gate|up|gate_up|down)_proj"
+_TARGETS = "((q|k|v|qkv|o|gate|up|gate_up|down)_proj|experts)"
 VALIDATION = ("valid", "eval_every", "keep_best")  # inputs of a stage only when valid is set
 METHODS = ("sft", "dpo", "orpo")  # spill.jobs.tune.objectives
 PREFERENCE = ("method", "beta")  # inputs of a stage only when method is not sft
@@ -49,9 +49,11 @@ class TuneSettings:
             "type": "string",
             "pattern": f"^(all|all-linear|({_TARGETS})(\\s*,\\s*{_TARGETS})*)$",
             "description": "comma-separated q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-            "down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj), or all",
+            "down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj; an MoE model: experts, "
+            "its experts' gate_proj, up_proj, down_proj), or all",
         },
-        "modules to adapt, comma-separated, or 'all' (default %(default)s)",
+        "modules to adapt, comma-separated, or 'all'; on an MoE model 'experts' (gate_proj, "
+        "up_proj, down_proj of every expert) (default %(default)s)",
     )
     batch: int = setting(
         {"type": "integer", "minimum": 1}, "samples per optimizer step (default %(default)s)"
