@@ -163,6 +163,7 @@ def test_an_expert_adapter_in_peft_layout_scores_in_peft_as_in_spill(tmp_path, t
         gaps.append(np.abs(ours - hf_log_probs(theirs, prompt, completion)).max())
         moved.append(np.abs(ours - before).max())
     runner.close()
+    print(f"\nPEFT vs spill with an expert adapter: {max(gaps):.3g} (moved {min(moved):.3g})")
     assert max(gaps) <= 1e-5 and min(moved) > 1e-3, (gaps, moved)
 
 

@@ -222,4 +222,5 @@ def test_an_expert_adapter_in_mlx_lm_layout_scores_in_mlx_lm_as_in_spill(
         gaps.append(np.abs(ours - mlx_lm_log_probs(theirs, prompt, completion)).max())
         moved.append(np.abs(ours - before).max())
     runner.close()
+    print(f"\nmlx-lm vs spill with an expert adapter: {max(gaps):.3g} (moved {min(moved):.3g})")
     assert max(gaps) <= TOLERANCE and min(moved) > 1e-3, (gaps, moved)
