@@ -186,7 +186,8 @@ def export_peft(
         "base_model_name_or_path": base_model,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
+        # PEFT's ParamWrapper (the experts) refuses any dropout; it is training's alone
+        "lora_dropout": 0.0 if fields else lora.dropout,
         "target_modules": [t for t in lora.targets if not (t in EXPERT_TARGETS and fields)],
         **fields,
         "bias": "none",
