@@ -27,7 +27,7 @@ from spill.engines.core.kernel import LOGIT_ROWS
 from spill.engines.core.ring import EXPANDED
 from spill.errors import EngineError, ModelError
 from spill.models.config import ModelConfig
-from spill.models.lora import LoraConfig, layer_targets
+from spill.models.lora import EXPERT_TARGETS, LoraConfig, layer_targets
 from spill.models.quant import Spec, check_packed
 from spill.models.weights import WeightFiles
 
@@ -260,7 +260,11 @@ def activation_bytes(
     h, inter = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     base = (6 * h + 6 * q + 4 * kv + 5 * inter) * itemsize
-    adapters = len(lora.targets) * lora.rank * 4 + 4 * h * 2  # the float32 adapter inputs
+    # a token passes experts_per_token experts' adapters of each expert target
+    per = sum(
+        cfg.experts_per_token if cfg.experts and t in EXPERT_TARGETS else 1 for t in lora.targets
+    )
+    adapters = per * lora.rank * 4 + 4 * h * 2  # the float32 adapter inputs
     attention = 2 * cfg.num_attention_heads * length * 4
     return rows * length * cfg.num_hidden_layers * (base + adapters + attention)
 
