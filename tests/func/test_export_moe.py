@@ -1,5 +1,6 @@
 """``spill export`` of adapters tuned on Qwen3-MoE (issue 41; transformers-made folders,
-``hf_families.MOE``; the adapter on the attention linears): the merged HF folder keeps config.json's
+``hf_families.MOE``; the adapter on the attention linears, and on every expert too, each folded
+into its expert): the merged HF folder keeps config.json's
 MoE keys and every expert under the hub's per-expert names, bit for bit the base's, and scores in
 transformers' Qwen3MoeForCausalLM as ``spill eval --adapter`` on the base (within 1e-5, float32),
 a base with stacked experts (transformers 5's fused layout, mlx-lm's switch_mlp) too;
@@ -159,24 +160,35 @@ def _restacked(hub: Path, folder: Path, layout: str) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("layout", ["fused", "switch_mlp"])
+@pytest.mark.parametrize(
+    ("layout", "targets"),
+    [("fused", "all"), ("switch_mlp", "all"), ("fused", "q_proj,experts")],
+)
 def test_stacked_experts_are_exported_per_expert_as_the_hub_names_them(
-    layout, tmp_path, tiny_models
+    layout, targets, tmp_path, tiny_models
 ):
     """A base whose experts are stored stacked (transformers 5's fused in-memory layout, mlx-lm's
-    switch_mlp) exports each expert's tensors by the hub's names, bit for bit the hub folder's,
-    and the HF folder scores in transformers as spill scores the stacked base with the adapter."""
+    switch_mlp) exports each expert's tensors by the hub's names, bit for bit the hub folder's
+    where no adapter folds in, and the HF folder scores in transformers as spill scores the
+    stacked base with the adapter (one on every expert too: read through the per-expert views)."""
     home, spec = tmp_path / "home", SPECS["qwen3_moe"]
     hub = hf_families.make("qwen3_moe", tmp_path / "hub", tiny_models["llama"], spec=spec)
     model = _restacked(hub, tmp_path / layout, layout)
-    state = _tune(tmp_path, model, home)
+    state = _tune(tmp_path, model, home, targets)
     ours = _eval(model, tmp_path, "adapter", home, "--adapter", str(state / "adapter"))
     hf = tmp_path / "hf"
     _ok(_spill("export", str(state), str(hf), "--dtype", "f32", home=home))
     want, got = _tensors(hub), _tensors(hf)
     assert set(got) == set(want)
-    assert all(np.array_equal(got[k], w) for k, w in want.items() if ".self_attn." not in k)
-    assert np.allclose(_gold_log_probs(hf), ours, rtol=0, atol=1e-5)
+    adapted = (".self_attn.",) if targets == "all" else (".self_attn.", "_proj.weight")
+    assert all(
+        np.array_equal(got[k], w) for k, w in want.items() if not any(a in k for a in adapted)
+    )
+    expert = "model.layers.0.mlp.experts.3.up_proj.weight"
+    assert np.array_equal(got[expert], want[expert]) == (targets == "all")
+    gap = np.abs(np.array(_gold_log_probs(hf)) - ours).max()
+    print(f"\n{layout} {targets}: transformers on the HF export vs spill --adapter: {gap:.3g}")
+    assert gap <= 1e-5, gap
 
 
 def test_llama_cpps_qwen3moe_renormalizes_so_norm_topk_prob_false_is_refused(tmp_path):
