@@ -65,8 +65,10 @@ def readme(
     lora,
     steps: int,
     quantization: dict | None = None,
+    no_peft: str | None = None,
 ) -> str:
-    """The note beside an export: exactly which base weights the adapter was trained on."""
+    """The note beside an export: exactly which base weights the adapter was trained on;
+    ``no_peft``: why PEFT's layout is not there."""
     lines = [
         f"# LoRA adapter for {base['name']}",
         "",
@@ -100,7 +102,9 @@ def readme(
         "## Layouts",
         "",
         "- `params.safetensors` + `adapter.json`: spill's own (`spill run --adapter`, `eval`)",
-        "- `peft/`: PEFT (`PeftModel.from_pretrained(base, 'peft')`)",
+        f"- `peft/`: not written: {no_peft}"
+        if no_peft
+        else "- `peft/`: PEFT (`PeftModel.from_pretrained(base, 'peft')`)",
         "- `mlx/`: mlx-lm (`mlx_lm.generate --adapter-path mlx`)",
         "- `loss.png`: the training loss per step",
     ]
@@ -145,7 +149,7 @@ def write_local(
     else:
         export_peft(params, lora, base["hub"] or model, out / "peft", base["revision"])
     export_mlx(params, lora, layers, out / "mlx")
-    note = readme(base, fingerprint, files, lora, len(losses), quantization)
+    note = readme(base, fingerprint, files, lora, len(losses), quantization, why)
     (out / "README.md").write_text(note)
     title = f"{model} · LoRA r{lora.rank} · {len(losses)} steps"
     loss_png(losses, out / "loss.png", title, (validation or {}).get("losses"))

@@ -79,6 +79,7 @@ def test_expert_adapters_publish_mlx_and_say_why_peft_cannot_hold_them(tmp_path)
     note = (out / "peft" / "README.md").read_text()
     assert note.count("\n") == 1 and "dense layer's MLP adapter has no PEFT form" in note
     assert sorted(p.name for p in (out / "peft").iterdir()) == ["README.md"]
+    assert "- `peft/`: not written: PEFT 0.21 maps" in (out / "README.md").read_text()
     stacked = load_file(out / "mlx" / "adapters.safetensors")
     assert stacked["model.layers.0.mlp.switch_mlp.down_proj.lora_a"].shape == (4, 2, 8)
     assert stacked["model.layers.0.mlp.switch_mlp.gate_proj.lora_b"].shape == (4, 8, 2)
