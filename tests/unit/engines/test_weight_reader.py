@@ -69,3 +69,23 @@ def test_a_mapped_load_views_the_file_and_is_never_pooled(mixed):
     assert not any(t.data_ptr() in ptrs for t in again.values())
     assert not any(getattr(t, MAPPED, False) for t in again.values())
     reader.close()
+
+
+def test_a_budget_drops_each_run_of_read_bytes_it_joins(mixed, monkeypatch):
+    """Under a budget each read drops the cached pages of the whole run of bytes read that it
+    joins (touching runs merge), kept as sorted runs however many disjoint reads came before."""
+    from spill.engines.core import reader as core_reader
+
+    dropped = []
+    monkeypatch.setattr(
+        core_reader.os, "posix_fadvise", lambda fd, lo, n, advice: dropped.append((lo, lo + n))
+    )
+    shards = core_reader.ShardFiles(weight_files(mixed))
+    shards.drop = True
+    for lo, hi in [(0, 10), (20, 30), (50, 60), (10, 20), (35, 40), (30, 35), (70, 80), (5, 75)]:
+        shards._forget(3, lo, hi - lo)
+    assert dropped == [
+        (0, 10), (20, 30), (50, 60), (0, 30), (35, 40), (0, 40), (70, 80), (0, 80),
+    ]  # fmt: skip
+    assert shards._runs[3] == ([0], [80])
+    shards.close()
