@@ -131,8 +131,10 @@ class WeightReader:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes of tensor data read or mapped so far (benchmarks count a pass with it)."""
-        return self._shards.bytes_read
+        """Bytes of tensor data read or mapped so far, the int4 kernel's file's too (benchmarks
+        count a pass with it)."""
+        kernel = self._kernel_files.bytes_read if self._kernel_files is not None else 0
+        return self._shards.bytes_read + kernel
 
     def drop_behind(self) -> None:
         """Leave no read range in the page cache (a memory budget is in force: ``core.reader``)."""

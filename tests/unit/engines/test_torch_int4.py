@@ -143,6 +143,22 @@ def test_streamed_held_and_resident_give_the_same_bits(folder):
     assert cfg.num_hidden_layers == 2
 
 
+def test_a_streamed_pass_counts_the_kernel_files_bytes(folder):
+    """A pass over a streamed model reads its layers once, from the kernel's file where that holds
+    them: the reader's count (a benchmark's bytes a token) takes that file's reads too."""
+    read = {}
+    for kernel in (False, True):
+        runner = open_runner(ENGINE, folder, ring=2, packed_matmul=kernel, dtype="bfloat16")
+        try:
+            before = runner.model.kernel.reader.bytes_read
+            runner.score(PROMPTS[:1], COMPLETIONS[:1])
+            read[kernel] = runner.model.kernel.reader.bytes_read - before
+        finally:
+            runner.close()
+    # the same packed words either way; the kernel's scales and zeros are bfloat16 as stored
+    assert read[True] == pytest.approx(read[False], rel=0.05), read
+
+
 def test_it_computes_near_the_dequantized_path(folder):
     runs = {}
     for kernel in (False, True):
