@@ -2,7 +2,7 @@
 docs/reports/022-moe.md). Run it inside a memory limit with bench/memory_limit.py:
 
     python bench/memory_limit.py --limit 8GiB --files M/*.safetensors --json J -- \
-        python bench/moe.py M --batch 1 --tokens 8 [--whole] [--dtype bfloat16] --json OUT
+        python bench/moe.py M --batch 1 --tokens 8 [--whole] [--packed-matmul] --json OUT
 
 Greedy decoding of ``--batch`` prompts of ``--prompt`` tokens on ``--engine`` under the
 budget the cgroup sets (``core.budget``): ``--tokens`` new tokens a prompt, the decode rate and
@@ -80,6 +80,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--engine", choices=("torch", "mlx"), default="torch")
     p.add_argument("--memory", help="a budget of its own (default: the cgroup's, core.budget)")
+    p.add_argument(
+        "--packed-matmul", action="store_true", help="4-bit modules through torch's int4 kernel"
+    )
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     opening.ROUTED = not a.whole
@@ -90,7 +93,10 @@ def main() -> None:
     engine = resolve(a.engine)
 
     t = time.perf_counter()
-    runner = engine.open(ModelSpec(a.model, cfg), LoadOptions(dtype=a.dtype, memory=a.memory))
+    runner = engine.open(
+        ModelSpec(a.model, cfg),
+        LoadOptions(dtype=a.dtype, memory=a.memory, packed_matmul=a.packed_matmul),
+    )
     opened = time.perf_counter() - t
     print(f"opened in {opened:.1f} s: {runner.info}", flush=True)
     rng = np.random.default_rng(0)
@@ -102,6 +108,8 @@ def main() -> None:
         "side": "whole layers" if a.whole else "routed experts",
         "engine": a.engine,
         "batch": a.batch,
+        "packed_matmul": a.packed_matmul,
+        "numerics": runner.info.numerics,
         "open_s": round(opened, 1),
         **got,
         "experts": {k: v for k, v in extra.items() if k.startswith("expert")},
