@@ -2,9 +2,16 @@
 
 A sparse layer's attention, norms and router come through the ring; its experts stay on disk. The
 family asks for the experts its tokens chose (``need``, read before the first is used) and takes each
-expert's weights from the layer's dict (``Routed``). Experts read stay in a cache of the most
-recently used, bounded in bytes inside the memory budget; a decode step reads only the experts
-not cached, a tune step the union its batch routes to.
+expert's weights from the layer's dict (``Routed``). Experts read stay in a cache bounded in bytes
+inside the memory budget; a decode step reads only the experts not cached, a tune step the union
+its batch routes to.
+
+What the cache lets go first: an expert its layer did not choose the last time the walk came by
+(the oldest such first), since routing has moved on; when every cached expert was chosen then,
+the most recently used one of another layer. A walk goes through the layers in turn, so when
+the experts it chooses outgrow the cache, the one used last is needed again last: least recently
+used first would evict each expert just before the next walk asks for it (a batch-8 decode of a
+30B-A3B shape found none of its ~1,700 experts a step in the cache so; docs/reports/022-moe.md).
 """
 
 from __future__ import annotations
@@ -56,7 +63,10 @@ class Experts:
     ):
         self.cfg, self.reader, self.hooks, self.files = cfg, reader, hooks, files
         self.capacity, self.stats = cache, stats or Stats()
+        # (layer, expert) -> (tensors, bytes), least recently used first
         self._cache: OrderedDict[tuple[int, int], tuple[Weights, int]] = OrderedDict()
+        self._stale: OrderedDict[tuple[int, int], None] = OrderedDict()  # not chosen last time
+        self._layer: dict[int, set[int]] = {}  # layer -> its experts cached
         self.held = 0  # bytes of the cached experts, as read
         self.read_bytes = 0  # expert bytes read from the files so far
         self.whole = 0  # what reading every expert of each sparse layer walked would have read
@@ -70,6 +80,8 @@ class Experts:
         """Layer ``i``'s weights as the family computes with them."""
         if i not in self.cfg.sparse:
             return w
+        for e in self._layer.get(i, ()):  # stale unless this walk chooses them again
+            self._stale[(i, e)] = None
         self.whole += self._all[i]
         self._note()
         return Routed(w, i, self)
@@ -100,16 +112,27 @@ class Experts:
             mine = self.names(i, e)
             nbytes = self.file_bytes(mine)
             self._cache[(i, e)] = (self.hooks.ready(self.reader.tensors(mine)), nbytes)
+            self._layer.setdefault(i, set()).add(e)
             self.held += nbytes
             self.read_bytes += nbytes
         self.reads += len(missing)
         for e in chosen:
             self._cache.move_to_end((i, e))
-        keep = len(chosen)  # the layer's own, just used, stay whatever the capacity
+            self._stale.pop((i, e), None)
+        keep = len(chosen)  # the layer's own, just used (the newest), stay whatever the capacity
         while self.held > self.capacity and len(self._cache) > keep:
-            _, (_, nbytes) = self._cache.popitem(last=False)
-            self.held -= nbytes
+            self._evict(keep)
         self._note()
+
+    def _evict(self, keep: int) -> None:
+        """Let one expert go (the module's docstring says which), none of the ``keep`` newest."""
+        if self._stale:
+            key, _ = self._stale.popitem(last=False)
+        else:
+            key = next(k for n, k in enumerate(reversed(self._cache)) if n >= keep)
+        _, nbytes = self._cache.pop(key)
+        self._layer[key[0]].discard(key[1])
+        self.held -= nbytes
 
     def expert(self, w: Routed, key: str):
         """The layer ``w``'s expert tensor ``key`` (``mlp.experts.3.up_proj.weight``) in its
@@ -143,4 +166,6 @@ class Experts:
 
     def close(self) -> None:
         self._cache.clear()
+        self._stale.clear()
+        self._layer.clear()
         self.held = 0

@@ -74,23 +74,36 @@ def test_without_room_for_a_cache_each_forward_reads_its_experts_again(engine, f
     runner.close()
 
 
-def test_the_cache_evicts_the_least_recently_used_expert_first(folder):
+def _experts(folder, n: int):
+    """An ``Experts`` of ``folder``'s model with room for ``n`` experts, on a stand-in reader
+    (names in, the names as placeholders out), and one expert's bytes."""
     from spill.engines.core.experts import Experts
     from spill.engines.core.ring import Hooks
     from spill.models.config import load_config
     from spill.models.weights import weight_files
 
-    class Reader:  # a stand-in reader: names in, placeholders out
+    class Reader:
         def tensors(self, names):
             return {n: n for n in names}
 
-    cfg, files = load_config(folder), weight_files(folder)
     one = 3 * 48 * 64 * 4
-    experts = Experts(cfg, Reader(), Hooks(), files, cache=3 * one)
-    experts.read(0, [1, 2])
-    experts.read(2, [3])
-    experts.read(0, [1])  # 1 is now the most recent, 2 the least
-    experts.read(2, [4, 5])
+    return Experts(load_config(folder), Reader(), Hooks(), weight_files(folder), n * one), one
+
+
+def walk(experts, chosen: dict[int, list[int]]) -> None:
+    """One walk over the sparse layers: each attached, then its ``chosen`` experts read."""
+    for i, es in chosen.items():
+        experts.attach(i, {})
+        experts.read(i, es)
+
+
+def test_the_cache_lets_an_expert_its_layer_did_not_choose_again_go_first(folder):
+    experts, one = _experts(folder, 3)
+    walk(experts, {0: [1, 2], 2: [3]})
+    experts.attach(0, {})
+    experts.read(0, [1])  # 2 was not chosen again: the first to go
+    experts.attach(2, {})
+    experts.read(2, [4, 5])  # then 3, which layer 2 has just not chosen
     assert list(experts._cache) == [(0, 1), (2, 4), (2, 5)] and experts.held == 3 * one
     w = experts.attach(0, {"self_attn.q_proj.weight": "q"})
     assert w["mlp.experts.1.up_proj.weight"] == "model.layers.0.mlp.experts.1.up_proj.weight"
@@ -98,3 +111,29 @@ def test_the_cache_evicts_the_least_recently_used_expert_first(folder):
     experts.read(2, [0, 1, 2, 3])  # more than the cache holds: the layer's own all stay
     assert list(experts._cache) == [(2, 0), (2, 1), (2, 2), (2, 3)]
     assert (experts.reads, experts.hits) == (9, 1)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory, tiny_models):
+    """Four sparse layers: a walk long enough for the order of eviction to matter."""
+    name, extra = hf_families.MOE["qwen3_moe"]
+    spec = (name, extra | {"num_hidden_layers": 4, "mlp_only_layers": []})
+    root = tmp_path_factory.mktemp("moe-deep")
+    return hf_families.make("qwen3_moe", root / "m", tiny_models["llama"], spec=spec)
+
+
+def test_a_walk_longer_than_the_cache_still_finds_some_of_it(deep):
+    """Walks whose experts outgrow the cache: the expert used last goes first (it is needed again
+    last), as the optimal choice (the one needed furthest ahead) here, so each walk after the
+    first finds what the room beside the layer at hand can keep (2 experts, 4 the first time);
+    least recently used first evicts each expert just before the walk comes back to it and finds
+    none."""
+    experts, one = _experts(deep, 4)
+    assert experts.cfg.sparse == (0, 1, 2, 3)
+    chosen = {i: [0, 1] for i in range(4)}  # 8 experts a walk, room for 4
+    walk(experts, chosen)
+    assert (experts.reads, experts.hits) == (8, 0)
+    for _ in range(3):
+        walk(experts, chosen)
+    assert (experts.reads, experts.hits) == (8 + 3 * 8 - 8, 4 + 2 + 2)
+    assert list(experts._cache) == [(0, 0), (0, 1), (3, 0), (3, 1)] and experts.held == 4 * one
