@@ -49,8 +49,9 @@ def need(w: Weights, chosen: Iterable[int]) -> None:
 
 class Experts:
     """Routed experts by (layer, expert), read through ``reader`` (an engine's weight reader,
-    ``hooks.ready`` applied once) and kept, least recently used first out, within ``cache``
-    bytes; ``stats.extra`` counts the bytes read against what whole layers would have read."""
+    ``hooks.ready`` applied once) and kept within ``cache`` bytes (the module's docstring says
+    which go first); ``stats.extra`` counts the bytes read against what whole layers would have
+    read."""
 
     def __init__(
         self,
