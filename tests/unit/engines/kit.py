@@ -79,6 +79,18 @@ def nudged(cfg, lora, seed=0):
     return params
 
 
+def adapter_gaps(runner, lora, params, rows, reference) -> tuple[list, list]:
+    """Each row's largest gap between ``runner``'s log-probs with the adapter ``params`` on and
+    ``reference(prompt, completion)``'s, and how far the adapter moved them from the base's."""
+    base = runner.score(*rows)
+    runner.use_adapter(lora, params)
+    gaps, moved = [], []
+    for prompt, completion, ours, before in zip(*rows, runner.score(*rows), base, strict=True):
+        gaps.append(np.abs(ours - reference(prompt, completion)).max())
+        moved.append(np.abs(ours - before).max())
+    return gaps, moved
+
+
 def examples(n=6, seed=0) -> list[Example]:
     """Prompt/completion-like rows of different lengths (so batches carry right padding)."""
     rng = np.random.default_rng(seed)

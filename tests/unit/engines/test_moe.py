@@ -8,12 +8,13 @@ expert's gradients exactly zero. Models made by transformers (``MOE``)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
 
 from tests.unit.engines import hf_families
-from tests.unit.engines.kit import load_engine, open_runner
+from tests.unit.engines.kit import adapter_gaps, load_engine, open_runner
 
 # the dense families' tests, run here over MOE's variants (this module's ``variant`` fixture):
 # log-probs and greedy tokens against transformers, streamed (experts read as routed) == resident
@@ -160,12 +161,7 @@ def test_an_expert_adapter_in_peft_layout_scores_in_peft_as_in_spill(tmp_path, t
     assert all(np.array_equal(back.params[n], params[n]) for n in params)
     theirs = peft.PeftModel.from_pretrained(hf_base(folder), str(adapter)).eval()
     runner = open_runner(load_engine("torch"), folder, ring=2, dtype="float32")
-    base = runner.score(*ROWS)
-    runner.use_adapter(lora, params)
-    gaps, moved = [], []
-    for prompt, completion, ours, before in zip(*ROWS, runner.score(*ROWS), base, strict=True):
-        gaps.append(np.abs(ours - hf_log_probs(theirs, prompt, completion)).max())
-        moved.append(np.abs(ours - before).max())
+    gaps, moved = adapter_gaps(runner, lora, params, ROWS, partial(hf_log_probs, theirs))
     runner.close()
     print(f"\nPEFT vs spill with an expert adapter: {max(gaps):.3g} (moved {min(moved):.3g})")
     assert max(gaps) <= 1e-5 and min(moved) > 1e-3, (gaps, moved)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ import pytest
 from spill.engines.base import GenerateParams
 from spill.models.config import load_config
 from tests.unit.engines import hf_families
-from tests.unit.engines.kit import PROMPTS, load_engine, open_runner
+from tests.unit.engines.kit import PROMPTS, adapter_gaps, load_engine, open_runner
 from tests.unit.engines.test_families import ROWS
 
 pytestmark = pytest.mark.mlx
@@ -215,12 +216,7 @@ def test_an_expert_adapter_in_mlx_lm_layout_scores_in_mlx_lm_as_in_spill(
     theirs, _ = mlx_lm.load(str(mlx_lm_folders["qwen3_moe"]), adapter_path=str(adapter))
     theirs.set_dtype(mx.float32)
     runner = open_runner(ENGINE, folder, ring=2, dtype="float32")
-    base = runner.score(*ROWS)
-    runner.use_adapter(lora, params)
-    gaps, moved = [], []
-    for prompt, completion, ours, before in zip(*ROWS, runner.score(*ROWS), base, strict=True):
-        gaps.append(np.abs(ours - mlx_lm_log_probs(theirs, prompt, completion)).max())
-        moved.append(np.abs(ours - before).max())
+    gaps, moved = adapter_gaps(runner, lora, params, ROWS, partial(mlx_lm_log_probs, theirs))
     runner.close()
     print(f"\nmlx-lm vs spill with an expert adapter: {max(gaps):.3g} (moved {min(moved):.3g})")
     assert max(gaps) <= TOLERANCE and min(moved) > 1e-3, (gaps, moved)
