@@ -3,15 +3,8 @@
 A sparse layer's attention, norms and router come through the ring; its experts stay on disk. The
 family asks for the experts its tokens chose (``need``, read before the first is used) and takes each
 expert's weights from the layer's dict (``Routed``). Experts read stay in a cache bounded in bytes
-inside the memory budget; a decode step reads only the experts not cached, a tune step the union
-its batch routes to.
-
-What the cache lets go first: an expert its layer did not choose the last time the walk came by
-(the oldest such first), since routing has moved on; when every cached expert was chosen then,
-the most recently used one of another layer. A walk goes through the layers in turn, so when
-the experts it chooses outgrow the cache, the one used last is needed again last: least recently
-used first would evict each expert just before the next walk asks for it (a batch-8 decode of a
-30B-A3B shape found none of its ~1,700 experts a step in the cache so; docs/reports/022-moe.md).
+inside the memory budget (``Experts._evict`` says which go first); a decode step reads only the
+experts not cached, a tune step the union its batch routes to.
 """
 
 from __future__ import annotations
@@ -49,8 +42,8 @@ def need(w: Weights, chosen: Iterable[int]) -> None:
 
 class Experts:
     """Routed experts by (layer, expert), read through ``reader`` (an engine's weight reader,
-    ``hooks.ready`` applied once) and kept within ``cache`` bytes (the module's docstring says
-    which go first); ``stats.extra`` counts the bytes read against what whole layers would have
+    ``hooks.ready`` applied once) and kept within ``cache`` bytes (``_evict`` says which go
+    first); ``stats.extra`` counts the bytes read against what whole layers would have
     read."""
 
     def __init__(
@@ -125,8 +118,15 @@ class Experts:
             self._evict(keep)
         self._note()
 
+    # What goes first: an expert its layer did not choose the last time the walk came by (the
+    # oldest such first), since routing has moved on; when every cached expert was chosen then,
+    # the most recently used one of another layer. A walk goes through the layers in turn, so
+    # when the experts it chooses outgrow the cache, the one used last is needed again last:
+    # least recently used first would evict each expert just before the next walk asks for it
+    # (a batch-8 decode of a 30B-A3B shape found none of its ~1,700 experts a step in the cache
+    # so; docs/reports/022-moe.md).
     def _evict(self, keep: int) -> None:
-        """Let one expert go (the module's docstring says which), none of the ``keep`` newest."""
+        """Let one expert go (the comment above says which), none of the ``keep`` newest."""
         if self._stale:
             key, _ = self._stale.popitem(last=False)
         else:
