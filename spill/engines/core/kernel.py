@@ -21,6 +21,7 @@ import numpy as np
 
 from spill.engines.base import AdamW, Objective
 from spill.models.config import FAMILIES, ModelConfig
+from spill.models.family_keys import EXPERT_LINEARS, EXPERTS
 
 Array = Any  # an engine's array (torch.Tensor, mx.array)
 # A layer's adapters by module name (``self_attn.q_proj``): (A (in, r), B (r, out), scale) and,
@@ -47,6 +48,18 @@ class RowAdapters:
             if len(at):
                 parts.append((array(at), adapter))
         return RowAdapters(tuple(parts))
+
+
+def expert_lora(lora, e: int, tokens: Callable[[], np.ndarray], length: int, array: Callable):
+    """``lora`` with expert ``e``'s per-row adapters (``RowAdapters``: rows of a batch on
+    different adapters) indexed by the tokens gathered for it: ``tokens()``, asked for only
+    then, are its rows of the flat (B * length) tokens; ``array`` makes the kernel's index."""
+    names = [f"{EXPERTS}{e}.{p}" for p in EXPERT_LINEARS]
+    mixed = {n: lora[n] for n in names if lora and isinstance(lora.get(n), RowAdapters)}
+    if not mixed:
+        return lora
+    at = tokens()
+    return lora | {n: r.gathered(at, length, array) for n, r in mixed.items()}
 
 
 Sampler = Callable[[np.ndarray, float, float], int]  # (float32 logits (V,), temperature, top_p)

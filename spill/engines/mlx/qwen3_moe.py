@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from spill.engines.core.experts import need
-from spill.engines.core.kernel import RowAdapters
+from spill.engines.core.kernel import expert_lora
 from spill.engines.mlx.ops import proj, rms_norm, silu
 from spill.engines.mlx.qwen3 import attention, mlp
 from spill.models.config import ModelConfig
@@ -40,16 +40,6 @@ def route(cfg: ModelConfig, w: dict, x):
 # only its tokens' rows, gathered by an index array and added back by ``out.at[rows].add``, both
 # differentiable. The choice carries no gradient (as torch's ``topk`` indices), the chosen
 # probabilities do. Experts are never stacked: a layer reads only the experts its tokens chose.
-def gathered(lora, e: int, rows: np.ndarray, length: int):
-    """``lora`` with expert ``e``'s per-row adapters (a batch of rows on different adapters)
-    indexed by the tokens gathered for it (``rows`` of the flat (B * length) tokens)."""
-    names = [f"mlp.experts.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    mixed = {n: lora[n] for n in names if lora and isinstance(lora.get(n), RowAdapters)}
-    if not mixed:
-        return lora
-    return lora | {n: r.gathered(rows, length, mx.array) for n, r in mixed.items()}
-
-
 def experts(cfg: ModelConfig, w: dict, x, lora):
     """x (B, T, hidden) -> the routed experts' weighted sum, (B, T, hidden)."""
     flat = x.reshape(-1, x.shape[-1])  # (N, hidden)
@@ -59,7 +49,7 @@ def experts(cfg: ModelConfig, w: dict, x, lora):
     need(w, hit)  # where experts stream: these are read, none other
     for e in hit:
         rows, slot = np.nonzero(chosen == e)  # the tokens routed to e, and at which rank
-        pre, on = f"mlp.experts.{e}.", gathered(lora, e, rows, x.shape[1])
+        pre, on = f"mlp.experts.{e}.", expert_lora(lora, e, rows.copy, x.shape[1], mx.array)
         r = mx.array(rows)
         h = flat[r]  # (n, hidden)
         h = silu(proj(w, pre + "gate_proj", h, on)) * proj(w, pre + "up_proj", h, on)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from spill.engines.core.experts import need
-from spill.engines.core.kernel import RowAdapters
+from spill.engines.core.kernel import expert_lora
 from spill.engines.torch.ops import proj, rms_norm
 from spill.engines.torch.qwen3 import attention, mlp
 from spill.models.config import ModelConfig
@@ -43,22 +43,6 @@ def expert(w: dict, e: int, h, lora):
     return h[:1] if one else h
 
 
-def gathered(lora, e: int, rows, length: int):
-    """``lora`` with expert ``e``'s per-row adapters (a batch of rows on different adapters)
-    indexed by the tokens gathered for it (``rows`` of the flat (B * length) tokens)."""
-    names = [f"mlp.experts.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    mixed = {n: lora[n] for n in names if lora and isinstance(lora.get(n), RowAdapters)}
-    if not mixed:
-        return lora
-    tokens = rows.cpu().numpy()
-    to = rows.device
-
-    def array(at):
-        return torch.from_numpy(at).to(to)
-
-    return lora | {n: r.gathered(tokens, length, array) for n, r in mixed.items()}
-
-
 def experts(cfg: ModelConfig, w: dict, x, lora):
     """x (B, T, hidden) -> the routed experts' weighted sum, (B, T, hidden)."""
     flat = x.reshape(-1, x.shape[-1])  # (N, hidden)
@@ -68,7 +52,10 @@ def experts(cfg: ModelConfig, w: dict, x, lora):
     need(w, hit)  # where experts stream: these are read, none other
     for e in hit:
         rows, slot = torch.where(chosen == e)  # the tokens routed to e, and at which rank
-        h = expert(w, e, flat[rows], gathered(lora, e, rows, x.shape[1])) * top[rows, slot, None]
+        on = expert_lora(
+            lora, e, rows.cpu().numpy, x.shape[1], lambda at: torch.from_numpy(at).to(x.device)
+        )
+        h = expert(w, e, flat[rows], on) * top[rows, slot, None]
         out = out.index_add(0, rows, h)
     return out.view(x.shape)
 

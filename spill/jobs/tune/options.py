@@ -62,9 +62,8 @@ class TuneOptions:
             raise SpillError(f"--alpha {t.alpha}: a number above 0 (leave it out for 2 x --rank)")
         if not t.weight_decay >= 0:
             raise SpillError(f"--weight-decay {t.weight_decay}: zero or more")
-        LoraConfig.parse_targets(
-            t.targets, KNOWN, experts=True
-        )  # no family's module fails here, in one line
+        # no family's module fails here, in one line
+        LoraConfig.parse_targets(t.targets, KNOWN, experts=True)
         if self.stop_after is not None and not 1 <= self.stop_after <= t.steps:
             raise SpillError(f"--stop-after must be between 1 and --steps ({t.steps})")
         if t.activations not in ACTIVATIONS:
